@@ -1,0 +1,1 @@
+"""Trajectory processor: TITO records and store, prefix tree, selection, packing, advantages."""
