@@ -1,0 +1,105 @@
+"""Run configuration: nested tyro dataclasses, one per component, and named presets.
+
+Every rank parses the same command line into the same `GyreConfig`:
+
+    torchrun --standalone --nproc-per-node 4 -m gyre.run --preset cpu-demo --parallel.cell-size 2
+
+`--preset NAME` picks a Python function below that returns a whole config; every other flag
+overrides a field of it. `python -m gyre.run --help` lists every option with its docstring.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import tyro
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How ranks form cells (DESIGN §1)."""
+
+    cell_size: int = 1
+    """Ranks per cell, S. One cell = one complete model replica; must equal tp·pp·cp·ep."""
+    tp: int = 1
+    """Tensor-parallel size inside a cell."""
+    pp: int = 1
+    """Pipeline-parallel size inside a cell."""
+    cp: int = 1
+    """Context-parallel size inside a cell."""
+    ep: int = 1
+    """Expert-parallel size inside a cell."""
+    standalone_ranks: int = 0
+    """R: the last R ranks form a standalone rollout pool that never trains (multiple of cell_size)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: auto = nccl when CUDA is available, else gloo."""
+
+
+@dataclass(kw_only=True)
+class GyreConfig:
+    """Gyre: elastic online RL for extra-long-horizon LLM agents."""
+
+    preset: str = "smoke"
+    """Named starting config (see --help epilog); other flags override its fields."""
+    job: Literal["smoke", "train"] = "smoke"
+    """smoke: build the topology, all-reduce over every prefix group, exit. train: the full RL loop."""
+    run_dir: str = "runs/gyre"
+    """Where metrics, records, checkpoints and plots are written."""
+    seed: int = 0
+    """Global seed; every generator in the run is derived from it explicitly."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Logging level on every rank (filter ranks with torchrun's --local-ranks-filter)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+# ----------------------------------------------------------------------------- presets
+def smoke() -> GyreConfig:
+    """Topology smoke run: prefix all-reduces over every prefix group, then exit."""
+    return GyreConfig(preset="smoke", job="smoke")
+
+
+def cpu_demo() -> GyreConfig:
+    """The CPU demo: 4 gloo ranks = 4 cells of 1 rank, tiny model, examples/cpu_demo task."""
+    return GyreConfig(preset="cpu-demo", job="smoke", run_dir="runs/cpu-demo")
+
+
+PRESETS: dict[str, Callable[[], GyreConfig]] = {
+    "smoke": smoke,
+    "cpu-demo": cpu_demo,
+}
+
+
+def _preset_epilog() -> str:
+    return "presets:\n" + "\n".join(f"  {name:<12} {fn.__doc__.strip().splitlines()[0]}" for name, fn in PRESETS.items())
+
+
+def _split_preset(argv: list[str]) -> tuple[str, list[str]]:
+    """Pull `--preset NAME` / `--preset=NAME` out of argv (it decides the defaults of the rest)."""
+    name, rest, i = "smoke", [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--preset":
+            if i + 1 >= len(argv):
+                raise SystemExit("gyre: --preset needs a name; " + _preset_epilog())
+            name, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--preset="):
+            name, i = a.split("=", 1)[1], i + 1
+            continue
+        rest.append(a)
+        i += 1
+    return name, rest
+
+
+def parse_config(argv: list[str] | None = None) -> GyreConfig:
+    """Parse a command line into a GyreConfig: preset first, then field overrides."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name, rest = _split_preset(argv)
+    if name not in PRESETS:
+        raise SystemExit(f"gyre: unknown --preset {name!r}; " + _preset_epilog())
+    default = PRESETS[name]()
+    cfg = tyro.cli(GyreConfig, default=default, args=rest, description=(GyreConfig.__doc__ or "") + "\n\n" + _preset_epilog())
+    cfg.preset = name
+    return cfg

@@ -1,0 +1,85 @@
+"""Entry point: `torchrun --standalone --nproc-per-node 4 -m gyre.run [--preset NAME] [overrides]`.
+
+Every rank runs this same program (SPMD, DESIGN §1): parse the config, initialize
+torch.distributed, build the topology and every process group up front, then run the job.
+Every blocking collective of the top level is visible here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from gyre.config import GyreConfig, parse_config
+from gyre.logging_utils import ONCE, setup_logging
+from gyre.topology import Groups, Topology
+
+logger = logging.getLogger("gyre.run")
+
+
+def choose_backend(requested: str) -> str:
+    """auto → nccl with CUDA, gloo otherwise."""
+    if requested != "auto":
+        return requested
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def smoke_check(topo: Topology, groups: Groups) -> None:
+    """All-reduce over every prefix group this rank belongs to and check the sum.
+
+    Rank r contributes (cell(r) + 1); over the prefix group of cells 0..k−1 the sum must be
+    k(k+1)/2. Ranks outside a prefix never call its collective, so they are never blocked.
+    """
+    if topo.is_pool:
+        logger.info("standalone pool rank: in no prefix group")
+        return
+    for k in range(2, topo.num_cells + 1):
+        if topo.cell >= k:
+            continue
+        t = torch.tensor([float(topo.cell + 1)])
+        dist.all_reduce(t, group=groups.prefix(k))  # blocking: members of cells 0..k−1 only
+        expected = k * (k + 1) / 2
+        if t.item() != expected:
+            raise RuntimeError(f"prefix k={k} all-reduce gave {t.item()}, expected {expected}")
+    logger.info("prefix all-reduce ok for k=2..%d", topo.num_cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg: GyreConfig = parse_config(argv)
+    setup_logging(cfg.log_level)
+    if "RANK" not in os.environ:
+        # Plain `python -m gyre.run`: a world of one, as torchrun would set it up.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", 0, 1, is_master=True)
+        dist.init_process_group(choose_backend(cfg.parallel.backend), store=store, rank=0, world_size=1)
+    else:
+        dist.init_process_group(choose_backend(cfg.parallel.backend))  # blocking: rendezvous
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topo = Topology.from_config(cfg.parallel, world, rank)
+    logger.info("topology (%s backend):\n%s", dist.get_backend(), topo.describe(), extra=ONCE)
+    t0 = time.perf_counter()
+    groups = topo.create_groups()  # blocking: every rank creates every group, same order
+    logger.info("created all process groups in %.2fs", time.perf_counter() - t0, extra=ONCE)
+    try:
+        if cfg.job == "smoke":
+            smoke_check(topo, groups)
+        else:
+            from gyre.train import train  # the full RL loop (scheduler, cells, proxy, actors)
+
+            train(cfg, topo, groups)
+        dist.barrier(group=groups.control)  # blocking: everyone done
+    finally:
+        dist.destroy_process_group()
+    logger.info("done", extra=ONCE)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
