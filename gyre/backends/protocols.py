@@ -36,6 +36,10 @@ class TokenEvent:
     token_id: int
     logprob: float
     version: int
+    # Set on the last event of a finished stream: 'stop' (EOS / stop id / stop sequence, the stop
+    # token included in the output) or 'length' (max_tokens / max_model_len). None otherwise; an
+    # aborted stream simply ends.
+    finish_reason: str | None = None
 
 
 @dataclass

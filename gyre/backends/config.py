@@ -1,0 +1,108 @@
+"""Backend configuration (tyro dataclasses; the lead nests these into `gyre.config`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    preset: Literal["tiny", "small"] = "small"
+    """Size preset of the Qwen2-style decoder built from a config (no download)."""
+    checkpoint: str | None = None
+    """Load this HF checkpoint directory instead of building from the preset."""
+    seed: int = 0
+    """Seed of the initial weights (same on every rank)."""
+    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    """Parameter dtype of the CPU actor and engine."""
+
+
+@dataclass(kw_only=True)
+class CpuEngineConfig:
+    max_batch: int = 32
+    """Most requests decoded together in one step; the rest wait (continuous batching)."""
+    max_prefill_tokens: int = 4096
+    """Most prompt tokens admitted (prefilled) in one step, so decoding is never starved."""
+    max_model_len: int = 32768
+    """Longest prompt + output; a request that reaches it finishes with reason 'length'."""
+    recompute_kv_on_update: bool = True
+    """After a weight update, recompute running requests' KV caches under the new weights, so
+    every later log-prob is exactly that of the new weights (False: keep old keys/values, as
+    SGLang does; later log-probs then mix versions)."""
+    logprobs: Literal["policy", "sampling"] = "policy"
+    """Which log-prob is reported per token. 'policy': log-softmax of the raw logits (temperature
+    1, no top-p) — the trainer's ℓ_t for the same weights, whatever temperature sampled it.
+    'sampling': the log-prob under the distribution actually sampled from (logits / T,
+    renormalised over the top-p nucleus)."""
+    threads: int = 0
+    """torch intra-op threads for engine steps (0: leave torch's setting)."""
+
+
+@dataclass(kw_only=True)
+class CpuActorConfig:
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    max_grad_norm: float = 1.0
+    """Global grad-norm clip applied by the core before its update."""
+    eps_low: float = 0.005
+    """GSPO clip: execution ratio lower bound 1 − eps_low (DESIGN §6)."""
+    eps_high: float = 0.005
+    """GSPO clip: execution ratio upper bound 1 + eps_high."""
+    cap: float = 5.0
+    """Token importance-weight cap C."""
+
+
+@dataclass(kw_only=True)
+class TransferConfig:
+    transport: Literal["torch", "mooncake"] = "torch"
+    """How parameter snapshots move: torch.distributed broadcast over the group, or Mooncake
+    Transfer Engine (satellites read the core's registered buffer)."""
+    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
+    """Mooncake transport protocol (TCP on CPU machines, RDMA on clusters)."""
+    mooncake_device: str = ""
+    """RDMA device names for Mooncake ('' lets it choose / TCP)."""
+    host: str = "127.0.0.1"
+    """Address this rank's Mooncake engine advertises."""
+    verify: bool = True
+    """Check a CRC32 of the received bytes against the sender's."""
+
+
+@dataclass(kw_only=True)
+class SglangConfig:
+    model_path: str = ""
+    """HF checkpoint directory the engine serves (the actor writes it)."""
+    tp_size: int = 1
+    """Tensor-parallel size of the engine (the cell size on GPU)."""
+    mem_fraction_static: float = 0.7
+    """Fraction of GPU memory for weights + KV cache."""
+    base_gpu_id: int = 0
+    """First GPU of this cell's engine."""
+    dtype: str = "bfloat16"
+    """Serving dtype."""
+    enable_memory_saver: bool = True
+    """Needed for release_memory_occupation / resume_memory_occupation on role switches."""
+    extra: dict[str, str] = field(default_factory=dict)
+    """Pass-through `ServerArgs` fields (`--sglang-<name> value`), applied last."""
+
+
+@dataclass(kw_only=True)
+class MegatronConfig:
+    tensor_model_parallel_size: int = 1
+    """TP inside a cell."""
+    pipeline_model_parallel_size: int = 1
+    """PP inside a cell."""
+    context_parallel_size: int = 1
+    """CP inside a cell."""
+    expert_model_parallel_size: int = 1
+    """EP inside a cell (MoE models)."""
+    params_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Parameter dtype of the GPTModel."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over the data-parallel group (the core's ranks only)."""

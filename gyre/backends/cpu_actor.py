@@ -1,0 +1,164 @@
+"""Built-in CPU training actor (DESIGN §3, §6): one model replica in one cell.
+
+Every training cell runs forward/backward on the micro-steps it claims and accumulates
+gradients; `reduce_gradients(group)` sums them over the prefix group of the cells in the step;
+only the core (`is_core=True`) owns an optimizer and applies the one clipped AdamW update, then
+sends its parameters to the satellites (`gyre.backends.transfer`).
+
+    actor = CpuActor(build_model(model_config("tiny", 1024)), is_core=rank == 0)
+    for ms in my_micro_steps:
+        actor.forward_backward(ms)
+    actor.reduce_gradients(prefix_group)          # None when the core trains alone
+    if actor.is_core:
+        actor.optimizer_step(max_grad_norm=1.0)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gyre.backends.config import CpuActorConfig
+from gyre.backends.models import packed_logits, save_checkpoint
+from gyre.trajectory.microstep import MicroStep
+
+logger = logging.getLogger(__name__)
+
+
+class CpuActor:
+    """TrainActor over a `transformers` causal LM (Qwen2ForCausalLM from `models.build_model`)."""
+
+    def __init__(self, model, *, is_core: bool, config: CpuActorConfig | None = None, version: int = 0):
+        self.model = model
+        self.config = config or CpuActorConfig()
+        self.is_core = is_core
+        self.version = version  # optimizer steps applied (DESIGN §2: versions count steps)
+        self.model.train()
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer: torch.optim.Optimizer | None = None
+        if is_core:
+            c = self.config
+            self.optimizer = torch.optim.AdamW(self._params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+
+    @property
+    def has_optimizer_state(self) -> bool:
+        return self.optimizer is not None and len(self.optimizer.state) > 0
+
+    # ------------------------------------------------------------------ forward
+    def _logprobs(self, ms: MicroStep) -> torch.Tensor:
+        from gyre.loss import token_logprobs
+
+        logits = packed_logits(self.model, ms.input_ids, ms.position_ids, ms.cu_seqlens)
+        return token_logprobs(logits, ms.targets)
+
+    def forward_logprobs(self, micro_step: MicroStep) -> torch.Tensor:
+        """ℓ_t [N] of `targets[t]` at every packed position (meaningful where target_mask)."""
+        with torch.no_grad():
+            return self._logprobs(micro_step).detach()
+
+    def exec_logratio_partial_sums(self, micro_step: MicroStep) -> torch.Tensor:
+        """Forward-only pre-pass: Σ_{t here} (ℓ_t − b_t) per execution, [E] float64."""
+        from gyre.loss import exec_logratio_partial_sums
+
+        ms = micro_step
+        lp = self.forward_logprobs(ms)
+        return exec_logratio_partial_sums(lp, ms.behavior_logprobs, ms.target_mask, ms.exec_index, ms.num_executions)
+
+    def forward_backward(self, micro_step: MicroStep, exec_logratio_sum: torch.Tensor | None = None) -> dict[str, float]:
+        """Accumulate ∂loss/∂θ of one micro-step (token weights carry 1/(|E|·L_i), so the sum
+        over all micro-steps of a step is the step's loss gradient). Returns loss metrics."""
+        from gyre.loss import gspo_loss
+
+        ms = micro_step
+        if ms.advantages.numel() != ms.num_executions:
+            raise ValueError(f"micro-step {ms.step}/{ms.index}: advantages has {ms.advantages.numel()} entries, num_executions is {ms.num_executions}")
+        lp = self._logprobs(ms)
+        c = self.config
+        loss, metrics = gspo_loss(
+            lp, ms.behavior_logprobs, ms.target_mask, ms.exec_index, ms.token_weight, ms.advantages, ms.exec_lengths,
+            exec_logratio_sum=exec_logratio_sum, eps_low=c.eps_low, eps_high=c.eps_high, cap=c.cap,
+        )
+        loss.backward()
+        out = {k: float(v) for k, v in metrics.items()}
+        out["loss"] = float(loss.detach())
+        out["tokens"] = float(ms.num_tokens)
+        return out
+
+    # ------------------------------------------------------------------ gradients and update
+    def zero_grad(self) -> None:
+        for p in self._params:
+            p.grad = None
+
+    def _flat_grads(self) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self._params])
+
+    def reduce_gradients(self, group: Any) -> None:
+        """Sum accumulated gradients over `group` (every member calls this); None: alone."""
+        if group is None:
+            return
+        flat = self._flat_grads()
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        offset = 0
+        for p in self._params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+    def optimizer_step(self, max_grad_norm: float | None = None) -> dict[str, float]:
+        """Clip the (reduced) gradients to `max_grad_norm` and apply AdamW. Core only."""
+        if self.optimizer is None:
+            raise RuntimeError("optimizer_step on a satellite: only the core holds optimizer state")
+        clip = self.config.max_grad_norm if max_grad_norm is None else max_grad_norm
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, clip)
+        self.optimizer.step()
+        self.zero_grad()
+        self.version += 1
+        return {"grad_norm": float(grad_norm), "lr": float(self.optimizer.param_groups[0]["lr"]), "version": float(self.version)}
+
+    # ------------------------------------------------------------------ parameters
+    def export_parameters(self) -> dict[str, torch.Tensor]:
+        """A copy of every parameter, HF names (what engines and satellites load)."""
+        return {name: p.detach().clone() for name, p in self.model.named_parameters()}
+
+    def import_parameters(self, params: dict[str, torch.Tensor]) -> None:
+        """Overwrite every parameter from `params` (exactly the names `export_parameters` gives)."""
+        own = dict(self.model.named_parameters())
+        missing, unknown = sorted(set(own) - set(params)), sorted(set(params) - set(own))
+        if missing or unknown:
+            raise ValueError(f"import_parameters: missing {missing[:3]}, unexpected {unknown[:3]}")
+        with torch.no_grad():
+            for name, p in own.items():
+                src = params[name]
+                if src.shape != p.shape:
+                    raise ValueError(f"import_parameters: {name} has shape {tuple(src.shape)}, expected {tuple(p.shape)}")
+                p.copy_(src)
+
+    def save_checkpoint(self, path: str) -> None:
+        """HF checkpoint (config.json + model.safetensors) plus, on the core, optimizer state."""
+        save_checkpoint(self.model, path)
+        if self.optimizer is not None:
+            torch.save(self.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
+        with open(os.path.join(path, "gyre_actor.json"), "w") as f:
+            json.dump({"version": self.version, "is_core": self.is_core}, f)
+
+    def load_checkpoint(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        state = load_file(os.path.join(path, "model.safetensors"))
+        own = dict(self.model.named_parameters())
+        self.import_parameters({k: v for k, v in state.items() if k in own})
+        opt = os.path.join(path, "optimizer.pt")
+        if self.optimizer is not None and os.path.exists(opt):
+            self.optimizer.load_state_dict(torch.load(opt, weights_only=True))
+        meta = os.path.join(path, "gyre_actor.json")
+        if os.path.exists(meta):
+            with open(meta) as f:
+                self.version = int(json.load(f)["version"])

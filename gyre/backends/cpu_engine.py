@@ -1,0 +1,315 @@
+"""Built-in CPU rollout engine (DESIGN §1): continuous batching over per-request KV caches.
+
+An asyncio front (`generate` streams TokenEvents) over one decode loop task. Each loop step:
+
+    apply a pending weight update (between steps, never inside one)
+    admit waiting requests (≤ max_batch running, ≤ max_prefill_tokens of prompt per step)
+    one fused forward in a worker thread: new requests feed their prompt, running ones their
+        last token (`decoder.extend`, token-wise work batched over all of them)
+    sample one token per request, emit it, retire finished requests
+
+so requests join and leave the running batch between decode steps.
+
+Log-probs. Each TokenEvent carries log-softmax of the raw logits at the sampled token (config
+`logprobs='policy'`, the default): exactly the trainer's ℓ_t for the same weights and tokens,
+whatever temperature / top-p sampled it. With `logprobs='sampling'` it is the log-prob under the
+tempered, top-p-renormalised distribution actually sampled from instead.
+
+Weight updates. `update_weights` waits for the current step to finish, swaps the weights and,
+with `recompute_kv_on_update`, drops running requests' caches so the next step re-prefills
+prompt + generated tokens under the new weights: every later token's log-prob is exactly the new
+weights' and carries the new version. No request is dropped.
+
+Lifecycle (`EngineState`):
+    CREATED → RUNNING (start) | STOPPED
+    RUNNING → RELEASED (release_memory; nothing running or queued) | STOPPED (stop)
+    RELEASED → RUNNING (resume) | STOPPED
+    STOPPED is final. Anything else raises RuntimeError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import torch
+
+from gyre.backends.config import CpuEngineConfig
+from gyre.backends.decoder import DecoderWeights, KVCache, extend
+from gyre.backends.protocols import EngineHealth, SamplingParams, TokenEvent
+from gyre.backends.sampling import sample_token
+
+logger = logging.getLogger(__name__)
+
+
+class EngineState(enum.Enum):
+    CREATED = "created"
+    RUNNING = "running"
+    RELEASED = "released"
+    STOPPED = "stopped"
+
+
+_TRANSITIONS = {
+    EngineState.CREATED: {EngineState.RUNNING, EngineState.STOPPED},
+    EngineState.RUNNING: {EngineState.RELEASED, EngineState.STOPPED},
+    EngineState.RELEASED: {EngineState.RUNNING, EngineState.STOPPED},
+    EngineState.STOPPED: set(),
+}
+
+
+@dataclass(eq=False)
+class _Request:
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    generator: torch.Generator
+    queue: asyncio.Queue
+    out: list[TokenEvent] = field(default_factory=list)
+    cache: KVCache | None = None
+    fed: int = 0  # tokens of prompt + out already in the cache
+    finish: str | None = None  # 'stop' | 'length' | 'abort' | 'error'
+
+    def sequence(self) -> list[int]:
+        return self.prompt + [e.token_id for e in self.out]
+
+
+class CpuEngine:
+    """RolloutEngine on CPU. `model_config` is the Qwen2Config, `state_dict` its HF weights."""
+
+    name = "cpu"
+
+    def __init__(self, model_config, state_dict: dict[str, torch.Tensor], *, version: int = 0,
+                 config: CpuEngineConfig | None = None, eos_token_ids: list[int] | None = None):
+        self.config = config or CpuEngineConfig()
+        self.model_config = model_config
+        self._weights = DecoderWeights.from_state_dict(state_dict, model_config)
+        self.version = version
+        self.eos_token_ids = list(eos_token_ids or [])
+        self.state = EngineState.CREATED
+        self._requests: dict[str, _Request] = {}  # every request whose stream is still open
+        self._waiting: list[_Request] = []
+        self._running: list[_Request] = []
+        self._step_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self.steps = 0
+        self.tokens_generated = 0
+
+    @classmethod
+    def from_model(cls, model, **kwargs) -> "CpuEngine":
+        """An engine serving an HF model's current weights (copied)."""
+        return cls(model.config, model.state_dict(), **kwargs)
+
+    # ---------------------------------------------------------------- lifecycle
+    def _move(self, to: EngineState) -> None:
+        if to not in _TRANSITIONS[self.state]:
+            raise RuntimeError(f"CpuEngine: illegal transition {self.state.value} → {to.value}")
+        logger.debug("engine %s → %s", self.state.value, to.value)
+        self.state = to
+
+    async def start(self) -> None:
+        self._move(EngineState.RUNNING)
+        if self.config.threads > 0:
+            torch.set_num_threads(self.config.threads)
+        self._loop_task = asyncio.create_task(self._loop(), name="gyre-cpu-engine")
+
+    async def stop(self) -> None:
+        self._move(EngineState.STOPPED)
+        for req in list(self._running) + list(self._waiting):
+            self._finish(req, "abort")
+        self._running.clear()
+        self._waiting.clear()
+        self._wake.set()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+
+    async def release_memory(self) -> None:
+        """Free every KV cache (the cell is switching to training). Nothing may be in flight."""
+        if self._running or self._waiting:
+            raise RuntimeError(f"CpuEngine.release_memory: {len(self._running)} running and "
+                               f"{len(self._waiting)} waiting requests; drain first")
+        async with self._step_lock:
+            self._move(EngineState.RELEASED)
+
+    async def resume(self) -> None:
+        async with self._step_lock:
+            self._move(EngineState.RUNNING)
+        self._wake.set()
+
+    async def health(self) -> EngineHealth:
+        alive = self._loop_task is not None and not self._loop_task.done()
+        return EngineHealth(
+            ok=alive and self.state in (EngineState.RUNNING, EngineState.RELEASED),
+            version=self.version, running=len(self._running), waiting=len(self._waiting),
+            released=self.state is EngineState.RELEASED,
+            detail={"state": self.state.value, "steps": self.steps, "tokens": self.tokens_generated,
+                    "kv_bytes": sum(r.cache.nbytes() for r in self._running if r.cache is not None)},
+        )
+
+    def load(self) -> int:
+        return len(self._running) + len(self._waiting)
+
+    # ---------------------------------------------------------------- weights
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Swap in new weights between decode steps; running requests continue under them."""
+        if self.state is EngineState.STOPPED:
+            raise RuntimeError("CpuEngine.update_weights: engine is stopped")
+        weights = await asyncio.to_thread(DecoderWeights.from_state_dict, state_dict, self.model_config)
+        async with self._step_lock:
+            self._weights = weights
+            self.version = int(version)
+            if self.config.recompute_kv_on_update:
+                for req in self._running:
+                    req.cache, req.fed = None, 0
+        logger.info("engine weights updated to version %d (%d running requests kept)", version, len(self._running))
+
+    # ---------------------------------------------------------------- requests
+    def _validate(self, request_id: str, input_ids: list[int], sampling: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        if not input_ids:
+            raise ValueError(f"generate({request_id}): input_ids is empty")
+        bad = [t for t in input_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"generate({request_id}): input_ids has ids outside [0, {vocab}): {bad[:5]}")
+        if sampling.max_tokens < 1:
+            raise ValueError(f"generate({request_id}): max_tokens must be ≥ 1, got {sampling.max_tokens}")
+        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
+            raise ValueError(f"generate({request_id}): temperature {sampling.temperature} / top_p {sampling.top_p} out of range")
+        if any(not s for s in sampling.stop_sequences):
+            raise ValueError(f"generate({request_id}): empty stop sequence")
+        if len(input_ids) >= self.config.max_model_len:
+            raise ValueError(f"generate({request_id}): prompt of {len(input_ids)} tokens reaches max_model_len {self.config.max_model_len}")
+        if request_id in self._requests:
+            raise ValueError(f"generate: request id {request_id!r} is already in flight")
+
+    async def generate(self, request_id: str, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenEvent]:
+        """Stream the sampled tokens of one request (see module docstring for the log-probs)."""
+        if self.state is not EngineState.RUNNING:
+            raise RuntimeError(f"CpuEngine.generate({request_id}): engine is {self.state.value}")
+        self._validate(request_id, input_ids, sampling)
+        gen = torch.Generator()
+        if sampling.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(int(sampling.seed))
+        req = _Request(request_id, [int(t) for t in input_ids], sampling, gen, asyncio.Queue())
+        self._requests[request_id] = req
+        self._waiting.append(req)
+        self._wake.set()
+        try:
+            while True:
+                item = await req.queue.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if req.finish is None:  # the consumer went away: stop computing for it
+                self._finish(req, "abort")
+            self._requests.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> list[TokenEvent]:
+        """Stop the request now; return every token it produced (yielded or still queued).
+
+        Runs on the event loop between the loop's result applications, so a step in flight for
+        this request has its token discarded, never half-applied."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise KeyError(f"abort: no request {request_id!r} in flight")
+        if req.finish is None:
+            self._finish(req, "abort")
+        return list(req.out)
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        req.finish = reason
+        if req in self._running:
+            self._running.remove(req)
+        if req in self._waiting:
+            self._waiting.remove(req)
+        req.cache = None
+        req.queue.put_nowait(None)
+
+    # ---------------------------------------------------------------- the loop
+    def _admit(self) -> None:
+        budget = self.config.max_prefill_tokens
+        while self._waiting and len(self._running) < self.config.max_batch:
+            req = self._waiting[0]
+            if len(req.prompt) > budget and budget < self.config.max_prefill_tokens:
+                break  # admit at least one per step, however long its prompt
+            budget -= len(req.prompt)
+            self._running.append(self._waiting.pop(0))
+
+    async def _loop(self) -> None:
+        while True:
+            if self.state is not EngineState.RUNNING or not (self._running or self._waiting):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            async with self._step_lock:
+                if self.state is not EngineState.RUNNING:
+                    continue
+                self._admit()
+                batch = list(self._running)
+                weights, version = self._weights, self.version
+                feeds = []
+                for req in batch:
+                    seq = req.sequence()
+                    if req.cache is None:
+                        req.cache = KVCache.empty(weights, len(seq) + min(req.sampling.max_tokens, 256))
+                    feeds.append((seq[req.fed:], req.fed))
+                try:
+                    caches = [req.cache for req in batch]  # captured here: an abort clears req.cache
+                    results = await asyncio.to_thread(self._compute, weights, batch, caches, feeds)
+                except Exception as exc:  # a failed step fails its requests, not the engine
+                    logger.exception("engine step failed for %d requests", len(batch))
+                    for req in batch:
+                        if req.finish is None:
+                            req.queue.put_nowait(RuntimeError(f"engine step failed: {exc!r}"))
+                            self._finish(req, "error")
+                    continue
+                self.steps += 1
+                for req, (feed, _), (tok, lp) in zip(batch, feeds, results):
+                    if req.finish is not None:  # aborted while the step ran: discard
+                        continue
+                    req.fed += len(feed)
+                    self._emit(req, TokenEvent(tok, lp, version))
+            await asyncio.sleep(0)  # let aborts / updates / new requests in between steps
+
+    def _compute(self, weights: DecoderWeights, batch: list[_Request], caches: list[KVCache], feeds) -> list[tuple[int, float]]:
+        """Worker thread: one fused forward, then one sample per request."""
+        ids = torch.tensor([t for f, _ in feeds for t in f], dtype=torch.long)
+        pos = torch.cat([torch.arange(start, start + len(f)) for f, start in feeds])
+        with torch.no_grad():
+            logits = extend(weights, ids, pos, [len(f) for f, _ in feeds], caches)
+        out = []
+        for req, row in zip(batch, logits):
+            sp = req.sampling
+            tok, policy_lp, sampling_lp = sample_token(row, temperature=sp.temperature, top_p=sp.top_p, generator=req.generator)
+            out.append((tok, policy_lp if self.config.logprobs == "policy" else sampling_lp))
+        return out
+
+    def _emit(self, req: _Request, ev: TokenEvent) -> None:
+        req.out.append(ev)
+        self.tokens_generated += 1
+        sp = req.sampling
+        ids = [e.token_id for e in req.out]
+        reason = None
+        if ev.token_id in sp.stop_token_ids or ev.token_id in self.eos_token_ids:
+            reason = "stop"
+        elif any(len(s) <= len(ids) and ids[-len(s):] == list(s) for s in sp.stop_sequences):
+            reason = "stop"
+        elif len(ids) >= sp.max_tokens or len(req.prompt) + len(ids) >= self.config.max_model_len:
+            reason = "length"
+        if reason is not None:
+            ev.finish_reason = reason
+        req.queue.put_nowait(ev)
+        if reason is not None:
+            self._finish(req, reason)

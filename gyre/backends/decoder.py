@@ -1,0 +1,219 @@
+"""Functional Qwen2 forward over per-request KV caches: the compute kernel of the CPU engine.
+
+`transformers.Qwen2ForCausalLM` is the reference (the actor trains it; tests compare this file's
+logits against it). Here the same weights run as plain tensor ops so that one engine step can
+mix requests of different lengths: the token-wise work (projections, MLP, LM head) is batched
+over every request in the step, attention runs per request against that request's own cache.
+
+Shapes: H hidden, nh query heads, nkv key/value heads, hd head dim, V vocab.
+
+    weights = DecoderWeights.from_state_dict(model.state_dict(), model.config)
+    caches = [KVCache.empty(weights, capacity=64) for _ in range(B)]
+    logits = extend(weights, ids, positions, seqlens, caches)   # [B, V], last token of each
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gyre.backends.models import rope_theta
+
+_LAYER_KEYS = (
+    "self_attn.q_proj.weight",
+    "self_attn.q_proj.bias",
+    "self_attn.k_proj.weight",
+    "self_attn.k_proj.bias",
+    "self_attn.v_proj.weight",
+    "self_attn.v_proj.bias",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+)
+
+
+@dataclass
+class DecoderWeights:
+    """The tensors of a Qwen2 decoder, keyed like the HF state dict, plus the sizes it needs."""
+
+    tensors: dict[str, torch.Tensor]
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    inv_freq: torch.Tensor  # [hd/2] float32
+    tied: bool
+
+    @classmethod
+    def from_state_dict(cls, state_dict: dict[str, torch.Tensor], config, *, dtype: torch.dtype | None = None, copy: bool = True) -> "DecoderWeights":
+        """Validate names and shapes against `config` (a Qwen2Config); copy unless `copy=False`."""
+        layers = config.num_hidden_layers
+        hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        expected = expected_shapes(config)
+        missing = [k for k in expected if k not in state_dict and not (k == "lm_head.weight" and config.tie_word_embeddings)]
+        if missing:
+            raise ValueError(f"weights: missing {len(missing)} tensors, e.g. {missing[:3]}")
+        unknown = [k for k in state_dict if k not in expected]
+        if unknown:
+            raise ValueError(f"weights: unexpected tensors {unknown[:3]}")
+        tensors = {}
+        for k, shape in expected.items():
+            if k not in state_dict:
+                continue
+            t = state_dict[k].detach()
+            if tuple(t.shape) != shape:
+                raise ValueError(f"weights: {k} has shape {tuple(t.shape)}, expected {shape}")
+            if dtype is not None:
+                t = t.to(dtype)
+            tensors[k] = t.clone().contiguous() if copy else t
+        theta = rope_theta(config)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+        return cls(tensors, layers, config.num_attention_heads, config.num_key_value_heads, hd,
+                   float(config.rms_norm_eps), inv_freq, bool(config.tie_word_embeddings))
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.tensors["model.embed_tokens.weight" if self.tied else "lm_head.weight"]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensors["model.embed_tokens.weight"].dtype
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """HF parameter name → shape for a Qwen2Config (lm_head included even when tied)."""
+    h, v, f = config.hidden_size, config.vocab_size, config.intermediate_size
+    hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    per = {
+        "self_attn.q_proj.weight": (q, h), "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.weight": (kv, h), "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.weight": (kv, h), "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+    }
+    for i in range(config.num_hidden_layers):
+        for k in _LAYER_KEYS:
+            out[f"model.layers.{i}.{k}"] = per[k]
+    out["model.norm.weight"] = (h,)
+    out["lm_head.weight"] = (v, h)
+    return out
+
+
+class KVCache:
+    """Keys and values of one request: per layer [nkv, capacity, hd], `length` filled.
+
+    Grows by doubling, so appending one token is amortised O(1) copies.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype):
+        self.k = [torch.empty(num_kv_heads, capacity, head_dim, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.empty(num_kv_heads, capacity, head_dim, dtype=dtype) for _ in range(num_layers)]
+        self.length = 0
+
+    @classmethod
+    def empty(cls, w: DecoderWeights, capacity: int = 64) -> "KVCache":
+        return cls(w.num_layers, w.num_kv_heads, w.head_dim, max(1, capacity), w.dtype)
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+    def reserve(self, n: int) -> None:
+        if n <= self.capacity:
+            return
+        cap = max(n, 2 * self.capacity)
+        for store in (self.k, self.v):
+            for i, t in enumerate(store):
+                grown = torch.empty(t.shape[0], cap, t.shape[2], dtype=t.dtype)
+                grown[:, : self.length] = t[:, : self.length]
+                store[i] = grown
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen2RMSNorm: normalise in float32, scale in the input dtype. x [..., H]."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, hd], cos/sin [N, 1, hd]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def extend(w: DecoderWeights, ids: torch.Tensor, positions: torch.Tensor, seqlens: list[int],
+           caches: list[KVCache], *, all_logits: bool = False) -> torch.Tensor:
+    """Append `seqlens[i]` new tokens to request i's cache and return logits.
+
+    ids [N], positions [N] (absolute, continuing each cache), seqlens: B ints summing to N,
+    caches: B caches (filled to `positions` of each request's first new token).
+    Returns logits [B, V] for the last new token of each request, or [N, V] if `all_logits`.
+    """
+    n = int(ids.numel())
+    if sum(seqlens) != n or len(seqlens) != len(caches):
+        raise ValueError(f"extend: seqlens {seqlens} do not split {n} tokens over {len(caches)} caches")
+    t = w.tensors
+    nh, nkv, hd = w.num_heads, w.num_kv_heads, w.head_dim
+    groups = nh // nkv
+    scale = hd ** -0.5
+    freqs = positions.float()[:, None] * w.inv_freq[None, :]  # [N, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos().to(w.dtype)[:, None, :]
+    sin = emb.sin().to(w.dtype)[:, None, :]
+    starts = [0]
+    for s in seqlens:
+        starts.append(starts[-1] + s)
+    for cache, s in zip(caches, seqlens):
+        cache.reserve(cache.length + s)
+
+    x = t["model.embed_tokens.weight"][ids]  # [N, H]
+    for layer in range(w.num_layers):
+        p = f"model.layers.{layer}."
+        h = rms_norm(x, t[p + "input_layernorm.weight"], w.eps)
+        q = F.linear(h, t[p + "self_attn.q_proj.weight"], t[p + "self_attn.q_proj.bias"]).view(n, nh, hd)
+        k = F.linear(h, t[p + "self_attn.k_proj.weight"], t[p + "self_attn.k_proj.bias"]).view(n, nkv, hd)
+        v = F.linear(h, t[p + "self_attn.v_proj.weight"], t[p + "self_attn.v_proj.bias"]).view(n, nkv, hd)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        attn = torch.empty(n, nh, hd, dtype=x.dtype)
+        for i, cache in enumerate(caches):
+            a, b = starts[i], starts[i + 1]
+            past = cache.length
+            kc, vc = cache.k[layer], cache.v[layer]
+            kc[:, past : past + b - a] = k[a:b].transpose(0, 1)
+            vc[:, past : past + b - a] = v[a:b].transpose(0, 1)
+            keys = kc[:, : past + b - a].repeat_interleave(groups, dim=0)  # [nh, L, hd]
+            vals = vc[:, : past + b - a].repeat_interleave(groups, dim=0)
+            qi = q[a:b].transpose(0, 1)  # [nh, s, hd]
+            mask = None
+            if b - a > 1:
+                # query j sits at absolute position past + j and sees keys 0..past + j
+                mask = torch.ones(b - a, past + b - a, dtype=torch.bool).tril(diagonal=past)
+            out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, scale=scale)
+            attn[a:b] = out.transpose(0, 1)
+        x = x + F.linear(attn.reshape(n, nh * hd), t[p + "self_attn.o_proj.weight"])
+        h = rms_norm(x, t[p + "post_attention_layernorm.weight"], w.eps)
+        mlp = F.silu(F.linear(h, t[p + "mlp.gate_proj.weight"])) * F.linear(h, t[p + "mlp.up_proj.weight"])
+        x = x + F.linear(mlp, t[p + "mlp.down_proj.weight"])
+    for cache, s in zip(caches, seqlens):
+        cache.length += s
+    if not all_logits:
+        x = x[torch.tensor(starts[1:]) - 1]
+    x = rms_norm(x, t["model.norm.weight"], w.eps)
+    return F.linear(x, w.lm_head)

@@ -1,0 +1,53 @@
+"""Token sampling (pure): temperature, top-p, an explicit generator, and the reported log-prob.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> tok, policy_lp, sampling_lp = sample_token(logits, temperature=0.7, top_p=0.9, generator=g)
+
+`policy_lp` is log-softmax of the unmodified logits at the sampled token — the quantity a
+trainer computes for the same weights (DESIGN §6's ℓ_t), independent of temperature and top-p.
+`sampling_lp` is the log-prob under the distribution actually sampled from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Boolean mask [V] of the top-p nucleus: the most probable tokens whose mass before each
+    one is < top_p (so the token that crosses top_p is kept; never empty). probs [V]."""
+    if top_p >= 1.0:
+        return probs > 0
+    sorted_p, order = probs.sort(descending=True, stable=True)
+    before = sorted_p.cumsum(0) - sorted_p  # mass strictly before each sorted token
+    keep_sorted = before < top_p
+    keep_sorted[0] = True
+    keep = torch.zeros_like(keep_sorted)
+    keep[order] = keep_sorted
+    return keep
+
+
+def sample_token(logits: torch.Tensor, *, temperature: float, top_p: float,
+                 generator: torch.Generator | None) -> tuple[int, float, float]:
+    """Sample one token from logits [V]; return (token, policy_logprob, sampling_logprob).
+
+    temperature 0 is greedy (sampling_logprob 0). One uniform draw from `generator` per call,
+    inverse-CDF over token ids in ascending order, so a seed fixes the outcome.
+    """
+    if temperature < 0 or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"sampling: temperature {temperature} must be ≥ 0 and top_p {top_p} in (0, 1]")
+    logits = logits.float()
+    policy = torch.log_softmax(logits, dim=-1)
+    if temperature == 0:
+        tok = int(torch.argmax(logits))
+        return tok, float(policy[tok]), 0.0
+    probs = torch.softmax(logits / temperature, dim=-1)
+    keep = nucleus(probs, top_p)
+    probs = torch.where(keep, probs, torch.zeros_like(probs))
+    probs = probs / probs.sum()
+    u = float(torch.rand((), generator=generator, dtype=torch.float64))
+    cdf = probs.double().cumsum(0)
+    tok = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True)[0])
+    if tok >= len(probs) or not keep[tok]:  # u·cdf[-1] < cdf[-1] makes this unreachable; guard anyway
+        tok = int(keep.nonzero().max())
+    return tok, float(policy[tok]), float(torch.log(probs[tok]))
