@@ -1,0 +1,123 @@
+"""Configuration of the executions plane: harness runner, evaluator, dataset (DESIGN §4–5).
+
+Tyro-friendly dataclasses; the lead nests `ExecutionsConfig` into `gyre.config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class RunnerConfig:
+    """How harness processes are launched, limited and killed."""
+
+    harness_command: list[str] = field(default_factory=list)
+    """Default harness argv, run inside the execution's workspace (a task may override it).
+    `{python}` is replaced by the controller's Python interpreter, `{workspace}` by the workspace
+    path, `{instruction_file}` by the path of the file holding the task instruction."""
+
+    run_dir: str = "runs/executions"
+    """Directory under which each execution gets `<execution_id>/{workspace,stdout.log,
+    stderr.log,result.json}`. The runner writes nowhere else."""
+
+    max_concurrency: int = 64
+    """Most harness processes alive at once (on this node, or summed over `sandbox_hosts`)."""
+
+    timeout_s: float = 4 * 3600.0
+    """Hard wall-clock limit per execution. On expiry the whole process group (and every
+    process of the harness's session) gets SIGTERM, then SIGKILL after `kill_grace_s`."""
+
+    kill_grace_s: float = 5.0
+    """Seconds between SIGTERM and SIGKILL when an execution is stopped."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for every harness (applied after the passthrough list)."""
+
+    env_passthrough: list[str] = field(
+        default_factory=lambda: [
+            "PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "TZ", "TMPDIR", "HOME", "USER",
+            "PYTHONPATH", "VIRTUAL_ENV", "PYENV_ROOT", "PYENV_VERSION", "SSL_CERT_FILE",
+        ]
+    )
+    """Variables copied from the controller's environment; everything else (credentials of the
+    controller, other engines' keys) is withheld from the harness."""
+
+    home: Literal["inherit", "per_execution"] = "inherit"
+    """`per_execution` points HOME at `<execution_id>/home` so harnesses that keep state in the
+    home directory (Claude Code's ~/.claude) do not share it."""
+
+    model_name: str = "gyre-policy"
+    """Model name given to the harness (GYRE_MODEL, OPENAI_MODEL, ANTHROPIC_MODEL)."""
+
+    sandbox_hosts: list[str] = field(default_factory=list)
+    """Remote mode: run harnesses on these hosts (round-robin by load) through `remote_shell`
+    instead of on the controller's node. Empty = local. See `gyre.executions.runner`."""
+
+    remote_shell: list[str] = field(default_factory=lambda: ["ssh", "-o", "BatchMode=yes", "{host}"])
+    """argv prefix that runs a shell command on `{host}` (remote mode only)."""
+
+    remote_push: list[str] = field(default_factory=lambda: ["rsync", "-a", "--delete", "{local}/", "{host}:{remote}/"])
+    """argv that copies the prepared workspace `{local}` to `{remote}` on `{host}` before the
+    harness starts (remote mode only)."""
+
+    remote_pull: list[str] = field(default_factory=lambda: ["rsync", "-a", "--delete", "{host}:{remote}/", "{local}/"])
+    """argv that brings the workspace back after the harness ends, so the evaluator scores the
+    preserved workspace on the controller (remote mode only)."""
+
+    remote_root: str = "/tmp/gyre-sandbox"
+    """Directory on each sandbox host holding the remote workspaces (remote mode only)."""
+
+    proxy_url_for_harness: str = ""
+    """Base URL of the proxy as the harness must reach it (e.g. the controller's routable address
+    in remote mode). Empty = the proxy's own URL."""
+
+
+@dataclass(kw_only=True)
+class EvaluatorConfig:
+    """How an ended execution's preserved workspace is scored (DESIGN §5)."""
+
+    timeout_s: float = 600.0
+    """Wall-clock limit of one evaluator attempt; a hung attempt is killed and counts as failed."""
+
+    max_attempts: int = 3
+    """Evaluator attempts per execution (first try + retries). All failed ⇒ execution excluded."""
+
+    retry_backoff_s: float = 1.0
+    """Pause before each retry (doubles every retry)."""
+
+    on_crash: Literal["placeholder", "evaluate"] = "placeholder"
+    """A harness that failed outright (non-zero exit or killed by a signal other than the
+    runner's timeout): `placeholder` gives it a zero-reward placeholder without evaluating
+    (DESIGN §5); `evaluate` scores its workspace like a timed-out execution. A harness that
+    could not be launched at all always gets the placeholder."""
+
+    concurrency: int = 8
+    """Most evaluator attempts running at once."""
+
+
+@dataclass(kw_only=True)
+class DatasetConfig:
+    """Where tasks come from and how many executions each query gets."""
+
+    path: str = ""
+    """JSONL file of tasks (see `gyre.executions.tasks.Task` for the fields)."""
+
+    group_size: int = 16
+    """N: executions per task (one group, DESIGN §2)."""
+
+    shuffle: bool = True
+    """Visit tasks in a seeded random order each epoch."""
+
+    seed: int = 0
+    """Seed of the task order."""
+
+
+@dataclass(kw_only=True)
+class ExecutionsConfig:
+    """Everything about executions: runner, evaluator, dataset."""
+
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)

@@ -1,0 +1,242 @@
+"""Evaluator: score an ended execution's preserved workspace (DESIGN §5).
+
+Runs after an execution ends for any reason. Outcomes and what they get:
+
+    COMPLETED, TIMED_OUT, CANCELLED  → evaluate the workspace (partial progress counts)
+    CRASHED                          → zero-reward placeholder (`on_crash="placeholder"`, the
+                                       default) or evaluate (`on_crash="evaluate"`)
+    LAUNCH_FAILED                    → zero-reward placeholder
+
+An evaluation is a series of attempts (at most `max_attempts`, each under `timeout_s`, with
+doubling back-off). An attempt fails when the evaluator raises, exits non-zero, hangs past its
+timeout (it is killed), or returns something that is not a finite number in [0, 1]. The first
+valid attempt gives a VALID reward; none ⇒ EXCLUDED (the execution leaves its group's
+statistics). A placeholder is a valid 0.0 that has no trajectory behind it.
+
+Evaluator forms (see `gyre.executions.tasks.EvaluatorSpec`):
+  - "module:function": called as function(workspace: Path, task: Task, **kwargs) in a child
+    Python process (`python -m gyre.executions.evaluator`), so a hang is killed cleanly;
+  - a Python callable: the same call in a worker thread (a hang can only be abandoned);
+  - a command: run in the workspace; the last non-empty stdout line is the reward, as a number
+    or as JSON `{"reward": x, ...}`. Env: GYRE_WORKSPACE, GYRE_TASK_FILE (the task as JSON).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import importlib
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gyre.executions.config import EvaluatorConfig
+from gyre.executions.procs import kill_tree
+from gyre.executions.tasks import EvaluatorSpec, Task
+
+logger = logging.getLogger(__name__)
+
+_REWARD_TAG = "GYRE_REWARD "
+
+
+class Outcome(enum.Enum):
+    """How a harness process ended."""
+
+    COMPLETED = "completed"  # exited with status 0
+    TIMED_OUT = "timed_out"  # killed by the runner's wall-clock limit
+    CRASHED = "crashed"  # non-zero exit, or killed by a signal the runner did not send
+    LAUNCH_FAILED = "launch_failed"  # never started (bad argv, workspace could not be prepared)
+    CANCELLED = "cancelled"  # stopped by the controller (shutdown)
+
+
+class RewardStatus(enum.Enum):
+    VALID = "valid"  # the evaluator produced a reward
+    EXCLUDED = "excluded"  # no valid reward within the attempt budget: leave the group's statistics
+    PLACEHOLDER = "placeholder"  # harness failed outright: reward 0.0, no trajectory to train on
+
+
+@dataclass
+class Attempt:
+    ok: bool
+    seconds: float
+    reward: float | None = None
+    error: str = ""
+
+
+@dataclass
+class RewardResult:
+    execution_id: str
+    status: RewardStatus
+    reward: float | None  # None iff EXCLUDED
+    attempts: list[Attempt] = field(default_factory=list)
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "execution_id": self.execution_id,
+            "status": self.status.value,
+            "reward": self.reward,
+            "attempts": [a.__dict__ for a in self.attempts],
+            "detail": self.detail,
+        }
+
+
+def parse_reward(value: Any) -> tuple[float, dict[str, Any]]:
+    """Validate an evaluator's return value: a number in [0, 1] or a dict with key "reward".
+    Raises ValueError naming what is wrong."""
+    detail: dict[str, Any] = {}
+    if isinstance(value, dict):
+        if "reward" not in value:
+            raise ValueError(f"evaluator returned a dict without 'reward': keys {sorted(value)}")
+        detail = {k: v for k, v in value.items() if k != "reward"}
+        value = value["reward"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"evaluator reward must be a number, got {type(value).__name__} {value!r}")
+    r = float(value)
+    if not math.isfinite(r) or not 0.0 <= r <= 1.0:
+        raise ValueError(f"evaluator reward must be a finite number in [0, 1], got {r}")
+    return r, detail
+
+
+def parse_reward_line(stdout: str) -> tuple[float, dict[str, Any]]:
+    """Reward from a command's stdout: the last line tagged `GYRE_REWARD ` if any, else the last
+    non-empty line; a bare number or JSON."""
+    lines = [ln.strip() for ln in stdout.splitlines() if ln.strip()]
+    if not lines:
+        raise ValueError("evaluator printed nothing on stdout")
+    tagged = [ln[len(_REWARD_TAG):] for ln in lines if ln.startswith(_REWARD_TAG)]
+    text = tagged[-1] if tagged else lines[-1]
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(f"evaluator's last stdout line is not a number or JSON: {text[:200]!r}") from None
+    return parse_reward(value)
+
+
+def _python_path_env() -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    paths.insert(0, os.getcwd())
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+class Evaluator:
+    """Scores executions with retries and a timeout per attempt. Async; bounded concurrency."""
+
+    def __init__(self, cfg: EvaluatorConfig) -> None:
+        if cfg.max_attempts < 1:
+            raise ValueError(f"evaluator.max_attempts must be >= 1, got {cfg.max_attempts}")
+        if not cfg.timeout_s > 0:
+            raise ValueError(f"evaluator.timeout_s must be > 0, got {cfg.timeout_s}")
+        self.cfg = cfg
+        self._sem: asyncio.Semaphore | None = None
+
+    async def evaluate(self, execution_id: str, task: Task, workspace: Path, outcome: Outcome) -> RewardResult:
+        if outcome is Outcome.LAUNCH_FAILED or (outcome is Outcome.CRASHED and self.cfg.on_crash == "placeholder"):
+            logger.info("execution %s %s: zero-reward placeholder", execution_id, outcome.value)
+            return RewardResult(execution_id, RewardStatus.PLACEHOLDER, 0.0, detail={"outcome": outcome.value})
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.cfg.concurrency)
+        attempts: list[Attempt] = []
+        backoff = self.cfg.retry_backoff_s
+        for k in range(self.cfg.max_attempts):
+            if k:
+                await asyncio.sleep(backoff)
+                backoff *= 2
+            t0 = time.monotonic()
+            try:
+                async with self._sem:
+                    reward, detail = await self._attempt(task.evaluator, task, workspace)
+            except Exception as e:  # noqa: BLE001 - any evaluator failure is an attempt failure
+                attempts.append(Attempt(ok=False, seconds=time.monotonic() - t0, error=f"{type(e).__name__}: {e}"[:2000]))
+                logger.warning("execution %s: evaluator attempt %d/%d failed: %s", execution_id, k + 1, self.cfg.max_attempts, attempts[-1].error)
+                continue
+            attempts.append(Attempt(ok=True, seconds=time.monotonic() - t0, reward=reward))
+            detail["outcome"] = outcome.value
+            return RewardResult(execution_id, RewardStatus.VALID, reward, attempts, detail)
+        logger.warning("execution %s: no valid reward after %d attempts: excluded", execution_id, len(attempts))
+        return RewardResult(execution_id, RewardStatus.EXCLUDED, None, attempts, {"outcome": outcome.value})
+
+    async def _attempt(self, spec: EvaluatorSpec, task: Task, workspace: Path) -> tuple[float, dict[str, Any]]:
+        timeout = self.cfg.timeout_s
+        if spec.kind == "python" and callable(spec.target):
+            try:
+                value = await asyncio.wait_for(asyncio.to_thread(spec.target, workspace, task, **spec.kwargs), timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"in-process evaluator exceeded {timeout}s (thread abandoned)") from None
+            return parse_reward(value)
+        with tempfile.TemporaryDirectory(prefix="gyre-eval-") as tmp:
+            task_file = Path(tmp) / "task.json"
+            task_file.write_text(json.dumps(task.to_json()))
+            if spec.kind == "python":
+                argv = [sys.executable, "-m", "gyre.executions.evaluator", str(workspace), str(task_file)]
+                env, cwd = _python_path_env(), os.getcwd()
+            else:
+                argv = list(spec.target)
+                env, cwd = dict(os.environ), str(workspace)
+            env.update(GYRE_WORKSPACE=str(workspace), GYRE_TASK_FILE=str(task_file))
+            stdout, stderr, rc = await run_with_timeout(argv, cwd=cwd, env=env, timeout_s=timeout)
+        if rc != 0:
+            raise RuntimeError(f"evaluator exited with status {rc}: {stderr.strip()[-1000:]}")
+        return parse_reward_line(stdout)
+
+
+async def run_with_timeout(argv: list[str], *, cwd: str, env: dict[str, str], timeout_s: float) -> tuple[str, str, int]:
+    """Run argv in its own session; kill the whole tree on timeout (raises TimeoutError)."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except asyncio.TimeoutError:
+        await kill_tree(proc.pid, grace_s=0.5, proc=proc)
+        raise TimeoutError(f"evaluator {argv[0]} exceeded {timeout_s}s and was killed") from None
+    except asyncio.CancelledError:
+        await kill_tree(proc.pid, grace_s=0.5, proc=proc)
+        raise
+    return out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), proc.returncode
+
+
+def expected_files(workspace: Path, task: Task, files: dict[str, str], strip: bool = True) -> dict[str, Any]:
+    """Built-in partial-progress evaluator: the fraction of `files` (relative path → expected
+    content) present in the workspace with that content (whitespace-trimmed when `strip`)."""
+    if not files:
+        raise ValueError("expected_files needs at least one file")
+    correct = []
+    for rel, want in files.items():
+        p = Path(workspace) / rel
+        try:
+            got = p.read_text()
+        except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError):
+            continue
+        if (got.strip() == want.strip()) if strip else (got == want):
+            correct.append(rel)
+    return {"reward": len(correct) / len(files), "correct": sorted(correct), "total": len(files)}
+
+
+def _worker_main(argv: list[str]) -> int:
+    """Child-process entry: `python -m gyre.executions.evaluator WORKSPACE TASK_JSON`."""
+    if len(argv) != 2:
+        print("usage: python -m gyre.executions.evaluator WORKSPACE TASK_JSON", file=sys.stderr)
+        return 2
+    workspace, task_file = Path(argv[0]), Path(argv[1])
+    task = Task.from_json(json.loads(task_file.read_text()))
+    module_name, _, func_name = task.evaluator.target.partition(":")
+    fn = getattr(importlib.import_module(module_name), func_name)
+    value = fn(workspace, task, **task.evaluator.kwargs)
+    reward, detail = parse_reward(value)
+    print(_REWARD_TAG + json.dumps({"reward": reward, **detail}, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1:]))

@@ -1,0 +1,110 @@
+"""Process-tree helpers: stop a harness and everything it started, leaving no orphan.
+
+A harness is started as the leader of a new session (and process group). Stopping it:
+  1. SIGTERM to the process group, and to every process whose session id is the leader's
+     (this also catches children that moved to another process group with setpgid);
+     processes that are descendants by parent pid (found through /proc) are signalled too.
+  2. after `grace_s`, SIGKILL to the same set, found again (new children may have appeared).
+A process that both calls setsid() and daemonizes (re-parents to init) escapes all three
+nets; running harnesses inside a cgroup / container (remote sandbox hosts) is the answer for
+hostile harnesses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+logger = logging.getLogger(__name__)
+
+
+def _proc_stat(pid: int) -> tuple[int, int, int] | None:
+    """(ppid, pgid, sid) of a live, non-zombie process, or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read().decode("utf-8", "replace")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name is in parentheses and may contain spaces: split after the last ')'.
+    rest = data[data.rfind(")") + 2:].split()
+    state = rest[0]
+    if state in ("Z", "X"):
+        return None
+    return int(rest[1]), int(rest[2]), int(rest[3])
+
+
+def tree_pids(leader: int) -> set[int]:
+    """Live processes belonging to the harness led by `leader`: same session, same process
+    group, or a descendant by parent pid. Linux /proc only; elsewhere just the group."""
+    if not os.path.isdir("/proc"):
+        return {leader}
+    table: dict[int, tuple[int, int, int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _proc_stat(int(name))
+            if st is not None:
+                table[int(name)] = st
+    found = {pid for pid, (_, pgid, sid) in table.items() if sid == leader or pgid == leader}
+    if leader in table:
+        found.add(leader)
+    # Close over parent links so children that escaped the session via setsid are included
+    # while their parent is still alive.
+    changed = True
+    while changed:
+        changed = False
+        for pid, (ppid, _, _) in table.items():
+            if ppid in found and pid not in found:
+                found.add(pid)
+                changed = True
+    found.discard(os.getpid())
+    return found
+
+
+def signal_tree(leader: int, sig: int) -> int:
+    """Send `sig` to the harness's process group and every process in `tree_pids`. Returns how
+    many processes were signalled."""
+    n = 0
+    try:
+        os.killpg(leader, sig)
+        n += 1
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in tree_pids(leader):
+        try:
+            os.kill(pid, sig)
+            n += 1
+        except (ProcessLookupError, PermissionError):
+            pass
+    return n
+
+
+async def kill_tree(leader: int, grace_s: float, proc: asyncio.subprocess.Process | None = None) -> None:
+    """SIGTERM the harness tree, wait up to `grace_s` for it to empty, then SIGKILL what is
+    left. Reaps `proc` (the leader) when given."""
+    signal_tree(leader, signal.SIGTERM)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    while loop.time() < deadline:
+        if proc is not None and proc.returncode is None:
+            try:
+                await asyncio.wait_for(proc.wait(), timeout=0.05)
+            except asyncio.TimeoutError:
+                pass
+        else:
+            await asyncio.sleep(0.05)
+        if not tree_pids(leader):
+            break
+    left = tree_pids(leader)
+    if left:
+        logger.info("harness %d: %d process(es) survived SIGTERM, sending SIGKILL", leader, len(left))
+    signal_tree(leader, signal.SIGKILL)
+    if proc is not None and proc.returncode is None:
+        await proc.wait()
+    # Give the kernel a moment to reap killed children re-parented to init.
+    for _ in range(40):
+        if not tree_pids(leader):
+            return
+        await asyncio.sleep(0.025)
+    logger.warning("harness %d: processes %s still present after SIGKILL", leader, sorted(tree_pids(leader)))

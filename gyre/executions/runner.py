@@ -1,0 +1,458 @@
+"""Harness runner: one black-box harness process per execution (DESIGN §1, §3, §4).
+
+For each dispatched execution the runner
+  1. prepares `<run_dir>/<execution_id>/workspace` from the task (template copied, inline
+     files written) and writes the instruction to `<execution_id>/instruction.md`;
+  2. asks the proxy for the execution's own API key (`ProxyAccess.open_execution`);
+  3. waits for a slot (`max_concurrency`), then starts the harness as the leader of a new
+     session in the workspace, stdout/stderr to `<execution_id>/{stdout,stderr}.log`, with an
+     environment that points it at the proxy (below) and withholds the controller's own
+     variables except `env_passthrough`;
+  4. enforces the hard wall-clock limit (SIGTERM → grace → SIGKILL to the whole process tree,
+     see `gyre.executions.procs`); after any ending, stragglers of the tree are killed too;
+  5. revokes the key, records exit status / outcome, runs the evaluator on the preserved
+     workspace and writes `<execution_id>/result.json`.
+
+Harness environment:
+    OPENAI_BASE_URL=<proxy>/v1      OPENAI_API_KEY=<execution key>
+    ANTHROPIC_BASE_URL=<proxy>      ANTHROPIC_API_KEY=<execution key>
+    GYRE_MODEL / OPENAI_MODEL / ANTHROPIC_MODEL=<model name>
+    GYRE_EXECUTION_ID, GYRE_GROUP_ID, GYRE_TASK_ID, GYRE_WORKSPACE, GYRE_INSTRUCTION_FILE,
+    GYRE_TIMEOUT_S, GYRE_PROXY_URL, GYRE_API_KEY
+
+Counters for the scheduler (DESIGN §3): d(t) dispatched (on `dispatch`), p(t) started (the
+harness process exists), f(t) finished (the harness ended for any reason, including a launch
+failure; evaluation comes after). Every change is published as an `ExecutionEvent` to the
+`on_event` callback and to the `events` asyncio queue.
+
+Execution lifecycle (`ExecutionState`), transitions:
+    DISPATCHED → STARTED → ENDED → EVALUATED
+    DISPATCHED → ENDED   (launch failed, or cancelled before it started)
+Anything else raises.
+
+Remote sandbox hosts (`sandbox_hosts` non-empty): the workspace is prepared locally, pushed to
+`<remote_root>/<execution_id>/workspace` on the least-loaded host with `remote_push`, the harness
+runs there through `remote_shell` (`ssh -o BatchMode=yes HOST 'cd WS && exec env -i K=V ...
+timeout -k GRACE LIMIT ARGV'`: the remote `timeout` enforces the limit even if the link dies),
+and after it ends the workspace is pulled back with `remote_pull` so the evaluator scores it on
+the controller. `proxy_url_for_harness` must then be an address the hosts can reach. The
+per-execution key is the only credential the harness receives. Hosts are trusted to run
+arbitrary harness code; isolate them (containers, one user per sandbox) as for any agent
+sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import os
+import secrets
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from gyre.executions.config import RunnerConfig
+from gyre.executions.evaluator import Evaluator, Outcome, RewardResult
+from gyre.executions.procs import kill_tree, tree_pids
+from gyre.executions.tasks import ExecutionSpec, Group
+
+logger = logging.getLogger(__name__)
+
+
+class ProxyAccess(Protocol):
+    """What the runner needs from the proxy: its base URL and per-execution keys."""
+
+    @property
+    def url(self) -> str: ...
+
+    def open_execution(self, execution_id: str, group_id: str) -> str:
+        """Register an execution; return its API key."""
+        ...
+
+    def close_execution(self, execution_id: str) -> None:
+        """Revoke the execution's key: later calls with it are rejected."""
+        ...
+
+
+class LocalKeys:
+    """A `ProxyAccess` with no proxy behind it (runner tests, dry runs): random keys."""
+
+    def __init__(self, url: str = "http://127.0.0.1:9") -> None:
+        self.url = url
+        self.keys: dict[str, str] = {}
+
+    def open_execution(self, execution_id: str, group_id: str) -> str:
+        self.keys[execution_id] = "gyre-" + secrets.token_hex(16)
+        return self.keys[execution_id]
+
+    def close_execution(self, execution_id: str) -> None:
+        self.keys.pop(execution_id, None)
+
+
+class ExecutionState(enum.Enum):
+    DISPATCHED = "dispatched"
+    STARTED = "started"
+    ENDED = "ended"
+    EVALUATED = "evaluated"
+
+
+_TRANSITIONS = {
+    ExecutionState.DISPATCHED: {ExecutionState.STARTED, ExecutionState.ENDED},
+    ExecutionState.STARTED: {ExecutionState.ENDED},
+    ExecutionState.ENDED: {ExecutionState.EVALUATED},
+    ExecutionState.EVALUATED: set(),
+}
+
+
+class EventKind(enum.Enum):
+    DISPATCHED = "dispatched"
+    STARTED = "started"
+    FINISHED = "finished"
+    EVALUATED = "evaluated"
+
+
+@dataclass
+class Counters:
+    """Cumulative d(t), p(t), f(t) (DESIGN §3); water level w = d − f."""
+
+    dispatched: int = 0
+    started: int = 0
+    finished: int = 0
+
+    @property
+    def water_level(self) -> int:
+        return self.dispatched - self.finished
+
+    @property
+    def running(self) -> int:
+        return self.started - self.finished_started
+
+    finished_started: int = 0  # finished executions that had started (so running = p − this)
+
+    def snapshot(self) -> tuple[int, int, int]:
+        return self.dispatched, self.started, self.finished
+
+
+@dataclass
+class ExecutionResult:
+    execution_id: str
+    group_id: str
+    task_id: str
+    index: int
+    dispatch_version: int
+    outcome: Outcome
+    exit_code: int | None  # None when not launched; negative = killed by that signal
+    start_time: float | None  # time.time() when the harness started
+    end_time: float
+    exec_dir: Path
+    workspace: Path
+    host: str = "local"
+    error: str = ""
+    reward: RewardResult | None = None
+
+    @property
+    def wall_s(self) -> float:
+        return 0.0 if self.start_time is None else self.end_time - self.start_time
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "execution_id": self.execution_id, "group_id": self.group_id, "task_id": self.task_id,
+            "index": self.index, "dispatch_version": self.dispatch_version, "outcome": self.outcome.value,
+            "exit_code": self.exit_code, "start_time": self.start_time, "end_time": self.end_time,
+            "wall_s": self.wall_s, "host": self.host, "error": self.error,
+            "reward": None if self.reward is None else self.reward.to_json(),
+        }
+
+
+@dataclass
+class ExecutionEvent:
+    kind: EventKind
+    execution_id: str
+    group_id: str
+    time: float
+    counters: tuple[int, int, int]  # (d, p, f) right after this event
+    result: ExecutionResult | None = None  # on FINISHED and EVALUATED
+
+
+@dataclass
+class _Live:
+    spec: ExecutionSpec
+    state: ExecutionState = ExecutionState.DISPATCHED
+    pid: int | None = None
+    host: str = "local"
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def move(self, to: ExecutionState) -> None:
+        if to not in _TRANSITIONS[self.state]:
+            raise RuntimeError(f"execution {self.spec.execution_id}: illegal transition {self.state.name} → {to.name}")
+        self.state = to
+
+
+class HarnessRunner:
+    """Launches, limits, kills and evaluates harness executions. Use from one asyncio loop."""
+
+    def __init__(self, cfg: RunnerConfig, evaluator: Evaluator | None = None, proxy: ProxyAccess | None = None,
+                 on_event: Callable[[ExecutionEvent], None] | None = None) -> None:
+        if cfg.max_concurrency < 1:
+            raise ValueError(f"runner.max_concurrency must be >= 1, got {cfg.max_concurrency}")
+        if not cfg.timeout_s > 0:
+            raise ValueError(f"runner.timeout_s must be > 0, got {cfg.timeout_s}")
+        self.cfg = cfg
+        self.evaluator = evaluator
+        self.proxy: ProxyAccess = proxy if proxy is not None else LocalKeys()
+        self.on_event = on_event
+        self.counters = Counters()
+        self.events: asyncio.Queue[ExecutionEvent] = asyncio.Queue()
+        self.run_dir = Path(cfg.run_dir).resolve()
+        self._sem: asyncio.Semaphore | None = None
+        self._live: dict[str, _Live] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._host_load = {h: 0 for h in cfg.sandbox_hosts}
+
+    # ------------------------------------------------------------------ public API
+    def dispatch(self, spec: ExecutionSpec) -> asyncio.Task:
+        """Count the execution as dispatched (d += 1) and schedule it; returns an asyncio task
+        resolving to its `ExecutionResult`. Must be called from the running loop."""
+        eid = spec.execution_id
+        if eid in self._live or eid in self._tasks:
+            raise ValueError(f"execution id {eid!r} was already dispatched")
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.cfg.max_concurrency)
+        self._live[eid] = _Live(spec)
+        self.counters.dispatched += 1
+        self._emit(EventKind.DISPATCHED, spec)
+        task = asyncio.get_running_loop().create_task(self._run(self._live[eid]), name=f"execution-{eid}")
+        self._tasks[eid] = task
+        return task
+
+    def dispatch_group(self, group: Group) -> list[asyncio.Task]:
+        return [self.dispatch(s) for s in group.executions]
+
+    def in_flight(self) -> list[str]:
+        return [eid for eid, live in self._live.items() if live.state in (ExecutionState.DISPATCHED, ExecutionState.STARTED)]
+
+    async def wait_all(self) -> list[ExecutionResult]:
+        results = await asyncio.gather(*self._tasks.values())
+        return list(results)
+
+    async def shutdown(self) -> None:
+        """Stop every in-flight execution (outcome CANCELLED; workspaces are still evaluated)
+        and wait for all of them."""
+        for live in self._live.values():
+            live.stop.set()
+        if self._tasks:
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    # ------------------------------------------------------------------ internals
+    def _emit(self, kind: EventKind, spec: ExecutionSpec, result: ExecutionResult | None = None) -> None:
+        ev = ExecutionEvent(kind, spec.execution_id, spec.group_id, time.time(), self.counters.snapshot(), result)
+        self.events.put_nowait(ev)
+        if self.on_event is not None:
+            try:
+                self.on_event(ev)
+            except Exception:  # noqa: BLE001 - a broken observer must not kill executions
+                logger.exception("on_event callback failed on %s %s", kind.value, spec.execution_id)
+
+    def _prepare(self, spec: ExecutionSpec, exec_dir: Path) -> Path:
+        if exec_dir.exists():
+            raise FileExistsError(f"execution directory {exec_dir} already exists (execution ids must be unique per run_dir)")
+        exec_dir.mkdir(parents=True)
+        ws = exec_dir / "workspace"
+        task = spec.task
+        if task.workspace:
+            src = Path(task.workspace)
+            if not src.is_dir():
+                raise FileNotFoundError(f"task {task.task_id}: workspace template {src} is not a directory")
+            shutil.copytree(src, ws, symlinks=True)
+        else:
+            ws.mkdir()
+        for rel, content in task.files.items():
+            p = ws / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(content)
+        (exec_dir / "instruction.md").write_text(task.instruction)
+        if self.cfg.home == "per_execution":
+            (exec_dir / "home").mkdir()
+        return ws
+
+    def _env(self, spec: ExecutionSpec, exec_dir: Path, ws: Path, key: str, timeout: float) -> dict[str, str]:
+        env = {k: os.environ[k] for k in self.cfg.env_passthrough if k in os.environ}
+        url = (self.cfg.proxy_url_for_harness or self.proxy.url).rstrip("/")
+        model = self.cfg.model_name
+        env.update(
+            OPENAI_BASE_URL=f"{url}/v1", OPENAI_API_KEY=key, ANTHROPIC_BASE_URL=url, ANTHROPIC_API_KEY=key,
+            GYRE_MODEL=model, OPENAI_MODEL=model, ANTHROPIC_MODEL=model, GYRE_PROXY_URL=url, GYRE_API_KEY=key,
+            GYRE_EXECUTION_ID=spec.execution_id, GYRE_GROUP_ID=spec.group_id, GYRE_TASK_ID=spec.task.task_id,
+            GYRE_WORKSPACE=str(ws), GYRE_INSTRUCTION_FILE=str(exec_dir / "instruction.md"), GYRE_TIMEOUT_S=str(timeout),
+        )
+        if self.cfg.home == "per_execution":
+            env["HOME"] = str(exec_dir / "home")
+        env.update(self.cfg.env)
+        return env
+
+    def _argv(self, spec: ExecutionSpec, exec_dir: Path, ws: Path) -> list[str]:
+        argv = spec.task.harness or self.cfg.harness_command
+        if not argv:
+            raise ValueError(f"task {spec.task.task_id}: no harness command (set runner.harness_command or the task's 'harness')")
+        subst = {"{python}": sys.executable, "{workspace}": str(ws), "{instruction_file}": str(exec_dir / "instruction.md")}
+        out = []
+        for a in argv:
+            for k, v in subst.items():
+                a = a.replace(k, v)
+            out.append(a)
+        return out
+
+    async def _run(self, live: _Live) -> ExecutionResult:
+        spec = live.spec
+        exec_dir = self.run_dir / spec.execution_id
+        ws = exec_dir / "workspace"
+        timeout = spec.task.timeout_s or self.cfg.timeout_s
+        outcome, exit_code, start, error = Outcome.LAUNCH_FAILED, None, None, ""
+        key_opened = False
+        assert self._sem is not None
+        try:
+            async with self._sem:
+                if live.stop.is_set():
+                    outcome, error = Outcome.CANCELLED, "stopped before start"
+                else:
+                    try:
+                        ws = self._prepare(spec, exec_dir)
+                        key = self.proxy.open_execution(spec.execution_id, spec.group_id)
+                        key_opened = True
+                        env = self._env(spec, exec_dir, ws, key, timeout)
+                        argv = self._argv(spec, exec_dir, ws)
+                        live.host = self._pick_host()
+                        if live.host != "local":
+                            argv, env = await self._remote_launch(spec, live.host, ws, argv, env, timeout)
+                        with open(exec_dir / "stdout.log", "wb") as out, open(exec_dir / "stderr.log", "wb") as err:
+                            proc = await asyncio.create_subprocess_exec(
+                                *argv, cwd=str(ws) if live.host == "local" else str(exec_dir), env=env,
+                                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+                            )
+                    except Exception as e:  # noqa: BLE001 - any launch problem is this execution's failure
+                        error = f"{type(e).__name__}: {e}"
+                        logger.warning("execution %s failed to launch: %s", spec.execution_id, error)
+                    else:
+                        start = time.time()
+                        live.pid = proc.pid
+                        live.move(ExecutionState.STARTED)
+                        self.counters.started += 1
+                        self._emit(EventKind.STARTED, spec)
+                        outcome, exit_code = await self._supervise(live, proc, timeout)
+                        if live.host != "local":
+                            await self._remote_pull(spec, live.host, ws)
+        except asyncio.CancelledError:
+            # Hard cancellation of the asyncio task: the tree is already killed (_supervise);
+            # keep the counters right, skip evaluation, propagate.
+            self._end(live, key_opened, Outcome.CANCELLED, None, start, exec_dir, ws, "asyncio task cancelled")
+            raise
+        finally:
+            if live.host != "local":
+                self._host_load[live.host] -= 1
+        result = self._end(live, key_opened, outcome, exit_code, start, exec_dir, ws, error)
+        if self.evaluator is not None and exec_dir.exists():
+            result.reward = await self.evaluator.evaluate(spec.execution_id, spec.task, ws, outcome)
+        live.move(ExecutionState.EVALUATED)
+        if exec_dir.exists():
+            (exec_dir / "result.json").write_text(json.dumps(result.to_json(), indent=1))
+        self._emit(EventKind.EVALUATED, spec, result)
+        return result
+
+    def _end(self, live: _Live, key_opened: bool, outcome: Outcome, exit_code: int | None, start: float | None,
+             exec_dir: Path, ws: Path, error: str) -> ExecutionResult:
+        spec = live.spec
+        if key_opened:
+            self.proxy.close_execution(spec.execution_id)
+        if live.state is ExecutionState.STARTED:
+            self.counters.finished_started += 1
+        live.move(ExecutionState.ENDED)
+        self.counters.finished += 1
+        result = ExecutionResult(
+            spec.execution_id, spec.group_id, spec.task.task_id, spec.index, spec.dispatch_version, outcome,
+            exit_code, start, time.time(), exec_dir, ws, live.host, error,
+        )
+        self._emit(EventKind.FINISHED, spec, result)
+        return result
+
+    async def _supervise(self, live: _Live, proc: asyncio.subprocess.Process, timeout: float) -> tuple[Outcome, int | None]:
+        """Wait for the harness, the time limit, or a stop request; leave no process behind."""
+        waiter = asyncio.ensure_future(proc.wait())
+        stopper = asyncio.ensure_future(live.stop.wait())
+        try:
+            done, _ = await asyncio.wait({waiter, stopper}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            await kill_tree(proc.pid, self.cfg.kill_grace_s, proc)
+            raise
+        finally:
+            stopper.cancel()
+        if waiter in done:
+            # The leader exited; anything it left running in its session is killed now.
+            if tree_pids(proc.pid):
+                logger.info("execution %s: harness exited leaving processes behind; killing them", live.spec.execution_id)
+                await kill_tree(proc.pid, min(self.cfg.kill_grace_s, 1.0))
+            rc = proc.returncode
+            return (Outcome.COMPLETED if rc == 0 else Outcome.CRASHED), rc
+        waiter.cancel()
+        outcome = Outcome.CANCELLED if stopper in done else Outcome.TIMED_OUT
+        logger.info("execution %s: %s after %.1fs, killing its process tree", live.spec.execution_id, outcome.value, timeout)
+        await kill_tree(proc.pid, self.cfg.kill_grace_s, proc)
+        return outcome, proc.returncode
+
+    # ------------------------------------------------------------------ remote mode
+    def _pick_host(self) -> str:
+        if not self._host_load:
+            return "local"
+        host = min(self._host_load, key=lambda h: self._host_load[h])
+        self._host_load[host] += 1
+        return host
+
+    def _remote_ws(self, spec: ExecutionSpec) -> str:
+        return f"{self.cfg.remote_root.rstrip('/')}/{spec.execution_id}/workspace"
+
+    @staticmethod
+    def _fill(template: list[str], **kw: str) -> list[str]:
+        out = []
+        for a in template:
+            for k, v in kw.items():
+                a = a.replace("{" + k + "}", v)
+            out.append(a)
+        return out
+
+    async def _remote_launch(self, spec: ExecutionSpec, host: str, ws: Path, argv: list[str], env: dict[str, str],
+                             timeout: float) -> tuple[list[str], dict[str, str]]:
+        remote = self._remote_ws(spec)
+        await _check_call(self._fill(self.cfg.remote_push, host=host, local=str(ws), remote=remote))
+        env = {**env, "GYRE_WORKSPACE": remote}
+        env.pop("GYRE_INSTRUCTION_FILE", None)
+        env["GYRE_INSTRUCTION"] = spec.task.instruction
+        argv = [a.replace(str(ws), remote) for a in argv]
+        grace = max(1, int(self.cfg.kill_grace_s))
+        inner = (f"cd {shlex.quote(remote)} && exec env -i "
+                 + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
+                 + f" timeout -k {grace} {int(timeout) + 1} " + shlex.join(argv))
+        local_env = {k: os.environ[k] for k in ("PATH", "HOME", "USER", "SSH_AUTH_SOCK") if k in os.environ}
+        return self._fill(self.cfg.remote_shell, host=host) + [inner], local_env
+
+    async def _remote_pull(self, spec: ExecutionSpec, host: str, ws: Path) -> None:
+        try:
+            await _check_call(self._fill(self.cfg.remote_pull, host=host, local=str(ws), remote=self._remote_ws(spec)))
+        except Exception as e:  # noqa: BLE001 - the evaluator then scores what is local
+            logger.warning("execution %s: pulling the workspace back from %s failed: %s", spec.execution_id, host, e)
+
+
+async def _check_call(argv: list[str], timeout_s: float = 600.0) -> None:
+    proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except asyncio.TimeoutError:
+        await kill_tree(proc.pid, 1.0, proc)
+        raise TimeoutError(f"{argv[0]} exceeded {timeout_s}s") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(argv)} exited {proc.returncode}: {err.decode(errors='replace')[-500:]}")
