@@ -1,0 +1,137 @@
+"""The cell state machine (DESIGN §1, §3).
+
+Each cell is either serving rollouts or holding a training actor replica; the transitional
+states make the switch visible and measurable:
+
+    ROLLOUT ──► DRAINING ──► JOINING ──► TRAIN ──► RESUMING ──► ROLLOUT
+                                │           │          ▲
+                                │           └► PUBLISHING (core only, burst end)
+                                └──────────────────────┘  (burst ended before it claimed work)
+
+    ROLLOUT     the cell's engine serves model calls.
+    DRAINING    the proxy reroutes the engine's in-flight calls to retained engines; the engine
+                releases its memory.
+    JOINING     the actor is built or resumed; a satellite pulls the core's current parameter
+                snapshot; it becomes TRAIN when it claims its first micro-step.
+    TRAIN       claims micro-steps, reduces gradients over the prefix group of the step.
+    PUBLISHING  the core, at burst end: writes the new policy version for every engine.
+    RESUMING    the engine resumes its memory and loads the published weights.
+
+Any other transition raises `IllegalTransition`. Every transition is recorded with its
+timestamp (from an injectable clock), so switch latencies and time per role come from the log.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+class CellState(enum.Enum):
+    ROLLOUT = "rollout"
+    DRAINING = "draining"
+    JOINING = "joining"
+    TRAIN = "train"
+    PUBLISHING = "publishing"
+    RESUMING = "resuming"
+
+
+LEGAL: dict[CellState, frozenset[CellState]] = {
+    CellState.ROLLOUT: frozenset({CellState.DRAINING}),
+    CellState.DRAINING: frozenset({CellState.JOINING}),
+    CellState.JOINING: frozenset({CellState.TRAIN, CellState.RESUMING}),
+    CellState.TRAIN: frozenset({CellState.PUBLISHING, CellState.RESUMING}),
+    CellState.PUBLISHING: frozenset({CellState.RESUMING}),
+    CellState.RESUMING: frozenset({CellState.ROLLOUT}),
+}
+
+# States in which the cell's GPUs do rollout work vs training work (for timelines and fractions).
+ROLLOUT_STATES = frozenset({CellState.ROLLOUT})
+TRAIN_STATES = frozenset({CellState.JOINING, CellState.TRAIN, CellState.PUBLISHING})
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass
+class Transition:
+    cell: int
+    src: CellState
+    dst: CellState
+    time: float
+    note: str = ""
+
+
+@dataclass
+class CellStateMachine:
+    """State of one cell, with its transition log. Not thread-safe: one owner drives it."""
+
+    cell: int
+    clock: Callable[[], float] = time.monotonic
+    state: CellState = CellState.ROLLOUT
+    log: list[Transition] = field(default_factory=list)
+    born: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.born is None:
+            self.born = self.clock()
+
+    @property
+    def is_core(self) -> bool:
+        return self.cell == 0
+
+    def to(self, dst: CellState, note: str = "") -> Transition:
+        if dst not in LEGAL[self.state]:
+            raise IllegalTransition(f"cell {self.cell}: {self.state.name} → {dst.name} is not a legal transition "
+                                    f"(legal: {sorted(s.name for s in LEGAL[self.state])})")
+        if dst is CellState.PUBLISHING and not self.is_core:
+            raise IllegalTransition(f"cell {self.cell}: only the core publishes")
+        t = Transition(self.cell, self.state, dst, self.clock(), note)
+        self.state = dst
+        self.log.append(t)
+        return t
+
+    # ------------------------------------------------------------------ measurements
+    def switch_latencies(self) -> dict[str, list[float]]:
+        """Seconds spent switching: to_train = leaving ROLLOUT until JOINING (ready to train);
+        to_rollout = leaving TRAIN/PUBLISHING/JOINING until back in ROLLOUT."""
+        out: dict[str, list[float]] = {"to_train": [], "to_rollout": []}
+        start_train = start_rollout = None
+        for t in self.log:
+            if t.src is CellState.ROLLOUT:
+                start_train = t.time
+            if t.dst is CellState.JOINING and start_train is not None:
+                out["to_train"].append(t.time - start_train)
+                start_train = None
+            if t.dst is CellState.RESUMING:
+                start_rollout = t.time
+            if t.dst is CellState.ROLLOUT and start_rollout is not None:
+                out["to_rollout"].append(t.time - start_rollout)
+                start_rollout = None
+        return out
+
+    def intervals(self, until: float | None = None) -> list[tuple[CellState, float, float]]:
+        """(state, start, end) intervals from birth to `until` (default: now)."""
+        end = self.clock() if until is None else until
+        out, state, start = [], CellState.ROLLOUT, self.born
+        for t in self.log:
+            out.append((state, start, t.time))
+            state, start = t.dst, t.time
+        out.append((state, start, end))
+        return [iv for iv in out if iv[2] > iv[1]]
+
+    def time_in(self, until: float | None = None) -> dict[str, float]:
+        """Seconds spent in each state."""
+        acc = {s.value: 0.0 for s in CellState}
+        for s, a, b in self.intervals(until):
+            acc[s.value] += b - a
+        return acc
+
+    def train_fraction(self, until: float | None = None) -> float:
+        ivs = self.intervals(until)
+        total = sum(b - a for _, a, b in ivs)
+        train = sum(b - a for s, a, b in ivs if s in TRAIN_STATES)
+        return train / total if total > 0 else 0.0
