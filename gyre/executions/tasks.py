@@ -205,7 +205,11 @@ class Dataset:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{where}: invalid JSON: {e}") from None
-                tasks.append(Task.from_json(obj, base_dir=path.parent, where=where))
+                try:
+                    tasks.append(Task.from_json(obj, base_dir=path.parent, where=where))
+                except ValueError as e:
+                    msg = str(e)
+                    raise ValueError(msg if msg.startswith(where) else f"{where}: {msg}") from None
         logger.info("loaded %d tasks from %s", len(tasks), path)
         return cls(tasks)
 
