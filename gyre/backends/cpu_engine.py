@@ -104,14 +104,14 @@ class CpuEngine:
         return cls(model.config, model.state_dict(), **kwargs)
 
     # ---------------------------------------------------------------- lifecycle
-    def _move(self, to: EngineState) -> None:
-        if to not in _TRANSITIONS[self.state]:
+    def _move(self, to: EngineState, *, require: EngineState | None = None) -> None:
+        if to not in _TRANSITIONS[self.state] or (require is not None and self.state is not require):
             raise RuntimeError(f"CpuEngine: illegal transition {self.state.value} → {to.value}")
         logger.debug("engine %s → %s", self.state.value, to.value)
         self.state = to
 
     async def start(self) -> None:
-        self._move(EngineState.RUNNING)
+        self._move(EngineState.RUNNING, require=EngineState.CREATED)
         if self.config.threads > 0:
             torch.set_num_threads(self.config.threads)
         self._loop_task = asyncio.create_task(self._loop(), name="gyre-cpu-engine")
@@ -140,7 +140,7 @@ class CpuEngine:
 
     async def resume(self) -> None:
         async with self._step_lock:
-            self._move(EngineState.RUNNING)
+            self._move(EngineState.RUNNING, require=EngineState.RELEASED)
         self._wake.set()
 
     async def health(self) -> EngineHealth:
