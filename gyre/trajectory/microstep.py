@@ -38,6 +38,10 @@ class MicroStep:
     num_executions: int  # |E|
     step: int = 0  # optimizer step this micro-step belongs to
     index: int = 0  # position of this micro-step within the step
+    # [E] bool, same on every micro-step of a step: True where execution e's targets are spread
+    # over more than one micro-step, so s_e needs the forward-only pre-pass (DESIGN §6).
+    # None when the producer does not know.
+    exec_split: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,104 @@
+"""One call from ready groups to a step's micro-steps: load → tree → select → advantages → pack.
+
+`materialize_step(groups, ...)` is what a training step calls with the B groups the buffer
+handed out. Excluded executions (evaluation failed) are left out of E; all-equal groups are
+kept (zero advantage, zero weight) unless `skip_zero_advantage`, and reported either way.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from gyre.trajectory.advantages import group_advantages
+from gyre.trajectory.buffer import ExecutionResult, Group
+from gyre.trajectory.microstep import MicroStep
+from gyre.trajectory.packing import ExecutionSample, pack_step
+from gyre.trajectory.selection import Selection, select_trajectories
+from gyre.trajectory.store import load_execution
+from gyre.trajectory.tree import PrefixTree, build_tree
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StepBatch", "materialize_step"]
+
+
+@dataclass
+class StepBatch:
+    micro_steps: list[MicroStep]
+    samples: list[ExecutionSample]  # the step's execution table, in order
+    excluded: list[str] = field(default_factory=list)  # evaluation failed: not in E
+    all_equal_groups: list[str] = field(default_factory=list)  # zero signal
+    empty_groups: list[str] = field(default_factory=list)  # no valid execution
+    dropped_trajectories: int = 0  # chosen trajectories that claimed no target
+    tree_stats: dict[str, dict] = field(default_factory=dict)  # execution id → TreeStats.as_dict()
+    staleness: list[int] = field(default_factory=list)  # per group, when train_version is given
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(m.num_tokens for m in self.micro_steps)
+
+    @property
+    def num_targets(self) -> int:
+        return sum(m.num_targets for m in self.micro_steps)
+
+
+def _records(res: ExecutionResult):
+    if res.records is not None:
+        return res.records
+    if res.tito_path is None:
+        return []
+    return load_execution(res.tito_path)
+
+
+def materialize_step(
+    groups: Sequence[Group],
+    *,
+    max_tokens: int,
+    rng: np.random.Generator,
+    j_max: int | None = 5,
+    normalize_std: bool = True,
+    skip_zero_advantage: bool = False,
+    step: int = 0,
+    train_version: int | None = None,
+) -> StepBatch:
+    """Materialize B ready groups into micro-steps of at most `max_tokens` tokens.
+
+    |E| = number of executions in the execution table (valid executions, minus zero-advantage
+    ones when `skip_zero_advantage`). An execution without records (e.g. a harness that failed
+    before its first call) is in E with L_i = 0 and contributes no tokens.
+    """
+    batch = StepBatch(micro_steps=[], samples=[])
+    for g in groups:
+        results = g.ordered_results()
+        ga = group_advantages([r.outcome for r in results], normalize_std=normalize_std)
+        if ga.all_equal:
+            batch.all_equal_groups.append(g.group_id)
+        if ga.empty:
+            batch.empty_groups.append(g.group_id)
+        if train_version is not None:
+            batch.staleness.append(g.staleness(train_version))
+        for res, a, ok in zip(results, ga.advantages, ga.valid):
+            if not ok:
+                batch.excluded.append(res.execution_id)
+                continue
+            if skip_zero_advantage and a == 0.0:
+                continue
+            records = _records(res)
+            if not records:
+                logger.info("execution %s has no records; it stays in E with L_i = 0", res.execution_id)
+                batch.samples.append(ExecutionSample(res.execution_id, PrefixTree.empty(res.execution_id),
+                                                   Selection(res.execution_id, [], 0, 0, j_max), float(a)))
+                continue
+            tree = build_tree(records)
+            sel = select_trajectories(tree, j_max, rng)
+            batch.dropped_trajectories += sel.dropped
+            batch.tree_stats[res.execution_id] = tree.stats.as_dict()
+            batch.samples.append(ExecutionSample(res.execution_id, tree, sel, float(a)))
+    if batch.samples:
+        batch.micro_steps = pack_step(batch.samples, max_tokens, step=step)
+    return batch
+

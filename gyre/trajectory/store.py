@@ -1,0 +1,297 @@
+"""Append-only on-disk TITO store: one binary file per execution (DESIGN §4, issue 3 item 1).
+
+File layout (little-endian):
+
+    header   b"GYRETITO" | u32 format version | u32 reserved                      16 bytes
+    frame*   u32 FRAME_MAGIC | u32 payload length P | u32 crc32(payload) | payload   12 + P bytes
+    payload  struct _REC (call id, role, policy version, start, end, |I|, |O|, |M|, meta length)
+             | meta JSON (execution id, finish reason, payload_ref)
+             | input_ids int32[I] | output_ids int32[O] | output_logprobs float32[O]
+             | output_versions int32[O] | message_starts int32[M]
+
+Token arrays are raw bytes (no JSON lists of ints), so a ~1M-token execution loads in tens of
+milliseconds. Each frame goes to disk in one `write` on an O_APPEND descriptor; a crash while
+writing loses at most that frame. On load, a frame that runs past the end of the file, fails
+its checksum as the file's last frame, or a zero-filled tail (file size extended, data never
+written) is a *torn tail*: it is dropped and reported (`StoreReadResult.torn_tail_bytes`), and
+`TitoWriter` truncates it before appending again. Any other damage (a bad frame followed by more
+data) raises `StoreCorruptError` naming the file and offset: nothing is silently lost.
+
+Concurrency: `TitoWriter.append` is thread-safe (a lock serializes frames). Use one writer per
+execution file per process; two processes appending to one file is not supported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gyre.trajectory.record import CallRecord, Role
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "StoreCorruptError",
+    "StoreReadResult",
+    "TitoStore",
+    "TitoWriter",
+    "encode_record",
+    "load_execution",
+    "read_execution",
+]
+
+FILE_MAGIC = b"GYRETITO"
+FORMAT_VERSION = 1
+_FILE_HEADER = struct.Struct("<8sII")
+FRAME_MAGIC = 0x30544954  # b"TIT0"
+_FRAME = struct.Struct("<III")
+# call_id, role, policy_version, start_time, end_time, n_in, n_out, n_msg, meta_len
+_REC = struct.Struct("<qBqddIIII")
+_EXEC_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+
+class StoreCorruptError(RuntimeError):
+    """A store file is damaged somewhere other than its last frame (not a torn tail)."""
+
+
+@dataclass
+class StoreReadResult:
+    """What `read_execution` found: the records, and how many tail bytes were torn and dropped."""
+
+    records: list[CallRecord]
+    valid_bytes: int  # length of the valid prefix of the file (header + whole frames)
+    torn_tail_bytes: int  # bytes after the valid prefix that were dropped (0 = clean file)
+
+    @property
+    def torn(self) -> bool:
+        return self.torn_tail_bytes > 0
+
+
+def encode_record(record: CallRecord) -> bytes:
+    """One framed record (frame header + payload), ready to append."""
+    meta = json.dumps(
+        {
+            "execution_id": record.execution_id,
+            "finish_reason": record.finish_reason,
+            "payload_ref": record.payload_ref,
+        },
+        separators=(",", ":"),
+    ).encode("utf-8")
+    head = _REC.pack(
+        int(record.call_id),
+        int(record.role),
+        int(record.policy_version),
+        float(record.start_time),
+        float(record.end_time),
+        len(record.input_ids),
+        len(record.output_ids),
+        len(record.message_starts),
+        len(meta),
+    )
+    payload = b"".join(
+        (
+            head,
+            meta,
+            record.input_ids.astype("<i4", copy=False).tobytes(),
+            record.output_ids.astype("<i4", copy=False).tobytes(),
+            record.output_logprobs.astype("<f4", copy=False).tobytes(),
+            record.output_versions.astype("<i4", copy=False).tobytes(),
+            record.message_starts.astype("<i4", copy=False).tobytes(),
+        )
+    )
+    return _FRAME.pack(FRAME_MAGIC, len(payload), zlib.crc32(payload)) + payload
+
+
+def _decode_payload(buf: memoryview, path: str, offset: int) -> CallRecord:
+    call_id, role, version, t0, t1, n_in, n_out, n_msg, meta_len = _REC.unpack_from(buf, 0)
+    p = _REC.size
+    expected = p + meta_len + 4 * (n_in + 3 * n_out + n_msg)
+    if expected != len(buf):
+        raise StoreCorruptError(f"{path}: frame at offset {offset} declares {expected} bytes of fields in a {len(buf)}-byte payload")
+    meta = json.loads(bytes(buf[p : p + meta_len]).decode("utf-8"))
+    p += meta_len
+
+    def take(n: int, dtype: str) -> np.ndarray:
+        nonlocal p
+        arr = np.frombuffer(buf, dtype=dtype, count=n, offset=p).copy()
+        p += 4 * n
+        return arr
+
+    input_ids = take(n_in, "<i4")
+    output_ids = take(n_out, "<i4")
+    logprobs = take(n_out, "<f4")
+    versions = take(n_out, "<i4")
+    starts = take(n_msg, "<i4")
+    return CallRecord(
+        execution_id=meta["execution_id"],
+        call_id=call_id,
+        role=Role(role),
+        input_ids=input_ids,
+        output_ids=output_ids,
+        output_logprobs=logprobs,
+        policy_version=version,
+        start_time=t0,
+        end_time=t1,
+        finish_reason=meta["finish_reason"],
+        output_versions=versions,
+        message_starts=starts,
+        payload_ref=meta["payload_ref"],
+    )
+
+
+def _scan(data: bytes, path: str, decode: bool) -> StoreReadResult:
+    """Walk the frames of a whole file held in `data`; see the module docstring for the rules."""
+    size = len(data)
+    if size < _FILE_HEADER.size:
+        # A file whose header itself is torn holds no records.
+        if FILE_MAGIC.startswith(data[: len(FILE_MAGIC)]):
+            return StoreReadResult([], 0, size)
+        raise StoreCorruptError(f"{path}: not a TITO store (bad header)")
+    magic, version, _ = _FILE_HEADER.unpack_from(data, 0)
+    if magic != FILE_MAGIC:
+        raise StoreCorruptError(f"{path}: not a TITO store (magic {magic!r})")
+    if version != FORMAT_VERSION:
+        raise StoreCorruptError(f"{path}: format version {version}, this build reads {FORMAT_VERSION}")
+    view = memoryview(data)
+    records: list[CallRecord] = []
+    off = _FILE_HEADER.size
+    while off < size:
+        torn_reason = None
+        if size - off < _FRAME.size:
+            torn_reason = "incomplete frame header"
+        else:
+            fmagic, plen, crc = _FRAME.unpack_from(data, off)
+            end = off + _FRAME.size + plen
+            if fmagic != FRAME_MAGIC:
+                if data.count(0, off) == size - off:
+                    torn_reason = "zero-filled tail"
+                else:
+                    raise StoreCorruptError(f"{path}: bad frame magic at offset {off} with data after it")
+            elif end > size:
+                torn_reason = f"frame needs {end - off} bytes, {size - off} present"
+            elif zlib.crc32(view[off + _FRAME.size : end]) != crc:
+                if end == size:
+                    torn_reason = "checksum mismatch in the last frame"
+                else:
+                    raise StoreCorruptError(f"{path}: checksum mismatch in the frame at offset {off} with {size - end} bytes after it")
+        if torn_reason is not None:
+            logger.warning("%s: torn tail at offset %d (%s): dropped %d bytes", path, off, torn_reason, size - off)
+            return StoreReadResult(records, off, size - off)
+        if decode:
+            records.append(_decode_payload(view[off + _FRAME.size : end], path, off))
+        off = end
+    return StoreReadResult(records, off, 0)
+
+
+def read_execution(path: str | os.PathLike) -> StoreReadResult:
+    """Load every whole record of one execution's store file and report a torn tail, if any."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    return _scan(data, path, decode=True)
+
+
+def load_execution(path: str | os.PathLike) -> list[CallRecord]:
+    """Records of one execution in file (append) order; a torn tail is dropped with a warning."""
+    return read_execution(path).records
+
+
+class TitoWriter:
+    """Appends the records of one execution to its store file. Thread-safe.
+
+    Opening an existing file validates it and truncates a torn tail, so appends always follow
+    the last whole record. `fsync=True` makes each append durable before it returns (slower);
+    without it a machine crash may lose the most recent records, never corrupt older ones.
+    Records of another execution are refused (the proxy maps one API key to one execution).
+    """
+
+    def __init__(self, path: str | os.PathLike, execution_id: str, *, fsync: bool = False) -> None:
+        if not _EXEC_ID.match(execution_id):
+            raise ValueError(f"execution_id {execution_id!r}: use 1-200 chars of [A-Za-z0-9._-]")
+        self.path = os.fspath(path)
+        self.execution_id = execution_id
+        self.fsync = fsync
+        self._lock = threading.Lock()
+        self.num_records = 0
+        if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
+            with open(self.path, "rb") as f:
+                res = _scan(f.read(), self.path, decode=False)
+            if res.torn:
+                logger.warning("%s: truncating torn tail of %d bytes before appending", self.path, res.torn_tail_bytes)
+                os.truncate(self.path, res.valid_bytes)
+            self.num_records = -1  # unknown without decoding; counts appends from here on
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if os.fstat(self._fd).st_size == 0:
+            self._write(_FILE_HEADER.pack(FILE_MAGIC, FORMAT_VERSION, 0))
+            self.num_records = 0
+
+    def _write(self, buf: bytes) -> None:
+        view = memoryview(buf)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+        if self.fsync:
+            os.fsync(self._fd)
+
+    def append(self, record: CallRecord) -> None:
+        if record.execution_id != self.execution_id:
+            raise ValueError(
+                f"record.execution_id {record.execution_id!r} does not match this writer's execution {self.execution_id!r}"
+            )
+        frame = encode_record(record)
+        with self._lock:
+            if self._fd < 0:
+                raise ValueError(f"{self.path}: writer is closed")
+            self._write(frame)
+            if self.num_records >= 0:
+                self.num_records += 1
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    def __enter__(self) -> "TitoWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TitoStore:
+    """A directory of per-execution store files, `<root>/<execution_id>.tito`."""
+
+    SUFFIX = ".tito"
+
+    def __init__(self, root: str | os.PathLike, *, fsync: bool = False) -> None:
+        self.root = Path(root)
+        self.fsync = fsync
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path_for(self, execution_id: str) -> Path:
+        if not _EXEC_ID.match(execution_id):
+            raise ValueError(f"execution_id {execution_id!r}: use 1-200 chars of [A-Za-z0-9._-]")
+        return self.root / f"{execution_id}{self.SUFFIX}"
+
+    def writer(self, execution_id: str) -> TitoWriter:
+        return TitoWriter(self.path_for(execution_id), execution_id, fsync=self.fsync)
+
+    def load(self, execution_id: str) -> list[CallRecord]:
+        return load_execution(self.path_for(execution_id))
+
+    def read(self, execution_id: str) -> StoreReadResult:
+        return read_execution(self.path_for(execution_id))
+
+    def execution_ids(self) -> list[str]:
+        return sorted(p.name[: -len(self.SUFFIX)] for p in self.root.glob(f"*{self.SUFFIX}"))
