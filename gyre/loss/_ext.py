@@ -2,7 +2,7 @@
 
 The ops live under the `gyre::` namespace (TORCH_LIBRARY in gyre/csrc/ops.cpp):
 
-    logprobs_fwd(logits [T,V], targets [T]) -> (logprobs [T], lse [T])          fp32 (fp64 for fp64)
+    logprobs_fwd(logits [T,V], targets [T]) -> (logprobs [T] fp32 (fp64 for fp64), lse [T] fp64)
     logprobs_bwd(grad [T], logits, targets, lse) -> grad_logits [T,V]           logits' dtype
     logprobs_hidden_fwd(hidden [T,H], weight [V,H], targets, chunk) -> (logprobs, lse)
     logprobs_hidden_bwd(grad, hidden, weight, targets, lse, chunk) -> (grad_hidden, grad_weight)
@@ -45,7 +45,7 @@ def _register() -> None:
     def _(logits, targets):
         t = logits.shape[0]
         dt = _lowp_out(logits.dtype)
-        return logits.new_empty((t,), dtype=dt), logits.new_empty((t,), dtype=dt)
+        return logits.new_empty((t,), dtype=dt), logits.new_empty((t,), dtype=torch.float64)
 
     @lib.register_fake("gyre::logprobs_bwd")
     def _(grad, logits, targets, lse):
@@ -55,7 +55,7 @@ def _register() -> None:
     def _(hidden, weight, targets, chunk_size):
         t = hidden.shape[0]
         dt = _lowp_out(hidden.dtype)
-        return hidden.new_empty((t,), dtype=dt), hidden.new_empty((t,), dtype=dt)
+        return hidden.new_empty((t,), dtype=dt), hidden.new_empty((t,), dtype=torch.float64)
 
     @lib.register_fake("gyre::logprobs_hidden_bwd")
     def _(grad, hidden, weight, targets, lse, chunk_size):
