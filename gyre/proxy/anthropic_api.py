@@ -1,0 +1,246 @@
+"""Anthropic adapter: `POST /v1/messages` (plain and streamed) and `POST /v1/messages/count_tokens`.
+
+Content blocks map onto the chat template: `text` -> message text, assistant `tool_use` ->
+tool_calls, user `tool_result` -> a `tool` message (rendered inside `<tool_response>`).
+`thinking` blocks are context the template has no place for and are left out. Streams follow
+Anthropic's event sequence: message_start, per block content_block_start / _delta / _stop
+(text_delta, input_json_delta), message_delta (stop_reason, usage), message_stop. Errors use
+Anthropic's body: {"type": "error", "error": {"type", "message"}}.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+from aiohttp import web
+
+from gyre.proxy import validate as V
+from gyre.proxy.core import ApiError, Call, ChatRequest
+from gyre.proxy.textstream import ToolCall
+
+_ERROR_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "authentication": "authentication_error",
+    "not_found": "not_found_error",
+    "too_large": "request_too_large",
+    "overloaded": "overloaded_error",
+    "internal": "api_error",
+}
+_IGNORED_BLOCKS = {"thinking", "redacted_thinking"}
+
+
+def error_body(e: ApiError) -> dict:
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(e.kind, "api_error"), "message": e.message}}
+
+
+def error_status(e: ApiError) -> int:
+    return 529 if e.kind == "overloaded" else e.status
+
+
+def _text_blocks(v: Any, field: str) -> str:
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, list):
+        raise V.bad(field, "must be a string or an array of content blocks")
+    out = []
+    for i, b in enumerate(v):
+        if not isinstance(b, dict):
+            raise V.bad(f"{field}[{i}]", "must be an object")
+        if b.get("type") != "text":
+            raise V.bad(f"{field}[{i}].type", f"unsupported block type {b.get('type')!r} here (text only)")
+        out.append(V.req_str(b, "text", f"{field}[{i}]."))
+    return "\n".join(out)
+
+
+def parse_messages(raw: Any, system: Any) -> list[dict]:
+    msgs: list[dict] = []
+    if system is not None:
+        sys_text = _text_blocks(system, "system")
+        if sys_text:
+            msgs.append({"role": "system", "content": sys_text})
+    if raw is None:
+        raise V.bad("messages", "is required")
+    if not isinstance(raw, list) or not raw:
+        raise V.bad("messages", "must be a non-empty array")
+    for i, m in enumerate(raw):
+        f = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise V.bad(f, "must be an object")
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise V.bad(f + ".role", "must be 'user' or 'assistant'")
+        content = m.get("content")
+        if isinstance(content, str):
+            msgs.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise V.bad(f + ".content", "must be a string or an array of content blocks")
+        texts: list[str] = []
+        calls: list[dict] = []
+        for j, b in enumerate(content):
+            bf = f"{f}.content[{j}]"
+            if not isinstance(b, dict):
+                raise V.bad(bf, "must be an object")
+            kind = b.get("type")
+            if kind == "text":
+                texts.append(V.req_str(b, "text", bf + "."))
+            elif kind == "tool_use" and role == "assistant":
+                V.req_str(b, "id", bf + ".")
+                name = V.req_str(b, "name", bf + ".")
+                inp = b.get("input", {})
+                if not isinstance(inp, dict):
+                    raise V.bad(bf + ".input", "must be an object")
+                calls.append({"name": name, "arguments": inp})
+            elif kind == "tool_result" and role == "user":
+                V.req_str(b, "tool_use_id", bf + ".")
+                if texts:  # keep order: text that came before the result
+                    msgs.append({"role": "user", "content": "\n".join(texts)})
+                    texts = []
+                res = b.get("content", "")
+                msgs.append({"role": "tool", "content": _text_blocks(res, bf + ".content") if res is not None else ""})
+            elif kind in _IGNORED_BLOCKS:
+                continue
+            else:
+                raise V.bad(bf + ".type", f"unsupported block type {kind!r} in a {role} message")
+        if role == "assistant":
+            msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            msgs.append(msg)
+        elif texts or not msgs or msgs[-1]["role"] != "tool":
+            msgs.append({"role": "user", "content": "\n".join(texts)})
+    return msgs
+
+
+def parse_tools(raw: Any) -> list[dict] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise V.bad("tools", "must be an array")
+    out = []
+    for i, t in enumerate(raw):
+        if not isinstance(t, dict):
+            raise V.bad(f"tools[{i}]", "must be an object")
+        name = V.req_str(t, "name", f"tools[{i}].")
+        schema = t.get("input_schema")
+        if schema is None and t.get("type") not in (None, "custom"):
+            continue  # a server tool (web search, ...): nothing the policy can call here
+        if not isinstance(schema, dict):
+            raise V.bad(f"tools[{i}].input_schema", "must be an object")
+        fn = {"name": name, "description": V.opt_str(t, "description", f"tools[{i}].", ""), "parameters": schema}
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
+    V.req_str(body, "model")
+    req = ChatRequest(api="anthropic")
+    req.messages = parse_messages(body.get("messages"), body.get("system"))
+    req.tools = parse_tools(body.get("tools"))
+    if count_only:
+        return req
+    if body.get("max_tokens") is None:
+        raise V.bad("max_tokens", "is required")
+    req.max_tokens = V.opt_int(body, "max_tokens", lo=1)
+    req.temperature = V.opt_num(body, "temperature", 1.0, 0.0, 1.0)
+    req.top_p = V.opt_num(body, "top_p", 1.0, 0.0, 1.0)
+    V.opt_int(body, "top_k", None, lo=0)
+    req.stop = V.stop_list(body.get("stop_sequences"), "stop_sequences", max_items=64)
+    if isinstance(body.get("stop_sequences"), str):
+        raise V.bad("stop_sequences", "must be an array of strings")
+    req.stream = V.opt_bool(body, "stream")
+    tc = body.get("tool_choice")
+    if tc is not None and not isinstance(tc, dict):
+        raise V.bad("tool_choice", "must be an object")
+    req.parse_tools = not (tc and tc.get("type") == "none")
+    md = body.get("metadata")
+    if md is not None and not isinstance(md, dict):
+        raise V.bad("metadata", "must be an object")
+    return req
+
+
+def _stop_reason(call: Call) -> str:
+    if call.stop_string is not None:
+        return "stop_sequence"
+    return {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}[call.finish]
+
+
+def _tool_block(tc: ToolCall) -> dict:
+    args = tc.arguments if isinstance(tc.arguments, dict) else {"value": tc.arguments}
+    return {"type": "tool_use", "id": "toolu_" + secrets.token_hex(12), "name": tc.name, "input": args}
+
+
+def _event(name: str, data: dict) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def respond(request: web.Request, call: Call, model: str) -> web.StreamResponse:
+    mid = "msg_" + secrets.token_hex(12)
+    if not call.req.stream:
+        async for _ in call.events():
+            pass
+        content: list[dict] = []
+        if call.content:
+            content.append({"type": "text", "text": call.content})
+        content += [_tool_block(tc) for tc in call.tool_calls]
+        body = {
+            "id": mid,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": content,
+            "stop_reason": _stop_reason(call),
+            "stop_sequence": call.stop_string,
+            "usage": {"input_tokens": call.prompt_tokens, "output_tokens": len(call.tokens)},
+        }
+        return web.json_response(body)
+
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    start = {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": call.prompt_tokens, "output_tokens": 0},
+    }
+    await resp.write(_event("message_start", {"type": "message_start", "message": start}))
+    index = -1
+    text_open = False
+    try:
+        async for item in call.events():
+            if isinstance(item, ToolCall):
+                out = b""
+                if text_open:
+                    out += _event("content_block_stop", {"type": "content_block_stop", "index": index})
+                    text_open = False
+                index += 1
+                blk = _tool_block(item)
+                out += _event("content_block_start", {"type": "content_block_start", "index": index, "content_block": {**blk, "input": {}}})
+                out += _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {"type": "input_json_delta", "partial_json": json.dumps(blk["input"], ensure_ascii=False)}})
+                out += _event("content_block_stop", {"type": "content_block_stop", "index": index})
+                await resp.write(out)
+                continue
+            out = b""
+            if not text_open:
+                index += 1
+                text_open = True
+                out += _event("content_block_start", {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}})
+            out += _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": item}})
+            await resp.write(out)
+    except ApiError as e:
+        await resp.write(_event("error", error_body(e)))
+        return resp
+    out = b""
+    if text_open:
+        out += _event("content_block_stop", {"type": "content_block_stop", "index": index})
+    out += _event("message_delta", {"type": "message_delta", "delta": {"stop_reason": _stop_reason(call), "stop_sequence": call.stop_string}, "usage": {"output_tokens": len(call.tokens)}})
+    out += _event("message_stop", {"type": "message_stop"})
+    await resp.write(out)
+    await resp.write_eof()
+    return resp

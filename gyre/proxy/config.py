@@ -1,0 +1,69 @@
+"""Proxy configuration (tyro-friendly; the lead nests `ProxyConfig` into `gyre.config`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+DEFAULT_SUMMARY_MARKERS = (
+    "Your task is to create a detailed summary of the conversation so far",
+    "summarize the conversation so far",
+    "<gyre:summary>",
+)
+
+
+@dataclass(kw_only=True)
+class RoleRulesConfig:
+    """How a call's role (main, main summary, sub-agent, sub-agent summary) is decided.
+
+    Order: the request header, then the key's role hint, then the rules: the first main call of an
+    execution fixes its main system prompt; a later call whose system prompt does not match it is
+    a sub-agent call; a summary marker in the last user turn makes it the summary variant.
+    """
+
+    header: str = "x-gyre-role"
+    """Request header that names the role outright: main, main_summary, sub, sub_summary."""
+    use_key_hint: bool = True
+    """Honour a role hint attached to the execution's key when it was issued."""
+    system_prompt_match: Literal["exact", "prefix"] = "prefix"
+    """Compare system prompts whole, or only their first `system_prompt_prefix_chars` characters."""
+    system_prompt_prefix_chars: int = 256
+    """Characters compared in `prefix` mode (harnesses often append dates or paths at the end)."""
+    summary_markers: tuple[str, ...] = DEFAULT_SUMMARY_MARKERS
+    """Substrings (case-insensitive) of the last user turn that mark a context-compaction call."""
+    sub_agent_markers: tuple[str, ...] = ()
+    """Substrings (case-insensitive) of the last user turn that mark a sub-agent call."""
+
+
+@dataclass(kw_only=True)
+class ProxyConfig:
+    """The black-box proxy (DESIGN §4): OpenAI / Anthropic endpoints, TITO recording, routing."""
+
+    host: str = "127.0.0.1"
+    """Bind address (loopback by default)."""
+    port: int = 0
+    """Bind port; 0 picks a free one (the handle reports it)."""
+    model_name: str = "gyre-policy"
+    """Model id reported by /v1/models and echoed in responses (requests may name any model)."""
+    max_context_tokens: int = 32768
+    """Model context limit: prompts at or over it get a 400; max_tokens is clamped to fit."""
+    default_max_tokens: int = 1024
+    """OpenAI calls without max_tokens (Anthropic requires it)."""
+    max_body_bytes: int = 16 << 20
+    """Request bodies over this get a 413 in the API's error format."""
+    tool_parser: Literal["hermes", "none"] = "hermes"
+    """How tool calls are read out of the model's text: Qwen/Hermes `<tool_call>` JSON, or not at all."""
+    require_auth: bool = True
+    """Reject calls without a known, unrevoked execution key (401)."""
+    affinity_slack: int = 2
+    """Prefix affinity: keep an execution on its engine unless that engine has this many more
+    in-flight calls than the least-loaded one."""
+    max_reroutes: int = 16
+    """Reroutes (drain or engine failure) allowed per call before it fails with an error."""
+    engine_wait_s: float = 600.0
+    """How long a call waits for any engine to be in rollout before failing with 503/529."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory; None = the committed one (gyre/assets/tokenizer)."""
+    encode_cache_chars: int = 64 << 20
+    """Characters of rendered chat turns whose token ids are cached (long histories re-send them)."""
+    roles: RoleRulesConfig = field(default_factory=RoleRulesConfig)

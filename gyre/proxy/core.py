@@ -1,0 +1,317 @@
+"""The API-independent heart of the proxy: one model call from an authenticated, parsed request
+to a stream of text / tool calls for the client and one TITO record (DESIGN §4).
+
+    Proxy.prepare(key, headers, request)   role, render with splicing, limits  (errors are 4xx)
+    async for item in call.events():        str pieces and ToolCall objects, as generated
+    (end of events)                          record -> sink; assistant turn kept for splicing
+
+The OpenAI and Anthropic adapters only translate formats around this.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from gyre.backends.protocols import SamplingParams, TokenEvent
+from gyre.backends.tokenizer import ENDOFTEXT, IM_END, load_tokenizer, token_bytes
+from gyre.proxy.config import ProxyConfig
+from gyre.proxy.keys import KeyInfo, KeyRegistry, RoleClassifier
+from gyre.proxy.render import ChatRenderer, Rendered, StoredTurn, turn_fingerprint
+from gyre.proxy.router import NoEngineError, RouteInfo, Router
+from gyre.proxy.sink import MemorySink, RecordSink
+from gyre.proxy.textstream import Detokenizer, StopMatcher, ToolCall, ToolCallParser
+from gyre.trajectory.record import CallRecord, Role
+
+logger = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """A client-visible error; adapters format it in their API's own error body."""
+
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind  # invalid_request | authentication | not_found | too_large | overloaded | internal
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class ChatRequest:
+    """A parsed request, API-independent. `messages` are normalized: role in system / user /
+    assistant / tool, `content` a str, assistant `tool_calls` as [{name, arguments}]."""
+
+    api: str
+    messages: list[dict] | None = None
+    tools: list[dict] | None = None
+    prompt_ids: list[int] | None = None  # /v1/completions
+    prompt_text: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False  # OpenAI stream_options.include_usage
+    logprobs: bool = False
+    parse_tools: bool = True
+
+
+@dataclass
+class ExecutionState:
+    execution_id: str
+    call_ids: itertools.count = field(default_factory=itertools.count)
+    turns: dict[tuple, list[StoredTurn]] = field(default_factory=dict)
+    main_system: str | None = None
+    calls: int = 0
+    spliced_turns: int = 0
+    unmatched_turns: int = 0
+    reroutes: int = 0
+    aborted_calls: int = 0
+    roles: dict[str, int] = field(default_factory=dict)
+
+
+class Call:
+    """One model call in flight. Iterate `events()` once; afterwards the fields below are final."""
+
+    def __init__(self, proxy: "Proxy", state: ExecutionState, role: Role, req: ChatRequest, rendered: Rendered, sampling: SamplingParams, start: float) -> None:
+        self.proxy = proxy
+        self.state = state
+        self.role = role
+        self.req = req
+        self.rendered = rendered
+        self.sampling = sampling
+        self.start_time = start
+        self.call_id = next(state.call_ids)
+        self.tokens: list[TokenEvent] = []
+        self.content_parts: list[str] = []
+        self.tool_calls: list[ToolCall] = []
+        self.stop_string: str | None = None
+        self.finish: str = "stop"  # stop | length | tool_calls | abort
+        self.first_token_time: float | None = None
+        self.route = RouteInfo()
+        self.record: CallRecord | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.rendered.ids)
+
+    @property
+    def content(self) -> str:
+        return "".join(self.content_parts)
+
+    async def events(self) -> AsyncIterator[str | ToolCall]:
+        p = self.proxy
+        det = Detokenizer(p.token_table, p.eos_ids)
+        stopper = StopMatcher(self.req.stop)
+        parser = ToolCallParser(enabled=self.req.parse_tools and p.config.tool_parser == "hermes")
+        key = f"{self.state.execution_id}/{self.call_id}/{next(p._serial)}"
+        gen = p.router.generate(key, self.state.execution_id, self.rendered.ids, self.sampling, self.route, p.eos_ids)
+        completed = False
+        try:
+            async for ev in gen:
+                if self.first_token_time is None:
+                    self.first_token_time = time.time()
+                self.tokens.append(ev)
+                text = det.push(ev.token_id)
+                if text:
+                    for item in parser.push(stopper.push(text)):
+                        yield self._keep(item)
+                    if stopper.matched is not None:
+                        break
+            if stopper.matched is None:
+                tail = stopper.push(det.flush())
+                tail += stopper.flush() if stopper.matched is None else ""
+                for item in parser.push(tail):
+                    yield self._keep(item)
+            for item in parser.flush():
+                yield self._keep(item)
+            completed = True
+        except NoEngineError as e:
+            raise ApiError(503, "overloaded", f"no rollout engine: {e}") from None
+        finally:
+            await gen.aclose()
+            self._finish(completed, stopper.matched)
+
+    def _keep(self, item: str | ToolCall) -> str | ToolCall:
+        if isinstance(item, ToolCall):
+            self.tool_calls.append(item)
+        else:
+            self.content_parts.append(item)
+        return item
+
+    def _finish(self, completed: bool, stop_string: str | None) -> None:
+        p = self.proxy
+        self.stop_string = stop_string
+        last = self.tokens[-1] if self.tokens else None
+        if not completed:
+            self.finish = "abort"
+        elif stop_string is not None:
+            self.finish = "stop"
+        elif last is not None and (last.token_id in p.eos_ids or last.finish_reason == "stop"):
+            self.finish = "stop"
+        elif len(self.tokens) >= self.sampling.max_tokens or (last is not None and last.finish_reason == "length"):
+            self.finish = "length"
+        if self.finish == "stop" and self.tool_calls:
+            self.finish = "tool_calls"
+        st = self.state
+        st.calls += 1
+        st.spliced_turns += self.rendered.spliced
+        st.unmatched_turns += self.rendered.unmatched
+        st.reroutes += self.route.reroutes
+        st.roles[self.role.name] = st.roles.get(self.role.name, 0) + 1
+        if not completed:
+            st.aborted_calls += 1
+        out_ids = [e.token_id for e in self.tokens]
+        end = time.time()
+        self.record = CallRecord(
+            execution_id=st.execution_id,
+            call_id=self.call_id,
+            role=self.role,
+            input_ids=self.rendered.ids,
+            output_ids=out_ids,
+            output_logprobs=[e.logprob for e in self.tokens],
+            policy_version=self.tokens[0].version if self.tokens else p.policy_version,
+            start_time=self.start_time,
+            end_time=end,
+            finish_reason="tool_calls" if self.finish == "tool_calls" else self.finish,
+            output_versions=[e.version for e in self.tokens],
+            message_starts=self.rendered.message_starts,
+            payload_ref={
+                "api": self.req.api,
+                "spliced_turns": self.rendered.spliced,
+                "unmatched_turns": self.rendered.unmatched,
+                "spliced_spans": [list(s) for s in self.rendered.spliced_spans],
+                "spliced_calls": self.rendered.spliced_calls,
+                "engines": self.route.engines,
+                "reroutes": self.route.reroutes,
+                "ttft_s": (self.first_token_time - self.start_time) if self.first_token_time else None,
+                "stop_string": stop_string,
+            },
+        )
+        if completed and self.req.messages is not None:
+            calls = [{"name": tc.name, "arguments": tc.arguments} for tc in self.tool_calls]
+            fp = turn_fingerprint(self.content, calls)
+            st.turns.setdefault(fp, []).append(StoredTurn(call_id=self.call_id, input_ids=self.rendered.ids, output_ids=out_ids))
+        try:
+            p.sink.on_record(self.record)
+        except Exception:  # a failing sink must be loud, but the client already has its answer
+            logger.exception("proxy: sink failed on %s/%d", st.execution_id, self.call_id)
+            p.sink_errors += 1
+
+
+class Proxy:
+    """Keys, executions, rendering, routing and records. Serve it with `gyre.proxy.server`."""
+
+    def __init__(self, config: ProxyConfig | None = None, *, router: Router | None = None, sink: RecordSink | None = None, tokenizer=None) -> None:
+        self.config = config or ProxyConfig()
+        c = self.config
+        self.tokenizer = tokenizer or load_tokenizer(c.tokenizer_path)
+        self.renderer = ChatRenderer(self.tokenizer, cache_chars=c.encode_cache_chars)
+        self.token_table = token_bytes(self.tokenizer)
+        self.eos_ids = frozenset(self.tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT]))
+        self.router = router or Router(affinity_slack=c.affinity_slack, max_reroutes=c.max_reroutes, engine_wait_s=c.engine_wait_s)
+        self.sink = sink if sink is not None else MemorySink()
+        self.keys = KeyRegistry()
+        self.classifier = RoleClassifier(c.roles)
+        self.executions: dict[str, ExecutionState] = {}
+        self.policy_version = 0  # reported for calls that produced no token
+        self.sink_errors = 0
+        self._serial = itertools.count()
+
+    # ---- executions -------------------------------------------------------------------------
+    def issue_key(self, execution_id: str, role_hint: Role | str | None = None, key: str | None = None) -> str:
+        return self.keys.issue(execution_id, role_hint, key)
+
+    def revoke_execution(self, execution_id: str) -> int:
+        return self.keys.revoke_execution(execution_id)
+
+    def execution_stats(self, execution_id: str) -> dict[str, Any]:
+        st = self.executions.get(execution_id)
+        if st is None:
+            return {"calls": 0, "spliced_turns": 0, "unmatched_turns": 0, "reroutes": 0, "aborted_calls": 0, "roles": {}}
+        return {
+            "calls": st.calls,
+            "spliced_turns": st.spliced_turns,
+            "unmatched_turns": st.unmatched_turns,
+            "reroutes": st.reroutes,
+            "aborted_calls": st.aborted_calls,
+            "roles": dict(st.roles),
+        }
+
+    def close_execution(self, execution_id: str) -> dict[str, Any]:
+        """Revoke the execution's keys, drop its splice state, close its store file."""
+        stats = self.execution_stats(execution_id)
+        self.keys.revoke_execution(execution_id)
+        self.executions.pop(execution_id, None)
+        self.router.forget(execution_id)
+        close = getattr(self.sink, "close_execution", None)
+        if close is not None:
+            close(execution_id)
+        return stats
+
+    # ---- calls ------------------------------------------------------------------------------
+    def authenticate(self, key: str | None) -> KeyInfo:
+        info = self.keys.lookup(key)
+        if info is None:
+            if not self.config.require_auth:
+                return KeyInfo(key="", execution_id="anonymous")
+            raise ApiError(401, "authentication", "invalid or revoked API key" if key else "missing API key")
+        return info
+
+    def prepare(self, key: KeyInfo, headers, req: ChatRequest) -> Call:
+        c = self.config
+        start = time.time()
+        state = self.executions.get(key.execution_id)
+        if state is None:
+            state = self.executions[key.execution_id] = ExecutionState(execution_id=key.execution_id)
+        system, last_user = "", ""
+        if req.messages:
+            if req.messages[0]["role"] == "system":
+                system = req.messages[0]["content"]
+            for m in reversed(req.messages):
+                if m["role"] == "user":
+                    last_user = m["content"]
+                    break
+        try:
+            role = self.classifier.classify(state, system, last_user, headers.get(c.roles.header), key)
+        except ValueError as e:
+            raise ApiError(400, "invalid_request", f"header {c.roles.header}: {e}", param=c.roles.header) from None
+        if req.messages is not None:
+            rendered = self.renderer.render(req.messages, req.tools, state.turns)
+        elif req.prompt_ids is not None:
+            rendered = Rendered(ids=list(req.prompt_ids))
+        else:
+            rendered = Rendered(ids=self.renderer.encode(req.prompt_text or ""))
+        n = len(rendered.ids)
+        if n == 0:
+            raise ApiError(400, "invalid_request", "the prompt is empty", param="prompt")
+        if n >= c.max_context_tokens:
+            raise ApiError(
+                400,
+                "invalid_request",
+                f"prompt is {n} tokens; this model's context limit is {c.max_context_tokens} tokens",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        max_tokens = req.max_tokens if req.max_tokens is not None else c.default_max_tokens
+        max_tokens = min(max_tokens, c.max_context_tokens - n)
+        stop_seqs = [ids for ids in (self.renderer.backend.encode(s, add_special_tokens=False).ids for s in req.stop) if ids]
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            stop_token_ids=sorted(self.eos_ids),
+            stop_sequences=stop_seqs,
+            seed=req.seed,
+        )
+        return Call(self, state, role, req, rendered, sampling, start)
+
+    def count_tokens(self, key: KeyInfo, req: ChatRequest) -> int:
+        state = self.executions.get(key.execution_id)
+        return len(self.renderer.render(req.messages or [], req.tools, state.turns if state else None).ids)

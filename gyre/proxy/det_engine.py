@@ -1,0 +1,166 @@
+"""A deterministic rollout engine: a real `RolloutEngine` whose tokens come from a hash.
+
+Token k of a request is a function of the whole sequence before it (prompt + tokens 0..k-1) and
+the engine's `salt`, never of which engine or request produced the earlier tokens. So two engines
+with the same salt continue each other exactly, which lets tests check a rerouted call against
+one uninterrupted generation, and engines with different salts make "A's tokens + B's
+continuation" visible. Optionally `script(input_ids) -> str | None` makes the engine answer with
+a given text, spelled one byte-token per byte (a valid but non-canonical tokenization: re-encoding
+the text gives other ids, which is what TITO splicing has to survive). `token_delay` makes it slow.
+
+Used by tests and benchmarks; it implements the protocol for real (abort, versions, release).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from gyre.backends.protocols import EngineHealth, SamplingParams, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(h: int) -> int:
+    """splitmix64 finalizer."""
+    h = (h + 0x9E3779B97F4A7C15) & _MASK
+    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK
+    return h ^ (h >> 31)
+
+
+def rolling_hash(ids: list[int], salt: int) -> int:
+    h = _mix(salt)
+    for t in ids:
+        h = _mix(h ^ (t + 1))
+    return h
+
+
+@dataclass
+class _Request:
+    generated: list[TokenEvent] = field(default_factory=list)
+    aborted: bool = False
+
+
+class DeterministicEngine:
+    """See module docstring. `first_regular_id` keeps hashed tokens off the special ids below it."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        vocab_size: int = 1024,
+        eos_token_id: int = 2,
+        first_regular_id: int = 7,
+        eos_prob: float = 0.0,
+        token_delay: float = 0.0,
+        salt: int = 0,
+        version: int = 0,
+        script: Callable[[list[int]], str | None] | None = None,
+        byte_ids: list[int] | None = None,
+    ) -> None:
+        if script is not None and byte_ids is None:
+            raise ValueError("DeterministicEngine: `script` needs `byte_ids` (gyre.backends.tokenizer.byte_token_ids)")
+        self.name = name
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.first_regular_id = first_regular_id
+        self.eos_prob = eos_prob
+        self.token_delay = token_delay
+        self.salt = salt
+        self.version = version
+        self.script = script
+        self.byte_ids = byte_ids
+        self.released = False
+        self.started = False
+        self._requests: dict[str, _Request] = {}
+        self.generate_calls = 0  # requests ever started here (tests read it)
+
+    async def start(self) -> None:
+        self.started = True
+
+    def next_token(self, h: int) -> TokenEvent:
+        """The token that follows a sequence with rolling hash `h` (pure)."""
+        r = _mix(h)
+        if self.eos_prob > 0 and (_mix(r) >> 11) / float(1 << 53) < self.eos_prob:
+            tok = self.eos_token_id
+        else:
+            tok = self.first_regular_id + r % (self.vocab_size - self.first_regular_id)
+        logprob = -0.01 - ((r >> 20) % 5000) / 1000.0
+        return TokenEvent(token_id=tok, logprob=logprob, version=self.version)
+
+    def _scripted(self, input_ids: list[int], max_tokens: int) -> list[int] | None:
+        if self.script is None:
+            return None
+        text = self.script(list(input_ids))
+        if text is None:
+            return None
+        ids = [self.byte_ids[b] for b in text.encode("utf-8")] + [self.eos_token_id]
+        return ids[:max_tokens]
+
+    async def generate(self, request_id: str, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenEvent]:
+        if self.released:
+            raise RuntimeError(f"engine {self.name}: memory released, not serving")
+        if request_id in self._requests:
+            raise ValueError(f"engine {self.name}: duplicate request id {request_id!r}")
+        req = _Request()
+        self._requests[request_id] = req
+        self.generate_calls += 1
+        try:
+            scripted = self._scripted(input_ids, sampling.max_tokens)
+            h = rolling_hash(input_ids, self.salt)
+            stops = set(sampling.stop_token_ids)
+            for k in range(sampling.max_tokens):
+                if self.token_delay > 0:
+                    await asyncio.sleep(self.token_delay)
+                if req.aborted:
+                    return
+                if scripted is not None:
+                    if k >= len(scripted):
+                        return  # (only when max_tokens cut the script short, which the loop ends first)
+                    ev = TokenEvent(token_id=scripted[k], logprob=-0.5, version=self.version)
+                else:
+                    ev = self.next_token(h)
+                h = _mix(h ^ (ev.token_id + 1))
+                req.generated.append(ev)
+                stop = ev.token_id in stops or ev.token_id == self.eos_token_id
+                if not stop and sampling.stop_sequences:
+                    tail = [e.token_id for e in req.generated]
+                    stop = any(len(s) and tail[-len(s) :] == s for s in sampling.stop_sequences)
+                if stop:
+                    ev.finish_reason = "stop"
+                elif k == sampling.max_tokens - 1:
+                    ev.finish_reason = "length"
+                yield ev
+                if req.aborted or stop:
+                    return
+        finally:
+            self._requests.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> list[TokenEvent]:
+        req = self._requests.get(request_id)
+        if req is None:
+            return []
+        req.aborted = True
+        return list(req.generated)
+
+    async def update_weights(self, state_dict, version: int) -> None:
+        self.version = version
+
+    async def release_memory(self) -> None:
+        if self._requests:
+            raise RuntimeError(f"engine {self.name}: release_memory with {len(self._requests)} requests running")
+        self.released = True
+
+    async def resume(self) -> None:
+        self.released = False
+
+    async def health(self) -> EngineHealth:
+        return EngineHealth(ok=True, version=self.version, running=len(self._requests), waiting=0, released=self.released)
+
+    def load(self) -> int:
+        return len(self._requests)

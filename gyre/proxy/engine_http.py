@@ -1,0 +1,271 @@
+"""Any in-process `RolloutEngine` over HTTP, and the client that speaks to it.
+
+Engines of other cells live in other processes (DESIGN §1); the proxy reaches them through
+`HttpEngine(url)`, which implements `RolloutEngine`. Wire format (loopback by default):
+
+    POST /generate       {"request_id", "input_ids", "sampling": {...SamplingParams}}
+                         -> 200, body streamed line by line: "<token_id> <logprob> <version>\\n"
+                            (logprob as Python repr: exact float round trip);
+                            a line "error <message>" reports a failure mid-stream.
+    POST /abort          {"request_id"} -> {"tokens": [[id, logprob, version, finish_reason], ...]}
+    POST /update_weights?version=V   body: safetensors bytes -> {"ok": true}
+    POST /release_memory, /resume, /start -> {"ok": true}
+    GET  /health         -> EngineHealth as JSON;  GET /info -> {"name": ...}
+
+A client that goes away mid-stream makes the server abort the engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
+
+from gyre.backends.protocols import EngineHealth, RolloutEngine, SamplingParams, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+
+def _sampling_from_json(d: dict[str, Any]) -> SamplingParams:
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = set(d) - names
+    if unknown:
+        raise ValueError(f"sampling: unknown fields {sorted(unknown)}")
+    return SamplingParams(**d)
+
+
+def _engine_app(engine: RolloutEngine) -> web.Application:
+    async def generate(request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+            rid = str(body["request_id"])
+            input_ids = [int(t) for t in body["input_ids"]]
+            sampling = _sampling_from_json(body.get("sampling", {}))
+        except (ValueError, KeyError, TypeError) as e:
+            return web.json_response({"error": f"bad generate request: {e}"}, status=400)
+        resp = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8"})
+        await resp.prepare(request)
+        finished = False
+        stream = engine.generate(rid, input_ids, sampling)
+        try:
+            async for ev in stream:
+                fin = f" {ev.finish_reason}" if ev.finish_reason else ""
+                await resp.write(f"{ev.token_id} {ev.logprob!r} {ev.version}{fin}\n".encode())
+            finished = True
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            logger.warning("engine %s: generate %s failed: %r", engine.name, rid, e)
+            await resp.write(f"error {type(e).__name__}: {e}".replace("\n", " ").encode() + b"\n")
+            finished = True
+        finally:
+            if not finished:  # client went away: free the engine
+                try:
+                    await engine.abort(rid)
+                except Exception:
+                    pass
+            await stream.aclose()
+        await resp.write_eof()
+        return resp
+
+    async def abort(request: web.Request) -> web.Response:
+        body = await request.json()
+        tokens = await engine.abort(str(body["request_id"]))
+        return web.json_response({"tokens": [[e.token_id, e.logprob, e.version, e.finish_reason] for e in tokens]})
+
+    async def update_weights(request: web.Request) -> web.Response:
+        from safetensors.torch import load as st_load
+
+        version = int(request.query["version"])
+        state = st_load(await request.read())
+        await engine.update_weights(state, version)
+        return web.json_response({"ok": True})
+
+    def simple(method: str):
+        async def handler(request: web.Request) -> web.Response:
+            await getattr(engine, method)()
+            return web.json_response({"ok": True})
+
+        return handler
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response(dataclasses.asdict(await engine.health()))
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"name": engine.name, "load": engine.load()})
+
+    app = web.Application(client_max_size=1 << 34)
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/abort", abort)
+    app.router.add_post("/update_weights", update_weights)
+    for m in ("release_memory", "resume", "start"):
+        app.router.add_post(f"/{m}", simple(m))
+    app.router.add_get("/health", health)
+    app.router.add_get("/info", info)
+    return app
+
+
+@dataclass
+class ServerHandle:
+    """A running aiohttp server: bound `host`/`port`, `url`, and `stop()` (sync or `astop()`)."""
+
+    host: str
+    port: int
+    runner: web.AppRunner
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def astop(self) -> None:
+        await self.runner.cleanup()
+
+    def stop(self) -> None:
+        """Stop the server (and its thread, if it has one). Call from outside its loop."""
+        if self.thread is None:
+            raise RuntimeError("stop(): server runs in the caller's loop; await handle.astop() instead")
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+
+    def call(self, coro, timeout: float | None = None):
+        """Run a coroutine on the server's loop from another thread and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=timeout)
+
+
+async def start_app(app: web.Application, host: str, port: int) -> ServerHandle:
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
+    await site.start()
+    bound = runner.addresses[0][1]
+    return ServerHandle(host=host, port=bound, runner=runner, loop=asyncio.get_running_loop())
+
+
+def run_in_thread(make_app, host: str, port: int, name: str = "gyre-http") -> ServerHandle:
+    """Start `make_app()` (called inside the new loop) on a background thread; returns the handle."""
+    box: dict[str, Any] = {}
+    started = threading.Event()
+
+    def main() -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            handle = loop.run_until_complete(start_app(make_app(), host, port))
+            box["handle"] = handle
+        except BaseException as e:  # surfaced to the caller below
+            box["error"] = e
+            started.set()
+            return
+        started.set()
+        loop.run_forever()
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+    thread = threading.Thread(target=main, name=name, daemon=True)
+    thread.start()
+    started.wait()
+    if "error" in box:
+        raise box["error"]
+    handle: ServerHandle = box["handle"]
+    handle.thread = thread
+    return handle
+
+
+async def serve_engine_async(engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0) -> ServerHandle:
+    """Serve `engine` on the running loop (stop with `await handle.astop()`)."""
+    return await start_app(_engine_app(engine), host, port)
+
+
+def serve_engine(engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0) -> ServerHandle:
+    """Serve `engine` over HTTP from a background thread with its own loop; `handle.stop()` ends it.
+
+    The engine's coroutines then run on that thread's loop (use `handle.call(coro)` to reach it).
+    """
+    return run_in_thread(lambda: _engine_app(engine), host, port, name=f"gyre-engine-{engine.name}")
+
+
+class HttpEngine:
+    """`RolloutEngine` client for an engine served by `serve_engine` (one aiohttp session per loop)."""
+
+    def __init__(self, url: str, name: str | None = None, *, connect_timeout: float = 10.0) -> None:
+        self.url = url.rstrip("/")
+        self.name = name or self.url
+        self._session: ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._inflight = 0
+        self._timeout = ClientTimeout(total=None, sock_connect=connect_timeout)
+
+    def _sess(self) -> ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session_loop is not loop or self._session.closed:
+            self._session = ClientSession(connector=TCPConnector(limit=0, force_close=False), timeout=self._timeout)
+            self._session_loop = loop
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+
+    async def start(self) -> None:
+        async with self._sess().post(self.url + "/start") as r:
+            r.raise_for_status()
+        if self.name == self.url:
+            async with self._sess().get(self.url + "/info") as r:
+                self.name = (await r.json())["name"]
+
+    async def generate(self, request_id: str, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenEvent]:
+        payload = {"request_id": request_id, "input_ids": list(input_ids), "sampling": dataclasses.asdict(sampling)}
+        self._inflight += 1
+        try:
+            async with self._sess().post(self.url + "/generate", data=json.dumps(payload), headers={"Content-Type": "application/json"}) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"engine {self.name}: generate -> HTTP {resp.status}: {await resp.text()}")
+                async for line in resp.content:
+                    if line.startswith(b"error "):
+                        raise RuntimeError(f"engine {self.name}: {line[6:].decode(errors='replace').strip()}")
+                    f = line.split()
+                    fin = f[3].decode() if len(f) > 3 else None
+                    yield TokenEvent(token_id=int(f[0]), logprob=float(f[1]), version=int(f[2]), finish_reason=fin)
+        finally:
+            self._inflight -= 1
+
+    async def abort(self, request_id: str) -> list[TokenEvent]:
+        async with self._sess().post(self.url + "/abort", json={"request_id": request_id}) as r:
+            r.raise_for_status()
+            data = await r.json()
+        return [TokenEvent(token_id=int(t[0]), logprob=float(t[1]), version=int(t[2]), finish_reason=t[3]) for t in data["tokens"]]
+
+    async def update_weights(self, state_dict, version: int) -> None:
+        from safetensors.torch import save as st_save
+
+        body = st_save({k: v.contiguous() for k, v in state_dict.items()})
+        async with self._sess().post(self.url + "/update_weights", params={"version": str(version)}, data=body) as r:
+            r.raise_for_status()
+
+    async def _post(self, path: str) -> None:
+        async with self._sess().post(self.url + path) as r:
+            if r.status != 200:
+                raise RuntimeError(f"engine {self.name}: {path} -> HTTP {r.status}: {await r.text()}")
+
+    async def release_memory(self) -> None:
+        await self._post("/release_memory")
+
+    async def resume(self) -> None:
+        await self._post("/resume")
+
+    async def health(self) -> EngineHealth:
+        async with self._sess().get(self.url + "/health") as r:
+            r.raise_for_status()
+            return EngineHealth(**await r.json())
+
+    def load(self) -> int:
+        return self._inflight

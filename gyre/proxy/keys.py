@@ -1,0 +1,117 @@
+"""Per-execution API keys and role classification (DESIGN §4).
+
+Each execution gets its own key; the key is the only thing that decides which execution a call
+belongs to, so one execution can never write into another's record. Keys can be revoked (the
+execution ended or was cancelled): a revoked key gets 401 like an unknown one.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass
+
+from gyre.proxy.config import RoleRulesConfig
+from gyre.trajectory.record import Role
+
+logger = logging.getLogger(__name__)
+
+ROLE_NAMES = {
+    "main": Role.MAIN,
+    "main_summary": Role.MAIN_SUMMARY,
+    "summary": Role.MAIN_SUMMARY,
+    "sub": Role.SUB,
+    "sub_agent": Role.SUB,
+    "subagent": Role.SUB,
+    "sub_summary": Role.SUB_SUMMARY,
+}
+
+
+def parse_role(value: str) -> Role:
+    try:
+        return ROLE_NAMES[value.strip().lower()]
+    except KeyError:
+        raise ValueError(f"unknown role {value!r}; expected one of {sorted(ROLE_NAMES)}") from None
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    key: str
+    execution_id: str
+    role_hint: Role | None = None
+
+
+class KeyRegistry:
+    """key -> (execution, role hint). Lookups are dict reads (hot path)."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, KeyInfo] = {}
+        self._by_execution: dict[str, set[str]] = {}
+        self._revoked: set[str] = set()
+
+    def issue(self, execution_id: str, role_hint: Role | str | None = None, key: str | None = None) -> str:
+        """A new key for `execution_id` (an explicit `key` may be given, e.g. from a harness config)."""
+        if not execution_id:
+            raise ValueError("issue: execution_id must be a non-empty string")
+        if isinstance(role_hint, str):
+            role_hint = parse_role(role_hint)
+        key = key or f"gyre-{secrets.token_urlsafe(24)}"
+        if key in self._keys or key in self._revoked:
+            raise ValueError("issue: key already in use")
+        self._keys[key] = KeyInfo(key=key, execution_id=execution_id, role_hint=role_hint)
+        self._by_execution.setdefault(execution_id, set()).add(key)
+        return key
+
+    def lookup(self, key: str | None) -> KeyInfo | None:
+        if not key:
+            return None
+        return self._keys.get(key)
+
+    def revoke(self, key: str) -> None:
+        info = self._keys.pop(key, None)
+        if info is None:
+            raise KeyError("revoke: unknown key")
+        self._revoked.add(key)
+        self._by_execution.get(info.execution_id, set()).discard(key)
+
+    def revoke_execution(self, execution_id: str) -> int:
+        """Revoke every key of an execution; returns how many."""
+        keys = list(self._by_execution.pop(execution_id, ()))
+        for k in keys:
+            self._keys.pop(k, None)
+            self._revoked.add(k)
+        return len(keys)
+
+
+class RoleClassifier:
+    """Decides a call's role from the configured rules (see `RoleRulesConfig`)."""
+
+    def __init__(self, rules: RoleRulesConfig) -> None:
+        self.rules = rules
+        self._summary = tuple(m.lower() for m in rules.summary_markers if m)
+        self._sub = tuple(m.lower() for m in rules.sub_agent_markers if m)
+
+    def _key(self, system: str) -> str:
+        if self.rules.system_prompt_match == "prefix":
+            return system[: self.rules.system_prompt_prefix_chars]
+        return system
+
+    def classify(self, state, system: str, last_user: str, header_value: str | None, key: KeyInfo | None) -> Role:
+        """`state` is the execution's state (`main_system` is read and set here)."""
+        if header_value:
+            role = parse_role(header_value)  # ValueError -> 400 upstream
+        elif key is not None and key.role_hint is not None and self.rules.use_key_hint:
+            role = key.role_hint
+        else:
+            low = last_user.lower()
+            is_sub = any(m in low for m in self._sub)
+            if not is_sub and state.main_system is not None:
+                is_sub = self._key(system) != state.main_system
+            is_summary = any(m in low for m in self._summary)
+            if is_sub:
+                role = Role.SUB_SUMMARY if is_summary else Role.SUB
+            else:
+                role = Role.MAIN_SUMMARY if is_summary else Role.MAIN
+        if role is Role.MAIN and state.main_system is None:
+            state.main_system = self._key(system)
+        return role

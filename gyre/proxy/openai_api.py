@@ -1,0 +1,302 @@
+"""OpenAI adapter: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`.
+
+Parses requests into `ChatRequest` (every known field type-checked; unknown fields ignored, as
+harnesses send vendor extras), and turns a `Call` into a JSON body or an SSE stream of
+`chat.completion.chunk`s (tool calls as `delta.tool_calls`, `stream_options.include_usage`,
+logprobs when asked). Errors use OpenAI's body: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any
+
+from aiohttp import web
+
+from gyre.proxy import validate as V
+from gyre.proxy.core import ApiError, Call, ChatRequest
+from gyre.proxy.textstream import ToolCall
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+_ERROR_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "authentication": "authentication_error",
+    "not_found": "invalid_request_error",
+    "too_large": "invalid_request_error",
+    "overloaded": "server_error",
+    "internal": "server_error",
+}
+
+
+def error_body(e: ApiError) -> dict:
+    code = e.code
+    if code is None and e.kind == "authentication":
+        code = "invalid_api_key"
+    return {"error": {"message": e.message, "type": _ERROR_TYPES.get(e.kind, "invalid_request_error"), "param": e.param, "code": code}}
+
+
+def _text_of(content: Any, field: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise V.bad(f"{field}[{i}]", "must be an object")
+            kind = part.get("type")
+            if kind in ("text", "input_text", "output_text"):
+                out.append(V.req_str(part, "text", f"{field}[{i}]."))
+            elif kind == "refusal":
+                out.append(V.req_str(part, "refusal", f"{field}[{i}]."))
+            else:
+                raise V.bad(f"{field}[{i}].type", f"unsupported content part type {kind!r} (text only)")
+        return "".join(out)
+    raise V.bad(field, "must be a string, an array of content parts, or null")
+
+
+def _tool_calls(v: Any, field: str) -> list[dict]:
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise V.bad(field, "must be an array")
+    out = []
+    for i, tc in enumerate(v):
+        where = f"{field}[{i}]."
+        if not isinstance(tc, dict):
+            raise V.bad(f"{field}[{i}]", "must be an object")
+        fn = V.get_obj(tc, "function", where)
+        name = V.req_str(fn, "name", where + "function.")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                pass  # kept as the raw string; rendered as a JSON string
+        elif not isinstance(args, dict):
+            raise V.bad(where + "function.arguments", "must be a JSON string")
+        out.append({"name": name, "arguments": args})
+    return out
+
+
+def parse_messages(raw: Any) -> list[dict]:
+    if raw is None:
+        raise V.bad("messages", "is required")
+    if not isinstance(raw, list) or not raw:
+        raise V.bad("messages", "must be a non-empty array")
+    msgs = []
+    for i, m in enumerate(raw):
+        f = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise V.bad(f, "must be an object")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise V.bad(f + ".role", f"must be one of {sorted(_ROLES)}")
+        content = _text_of(m.get("content"), f + ".content")
+        if role == "developer":
+            role = "system"
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant":
+            calls = _tool_calls(m.get("tool_calls"), f + ".tool_calls")
+            if calls:
+                msg["tool_calls"] = calls
+        elif role == "tool":
+            V.opt_str(m, "tool_call_id", f + ".")
+        msgs.append(msg)
+    return msgs
+
+
+def parse_tools(raw: Any) -> list[dict] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise V.bad("tools", "must be an array")
+    out = []
+    for i, t in enumerate(raw):
+        if not isinstance(t, dict):
+            raise V.bad(f"tools[{i}]", "must be an object")
+        fn = V.get_obj(t, "function", f"tools[{i}].")
+        V.req_str(fn, "name", f"tools[{i}].function.")
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            raise V.bad(f"tools[{i}].function.parameters", "must be an object")
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def _common(body: dict, api: str) -> ChatRequest:
+    V.opt_str(body, "model")
+    n = V.opt_int(body, "n", 1)
+    if n != 1:
+        raise V.bad("n", "only n=1 is supported")
+    max_tokens = V.opt_int(body, "max_completion_tokens", None, lo=1)
+    if max_tokens is None:
+        max_tokens = V.opt_int(body, "max_tokens", None, lo=1)
+    req = ChatRequest(
+        api=api,
+        max_tokens=max_tokens,
+        temperature=V.opt_num(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=V.opt_num(body, "top_p", 1.0, 0.0, 1.0),
+        seed=V.opt_int(body, "seed"),
+        stop=V.stop_list(body.get("stop"), "stop"),
+        stream=V.opt_bool(body, "stream"),
+    )
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise V.bad("stream_options", "must be an object")
+    req.include_usage = V.opt_bool(so or {}, "include_usage", where="stream_options.")
+    return req
+
+
+def parse_chat(body: dict) -> ChatRequest:
+    req = _common(body, "openai")
+    req.messages = parse_messages(body.get("messages"))
+    req.tools = parse_tools(body.get("tools"))
+    tc = body.get("tool_choice")
+    if tc is not None and not isinstance(tc, (str, dict)):
+        raise V.bad("tool_choice", "must be a string or an object")
+    req.parse_tools = tc != "none"
+    req.logprobs = V.opt_bool(body, "logprobs")
+    V.opt_int(body, "top_logprobs", 0, lo=0, hi=20)
+    return req
+
+
+def parse_completion(body: dict) -> ChatRequest:
+    req = _common(body, "completions")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        req.prompt_text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        req.prompt_ids = list(prompt)
+    else:
+        raise V.bad("prompt", "must be a string, one string in an array, or an array of token ids")
+    req.parse_tools = False
+    req.logprobs = V.opt_int(body, "logprobs", None, lo=0, hi=5) is not None
+    return req
+
+
+def validate_prompt_ids(req: ChatRequest, vocab: int) -> None:
+    if req.prompt_ids is not None and any(t < 0 or t >= vocab for t in req.prompt_ids):
+        raise V.bad("prompt", f"token ids must be in [0, {vocab})")
+
+
+# ---- responses ------------------------------------------------------------------------------
+def _usage(call: Call) -> dict:
+    n_out = len(call.tokens)
+    return {"prompt_tokens": call.prompt_tokens, "completion_tokens": n_out, "total_tokens": call.prompt_tokens + n_out}
+
+
+def _finish(call: Call) -> str:
+    return {"abort": "stop"}.get(call.finish, call.finish)
+
+
+def _tool_json(tc: ToolCall, ids: dict[int, str]) -> dict:
+    tid = ids.setdefault(tc.index, "call_" + secrets.token_hex(12))
+    return {"id": tid, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments_json}}
+
+
+def _lp_entries(call: Call, start: int, end: int) -> list[dict]:
+    table, hidden = call.proxy.token_table, call.proxy.eos_ids
+    out = []
+    for ev in call.tokens[start:end]:
+        if ev.token_id in hidden:
+            continue
+        b = table[ev.token_id]
+        out.append({"token": b.decode("utf-8", "replace"), "logprob": ev.logprob, "bytes": list(b), "top_logprobs": []})
+    return out
+
+
+async def respond_chat(request: web.Request, call: Call, model: str) -> web.StreamResponse:
+    rid = "chatcmpl-" + secrets.token_hex(12)
+    created = int(time.time())
+    want_lp = call.req.logprobs
+    if not call.req.stream:
+        async for _ in call.events():
+            pass
+        ids: dict[int, str] = {}
+        msg: dict[str, Any] = {"role": "assistant", "content": call.content or (None if call.tool_calls else "")}
+        if call.tool_calls:
+            msg["tool_calls"] = [_tool_json(tc, ids) for tc in call.tool_calls]
+        choice = {"index": 0, "message": msg, "logprobs": {"content": _lp_entries(call, 0, len(call.tokens))} if want_lp else None, "finish_reason": _finish(call)}
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice], "usage": _usage(call)}
+        return web.json_response(body)
+
+    resp = await _sse_start(request)
+    ids = {}
+    seen = 0
+
+    def chunk(delta: dict, finish: str | None = None, lp: bool = False) -> bytes:
+        nonlocal seen
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if lp and want_lp:
+            choice["logprobs"] = {"content": _lp_entries(call, seen, len(call.tokens))}
+            seen = len(call.tokens)
+        data = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+        return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+    await resp.write(chunk({"role": "assistant", "content": ""}))
+    try:
+        async for item in call.events():
+            if isinstance(item, ToolCall):
+                await resp.write(chunk({"tool_calls": [{"index": item.index, **_tool_json(item, ids)}]}))
+            else:
+                await resp.write(chunk({"content": item}, lp=True))
+    except ApiError as e:
+        await resp.write(b"data: " + json.dumps(error_body(e)).encode() + b"\n\n")
+        return resp
+    tail = chunk({}, _finish(call), lp=True)
+    if call.req.include_usage:
+        usage = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": _usage(call)}
+        tail += b"data: " + json.dumps(usage).encode() + b"\n\n"
+    await resp.write(tail + b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def respond_completion(request: web.Request, call: Call, model: str) -> web.StreamResponse:
+    rid = "cmpl-" + secrets.token_hex(12)
+    created = int(time.time())
+    want_lp = call.req.logprobs
+
+    def lp_block(start: int, end: int) -> dict | None:
+        if not want_lp:
+            return None
+        ents = _lp_entries(call, start, end)
+        return {"tokens": [e["token"] for e in ents], "token_logprobs": [e["logprob"] for e in ents], "top_logprobs": None, "text_offset": []}
+
+    if not call.req.stream:
+        async for _ in call.events():
+            pass
+        choice = {"index": 0, "text": call.content, "logprobs": lp_block(0, len(call.tokens)), "finish_reason": _finish(call)}
+        return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice], "usage": _usage(call)})
+    resp = await _sse_start(request)
+    seen = 0
+    try:
+        async for item in call.events():
+            ch = {"index": 0, "text": item, "logprobs": lp_block(seen, len(call.tokens)), "finish_reason": None}
+            seen = len(call.tokens)
+            await resp.write(b"data: " + json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [ch]}, ensure_ascii=False).encode() + b"\n\n")
+    except ApiError as e:
+        await resp.write(b"data: " + json.dumps(error_body(e)).encode() + b"\n\n")
+        return resp
+    ch = {"index": 0, "text": "", "logprobs": lp_block(seen, len(call.tokens)), "finish_reason": _finish(call)}
+    out = b"data: " + json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [ch]}).encode() + b"\n\n"
+    if call.req.include_usage:
+        out += b"data: " + json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": _usage(call)}).encode() + b"\n\n"
+    await resp.write(out + b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _sse_start(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    return resp
+
+
+def models_body(model: str) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "gyre"}]}

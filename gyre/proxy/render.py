@@ -1,0 +1,171 @@
+"""Prompt rendering with exact TITO splicing (DESIGN §4).
+
+The prompt is the tokenizer's own chat template (jinja, through transformers) applied to the
+request's messages. Per execution the proxy keeps every assistant turn it produced: the text and
+tool calls it returned and the exact sampled ids. When a request carries such a turn again —
+possibly re-serialized (JSON key order or whitespace of tool arguments, tool-call ids rewritten,
+surrounding whitespace) — that message is rendered as a placeholder, the rendered text is cut at
+the placeholders, the pieces are tokenized, and the original sampled ids go in between. The
+result is the token sequence the model actually conditioned on, so every output token is trained
+in exactly the context it was sampled in. Assistant turns that match nothing are tokenized from
+text and counted as unmatched (context, never targets).
+
+Why this is exact: the template renders an assistant turn as `<|im_start|>assistant\\n` +
+CONTENT + `<|im_end|>\\n`, the generation prompt is that same `<|im_start|>assistant\\n`, and
+`<|im_start|>` / `<|im_end|>` are special tokens the pre-tokenizer never merges across. So the
+text before a placeholder tokenizes as the prompt of the call that produced the turn did, and
+CONTENT + `<|im_end|>` is replaced by the sampled ids (which end in `<|im_end|>` unless the call
+stopped otherwise, in which case the template's `<|im_end|>` follows them).
+
+Tokenization is cached per chat turn (text between `<|im_start|>` tokens), so a long history
+re-sent on every call is encoded once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from gyre.backends.tokenizer import IM_END, IM_START
+
+logger = logging.getLogger(__name__)
+
+
+def _canon_args(args: Any) -> str:
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return args.strip()
+    return json.dumps(args, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def turn_fingerprint(content: str | None, tool_calls: list[dict] | None) -> tuple:
+    """Identity of an assistant turn that survives re-serialization: stripped text, and each tool
+    call's name + canonical JSON of its arguments (ids ignored)."""
+    calls = tuple((tc.get("name", ""), _canon_args(tc.get("arguments", {}))) for tc in (tool_calls or ()))
+    return ((content or "").strip(), calls)
+
+
+@dataclass
+class StoredTurn:
+    call_id: int
+    input_ids: list[int]
+    output_ids: list[int]
+
+
+@dataclass
+class Rendered:
+    ids: list[int]
+    spliced: int = 0
+    unmatched: int = 0
+    spliced_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) in ids
+    spliced_calls: list[int] = field(default_factory=list)  # call ids whose outputs went in
+    message_starts: list[int] = field(default_factory=list)
+
+
+class ChatRenderer:
+    def __init__(self, tokenizer, cache_chars: int = 64 << 20) -> None:
+        self.tokenizer = tokenizer
+        self.backend = tokenizer.backend_tokenizer
+        self.im_start_id = tokenizer.convert_tokens_to_ids(IM_START)
+        self.im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
+        self._template = None
+        try:  # the same compiled jinja environment apply_chat_template uses, minus per-call overhead
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            self._template = _compile_jinja_template(tokenizer.chat_template)
+        except Exception as e:  # private helper moved: fall back to the public call
+            logger.info("render: using apply_chat_template (%r)", e)
+        self._nonce = secrets.token_hex(6)
+        self._placeholder = re.compile("\x00splice-" + self._nonce + r"-(\d+)\x00")
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache_chars = 0
+        self.cache_limit = cache_chars
+
+    # ---- text -> ids ------------------------------------------------------------------------
+    def encode(self, text: str, starts: list[int] | None = None, offset: int = 0) -> list[int]:
+        """Token ids of `text` (special tokens recognised), cached per chat turn. Appends to
+        `starts` the positions (+ `offset`) where a `<|im_start|>` turn begins."""
+        if not text:
+            return []
+        pieces = text.split(IM_START)
+        chunks = [pieces[0]] + [IM_START + p for p in pieces[1:]] if len(pieces) > 1 else pieces
+        out: list[int] = []
+        missing = [c for c in chunks if c and c not in self._cache]
+        if missing:
+            uniq = list(dict.fromkeys(missing))
+            for c, enc in zip(uniq, self.backend.encode_batch(uniq, add_special_tokens=False)):
+                self._put(c, enc.ids)
+        cache = self._cache
+        for c in chunks:
+            if c:
+                if starts is not None and c.startswith(IM_START):
+                    starts.append(offset + len(out))
+                ids = cache[c]
+                cache.move_to_end(c)
+                out.extend(ids)
+        return out
+
+    def _put(self, chunk: str, ids: list[int]) -> None:
+        if len(chunk) > self.cache_limit:
+            return
+        self._cache[chunk] = ids
+        self._cache_chars += len(chunk)
+        while self._cache_chars > self.cache_limit and self._cache:
+            old, _ = self._cache.popitem(last=False)
+            self._cache_chars -= len(old)
+
+    def _render_text(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool = True) -> str:
+        if self._template is not None:
+            return self._template.render(messages=messages, tools=tools or None, add_generation_prompt=generation_prompt)
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt)
+
+    # ---- chat -> ids with splicing ----------------------------------------------------------
+    def render(self, messages: list[dict], tools: list[dict] | None, turns: dict[tuple, list[StoredTurn]] | None) -> Rendered:
+        """`messages` are normalized chat messages (role, content str, tool_calls [{name, arguments}]).
+        `turns` maps a turn fingerprint to the stored turns of this execution (None: no splicing)."""
+        tmpl: list[dict] = []
+        splices: list[list[StoredTurn]] = []
+        unmatched = 0
+        for m in messages:
+            if m["role"] == "assistant":
+                cands = turns.get(turn_fingerprint(m.get("content"), m.get("tool_calls"))) if turns else None
+                if cands:
+                    tmpl.append({"role": "assistant", "content": f"\x00splice-{self._nonce}-{len(splices)}\x00"})
+                    splices.append(cands)
+                    continue
+                unmatched += 1
+            tmpl.append(m)
+        text = self._render_text(tmpl, tools)
+        starts: list[int] = []
+        if not splices:
+            ids = self.encode(text, starts)
+            return Rendered(ids=ids, unmatched=unmatched, message_starts=starts)
+        parts = self._placeholder.split(text)  # [text, k, text, k, ..., text]
+        ids = self.encode(parts[0], starts)
+        out = Rendered(ids=ids, unmatched=unmatched, message_starts=starts)
+        for j in range(1, len(parts), 2):
+            cands = splices[int(parts[j])]
+            turn = cands[-1]
+            if len(cands) > 1:  # the same text was produced more than once: prefer the exact context
+                for c in reversed(cands):
+                    if len(c.input_ids) == len(ids) and c.input_ids == ids:
+                        turn = c
+                        break
+            start = len(ids)
+            ids.extend(turn.output_ids)
+            out.spliced += 1
+            out.spliced_spans.append((start, len(ids)))
+            out.spliced_calls.append(turn.call_id)
+            drop = 0
+            if turn.output_ids and turn.output_ids[-1] == self.im_end_id and parts[j + 1].startswith(IM_END):
+                drop = 1  # the sampled <|im_end|> stands for the template's
+            rest = self.encode(parts[j + 1], starts, offset=len(ids) - drop)
+            ids.extend(rest[drop:])
+        return out

@@ -1,0 +1,324 @@
+"""Routing of model calls to rollout engines, and rerouting in-flight calls on drain (DESIGN §3).
+
+Selection: least-loaded among engines in rollout, with prefix affinity per execution (stay on the
+engine that holds the execution's KV unless it is `affinity_slack` calls busier than the least
+loaded). Load is the router's own count of in-flight calls per engine.
+
+Drain: `await router.drain(name)` stops new calls going to the engine, aborts each in-flight call
+there (the protocol's `abort` returns every token generated so far) and continues it on a retained
+engine — standalone pool first (least loaded), then cells by descending index — from input +
+tokens already generated, with `max_tokens` reduced by what was generated. The caller of
+`Router.generate` sees one stream of `TokenEvent`s; `drain` returns once the engine has no calls.
+An engine that fails mid-call is treated the same way (the call continues elsewhere).
+
+Engine slot lifecycle (`SlotState`):
+    ACTIVE   --drain()-->   DRAINING  (no new calls; in-flight calls being moved)
+    DRAINING --(empty)-->   DRAINED
+    DRAINING|DRAINED --resume()--> ACTIVE
+    DRAINED  --remove_engine()--> (gone)      ACTIVE/DRAINING are drained first
+Any other transition raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator, Literal
+
+from gyre.backends.protocols import RolloutEngine, SamplingParams, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+EngineKind = Literal["pool", "cell"]
+
+
+class SlotState(enum.Enum):
+    ACTIVE = "active"
+    DRAINING = "draining"
+    DRAINED = "drained"
+
+
+_TRANSITIONS = {
+    (SlotState.ACTIVE, SlotState.DRAINING),
+    (SlotState.DRAINING, SlotState.DRAINED),
+    (SlotState.DRAINING, SlotState.ACTIVE),
+    (SlotState.DRAINED, SlotState.ACTIVE),
+}
+
+
+class NoEngineError(RuntimeError):
+    """No engine in rollout within the wait limit."""
+
+
+@dataclass(eq=False)
+class _Running:
+    """One engine request of a routed call (a call has one per engine it ran on)."""
+
+    request_id: str
+    drained: bool = False
+    abort_result: asyncio.Future | None = None
+
+
+@dataclass(eq=False)
+class EngineSlot:
+    engine: RolloutEngine
+    name: str
+    kind: EngineKind
+    index: int
+    state: SlotState = SlotState.ACTIVE
+    inflight: dict[str, _Running] = field(default_factory=dict)
+    served: int = 0
+
+    def set_state(self, new: SlotState) -> None:
+        if (self.state, new) not in _TRANSITIONS:
+            raise RuntimeError(f"engine {self.name}: illegal transition {self.state.value} -> {new.value}")
+        self.state = new
+
+    @property
+    def load(self) -> int:
+        return len(self.inflight)
+
+
+@dataclass
+class RouteInfo:
+    """Filled in while a call runs: the engines it ran on, in order, and its reroute count."""
+
+    engines: list[str] = field(default_factory=list)
+    reroutes: int = 0
+
+
+def call_finished(events: list[TokenEvent], sampling: SamplingParams, eos_ids: frozenset[int]) -> bool:
+    """Did the generation end on its own terms (stop token, stop sequence, max_tokens)?"""
+    if len(events) >= sampling.max_tokens:
+        return True
+    if not events:
+        return False
+    if events[-1].finish_reason is not None:
+        return True
+    if events[-1].token_id in eos_ids or events[-1].token_id in sampling.stop_token_ids:
+        return True
+    for seq in sampling.stop_sequences:
+        n = len(seq)
+        if n and len(events) >= n and [e.token_id for e in events[-n:]] == list(seq):
+            return True
+    return False
+
+
+class Router:
+    def __init__(self, *, affinity_slack: int = 2, max_reroutes: int = 16, engine_wait_s: float = 600.0) -> None:
+        self.affinity_slack = affinity_slack
+        self.max_reroutes = max_reroutes
+        self.engine_wait_s = engine_wait_s
+        self.slots: dict[str, EngineSlot] = {}
+        self._affinity: dict[str, str] = {}
+        self._changed: asyncio.Condition | None = None
+        self._background: set[asyncio.Task] = set()
+        self.reroutes = 0
+        self.engine_failures = 0
+
+    # ---- engine set -------------------------------------------------------------------------
+    def _cond(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def _notify(self) -> None:
+        cond = self._cond()
+        async with cond:
+            cond.notify_all()
+
+    def add_engine(self, engine: RolloutEngine, *, kind: EngineKind = "cell", index: int = 0) -> EngineSlot:
+        if kind not in ("pool", "cell"):
+            raise ValueError(f"add_engine: kind must be 'pool' or 'cell', got {kind!r}")
+        if engine.name in self.slots:
+            raise ValueError(f"add_engine: an engine named {engine.name!r} is already routed")
+        slot = EngineSlot(engine=engine, name=engine.name, kind=kind, index=index)
+        self.slots[engine.name] = slot
+        self._wake()
+        return slot
+
+    def _wake(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._spawn(loop, self._notify())
+
+    def _spawn(self, loop: asyncio.AbstractEventLoop, coro) -> None:
+        task = loop.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def remove_engine(self, name: str) -> int:
+        """Drain (if needed) and forget an engine. Returns the number of calls rerouted."""
+        slot = self._slot(name)
+        moved = 0
+        if slot.state is not SlotState.DRAINED:
+            moved = await self.drain(name)
+        del self.slots[name]
+        return moved
+
+    def resume(self, name: str) -> None:
+        """Back to rollout (the cell left TRAIN)."""
+        self._slot(name).set_state(SlotState.ACTIVE)
+        self._wake()
+
+    def _slot(self, name: str) -> EngineSlot:
+        try:
+            return self.slots[name]
+        except KeyError:
+            raise KeyError(f"router: no engine named {name!r} (have {sorted(self.slots)})") from None
+
+    async def drain(self, name: str) -> int:
+        """Take `name` out of rollout; move its in-flight calls to retained engines. Returns how
+        many calls were moved. Returns once no call is running on it."""
+        slot = self._slot(name)
+        if slot.state is SlotState.ACTIVE:
+            slot.set_state(SlotState.DRAINING)
+        moved = 0
+        loop = asyncio.get_running_loop()
+        while slot.inflight:
+            for running in list(slot.inflight.values()):
+                if running.drained:
+                    continue
+                running.drained = True
+                running.abort_result = loop.create_future()
+                moved += 1
+                try:
+                    result = await slot.engine.abort(running.request_id)
+                except Exception as e:  # the engine is going away anyway; continue from what we saw
+                    logger.warning("router: abort of %s on %s failed: %r", running.request_id, name, e)
+                    result = None
+                if not running.abort_result.done():
+                    running.abort_result.set_result(result)
+            await asyncio.sleep(0)
+            if slot.inflight:
+                await asyncio.sleep(0.001)
+        if slot.state is SlotState.DRAINING:
+            slot.set_state(SlotState.DRAINED)
+        logger.info("router: drained %s, %d in-flight calls moved", name, moved)
+        return moved
+
+    # ---- selection --------------------------------------------------------------------------
+    def _pick(self, execution_id: str, rerouting: bool) -> EngineSlot | None:
+        active = [s for s in self.slots.values() if s.state is SlotState.ACTIVE]
+        if not active:
+            return None
+        if rerouting:
+            pool = [s for s in active if s.kind == "pool"]
+            if pool:
+                return min(pool, key=lambda s: (s.load, s.name))
+            return max(active, key=lambda s: (s.index, -s.load, s.name))
+        best = min(active, key=lambda s: (s.load, s.served, s.name))
+        pinned = self.slots.get(self._affinity.get(execution_id, ""))
+        if pinned is not None and pinned.state is SlotState.ACTIVE and pinned.load <= best.load + self.affinity_slack:
+            return pinned
+        return best
+
+    async def _acquire(self, execution_id: str, rerouting: bool) -> EngineSlot:
+        slot = self._pick(execution_id, rerouting)
+        if slot is not None:
+            return slot
+        logger.warning("router: no engine in rollout; call of %s waits (up to %.0fs)", execution_id, self.engine_wait_s)
+        cond = self._cond()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.engine_wait_s
+        async with cond:
+            while (slot := self._pick(execution_id, rerouting)) is None:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise NoEngineError(f"no rollout engine available for {self.engine_wait_s:.0f}s")
+                try:
+                    await asyncio.wait_for(cond.wait(), timeout=min(left, 1.0))
+                except asyncio.TimeoutError:
+                    pass
+        return slot
+
+    def forget(self, execution_id: str) -> None:
+        self._affinity.pop(execution_id, None)
+
+    # ---- the routed call --------------------------------------------------------------------
+    async def generate(
+        self,
+        call_key: str,
+        execution_id: str,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        info: RouteInfo | None = None,
+        eos_ids: frozenset[int] = frozenset(),
+    ) -> AsyncIterator[TokenEvent]:
+        """Stream the tokens of one call, moving it between engines as needed."""
+        info = info if info is not None else RouteInfo()
+        events: list[TokenEvent] = []
+        attempt = 0
+        while True:
+            slot = await self._acquire(execution_id, rerouting=attempt > 0)
+            self._affinity[execution_id] = slot.name
+            running = _Running(request_id=f"{call_key}.{attempt}")
+            slot.inflight[running.request_id] = running
+            slot.served += 1
+            info.engines.append(slot.name)
+            consumed = 0
+            failed = False
+            done = False
+            sp = replace(sampling, max_tokens=sampling.max_tokens - len(events))
+            prompt = input_ids + [e.token_id for e in events] if events else input_ids
+            try:
+                stream = slot.engine.generate(running.request_id, prompt, sp)
+                try:
+                    async for ev in stream:
+                        events.append(ev)
+                        consumed += 1
+                        yield ev
+                        if call_finished(events, sampling, eos_ids):
+                            break
+                    done = True
+                finally:
+                    if not done and not running.drained:
+                        # The consumer went away (client disconnect, stop string): free the engine.
+                        self._spawn(asyncio.get_running_loop(), self._quiet_abort(slot, running.request_id))
+                    await stream.aclose()
+            except (asyncio.CancelledError, GeneratorExit):
+                raise
+            except Exception as e:
+                failed = True
+                self.engine_failures += 1
+                logger.warning("router: engine %s failed on %s after %d tokens: %r", slot.name, call_key, len(events), e)
+            finally:
+                slot.inflight.pop(running.request_id, None)
+            if running.drained and running.abort_result is not None:
+                result = await running.abort_result
+                if result is not None:
+                    for ev in result[consumed:]:
+                        if call_finished(events, sampling, eos_ids):
+                            break
+                        events.append(ev)
+                        yield ev
+            if call_finished(events, sampling, eos_ids):
+                return
+            if not running.drained and not failed:
+                return  # the engine ended the request on its own terms
+            attempt += 1
+            info.reroutes += 1
+            self.reroutes += 1
+            if attempt > self.max_reroutes:
+                raise NoEngineError(f"call {call_key}: rerouted {attempt} times, giving up")
+            logger.info("router: call %s continues after %d tokens (attempt %d)", call_key, len(events), attempt)
+
+    async def _quiet_abort(self, slot: EngineSlot, request_id: str) -> None:
+        try:
+            await slot.engine.abort(request_id)
+        except Exception as e:  # best effort
+            logger.debug("router: abort of %s on %s: %r", request_id, slot.name, e)
+
+    def stats(self) -> dict:
+        return {
+            "reroutes": self.reroutes,
+            "engine_failures": self.engine_failures,
+            "engines": {
+                n: {"kind": s.kind, "index": s.index, "state": s.state.value, "inflight": s.load, "served": s.served}
+                for n, s in self.slots.items()
+            },
+        }

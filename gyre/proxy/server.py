@@ -1,0 +1,140 @@
+"""The proxy's aiohttp server: routes, auth, body limits, and errors in each API's own format.
+
+    handle = serve_proxy(proxy)               # background thread + loop; handle.stop()
+    handle = await start_proxy(proxy)         # on the caller's loop;     await handle.astop()
+
+`handle.port`, `handle.url` (base, without /v1), `handle.call(coro)` runs a coroutine on the
+server's loop (e.g. `handle.call(proxy.router.drain("cell1"))` from a test thread).
+Every failure a request can cause is a 4xx in the API's error body (OpenAI for /v1/chat/...,
+/v1/completions, /v1/models; Anthropic for /v1/messages...); an unexpected exception is logged
+and answered 500 in the same format, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from aiohttp import web
+
+from gyre.proxy import anthropic_api, openai_api
+from gyre.proxy.core import ApiError, Proxy
+from gyre.proxy.engine_http import ServerHandle, run_in_thread, start_app
+
+logger = logging.getLogger(__name__)
+
+
+def _is_anthropic(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def _error_response(path: str, e: ApiError) -> web.Response:
+    if _is_anthropic(path):
+        return web.json_response(anthropic_api.error_body(e), status=anthropic_api.error_status(e))
+    return web.json_response(openai_api.error_body(e), status=e.status)
+
+
+def _key_of(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization")
+    if auth:
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    return request.headers.get("x-api-key") or request.headers.get("api-key")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return _error_response(request.path, e)
+    except web.HTTPRequestEntityTooLarge as e:
+        return _error_response(request.path, ApiError(413, "too_large", f"request body too large: {e.text}"))
+    except web.HTTPNotFound:
+        return _error_response(request.path, ApiError(404, "not_found", f"no route {request.method} {request.path}"))
+    except web.HTTPMethodNotAllowed:
+        return _error_response(request.path, ApiError(405, "invalid_request", f"method {request.method} not allowed on {request.path}"))
+    except web.HTTPException as e:
+        return _error_response(request.path, ApiError(e.status, "invalid_request", e.reason or "bad request"))
+    except (ConnectionResetError, ConnectionError):
+        raise
+    except Exception as e:
+        logger.exception("proxy: unexpected error on %s %s", request.method, request.path)
+        return _error_response(request.path, ApiError(500, "internal", f"internal error: {type(e).__name__}"))
+
+
+def build_app(proxy: Proxy) -> web.Application:
+    cap = proxy.config.max_body_bytes
+
+    async def body_of(request: web.Request) -> dict:
+        if request.content_length is not None and request.content_length > cap:
+            raise ApiError(413, "too_large", f"request body is {request.content_length} bytes; the limit is {cap}")
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, "invalid_request", f"malformed JSON body: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "invalid_request", "the JSON body must be an object")
+        return body
+
+    def model_of(body: dict) -> str:
+        m = body.get("model")
+        return m if isinstance(m, str) and m else proxy.config.model_name
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        key = proxy.authenticate(_key_of(request))
+        body = await body_of(request)
+        req = openai_api.parse_chat(body)
+        call = proxy.prepare(key, request.headers, req)
+        return await openai_api.respond_chat(request, call, model_of(body))
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        key = proxy.authenticate(_key_of(request))
+        body = await body_of(request)
+        req = openai_api.parse_completion(body)
+        openai_api.validate_prompt_ids(req, len(proxy.token_table))
+        call = proxy.prepare(key, request.headers, req)
+        return await openai_api.respond_completion(request, call, model_of(body))
+
+    async def models(request: web.Request) -> web.Response:
+        proxy.authenticate(_key_of(request))
+        return web.json_response(openai_api.models_body(proxy.config.model_name))
+
+    async def messages(request: web.Request) -> web.StreamResponse:
+        key = proxy.authenticate(_key_of(request))
+        body = await body_of(request)
+        req = anthropic_api.parse_request(body)
+        call = proxy.prepare(key, request.headers, req)
+        return await anthropic_api.respond(request, call, model_of(body))
+
+    async def count_tokens(request: web.Request) -> web.Response:
+        key = proxy.authenticate(_key_of(request))
+        body = await body_of(request)
+        req = anthropic_api.parse_request(body, count_only=True)
+        return web.json_response({"input_tokens": proxy.count_tokens(key, req)})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, **proxy.router.stats()})
+
+    app = web.Application(middlewares=[_errors], client_max_size=cap)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    app.router.add_get("/health", health)
+    return app
+
+
+async def start_proxy(proxy: Proxy, host: str | None = None, port: int | None = None) -> ServerHandle:
+    c = proxy.config
+    return await start_app(build_app(proxy), host or c.host, c.port if port is None else port)
+
+
+def serve_proxy(proxy: Proxy, host: str | None = None, port: int | None = None) -> ServerHandle:
+    """Serve on a background thread with its own event loop. Engines the proxy routes to must be
+    usable from that loop (in-process engines are; `HttpEngine` opens its session there)."""
+    c = proxy.config
+    return run_in_thread(lambda: build_app(proxy), host or c.host, c.port if port is None else port, name="gyre-proxy")
