@@ -1,0 +1,109 @@
+"""Run outputs: `metrics.jsonl` (one JSON object per optimizer step) and the role timeline PNG
+(cells × time coloured by role, like the paper's Fig. 6a, next to each cell's training-time
+fraction, Fig. 6b)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Iterable
+
+from gyre.cell import CellState
+
+ROLE_COLOURS = {
+    CellState.ROLLOUT: "#4c9be8",
+    CellState.DRAINING: "#f2c14e",
+    CellState.JOINING: "#f28e2b",
+    CellState.TRAIN: "#d1495b",
+    CellState.PUBLISHING: "#8e44ad",
+    CellState.RESUMING: "#59a14f",
+}
+
+
+class MetricsWriter:
+    """Appends one JSON line per record and flushes it, so a crash loses at most the line being
+    written. Non-finite floats are written as null (JSON has no NaN)."""
+
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self._f = open(path, "a", encoding="utf-8")
+
+    @staticmethod
+    def _clean(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: MetricsWriter._clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [MetricsWriter._clean(x) for x in v]
+        return v
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(self._clean(record), sort_keys=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class NullMetrics:
+    """Stands in for MetricsWriter on ranks that write nothing."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_role_timeline(
+    intervals: dict[int, Iterable[tuple[CellState, float, float]]],
+    path: str,
+    title: str = "Gyre role timeline",
+) -> dict[int, float]:
+    """Draw cells × time coloured by state, and the training-time fraction per cell.
+
+    intervals: cell → [(state, start, end)] in seconds (any origin). Returns the fractions."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    from gyre.cell import TRAIN_STATES
+
+    cells = sorted(intervals)
+    ivs = {c: list(intervals[c]) for c in cells}
+    t0 = min((a for c in cells for _, a, _ in ivs[c]), default=0.0)
+    fractions = {}
+    for c in cells:
+        total = sum(b - a for _, a, b in ivs[c])
+        fractions[c] = sum(b - a for s, a, b in ivs[c] if s in TRAIN_STATES) / total if total > 0 else 0.0
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 1.2 + 0.5 * len(cells)), gridspec_kw={"width_ratios": [4, 1]})
+    for row, c in enumerate(cells):
+        for s, a, b in ivs[c]:
+            ax.barh(row, b - a, left=a - t0, color=ROLE_COLOURS[s], edgecolor="none", height=0.8)
+    ax.set_yticks(range(len(cells)), [f"cell {c}" + (" (core)" if c == 0 else "") for c in cells])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.set_title(title)
+    ax.legend(handles=[Patch(color=col, label=s.value) for s, col in ROLE_COLOURS.items()],
+              loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=len(ROLE_COLOURS), fontsize=8, frameon=False)
+    bx.barh(range(len(cells)), [fractions[c] for c in cells], color=ROLE_COLOURS[CellState.TRAIN])
+    bx.set_yticks(range(len(cells)), [str(c) for c in cells])
+    bx.invert_yaxis()
+    bx.set_xlim(0, 1)
+    bx.set_xlabel("training-time fraction")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return fractions

@@ -1,0 +1,32 @@
+"""metrics.jsonl and the role timeline PNG are well formed."""
+
+import json
+import struct
+
+import pytest
+
+from gyre.cell import CellState
+from gyre.metrics import MetricsWriter, plot_role_timeline, read_metrics
+
+
+def test_metrics_jsonl_round_trip_and_nan(tmp_path):
+    w = MetricsWriter(str(tmp_path / "m" / "metrics.jsonl"))
+    w.write({"step": 1, "loss": 0.5, "bad": float("nan"), "nested": {"x": float("inf")}})
+    w.write({"step": 2, "loss": 0.25})
+    w.close()
+    rows = read_metrics(str(tmp_path / "m" / "metrics.jsonl"))
+    assert rows == [{"step": 1, "loss": 0.5, "bad": None, "nested": {"x": None}}, {"step": 2, "loss": 0.25}]
+    for line in open(tmp_path / "m" / "metrics.jsonl"):
+        json.loads(line)  # strict JSON, one object per line
+
+
+def test_timeline_png_and_fractions(tmp_path):
+    R, T, J, P = CellState.ROLLOUT, CellState.TRAIN, CellState.JOINING, CellState.PUBLISHING
+    ivs = {0: [(R, 0, 10), (T, 10, 30), (P, 30, 32), (R, 32, 40)], 1: [(R, 0, 20), (J, 20, 25), (T, 25, 30), (R, 30, 40)]}
+    path = tmp_path / "timeline.png"
+    fr = plot_role_timeline(ivs, str(path))
+    assert fr[0] == pytest.approx(22 / 40) and fr[1] == pytest.approx(10 / 40)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 400 and height > 100
