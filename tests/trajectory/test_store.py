@@ -1,0 +1,149 @@
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from gyre.trajectory.record import CallRecord, Role
+from gyre.trajectory.store import StoreCorruptError, TitoStore, TitoWriter, load_execution, read_execution
+
+
+def make_record(i: int, exec_id: str = "ex-1", n_in: int = 7, n_out: int = 3) -> CallRecord:
+    rng = np.random.default_rng(i)
+    return CallRecord(
+        execution_id=exec_id,
+        call_id=i,
+        role=Role(i % 4),
+        input_ids=rng.integers(0, 150_000, n_in),
+        output_ids=rng.integers(0, 150_000, n_out),
+        output_logprobs=rng.normal(size=n_out).astype(np.float32) - 2,
+        policy_version=10 + i,
+        start_time=1000.5 + i,
+        end_time=1001.25 + i,
+        finish_reason=["stop", "length", "tool_calls"][i % 3],
+        output_versions=np.arange(n_out) + i,
+        message_starts=np.array([0, 3, 5][: min(3, n_in)]),
+        payload_ref={"request": f"req-{i}.json", "ünï": [1, 2]},
+    )
+
+
+def assert_same(a: CallRecord, b: CallRecord) -> None:
+    for f in ("execution_id", "call_id", "role", "policy_version", "start_time", "end_time", "finish_reason", "payload_ref"):
+        assert getattr(a, f) == getattr(b, f), f
+    for f in ("input_ids", "output_ids", "output_logprobs", "output_versions", "message_starts"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.dtype == y.dtype and np.array_equal(x, y), f
+
+
+def test_round_trip_exact(tmp_path):
+    recs = [make_record(i, n_in=1 + 50 * i, n_out=i) for i in range(6)]  # includes an empty output
+    with TitoStore(tmp_path).writer("ex-1") as w:
+        for r in recs:
+            w.append(r)
+    res = read_execution(tmp_path / "ex-1.tito")
+    assert not res.torn and res.torn_tail_bytes == 0
+    assert len(res.records) == len(recs)
+    for a, b in zip(recs, res.records):
+        assert_same(a, b)
+    assert TitoStore(tmp_path).execution_ids() == ["ex-1"]
+
+
+def test_binary_not_json_lists(tmp_path):
+    r = make_record(0, n_in=10_000, n_out=1000)
+    with TitoWriter(tmp_path / "x.tito", "ex-1") as w:
+        w.append(r)
+    size = os.path.getsize(tmp_path / "x.tito")
+    # 4 bytes per input id + 12 per output token + small header/meta
+    assert size < 4 * 10_000 + 12 * 1000 + 400
+
+
+def test_truncated_at_every_offset_of_last_record(tmp_path):
+    path = tmp_path / "ex-1.tito"
+    recs = [make_record(i, n_in=5 + i, n_out=2) for i in range(3)]
+    with TitoWriter(path, "ex-1") as w:
+        for r in recs[:2]:
+            w.append(r)
+        start_last = os.path.getsize(path)
+        w.append(recs[2])
+    data = path.read_bytes()
+    cut_path = tmp_path / "cut.tito"
+    for cut in range(start_last, len(data)):
+        cut_path.write_bytes(data[:cut])
+        res = read_execution(cut_path)
+        assert len(res.records) == 2, cut
+        for a, b in zip(recs, res.records):
+            assert_same(a, b)
+        assert res.torn_tail_bytes == cut - start_last
+        assert res.valid_bytes == start_last
+    cut_path.write_bytes(data)
+    assert len(load_execution(cut_path)) == 3
+
+
+def test_damaged_last_frame_is_torn_but_damage_in_the_middle_raises(tmp_path):
+    path = tmp_path / "ex-1.tito"
+    with TitoWriter(path, "ex-1") as w:
+        w.append(make_record(0))
+        mid = os.path.getsize(path)
+        w.append(make_record(1))
+        last = os.path.getsize(path)
+        w.append(make_record(2))
+    data = bytearray(path.read_bytes())
+    flipped = bytearray(data)
+    flipped[-3] ^= 0xFF  # inside the last frame's payload: checksum fails, it is the tail
+    path.write_bytes(flipped)
+    res = read_execution(path)
+    assert len(res.records) == 2 and res.torn_tail_bytes == len(data) - last
+    flipped = bytearray(data)
+    flipped[mid + 20] ^= 0xFF  # inside the second frame, with a whole frame after it
+    path.write_bytes(flipped)
+    with pytest.raises(StoreCorruptError, match="offset"):
+        read_execution(path)
+    path.write_bytes(bytes(data) + b"\0" * 100)  # size extended, data never written
+    res = read_execution(path)
+    assert len(res.records) == 3 and res.torn_tail_bytes == 100
+    path.write_bytes(b"not a store at all")
+    with pytest.raises(StoreCorruptError, match="not a TITO store"):
+        read_execution(path)
+
+
+def test_writer_reopens_after_torn_tail_and_appends(tmp_path):
+    path = tmp_path / "ex-1.tito"
+    with TitoWriter(path, "ex-1") as w:
+        w.append(make_record(0))
+        w.append(make_record(1))
+    data = path.read_bytes()
+    path.write_bytes(data[:-5])  # crash mid-write of record 1
+    with TitoWriter(path, "ex-1") as w:
+        w.append(make_record(2))
+    res = read_execution(path)
+    assert not res.torn
+    assert [r.call_id for r in res.records] == [0, 2]
+
+
+def test_writer_refuses_other_execution_and_bad_ids(tmp_path):
+    with TitoWriter(tmp_path / "a.tito", "ex-a") as w:
+        with pytest.raises(ValueError, match="does not match"):
+            w.append(make_record(0, exec_id="ex-b"))
+    with pytest.raises(ValueError, match="execution_id"):
+        TitoStore(tmp_path).path_for("../escape")
+
+
+def test_concurrent_appends_are_whole_frames(tmp_path):
+    path = tmp_path / "ex-1.tito"
+    w = TitoWriter(path, "ex-1")
+    def work(k):
+        for j in range(25):
+            w.append(make_record(k * 100 + j, n_in=200 + j, n_out=j))
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    w.close()
+    res = read_execution(path)
+    assert not res.torn
+    assert sorted(r.call_id for r in res.records) == sorted(k * 100 + j for k in range(4) for j in range(25))
+    for r in res.records:
+        assert_same(r, make_record(r.call_id, n_in=200 + r.call_id % 100, n_out=r.call_id % 100))
