@@ -1,0 +1,158 @@
+"""Router: least-loaded + affinity, drain/reroute continuity, target order, lifecycle."""
+
+import asyncio
+
+import pytest
+
+from gyre.backends.protocols import SamplingParams
+from gyre.proxy.det_engine import DeterministicEngine, rolling_hash
+from gyre.proxy.router import RouteInfo, Router, SlotState
+
+EOS = frozenset([2])
+
+
+def reference(engine_salt, prompt, n, eos_prob=0.0):
+    """Independent re-computation of what a DeterministicEngine emits (pure function)."""
+    e = DeterministicEngine("ref", salt=engine_salt, eos_prob=eos_prob)
+    h = rolling_hash(prompt, engine_salt)
+    from gyre.proxy.det_engine import _mix
+
+    out = []
+    for _ in range(n):
+        ev = e.next_token(h)
+        out.append(ev)
+        h = _mix(h ^ (ev.token_id + 1))
+        if ev.token_id == 2:
+            break
+    return out
+
+
+async def _collect(router, key, prompt, sp, info=None):
+    return [ev async for ev in router.generate(key, "ex", prompt, sp, info, EOS)]
+
+
+def test_drain_reroutes_and_output_is_a_then_b():
+    async def main():
+        r = Router()
+        a = DeterministicEngine("A", salt=1, token_delay=0.002)
+        b = DeterministicEngine("B", salt=2)
+        r.add_engine(a, kind="cell", index=1)
+        prompt = [10, 11, 12]
+        info = RouteInfo()
+        task = asyncio.create_task(_collect(r, "c0", prompt, SamplingParams(max_tokens=60), info))
+        while len(a._requests) == 0 or not a._requests[next(iter(a._requests))].generated:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.03)
+        r.add_engine(b, kind="cell", index=0)
+        moved = await r.drain("A")
+        out = await task
+        return r, a, b, moved, info, out, prompt
+
+    r, a, b, moved, info, out, prompt = asyncio.run(main())
+    assert moved == 1 and info.reroutes == 1 and r.reroutes == 1
+    assert info.engines == ["A", "B"]
+    assert len(out) == 60
+    ref_a = reference(1, prompt, 60)
+    k = 0
+    while k < 60 and out[k].token_id == ref_a[k].token_id:
+        k += 1
+    assert 0 < k < 60
+    assert [(e.token_id, e.logprob) for e in out[:k]] == [(e.token_id, e.logprob) for e in ref_a[:k]]
+    ref_b = reference(2, prompt + [e.token_id for e in out[:k]], 60 - k)
+    assert [(e.token_id, e.logprob) for e in out[k:]] == [(e.token_id, e.logprob) for e in ref_b]
+    assert r.slots["A"].state is SlotState.DRAINED and a.load() == 0 and b.load() == 0
+
+
+def test_same_salt_reroute_equals_uninterrupted_generation():
+    async def main():
+        r = Router()
+        engines = [DeterministicEngine(f"E{i}", salt=7, token_delay=0.001, eos_prob=0.01) for i in range(3)]
+        for i, e in enumerate(engines):
+            r.add_engine(e, kind="cell", index=i)
+        prompt = list(range(20, 40))
+        task = asyncio.create_task(_collect(r, "c", prompt, SamplingParams(max_tokens=80)))
+        # drain whichever engine holds it, twice
+        for _ in range(2):
+            await asyncio.sleep(0.01)
+            busy = [s.name for s in r.slots.values() if s.inflight]
+            if busy:
+                await r.drain(busy[0])
+        return await task, prompt
+
+    out, prompt = asyncio.run(main())
+    ref = reference(7, prompt, 80, eos_prob=0.01)
+    assert [(e.token_id, e.logprob) for e in out] == [(e.token_id, e.logprob) for e in ref]
+
+
+def test_reroute_target_order_pool_then_descending_cells():
+    r = Router()
+    for name, kind, idx in [("c0", "cell", 0), ("c1", "cell", 1), ("c3", "cell", 3), ("p0", "pool", 0), ("p1", "pool", 1)]:
+        r.add_engine(DeterministicEngine(name), kind=kind, index=idx)
+    r.slots["p0"].inflight["x"] = object()  # p0 busier than p1
+    assert r._pick("e", rerouting=True).name == "p1"
+    r.slots["p1"].state = SlotState.DRAINED
+    assert r._pick("e", rerouting=True).name == "p0"
+    r.slots["p0"].state = SlotState.DRAINED
+    assert r._pick("e", rerouting=True).name == "c3"
+    r.slots["c3"].state = SlotState.DRAINED
+    assert r._pick("e", rerouting=True).name == "c1"
+
+
+def test_least_loaded_and_affinity():
+    r = Router(affinity_slack=1)
+    for n in ("a", "b"):
+        r.add_engine(DeterministicEngine(n))
+    r.slots["a"].inflight["1"] = object()
+    assert r._pick("ex", False).name == "b"  # least loaded
+    r._affinity["ex"] = "a"
+    assert r._pick("ex", False).name == "a"  # affinity within slack
+    r.slots["a"].inflight["2"] = object()
+    assert r._pick("ex", False).name == "b"  # too busy: least loaded wins
+
+
+def test_slot_lifecycle_and_wait_for_engine():
+    async def main():
+        r = Router(engine_wait_s=5)
+        e = DeterministicEngine("solo")
+        r.add_engine(e)
+        with pytest.raises(RuntimeError, match="illegal transition"):
+            r.resume("solo")  # ACTIVE -> ACTIVE
+        await r.drain("solo")
+        assert r.slots["solo"].state is SlotState.DRAINED
+        # a call with no engine in rollout waits until one comes back
+        task = asyncio.create_task(_collect(r, "w", [1, 2], SamplingParams(max_tokens=5)))
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        r.resume("solo")
+        out = await asyncio.wait_for(task, 5)
+        assert len(out) == 5
+        assert await r.remove_engine("solo") == 0
+        assert "solo" not in r.slots
+
+    asyncio.run(main())
+
+
+class _Failing(DeterministicEngine):
+    async def generate(self, request_id, input_ids, sampling):
+        n = 0
+        async for ev in super().generate(request_id, input_ids, sampling):
+            yield ev
+            n += 1
+            if n == 3:
+                raise ConnectionError("engine died")
+
+
+def test_engine_failure_mid_call_continues_elsewhere():
+    async def main():
+        r = Router()
+        r.add_engine(_Failing("bad", salt=3), kind="cell", index=0)
+        r.add_engine(DeterministicEngine("good", salt=3), kind="pool")
+        r.slots["good"].inflight["busy"] = object()  # make "bad" the least loaded first pick
+        r.slots["good"].inflight["busy2"] = object()
+        info = RouteInfo()
+        out = await _collect(r, "f", [4, 5], SamplingParams(max_tokens=10), info)
+        return r, out, info
+
+    r, out, info = asyncio.run(main())
+    assert info.engines == ["bad", "good"] and r.engine_failures == 1
+    assert [e.token_id for e in out] == [e.token_id for e in reference(3, [4, 5], 10)]
