@@ -1,0 +1,195 @@
+"""Hand-computed advantages, a hand-packed micro-step, the buffer lifecycle, and the whole
+materialization path from store files."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from gyre.trajectory.advantages import Outcome, compute_advantages, group_advantages
+from gyre.trajectory.buffer import ExecutionResult, GroupBuffer, GroupState, IllegalTransition
+from gyre.trajectory.materialize import materialize_step
+from gyre.trajectory.packing import ExecutionSample, TrajectoryTooLongError, pack_step, plan_bins
+from gyre.trajectory.record import CallRecord, Role
+from gyre.trajectory.selection import select_trajectories
+from gyre.trajectory.store import TitoStore
+from gyre.trajectory.tree import build_tree
+
+
+def rec(cid, inp, out, role=Role.MAIN, exec_id="e"):
+    lp = [-(cid + 1) - k / 8 for k in range(len(out))]
+    return CallRecord(exec_id, cid, role, np.array(inp), np.array(out), np.array(lp), 0)
+
+
+# ------------------------------------------------------------------------------ advantages
+
+
+def test_group_advantages_hand_values():
+    g = group_advantages([Outcome.scored(1), Outcome.scored(0), Outcome.scored(0), Outcome.scored(1)])
+    assert g.advantages.tolist() == [1.0, -1.0, -1.0, 1.0] and not g.all_equal
+    g = group_advantages([Outcome.scored(1), Outcome.scored(0), Outcome.scored(0), Outcome.scored(1)], normalize_std=False)
+    assert g.advantages.tolist() == [0.5, -0.5, -0.5, 0.5]
+    # rewards 3, harness failure (0), excluded, 1 → valid [3, 0, 1]: mean 4/3, std sqrt(14/9)
+    g = group_advantages([Outcome.scored(3), Outcome.harness_failed(), Outcome.eval_failed(), Outcome.scored(1)])
+    std = math.sqrt(((3 - 4 / 3) ** 2 + (4 / 3) ** 2 + (1 / 3) ** 2) / 3)
+    assert g.valid.tolist() == [True, True, False, True] and g.num_valid == 3
+    assert np.isnan(g.advantages[2])
+    assert np.allclose(g.advantages[[0, 1, 3]], [(3 - 4 / 3) / std, (-4 / 3) / std, (1 - 4 / 3) / std], rtol=1e-14)
+
+
+def test_all_equal_and_empty_groups_are_reported():
+    gs = compute_advantages([
+        [Outcome.scored(0.5)] * 3,
+        [Outcome.scored(0.0), Outcome.harness_failed()],
+        [Outcome.eval_failed(), Outcome.eval_failed()],
+        [Outcome.scored(2.0), Outcome.eval_failed()],
+    ])
+    assert [g.all_equal for g in gs] == [True, True, False, True]
+    assert [g.empty for g in gs] == [False, False, True, False]
+    assert gs[0].advantages.tolist() == [0.0, 0.0, 0.0]
+    assert gs[3].advantages[0] == 0.0
+    with pytest.raises(ValueError, match="reward"):
+        Outcome.scored(float("nan"))
+    with pytest.raises(ValueError, match="reward"):
+        Outcome(Outcome.eval_failed().kind, 1.0)
+
+
+# ------------------------------------------------------------------------------ packing
+
+
+def two_leaf_tree():
+    # shared prefix [1 2 | 3 4] (3 4 sampled), leaves [.. 5 | 6 7] and [.. 8 | 9]
+    return build_tree([rec(0, [1, 2], [3, 4]), rec(1, [1, 2, 3, 4, 5], [6, 7]), rec(2, [1, 2, 3, 4, 8], [9], Role.SUB)])
+
+
+def test_pack_step_hand_example():
+    tree = two_leaf_tree()
+    sel = select_trajectories(tree, None, np.random.default_rng(0))
+    assert [(t.role, t.num_targets, t.seq_len) for t in sel.trajectories] == [(Role.MAIN, 4, 7), (Role.SUB, 1, 6)]
+    (m,) = pack_step([ExecutionSample("e", tree, sel, 0.5)], max_tokens=16, num_executions=2, step=7)
+    assert m.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 8, 9]
+    assert m.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5]
+    assert m.cu_seqlens.tolist() == [0, 7, 13]
+    assert m.targets.tolist() == [2, 3, 4, 5, 6, 7, 0, 2, 3, 4, 8, 9, 0]
+    assert m.target_mask.tolist() == [0, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 1, 0]
+    lp = [0, -1, -1.125, 0, -2, -2.125, 0, 0, 0, 0, 0, -3, 0]
+    assert m.behavior_logprobs.tolist() == lp
+    assert m.exec_index.tolist() == [-1, 0, 0, -1, 0, 0, -1, -1, -1, -1, -1, 0, -1]
+    w = -0.5 / (2 * 5)
+    assert m.token_weight.tolist() == [0, w, w, 0, w, w, 0, 0, 0, 0, 0, w, 0]
+    assert m.advantages.tolist() == [0.5] and m.exec_lengths.tolist() == [5] and m.num_executions == 2
+    assert (m.step, m.index, m.exec_split.tolist()) == (7, 0, [False])
+    assert m.token_weight.dtype == torch.float64 and m.behavior_logprobs.dtype == torch.float32
+
+
+def test_execution_kept_whole_when_it_fits_else_split_and_flagged():
+    tree = two_leaf_tree()
+    sel = select_trajectories(tree, None, np.random.default_rng(0))
+    other = build_tree([rec(0, [1], [2, 3, 4], exec_id="f")])
+    sel_o = select_trajectories(other, None, np.random.default_rng(0))  # one sequence of 4 tokens
+    samples = [ExecutionSample("e", tree, sel, 1.0), ExecutionSample("f", other, sel_o, -1.0)]
+    ms = pack_step(samples, max_tokens=13)  # e = 7 + 6 = 13 fits alone; f goes elsewhere
+    assert [m.num_tokens for m in ms] == [13, 4]
+    assert ms[0].exec_split.tolist() == [False, False]
+    ms = pack_step(samples, max_tokens=8)  # e must be split over two micro-steps, f fills a gap
+    assert ms[0].exec_split.tolist() == [True, False]
+    assert [m.num_tokens for m in ms] == [7, 6, 4]  # e's sequences first-fit one per bin, f opens a third
+    assert all(m.num_tokens <= 8 for m in ms)
+    with pytest.raises(TrajectoryTooLongError, match="needs 7 tokens, more than max_tokens=6"):
+        pack_step(samples, max_tokens=6)
+
+
+def test_plan_bins_first_fit_decreasing():
+    bins, split = plan_bins([[5, 5], [3], [8], [2, 2, 2]], max_tokens=10)
+    # totals 10, 3, 8, 6 → exec 0 fills bin 0; exec 2 → bin 1 (2 left); exec 3 → bin 2 (4 left); exec 1 → bin 2
+    assert bins == [[(0, 0), (0, 1)], [(2, 0)], [(3, 0), (3, 1), (3, 2), (1, 0)]]
+    assert split == [False, False, False, False]
+    bins, split = plan_bins([[6, 6, 3]], max_tokens=10)
+    assert bins == [[(0, 0), (0, 2)], [(0, 1)]] and split == [True]
+
+
+# ------------------------------------------------------------------------------ buffer
+
+
+def test_buffer_oldest_dispatch_version_first_and_staleness():
+    buf = GroupBuffer()
+    buf.dispatch("g-new", 3, ["a1", "a2"])
+    buf.dispatch("g-old", 1, ["b1"])
+    buf.dispatch("g-mid", 2, ["c1"])
+    buf.finish(ExecutionResult("a1", Outcome.scored(1)))
+    assert buf.num_ready() == 0 and buf.num_pending() == 3
+    buf.finish(ExecutionResult("a2", Outcome.scored(0)))  # g-new ready first
+    buf.finish(ExecutionResult("c1", Outcome.scored(0)))
+    buf.finish(ExecutionResult("b1", Outcome.eval_failed()))
+    assert buf.num_ready() == 3
+    taken = buf.take(2)
+    assert [g.group_id for g in taken] == ["g-old", "g-mid"]
+    assert all(g.state is GroupState.ASSIGNED for g in taken)
+    buf.release(taken[1:])
+    assert [g.group_id for g in buf.take(5)] == ["g-mid", "g-new"]
+    assert buf.consume(taken[:1], train_version=4) == [3]
+    with pytest.raises(IllegalTransition, match="CONSUMED -> READY"):
+        taken[0]._to(GroupState.READY)
+    assert buf.mean_staleness() == 3.0
+    with pytest.raises(KeyError):
+        buf.finish(ExecutionResult("zzz", Outcome.scored(0)))
+    with pytest.raises(ValueError, match="already dispatched"):
+        buf.dispatch("g-new", 5, ["x"])
+
+
+def test_buffer_thread_safety():
+    buf = GroupBuffer()
+    for g in range(50):
+        buf.dispatch(f"g{g}", g % 7, [f"g{g}-{k}" for k in range(4)])
+
+    def work(k):
+        for g in range(50):
+            buf.finish(ExecutionResult(f"g{g}-{k}", Outcome.scored(k)))
+
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert buf.num_ready() == 50
+    got = buf.take(50)
+    assert [g.dispatch_version for g in got] == sorted(g % 7 for g in range(50))
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+def test_materialize_step_from_store(tmp_path):
+    store = TitoStore(tmp_path)
+    buf = GroupBuffer()
+    buf.dispatch("q0", 2, ["x0", "x1", "x2"])
+    buf.dispatch("q1", 2, ["y0", "y1"])
+    trees = {
+        "x0": [rec(0, [1, 2], [3, 4], exec_id="x0"), rec(1, [1, 2, 3, 4, 5], [6], exec_id="x0")],
+        "x1": [rec(0, [1, 2], [7], exec_id="x1")],
+        "x2": [rec(0, [1, 2], [8, 9], exec_id="x2")],
+        "y0": [rec(0, [4], [4, 4], exec_id="y0")],
+        "y1": [rec(0, [4], [5], exec_id="y1")],
+    }
+    outcomes = {"x0": Outcome.scored(1), "x1": Outcome.scored(0), "x2": Outcome.eval_failed(),
+                "y0": Outcome.scored(1), "y1": Outcome.scored(1)}
+    for eid, recs in trees.items():
+        with store.writer(eid) as w:
+            for r in recs:
+                w.append(r)
+        buf.finish(ExecutionResult(eid, outcomes[eid], tito_path=str(store.path_for(eid))))
+    groups = buf.take(2)
+    batch = materialize_step(groups, max_tokens=32, rng=np.random.default_rng(0), train_version=5)
+    assert batch.excluded == ["x2"] and batch.all_equal_groups == ["q1"] and batch.staleness == [3, 3]
+    assert [s.execution_id for s in batch.samples] == ["x0", "x1", "y0", "y1"]
+    # x0: A = +1 (rewards 1, 0), L = 3; x1: A = -1, L = 1; q1 all equal → A = 0; |E| = 4
+    w = {}
+    for m in batch.micro_steps:
+        for e, wt in zip(m.exec_index[m.target_mask].tolist(), m.token_weight[m.target_mask].tolist()):
+            w.setdefault(e, []).append(wt)
+    assert w[0] == [-1 / (4 * 3)] * 3 and w[1] == [1 / 4] and w[2] == [0.0, 0.0] and w[3] == [0.0]
+    batch = materialize_step(groups, max_tokens=32, rng=np.random.default_rng(0), skip_zero_advantage=True)
+    assert [s.execution_id for s in batch.samples] == ["x0", "x1"]
+    assert batch.micro_steps[0].num_executions == 2
