@@ -84,3 +84,19 @@ def random_step(model, *, seed: int, num_exec: int = 4, seqs_per_exec: int = 2, 
     steps = [pack([seqs[j][0] for j in b], [seqs[j][1] for j in b], [seqs[j][2] for j in b], adv, model, gen=gen, index=k)
              for k, b in enumerate(buckets)]
     return finish_step(steps)
+
+
+def merge(micro_steps: list[MicroStep]) -> MicroStep:
+    """Concatenate micro-steps of one step into a single micro-step (same tokens, same table)."""
+    cat = lambda name: torch.cat([getattr(ms, name) for ms in micro_steps])
+    offsets, cu = 0, [torch.zeros(1, dtype=torch.long)]
+    for ms in micro_steps:
+        cu.append(ms.cu_seqlens[1:] + offsets)
+        offsets += ms.num_tokens
+    first = micro_steps[0]
+    return MicroStep(
+        input_ids=cat("input_ids"), position_ids=cat("position_ids"), cu_seqlens=torch.cat(cu), targets=cat("targets"),
+        target_mask=cat("target_mask"), behavior_logprobs=cat("behavior_logprobs"), exec_index=cat("exec_index"),
+        token_weight=cat("token_weight"), advantages=first.advantages, exec_lengths=first.exec_lengths,
+        num_executions=first.num_executions,
+    )
