@@ -16,6 +16,11 @@ from typing import Callable, Literal
 
 import tyro
 
+from gyre.backends.config import CpuActorConfig, CpuEngineConfig, ModelConfig, TransferConfig
+from gyre.executions.config import ExecutionsConfig
+from gyre.proxy.config import ProxyConfig
+from gyre.scheduler.config import SchedulerConfig
+
 
 @dataclass(kw_only=True)
 class ParallelConfig:
@@ -38,6 +43,30 @@ class ParallelConfig:
 
 
 @dataclass(kw_only=True)
+class TrainConfig:
+    """The training loop (DESIGN §2, §5–6)."""
+
+    steps: int = 6
+    """Optimizer steps to run (a multiple of scheduler.mu ends on a publish)."""
+    max_tokens: int = 4096
+    """Tokens per packed micro-step; an execution is kept in one micro-step when it fits."""
+    j_max: int = 5
+    """J_max: trajectories selected per execution (DESIGN §5)."""
+    normalize_std: bool = True
+    """Group-relative advantages divided by the group's reward std (off: mean-centred only)."""
+    cell_concurrency: int = 8
+    """C_e: concurrent executions one rollout cell is counted for in the water level."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many steps (0: only at the end)."""
+    resume: bool = False
+    """Resume from the newest checkpoint in run_dir/checkpoints."""
+    torch_threads: int = 1
+    """torch intra-op threads per rank (CPU: ranks share the cores)."""
+    drain_at_end_s: float = 60.0
+    """At the end, wait this long for executions still running before cancelling them."""
+
+
+@dataclass(kw_only=True)
 class GyreConfig:
     """Gyre: elastic online RL for extra-long-horizon LLM agents."""
 
@@ -52,6 +81,14 @@ class GyreConfig:
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Logging level on every rank (filter ranks with torchrun's --local-ranks-filter)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    executions: ExecutionsConfig = field(default_factory=ExecutionsConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: CpuEngineConfig = field(default_factory=CpuEngineConfig)
+    actor: CpuActorConfig = field(default_factory=CpuActorConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
 
 
 # ----------------------------------------------------------------------------- presets

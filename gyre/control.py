@@ -29,6 +29,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+CONTROLLER = "ctl"  # the controller's mailbox (it lives on rank 0 beside that rank's own worker)
+
 
 def default_store() -> Any:
     """The store of the default process group (torchrun's rendezvous store), namespaced."""
@@ -38,7 +40,7 @@ def default_store() -> Any:
 
 
 class ControlPlane:
-    def __init__(self, store: Any, rank: int, *, poll: float = 0.002, progress_every: float = 30.0) -> None:
+    def __init__(self, store: Any, rank: int | str, *, poll: float = 0.002, progress_every: float = 30.0) -> None:
         self.store = store
         self.rank = rank
         self.poll = poll
@@ -49,7 +51,8 @@ class ControlPlane:
         return ControlPlane(self.store.clone(), self.rank, poll=self.poll, progress_every=self.progress_every)
 
     # ------------------------------------------------------------------ mailboxes
-    def send(self, dst: int, msg: dict[str, Any]) -> None:
+    def send(self, dst: int | str, msg: dict[str, Any]) -> None:
+        """Queue `msg` for mailbox `dst` (a rank, or CONTROLLER)."""
         self.store.queue_push(f"mb/{dst}", pickle.dumps(msg))
 
     def try_recv(self) -> dict[str, Any] | None:
@@ -113,3 +116,59 @@ class ControlPlane:
 
     def wait_closure(self, step: int, timeout: float | None = None) -> tuple[int, int]:
         return self._wait(lambda: self.step_closure(step), timeout, f"the close of step {step}")
+
+    # ------------------------------------------------------------------ blobs
+    def put_blob(self, key: str, obj: Any) -> None:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        self.store.set(f"blob/{key}", buf.getvalue())
+
+    def take_blob(self, key: str, timeout: float | None = 60.0) -> Any:
+        """Read and delete a blob (waiting for it to appear)."""
+        full = f"blob/{key}"
+        self._wait(lambda: True if self.store.check([full]) else None, timeout, f"blob {key}")
+        data = self.store.get(full)
+        self.store.delete_key(full)
+        return torch.load(io.BytesIO(data), weights_only=False)
+
+
+class SnapshotBoard:
+    """The core's parameter snapshots by version, readable one-sidedly by any rank.
+
+    A satellite joining a step in progress pulls the core's *current* snapshot, and engines load
+    the published version, without the core's training thread taking part (DESIGN §3). On CPU
+    the flat buffer lives in torchrun's store; a GPU cluster uses Mooncake's one-sided read
+    (`gyre.backends.transfer.MooncakeTransport.serve/read`) behind the same calls. Integrity is
+    checked with the CRC32 of the flat buffer. Only the newest `keep` versions are retained.
+    """
+
+    def __init__(self, store: Any, keep: int = 2) -> None:
+        self.store = store
+        self.keep = keep
+
+    def put(self, version: int, params: dict[str, torch.Tensor]) -> None:
+        from gyre.backends.transfer import FlatLayout, checksum
+
+        layout = FlatLayout.of(params)
+        buf = layout.pack(params)
+        self.store.set(f"snap/{version}/data", buf.numpy().tobytes())
+        self.store.set(f"snap/{version}/meta", pickle.dumps((layout, checksum(buf))))
+        self.store.set("snap/latest", str(version))
+        old = version - self.keep
+        if old >= 0:
+            for part in ("data", "meta"):
+                self.store.delete_key(f"snap/{old}/{part}")
+
+    def latest(self) -> int | None:
+        return int(self.store.get("snap/latest")) if self.store.check(["snap/latest"]) else None
+
+    def get(self, version: int) -> dict[str, torch.Tensor]:
+        from gyre.backends.transfer import checksum
+
+        if not self.store.check([f"snap/{version}/meta"]):
+            raise KeyError(f"snapshot version {version} is not on the board (latest: {self.latest()})")
+        layout, crc = pickle.loads(self.store.get(f"snap/{version}/meta"))
+        buf = torch.frombuffer(bytearray(self.store.get(f"snap/{version}/data")), dtype=torch.uint8)
+        if checksum(buf) != crc:
+            raise RuntimeError(f"snapshot version {version}: checksum mismatch")
+        return layout.unpack(buf, copy=False)

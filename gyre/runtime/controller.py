@@ -1,0 +1,414 @@
+"""The controller: rank 0's own thread and asyncio loop (DESIGN §1–3).
+
+It owns the data plane (the proxy and the harness runner), turns finished groups into training
+work, and drives `gyre.scheduler.ElasticScheduler` — the same decision object the simulator
+drives — by feeding it events and carrying out its decisions:
+
+    Dispatch(groups)        start N harness executions per group (boundary dispatch)
+    SwitchToTrain(cell)     drain the cell's engine in the proxy (its in-flight calls continue
+                            on retained engines), then tell the cell `to_train`
+    OptimizerStep(step)     tell cells 0..k−1 to reduce over their prefix group; the core steps
+    SwitchToRollout(cell)   tell the cell `to_rollout` with the published version
+    Publish(version)        tell every rollout engine to load the version
+
+Cells talk back through the controller's mailbox (`gyre.control.CONTROLLER`): state
+transitions, joined / rolled_back, work requests and results, step_done. Work requests the
+scheduler cannot serve yet are kept and retried after every event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gyre.cell import CellState
+from gyre.control import CONTROLLER, ControlPlane
+from gyre.executions.evaluator import Evaluator, RewardStatus
+from gyre.executions.runner import EventKind, ExecutionEvent, HarnessRunner
+from gyre.executions.tasks import Dataset, ExecutionSpec
+from gyre.metrics import MetricsWriter, plot_role_timeline
+from gyre.proxy import Proxy, StoreSink, start_proxy
+from gyre.proxy.engine_http import HttpEngine
+from gyre.runtime.samples import group_work, merge_metrics, summarize_metrics
+from gyre.scheduler.core import CellRole, ElasticScheduler
+from gyre.scheduler.events import Dispatch, OptimizerStep, Publish, SwitchToRollout, SwitchToTrain, WallClock, Work
+from gyre.topology import Topology
+from gyre.trajectory.advantages import Outcome
+from gyre.trajectory.store import TitoStore
+
+logger = logging.getLogger(__name__)
+
+
+class _ProxyAccess:
+    """The runner's view of the proxy: its URL and per-execution keys."""
+
+    def __init__(self, proxy: Proxy, url: str) -> None:
+        self.proxy, self.url = proxy, url
+
+    def open_execution(self, execution_id: str, group_id: str) -> str:
+        return self.proxy.issue_key(execution_id)
+
+    def close_execution(self, execution_id: str) -> None:
+        self.proxy.close_execution(execution_id)
+
+
+def _outcome(reward: Any) -> Outcome:
+    """Runner reward result → the trajectory processor's outcome (DESIGN §5)."""
+    if reward is None or reward.status is RewardStatus.EXCLUDED:
+        return Outcome.eval_failed()
+    if reward.status is RewardStatus.PLACEHOLDER:
+        return Outcome.harness_failed()
+    return Outcome.scored(reward.reward)
+
+
+class Controller:
+    """Start with `start()` on rank 0 after the workers' engines are announced; `join()` waits.
+
+    The run ends after `train.steps` optimizer steps: no more dispatch, executions still running
+    get `train.drain_at_end_s` to finish (then they are cancelled and reported as such), every
+    rank is told to stop, and the timeline and summary are written.
+    """
+
+    def __init__(self, cfg: Any, topo: Topology, store: Any) -> None:
+        self.cfg, self.topo, self.store = cfg, topo, store
+        self.run_dir = Path(cfg.run_dir)
+        self.error: BaseException | None = None
+        self.summary: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._main, name="gyre-controller", daemon=True)
+
+    # ------------------------------------------------------------------ thread
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+        if self.error is not None:
+            raise RuntimeError("controller failed") from self.error
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except BaseException as e:  # surfaced by join(); the ranks must not hang meanwhile
+            logger.exception("controller failed; stopping every rank")
+            self.error = e
+            cp = ControlPlane(self.store.clone(), CONTROLLER)
+            for r in range(self.topo.world_size):
+                cp.send(r, {"cmd": "stop"})
+
+    # ------------------------------------------------------------------ set-up
+    def _cell_ranks(self, cell: int) -> list[int]:
+        return self.topo.cell_ranks(cell)
+
+    def _send_cell(self, cell: int, msg: dict[str, Any]) -> None:
+        for r in self._cell_ranks(cell):
+            self.cp.send(r, msg)
+
+    async def _engine_url(self, rank: int) -> str:
+        key = f"engine/{rank}"
+        start = time.monotonic()
+        while not self.store_t.check([key]):
+            if time.monotonic() - start > 600:
+                raise TimeoutError(f"rank {rank} never announced its engine")
+            await asyncio.sleep(0.01)
+        return self.store_t.get(key).decode()
+
+    async def _run(self) -> None:
+        cfg, topo = self.cfg, self.topo
+        sc, tc = cfg.scheduler, cfg.train
+        self.store_t = self.store.clone()
+        self.cp = ControlPlane(self.store_t, CONTROLLER)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.tito = TitoStore(self.run_dir / "tito")
+        self.proxy = Proxy(cfg.proxy, sink=StoreSink(self.tito))
+        self.proxy_handle = await start_proxy(self.proxy)
+        logger.info("proxy listening at %s", self.proxy_handle.url)
+        for c in range(topo.num_cells):
+            url = await self._engine_url(self._cell_ranks(c)[0])
+            self.proxy.router.add_engine(HttpEngine(url, name=f"cell{c}"), kind="cell", index=c)
+        for e in range(topo.num_pool_engines):
+            url = await self._engine_url(topo.pool_engine_ranks(e)[0])
+            self.proxy.router.add_engine(HttpEngine(url, name=f"pool{e}"), kind="pool", index=e)
+
+        ds = cfg.executions.dataset
+        if not ds.path:
+            raise ValueError("executions.dataset.path is empty: give a JSONL of tasks (see examples/cpu_demo)")
+        self.dataset = Dataset.from_jsonl(ds.path)
+        self.group_iter = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed)
+        runner_cfg = dataclasses.replace(cfg.executions.runner, run_dir=str(self.run_dir / "executions"))
+        self.runner = HarnessRunner(runner_cfg, Evaluator(cfg.executions.evaluator),
+                                    proxy=_ProxyAccess(self.proxy, self.proxy_handle.url + "/v1"), on_event=self._on_exec_event)
+        self.sched = ElasticScheduler(sc, topo.num_cells, tc.cell_concurrency,
+                                      topo.num_pool_engines * tc.cell_concurrency, clock=WallClock())
+        self.metrics = MetricsWriter(str(self.run_dir / "metrics.jsonl"))
+        self.rng = np.random.default_rng(cfg.seed)
+
+        # run state
+        self.group_of_exec: dict[str, int] = {}
+        self.group_name: dict[int, str] = {}
+        self.group_version: dict[int, int] = {}
+        self.evaluated: dict[int, list] = defaultdict(list)
+        self.work: dict[int, list] = {}
+        self.group_rewards: dict[int, list] = {}
+        self.group_stats: dict[int, dict] = {}
+        self.pending: set[int] = set()
+        self.step_acc: dict[int, dict] = defaultdict(dict)
+        self.step_info: dict[int, dict] = {}
+        self.timeline: dict[int, list[tuple[str, float]]] = defaultdict(list)
+        self.switch_sent: dict[int, float] = {}
+        self.latencies: dict[str, list[float]] = {"to_train": [], "to_rollout": []}
+        self.steps_done = 0
+        self.stopping = False
+        self.stopped: dict[int, dict] = {}
+        self.t_start = time.time()
+        self.last_step_t = time.time()
+        self.outcomes: dict[str, int] = defaultdict(int)
+
+        self._apply(self.sched.start())
+        next_tick = time.monotonic()
+        while not self.stopping:
+            while (msg := self.cp.try_recv()) is not None:
+                self._on_message(msg)
+            if time.monotonic() >= next_tick:
+                self._apply(self.sched.tick())
+                self._progress()
+                next_tick = time.monotonic() + sc.tick_s
+            self._serve_pending()
+            await asyncio.sleep(0.003)
+        await self._finish()
+
+    # ------------------------------------------------------------------ decisions
+    def _apply(self, decisions: list) -> None:
+        for d in decisions:
+            if isinstance(d, Dispatch):
+                self._dispatch(d)
+            elif isinstance(d, SwitchToTrain):
+                self.switch_sent[d.cell] = time.time()
+                asyncio.get_running_loop().create_task(self._switch_to_train(d.cell))
+            elif isinstance(d, SwitchToRollout):
+                self.switch_sent[d.cell] = time.time()
+                self._send_cell(d.cell, {"cmd": "to_rollout", "version": self.sched.published})
+            elif isinstance(d, OptimizerStep):
+                self._optimizer_step(d)
+            elif isinstance(d, Publish):
+                for c in range(self.topo.num_cells):
+                    if self.sched.roles[c] is CellRole.ROLLOUT:
+                        self._send_cell(c, {"cmd": "load", "version": d.version})
+                for e in range(self.topo.num_pool_engines):
+                    for r in self.topo.pool_engine_ranks(e):
+                        self.cp.send(r, {"cmd": "load", "version": d.version})
+            else:
+                raise TypeError(f"unknown scheduler decision {d!r}")
+
+    def _dispatch(self, d: Dispatch) -> None:
+        if self.steps_done >= self.cfg.train.steps:
+            logger.info("not dispatching %d groups: the run has done its %d steps", d.n_groups, self.steps_done)
+            return
+        for g in d.groups:
+            group = next(self.group_iter)
+            self.group_name[g] = group.group_id
+            self.group_version[g] = d.version
+            for spec in group.executions:
+                spec.dispatch_version = d.version
+                self.group_of_exec[spec.execution_id] = g
+            self.runner.dispatch_group(group)
+        logger.info("dispatched groups %d..%d at version %d (w=%d)", d.first_group, d.first_group + d.n_groups - 1,
+                    d.version, self.sched.water_level)
+
+    async def _switch_to_train(self, cell: int) -> None:
+        moved = await self.proxy.router.drain(f"cell{cell}")  # in-flight calls continue elsewhere
+        logger.info("cell %d drained (%d calls rerouted); switching to train", cell, moved)
+        self._send_cell(cell, {"cmd": "to_train"})
+
+    def _optimizer_step(self, d: OptimizerStep) -> None:
+        roles = self.sched.roles
+        k = 0
+        while k < len(roles) and roles[k] is CellRole.TRAIN:
+            k += 1
+        if not set(d.cells) <= set(range(k)):
+            raise RuntimeError(f"step {d.step}: cells {d.cells} are not within the training prefix 0..{k - 1}")
+        groups = list(self.sched.step.assigned)
+        self.step_info[d.step] = {"k": k, "groups": groups, "final": d.final_in_burst,
+                                  "staleness": [d.step - self.group_version[g] for g in groups]}
+        for c in range(k):
+            self.pending.discard(c)
+            self._send_cell(c, {"cmd": "reduce", "step": d.step, "k": k, "final": d.final_in_burst})
+
+    def _serve_pending(self) -> None:
+        for cell in sorted(self.pending):
+            w = self.sched.request_work(cell)
+            if w is None:
+                continue
+            self.pending.discard(cell)
+            bundle = self.work[w.group][w.item]
+            for r in self._cell_ranks(cell):
+                key = f"ms/{w.step}/{w.group}/{w.item}/{r}"
+                self.cp.put_blob(key, bundle)
+                self.cp.send(r, {"cmd": "work", "step": w.step, "group": w.group, "item": w.item, "key": key,
+                                 "version": w.step})
+
+    # ------------------------------------------------------------------ messages from cells
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        kind, cell = msg["kind"], msg.get("cell")
+        if kind == "transition":
+            self.timeline[cell].append((msg["dst"], msg["t"]))
+        elif kind == "joined":
+            if self.sched.roles[cell] is CellRole.TO_TRAIN:
+                self.latencies["to_train"].append(time.time() - self.switch_sent.pop(cell, time.time()))
+                self._apply(self.sched.on_switch_done(cell))
+        elif kind == "request_work":
+            self.pending.add(cell)
+        elif kind == "work_done":
+            merge_metrics(self.step_acc[msg["step"]], msg["metrics"])
+            self._apply(self.sched.on_work_done(cell, Work(msg["step"], msg["group"], msg["item"])))
+        elif kind == "step_done":
+            self._step_done(msg["step"], msg["stats"])
+        elif kind == "rolled_back":
+            self.latencies["to_rollout"].append(time.time() - self.switch_sent.pop(cell, time.time()))
+            self.proxy.router.resume(f"cell{cell}")
+            self._apply(self.sched.on_switch_done(cell))
+        elif kind in ("loaded", "stopped"):
+            if kind == "stopped":
+                self.stopped[msg["rank"]] = msg
+        else:
+            raise ValueError(f"controller: unknown message kind {kind!r} from cell {cell}")
+
+    def _step_done(self, step: int, stats: dict[str, float]) -> None:
+        info = self.step_info[step]
+        now = time.time()
+        rewards = [r for g in info["groups"] for r in self.group_rewards.get(g, []) if r is not None]
+        row = {
+            "step": step,
+            "version": step + 1,
+            "time_s": now - self.t_start,
+            "step_time_s": now - self.last_step_t,
+            "cells_in_step": info["k"],
+            "final_in_burst": info["final"],
+            "groups": len(info["groups"]),
+            "reward_mean": float(np.mean(rewards)) if rewards else None,
+            "reward_count": len(rewards),
+            "staleness_mean": float(np.mean(info["staleness"])) if info["staleness"] else None,
+            "staleness": info["staleness"],
+            "water_level": self.sched.water_level,
+            "dispatched": self.sched.dispatched,
+            "finished": self.sched.finished,
+            "reroutes": self.proxy.router.reroutes,
+            "switch_to_train_s": self.latencies["to_train"][-1] if self.latencies["to_train"] else None,
+            "switch_to_rollout_s": self.latencies["to_rollout"][-1] if self.latencies["to_rollout"] else None,
+            "cell_time_s": self._cell_times(now),
+            **summarize_metrics(self.step_acc.pop(step, {})),
+            **{k: float(v) for k, v in stats.items()},
+        }
+        self.metrics.write(row)
+        self.last_step_t = now
+        self.steps_done += 1
+        logger.info("step %d done: reward %.3f  loss %.4g  clip %.2f  d %.2f  cells %d  (%.1fs)", step,
+                    row["reward_mean"] if row["reward_mean"] is not None else float("nan"), row["loss"],
+                    row["clip_frac"], row["staleness_mean"] or 0.0, info["k"], row["step_time_s"])
+        self._apply(self.sched.on_step_done(step))
+        if self.steps_done >= self.cfg.train.steps:
+            self.stopping = True
+
+    def _cell_times(self, now: float) -> dict[str, dict[str, float]]:
+        out = {}
+        for c in range(self.topo.num_cells):
+            acc: dict[str, float] = defaultdict(float)
+            state, since = CellState.ROLLOUT.value, self.t_start
+            for dst, t in self.timeline.get(c, []):
+                acc[state] += t - since
+                state, since = dst, t
+            acc[state] += now - since
+            out[str(c)] = dict(acc)
+        return out
+
+    # ------------------------------------------------------------------ executions
+    def _on_exec_event(self, ev: ExecutionEvent) -> None:
+        g = self.group_of_exec[ev.execution_id]
+        if ev.kind is EventKind.STARTED:
+            self._apply(self.sched.on_execution_started(g))
+        elif ev.kind is EventKind.FINISHED:
+            self.outcomes[ev.result.outcome.value] += 1
+            self._apply(self.sched.on_execution_finished(g))
+        elif ev.kind is EventKind.EVALUATED:
+            self.evaluated[g].append(ev.result)
+            if len(self.evaluated[g]) == self.cfg.scheduler.n_per_group:
+                asyncio.get_running_loop().create_task(self._make_work(g))
+
+    async def _make_work(self, g: int) -> None:
+        results = sorted(self.evaluated.pop(g), key=lambda r: r.index)
+        items = [(r.execution_id, _outcome(r.reward), self.tito.load(r.execution_id)) for r in results]
+        sc, tc = self.cfg.scheduler, self.cfg.train
+        work = await asyncio.to_thread(
+            group_work, self.group_name[g], self.group_version[g], items,
+            num_executions=sc.batch_groups * sc.n_per_group, max_tokens=tc.max_tokens, j_max=tc.j_max,
+            normalize_std=tc.normalize_std, rng=np.random.default_rng([self.cfg.seed, g]),
+        )
+        self.work[g] = work.bundles
+        self.group_rewards[g] = work.rewards
+        self.group_stats[g] = work.stats
+        self._apply(self.sched.on_group_ready(g, len(work.bundles)))
+
+    # ------------------------------------------------------------------ progress and the end
+    def _progress(self) -> None:
+        s = self.sched
+        logger.info("step %d/%d | groups ready %d | water level %d (C_R %d) | cells training %d | d/p/f %d/%d/%d",
+                    self.steps_done, self.cfg.train.steps, s.ready_unassigned, s.water_level, s.rollout_capacity,
+                    s.cells_in_training, s.dispatched, s.started, s.finished)
+
+    async def _finish(self) -> None:
+        tc = self.cfg.train
+        in_flight = self.runner.in_flight()
+        if in_flight:
+            logger.info("run complete; waiting up to %.0fs for %d executions still running", tc.drain_at_end_s, len(in_flight))
+            deadline = time.monotonic() + tc.drain_at_end_s
+            while self.runner.in_flight() and time.monotonic() < deadline:
+                while (msg := self.cp.try_recv()) is not None:
+                    self._on_message(msg)
+                await asyncio.sleep(0.05)
+        cancelled = len(self.runner.in_flight())
+        await self.runner.shutdown()
+        for r in range(self.topo.world_size):
+            self.cp.send(r, {"cmd": "stop"})
+        deadline = time.monotonic() + 300
+        while len(self.stopped) < self.topo.world_size and time.monotonic() < deadline:
+            while (msg := self.cp.try_recv()) is not None:
+                self._on_message(msg)
+            await asyncio.sleep(0.01)
+        end = time.time()
+        intervals = {}
+        for c in range(self.topo.num_cells):
+            ivs, state, since = [], CellState.ROLLOUT, self.t_start
+            for dst, t in self.timeline.get(c, []):
+                ivs.append((state, since, t))
+                state, since = CellState(dst), t
+            ivs.append((state, since, end))
+            intervals[c] = ivs
+        fractions = plot_role_timeline(intervals, str(self.run_dir / "role_timeline.png"),
+                                       title=f"Gyre role timeline ({self.cfg.scheduler.mode})")
+        stats = self.proxy.router.stats()
+        self.summary = {
+            "steps": self.steps_done,
+            "wall_s": end - self.t_start,
+            "mode": self.cfg.scheduler.mode,
+            "train_fraction": {str(c): f for c, f in fractions.items()},
+            "switch_latency_s": {k: (float(np.mean(v)) if v else None) for k, v in self.latencies.items()},
+            "reroutes": stats["reroutes"],
+            "engine_failures": stats["engine_failures"],
+            "execution_outcomes": dict(self.outcomes),
+            "cancelled_at_end": cancelled,
+            "measured_staleness_mean": float(np.mean(self.sched.staleness)) if self.sched.staleness else None,
+            "expected_staleness": self.cfg.scheduler.expected_staleness,
+        }
+        import json
+
+        (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+        self.metrics.close()
+        await self.proxy_handle.astop()
+        logger.info("run summary: %s", self.summary)

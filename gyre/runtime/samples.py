@@ -1,0 +1,131 @@
+"""A finished group → its training work: micro-step *bundles* (DESIGN §5–6).
+
+The scheduler hands out work items; here one item is a bundle of micro-steps that share an
+execution. Packing keeps an execution in one micro-step whenever it fits, so nearly every bundle
+is a single micro-step; when an execution had to be split, its micro-steps travel together and
+the cell that trains them runs the forward-only pre-pass for s_i first (`train_bundle`). That
+keeps s_i exact without a cross-cell reduction in the middle of a step.
+
+Loss denominator. A step consumes B groups of N executions; with streaming, a group's
+micro-steps are made before the step knows its other groups, so |E| is the nominal B·N
+(executions excluded after failed evaluation contribute nothing). Then every token weight
+−A_i/(|E|·L_i) is final when the group is packed, and any cell can train any item.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from gyre.trajectory.advantages import Outcome
+from gyre.trajectory.buffer import ExecutionResult, Group
+from gyre.trajectory.materialize import materialize_step
+from gyre.trajectory.microstep import MicroStep
+
+
+@dataclass
+class GroupWork:
+    bundles: list[list[MicroStep]]
+    rewards: list[float | None]  # per execution, None when excluded
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def bundle_micro_steps(micro_steps: Sequence[MicroStep]) -> list[list[MicroStep]]:
+    """Group micro-steps that share an execution (connected components), order preserved."""
+    parent = list(range(len(micro_steps)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for i, ms in enumerate(micro_steps):
+        for e in ms.exec_index[ms.target_mask].unique().tolist():
+            if e in owner:
+                parent[find(i)] = find(owner[e])
+            else:
+                owner[e] = i
+    comps: dict[int, list[MicroStep]] = {}
+    for i, ms in enumerate(micro_steps):
+        comps.setdefault(find(i), []).append(ms)
+    return list(comps.values())
+
+
+def group_work(
+    group_id: str,
+    dispatch_version: int,
+    results: Sequence[tuple[str, Outcome, list]],
+    *,
+    num_executions: int,
+    max_tokens: int,
+    j_max: int | None,
+    normalize_std: bool,
+    rng: np.random.Generator,
+) -> GroupWork:
+    """results: (execution id, outcome, CallRecords) for each of the group's N executions."""
+    g = Group(group_id, dispatch_version, [eid for eid, _, _ in results])
+    for eid, outcome, records in results:
+        g.results[eid] = ExecutionResult(eid, outcome, records=list(records))
+    batch = materialize_step([g], max_tokens=max_tokens, rng=rng, j_max=j_max, normalize_std=normalize_std,
+                             num_executions=num_executions)
+    bundles = bundle_micro_steps(batch.micro_steps) or [[]]  # an empty item keeps the group countable
+    stats = {
+        "excluded": len(batch.excluded),
+        "all_equal": bool(batch.all_equal_groups),
+        "dropped_trajectories": batch.dropped_trajectories,
+        "targets": batch.num_targets,
+        "tokens": batch.num_tokens,
+        "tree": batch.tree_stats,
+    }
+    return GroupWork(bundles, [o.value for _, o, _ in results], stats)
+
+
+SUMMABLE = ("loss", "tokens", "num_executions", "num_targets", "num_clipped", "num_omega_capped", "abs_delta_sum")
+
+
+def merge_metrics(acc: dict[str, float], m: dict[str, float]) -> dict[str, float]:
+    """Add one micro-step's (or cell's) loss metrics into `acc`: counts add, s_i extremes combine."""
+    for k in SUMMABLE + ("micro_steps", "ratio_sum"):
+        if k in m:
+            acc[k] = acc.get(k, 0.0) + float(m[k])
+    if "ratio_mean" in m:
+        acc["ratio_sum"] = acc.get("ratio_sum", 0.0) + float(m["ratio_mean"]) * float(m.get("num_executions", 0.0))
+    if m.get("num_executions", 0) or "ratio_sum" in m:
+        for k, f in (("ratio_min", min), ("ratio_max", max)):
+            if k in m:
+                acc[k] = f(acc[k], float(m[k])) if k in acc else float(m[k])
+    return acc
+
+
+def summarize_metrics(acc: dict[str, float]) -> dict[str, float]:
+    """Step-level loss metrics from merged counts (DESIGN §6: clip fraction, mean s_i, ω capped)."""
+    n_exec, n_tok = acc.get("num_executions", 0.0), acc.get("num_targets", 0.0)
+    return {
+        "loss": acc.get("loss", 0.0),
+        "tokens_trained": acc.get("tokens", 0.0),
+        "targets_trained": n_tok,
+        "micro_steps": acc.get("micro_steps", 0.0),
+        "clip_frac": acc.get("num_clipped", 0.0) / n_exec if n_exec else 0.0,
+        "ratio_mean": acc.get("ratio_sum", 0.0) / n_exec if n_exec else 1.0,
+        "ratio_min": acc.get("ratio_min", 1.0),
+        "ratio_max": acc.get("ratio_max", 1.0),
+        "omega_capped_frac": acc.get("num_omega_capped", 0.0) / n_tok if n_tok else 0.0,
+        "abs_delta_mean": acc.get("abs_delta_sum", 0.0) / n_tok if n_tok else 0.0,
+    }
+
+
+def train_bundle(actor: Any, bundle: Sequence[MicroStep]) -> dict[str, float]:
+    """Accumulate the gradients of one bundle on `actor`; returns its merged loss metrics."""
+    if not bundle:
+        return {"micro_steps": 0.0}
+    logratio = None
+    if len(bundle) > 1:  # the execution spans micro-steps: s_i needs Σδ over all of them first
+        logratio = sum(actor.exec_logratio_partial_sums(ms) for ms in bundle)
+    acc: dict[str, float] = {"micro_steps": float(len(bundle))}
+    for ms in bundle:
+        merge_metrics(acc, actor.forward_backward(ms, exec_logratio_sum=logratio))
+    return acc

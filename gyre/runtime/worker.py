@@ -1,0 +1,157 @@
+"""The cell worker: what every rank does with the controller's commands (DESIGN §1, §3).
+
+A worker owns its cell's state machine (`gyre.cell`), the rollout engine it serves (first rank
+of a cell or pool engine) and, once the cell has trained, its training actor (kept across
+bursts; only the core's holds optimizer state). Commands arrive in the rank's mailbox; every
+transition is reported to the controller, which keeps the run's timeline.
+
+    to_train            ROLLOUT → DRAINING (engine releases memory; the proxy has already
+                        rerouted its calls) → JOINING (actor ready; a satellite pulls the core's
+                        current snapshot) ; then asks for work
+    work                train one bundle of micro-steps (JOINING → TRAIN on the first); ask again
+    reduce(k, final)    sum gradients over the prefix group of cells 0..k−1; the core clips,
+                        steps and puts the new snapshot on the board; on a non-final step the
+                        new parameters are broadcast over the same group
+    to_rollout(v)       → RESUMING (engine resumes, loads published version v) → ROLLOUT
+    load(v)             a rollout engine loads published version v between decode steps
+    stop                report the timeline, save the core's checkpoint, stop the engine
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from gyre.backends.transfer import TorchDistTransport
+from gyre.cell import CellState, CellStateMachine
+from gyre.control import CONTROLLER, ControlPlane, SnapshotBoard
+from gyre.runtime.samples import train_bundle
+from gyre.topology import Groups, Topology
+
+logger = logging.getLogger(__name__)
+
+
+class CellWorker:
+    def __init__(
+        self,
+        topo: Topology,
+        groups: Groups,
+        control: ControlPlane,
+        board: SnapshotBoard,
+        engine_host: Any | None,
+        make_actor: Callable[[bool], Any],
+        *,
+        checkpoint_dir: str | None = None,
+    ) -> None:
+        self.topo, self.groups, self.cp, self.board = topo, groups, control, board
+        self.engine = engine_host
+        self.make_actor = make_actor
+        self.actor: Any | None = None
+        self.checkpoint_dir = checkpoint_dir
+        self.cell = topo.cell  # None on a standalone-pool rank
+        self.sm = CellStateMachine(self.cell if self.cell is not None else -1, clock=time.time)
+        self.version = 0  # policy version of the weights this rank holds (engine or actor)
+
+    # ------------------------------------------------------------------ helpers
+    def _to(self, state: CellState, note: str = "") -> None:
+        t = self.sm.to(state, note)
+        self._report("transition", src=t.src.value, dst=t.dst.value, t=t.time)
+
+    def _report(self, kind: str, **data: Any) -> None:
+        """Cell-level reports come from the cell's first rank only (one per cell)."""
+        if self.topo.position == 0:
+            self.cp.send(CONTROLLER, {"kind": kind, "cell": self.cell, "rank": self.topo.rank, **data})
+
+    def _ensure_version(self, version: int) -> None:
+        """A satellite trains at the step's version: pull it from the board when behind."""
+        if self.actor.version != version:
+            if self.topo.is_core:
+                raise RuntimeError(f"core actor is at version {self.actor.version}, step needs {version}")
+            self.actor.import_parameters(self.board.get(version))
+            self.actor.version = version
+
+    # ------------------------------------------------------------------ commands
+    def handle(self, msg: dict[str, Any]) -> bool:
+        """Execute one command; False when the worker should exit."""
+        cmd = msg["cmd"]
+        handler = getattr(self, f"_on_{cmd}", None)
+        if handler is None:
+            raise ValueError(f"rank {self.topo.rank}: unknown command {cmd!r}")
+        return handler(msg) is not False
+
+    def _on_to_train(self, msg: dict[str, Any]) -> None:
+        self._to(CellState.DRAINING)
+        if self.engine is not None:
+            self.engine.release()
+        if self.actor is None:
+            self.actor = self.make_actor(self.topo.is_core)
+        if not self.topo.is_core:
+            latest = self.board.latest()  # the core's *current* parameters (DESIGN §3)
+            self._ensure_version(latest)
+        self._to(CellState.JOINING)
+        self._report("joined", version=self.actor.version)
+        self._report("request_work")
+
+    def _on_work(self, msg: dict[str, Any]) -> None:
+        self._ensure_version(msg["version"])
+        bundle = self.cp.take_blob(msg["key"])
+        if self.sm.state is CellState.JOINING:
+            self._to(CellState.TRAIN, f"step {msg['step']}")
+        t0 = time.perf_counter()
+        metrics = train_bundle(self.actor, bundle)
+        metrics["compute_s"] = time.perf_counter() - t0
+        self._report("work_done", step=msg["step"], group=msg["group"], item=msg["item"], metrics=metrics)
+        self._report("request_work")
+
+    def _on_reduce(self, msg: dict[str, Any]) -> None:
+        step, k, final = msg["step"], msg["k"], msg["final"]
+        if self.sm.state is CellState.JOINING:  # joined, trained nothing: still in the step's group
+            self._to(CellState.TRAIN, f"step {step} (no work)")
+        group = self.groups.prefix(k)
+        self.actor.reduce_gradients(group)  # blocking: cells 0..k−1 at this position
+        stats: dict[str, float] = {}
+        if self.topo.is_core:
+            stats = self.actor.optimizer_step()
+            self.board.put(self.actor.version, self.actor.export_parameters())
+        else:
+            self.actor.zero_grad()
+        if not final and k > 1:
+            # New parameters to the satellites of the step (DESIGN §3), over the same group.
+            params = TorchDistTransport(group, src=self.topo.cell_ranks(0)[self.topo.position]).share(
+                self.actor.export_parameters() if self.topo.is_core else None)
+            if not self.topo.is_core:
+                self.actor.import_parameters(params)
+        self.actor.version = step + 1
+        if self.topo.is_core:
+            if final:
+                self._to(CellState.PUBLISHING, f"version {step + 1}")
+            self._report("step_done", step=step, stats=stats)
+        if not final:
+            self._report("request_work")
+
+    def _on_to_rollout(self, msg: dict[str, Any]) -> None:
+        self._to(CellState.RESUMING)
+        if self.engine is not None:
+            self.engine.resume()
+            self.engine.update(self.board.get(msg["version"]), msg["version"])
+        self.version = msg["version"]
+        self._to(CellState.ROLLOUT)
+        self._report("rolled_back", version=msg["version"])
+
+    def _on_load(self, msg: dict[str, Any]) -> None:
+        if self.engine is not None:
+            self.engine.update(self.board.get(msg["version"]), msg["version"])
+        self.version = msg["version"]
+        self._report("loaded", version=msg["version"])
+
+    def _on_stop(self, msg: dict[str, Any]) -> bool:
+        if self.topo.is_core and self.actor is not None and self.checkpoint_dir:
+            path = f"{self.checkpoint_dir}/step_{self.actor.version:06d}"
+            self.actor.save_checkpoint(path)
+            logger.info("checkpoint written to %s", path)
+        if self.engine is not None:
+            self.engine.stop()
+        self.cp.send(CONTROLLER, {"kind": "stopped", "cell": self.cell, "rank": self.topo.rank,
+                                  "time_in": self.sm.time_in(), "latencies": self.sm.switch_latencies()})
+        return False

@@ -1,0 +1,118 @@
+"""The training job on every rank (`--job train`): build the parts, then follow the controller.
+
+    rank 0       the core's worker (main thread) + the controller (its own thread: proxy,
+                 harness runner, scheduler) + its engine (its own thread)
+    other ranks  a satellite's (or pool engine's) worker + its engine
+
+The per-rank loop is the last few lines of `train`: wait for a command, execute it. Every
+blocking wait of the job is one of: the barrier after snapshot 0, `control.recv` for the next
+command, or a collective inside a command (gradient reduction / parameter broadcast over a
+prefix group).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gyre.backends.config import ModelConfig
+from gyre.control import ControlPlane, SnapshotBoard, default_store
+from gyre.logging_utils import ONCE
+from gyre.topology import Groups, Topology
+
+logger = logging.getLogger(__name__)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[name]
+
+
+def _initial_model(mc: ModelConfig, vocab: int, checkpoint_dir: Path, resume: bool) -> Any:
+    """The core's starting model: the newest checkpoint (resume), the given one, or a preset."""
+    from gyre.backends.models import build_model, load_model, model_config
+
+    if resume:
+        found = sorted(checkpoint_dir.glob("step_*"))
+        if not found:
+            raise FileNotFoundError(f"--train.resume: no checkpoint under {checkpoint_dir}")
+        logger.info("resuming from %s", found[-1], extra=ONCE)
+        return load_model(str(found[-1]), dtype=_dtype(mc.dtype)), found[-1]
+    if mc.checkpoint:
+        return load_model(mc.checkpoint, dtype=_dtype(mc.dtype)), None
+    return build_model(model_config(mc.preset, vocab), seed=mc.seed, dtype=_dtype(mc.dtype)), None
+
+
+def train(cfg: Any, topo: Topology, groups: Groups) -> None:
+    from gyre.backends.cpu_actor import CpuActor
+    from gyre.backends.cpu_engine import CpuEngine
+    from gyre.backends.models import build_model
+    from gyre.backends.tokenizer import ENDOFTEXT, IM_END, load_tokenizer
+    from gyre.runtime.controller import Controller
+    from gyre.runtime.engine_host import EngineHost
+    from gyre.runtime.worker import CellWorker
+
+    if topo.cell_size != 1:
+        raise ValueError(f"parallel.cell_size = {topo.cell_size}: the built-in CPU engine and actor hold a whole "
+                         f"model on one rank, so CPU runs use parallel.cell_size = 1 (TP/PP/CP/EP are for the GPU backends)")
+    torch.set_num_threads(cfg.train.torch_threads)
+    store = default_store()
+    board = SnapshotBoard(store)
+    control = ControlPlane(store, topo.rank)
+    tokenizer = load_tokenizer(cfg.proxy.tokenizer_path)
+    ckpt_dir = Path(cfg.run_dir) / "checkpoints"
+
+    core_actor = None
+    if topo.is_core:  # the authoritative weights and optimizer state live here (DESIGN §1)
+        model, resumed = _initial_model(cfg.model, len(tokenizer), ckpt_dir, cfg.train.resume)
+        core_actor = CpuActor(model, is_core=True, config=cfg.actor)
+        if resumed is not None:
+            core_actor.load_checkpoint(str(resumed))
+            core_actor.version = 0  # the scheduler counts this run's versions from 0
+        board.put(0, core_actor.export_parameters())
+    dist.barrier(group=groups.control)  # blocking: snapshot 0 is on the board for every rank
+
+    params = board.get(0)
+    model_cfg = core_actor.model.config if core_actor is not None else _config_of(cfg.model, len(tokenizer))
+    engine_host = None
+    if topo.position == 0:  # a cell's (or pool engine's) first rank serves its engine
+        eos = tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT])
+        engine = CpuEngine(model_cfg, params, version=0, config=cfg.engine, eos_token_ids=eos)
+        engine.name = f"rank{topo.rank}"
+        engine_host = EngineHost(engine, host=cfg.proxy.host)
+        store.set(f"engine/{topo.rank}", engine_host.url)
+
+    def make_actor(is_core: bool) -> Any:
+        actor = CpuActor(build_model(model_cfg, dtype=_dtype(cfg.model.dtype)), is_core=is_core, config=cfg.actor)
+        actor.version = -1  # nothing yet: the first work pulls the core's current snapshot
+        return actor
+
+    worker = CellWorker(topo, groups, control, board, engine_host, make_actor, checkpoint_dir=str(ckpt_dir))
+    worker.actor = core_actor
+    controller = None
+    if topo.is_controller:
+        controller = Controller(cfg, topo, store)
+        controller.start()
+
+    while True:
+        msg = control.recv(what="a command from the controller")  # blocking: the controller's next command
+        if not worker.handle(msg):
+            break
+    if controller is not None:
+        controller.join()
+    logger.info("rank %d done", topo.rank)
+
+
+def _config_of(mc: ModelConfig, vocab: int) -> Any:
+    """The model architecture config: from the checkpoint when one is given, else the preset."""
+    if mc.checkpoint:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(mc.checkpoint)
+    from gyre.backends.models import model_config
+
+    return model_config(mc.preset, vocab)
