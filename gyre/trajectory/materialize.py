@@ -64,11 +64,13 @@ def materialize_step(
     skip_zero_advantage: bool = False,
     step: int = 0,
     train_version: int | None = None,
+    num_executions: int | None = None,
 ) -> StepBatch:
     """Materialize B ready groups into micro-steps of at most `max_tokens` tokens.
 
     |E| = number of executions in the execution table (valid executions, minus zero-advantage
-    ones when `skip_zero_advantage`). An execution without records (e.g. a harness that failed
+    ones when `skip_zero_advantage`), unless the caller fixes it with `num_executions` (a
+    streaming step packs each group as it becomes ready and uses the nominal B·N). An execution without records (e.g. a harness that failed
     before its first call) is in E with L_i = 0 and contributes no tokens.
     """
     batch = StepBatch(micro_steps=[], samples=[])
@@ -99,6 +101,6 @@ def materialize_step(
             batch.tree_stats[res.execution_id] = tree.stats.as_dict()
             batch.samples.append(ExecutionSample(res.execution_id, tree, sel, float(a)))
     if batch.samples:
-        batch.micro_steps = pack_step(batch.samples, max_tokens, step=step)
+        batch.micro_steps = pack_step(batch.samples, max_tokens, step=step, num_executions=num_executions)
     return batch
 
