@@ -118,6 +118,7 @@ def gspo_loss_for_microstep(
 
 
 def _metrics(ratio: torch.Tensor, gate: torch.Tensor, count: torch.Tensor, stats: torch.Tensor) -> dict[str, float]:
+    ratio, gate, count, stats = (x.detach() for x in (ratio, gate, count, stats))
     present = count > 0
     n_exec = int(present.sum())
     clipped = present & (gate == 0)
