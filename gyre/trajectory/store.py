@@ -4,13 +4,18 @@ File layout (little-endian):
 
     header   b"GYRETITO" | u32 format version | u32 reserved                      16 bytes
     frame*   u32 FRAME_MAGIC | u32 payload length P | u32 crc32(payload) | payload   12 + P bytes
-    payload  struct _REC (call id, role, policy version, start, end, |I|, |O|, |M|, meta length)
-             | meta JSON (execution id, finish reason, payload_ref)
-             | input_ids int32[I] | output_ids int32[O] | output_logprobs float32[O]
+    payload  struct _REC (call id, role, policy version, start, end, ref, shared, |I| − shared,
+             |O|, |M|, meta length) | meta JSON (execution id, finish reason, payload_ref)
+             | input_ids[shared:] int32 | output_ids int32[O] | output_logprobs float32[O]
              | output_versions int32[O] | message_starts int32[M]
 
-Token arrays are raw bytes (no JSON lists of ints), so a ~1M-token execution loads in tens of
-milliseconds. Each frame goes to disk in one `write` on an O_APPEND descriptor; a crash while
+Prefix sharing: a call's input usually repeats an earlier call's input + output. The writer
+compares each input with the full sequences (input + output) of its last `delta_window` records
+and, when they share at least 32 leading tokens, stores only `ref` (the index of that earlier
+record in this file) and `shared` (the prefix length) instead of the prefix. References point
+backwards only, so a torn tail never breaks an earlier record. On a 636-call, ~1M-unique-token
+execution this cuts the file from ~270 MiB to a few MiB. Token arrays are raw bytes (no JSON
+lists of ints). Each frame goes to disk in one `write` on an O_APPEND descriptor; a crash while
 writing loses at most that frame. On load, a frame that runs past the end of the file, fails
 its checksum as the file's last frame, or a zero-filled tail (file size extended, data never
 written) is a *torn tail*: it is dropped and reported (`StoreReadResult.torn_tail_bytes`), and
@@ -30,6 +35,7 @@ import re
 import struct
 import threading
 import zlib
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,8 +61,9 @@ FORMAT_VERSION = 1
 _FILE_HEADER = struct.Struct("<8sII")
 FRAME_MAGIC = 0x30544954  # b"TIT0"
 _FRAME = struct.Struct("<III")
-# call_id, role, policy_version, start_time, end_time, n_in, n_out, n_msg, meta_len
-_REC = struct.Struct("<qBqddIIII")
+# call_id, role, policy_version, start_time, end_time, ref, shared, n_in_tail, n_out, n_msg, meta_len
+_REC = struct.Struct("<qBqddiIIIII")
+_MIN_SHARED = 32  # shorter common prefixes are stored verbatim
 _EXEC_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
@@ -71,14 +78,19 @@ class StoreReadResult:
     records: list[CallRecord]
     valid_bytes: int  # length of the valid prefix of the file (header + whole frames)
     torn_tail_bytes: int  # bytes after the valid prefix that were dropped (0 = clean file)
+    num_frames: int = 0  # whole records in the valid prefix
 
     @property
     def torn(self) -> bool:
         return self.torn_tail_bytes > 0
 
 
-def encode_record(record: CallRecord) -> bytes:
-    """One framed record (frame header + payload), ready to append."""
+def encode_record(record: CallRecord, ref: int = -1, shared: int = 0) -> bytes:
+    """One framed record (frame header + payload), ready to append. With `ref` >= 0 the first
+    `shared` input tokens are not stored: they equal the first `shared` tokens of the full
+    sequence (input + output) of record number `ref` of the same file (the caller checked)."""
+    if ref < 0:
+        shared = 0
     meta = json.dumps(
         {
             "execution_id": record.execution_id,
@@ -93,7 +105,9 @@ def encode_record(record: CallRecord) -> bytes:
         int(record.policy_version),
         float(record.start_time),
         float(record.end_time),
-        len(record.input_ids),
+        int(ref),
+        int(shared),
+        len(record.input_ids) - shared,
         len(record.output_ids),
         len(record.message_starts),
         len(meta),
@@ -102,7 +116,7 @@ def encode_record(record: CallRecord) -> bytes:
         (
             head,
             meta,
-            record.input_ids.astype("<i4", copy=False).tobytes(),
+            record.input_ids[shared:].astype("<i4", copy=False).tobytes(),
             record.output_ids.astype("<i4", copy=False).tobytes(),
             record.output_logprobs.astype("<f4", copy=False).tobytes(),
             record.output_versions.astype("<i4", copy=False).tobytes(),
@@ -112,10 +126,10 @@ def encode_record(record: CallRecord) -> bytes:
     return _FRAME.pack(FRAME_MAGIC, len(payload), zlib.crc32(payload)) + payload
 
 
-def _decode_payload(buf: memoryview, path: str, offset: int) -> CallRecord:
-    call_id, role, version, t0, t1, n_in, n_out, n_msg, meta_len = _REC.unpack_from(buf, 0)
+def _decode_payload(buf: memoryview, path: str, offset: int, earlier: list[CallRecord]) -> CallRecord:
+    call_id, role, version, t0, t1, ref, shared, n_tail, n_out, n_msg, meta_len = _REC.unpack_from(buf, 0)
     p = _REC.size
-    expected = p + meta_len + 4 * (n_in + 3 * n_out + n_msg)
+    expected = p + meta_len + 4 * (n_tail + 3 * n_out + n_msg)
     if expected != len(buf):
         raise StoreCorruptError(f"{path}: frame at offset {offset} declares {expected} bytes of fields in a {len(buf)}-byte payload")
     meta = json.loads(bytes(buf[p : p + meta_len]).decode("utf-8"))
@@ -123,28 +137,38 @@ def _decode_payload(buf: memoryview, path: str, offset: int) -> CallRecord:
 
     def take(n: int, dtype: str) -> np.ndarray:
         nonlocal p
-        arr = np.frombuffer(buf, dtype=dtype, count=n, offset=p).copy()
+        arr = np.frombuffer(buf, dtype=dtype, count=n, offset=p)
         p += 4 * n
         return arr
 
-    input_ids = take(n_in, "<i4")
-    output_ids = take(n_out, "<i4")
-    logprobs = take(n_out, "<f4")
-    versions = take(n_out, "<i4")
-    starts = take(n_msg, "<i4")
+    tail = take(n_tail, "<i4")
+    if ref >= 0:
+        if ref >= len(earlier):
+            raise StoreCorruptError(f"{path}: frame at offset {offset} refers to record {ref}, only {len(earlier)} precede it")
+        src = earlier[ref]
+        n_src_in = len(src.input_ids)
+        if shared > n_src_in + len(src.output_ids):
+            raise StoreCorruptError(f"{path}: frame at offset {offset} shares {shared} tokens of a shorter record {ref}")
+        input_ids = np.empty(shared + n_tail, np.int32)
+        k = min(shared, n_src_in)
+        input_ids[:k] = src.input_ids[:k]
+        input_ids[k:shared] = src.output_ids[: shared - k]
+        input_ids[shared:] = tail
+    else:
+        input_ids = tail.copy()
     return CallRecord(
         execution_id=meta["execution_id"],
         call_id=call_id,
         role=Role(role),
         input_ids=input_ids,
-        output_ids=output_ids,
-        output_logprobs=logprobs,
+        output_ids=take(n_out, "<i4").copy(),
+        output_logprobs=take(n_out, "<f4").copy(),
         policy_version=version,
         start_time=t0,
         end_time=t1,
         finish_reason=meta["finish_reason"],
-        output_versions=versions,
-        message_starts=starts,
+        output_versions=take(n_out, "<i4").copy(),
+        message_starts=take(n_msg, "<i4").copy(),
         payload_ref=meta["payload_ref"],
     )
 
@@ -155,7 +179,7 @@ def _scan(data: bytes, path: str, decode: bool) -> StoreReadResult:
     if size < _FILE_HEADER.size:
         # A file whose header itself is torn holds no records.
         if FILE_MAGIC.startswith(data[: len(FILE_MAGIC)]):
-            return StoreReadResult([], 0, size)
+            return StoreReadResult([], 0, size, 0)
         raise StoreCorruptError(f"{path}: not a TITO store (bad header)")
     magic, version, _ = _FILE_HEADER.unpack_from(data, 0)
     if magic != FILE_MAGIC:
@@ -164,6 +188,7 @@ def _scan(data: bytes, path: str, decode: bool) -> StoreReadResult:
         raise StoreCorruptError(f"{path}: format version {version}, this build reads {FORMAT_VERSION}")
     view = memoryview(data)
     records: list[CallRecord] = []
+    frames = 0
     off = _FILE_HEADER.size
     while off < size:
         torn_reason = None
@@ -186,11 +211,12 @@ def _scan(data: bytes, path: str, decode: bool) -> StoreReadResult:
                     raise StoreCorruptError(f"{path}: checksum mismatch in the frame at offset {off} with {size - end} bytes after it")
         if torn_reason is not None:
             logger.warning("%s: torn tail at offset %d (%s): dropped %d bytes", path, off, torn_reason, size - off)
-            return StoreReadResult(records, off, size - off)
+            return StoreReadResult(records, off, size - off, frames)
         if decode:
-            records.append(_decode_payload(view[off + _FRAME.size : end], path, off))
+            records.append(_decode_payload(view[off + _FRAME.size : end], path, off, records))
+        frames += 1
         off = end
-    return StoreReadResult(records, off, 0)
+    return StoreReadResult(records, off, 0, frames)
 
 
 def read_execution(path: str | os.PathLike) -> StoreReadResult:
@@ -213,27 +239,32 @@ class TitoWriter:
     the last whole record. `fsync=True` makes each append durable before it returns (slower);
     without it a machine crash may lose the most recent records, never corrupt older ones.
     Records of another execution are refused (the proxy maps one API key to one execution).
+    `delta_window` full sequences of the latest records are kept in memory to find a shared
+    prefix (0 disables prefix sharing; memory ≈ delta_window × 4 bytes × context length).
     """
 
-    def __init__(self, path: str | os.PathLike, execution_id: str, *, fsync: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, execution_id: str, *, fsync: bool = False, delta_window: int = 4) -> None:
         if not _EXEC_ID.match(execution_id):
             raise ValueError(f"execution_id {execution_id!r}: use 1-200 chars of [A-Za-z0-9._-]")
+        if delta_window < 0:
+            raise ValueError(f"delta_window must be >= 0, got {delta_window}")
         self.path = os.fspath(path)
         self.execution_id = execution_id
         self.fsync = fsync
+        self.delta_window = delta_window
+        self._recent: deque[tuple[int, np.ndarray]] = deque(maxlen=max(delta_window, 1))
         self._lock = threading.Lock()
-        self.num_records = 0
+        self.num_records = 0  # records in the file
         if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
             with open(self.path, "rb") as f:
                 res = _scan(f.read(), self.path, decode=False)
             if res.torn:
                 logger.warning("%s: truncating torn tail of %d bytes before appending", self.path, res.torn_tail_bytes)
                 os.truncate(self.path, res.valid_bytes)
-            self.num_records = -1  # unknown without decoding; counts appends from here on
+            self.num_records = res.num_frames
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if os.fstat(self._fd).st_size == 0:
             self._write(_FILE_HEADER.pack(FILE_MAGIC, FORMAT_VERSION, 0))
-            self.num_records = 0
 
     def _write(self, buf: bytes) -> None:
         view = memoryview(buf)
@@ -243,24 +274,38 @@ class TitoWriter:
         if self.fsync:
             os.fsync(self._fd)
 
+    def _best_prefix(self, input_ids: np.ndarray) -> tuple[int, int]:
+        best_ref, best = -1, 0
+        for idx, seq in self._recent:
+            m = min(len(seq), len(input_ids))
+            if m <= best:
+                continue
+            diff = np.flatnonzero(seq[:m] != input_ids[:m])
+            k = int(diff[0]) if diff.size else m
+            if k > best:
+                best_ref, best = idx, k
+        return (best_ref, best) if best >= _MIN_SHARED else (-1, 0)
+
     def append(self, record: CallRecord) -> None:
         if record.execution_id != self.execution_id:
             raise ValueError(
                 f"record.execution_id {record.execution_id!r} does not match this writer's execution {self.execution_id!r}"
             )
-        frame = encode_record(record)
         with self._lock:
             if self._fd < 0:
                 raise ValueError(f"{self.path}: writer is closed")
-            self._write(frame)
-            if self.num_records >= 0:
-                self.num_records += 1
+            ref, shared = self._best_prefix(record.input_ids) if self.delta_window else (-1, 0)
+            self._write(encode_record(record, ref, shared))
+            if self.delta_window:
+                self._recent.append((self.num_records, np.concatenate([record.input_ids, record.output_ids])))
+            self.num_records += 1
 
     def close(self) -> None:
         with self._lock:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+            self._recent.clear()
 
     def __enter__(self) -> "TitoWriter":
         return self
@@ -274,9 +319,10 @@ class TitoStore:
 
     SUFFIX = ".tito"
 
-    def __init__(self, root: str | os.PathLike, *, fsync: bool = False) -> None:
+    def __init__(self, root: str | os.PathLike, *, fsync: bool = False, delta_window: int = 4) -> None:
         self.root = Path(root)
         self.fsync = fsync
+        self.delta_window = delta_window
         self.root.mkdir(parents=True, exist_ok=True)
 
     def path_for(self, execution_id: str) -> Path:
@@ -285,7 +331,7 @@ class TitoStore:
         return self.root / f"{execution_id}{self.SUFFIX}"
 
     def writer(self, execution_id: str) -> TitoWriter:
-        return TitoWriter(self.path_for(execution_id), execution_id, fsync=self.fsync)
+        return TitoWriter(self.path_for(execution_id), execution_id, fsync=self.fsync, delta_window=self.delta_window)
 
     def load(self, execution_id: str) -> list[CallRecord]:
         return load_execution(self.path_for(execution_id))

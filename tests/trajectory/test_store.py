@@ -147,3 +147,62 @@ def test_concurrent_appends_are_whole_frames(tmp_path):
     assert sorted(r.call_id for r in res.records) == sorted(k * 100 + j for k in range(4) for j in range(25))
     for r in res.records:
         assert_same(r, make_record(r.call_id, n_in=200 + r.call_id % 100, n_out=r.call_id % 100))
+
+
+def growing_threads(n_calls: int, seed: int = 0) -> list[CallRecord]:
+    """Two interleaved agent threads whose inputs repeat earlier input + output, plus compaction."""
+    rng = np.random.default_rng(seed)
+    ctx = {0: list(rng.integers(0, 1000, 300)), 1: list(rng.integers(0, 1000, 200))}
+    recs = []
+    for i in range(n_calls):
+        t = int(rng.integers(0, 2))
+        out = rng.integers(0, 1000, int(rng.integers(1, 60)))
+        recs.append(CallRecord("ex-1", i, Role.MAIN if t == 0 else Role.SUB, np.array(ctx[t]), out,
+                               rng.normal(size=len(out)), i, message_starts=np.array([0, 5])))
+        ctx[t] += list(out) + list(rng.integers(0, 1000, int(rng.integers(0, 80))))
+        if i % 17 == 16:  # compaction: keep the system prompt, drop the rest
+            ctx[t] = ctx[t][:40] + list(out)
+        if i % 11 == 10:  # edited history: cut inside the latest output
+            ctx[t] = ctx[t][: len(ctx[t]) - int(rng.integers(1, 100))]
+    return recs
+
+
+def test_prefix_sharing_round_trip_and_size(tmp_path):
+    recs = growing_threads(120)
+    sizes = {}
+    for window in (0, 1, 4):
+        path = tmp_path / f"w{window}.tito"
+        with TitoWriter(path, "ex-1", delta_window=window) as w:
+            for r in recs[:60]:
+                w.append(r)
+        with TitoWriter(path, "ex-1", delta_window=window) as w:  # reopened: window starts empty
+            assert w.num_records == 60
+            for r in recs[60:]:
+                w.append(r)
+        got = load_execution(path)
+        assert len(got) == len(recs)
+        for a, b in zip(recs, got):
+            assert_same(a, b)
+        sizes[window] = os.path.getsize(path)
+    full_inputs = 4 * sum(len(r.input_ids) for r in recs)
+    assert sizes[0] > full_inputs  # verbatim
+    assert sizes[4] < sizes[1] < sizes[0]  # a window over both threads shares more
+    assert sizes[4] < sizes[0] / 3
+
+
+def test_torn_tail_of_a_prefix_shared_record(tmp_path):
+    recs = growing_threads(8, seed=3)
+    path = tmp_path / "ex-1.tito"
+    with TitoWriter(path, "ex-1") as w:
+        for r in recs[:-1]:
+            w.append(r)
+        start_last = os.path.getsize(path)
+        w.append(recs[-1])
+    data = path.read_bytes()
+    assert len(data) - start_last < 4 * len(recs[-1].input_ids)  # the last record is prefix-shared
+    for cut in range(start_last, len(data), 7):
+        path.write_bytes(data[:cut])
+        res = read_execution(path)
+        assert len(res.records) == 7 and res.torn_tail_bytes == cut - start_last
+        for a, b in zip(recs, res.records):
+            assert_same(a, b)
