@@ -1,1 +1,44 @@
-"""Trajectory processor: TITO records and store, prefix tree, selection, packing, advantages."""
+"""Trajectory processor: TITO records and store, prefix tree, selection, packing, advantages.
+
+Pipeline for one training step (DESIGN §4–6), every function pure and deterministic given its
+explicit generator:
+
+    records   = load_execution(path)                      # store.py   list[CallRecord]
+    tree      = build_tree(records)                       # tree.py    PrefixTree (+ .stats)
+    selection = select_trajectories(tree, j_max, rng)     # selection.py
+    groups    = compute_advantages([[Outcome, ...], ...]) # advantages.py
+    micro     = pack_step([ExecutionSample(...)], max_tokens)  # packing.py  list[MicroStep]
+
+or all of it at once: `materialize_step(groups_from_buffer, max_tokens=..., rng=...)`.
+
+Public API (import from `gyre.trajectory.<module>`):
+
+record.py      `CallRecord`, `Role` — one TITO record per model call (shared contract).
+microstep.py   `MicroStep` — one packed micro-step for an actor (shared contract); `exec_split`
+               [E] bool says which executions span several micro-steps (need the Σδ pre-pass).
+store.py       `TitoWriter(path, execution_id, fsync=False, delta_window=4)` — the proxy's
+               per-execution appender; `append(record)` is thread-safe, refuses other
+               executions' records; reopening truncates a torn tail.
+               `TitoStore(root)` — `writer(eid)`, `path_for(eid)`, `load(eid)`, `read(eid)`.
+               `load_execution(path) -> list[CallRecord]`; `read_execution(path) ->
+               StoreReadResult(records, valid_bytes, torn_tail_bytes)`; `StoreCorruptError`.
+tree.py        `build_tree(records) -> PrefixTree` (radix tree, provenance: `is_target`,
+               `logprob`; leaves with roles; `stats: TreeStats` — calls, unique tokens,
+               segments, leaves, expanded tokens/targets, message nodes/occurrences/saved).
+selection.py   `select_trajectories(tree, j_max=5, rng) -> Selection` (`trajectories`,
+               `dropped`, `num_targets` = L_i, `num_tokens` = fwd-bwd budget).
+advantages.py  `Outcome.scored(r) / .eval_failed() / .harness_failed()`;
+               `group_advantages(outcomes, normalize_std=True) -> GroupAdvantages`
+               (`advantages` NaN where excluded, `all_equal`, `empty`); `compute_advantages`.
+packing.py     `ExecutionSample(execution_id, tree, selection, advantage)`;
+               `pack_step(samples, max_tokens, num_executions=None, step=0) -> list[MicroStep]`;
+               `TrajectoryTooLongError`; `plan_bins` (the pure bin plan).
+buffer.py      `GroupBuffer`: `dispatch(group_id, v_d, execution_ids)`, `finish(ExecutionResult)`,
+               `num_ready()`, `take(B)` (oldest dispatch version first), `release`, `consume(groups,
+               v_t) -> staleness`, `mean_staleness()`; `GroupState` lifecycle enum.
+materialize.py `materialize_step(groups, max_tokens, rng, j_max=5, normalize_std=True,
+               skip_zero_advantage=False, step=0, train_version=None) -> StepBatch`.
+config.py      `TrajectoryConfig` (tyro dataclass).
+
+Nothing is imported at package import time; import the submodules you need.
+"""
