@@ -1,0 +1,118 @@
+"""longtail harness: executions with long-tailed, seeded durations, for scheduler benchmarks.
+
+Each execution draws (from a seed mixed with GYRE_EXECUTION_ID, so reruns are identical):
+  - a total work time T ~ LogNormal(ln(median_h), sigma) hours. The defaults (median 1.62 h,
+    sigma 0.588) give a mean of 1.93 h and P(T > 4 h) = 6.25 %: with the runner's 4 h timeout
+    that is the paper's NL2RepoBench workload (mean execution 1.93 h, 6.25 % harness timeouts);
+  - a number of turns 1 + Poisson(turns_mean − 1), and T cut into turns by exponential gaps;
+  - per turn a think share (a model call through the proxy, or a sleep with `--no-model`) and a
+    tool share (a sleep), the split LogNormal-jittered around `think_fraction`.
+A timed-out execution is one whose T exceeds the runner's limit: it simply keeps working until
+the runner kills it. `progress.json` in the workspace is rewritten after every turn, so the
+evaluator (task.py) scores partial progress.
+
+`--time-scale` multiplies every duration (1e-3: an hour lasts 3.6 s), so benchmarks run fast.
+Only the stdlib and `openai` are used; the runner's env supplies OPENAI_BASE_URL/OPENAI_API_KEY.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+HOUR = 3600.0
+
+
+@dataclass
+class Plan:
+    total_s: float  # unscaled seconds of work this execution would need
+    turns: int
+    think_s: list[float]  # unscaled, per turn
+    tool_s: list[float]
+
+
+def draw_plan(seed: int, execution_id: str, *, median_h: float = 1.62, sigma: float = 0.588, turns_mean: float = 40.0,
+              think_fraction: float = 0.3, jitter: float = 0.5) -> Plan:
+    """The execution's plan, a pure function of (seed, execution_id, parameters)."""
+    h = hashlib.sha256(f"{seed}:{execution_id}".encode()).digest()
+    rng = random.Random(int.from_bytes(h[:8], "little"))
+    total = rng.lognormvariate(math.log(median_h * HOUR), sigma)
+    turns = 1 + _poisson(rng, max(turns_mean - 1.0, 0.0))
+    gaps = [rng.expovariate(1.0) for _ in range(turns)]
+    s = sum(gaps)
+    think, tool = [], []
+    for g in gaps:
+        turn = total * g / s
+        f = min(0.95, max(0.05, think_fraction * rng.lognormvariate(0.0, jitter)))
+        think.append(turn * f)
+        tool.append(turn * (1 - f))
+    return Plan(total, turns, think, tool)
+
+
+def _poisson(rng: random.Random, lam: float) -> int:
+    # Knuth for small λ, normal approximation above (λ here is tens).
+    if lam < 30:
+        L, k, p = math.exp(-lam), 0, 1.0
+        while True:
+            p *= rng.random()
+            if p <= L:
+                return k
+            k += 1
+    return max(0, int(round(rng.gauss(lam, math.sqrt(lam)))))
+
+
+def _write_progress(done: int, plan: Plan, t0: float) -> None:
+    tmp = "progress.json.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"turns_done": done, "turns": plan.turns, "elapsed_s": time.time() - t0}, f)
+    os.replace(tmp, "progress.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiply every duration (1e-3: 1 h → 3.6 s)")
+    p.add_argument("--median-h", type=float, default=1.62)
+    p.add_argument("--sigma", type=float, default=0.588)
+    p.add_argument("--turns-mean", type=float, default=40.0)
+    p.add_argument("--think-fraction", type=float, default=0.3)
+    p.add_argument("--no-model", action="store_true", help="sleep the think time instead of calling the model")
+    p.add_argument("--max-tokens", type=int, default=16)
+    a = p.parse_args(argv)
+    eid = os.environ.get("GYRE_EXECUTION_ID", "local")
+    plan = draw_plan(a.seed, eid, median_h=a.median_h, sigma=a.sigma, turns_mean=a.turns_mean, think_fraction=a.think_fraction)
+    with open("plan.json", "w") as f:
+        json.dump({**asdict(plan), "time_scale": a.time_scale}, f)
+    client = None
+    if not a.no_model:
+        from openai import OpenAI
+
+        client = OpenAI(max_retries=5, timeout=3600)
+    model = os.environ.get("GYRE_MODEL", "gyre-policy")
+    messages = [{"role": "system", "content": "You are a long-running agent."}, {"role": "user", "content": f"Work on {eid}."}]
+    t0 = time.time()
+    _write_progress(0, plan, t0)
+    for k in range(plan.turns):
+        if client is None:
+            time.sleep(plan.think_s[k] * a.time_scale)
+        else:
+            # A model call stands for the think time; the engine decides how long it really takes.
+            started = time.time()
+            resp = client.chat.completions.create(model=model, messages=messages, max_tokens=a.max_tokens)
+            messages.append({"role": "assistant", "content": resp.choices[0].message.content or ""})
+            messages.append({"role": "user", "content": f"tool result {k}"})
+            time.sleep(max(0.0, plan.think_s[k] * a.time_scale - (time.time() - started)))
+        time.sleep(plan.tool_s[k] * a.time_scale)
+        _write_progress(k + 1, plan, t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
