@@ -99,6 +99,9 @@ def random_execution(seed: int, n_events: int, vocab: int) -> list[CallRecord]:
                 sim.msg(sub, sim.toks(1, 1) + summary)
                 out = sim.step(sub)
             sim.msg(main, out + sim.toks(0, 1))  # its answer comes back as a tool result
+        elif ev < 0.93 and sim.records:  # the same call recorded twice (identical tokens), any role
+            last = sim.records[-1]
+            sim.call(list(last.input_ids), list(last.message_starts), Role(rng.randrange(4)), list(last.output_ids))
         else:  # a side query on a prefix of the context (e.g. a title request)
             cut = rng.randint(1, len(main.tokens))
             sim.call(main.tokens[:cut] + sim.toks(0, 2), [m for m in main.marks if m < cut], Role.SUB)

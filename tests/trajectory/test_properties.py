@@ -24,7 +24,7 @@ from tests.trajectory.sim import (
     unpack,
 )
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 executions = st.tuples(st.integers(0, 2**32 - 1), st.integers(1, 30), st.sampled_from([2, 4, 50]))
 
 
