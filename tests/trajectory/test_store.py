@@ -206,3 +206,20 @@ def test_torn_tail_of_a_prefix_shared_record(tmp_path):
         assert len(res.records) == 7 and res.torn_tail_bytes == cut - start_last
         for a, b in zip(recs, res.records):
             assert_same(a, b)
+
+
+def test_inspect_cli(tmp_path, capsys):
+    import json as _json
+
+    from gyre.trajectory.__main__ import main
+
+    recs = growing_threads(30, seed=5)
+    with TitoStore(tmp_path).writer("ex-1") as w:
+        for r in recs:
+            w.append(r)
+    assert main([str(tmp_path / "ex-1.tito"), "--j-max", "0"]) == 0
+    out = _json.loads(capsys.readouterr().out)
+    assert out["records"] == 30 and out["torn_tail_bytes"] == 0
+    assert out["tree"]["calls"] == 30
+    # unlimited selection trains every unique target exactly once
+    assert out["selection"]["L"] == out["tree"]["unique_target_tokens"]
