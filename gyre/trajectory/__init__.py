@@ -31,7 +31,9 @@ advantages.py  `Outcome.scored(r) / .eval_failed() / .harness_failed()`;
                `group_advantages(outcomes, normalize_std=True) -> GroupAdvantages`
                (`advantages` NaN where excluded, `all_equal`, `empty`); `compute_advantages`.
 packing.py     `ExecutionSample(execution_id, tree, selection, advantage)`;
-               `pack_step(samples, max_tokens, num_executions=None, step=0) -> list[MicroStep]`;
+               `pack_step(samples, max_tokens, num_executions=None, step=0,
+               context_parallel_size=1, pad_token_id=0) -> list[MicroStep]`;
+               `cp_shard_index(cu_seqlens, cp, rank)` (zigzag CP shard of a micro-step);
                `TrajectoryTooLongError`; `plan_bins` (the pure bin plan).
 buffer.py      `GroupBuffer`: `dispatch(group_id, v_d, execution_ids)`, `finish(ExecutionResult)`,
                `num_ready()`, `take(B)` (oldest dispatch version first), `release`, `consume(groups,
@@ -39,6 +41,8 @@ buffer.py      `GroupBuffer`: `dispatch(group_id, v_d, execution_ids)`, `finish(
 materialize.py `materialize_step(groups, max_tokens, rng, j_max=5, normalize_std=True,
                skip_zero_advantage=False, step=0, train_version=None) -> StepBatch`.
 config.py      `TrajectoryConfig` (tyro dataclass).
+__main__.py    `python -m gyre.trajectory FILE.tito ... [--j-max 5]`: store state, tree stats,
+               selection and token budget as JSON lines.
 
 Nothing is imported at package import time; import the submodules you need.
 """

@@ -12,8 +12,10 @@ so the weights of execution i sum to −A_i/|E| over the step however it is pack
 Packing: first-fit decreasing. An execution whose sequences fit in `max_tokens` together is
 placed whole into one micro-step (so s_i can be computed locally); a larger one is split by
 sequence and flagged in `MicroStep.exec_split` (its s_i needs the pre-pass). A single sequence
-longer than `max_tokens` is an error: context-parallel splitting of one sequence is not
-implemented by this packer.
+longer than `max_tokens` is an error (`TrajectoryTooLongError`) unless context parallelism is
+configured: with `context_parallel_size` = cp a micro-step may hold cp·max_tokens tokens, each
+sequence padded to a multiple of 2·cp, and `cp_shard_index` gives each CP rank its
+load-balanced share of the positions.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from gyre.trajectory.tree import PrefixTree
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ExecutionSample", "TrajectoryTooLongError", "pack_step", "plan_bins"]
+__all__ = ["ExecutionSample", "TrajectoryTooLongError", "cp_shard_index", "pack_step", "padded_length", "plan_bins"]
 
 
 class TrajectoryTooLongError(ValueError):
@@ -116,36 +118,58 @@ def _write_sequence(tree: PrefixTree, traj: Trajectory, out: dict[str, np.ndarra
     return end
 
 
+def padded_length(n: int, context_parallel_size: int) -> int:
+    """Sequence length after padding for context parallelism: a multiple of 2·cp (cp > 1)."""
+    if context_parallel_size <= 1:
+        return n
+    q = 2 * context_parallel_size
+    return -(-n // q) * q
+
+
 def pack_step(
     samples: Sequence[ExecutionSample],
     max_tokens: int,
     *,
     num_executions: int | None = None,
     step: int = 0,
+    context_parallel_size: int = 1,
+    pad_token_id: int = 0,
 ) -> list[MicroStep]:
     """Pack the step's executions into micro-steps; see the module docstring.
 
     The execution table (advantages [E], exec_lengths [E]) follows the order of `samples`;
     |E| = `num_executions` (default len(samples)) is the loss denominator from the caller.
     Executions with no selected trajectory (L_i = 0) stay in the table and get no tokens.
+
+    `max_tokens` is the token budget of one rank. With `context_parallel_size` = cp > 1 a
+    micro-step holds up to cp·max_tokens tokens, to be sharded over the cp ranks of a cell with
+    `cp_shard_index`; each sequence is padded at its end to a multiple of 2·cp (pad tokens are
+    `pad_token_id`, never targets, positions continue), so a trajectory may be up to
+    cp·max_tokens long.
     """
     if max_tokens < 2:
         raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
+    if context_parallel_size < 1:
+        raise ValueError(f"context_parallel_size must be >= 1, got {context_parallel_size}")
+    cp = context_parallel_size
+    capacity = max_tokens * cp
     E = len(samples)
     n_exec = E if num_executions is None else int(num_executions)
     if n_exec < 1:
         raise ValueError(f"num_executions must be >= 1, got {n_exec}")
     lengths: list[list[int]] = []
     for s in samples:
-        ls = [t.seq_len for t in s.selection.trajectories]
-        for t in s.selection.trajectories:
-            if t.seq_len > max_tokens:
+        ls = [padded_length(t.seq_len, cp) for t in s.selection.trajectories]
+        for t, n in zip(s.selection.trajectories, ls):
+            if n > capacity:
+                hint = ("raise max_tokens or context_parallel_size" if cp > 1 else
+                        "raise max_tokens or configure context-parallel splitting (context_parallel_size > 1)")
                 raise TrajectoryTooLongError(
-                    f"execution {s.execution_id!r}: trajectory to leaf {t.leaf} ({t.role.name}) needs {t.seq_len} tokens, "
-                    f"more than max_tokens={max_tokens}; raise max_tokens (context-parallel splitting is not supported)"
+                    f"execution {s.execution_id!r}: trajectory to leaf {t.leaf} ({t.role.name}) needs {n} tokens, "
+                    f"more than max_tokens={max_tokens} x context_parallel_size={cp}; {hint}"
                 )
         lengths.append(ls)
-    bins, split = plan_bins(lengths, max_tokens)
+    bins, split = plan_bins(lengths, capacity)
     adv = torch.tensor([float(s.advantage) for s in samples], dtype=torch.float64)
     lens = torch.tensor([s.num_targets for s in samples], dtype=torch.int64)
     weights = [(-float(s.advantage) / (n_exec * s.num_targets)) if s.num_targets else 0.0 for s in samples]
@@ -154,7 +178,7 @@ def pack_step(
     for b, items in enumerate(bins):
         N = sum(lengths[i][j] for i, j in items)
         out = {
-            "input_ids": np.zeros(N, np.int64),
+            "input_ids": np.full(N, pad_token_id, np.int64),
             "position_ids": np.zeros(N, np.int64),
             "targets": np.zeros(N, np.int64),
             "target_mask": np.zeros(N, np.bool_),
@@ -166,7 +190,10 @@ def pack_step(
         pos = 0
         for i, j in items:
             s = samples[i]
-            pos = _write_sequence(s.tree, s.selection.trajectories[j], out, pos, i, weights[i])
+            end = _write_sequence(s.tree, s.selection.trajectories[j], out, pos, i, weights[i])
+            padded = pos + lengths[i][j]
+            out["position_ids"][end:padded] = np.arange(end - pos, padded - pos)
+            pos = padded
             cu.append(pos)
         micro.append(
             MicroStep(
@@ -181,3 +208,26 @@ def pack_step(
             )
         )
     return micro
+
+
+def cp_shard_index(cu_seqlens: torch.Tensor, context_parallel_size: int, rank: int) -> torch.Tensor:
+    """Packed positions held by context-parallel rank `rank` (load-balanced "zigzag" split).
+
+    Each sequence (length a multiple of 2·cp, as `pack_step` pads it) is cut into 2·cp equal
+    chunks; rank r holds chunks r and 2·cp − 1 − r, so every rank gets the same number of
+    tokens and the same causal-attention work. cu_seqlens [S+1] int64 → index [N / cp] int64.
+    Example: one sequence of 8 tokens, cp = 2 → rank 0: [0 1 6 7], rank 1: [2 3 4 5].
+    """
+    cp = int(context_parallel_size)
+    if not 0 <= rank < cp:
+        raise ValueError(f"rank must be in [0, {cp}), got {rank}")
+    parts = []
+    cu = cu_seqlens.tolist()
+    for a, b in zip(cu, cu[1:]):
+        n = b - a
+        if n % (2 * cp):
+            raise ValueError(f"sequence [{a}, {b}) has {n} tokens, not a multiple of 2*cp={2 * cp}; pack with context_parallel_size={cp}")
+        c = n // (2 * cp)
+        parts.append(torch.arange(a + rank * c, a + (rank + 1) * c))
+        parts.append(torch.arange(a + (2 * cp - 1 - rank) * c, a + (2 * cp - rank) * c))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)

@@ -103,6 +103,39 @@ def test_execution_kept_whole_when_it_fits_else_split_and_flagged():
         pack_step(samples, max_tokens=6)
 
 
+def test_context_parallel_padding_and_shards():
+    tree = two_leaf_tree()
+    sel = select_trajectories(tree, None, np.random.default_rng(0))  # sequences of 7 and 6 tokens
+    samples = [ExecutionSample("e", tree, sel, 0.5)]
+    with pytest.raises(TrajectoryTooLongError, match="configure context-parallel"):
+        pack_step(samples, max_tokens=4)
+    ms = pack_step(samples, max_tokens=4, context_parallel_size=2, pad_token_id=99)
+    # each sequence padded to a multiple of 2·cp = 4: 7 → 8, 6 → 8; capacity 2·4 = 8 per micro-step
+    assert [m.cu_seqlens.tolist() for m in ms] == [[0, 8], [0, 8]]
+    m0 = ms[0]
+    assert m0.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 99]
+    assert m0.position_ids.tolist() == list(range(8))
+    assert m0.target_mask.tolist() == [0, 1, 1, 0, 1, 1, 0, 0]
+    assert ms[1].input_ids.tolist() == [1, 2, 3, 4, 8, 9, 99, 99]
+    assert ms[0].exec_split.tolist() == [True]
+    with pytest.raises(TrajectoryTooLongError, match="raise max_tokens or context_parallel_size"):
+        pack_step(samples, max_tokens=2, context_parallel_size=2)
+
+
+def test_cp_shard_index_zigzag():
+    from gyre.trajectory.packing import cp_shard_index
+
+    cu = torch.tensor([0, 8, 16])
+    assert cp_shard_index(torch.tensor([0, 8]), 2, 0).tolist() == [0, 1, 6, 7]
+    assert cp_shard_index(torch.tensor([0, 8]), 2, 1).tolist() == [2, 3, 4, 5]
+    shards = [cp_shard_index(cu, 4, r) for r in range(4)]
+    assert all(len(x) == 4 for x in shards)
+    assert sorted(torch.cat(shards).tolist()) == list(range(16))
+    assert shards[3].tolist() == [3, 4, 11, 12]
+    with pytest.raises(ValueError, match="multiple of 2"):
+        cp_shard_index(torch.tensor([0, 6]), 2, 0)
+
+
 def test_plan_bins_first_fit_decreasing():
     bins, split = plan_bins([[5, 5], [3], [8], [2, 2, 2]], max_tokens=10)
     # totals 10, 3, 8, 6 → exec 0 fills bin 0; exec 2 → bin 1 (2 left); exec 3 → bin 2 (4 left); exec 1 → bin 2

@@ -84,8 +84,8 @@ def test_loss_independent_of_packing_and_equal_to_direct(seed):
     E = len(samples)
     ref = direct_loss(samples, E)
     longest = max(t.seq_len for s in samples for t in s.selection.trajectories)
-    for max_tokens in (longest, longest + 17, 10**6):
-        micro = pack_step(samples, max_tokens)
+    for max_tokens, cp in ((longest, 1), (longest + 17, 1), (10**6, 1), (longest // 2 + 3, 2), (longest // 3 + 6, 3)):
+        micro = pack_step(samples, max_tokens, context_parallel_size=cp)
         assert packed_loss(micro, E) == pytest.approx(ref, rel=1e-6, abs=1e-9)
 
 
