@@ -1,0 +1,339 @@
+"""Megatron-core training actor (GPU; `pip install gyre[gpu]`).
+
+A cell of S ranks holds one replica laid out by megatron's `parallel_state` (TP × PP × CP × EP
+= S). Gyre, not megatron, decides who reduces gradients with whom: megatron's own data-parallel
+groups are not used; gradients are summed over the Gyre prefix group of this intra-cell position
+(DESIGN §3) by `reduce_gradients(group)`, and only the core owns the optimizer.
+
+Real megatron-core APIs used (checked against megatron-core 0.16.1):
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=..., pipeline_...,
+        context_parallel_size=..., expert_model_parallel_size=...)
+    TransformerConfig(...) + GPTModel(config, transformer_layer_spec, vocab_size,
+        max_sequence_length, position_embedding_type='rope', rotary_base=..., ...)
+    gpt_layer_specs.get_gpt_layer_local_spec(normalization='RMSNorm') (TE spec where installed)
+    pipeline_parallel.get_forward_backward_func() for the micro-step (any PP)
+    tensor_parallel.vocab_parallel_cross_entropy(logits, target) = −ℓ over the TP vocab shards
+    optimizer.clip_grads.get_grad_norm_fp32 / clip_grad_by_total_norm_fp32 (norm over TP×PP)
+
+The weight mapping HF Qwen2 ⇄ megatron (`hf_to_mcore`, `mcore_to_hf`, `shard_for_tp`) and the
+config translation (`transformer_config_kwargs`, `gpt_model_kwargs`) are pure and CPU-tested;
+construction on gloo is CPU-tested (slow: importing megatron takes ~15 s on 2 cores); a
+training step needs CUDA (megatron's RNG tracker, rotary and buffers call torch.cuda).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gyre.backends.config import CpuActorConfig, MegatronConfig
+from gyre.backends.models import rope_theta
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------- config translation
+def transformer_config_kwargs(hf_config, mc: MegatronConfig) -> dict[str, Any]:
+    """TransformerConfig kwargs for a Qwen2 HF config and a cell layout (activation: silu)."""
+    heads, kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    tp = mc.tensor_model_parallel_size
+    if heads % tp or kv % tp:
+        raise ValueError(f"megatron.tensor_model_parallel_size={tp} must divide attention heads {heads} and KV heads {kv}")
+    if hf_config.num_hidden_layers % mc.pipeline_model_parallel_size:
+        raise ValueError(f"megatron.pipeline_model_parallel_size={mc.pipeline_model_parallel_size} must divide {hf_config.num_hidden_layers} layers")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[mc.params_dtype]
+    return dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=kv,
+        ffn_hidden_size=hf_config.intermediate_size,
+        kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,  # SwiGLU: linear_fc1 = [gate; up]
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=True,  # Qwen2 has q/k/v biases, no o_proj / MLP biases
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=mc.pipeline_model_parallel_size,
+        context_parallel_size=mc.context_parallel_size,
+        expert_model_parallel_size=mc.expert_model_parallel_size,
+        sequence_parallel=False,
+    )
+
+
+def gpt_model_kwargs(hf_config) -> dict[str, Any]:
+    """GPTModel kwargs (besides config and layer spec) for a Qwen2 HF config."""
+    return dict(
+        vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(rope_theta(hf_config)),
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        parallel_output=True,
+    )
+
+
+# ---------------------------------------------------------------------------- weight mapping
+def hf_to_mcore(sd: dict[str, torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
+    """Full (unsharded) megatron GPTModel state dict from an HF Qwen2 state dict.
+
+    linear_qkv rows are grouped per query group g: [q heads of g; k_g; v_g] (megatron's
+    interleaved GQA layout), linear_fc1 = [gate; up]."""
+    h = hf_config.hidden_size
+    nh, nkv = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    hd = getattr(hf_config, "head_dim", None) or h // nh
+    per = nh // nkv
+    out = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"]}
+    for i in range(hf_config.num_hidden_layers):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q = sd[p + "self_attn.q_proj.weight"].view(nkv, per * hd, h)
+        k = sd[p + "self_attn.k_proj.weight"].view(nkv, hd, h)
+        v = sd[p + "self_attn.v_proj.weight"].view(nkv, hd, h)
+        out[m + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, h)
+        qb = sd[p + "self_attn.q_proj.bias"].view(nkv, per * hd)
+        kb = sd[p + "self_attn.k_proj.bias"].view(nkv, hd)
+        vb = sd[p + "self_attn.v_proj.bias"].view(nkv, hd)
+        out[m + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], dim=1).reshape(-1)
+        out[m + "self_attention.linear_proj.weight"] = sd[p + "self_attn.o_proj.weight"]
+        out[m + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = sd[p + "post_attention_layernorm.weight"]
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]], dim=0)
+        out[m + "mlp.linear_fc2.weight"] = sd[p + "mlp.down_proj.weight"]
+    out["decoder.final_layernorm.weight"] = sd["model.norm.weight"]
+    if not hf_config.tie_word_embeddings:
+        out["output_layer.weight"] = sd["lm_head.weight"]
+    return out
+
+
+def mcore_to_hf(sd: dict[str, torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
+    """Inverse of `hf_to_mcore` (full tensors)."""
+    h = hf_config.hidden_size
+    nh, nkv = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    hd = getattr(hf_config, "head_dim", None) or h // nh
+    per = nh // nkv
+    f = hf_config.intermediate_size
+    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"]}
+    for i in range(hf_config.num_hidden_layers):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        qkv = sd[m + "self_attention.linear_qkv.weight"].view(nkv, (per + 2) * hd, h)
+        out[p + "self_attn.q_proj.weight"] = qkv[:, : per * hd].reshape(-1, h)
+        out[p + "self_attn.k_proj.weight"] = qkv[:, per * hd : (per + 1) * hd].reshape(-1, h)
+        out[p + "self_attn.v_proj.weight"] = qkv[:, (per + 1) * hd :].reshape(-1, h)
+        b = sd[m + "self_attention.linear_qkv.bias"].view(nkv, (per + 2) * hd)
+        out[p + "self_attn.q_proj.bias"] = b[:, : per * hd].reshape(-1)
+        out[p + "self_attn.k_proj.bias"] = b[:, per * hd : (per + 1) * hd].reshape(-1)
+        out[p + "self_attn.v_proj.bias"] = b[:, (per + 1) * hd :].reshape(-1)
+        out[p + "self_attn.o_proj.weight"] = sd[m + "self_attention.linear_proj.weight"]
+        out[p + "input_layernorm.weight"] = sd[m + "input_layernorm.weight"]
+        out[p + "post_attention_layernorm.weight"] = sd[m + "pre_mlp_layernorm.weight"]
+        fc1 = sd[m + "mlp.linear_fc1.weight"]
+        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = fc1[:f], fc1[f:]
+        out[p + "mlp.down_proj.weight"] = sd[m + "mlp.linear_fc2.weight"]
+    out["model.norm.weight"] = sd["decoder.final_layernorm.weight"]
+    out["lm_head.weight"] = sd.get("output_layer.weight", sd["embedding.word_embeddings.weight"])
+    return out
+
+
+def shard_for_tp(sd: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
+    """This TP rank's slice of a full megatron state dict (column-parallel: rows; row-parallel:
+    columns; fc1 shards gate and up separately; norms replicated)."""
+    if size == 1:
+        return dict(sd)
+    out = {}
+    for name, t in sd.items():
+        if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")):
+            out[name] = t.chunk(size, dim=0)[rank]
+        elif name.endswith("linear_fc1.weight"):
+            gate, up = t.chunk(2, dim=0)
+            out[name] = torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+        elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            out[name] = t.chunk(size, dim=1)[rank]
+        else:
+            out[name] = t
+    return out
+
+
+# ---------------------------------------------------------------------------- the actor
+def initialize_parallel_state(mc: MegatronConfig) -> None:
+    """megatron parallel_state for the cell layout (torch.distributed already initialised)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=mc.tensor_model_parallel_size,
+        pipeline_model_parallel_size=mc.pipeline_model_parallel_size,
+        context_parallel_size=mc.context_parallel_size,
+        expert_model_parallel_size=mc.expert_model_parallel_size,
+    )
+
+
+def build_gpt_model(hf_config, mc: MegatronConfig, *, use_cpu_initialization: bool = False):
+    """GPTModel for this rank's pipeline stage (parallel_state must be initialised)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = transformer_config_kwargs(hf_config, mc)
+    kwargs["use_cpu_initialization"] = use_cpu_initialization
+    config = TransformerConfig(**kwargs)
+    try:  # TE spec on GPUs that have it: packed (thd) attention
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+        import transformer_engine  # noqa: F401
+
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    except ImportError:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    return GPTModel(config=config, transformer_layer_spec=spec,
+                    pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage(), **gpt_model_kwargs(hf_config))
+
+
+class MegatronActor:
+    """TrainActor over a megatron GPTModel; same contract as `CpuActor` (see its docstring)."""
+
+    def __init__(self, hf_config, hf_state_dict: dict[str, torch.Tensor], *, is_core: bool,
+                 config: MegatronConfig | None = None, optim: CpuActorConfig | None = None, version: int = 0):
+        from megatron.core import parallel_state
+
+        self.mc = config or MegatronConfig()
+        if self.mc.context_parallel_size != 1:
+            raise NotImplementedError("MegatronActor: context parallelism needs CP-split micro-steps (not built yet)")
+        self.optim = optim or CpuActorConfig()
+        self.hf_config, self.is_core, self.version = hf_config, is_core, version
+        initialize_parallel_state(self.mc)
+        self.model = build_gpt_model(hf_config, self.mc).cuda()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.import_parameters(hf_state_dict)
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = None
+        if is_core:
+            o = self.optim
+            self.optimizer = torch.optim.AdamW(self._params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+
+    @property
+    def has_optimizer_state(self) -> bool:
+        return self.optimizer is not None and len(self.optimizer.state) > 0
+
+    def _run(self, ms, *, forward_only: bool, exec_logratio_sum=None):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        from gyre.loss import gspo_loss
+
+        dev = torch.device("cuda")
+        result: dict[str, Any] = {}
+        o = self.optim
+
+        def loss_func(logits):
+            lp = -vocab_parallel_cross_entropy(logits.float(), ms.targets.to(dev)[None])[0]
+            result["logprobs"] = lp.detach()
+            if forward_only:
+                return lp.sum() * 0, {}
+            loss, metrics = gspo_loss(lp, ms.behavior_logprobs.to(dev), ms.target_mask.to(dev), ms.exec_index.to(dev),
+                                      ms.token_weight.to(dev), ms.advantages.to(dev), ms.exec_lengths.to(dev),
+                                      exec_logratio_sum=None if exec_logratio_sum is None else exec_logratio_sum.to(dev),
+                                      eps_low=o.eps_low, eps_high=o.eps_high, cap=o.cap)
+            result.update(metrics)
+            result["loss"] = float(loss.detach())
+            return loss.float(), {}
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            cu = batch.cu_seqlens.to(dev, torch.int32)
+            seqlen = int((batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).max())
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=seqlen, max_seqlen_kv=seqlen)
+            out = model(batch.input_ids.to(dev)[None], batch.position_ids.to(dev)[None], None, packed_seq_params=packed)
+            return out, loss_func
+
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([ms]), model=[self.model],
+                                    num_microbatches=1, seq_length=ms.num_tokens, micro_batch_size=1, forward_only=forward_only)
+        return result
+
+    def forward_logprobs(self, micro_step) -> torch.Tensor:
+        with torch.no_grad():
+            return self._run(micro_step, forward_only=True)["logprobs"].cpu()
+
+    def forward_backward(self, micro_step, exec_logratio_sum: torch.Tensor | None = None) -> dict[str, float]:
+        res = self._run(micro_step, forward_only=False, exec_logratio_sum=exec_logratio_sum)
+        return {k: float(v) for k, v in res.items() if k != "logprobs"}
+
+    def zero_grad(self) -> None:
+        for p in self._params:
+            p.grad = None
+
+    def reduce_gradients(self, group: Any) -> None:
+        """Sum grads over Gyre's prefix group for this intra-cell position (None: alone)."""
+        if group is None:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for p in self._params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    def optimizer_step(self, max_grad_norm: float | None = None) -> dict[str, float]:
+        from megatron.core import parallel_state
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
+        from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+
+        if self.optimizer is None:
+            raise RuntimeError("optimizer_step on a satellite: only the core holds optimizer state")
+        clip = self.optim.max_grad_norm if max_grad_norm is None else max_grad_norm
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        # norm over TP × PP shards, TP-duplicated params (norm weights) counted once
+        unique = [p.grad for p in self._params if param_is_not_tensor_parallel_duplicate(p)]
+        norm = get_grad_norm_fp32(unique, grad_stats_parallel_group=parallel_state.get_model_parallel_group())
+        clip_grad_by_total_norm_fp32(self._params, clip, norm)
+        self.optimizer.step()
+        self.zero_grad()
+        self.version += 1
+        return {"grad_norm": float(norm), "version": float(self.version)}
+
+    def export_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's megatron shards (megatron names), on CPU: what satellites in the same
+        intra-cell position import. `export_hf` gathers full HF tensors for engines."""
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+
+    def import_parameters(self, params: dict[str, torch.Tensor]) -> None:
+        """Load either megatron-shard names (from `export_parameters`) or a full HF state dict."""
+        if "model.embed_tokens.weight" in params:
+            params = shard_for_tp(hf_to_mcore(params, self.hf_config), self.tp_rank, self.mc.tensor_model_parallel_size)
+        own = {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+        missing = sorted(k for k in own if k not in params)
+        if missing:
+            raise ValueError(f"MegatronActor.import_parameters: missing {missing[:3]}")
+        with torch.no_grad():
+            for k, t in own.items():
+                if params[k].shape != t.shape:
+                    raise ValueError(f"MegatronActor.import_parameters: {k} is {tuple(params[k].shape)}, expected {tuple(t.shape)}")
+                t.copy_(params[k])
+
+    def save_checkpoint(self, path: str) -> None:
+        raise NotImplementedError("MegatronActor.save_checkpoint: gather TP shards with mcore_to_hf on the GPU path (not built yet)")
+
+    def load_checkpoint(self, path: str) -> None:
+        raise NotImplementedError("MegatronActor.load_checkpoint: see save_checkpoint")

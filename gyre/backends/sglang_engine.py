@@ -1,0 +1,280 @@
+"""SGLang rollout engine embedded in a cell's process (GPU; `pip install gyre[gpu]`).
+
+Wraps the offline `sglang.Engine` (sglang/srt/entrypoints/engine.py). Its synchronous helpers
+call `loop.run_until_complete`, which cannot run inside Gyre's event loop, so the adapter awaits
+the engine's `tokenizer_manager` coroutines directly with the same `io_struct` request objects
+the helpers build:
+
+    generate        Engine.async_generate(input_ids=..., sampling_params=..., return_logprob=True,
+                    stream=True, rid=request_id) → chunks with meta_info['output_token_logprobs']
+                    = [(logprob, token_id, text), ...] and meta_info['finish_reason']
+    abort           tokenizer_manager.abort_request(rid=...)
+    update_weights  pause_generation(mode='retract') → update_weights_from_tensor(
+                    UpdateWeightsFromTensorReqInput(serialized_named_tensors=[one per TP rank],
+                    flush_cache=True)) → continue_generation(): running requests are retracted,
+                    their KV recomputed under the new weights (like the CPU engine's
+                    `recompute_kv_on_update`), none dropped
+    distributed     init_weights_update_group / update_weights_from_distributed (NCCL broadcast
+                    from the core, the GPU form of `transfer.TorchDistTransport`)
+    release/resume  release_memory_occupation / resume_memory_occupation (needs
+                    `enable_memory_saver`)
+
+Log-probs: with `logprobs='policy'` the adapter sets SGLANG_RETURN_ORIGINAL_LOGPROB=1 before
+the engine starts, so SGLang reports log-softmax of the logits before temperature — the same
+quantity as the CPU engine and the trainer. Token-id stop sequences (SGLang's `stop` takes
+strings) are matched here: the request is aborted and its output cut right after the match.
+
+Nothing here imports sglang at module import; the pure translation functions are CPU-tested.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import torch
+
+from gyre.backends.config import SglangConfig
+from gyre.backends.protocols import EngineHealth, SamplingParams, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+
+def server_args(config: SglangConfig) -> dict[str, Any]:
+    """`sglang.Engine(**kwargs)` from Gyre's config; `config.extra` (pass-through) wins."""
+    if not config.model_path:
+        raise ValueError("sglang.model_path: an HF checkpoint directory is required")
+    if config.tp_size < 1:
+        raise ValueError(f"sglang.tp_size must be ≥ 1, got {config.tp_size}")
+    if not 0.0 < config.mem_fraction_static < 1.0:
+        raise ValueError(f"sglang.mem_fraction_static must be in (0, 1), got {config.mem_fraction_static}")
+    args: dict[str, Any] = {
+        "model_path": config.model_path,
+        "tp_size": config.tp_size,
+        "mem_fraction_static": config.mem_fraction_static,
+        "base_gpu_id": config.base_gpu_id,
+        "dtype": config.dtype,
+        "enable_memory_saver": config.enable_memory_saver,
+        "skip_tokenizer_init": True,  # token ids in, token ids out (TITO, DESIGN §4)
+        "host": "127.0.0.1",
+        "log_level": "error",
+    }
+    for key, value in config.extra.items():
+        args[key.replace("-", "_")] = _coerce(value)
+    return args
+
+
+def _coerce(value: str) -> Any:
+    """Pass-through CLI strings → bool / int / float where they parse, else the string."""
+    if not isinstance(value, str):
+        return value
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def sampling_params(sp: SamplingParams) -> dict[str, Any]:
+    """SGLang sampling_params dict for one request (stop sequences are matched by the adapter)."""
+    out: dict[str, Any] = {
+        "max_new_tokens": sp.max_tokens,
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        "stop_token_ids": list(sp.stop_token_ids),
+        "skip_special_tokens": False,
+        "no_stop_trim": True,  # keep the stop token in the output: it was sampled and is trained
+    }
+    if sp.seed is not None:
+        out["sampling_seed"] = int(sp.seed)
+    return out
+
+
+def parse_chunk(chunk: dict[str, Any], seen: int, incremental: bool) -> tuple[list[tuple[int, float]], str | None, str | None]:
+    """New (token_id, logprob) pairs of a streamed chunk, its finish type, its weight version.
+
+    `output_token_logprobs` is cumulative unless the server streams incrementally."""
+    meta = chunk.get("meta_info", {})
+    entries = meta.get("output_token_logprobs") or []
+    new = entries if incremental else entries[seen:]
+    pairs = [(int(e[1]), float(e[0])) for e in new]
+    finish = meta.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    version = meta.get("weight_version")
+    return pairs, kind, None if version is None else str(version)
+
+
+def match_stop(ids: list[int], stop_sequences: list[list[int]]) -> int | None:
+    """Length of the output to keep if some stop sequence ends inside `ids`, else None."""
+    best = None
+    for s in stop_sequences:
+        for end in range(len(s), len(ids) + 1):
+            if ids[end - len(s) : end] == list(s):
+                best = end if best is None else min(best, end)
+                break
+    return best
+
+
+@dataclass(eq=False)
+class _Req:
+    rid: str
+    out: list[TokenEvent] = field(default_factory=list)
+    aborted: bool = False
+
+
+class SglangEngine:
+    """RolloutEngine over an embedded `sglang.Engine`."""
+
+    name = "sglang"
+
+    def __init__(self, config: SglangConfig, *, version: int = 0, logprobs: str = "policy"):
+        self.config = config
+        self.version = version
+        self.logprobs = logprobs
+        self._engine = None
+        self._requests: dict[str, _Req] = {}
+        self._released = False
+
+    async def start(self) -> None:
+        args = server_args(self.config)
+        if self.logprobs == "policy":
+            os.environ.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+        import sglang  # lazy: GPU only
+
+        self._engine = await asyncio.to_thread(lambda: sglang.Engine(**args))
+        logger.info("sglang engine up (tp=%d, model=%s)", self.config.tp_size, self.config.model_path)
+
+    async def stop(self) -> None:
+        if self._engine is not None:
+            await asyncio.to_thread(self._engine.shutdown)
+            self._engine = None
+
+    @property
+    def _tm(self):
+        if self._engine is None:
+            raise RuntimeError("SglangEngine: not started")
+        return self._engine.tokenizer_manager
+
+    async def generate(self, request_id: str, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenEvent]:
+        if self._released:
+            raise RuntimeError(f"SglangEngine.generate({request_id}): memory is released")
+        if request_id in self._requests:
+            raise ValueError(f"generate: request id {request_id!r} is already in flight")
+        req = self._requests[request_id] = _Req(request_id)
+        incremental = bool(getattr(self._engine.server_args, "incremental_streaming_output", False))
+        seen = 0
+        try:
+            stream = await self._engine.async_generate(input_ids=list(input_ids), sampling_params=sampling_params(sampling),
+                                                       return_logprob=True, stream=True, rid=request_id)
+            async for chunk in stream:
+                pairs, finish, chunk_version = parse_chunk(chunk, seen, incremental)
+                seen += len(pairs)
+                version = int(chunk_version) if chunk_version is not None and chunk_version.isdigit() else self.version
+                for i, (tok, lp) in enumerate(pairs):
+                    if req.aborted:
+                        return
+                    ev = TokenEvent(tok, lp, version)
+                    req.out.append(ev)
+                    cut = match_stop([e.token_id for e in req.out], sampling.stop_sequences)
+                    last = i == len(pairs) - 1
+                    if cut is not None:
+                        ev.finish_reason = "stop"
+                        self._tm.abort_request(rid=request_id)
+                        req.aborted = True
+                        yield ev
+                        return
+                    if last and finish in ("stop", "length"):
+                        ev.finish_reason = finish
+                    yield ev
+                if finish is not None:
+                    return
+        finally:
+            if not req.aborted and finish_pending(req, self):
+                self._tm.abort_request(rid=request_id)
+            self._requests.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> list[TokenEvent]:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise KeyError(f"abort: no request {request_id!r} in flight")
+        req.aborted = True  # the stream yields nothing past what is returned here
+        self._tm.abort_request(rid=request_id)
+        return list(req.out)
+
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        from sglang.srt.managers.io_struct import (ContinueGenerationReqInput, PauseGenerationReqInput,
+                                                   UpdateWeightsFromTensorReqInput)
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        named = [(k, v.detach().cuda() if torch.cuda.is_available() else v) for k, v in state_dict.items()]
+        payload = [MultiprocessingSerializer.serialize(named) for _ in range(self.config.tp_size)]
+        kwargs: dict[str, Any] = dict(serialized_named_tensors=payload, load_format=None, flush_cache=True)
+        if "weight_version" in getattr(UpdateWeightsFromTensorReqInput, "__dataclass_fields__", {}):
+            kwargs["weight_version"] = str(version)
+        await self._tm.pause_generation(PauseGenerationReqInput(mode="retract"))
+        try:
+            result = await self._tm.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(**kwargs), None)
+        finally:
+            await self._tm.continue_generation(ContinueGenerationReqInput())
+        _check(result, "update_weights_from_tensor")
+        self.version = int(version)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "gyre_weights", backend: str = "nccl") -> None:
+        from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
+
+        obj = InitWeightsUpdateGroupReqInput(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+                                             world_size=world_size, group_name=group_name, backend=backend)
+        _check(await self._tm.init_weights_update_group(obj, None), "init_weights_update_group")
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              version: int, group_name: str = "gyre_weights") -> None:
+        """Receive a broadcast from the core over the group made by `init_weights_update_group`."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+        obj = UpdateWeightsFromDistributedReqInput(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=True)
+        _check(await self._tm.update_weights_from_distributed(obj, None), "update_weights_from_distributed")
+        self.version = int(version)
+
+    async def release_memory(self) -> None:
+        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+
+        if self._requests:
+            raise RuntimeError(f"SglangEngine.release_memory: {len(self._requests)} requests in flight; drain first")
+        await self._tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=None), None)
+        self._released = True
+
+    async def resume(self) -> None:
+        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
+
+        await self._tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=None), None)
+        self._released = False
+
+    async def health(self) -> EngineHealth:
+        return EngineHealth(ok=self._engine is not None, version=self.version, running=len(self._requests), waiting=0,
+                            released=self._released)
+
+    def load(self) -> int:
+        return len(self._requests)
+
+
+def finish_pending(req: _Req, engine: SglangEngine) -> bool:
+    """True when a stream closes before SGLang finished the request (consumer went away)."""
+    return bool(req.out) and req.out[-1].finish_reason is None and engine._engine is not None
+
+
+def _check(result: Any, what: str) -> None:
+    """SGLang returns (success, message) tuples or objects with .success; raise on failure."""
+    success, message = True, ""
+    if isinstance(result, tuple) and result:
+        success, message = bool(result[0]), str(result[1]) if len(result) > 1 else ""
+    elif hasattr(result, "success"):
+        success, message = bool(result.success), str(getattr(result, "message", ""))
+    if not success:
+        raise RuntimeError(f"sglang {what} failed: {message}")
