@@ -67,7 +67,7 @@ class CpuActor:
 
         ms = micro_step
         lp = self.forward_logprobs(ms)
-        return exec_logratio_partial_sums(lp, ms.behavior_logprobs, ms.target_mask, ms.exec_index, ms.num_executions)
+        return exec_logratio_partial_sums(lp, ms.behavior_logprobs, ms.target_mask, ms.exec_index, ms.advantages.numel())
 
     def forward_backward(self, micro_step: MicroStep, exec_logratio_sum: torch.Tensor | None = None) -> dict[str, float]:
         """Accumulate ∂loss/∂θ of one micro-step (token weights carry 1/(|E|·L_i), so the sum
@@ -75,8 +75,9 @@ class CpuActor:
         from gyre.loss import gspo_loss
 
         ms = micro_step
-        if ms.advantages.numel() != ms.num_executions:
-            raise ValueError(f"micro-step {ms.step}/{ms.index}: advantages has {ms.advantages.numel()} entries, num_executions is {ms.num_executions}")
+        if ms.advantages.numel() > ms.num_executions:
+            raise ValueError(f"micro-step {ms.step}/{ms.index}: its execution table has {ms.advantages.numel()} entries, "
+                             f"more than |E| = num_executions = {ms.num_executions}")
         lp = self._logprobs(ms)
         c = self.config
         loss, metrics = gspo_loss(

@@ -12,8 +12,10 @@ The loss (DESIGN §6) per target position t of execution i = exec_index[t]:
     δ_t = ℓ_t − behavior_logprobs[t]
     loss = Σ_t m_i · ω_t · token_weight[t] · ℓ_t,   token_weight[t] = −A_i / (|E| · L_i)
 so Σ over all micro-steps of a step of token_weight over execution i's targets is −A_i/|E|.
-`advantages`, `exec_lengths` (L_i) and `num_executions` (|E|) are the step-level execution
-table, indexed by exec_index; every micro-step of a step carries the same table.
+`advantages` and `exec_lengths` (L_i) are the execution table, indexed by exec_index (the step's
+executions, or — when a streaming step packs group by group — the group's). `num_executions` is
+the loss denominator |E| of the step, already folded into `token_weight`; it is at least the
+table's size.
 """
 
 from __future__ import annotations
