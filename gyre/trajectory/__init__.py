@@ -39,7 +39,8 @@ buffer.py      `GroupBuffer`: `dispatch(group_id, v_d, execution_ids)`, `finish(
                `num_ready()`, `take(B)` (oldest dispatch version first), `release`, `consume(groups,
                v_t) -> staleness`, `mean_staleness()`; `GroupState` lifecycle enum.
 materialize.py `materialize_step(groups, max_tokens, rng, j_max=5, normalize_std=True,
-               skip_zero_advantage=False, step=0, train_version=None) -> StepBatch`.
+               skip_zero_advantage=False, step=0, train_version=None, num_executions=None,
+               context_parallel_size=1) -> StepBatch`.
 config.py      `TrajectoryConfig` (tyro dataclass).
 __main__.py    `python -m gyre.trajectory FILE.tito ... [--j-max 5]`: store state, tree stats,
                selection and token budget as JSON lines.

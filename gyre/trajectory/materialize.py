@@ -65,13 +65,15 @@ def materialize_step(
     step: int = 0,
     train_version: int | None = None,
     num_executions: int | None = None,
+    context_parallel_size: int = 1,
 ) -> StepBatch:
     """Materialize B ready groups into micro-steps of at most `max_tokens` tokens.
 
     |E| = number of executions in the execution table (valid executions, minus zero-advantage
     ones when `skip_zero_advantage`), unless the caller fixes it with `num_executions` (a
-    streaming step packs each group as it becomes ready and uses the nominal B·N). An execution without records (e.g. a harness that failed
-    before its first call) is in E with L_i = 0 and contributes no tokens.
+    streaming step packs each group as it becomes ready and uses the nominal B·N). An execution
+    without records (e.g. a harness that failed before its first call) is in the table with
+    L_i = 0 and contributes no tokens. `context_parallel_size`: see `pack_step`.
     """
     batch = StepBatch(micro_steps=[], samples=[])
     for g in groups:
@@ -101,6 +103,7 @@ def materialize_step(
             batch.tree_stats[res.execution_id] = tree.stats.as_dict()
             batch.samples.append(ExecutionSample(res.execution_id, tree, sel, float(a)))
     if batch.samples:
-        batch.micro_steps = pack_step(batch.samples, max_tokens, step=step, num_executions=num_executions)
+        batch.micro_steps = pack_step(batch.samples, max_tokens, step=step, num_executions=num_executions,
+                                      context_parallel_size=context_parallel_size)
     return batch
 

@@ -226,3 +226,8 @@ def test_materialize_step_from_store(tmp_path):
     batch = materialize_step(groups, max_tokens=32, rng=np.random.default_rng(0), skip_zero_advantage=True)
     assert [s.execution_id for s in batch.samples] == ["x0", "x1"]
     assert batch.micro_steps[0].num_executions == 2
+    # a caller-given |E| (nominal B·N when groups stream in one at a time)
+    batch = materialize_step(groups[:1], max_tokens=32, rng=np.random.default_rng(0), num_executions=8)
+    assert batch.micro_steps[0].num_executions == 8
+    w = [x for m in batch.micro_steps for x in m.token_weight[m.target_mask].tolist()]
+    assert sorted(w) == sorted([-1 / (8 * 3)] * 3 + [1 / 8])
