@@ -1,0 +1,61 @@
+"""SGLang adapter on CPU: import guard, server-args / sampling translation, chunk parsing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from gyre.backends.config import SglangConfig
+from gyre.backends.protocols import RolloutEngine, SamplingParams
+from gyre.backends.sglang_engine import SglangEngine, match_stop, parse_chunk, sampling_params, server_args
+
+
+def test_import_does_not_pull_sglang_or_cuda_libraries():
+    code = "import sys, gyre.backends.sglang_engine, gyre.backends.megatron_actor, gyre.backends.transfer; " \
+           "print(sorted(m for m in ('sglang', 'megatron', 'mooncake') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_satisfies_protocol_without_starting():
+    assert isinstance(SglangEngine(SglangConfig(model_path="/ckpt")), RolloutEngine)
+
+
+def test_server_args_translation_and_pass_through():
+    cfg = SglangConfig(model_path="/ckpt/v3", tp_size=4, mem_fraction_static=0.6, base_gpu_id=4,
+                       extra={"chunked-prefill-size": "4096", "enable-torch-compile": "true", "attention-backend": "fa3",
+                              "mem_fraction_static": "0.5"})
+    args = server_args(cfg)
+    assert args["model_path"] == "/ckpt/v3" and args["tp_size"] == 4 and args["base_gpu_id"] == 4
+    assert args["skip_tokenizer_init"] is True and args["host"] == "127.0.0.1" and args["enable_memory_saver"] is True
+    assert args["chunked_prefill_size"] == 4096 and args["enable_torch_compile"] is True and args["attention_backend"] == "fa3"
+    assert args["mem_fraction_static"] == 0.5  # pass-through wins
+    with pytest.raises(ValueError, match="model_path"):
+        server_args(SglangConfig())
+    with pytest.raises(ValueError, match="mem_fraction_static"):
+        server_args(SglangConfig(model_path="x", mem_fraction_static=1.5))
+
+
+def test_sampling_params_translation():
+    sp = SamplingParams(max_tokens=77, temperature=0.6, top_p=0.95, stop_token_ids=[2, 5], stop_sequences=[[1, 2]], seed=9)
+    assert sampling_params(sp) == {"max_new_tokens": 77, "temperature": 0.6, "top_p": 0.95, "stop_token_ids": [2, 5],
+                                   "skip_special_tokens": False, "no_stop_trim": True, "sampling_seed": 9}
+    assert "sampling_seed" not in sampling_params(SamplingParams())
+
+
+def test_parse_chunk_cumulative_and_incremental():
+    c1 = {"meta_info": {"output_token_logprobs": [(-0.5, 7, None), (-1.5, 8, None)], "finish_reason": None}}
+    c2 = {"meta_info": {"output_token_logprobs": [(-0.5, 7, None), (-1.5, 8, None), (-0.25, 2, None)],
+                        "finish_reason": {"type": "stop", "matched": 2}, "weight_version": "3"}}
+    assert parse_chunk(c1, 0, False) == ([(7, -0.5), (8, -1.5)], None, None)
+    assert parse_chunk(c2, 2, False) == ([(2, -0.25)], "stop", "3")
+    inc = {"meta_info": {"output_token_logprobs": [(-0.25, 2, None)], "finish_reason": {"type": "length"}}}
+    assert parse_chunk(inc, 2, True) == ([(2, -0.25)], "length", None)
+
+
+def test_match_stop_finds_the_earliest_end():
+    assert match_stop([5, 1, 2, 3, 1, 2], [[1, 2]]) == 3
+    assert match_stop([5, 1, 2, 3], [[2, 3], [5]]) == 1
+    assert match_stop([5, 1], [[1, 2]]) is None
