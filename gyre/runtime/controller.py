@@ -144,7 +144,7 @@ class Controller:
         self.group_iter = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed)
         runner_cfg = dataclasses.replace(cfg.executions.runner, run_dir=str(self.run_dir / "executions"))
         self.runner = HarnessRunner(runner_cfg, Evaluator(cfg.executions.evaluator),
-                                    proxy=_ProxyAccess(self.proxy, self.proxy_handle.url + "/v1"), on_event=self._on_exec_event)
+                                    proxy=_ProxyAccess(self.proxy, self.proxy_handle.url), on_event=self._on_exec_event)
         self.sched = ElasticScheduler(sc, topo.num_cells, tc.cell_concurrency,
                                       topo.num_pool_engines * tc.cell_concurrency, clock=WallClock())
         self.metrics = MetricsWriter(str(self.run_dir / "metrics.jsonl"))
@@ -166,6 +166,7 @@ class Controller:
         self.latencies: dict[str, list[float]] = {"to_train": [], "to_rollout": []}
         self.steps_done = 0
         self.stopping = False
+        self.task_error: BaseException | None = None
         self.stopped: dict[int, dict] = {}
         self.t_start = time.time()
         self.last_step_t = time.time()
@@ -183,6 +184,18 @@ class Controller:
             self._serve_pending()
             await asyncio.sleep(0.003)
         await self._finish()
+        if self.task_error is not None:
+            raise self.task_error
+
+    def _spawn(self, coro) -> None:
+        """Run `coro` on the loop; an exception in it fails the run instead of vanishing."""
+        def done(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                logger.error("controller task %s failed: %r", task.get_name(), task.exception())
+                self.task_error = task.exception()
+                self.stopping = True
+
+        asyncio.get_running_loop().create_task(coro).add_done_callback(done)
 
     # ------------------------------------------------------------------ decisions
     def _apply(self, decisions: list) -> None:
@@ -191,7 +204,7 @@ class Controller:
                 self._dispatch(d)
             elif isinstance(d, SwitchToTrain):
                 self.switch_sent[d.cell] = time.time()
-                asyncio.get_running_loop().create_task(self._switch_to_train(d.cell))
+                self._spawn(self._switch_to_train(d.cell))
             elif isinstance(d, SwitchToRollout):
                 self.switch_sent[d.cell] = time.time()
                 self._send_cell(d.cell, {"cmd": "to_rollout", "version": self.sched.published})
@@ -339,11 +352,20 @@ class Controller:
         elif ev.kind is EventKind.EVALUATED:
             self.evaluated[g].append(ev.result)
             if len(self.evaluated[g]) == self.cfg.scheduler.n_per_group:
-                asyncio.get_running_loop().create_task(self._make_work(g))
+                self._spawn(self._make_work(g))
+
+    def _records(self, execution_id: str) -> list:
+        """The execution's TITO records (none when its harness never made a call)."""
+        if not self.tito.path_for(execution_id).exists():
+            return []
+        read = self.tito.read(execution_id)
+        if read.torn:
+            logger.warning("execution %s: torn record at the end of its TITO file dropped", execution_id)
+        return read.records
 
     async def _make_work(self, g: int) -> None:
         results = sorted(self.evaluated.pop(g), key=lambda r: r.index)
-        items = [(r.execution_id, _outcome(r.reward), self.tito.load(r.execution_id)) for r in results]
+        items = [(r.execution_id, _outcome(r.reward), self._records(r.execution_id)) for r in results]
         sc, tc = self.cfg.scheduler, self.cfg.train
         work = await asyncio.to_thread(
             group_work, self.group_name[g], self.group_version[g], items,
