@@ -36,7 +36,7 @@ class Detokenizer:
 
 
 class StopMatcher:
-    """Finds the earliest stop string; text from the match on is never shown (OpenAI/Anthropic)."""
+    """Finds the first stop string to complete; text from its start on is never shown."""
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
@@ -50,11 +50,13 @@ class StopMatcher:
         if not self.stops:
             return text
         self.buf += text
-        best = -1
+        # The first stop string to *complete* wins (earliest end, then earliest start): what a
+        # token-by-token check sees, so the result does not depend on how text was chunked.
+        best, best_end = -1, -1
         for s in self.stops:
             i = self.buf.find(s)
-            if i >= 0 and (best < 0 or i < best):
-                best, self.matched = i, s
+            if i >= 0 and (best < 0 or (i + len(s), i) < (best_end, best)):
+                best, best_end, self.matched = i, i + len(s), s
         if best >= 0:
             out, self.buf = self.buf[:best], ""
             return out

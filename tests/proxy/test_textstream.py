@@ -71,9 +71,9 @@ def test_stop_matcher_earliest_match(text, stops, data):
         prev = c
     if m.matched is None:
         shown += m.flush()
-    # independent reference: cut at the earliest occurrence of any stop string
-    hits = [text.find(s) for s in stops if s in text]
-    expected = text[: min(hits)] if hits else text
+    # independent reference: the first stop string to complete (earliest end, then earliest start)
+    hits = sorted((text.find(s) + len(s), text.find(s)) for s in stops if s in text)
+    expected = text[: hits[0][1]] if hits else text
     assert shown == expected
     assert (m.matched is not None) == bool(hits)
 
