@@ -5,6 +5,8 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gyre.trajectory.record import CallRecord, Role
 from gyre.trajectory.store import StoreCorruptError, TitoStore, TitoWriter, load_execution, read_execution
@@ -223,3 +225,41 @@ def test_inspect_cli(tmp_path, capsys):
     assert out["tree"]["calls"] == 30
     # unlimited selection trains every unique target exactly once
     assert out["selection"]["L"] == out["tree"]["unique_target_tokens"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 2**16), st.integers(1, 25), st.sampled_from([0, 1, 3]), st.floats(0, 1))
+def test_any_truncation_loads_exactly_the_whole_frames(tmp_path, seed, n, window, frac):
+    recs = growing_threads(n, seed)
+    path = tmp_path / f"h{seed}-{n}-{window}.tito"
+    ends = []
+    with TitoWriter(path, "ex-1", delta_window=window) as w:
+        for r in recs:
+            w.append(r)
+            ends.append(os.path.getsize(path))
+    data = path.read_bytes()
+    cut = int(frac * len(data))
+    path.write_bytes(data[:cut])
+    whole = sum(1 for e in ends if e <= cut)
+    res = read_execution(path)
+    assert len(res.records) == whole
+    for a, b in zip(recs, res.records):
+        assert_same(a, b)
+    valid = ends[whole - 1] if whole else (16 if cut >= 16 else 0)  # a torn header holds nothing
+    assert res.torn_tail_bytes == cut - valid
+    path.unlink()
+
+
+def test_torn_file_header(tmp_path):
+    path = tmp_path / "ex-1.tito"
+    with TitoWriter(path, "ex-1") as w:
+        w.append(make_record(0))
+    data = path.read_bytes()
+    for cut in range(0, 17):
+        path.write_bytes(data[:cut])
+        res = read_execution(path)
+        assert res.records == [] and res.torn_tail_bytes == (cut if cut < 16 else 0)
+    path.write_bytes(data[:9])
+    with TitoWriter(path, "ex-1") as w:  # a writer repairs a torn header too
+        w.append(make_record(1))
+    assert [r.call_id for r in load_execution(path)] == [1]
