@@ -95,6 +95,22 @@ class LocalKeys:
         self.keys.pop(execution_id, None)
 
 
+class GyreProxyAccess:
+    """`ProxyAccess` over Gyre's own proxy (`gyre.proxy.Proxy` + the handle `serve_proxy`
+    returned): keys from `proxy.issue_key`, revoked (and the execution's store file closed)
+    by `proxy.close_execution` when the harness ends."""
+
+    def __init__(self, proxy: Any, url: str) -> None:
+        self.proxy = proxy
+        self.url = url.rstrip("/")
+
+    def open_execution(self, execution_id: str, group_id: str) -> str:
+        return self.proxy.issue_key(execution_id)
+
+    def close_execution(self, execution_id: str) -> None:
+        self.proxy.close_execution(execution_id)
+
+
 class ExecutionState(enum.Enum):
     DISPATCHED = "dispatched"
     STARTED = "started"
