@@ -1,0 +1,69 @@
+"""The real mini-swe-agent (litellm, its own agent loop and bash environment) as a black-box
+harness against the proxy, one short task, scored by its evaluator. Slow: litellm's import alone
+takes seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from gyre.backends.tokenizer import byte_token_ids, load_tokenizer, token_bytes
+from gyre.executions.config import EvaluatorConfig, RunnerConfig
+from gyre.executions.evaluator import Evaluator, Outcome, RewardStatus
+from gyre.executions.runner import GyreProxyAccess, HarnessRunner
+from gyre.executions.tasks import ExecutionSpec, Task
+from gyre.proxy import MemorySink, Proxy, ProxyConfig, serve_proxy
+from gyre.proxy.det_engine import DeterministicEngine
+from gyre.trajectory.record import Role
+
+pytest.importorskip("minisweagent")
+
+from examples.mini_swe_agent.task import make_tasks  # noqa: E402
+
+
+def _call(command: str) -> str:
+    return "I will run a command.\n<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": command}}) + "\n</tool_call>"
+
+
+@pytest.mark.slow
+def test_mini_swe_agent_solves_a_short_task_through_the_proxy(tmp_path):
+    tok = load_tokenizer()
+    table = token_bytes(tok)
+    prompts = []
+
+    def script(ids):
+        prompt = b"".join(table[i] for i in ids).decode("utf-8", "replace")
+        prompts.append(prompt)
+        done = prompt.count("<tool_response>")
+        if done == 0:
+            return _call("printf 'print(\"hello gyre\")\\n' > hello.py")
+        if done == 1:
+            return _call("python hello.py")
+        return _call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
+
+    sink = MemorySink()
+    proxy = Proxy(ProxyConfig(), sink=sink)
+    proxy.router.add_engine(DeterministicEngine("det", script=script, byte_ids=byte_token_ids(tok)), kind="cell", index=0)
+    handle = serve_proxy(proxy)
+    try:
+        task = Task.from_json(make_tasks(step_limit=6)[0] | {"timeout_s": 240})
+        task.harness = task.harness + ["--max-tokens", "512"]
+        runner = HarnessRunner(RunnerConfig(run_dir=str(tmp_path / "runs"), timeout_s=240),
+                               Evaluator(EvaluatorConfig()), GyreProxyAccess(proxy, handle.url))
+
+        async def main():
+            return await runner.dispatch(ExecutionSpec("mini-0", task, "g"))
+
+        res = asyncio.run(main())
+    finally:
+        handle.stop()
+    logs = (res.exec_dir / "stdout.log").read_text()[-2000:] + (res.exec_dir / "stderr.log").read_text()[-3000:]
+    assert res.outcome is Outcome.COMPLETED, logs
+    assert res.reward.status is RewardStatus.VALID and res.reward.reward == 1.0, logs
+    recs = sink.for_execution("mini-0")
+    assert len(recs) == 3 and all(r.role is Role.MAIN for r in recs)
+    assert "hello.py" in prompts[0] and "hello gyre" in prompts[2]  # the command output came back
+    traj = json.loads((res.exec_dir / "mini.traj.json").read_text())
+    assert traj["info"]["exit_status"] == "Submitted"
