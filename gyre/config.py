@@ -64,6 +64,9 @@ class TrainConfig:
     """torch intra-op threads per rank (CPU: ranks share the cores)."""
     drain_at_end_s: float = 60.0
     """At the end, wait this long for executions still running before cancelling them."""
+    audit_dir: str = ""
+    """Debug: save every granted micro-step bundle and the core's parameters + optimizer state
+    around every step here, so a step can be replayed on one rank (the equivalence tests)."""
 
 
 @dataclass(kw_only=True)

@@ -154,6 +154,10 @@ class SnapshotBoard:
         self.store.set(f"snap/{version}/data", buf.numpy().tobytes())
         self.store.set(f"snap/{version}/meta", pickle.dumps((layout, checksum(buf))))
         self.store.set("snap/latest", str(version))
+        # A store `set` is fire-and-forget on this connection; a round trip on the same connection
+        # returns only after the server applied it, so a reader told "version v is there" (by a
+        # collective or a message on another connection) really finds it.
+        self.store.check(["snap/latest"])
         old = version - self.keep
         if old >= 0:
             for part in ("data", "meta"):

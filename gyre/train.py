@@ -91,7 +91,8 @@ def train(cfg: Any, topo: Topology, groups: Groups) -> None:
         actor.version = -1  # nothing yet: the first work pulls the core's current snapshot
         return actor
 
-    worker = CellWorker(topo, groups, control, board, engine_host, make_actor, checkpoint_dir=str(ckpt_dir))
+    worker = CellWorker(topo, groups, control, board, engine_host, make_actor, checkpoint_dir=str(ckpt_dir),
+                        audit_dir=cfg.train.audit_dir)
     worker.actor = core_actor
     controller = None
     if topo.is_controller:

@@ -52,12 +52,15 @@ class _ProxyAccess:
 
     def __init__(self, proxy: Proxy, url: str) -> None:
         self.proxy, self.url = proxy, url
+        self.totals: dict[str, int] = defaultdict(int)  # summed per-execution proxy stats
 
     def open_execution(self, execution_id: str, group_id: str) -> str:
         return self.proxy.issue_key(execution_id)
 
     def close_execution(self, execution_id: str) -> None:
-        self.proxy.close_execution(execution_id)
+        for k, v in self.proxy.close_execution(execution_id).items():
+            if isinstance(v, int):
+                self.totals[k] += v
 
 
 def _outcome(reward: Any) -> Outcome:
@@ -143,8 +146,9 @@ class Controller:
         self.dataset = Dataset.from_jsonl(ds.path)
         self.group_iter = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed)
         runner_cfg = dataclasses.replace(cfg.executions.runner, run_dir=str(self.run_dir / "executions"))
-        self.runner = HarnessRunner(runner_cfg, Evaluator(cfg.executions.evaluator),
-                                    proxy=_ProxyAccess(self.proxy, self.proxy_handle.url), on_event=self._on_exec_event)
+        self.access = _ProxyAccess(self.proxy, self.proxy_handle.url)
+        self.runner = HarnessRunner(runner_cfg, Evaluator(cfg.executions.evaluator), proxy=self.access,
+                                    on_event=self._on_exec_event)
         self.sched = ElasticScheduler(sc, topo.num_cells, tc.cell_concurrency,
                                       topo.num_pool_engines * tc.cell_concurrency, clock=WallClock())
         self.metrics = MetricsWriter(str(self.run_dir / "metrics.jsonl"))
@@ -159,6 +163,7 @@ class Controller:
         self.group_rewards: dict[int, list] = {}
         self.group_stats: dict[int, dict] = {}
         self.pending: set[int] = set()
+        self.step_claims: dict[int, list[int]] = defaultdict(list)  # cells in claim order, per step
         self.step_acc: dict[int, dict] = defaultdict(dict)
         self.step_info: dict[int, dict] = {}
         self.timeline: dict[int, list[tuple[str, float]]] = defaultdict(list)
@@ -261,6 +266,13 @@ class Controller:
                 continue
             self.pending.discard(cell)
             bundle = self.work[w.group][w.item]
+            self.step_claims[w.step].append(cell)
+            if self.cfg.train.audit_dir:
+                import torch
+
+                path = Path(self.cfg.train.audit_dir) / f"step_{w.step:06d}"
+                path.mkdir(parents=True, exist_ok=True)
+                torch.save({"cell": cell, "bundle": bundle}, path / f"bundle_{w.group}_{w.item}.pt")
             for r in self._cell_ranks(cell):
                 key = f"ms/{w.step}/{w.group}/{w.item}/{r}"
                 self.cp.put_blob(key, bundle)
@@ -303,6 +315,8 @@ class Controller:
             "time_s": now - self.t_start,
             "step_time_s": now - self.last_step_t,
             "cells_in_step": info["k"],
+            "claims_by_cell": {str(c): self.step_claims[step].count(c) for c in sorted(set(self.step_claims[step]))},
+            "claim_order": self.step_claims.pop(step, []),
             "final_in_burst": info["final"],
             "groups": len(info["groups"]),
             "reward_mean": float(np.mean(rewards)) if rewards else None,
@@ -317,7 +331,7 @@ class Controller:
             "switch_to_rollout_s": self.latencies["to_rollout"][-1] if self.latencies["to_rollout"] else None,
             "cell_time_s": self._cell_times(now),
             **summarize_metrics(self.step_acc.pop(step, {})),
-            **{k: float(v) for k, v in stats.items()},
+            **{k: float(v) for k, v in stats.items() if k != "version"},
         }
         self.metrics.write(row)
         self.last_step_t = now
@@ -422,10 +436,15 @@ class Controller:
             "train_fraction": {str(c): f for c, f in fractions.items()},
             "switch_latency_s": {k: (float(np.mean(v)) if v else None) for k, v in self.latencies.items()},
             "reroutes": stats["reroutes"],
+            "calls": self.access.totals["calls"],
+            "aborted_calls": self.access.totals["aborted_calls"],
+            "spliced_turns": self.access.totals["spliced_turns"],
+            "unmatched_turns": self.access.totals["unmatched_turns"],
             "engine_failures": stats["engine_failures"],
             "execution_outcomes": dict(self.outcomes),
             "cancelled_at_end": cancelled,
             "measured_staleness_mean": float(np.mean(self.sched.staleness)) if self.sched.staleness else None,
+            "staleness_by_step": {str(s): i["staleness"] for s, i in sorted(self.step_info.items())},
             "expected_staleness": self.cfg.scheduler.expected_staleness,
         }
         import json

@@ -43,7 +43,9 @@ class CellWorker:
         make_actor: Callable[[bool], Any],
         *,
         checkpoint_dir: str | None = None,
+        audit_dir: str = "",
     ) -> None:
+        self.audit_dir = audit_dir
         self.topo, self.groups, self.cp, self.board = topo, groups, control, board
         self.engine = engine_host
         self.make_actor = make_actor
@@ -70,6 +72,20 @@ class CellWorker:
                 raise RuntimeError(f"core actor is at version {self.actor.version}, step needs {version}")
             self.actor.import_parameters(self.board.get(version))
             self.actor.version = version
+
+    def _audit(self, name: str) -> None:
+        """Debug (train.audit_dir): the core's parameters, reduced gradients and optimizer state."""
+        if not self.audit_dir:
+            return
+        import os
+
+        import torch
+
+        os.makedirs(self.audit_dir, exist_ok=True)
+        a = self.actor
+        torch.save({"params": a.export_parameters(),
+                    "grads": {n: (p.grad.clone() if p.grad is not None else None) for n, p in a.model.named_parameters()},
+                    "optimizer": a.optimizer.state_dict(), "version": a.version}, f"{self.audit_dir}/{name}.pt")
 
     # ------------------------------------------------------------------ commands
     def handle(self, msg: dict[str, Any]) -> bool:
@@ -112,7 +128,9 @@ class CellWorker:
         self.actor.reduce_gradients(group)  # blocking: cells 0..k−1 at this position
         stats: dict[str, float] = {}
         if self.topo.is_core:
+            self._audit(f"before_{step:06d}")
             stats = self.actor.optimizer_step()
+            self._audit(f"after_{step:06d}")
             self.board.put(self.actor.version, self.actor.export_parameters())
         else:
             self.actor.zero_grad()

@@ -8,13 +8,14 @@ from openai import OpenAI
 
 
 def main() -> int:
-    turns = int(os.environ.get("TINY_TURNS", "2"))
+    turns = int(sys.argv[1]) if len(sys.argv) > 1 else 2  # turns: the task sets it (long-tailed executions)
+    max_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 12
     client = OpenAI(base_url=os.environ["OPENAI_BASE_URL"], api_key=os.environ["OPENAI_API_KEY"], max_retries=0, timeout=600)
     messages = [{"role": "system", "content": "You write short words."}, {"role": "user", "content": "Say a word."}]
     with open("answer.txt", "a") as f:
         for _ in range(turns):
             r = client.chat.completions.create(model=os.environ.get("GYRE_MODEL", "gyre-policy"), messages=messages,
-                                               max_tokens=int(os.environ.get("TINY_MAX_TOKENS", "12")), temperature=1.0)
+                                               max_tokens=max_tokens, temperature=1.0)
             text = r.choices[0].message.content or ""
             f.write(text + "\n")
             messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Another."}]
