@@ -171,3 +171,44 @@ def _task(tid, script, arg):
 
     return Task(task_id=tid, instruction="x", harness=[sys.executable, str(script), arg],
                 evaluator=EvaluatorSpec("python", lambda ws, t: 1.0))
+
+
+def test_timed_out_cpu_demo_execution_gets_partial_reward(tmp_path, proxy_server):
+    """Acceptance: the cpu_demo harness writes three of its six files, then the model stalls
+    (endless text, never a tool call) until the runner's timeout kills the harness. The
+    preserved workspace scores 3/6: strictly between an empty and a complete workspace."""
+    import random
+
+    from examples.cpu_demo.task import evaluate
+
+    task_json = make_task("words-p", random.Random(11))
+    main_words = task_json["metadata"]["main"]
+    decode = _decoder()
+
+    def script(input_ids):
+        reply = scripted_reply(decode(input_ids))
+        if f'"path": "{main_words[3]}.txt"' in reply:
+            return "Let me think about this. " * 400  # cut at max_tokens, no tool call
+        return reply
+
+    proxy, handle, _ = proxy_server(script, token_delay=0.01)
+    task = Task.from_json({**task_json, "harness": harness_command() + ["--max-tokens", "256"], "timeout_s": 10})
+    runner = HarnessRunner(RunnerConfig(run_dir=str(tmp_path / "runs"), kill_grace_s=0.5), Evaluator(EvaluatorConfig()),
+                           GyreProxyAccess(proxy, handle.url))
+
+    async def main():
+        return await runner.dispatch(ExecutionSpec("partial-0", task, "g"))
+
+    res = asyncio.run(main())
+    assert res.outcome is Outcome.TIMED_OUT, (res.exec_dir / "stderr.log").read_text()[-2000:]
+    words = task_json["evaluator"]["kwargs"]["words"]
+    empty, full = tmp_path / "empty", tmp_path / "full"
+    empty.mkdir()
+    full.mkdir()
+    for w in words:
+        (full / f"{w}.txt").write_text(str(len(w)))
+    r_empty, r_full = evaluate(empty, None, words)["reward"], evaluate(full, None, words)["reward"]
+    assert (r_empty, r_full) == (0.0, 1.0)
+    assert res.reward.status is RewardStatus.VALID
+    assert r_empty < res.reward.reward < r_full
+    assert res.reward.reward == 3 / 6  # exactly the three files written before the stall
