@@ -38,6 +38,7 @@ def bench_engine(preset: str, requests: int, tokens: int, prompt_len: int) -> di
     from gyre.backends.protocols import SamplingParams
 
     model = build_model(model_config(preset, 1024), seed=0)
+    # engines run with CpuEngineConfig.threads (default 1 intra-op thread)
     rng = random.Random(0)
     prompts = [[rng.randrange(1024) for _ in range(prompt_len)] for _ in range(requests)]
 
@@ -81,7 +82,7 @@ def _share_rank(kind: str, mb: int, repeats: int):
     torch.set_num_threads(1)
     rank = dist.get_rank()
     params = _snapshot(mb) if rank == 0 else None
-    t = make_transport(kind, dist.group.WORLD, 0)
+    t = make_transport(kind, dist.group.WORLD, 0, verify=False)  # raw transport; CRC timed apart
     t.share(params)  # warm-up: connections, registration
     best = float("inf")
     for _ in range(repeats):
@@ -114,6 +115,18 @@ def bench_memcpy(mb: int, repeats: int) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
     return src.numel() / best / 1e9
+
+
+def bench_checksum(mb: int, repeats: int) -> float:
+    from gyre.backends.transfer import checksum
+
+    buf = torch.cat([t.view(-1) for t in _snapshot(mb).values()]).view(torch.uint8)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        checksum(buf)
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() / best / 1e9
 
 
 def mooncake_in_netns(mb: int, repeats: int) -> tuple[float | None, str | None]:
@@ -151,14 +164,17 @@ def main() -> None:
     eng = bench_engine(args.preset, args.requests, args.tokens, args.prompt_len)
     print(f"engine ({args.preset}): batch 1 {eng['engine_tokens_per_s_batch1']:.0f} tok/s, "
           f"batch {args.requests} {eng[f'engine_tokens_per_s_batch{args.requests}']:.0f} tok/s, gain ×{eng['continuous_batching_gain']:.2f}")
+    torch.set_num_threads(1)
     memcpy = bench_memcpy(args.snapshot_mb, args.repeats)
+    crc = bench_checksum(args.snapshot_mb, args.repeats)
     torch_gbps = bench_transport("torch", args.snapshot_mb, args.repeats)
     moon, why = mooncake_in_netns(args.snapshot_mb, args.repeats)
     if why:
         left_out.append(f"mooncake: {why}")
     print(f"snapshot {args.snapshot_mb} MiB: memcpy {memcpy:.2f} GB/s, torch/gloo {torch_gbps:.2f} GB/s "
-          f"(×{torch_gbps / memcpy:.3f} of memcpy), mooncake/tcp " + (f"{moon:.2f} GB/s (×{moon / memcpy:.3f})" if moon else "n/a"))
-    figures = {**eng, "snapshot_gbps_memcpy": memcpy, "snapshot_gbps_torch": torch_gbps, "snapshot_gbps_mooncake": moon,
+          f"(×{torch_gbps / memcpy:.3f} of memcpy), mooncake/tcp " + (f"{moon:.2f} GB/s (×{moon / memcpy:.3f})" if moon else "n/a")
+          + f"; CRC32 integrity check {crc:.2f} GB/s (on by default, timed apart)")
+    figures = {**eng, "snapshot_gbps_memcpy": memcpy, "checksum_gbps": crc, "snapshot_gbps_torch": torch_gbps, "snapshot_gbps_mooncake": moon,
                "torch_vs_memcpy": torch_gbps / memcpy, "mooncake_vs_memcpy": (moon / memcpy) if moon else None}
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()

@@ -201,12 +201,14 @@ def extend(w: DecoderWeights, ids: torch.Tensor, positions: torch.Tensor, seqlen
             keys = kc[:, : past + b - a].repeat_interleave(groups, dim=0)  # [nh, L, hd]
             vals = vc[:, : past + b - a].repeat_interleave(groups, dim=0)
             qi = q[a:b].transpose(0, 1)  # [nh, s, hd]
-            mask = None
+            # plain matmul attention: at these sizes torch's CPU SDPA kernel costs ~100× more
+            scores = torch.matmul(qi, keys.transpose(1, 2)) * scale  # [nh, s, L]
             if b - a > 1:
                 # query j sits at absolute position past + j and sees keys 0..past + j
                 mask = torch.ones(b - a, past + b - a, dtype=torch.bool).tril(diagonal=past)
-            out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, scale=scale)
-            attn[a:b] = out.transpose(0, 1)
+                scores = scores.masked_fill(~mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)
+            attn[a:b] = torch.matmul(probs, vals).transpose(0, 1)
         x = x + F.linear(attn.reshape(n, nh * hd), t[p + "self_attn.o_proj.weight"])
         h = rms_norm(x, t[p + "post_attention_layernorm.weight"], w.eps)
         mlp = F.silu(F.linear(h, t[p + "mlp.gate_proj.weight"])) * F.linear(h, t[p + "mlp.up_proj.weight"])
