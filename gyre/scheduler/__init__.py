@@ -1,0 +1,89 @@
+"""Elastic scheduler decision logic (DESIGN §2–3), shared by the simulator and the runtime.
+
+`ElasticScheduler` is a pure state machine: the driver (the simulator in `gyre.sim`, or the
+runtime controller on the core's first rank) feeds it events and carries out the decisions it
+returns, in order. It never blocks, sleeps, or touches the network; time comes from a `Clock`
+(`SimClock` in the simulator and in tests, `WallClock` in the runtime). Every event and every
+decision is appended to an `EventLog` (kinds listed in `gyre.scheduler.events.EventLog`).
+
+Protocol (each `on_*`/`tick`/`start` call returns a list of decisions to carry out in order)::
+
+    sched = ElasticScheduler(cfg, num_cells=K, cell_concurrency=C_e, standalone_concurrency=C_s,
+                             clock=clock)
+    decisions = sched.start()                 # initial Dispatch((φ+μ)·B groups) [+ async split]
+    # events, as they happen:
+    sched.on_execution_started(group)         # p(t) += 1 (a harness began)
+    sched.on_execution_finished(group)        # f(t) += 1 (success, timeout or crash)
+    sched.on_group_ready(group, work_items)   # all N ended and scored; yields work_items micro-steps
+    sched.on_switch_done(cell, to)            # a switch to "train" / "rollout" finished
+    sched.on_work_done(cell, work)            # a micro-step's forward/backward finished
+    sched.on_step_done(step)                  # optimizer update applied (+ params sent)
+    sched.tick()                              # every cfg.tick_s: supply check, water-level moves
+    # pull work, for every training cell that is idle, after any event:
+    work = sched.request_work(cell)           # Work(step, group, item) or None
+
+Decisions (gyre.scheduler.events):
+
+    Dispatch(first_group, n_groups, version)  start N executions for each new group id
+    SwitchToTrain(cell)                       drain/reroute the cell's calls, build the actor;
+                                              a satellite pulls the core's current snapshot
+    SwitchToRollout(cell)                     burst end: back to serving rollouts
+    OptimizerStep(step, cells, final)         all work of the step is done: reduce over the
+                                              prefix group of `cells`, clip, step
+    Publish(version)                          the core publishes the new policy
+
+Rules implemented (with the log entries that show them):
+
+- Water level w = d − f, capacity C_R = C_s + (K − k)·C_e. In gyre mode the next cell in
+  order (core first, a prefix always) moves to training when w ≤ C_R − C_e and the supply
+  check (≥ ρ_min·B ready unassigned groups) has held for τ consecutive ticks (`switch_to_train`
+  carries w, C_R, k, ready, supply_ticks). With `serial_join`, one cell switches at a time.
+- Ready groups are assigned to the step in progress oldest dispatch version first (`assign`
+  carries d = v_t − v_d); streaming assigns one group whenever a training cell runs out of
+  micro-steps, non-streaming assigns all B at once when B are ready.
+- The join window of a step closes when its B-th group is assigned (`close_join`); a cell
+  that asks for work after that and was not already in the step waits for the next step.
+- When all B groups are assigned and every micro-step is done: `OptimizerStep`. After μ steps
+  the burst ends: training cells `SwitchToRollout` (not in async mode), `Publish(v)`, then
+  boundary `Dispatch(μ·B)` at the new version.
+- colocate: all cells switch together when the burst's remaining μ·B groups are ready, or
+  (streaming) when every outstanding execution fits in the standalone pool (w ≤ C_s) and the
+  supply check holds. async: cells 0..async_train_cells−1 train for the whole run.
+"""
+
+from gyre.scheduler.config import SchedulerConfig
+from gyre.scheduler.core import CellRole, ElasticScheduler, IllegalRole, SchedulerError
+from gyre.scheduler.events import (
+    Clock,
+    Decision,
+    Dispatch,
+    Event,
+    EventLog,
+    OptimizerStep,
+    Publish,
+    SimClock,
+    SwitchToRollout,
+    SwitchToTrain,
+    WallClock,
+    Work,
+)
+
+__all__ = [
+    "SchedulerConfig",
+    "ElasticScheduler",
+    "CellRole",
+    "IllegalRole",
+    "SchedulerError",
+    "Clock",
+    "SimClock",
+    "WallClock",
+    "EventLog",
+    "Event",
+    "Decision",
+    "Dispatch",
+    "SwitchToTrain",
+    "SwitchToRollout",
+    "OptimizerStep",
+    "Publish",
+    "Work",
+]

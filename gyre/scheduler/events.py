@@ -1,0 +1,169 @@
+"""Clocks, decisions and the event log shared by the simulator and the runtime.
+
+Clocks: `SimClock` is advanced explicitly (the simulator sets it to each event's time; tests
+advance it by hand, no sleeps); `WallClock` reads `time.monotonic()`. Both are callables
+returning seconds, so they also fit `gyre.cell.CellStateMachine(clock=...)`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Protocol
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+    def __call__(self) -> float: ...
+
+
+class WallClock:
+    """Monotonic wall time in seconds."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def __call__(self) -> float:
+        return self.now()
+
+
+class SimClock:
+    """Simulated time; only moves when told to, and never backwards."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._t = float(start)
+
+    def now(self) -> float:
+        return self._t
+
+    def __call__(self) -> float:
+        return self._t
+
+    def set(self, t: float) -> None:
+        if t < self._t:
+            raise ValueError(f"SimClock cannot go back in time: {t} < {self._t}")
+        self._t = float(t)
+
+    def advance(self, dt: float) -> None:
+        self.set(self._t + dt)
+
+
+# ----------------------------------------------------------------------------- decisions
+@dataclass(frozen=True)
+class Dispatch:
+    """Start `n_groups` new groups (ids first_group..first_group+n_groups−1, N executions each)
+    at published version `version`."""
+
+    first_group: int
+    n_groups: int
+    version: int
+
+    @property
+    def groups(self) -> range:
+        return range(self.first_group, self.first_group + self.n_groups)
+
+
+@dataclass(frozen=True)
+class SwitchToTrain:
+    """Cell leaves ROLLOUT (its in-flight calls are rerouted) and becomes a training replica."""
+
+    cell: int
+
+
+@dataclass(frozen=True)
+class SwitchToRollout:
+    """Cell leaves training (burst end) and serves rollouts again with the published weights."""
+
+    cell: int
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """All work of `step` is done: the core reduces over the prefix group of `cells`, clips and
+    steps. Report `on_step_done(step)` when the update (and, on a non-final step of a burst,
+    the parameter send to satellites) is finished."""
+
+    step: int
+    cells: tuple[int, ...]
+    final_in_burst: bool
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Burst end: the core publishes `version` to every engine."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class Work:
+    """A work grant: cell may train micro-step `item` of group `group` in step `step`."""
+
+    step: int
+    group: int
+    item: int
+
+
+Decision = Dispatch | SwitchToTrain | SwitchToRollout | OptimizerStep | Publish
+
+
+# ----------------------------------------------------------------------------- log
+@dataclass
+class Event:
+    t: float
+    kind: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+
+class EventLog:
+    """Append-only list of (time, kind, data). Kinds written by the scheduler:
+
+    dispatch(first_group, n_groups, version, w)   exec_start(group)   exec_finish(group)
+    group_ready(group, version)   tick(w, C_R, k, ready, supply_ticks)
+    switch_to_train(cell, w, C_R, k, ready, supply_ticks)   switch_done(cell, role)
+    switch_to_rollout(cell)   assign(group, step, version, d)   claim(cell, step, group, item)
+    item_done(cell, step)   close_join(step, cells)   optimizer_step(step, cells)
+    step_done(step)   publish(version)
+    """
+
+    def __init__(self, keep_ticks: bool = True) -> None:
+        self.events: list[Event] = []
+        self.keep_ticks = keep_ticks
+
+    def add(self, t: float, kind: str, **data: Any) -> None:
+        if kind == "tick" and not self.keep_ticks:
+            return
+        self.events.append(Event(t, kind, data))
+
+    def of(self, *kinds: str) -> list[Event]:
+        return [e for e in self.events if e.kind in kinds]
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(self.events)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def write_jsonl(self, path: str) -> None:
+        with open(path, "w") as fh:
+            for e in self.events:
+                fh.write(json.dumps({"t": e.t, "kind": e.kind, **e.data}) + "\n")
+
+    @staticmethod
+    def read_jsonl(path: str) -> "EventLog":
+        log = EventLog()
+        with open(path) as fh:
+            for line in fh:
+                row = json.loads(line)
+                t, kind = row.pop("t"), row.pop("kind")
+                log.events.append(Event(t, kind, row))
+        return log
+
+
+def decision_dict(dec: Decision) -> dict[str, Any]:
+    return {"type": type(dec).__name__, **asdict(dec)}

@@ -1,0 +1,88 @@
+"""Simulator configuration (tyro): `python -m gyre.sim --help`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gyre.scheduler.config import SchedulerConfig
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """Cells and rollout concurrency (the paper's 122B setting: 8 cells × 4 nodes, 144 each)."""
+
+    num_cells: int = 8
+    """K: elastic cells (cell 0 is the core)."""
+    nodes_per_cell: int = 4
+    """Nodes per cell (GPU-budget accounting and reporting only)."""
+    cell_concurrency: int = 144
+    """C_e: executions one rollout cell serves at once."""
+    standalone_concurrency: int = 0
+    """C_s: concurrency of the standalone rollout pool (0 = no pool)."""
+    standalone_nodes: int = 0
+    """Nodes of the standalone pool (GPU-budget accounting only)."""
+
+
+@dataclass(kw_only=True)
+class TrainingModel:
+    """Training time: a step's work is shared by the cells that train it, micro-step by micro-step."""
+
+    cell_hours_per_step: float = 1.5
+    """Compute of one average step (B groups) on a single cell of reference_nodes nodes, in hours."""
+    reference_nodes: int = 4
+    """Cell size that cell_hours_per_step refers to; a cell of n nodes trains n/reference_nodes
+    times as fast (linear scaling: an optimistic assumption for bigger cells)."""
+    tokens_scale: bool = True
+    """Micro-step work ∝ its execution's duration (tokens grow with time); off: all equal."""
+    optimizer_s: float = 120.0
+    """Gradient reduction over the prefix group + clip + optimizer update on the core."""
+    param_send_s: float = 60.0
+    """Non-final step of a burst: the core sends the new parameters to the satellites."""
+    switch_to_train_s: float = 8.52
+    """Rollout → training switch latency (paper: 8.52 s mean)."""
+    switch_to_rollout_s: float = 3.46
+    """Training → rollout switch latency (paper: 3.46 s mean)."""
+    eval_s: float = 0.0
+    """Delay from a group's last execution ending to the group being scored and ready."""
+
+
+@dataclass(kw_only=True)
+class DurationConfig:
+    """Where execution durations come from."""
+
+    source: Literal["preset", "lognormal", "csv", "run-dir"] = "preset"
+    """preset: a fitted model (--durations.preset); lognormal: the parameters below; csv / run-dir:
+    measured groups from --durations.path, resampled whole."""
+    preset: Literal["nl2repo-122b"] = "nl2repo-122b"
+    """Fitted to NL2RepoBench, 122B: exec mean 1.93 h, query mean 2.96 h, 9.51 % > 4 h, 6.25 % timeouts."""
+    path: str = ""
+    """CSV file (group,duration_s[,timed_out]) or run directory (executions.csv / .jsonl)."""
+    m: float = 0.5
+    """lognormal: log-hours location m."""
+    sigma_q: float = 0.4
+    """lognormal: per-query spread σ_q."""
+    sigma_e: float = 0.4
+    """lognormal: per-execution spread σ_e."""
+    cap_h: float = 5.0
+    """lognormal: harness timeout cap in hours."""
+
+
+@dataclass(kw_only=True)
+class SimConfig:
+    """Discrete-event simulation of Gyre / Colocate / Async on a cluster of elastic cells."""
+
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    training: TrainingModel = field(default_factory=TrainingModel)
+    durations: DurationConfig = field(default_factory=DurationConfig)
+    steps: int = 12
+    """Optimizer steps to simulate."""
+    seed: int = 0
+    """Seed of the duration draws (same seed ⇒ same groups in every mode)."""
+    compare: bool = False
+    """Also run the paper's ablation variants (A0 A3 C0 C2 E0 E1 E2) on the same cluster and print a table."""
+    out_dir: str = ""
+    """If set: write result.json, events.jsonl and timeline.png here."""
+    max_sim_hours: float = 1e6
+    """Abort a run whose simulated clock passes this (a stalled configuration)."""
