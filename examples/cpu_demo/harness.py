@@ -29,21 +29,19 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-SYSTEM_MAIN = ("You are the main agent. Write the number of letters of each word into the file "
-               "word.txt, one tool call per turn. Give the helper words to a helper with delegate.")
-SYSTEM_SUB = ("You are a helper agent. Write the number of letters of each word into the file "
-              "word.txt, one tool call per turn. Call finish when no words remain.")
+SYSTEM_MAIN = "You are the main agent. Write the letter count of each word into word.txt. Delegate helper words."
+SYSTEM_SUB = "You are a helper agent. Write the letter count of each word into word.txt, then finish."
 SUMMARY_PROMPT = "Summarize the conversation so far: say which words remain."
 
+# Short schemas (no descriptions): every token of the tool list is in every prompt.
 _WRITE = {"type": "function", "function": {
-    "name": "write_file", "description": "Write text to a file.",
+    "name": "write_file",
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
                    "required": ["path", "content"]}}}
 _DELEGATE = {"type": "function", "function": {
-    "name": "delegate", "description": "Give words to a helper agent.",
+    "name": "delegate",
     "parameters": {"type": "object", "properties": {"words": {"type": "string"}}, "required": ["words"]}}}
-_FINISH = {"type": "function", "function": {
-    "name": "finish", "description": "End the task.", "parameters": {"type": "object", "properties": {}}}}
+_FINISH = {"type": "function", "function": {"name": "finish", "parameters": {"type": "object", "properties": {}}}}
 TOOLS_MAIN = [_WRITE, _DELEGATE, _FINISH]
 TOOLS_SUB = [_WRITE, _FINISH]
 
@@ -216,7 +214,7 @@ class Agent:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--compact-at", type=int, default=int(os.environ.get("CPU_DEMO_COMPACT_AT", 700)),
+    p.add_argument("--compact-at", type=int, default=int(os.environ.get("CPU_DEMO_COMPACT_AT", 650)),
                    help="compact when a prompt passes this many tokens")
     p.add_argument("--retries", type=int, default=2, help="re-samples of an invalid tool call")
     p.add_argument("--max-calls", type=int, default=24, help="turns per agent")
