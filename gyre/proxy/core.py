@@ -113,22 +113,35 @@ class Call:
         key = f"{self.state.execution_id}/{self.call_id}/{next(p._serial)}"
         gen = p.router.generate(key, self.state.execution_id, self.rendered.ids, self.sampling, self.route, p.eos_ids)
         completed = False
+        # Text is needed token by token only to stream it or to catch a stop string; otherwise
+        # the whole output is decoded once at the end (same result, a fraction of the work).
+        per_token = self.req.stream or bool(stopper.stops)
+        held: list[str] = []
         try:
             async for ev in gen:
                 if self.first_token_time is None:
                     self.first_token_time = time.time()
                 self.tokens.append(ev)
+                if not per_token:
+                    continue
                 text = det.push(ev.token_id)
                 if text:
-                    for item in parser.push(stopper.push(text)):
-                        yield self._keep(item)
+                    shown = stopper.push(text)
+                    if self.req.stream:
+                        for item in parser.push(shown):
+                            yield self._keep(item)
+                    else:
+                        held.append(shown)
                     if stopper.matched is not None:
                         break
-            if stopper.matched is None:
+            if not per_token:
+                hidden, table = p.eos_ids, p.token_table
+                held.append(b"".join(table[e.token_id] for e in self.tokens if e.token_id not in hidden).decode("utf-8", "replace"))
+            elif stopper.matched is None:
                 tail = stopper.push(det.flush())
-                tail += stopper.flush() if stopper.matched is None else ""
-                for item in parser.push(tail):
-                    yield self._keep(item)
+                held.append(tail + (stopper.flush() if stopper.matched is None else ""))
+            for item in parser.push("".join(held)):
+                yield self._keep(item)
             for item in parser.flush():
                 yield self._keep(item)
             completed = True

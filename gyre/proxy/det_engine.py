@@ -1,7 +1,8 @@
 """A deterministic rollout engine: a real `RolloutEngine` whose tokens come from a hash.
 
-Token k of a request is a function of the whole sequence before it (prompt + tokens 0..k-1) and
-the engine's `salt`, never of which engine or request produced the earlier tokens. So two engines
+Token k of a request is a function of the sequence before it (prompt + tokens 0..k-1: its length
+and last two tokens, see `sequence_hash`) and the engine's `salt`, never of which engine or
+request produced the earlier tokens. So two engines
 with the same salt continue each other exactly, which lets tests check a rerouted call against
 one uninterrupted generation, and engines with different salts make "A's tokens + B's
 continuation" visible. Optionally `script(input_ids) -> str | None` makes the engine answer with
@@ -33,11 +34,19 @@ def _mix(h: int) -> int:
     return h ^ (h >> 31)
 
 
-def rolling_hash(ids: list[int], salt: int) -> int:
-    h = _mix(salt)
-    for t in ids:
-        h = _mix(h ^ (t + 1))
-    return h
+def sequence_hash(seq: list[int], salt: int) -> int:
+    """State that decides the next token: the salt, the sequence length and its last two tokens.
+
+    O(1) per token, and a function of the sequence alone, so an engine continuing
+    `prompt + generated` computes exactly what the engine that generated them would have.
+    """
+    return _state(salt, len(seq), seq[-2:])
+
+
+def _state(salt: int, n: int, tail: list[int]) -> int:
+    last = tail[-1] if tail else -1
+    prev = tail[-2] if len(tail) > 1 else -1
+    return _mix(_mix(salt ^ (n << 1)) ^ ((last + 2) * 1_000_003 + prev + 2))
 
 
 @dataclass
@@ -83,8 +92,12 @@ class DeterministicEngine:
     async def start(self) -> None:
         self.started = True
 
+    def token_after(self, seq: list[int]) -> TokenEvent:
+        """The token this engine emits after `seq` (pure; tests use it as the reference)."""
+        return self.next_token(sequence_hash(seq, self.salt))
+
     def next_token(self, h: int) -> TokenEvent:
-        """The token that follows a sequence with rolling hash `h` (pure)."""
+        """The token for sequence state `h` (pure)."""
         r = _mix(h)
         if self.eos_prob > 0 and (_mix(r) >> 11) / float(1 << 53) < self.eos_prob:
             tok = self.eos_token_id
@@ -112,7 +125,8 @@ class DeterministicEngine:
         self.generate_calls += 1
         try:
             scripted = self._scripted(input_ids, sampling.max_tokens)
-            h = rolling_hash(input_ids, self.salt)
+            seq = list(input_ids[-2:])
+            n = len(input_ids)
             stops = set(sampling.stop_token_ids)
             for k in range(sampling.max_tokens):
                 if self.token_delay > 0:
@@ -124,8 +138,9 @@ class DeterministicEngine:
                         return  # (only when max_tokens cut the script short, which the loop ends first)
                     ev = TokenEvent(token_id=scripted[k], logprob=-0.5, version=self.version)
                 else:
-                    ev = self.next_token(h)
-                h = _mix(h ^ (ev.token_id + 1))
+                    ev = self.next_token(_state(self.salt, n, seq))
+                seq = [seq[-1], ev.token_id] if seq else [ev.token_id]
+                n += 1
                 req.generated.append(ev)
                 stop = ev.token_id in stops or ev.token_id == self.eos_token_id
                 if not stop and sampling.stop_sequences:

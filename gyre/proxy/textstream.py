@@ -98,6 +98,8 @@ def _parse_block(block: str) -> ToolCall | None:
 
 def _prefix_overlap(text: str, token: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `token`."""
+    if text.rfind(token[0], -(len(token) - 1)) < 0:
+        return 0  # fast path: the token's first character is not in the tail
     for n in range(min(len(token) - 1, len(text)), 0, -1):
         if text.endswith(token[:n]):
             return n

@@ -6,7 +6,7 @@ import pytest
 
 from gyre.backends.tokenizer import byte_token_ids, load_tokenizer
 from gyre.proxy import Proxy, ProxyConfig, serve_proxy
-from gyre.proxy.det_engine import DeterministicEngine, _mix, rolling_hash
+from gyre.proxy.det_engine import DeterministicEngine
 
 TOOLS_OPENAI = [
     {
@@ -38,14 +38,13 @@ def scripted_engine(name="scripted"):
 
 
 def reference_tokens(salt, prompt, n, eos_prob=0.0):
-    """What a DeterministicEngine with `salt` emits after `prompt` (independent recomputation)."""
+    """What a DeterministicEngine with `salt` emits after `prompt` (recomputed token by token)."""
     e = DeterministicEngine("ref", salt=salt, eos_prob=eos_prob)
-    h = rolling_hash(prompt, salt)
-    out = []
+    seq, out = list(prompt), []
     for _ in range(n):
-        ev = e.next_token(h)
+        ev = e.token_after(seq)
         out.append(ev)
-        h = _mix(h ^ (ev.token_id + 1))
+        seq.append(ev.token_id)
         if ev.token_id == 2:
             break
     return out

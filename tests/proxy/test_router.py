@@ -5,26 +5,12 @@ import asyncio
 import pytest
 
 from gyre.backends.protocols import SamplingParams
-from gyre.proxy.det_engine import DeterministicEngine, rolling_hash
+from gyre.proxy.det_engine import DeterministicEngine
 from gyre.proxy.router import RouteInfo, Router, SlotState
 
+from .conftest import reference_tokens as reference
+
 EOS = frozenset([2])
-
-
-def reference(engine_salt, prompt, n, eos_prob=0.0):
-    """Independent re-computation of what a DeterministicEngine emits (pure function)."""
-    e = DeterministicEngine("ref", salt=engine_salt, eos_prob=eos_prob)
-    h = rolling_hash(prompt, engine_salt)
-    from gyre.proxy.det_engine import _mix
-
-    out = []
-    for _ in range(n):
-        ev = e.next_token(h)
-        out.append(ev)
-        h = _mix(h ^ (ev.token_id + 1))
-        if ev.token_id == 2:
-            break
-    return out
 
 
 async def _collect(router, key, prompt, sp, info=None):

@@ -1,0 +1,251 @@
+"""Proxy benchmark (issue 5): what the black-box proxy adds on top of calling the engine directly.
+
+Side by side, one run, same instant engine (`DeterministicEngine`, no delay, `--max-tokens`
+tokens per call), each server in its own process, the load generator in this one:
+
+  * direct      client -> engine over HTTP (`serve_engine`, token ids in, token lines out)
+  * proxy       client -> proxy (OpenAI chat API: render + splice + route + detokenize + tool
+                parser + TITO record to the on-disk store) -> the same engine over HTTP
+  * proxy-embed the proxy with the engine in its own process (no second HTTP hop)
+
+Latency: one client, sequential requests, p50 / p99; the proxy's *added* latency is its p50/p99
+minus the direct p50/p99. Throughput: `--concurrency` clients, each its own execution (key),
+requests/s. Then `--streams` concurrent streaming calls held open at once against a slow engine
+(every stream must receive its first chunk while all are open, and finish with [DONE]).
+Each message differs per request, so the last turn is tokenized every call (the system prompt
+hits the per-turn token cache, as a re-sent history does). The last line printed is one JSON
+object with the figures named in the issue.
+
+    python benchmarks/proxy_bench.py [--requests 3000] [--concurrency 32] [--streams 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SYSTEM = "You are a coding agent. You can run shell commands with the bash tool. " * 4
+TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run", "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]
+
+
+# ---- server processes ---------------------------------------------------------------------------
+def _engine_main(q, token_delay):
+    from gyre.proxy.det_engine import DeterministicEngine
+    from gyre.proxy.engine_http import serve_engine
+
+    h = serve_engine(DeterministicEngine("bench", token_delay=token_delay))
+    q.put(h.port)
+    h.thread.join()
+
+
+def _proxy_main(q, engine_url, n_keys, token_delay, store_dir):
+    from gyre.proxy import Proxy, ProxyConfig, StoreSink, serve_proxy
+    from gyre.proxy.det_engine import DeterministicEngine
+    from gyre.proxy.engine_http import HttpEngine
+    from gyre.trajectory.store import TitoStore
+
+    proxy = Proxy(ProxyConfig(), sink=StoreSink(TitoStore(store_dir)))
+    if engine_url:
+        proxy.router.add_engine(HttpEngine(engine_url, name="bench"), kind="cell", index=0)
+    else:
+        proxy.router.add_engine(DeterministicEngine("bench", token_delay=token_delay), kind="cell", index=0)
+    keys = [proxy.issue_key(f"exec-{i}") for i in range(n_keys)]
+    h = serve_proxy(proxy)
+    q.put((h.port, keys))
+    h.thread.join()
+
+
+def _start(target, *args):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(q, *args), daemon=True)
+    p.start()
+    return p, q.get(timeout=120)
+
+
+# ---- load generation ----------------------------------------------------------------------------
+def _pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+async def _run_load(kind, url, keys, n, concurrency, max_tokens, prompt_ids):
+    import aiohttp
+
+    lat: list[float] = []
+    errors = 0
+    counter = iter(range(n))
+
+    async def one(session, i, key):
+        nonlocal errors
+        t0 = time.perf_counter()
+        if kind == "direct":
+            body = {"request_id": f"r{i}", "input_ids": prompt_ids + [i % 900 + 7], "sampling": {"max_tokens": max_tokens}}
+            async with session.post(url + "/generate", json=body) as r:
+                data = await r.read()
+                ok = r.status == 200 and data.count(b"\n") == max_tokens
+        else:
+            body = {"model": "m", "max_tokens": max_tokens, "tools": TOOLS,
+                    "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"task {i}: list the files in src/"}]}
+            async with session.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+                data = await r.json()
+                ok = r.status == 200 and data["usage"]["completion_tokens"] == max_tokens
+        lat.append(time.perf_counter() - t0)
+        if not ok:
+            errors += 1
+
+    async def worker(w, session):
+        key = keys[w % len(keys)] if keys else None
+        for i in counter:
+            await one(session, i, key)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for i in range(min(50, n)):  # warm-up (connections, caches)
+            await one(session, -1 - i, keys[0] if keys else None)
+        lat.clear()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(w, session) for w in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return {"n": len(lat), "errors": errors, "req_per_s": len(lat) / wall, "p50_ms": _pct(lat, 50) * 1e3, "p99_ms": _pct(lat, 99) * 1e3}
+
+
+async def _hold_streams(url, keys, n, max_tokens):
+    """Open n streaming calls at once; every one must get its first chunk while all are open."""
+    import aiohttp
+
+    first = 0
+    done = 0
+    open_now = 0
+    peak = 0
+    all_open = asyncio.Event()
+
+    async def one(i, session):
+        nonlocal first, done, open_now, peak
+        body = {"model": "m", "max_tokens": max_tokens, "stream": True, "messages": [{"role": "user", "content": f"stream {i}"}]}
+        async with session.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {keys[i % len(keys)]}"}) as r:
+            assert r.status == 200, await r.text()
+            got_first = False
+            buf = b""
+            async for chunk in r.content.iter_any():
+                buf += chunk
+                if not got_first and b"data: " in buf:
+                    got_first = True
+                    first += 1
+                    open_now += 1
+                    peak = max(peak, open_now)
+                    if first == n:
+                        all_open.set()
+            open_now -= 1
+            if buf.endswith(b"data: [DONE]\n\n"):
+                done += 1
+
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=300)) as session:
+        await asyncio.gather(*(one(i, session) for i in range(n)))
+    return {"streams": n, "peak_open": peak, "completed": done, "wall_s": time.perf_counter() - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=3000, help="requests per throughput run")
+    ap.add_argument("--latency-requests", type=int, default=400, help="sequential requests per latency run")
+    ap.add_argument("--concurrency", type=int, default=32, help="concurrent clients in the throughput runs")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--streams", type=int, default=1000, help="concurrent open streams to hold")
+    ap.add_argument("--stream-token-delay", type=float, default=0.2, help="engine delay per token for the streams run (s)")
+    ap.add_argument("--stream-tokens", type=int, default=20)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "proxy_bench.json"))
+    args = ap.parse_args()
+
+    from gyre.backends.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    prompt_ids = tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "task 0: list the files in src/"}], tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt_ids = list(prompt_ids["input_ids"] if isinstance(prompt_ids, dict) else prompt_ids)
+
+    procs = []
+    store = tempfile.mkdtemp(prefix="proxy-bench-")
+    try:
+        p, eport = _start(_engine_main, 0.0)
+        procs.append(p)
+        engine_url = f"http://127.0.0.1:{eport}"
+        p, (pport, keys) = _start(_proxy_main, engine_url, args.concurrency, 0.0, store + "/a")
+        procs.append(p)
+        p, (xport, xkeys) = _start(_proxy_main, "", args.concurrency, 0.0, store + "/b")
+        procs.append(p)
+        proxy_url, embed_url = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{xport}"
+
+        res: dict = {}
+        for name, url, ks, kind in [("direct", engine_url, None, "direct"), ("proxy", proxy_url, keys, "proxy"), ("proxy_embed", embed_url, xkeys, "proxy")]:
+            lat = asyncio.run(_run_load(kind, url, ks, args.latency_requests, 1, args.max_tokens, prompt_ids))
+            thr = asyncio.run(_run_load(kind, url, ks, args.requests, args.concurrency, args.max_tokens, prompt_ids))
+            res[name] = {"latency": lat, "throughput": thr}
+            print(f"{name:12s} seq p50 {lat['p50_ms']:.3f} ms  p99 {lat['p99_ms']:.3f} ms | {args.concurrency} clients: "
+                  f"{thr['req_per_s']:.0f} req/s (p50 {thr['p50_ms']:.2f} ms)  errors {lat['errors'] + thr['errors']}", flush=True)
+        for name in ("proxy", "proxy_embed"):
+            r = res[name]
+            print(f"{name:12s} added p50 {r['latency']['p50_ms'] - res['direct']['latency']['p50_ms']:.3f} ms, "
+                  f"added p99 {r['latency']['p99_ms'] - res['direct']['latency']['p99_ms']:.3f} ms, "
+                  f"throughput ratio vs direct {r['throughput']['req_per_s'] / res['direct']['throughput']['req_per_s']:.2f}")
+
+        for p in procs[1:]:
+            p.terminate()
+        p, (sport, skeys) = _start(_proxy_main, "", 64, args.stream_token_delay, store + "/c")
+        procs.append(p)
+        streams = asyncio.run(_hold_streams(f"http://127.0.0.1:{sport}", skeys, args.streams, args.stream_tokens))
+        print(f"streams      {streams['peak_open']} of {streams['streams']} open at once, {streams['completed']} completed in {streams['wall_s']:.1f} s")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+
+    figures = {
+        "added_latency_p50_ms": res["proxy"]["latency"]["p50_ms"] - res["direct"]["latency"]["p50_ms"],
+        "added_latency_p99_ms": res["proxy"]["latency"]["p99_ms"] - res["direct"]["latency"]["p99_ms"],
+        "proxy_req_per_s": res["proxy"]["throughput"]["req_per_s"],
+        "direct_req_per_s": res["direct"]["throughput"]["req_per_s"],
+        "embedded_added_latency_p50_ms": res["proxy_embed"]["latency"]["p50_ms"] - res["direct"]["latency"]["p50_ms"],
+        "embedded_req_per_s": res["proxy_embed"]["throughput"]["req_per_s"],
+        "concurrent_streams_held": streams["peak_open"],
+        "streams_completed": streams["completed"],
+        "errors": sum(r[k]["errors"] for r in res.values() for k in ("latency", "throughput")),
+    }
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    import aiohttp
+    import openai
+
+    out = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor()},
+        "versions": {"python": platform.python_version(), "aiohttp": aiohttp.__version__, "openai": openai.__version__},
+        "config": vars(args),
+        "git_commit": commit,
+        "results": res,
+        "streams": streams,
+        "figures": figures,
+        "left_out": [
+            "a real model: the engine is instant, so the figures are the proxy's own cost",
+            "the load generator, proxy and engine share the same 2 cores (and other engineers' work)",
+            "SGLang engines (GPU): the proxy reaches them through the same RolloutEngine protocol",
+        ],
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
