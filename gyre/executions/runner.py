@@ -338,7 +338,7 @@ class HarnessRunner:
                     outcome, error = Outcome.CANCELLED, "stopped before start"
                 else:
                     try:
-                        ws = self._prepare(spec, exec_dir)
+                        ws = await asyncio.to_thread(self._prepare, spec, exec_dir)  # copying a repo blocks
                         key = self.proxy.open_execution(spec.execution_id, spec.group_id)
                         key_opened = True
                         env = self._env(spec, exec_dir, ws, key, timeout)
