@@ -41,7 +41,8 @@ Rules implemented (with the log entries that show them):
 - Ready groups are assigned to the step in progress oldest dispatch version first (`assign`
   carries d = v_t − v_d); streaming assigns one group whenever a training cell runs out of
   micro-steps, non-streaming assigns all B at once when B are ready.
-- The join window of a step closes when its B-th group is assigned (`close_join`); a cell
+- The join window of a step closes when its last micro-step is claimed (all B groups
+  assigned, nothing left to hand out: `close_join`), i.e. before the optimizer update; a cell
   that asks for work after that and was not already in the step waits for the next step.
 - When all B groups are assigned and every micro-step is done: `OptimizerStep`. After μ steps
   the burst ends: training cells `SwitchToRollout` (not in async mode), `Publish(v)`, then

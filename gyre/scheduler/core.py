@@ -263,12 +263,6 @@ class ElasticScheduler:
         d = D.staleness(self.step.index, grp.version)
         self.staleness.append(d)
         self.log.add(self.clock(), "assign", group=g, step=self.step.index, version=grp.version, d=d)
-        if len(self.step.assigned) == self.cfg.batch_groups and not self.step.join_closed:
-            # the step's batch is complete: cells already training are in it; a cell that
-            # finishes its switch later waits for the next step
-            self.step.join_closed = True
-            self.step.joined |= {c for c in range(self.K) if self.roles[c] is CellRole.TRAIN}
-            self.log.add(self.clock(), "close_join", step=self.step.index, cells=sorted(self.step.joined))
 
     def request_work(self, cell: int) -> Work | None:
         """A training cell asks for its next micro-step; None = nothing for it now (ask again
@@ -298,6 +292,11 @@ class ElasticScheduler:
         st.claimed += 1
         st.participants.add(cell)
         self.log.add(self.clock(), "claim", cell=cell, step=st.index, group=g, item=i)
+        if len(st.assigned) == B and not st.queue:
+            # the step's last micro-step is claimed: the join window closes before the update;
+            # a cell that arrives now waits for the next step
+            st.join_closed = True
+            self.log.add(self.clock(), "close_join", step=st.index, cells=sorted(st.joined))
         return Work(st.index, g, i)
 
     def on_work_done(self, cell: int, work: Work) -> list[Decision]:
