@@ -103,6 +103,29 @@ class CpuEngine:
         """An engine serving an HF model's current weights (copied)."""
         return cls(model.config, model.state_dict(), **kwargs)
 
+    @classmethod
+    def from_checkpoint(cls, path: str, **kwargs) -> "CpuEngine":
+        """An engine serving an HF checkpoint directory (config.json + *.safetensors)."""
+        import glob
+        import os
+
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"CpuEngine.from_checkpoint: no *.safetensors under {path}")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(f))
+        config = AutoConfig.from_pretrained(path)
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        if "eos_token_ids" not in kwargs and config.eos_token_id is not None:
+            eos = config.eos_token_id
+            kwargs["eos_token_ids"] = list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+        return cls(config, state, **kwargs)
+
     # ---------------------------------------------------------------- lifecycle
     def _move(self, to: EngineState, *, require: EngineState | None = None) -> None:
         if to not in _TRANSITIONS[self.state] or (require is not None and self.state is not require):
@@ -248,6 +271,18 @@ class CpuEngine:
             self._running.append(self._waiting.pop(0))
 
     async def _loop(self) -> None:
+        try:
+            await self._steps()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # never leave streams hanging on a dead loop
+            logger.exception("engine loop died")
+            for req in list(self._running) + list(self._waiting):
+                req.queue.put_nowait(RuntimeError(f"engine loop died: {exc!r}"))
+                self._finish(req, "error")
+            raise
+
+    async def _steps(self) -> None:
         while True:
             if self.state is not EngineState.RUNNING or not (self._running or self._waiting):
                 self._wake.clear()

@@ -19,13 +19,13 @@ from gyre.backends.transfer import TorchDistTransport
 from tests.backends.helpers import random_step, tiny_model
 from tests.distributed import run_ranks
 
-STEPS, MICRO = 2, 5
+STEPS, MICRO = 2, 4
 CONFIG = CpuActorConfig(lr=1e-2, max_grad_norm=0.05, weight_decay=0.01)
 
 
 def _make_steps():
     behaviour = tiny_model(seed=0, dtype=torch.float64)
-    return [random_step(behaviour, seed=10 + s, num_exec=4, seqs_per_exec=2, num_micro=MICRO) for s in range(STEPS)]
+    return [random_step(behaviour, seed=10 + s, num_exec=3, seqs_per_exec=2, num_micro=MICRO) for s in range(STEPS)]
 
 
 

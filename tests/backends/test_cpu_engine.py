@@ -304,3 +304,28 @@ def test_bad_requests_are_rejected_with_the_field(model):
         await eng.stop()
 
     run(go())
+
+
+def test_from_checkpoint_serves_the_saved_weights_and_stops_at_eos(tmp_path, model):
+    """An engine built from the actor's HF checkpoint gives the same tokens/log-probs as one
+    built from the model, and stops at the config's EOS id."""
+    from gyre.backends.models import save_checkpoint
+
+    save_checkpoint(model, str(tmp_path))
+    sp = SamplingParams(max_tokens=20, seed=4)
+
+    async def go(eng):
+        await eng.start()
+        out = await collect(eng, "x", [7, 7, 7], sp)
+        await eng.stop()
+        return out
+
+    a = run(go(CpuEngine.from_model(model)))
+    b = run(go(CpuEngine.from_checkpoint(str(tmp_path), eos_token_ids=[])))
+    assert [(e.token_id, e.logprob) for e in a] == [(e.token_id, e.logprob) for e in b]
+    eos = a[5].token_id
+    c = run(go(CpuEngine.from_checkpoint(str(tmp_path), eos_token_ids=[eos])))
+    ids = [e.token_id for e in a]
+    assert [e.token_id for e in c] == ids[: ids.index(eos) + 1] and c[-1].finish_reason == "stop"
+    with pytest.raises(FileNotFoundError):
+        CpuEngine.from_checkpoint(str(tmp_path / "nope"))

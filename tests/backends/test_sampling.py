@@ -14,7 +14,7 @@ from gyre.backends.sampling import nucleus, sample_token
 logit_lists = st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=1, max_size=40)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(logit_lists, st.floats(0.05, 1.0), st.floats(0.1, 3.0), st.integers(0, 2**31))
 def test_sampled_token_lies_in_the_nucleus_and_logprobs_are_consistent(logits, top_p, temp, seed):
     x = torch.tensor(logits)
@@ -26,7 +26,7 @@ def test_sampled_token_lies_in_the_nucleus_and_logprobs_are_consistent(logits, t
     assert samp_lp == pytest.approx(math.log(float(probs[tok] / probs[keep].sum())), abs=1e-4)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.floats(0.0, 1.0, allow_nan=False), min_size=1, max_size=30).filter(lambda p: sum(p) > 0), st.floats(0.01, 1.0))
 def test_nucleus_is_the_smallest_top_set_reaching_top_p(raw, top_p):
     p = torch.tensor(raw, dtype=torch.float64)
