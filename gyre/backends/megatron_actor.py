@@ -183,8 +183,17 @@ def initialize_parallel_state(mc: MegatronConfig) -> None:
     )
 
 
+def has_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def build_gpt_model(hf_config, mc: MegatronConfig, *, use_cpu_initialization: bool = False):
-    """GPTModel for this rank's pipeline stage (parallel_state must be initialised)."""
+    """GPTModel for this rank's pipeline stage (parallel_state must be initialised). TE layer
+    spec where Transformer Engine is installed (packed 'thd' attention), else the local spec."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
@@ -192,12 +201,11 @@ def build_gpt_model(hf_config, mc: MegatronConfig, *, use_cpu_initialization: bo
     kwargs = transformer_config_kwargs(hf_config, mc)
     kwargs["use_cpu_initialization"] = use_cpu_initialization
     config = TransformerConfig(**kwargs)
-    try:  # TE spec on GPUs that have it: packed (thd) attention
+    if has_transformer_engine():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-        import transformer_engine  # noqa: F401
 
         spec = get_gpt_layer_with_transformer_engine_spec()
-    except ImportError:
+    else:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
@@ -220,6 +228,10 @@ class MegatronActor:
         self.hf_config, self.is_core, self.version = hf_config, is_core, version
         initialize_parallel_state(self.mc)
         self.model = build_gpt_model(hf_config, self.mc).cuda()
+        # packed 'thd' attention needs TE; the local spec runs the pack one sequence at a time
+        self.packed = has_transformer_engine()
+        if not self.packed and self.mc.pipeline_model_parallel_size > 1:
+            raise NotImplementedError("MegatronActor: PP > 1 needs Transformer Engine (packed attention)")
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.import_parameters(hf_state_dict)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
@@ -256,14 +268,18 @@ class MegatronActor:
             return loss.float(), {}
 
         def forward_step(data_iterator, model):
-            batch = next(data_iterator)
-            cu = batch.cu_seqlens.to(dev, torch.int32)
-            seqlen = int((batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).max())
             from megatron.core.packed_seq_params import PackedSeqParams
 
+            batch = next(data_iterator)
+            ids, pos = batch.input_ids.to(dev)[None], batch.position_ids.to(dev)[None]
+            if not self.packed:  # one causal sequence at a time: no attention across the pack
+                cu = batch.cu_seqlens.tolist()
+                out = torch.cat([model(ids[:, a:b], pos[:, a:b], None) for a, b in zip(cu, cu[1:])], dim=1)
+                return out, loss_func
+            cu = batch.cu_seqlens.to(dev, torch.int32)
+            seqlen = int((batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).max())
             packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=seqlen, max_seqlen_kv=seqlen)
-            out = model(batch.input_ids.to(dev)[None], batch.position_ids.to(dev)[None], None, packed_seq_params=packed)
-            return out, loss_func
+            return model(ids, pos, None, packed_seq_params=packed), loss_func
 
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([ms]), model=[self.model],
                                     num_microbatches=1, seq_length=ms.num_tokens, micro_batch_size=1, forward_only=forward_only)
