@@ -35,9 +35,13 @@ def _proc_stat(pid: int) -> tuple[int, int, int] | None:
     return int(rest[1]), int(rest[2]), int(rest[3])
 
 
-def tree_pids(leader: int) -> set[int]:
+def tree_pids(leader: int, include_leader: bool = True) -> set[int]:
     """Live processes belonging to the harness led by `leader`: same session, same process
-    group, or a descendant by parent pid. Linux /proc only; elsewhere just the group."""
+    group, or a descendant by parent pid. Linux /proc only; elsewhere just the group.
+
+    Pass include_leader=False once the leader has been reaped: its pid may then belong to an
+    unrelated process. (Linux does not reuse a pid while it is still some live process's
+    session or group id, so the session/group matches stay safe while any member lives.)"""
     if not os.path.isdir("/proc"):
         return {leader}
     table: dict[int, tuple[int, int, int]] = {}
@@ -47,8 +51,10 @@ def tree_pids(leader: int) -> set[int]:
             if st is not None:
                 table[int(name)] = st
     found = {pid for pid, (_, pgid, sid) in table.items() if sid == leader or pgid == leader}
-    if leader in table:
+    if include_leader and leader in table:
         found.add(leader)
+    elif not include_leader:
+        found.discard(leader)
     # Close over parent links so children that escaped the session via setsid are included
     # while their parent is still alive.
     changed = True
@@ -62,16 +68,18 @@ def tree_pids(leader: int) -> set[int]:
     return found
 
 
-def signal_tree(leader: int, sig: int) -> int:
+def signal_tree(leader: int, sig: int, include_leader: bool = True) -> int:
     """Send `sig` to the harness's process group and every process in `tree_pids`. Returns how
     many processes were signalled."""
     n = 0
-    try:
-        os.killpg(leader, sig)
-        n += 1
-    except (ProcessLookupError, PermissionError):
-        pass
-    for pid in tree_pids(leader):
+    members = tree_pids(leader, include_leader)
+    if include_leader or members:  # the group id is only safe to use while the group lives
+        try:
+            os.killpg(leader, sig)
+            n += 1
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid in members:
         try:
             os.kill(pid, sig)
             n += 1
@@ -82,8 +90,13 @@ def signal_tree(leader: int, sig: int) -> int:
 
 async def kill_tree(leader: int, grace_s: float, proc: asyncio.subprocess.Process | None = None) -> None:
     """SIGTERM the harness tree, wait up to `grace_s` for it to empty, then SIGKILL what is
-    left. Reaps `proc` (the leader) when given."""
-    signal_tree(leader, signal.SIGTERM)
+    left. Reaps `proc` (the leader) when given; without `proc` the leader is taken as already
+    reaped (only its session and group are signalled)."""
+
+    def alive() -> bool:
+        return proc is not None and proc.returncode is None
+
+    signal_tree(leader, signal.SIGTERM, alive())
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
     while loop.time() < deadline:
@@ -94,17 +107,17 @@ async def kill_tree(leader: int, grace_s: float, proc: asyncio.subprocess.Proces
                 pass
         else:
             await asyncio.sleep(0.05)
-        if not tree_pids(leader):
+        if not tree_pids(leader, alive()):
             break
-    left = tree_pids(leader)
+    left = tree_pids(leader, alive())
     if left:
         logger.info("harness %d: %d process(es) survived SIGTERM, sending SIGKILL", leader, len(left))
-    signal_tree(leader, signal.SIGKILL)
-    if proc is not None and proc.returncode is None:
+    signal_tree(leader, signal.SIGKILL, alive())
+    if alive():
         await proc.wait()
     # Give the kernel a moment to reap killed children re-parented to init.
     for _ in range(40):
-        if not tree_pids(leader):
+        if not tree_pids(leader, False):
             return
         await asyncio.sleep(0.025)
-    logger.warning("harness %d: processes %s still present after SIGKILL", leader, sorted(tree_pids(leader)))
+    logger.warning("harness %d: processes %s still present after SIGKILL", leader, sorted(tree_pids(leader, False)))

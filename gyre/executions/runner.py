@@ -409,7 +409,7 @@ class HarnessRunner:
             stopper.cancel()
         if waiter in done:
             # The leader exited; anything it left running in its session is killed now.
-            if tree_pids(proc.pid):
+            if tree_pids(proc.pid, include_leader=False):
                 logger.info("execution %s: harness exited leaving processes behind; killing them", live.spec.execution_id)
                 await kill_tree(proc.pid, min(self.cfg.kill_grace_s, 1.0))
             rc = proc.returncode
