@@ -74,6 +74,24 @@ def _start(target, *args):
     return p, q.get(timeout=120)
 
 
+def _cpu_s(pid: int) -> float:
+    """utime + stime of a process (Linux /proc), seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _calibrate_ns() -> float:
+    """ns per empty Python loop iteration (about 15-30 on an idle core; higher = shared CPU)."""
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(200_000):
+            pass
+        best = min(best, (time.perf_counter() - t) / 200_000 * 1e9)
+    return best
+
+
 # ---- load generation ----------------------------------------------------------------------------
 def _pct(xs, p):
     xs = sorted(xs)
@@ -186,13 +204,23 @@ def main() -> None:
         procs.append(p)
         proxy_url, embed_url = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{xport}"
 
+        calib = _calibrate_ns()
+        print(f"machine load check: {calib:.0f} ns per empty loop iteration (idle core: ~15-30)")
+        engine_pid, proxy_pid, embed_pid = procs[0].pid, procs[1].pid, procs[2].pid
         res: dict = {}
-        for name, url, ks, kind in [("direct", engine_url, None, "direct"), ("proxy", proxy_url, keys, "proxy"), ("proxy_embed", embed_url, xkeys, "proxy")]:
+        for name, url, ks, kind, pids in [
+            ("direct", engine_url, None, "direct", [engine_pid]),
+            ("proxy", proxy_url, keys, "proxy", [proxy_pid, engine_pid]),
+            ("proxy_embed", embed_url, xkeys, "proxy", [embed_pid]),
+        ]:
             lat = asyncio.run(_run_load(kind, url, ks, args.latency_requests, 1, args.max_tokens, prompt_ids))
+            c0 = [_cpu_s(p) for p in pids]
             thr = asyncio.run(_run_load(kind, url, ks, args.requests, args.concurrency, args.max_tokens, prompt_ids))
-            res[name] = {"latency": lat, "throughput": thr}
+            cpu_us = [(_cpu_s(p) - c) / thr["n"] * 1e6 for p, c in zip(pids, c0)]
+            res[name] = {"latency": lat, "throughput": thr, "server_cpu_us_per_req": cpu_us}
             print(f"{name:12s} seq p50 {lat['p50_ms']:.3f} ms  p99 {lat['p99_ms']:.3f} ms | {args.concurrency} clients: "
-                  f"{thr['req_per_s']:.0f} req/s (p50 {thr['p50_ms']:.2f} ms)  errors {lat['errors'] + thr['errors']}", flush=True)
+                  f"{thr['req_per_s']:.0f} req/s (p50 {thr['p50_ms']:.2f} ms)  server CPU/req {' + '.join(f'{c:.0f}' for c in cpu_us)} us"
+                  f"  errors {lat['errors'] + thr['errors']}", flush=True)
         for name in ("proxy", "proxy_embed"):
             r = res[name]
             print(f"{name:12s} added p50 {r['latency']['p50_ms'] - res['direct']['latency']['p50_ms']:.3f} ms, "
@@ -219,6 +247,9 @@ def main() -> None:
         "embedded_req_per_s": res["proxy_embed"]["throughput"]["req_per_s"],
         "concurrent_streams_held": streams["peak_open"],
         "streams_completed": streams["completed"],
+        "proxy_cpu_us_per_req": res["proxy"]["server_cpu_us_per_req"][0],
+        "engine_cpu_us_per_req": res["direct"]["server_cpu_us_per_req"][0],
+        "calibration_loop_ns": calib,
         "errors": sum(r[k]["errors"] for r in res.values() for k in ("latency", "throughput")),
     }
     try:
@@ -238,7 +269,8 @@ def main() -> None:
         "figures": figures,
         "left_out": [
             "a real model: the engine is instant, so the figures are the proxy's own cost",
-            "the load generator, proxy and engine share the same 2 cores (and other engineers' work)",
+            "the load generator, proxy and engine share the same 2 cores (and other engineers' work: "
+            "see calibration_loop_ns; server CPU per request is the less load-dependent figure)",
             "SGLang engines (GPU): the proxy reaches them through the same RolloutEngine protocol",
         ],
     }

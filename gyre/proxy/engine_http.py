@@ -51,18 +51,42 @@ def _engine_app(engine: RolloutEngine) -> web.Application:
             return web.json_response({"error": f"bad generate request: {e}"}, status=400)
         resp = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8"})
         await resp.prepare(request)
+        # A producer task drains the engine's stream into a buffer; the handler writes whatever
+        # has accumulated whenever it wakes, so tokens produced back to back go out in one write.
+        buf: list[str] = []
+        wake = asyncio.Event()
+        box: dict = {"done": False, "error": None}
+
+        async def produce() -> None:
+            stream = engine.generate(rid, input_ids, sampling)
+            try:
+                async for ev in stream:
+                    fin = f" {ev.finish_reason}" if ev.finish_reason else ""
+                    buf.append(f"{ev.token_id} {ev.logprob!r} {ev.version}{fin}\n")
+                    wake.set()
+            except Exception as e:
+                box["error"] = e
+            finally:
+                box["done"] = True
+                wake.set()
+                await stream.aclose()
+
+        task = asyncio.create_task(produce())
         finished = False
-        stream = engine.generate(rid, input_ids, sampling)
         try:
-            async for ev in stream:
-                fin = f" {ev.finish_reason}" if ev.finish_reason else ""
-                await resp.write(f"{ev.token_id} {ev.logprob!r} {ev.version}{fin}\n".encode())
-            finished = True
-        except (ConnectionResetError, asyncio.CancelledError):
-            raise
-        except Exception as e:
-            logger.warning("engine %s: generate %s failed: %r", engine.name, rid, e)
-            await resp.write(f"error {type(e).__name__}: {e}".replace("\n", " ").encode() + b"\n")
+            while True:
+                await wake.wait()
+                wake.clear()
+                if buf:
+                    data = "".join(buf)
+                    buf.clear()
+                    await resp.write(data.encode())
+                if box["done"] and not buf:
+                    break
+            if box["error"] is not None:
+                e = box["error"]
+                logger.warning("engine %s: generate %s failed: %r", engine.name, rid, e)
+                await resp.write(f"error {type(e).__name__}: {e}".replace("\n", " ").encode() + b"\n")
             finished = True
         finally:
             if not finished:  # client went away: free the engine
@@ -70,7 +94,7 @@ def _engine_app(engine: RolloutEngine) -> web.Application:
                     await engine.abort(rid)
                 except Exception:
                     pass
-            await stream.aclose()
+                task.cancel()
         await resp.write_eof()
         return resp
 
@@ -229,12 +253,16 @@ class HttpEngine:
             async with self._sess().post(self.url + "/generate", data=json.dumps(payload), headers={"Content-Type": "application/json"}) as resp:
                 if resp.status != 200:
                     raise RuntimeError(f"engine {self.name}: generate -> HTTP {resp.status}: {await resp.text()}")
-                async for line in resp.content:
-                    if line.startswith(b"error "):
-                        raise RuntimeError(f"engine {self.name}: {line[6:].decode(errors='replace').strip()}")
-                    f = line.split()
-                    fin = f[3].decode() if len(f) > 3 else None
-                    yield TokenEvent(token_id=int(f[0]), logprob=float(f[1]), version=int(f[2]), finish_reason=fin)
+                pending = b""
+                async for chunk in resp.content.iter_any():
+                    pending += chunk
+                    *lines, pending = pending.split(b"\n")
+                    for line in lines:
+                        if line.startswith(b"error "):
+                            raise RuntimeError(f"engine {self.name}: {line[6:].decode(errors='replace').strip()}")
+                        f = line.split()
+                        fin = f[3].decode() if len(f) > 3 else None
+                        yield TokenEvent(token_id=int(f[0]), logprob=float(f[1]), version=int(f[2]), finish_reason=fin)
         finally:
             self._inflight -= 1
 
