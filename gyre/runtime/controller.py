@@ -287,7 +287,7 @@ class Controller:
         elif kind == "joined":
             if self.sched.roles[cell] is CellRole.TO_TRAIN:
                 self.latencies["to_train"].append(time.time() - self.switch_sent.pop(cell, time.time()))
-                self._apply(self.sched.on_switch_done(cell))
+            self._apply(self.sched.on_switch_done(cell, "train"))  # superseded if the burst already ended
         elif kind == "request_work":
             self.pending.add(cell)
         elif kind == "work_done":
@@ -298,7 +298,7 @@ class Controller:
         elif kind == "rolled_back":
             self.latencies["to_rollout"].append(time.time() - self.switch_sent.pop(cell, time.time()))
             self.proxy.router.resume(f"cell{cell}")
-            self._apply(self.sched.on_switch_done(cell))
+            self._apply(self.sched.on_switch_done(cell, "rollout"))
         elif kind in ("loaded", "stopped"):
             if kind == "stopped":
                 self.stopped[msg["rank"]] = msg

@@ -29,17 +29,19 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     tasks = tmp / "tasks.jsonl"
     with tasks.open("w") as f:
-        for i, turns in enumerate([1, 2, 3, 6]):  # long-tailed executions
+        # Long-tailed executions: (turns, max tokens per answer); long answers keep calls in
+        # flight on engines when cells leave rollout, so the run exercises rerouting.
+        for i, (turns, tokens) in enumerate([(1, 40), (6, 200), (6, 200), (6, 200)]):
             f.write(json.dumps({"task_id": f"t{i}", "instruction": "say words",
-                                "harness": [sys.executable, str(HARNESS), str(turns), "40"],
+                                "harness": [sys.executable, str(HARNESS), str(turns), str(tokens)],
                                 "evaluator": {"python": "tests.runtime.tiny_harness:evaluate"}}) + "\n")
     run_dir = tmp / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "gyre.run",
            "--job", "train", "--run-dir", str(run_dir), "--model.preset", "tiny", "--seed", "1",
            "--executions.dataset.path", str(tasks), "--executions.runner.timeout-s", "300",
-           "--scheduler.n-per-group", "2", "--scheduler.batch-groups", "2", "--scheduler.mu", str(MU),
-           "--scheduler.phi", str(PHI), "--scheduler.tick-s", "0.2", "--scheduler.tau", "1", "--scheduler.rho-min", "0.5",
-           "--train.steps", str(STEPS), "--train.max-tokens", "400", "--train.cell-concurrency", "2",
+           "--scheduler.n-per-group", "3", "--scheduler.batch-groups", "2", "--scheduler.mu", str(MU),
+           "--scheduler.phi", str(PHI), "--scheduler.tick-s", "0.1", "--scheduler.tau", "1", "--scheduler.rho-min", "0.5",
+           "--train.steps", str(STEPS), "--train.max-tokens", "1400", "--train.cell-concurrency", "8",
            "--train.audit-dir", str(tmp / "audit")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     (tmp / "log.txt").write_text(proc.stdout + proc.stderr)

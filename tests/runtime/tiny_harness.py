@@ -23,9 +23,10 @@ def main() -> int:
 
 
 def evaluate(workspace, task, **kwargs) -> float:
-    """Reward: the fraction of distinct lowercase vowels in the answers (a signal that varies)."""
-    text = (workspace / "answer.txt").read_text() if (workspace / "answer.txt").exists() else ""
-    return len(set(text) & set("aeiou")) / 5.0
+    """Reward: the fraction of answer lines of even length (a signal that varies between samples)."""
+    path = workspace / "answer.txt"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return sum(len(x) % 2 == 0 for x in lines) / len(lines) if lines else 0.0
 
 
 if __name__ == "__main__":
