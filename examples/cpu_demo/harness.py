@@ -2,19 +2,21 @@
 official `openai` SDK (a black box to Gyre: it depends on nothing but `openai` and the stdlib).
 
 What it does, like a real coding agent, so that each execution's calls form a branching tree:
-  - many turns with tool calls that change the workspace (`write_file`), a todo list it keeps
-    from `TODO.md` and reports after every tool result ("remaining: ...");
+  - many turns with tool calls that change the workspace: `write_next(content)` writes the next
+    file of its todo list (from `TODO.md`); every tool result restates what is next
+    ("next: green.txt | helper: pink teal");
   - context compaction: when the prompt passes `--compact-at` tokens (from `usage`), it asks the
-    model to summarize the conversation so far and restarts from [system, task + summary];
+    model to summarize the conversation so far and restarts from [system, task + summary + todo];
   - delegation: the `delegate` tool starts a sub-agent with its own system prompt and its own
     conversation (which may compact too) for the helper words;
-  - retry: an invalid tool call (unparseable, unknown tool, a path not on the todo list) is
-    discarded and the same request is sent again (up to `--retries` times), then the error is
-    shown to the model as the tool result.
+  - retry: an invalid tool call (unparseable, unknown tool, content not a number) is discarded
+    and the same request is sent again (up to `--retries` times); after that the error is shown
+    to the model as the tool result.
 
 The task (see task.py): TODO.md lists words, "main: red blue ..." and "helper: pink ...";
 `<word>.txt` must contain the number of letters of the word. The evaluator scores the fraction
-of words done right, so partial progress counts.
+of words done right, so partial progress counts. The format is easy to pick up (the harness
+says which file is next); the number for each word is what the policy has to learn.
 
 Environment (set by gyre's runner): OPENAI_BASE_URL, OPENAI_API_KEY, GYRE_MODEL, and the
 workspace as the working directory.
@@ -29,18 +31,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-SYSTEM_MAIN = "You are the main agent. Write the letter count of each word into word.txt. Delegate helper words."
-SYSTEM_SUB = "You are a helper agent. Write the letter count of each word into word.txt, then finish."
-SUMMARY_PROMPT = "Summarize the conversation so far: say which words remain."
+SYSTEM_MAIN = "You are the main agent. Write the letter count of each word into its file. Delegate helper words."
+SYSTEM_SUB = "You are a helper agent. Write the letter count of each word into its file, then finish."
+SUMMARY_PROMPT = "Summarize the conversation so far."
 
 # Short schemas (no descriptions): every token of the tool list is in every prompt.
 _WRITE = {"type": "function", "function": {
-    "name": "write_file",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-                   "required": ["path", "content"]}}}
-_DELEGATE = {"type": "function", "function": {
-    "name": "delegate",
-    "parameters": {"type": "object", "properties": {"words": {"type": "string"}}, "required": ["words"]}}}
+    "name": "write_next",
+    "parameters": {"type": "object", "properties": {"content": {"type": "string"}}, "required": ["content"]}}}
+_DELEGATE = {"type": "function", "function": {"name": "delegate", "parameters": {"type": "object", "properties": {}}}}
 _FINISH = {"type": "function", "function": {"name": "finish", "parameters": {"type": "object", "properties": {}}}}
 TOOLS_MAIN = [_WRITE, _DELEGATE, _FINISH]
 TOOLS_SUB = [_WRITE, _FINISH]
@@ -76,6 +75,9 @@ class OpenAIBackend:
 
 @dataclass
 class Todo:
+    """The agent's todo list (from TODO.md). `write_next` writes the first file not yet written
+    on the current agent's list; tool results restate what is next."""
+
     main: list[str]
     helper: list[str]
     done: set[str] = field(default_factory=set)
@@ -91,16 +93,18 @@ class Todo:
                 helper = words.split()
         return cls(main, helper)
 
-    def left(self, words: list[str]) -> list[str]:
-        return [w for w in words if w not in self.done]
+    def next(self, kind: str) -> str | None:
+        for w in self.main if kind == "main" else self.helper:
+            if w not in self.done:
+                return w
+        return None
 
     def line(self, kind: str) -> str:
-        own = " ".join(self.left(self.main if kind == "main" else self.helper_words)) or "(none)"
+        nxt = self.next(kind)
+        head = f"next: {nxt}.txt" if nxt else "next: none"
         if kind == "main":
-            return f"remaining: {own} | helper: {' '.join(self.left(self.helper)) or '(none)'}"
-        return f"remaining: {own}"
-
-    helper_words: list[str] = field(default_factory=list)  # the words given to the running sub-agent
+            return f"{head} | helper: {'done' if self.next('sub') is None else ' '.join(self.helper)}"
+        return head
 
 
 @dataclass
@@ -120,9 +124,9 @@ class Agent:
         self.stats = Stats()
 
     # -- tools -------------------------------------------------------------------------
-    def _check(self, call: dict[str, Any], kind: str, allowed: list[str]) -> tuple[str, dict[str, Any]]:
+    def _check(self, call: dict[str, Any], kind: str) -> tuple[str, dict[str, Any]]:
         """Validate a tool call; returns (name, args) or raises ValueError (→ retry)."""
-        names = {"main": {"write_file", "delegate", "finish"}, "sub": {"write_file", "finish"}}[kind]
+        names = {"main": {"write_next", "delegate", "finish"}, "sub": {"write_next", "finish"}}[kind]
         if call["name"] not in names:
             raise ValueError(f"unknown tool {call['name']!r}")
         try:
@@ -131,37 +135,33 @@ class Agent:
             raise ValueError("arguments are not JSON") from None
         if not isinstance(args, dict):
             raise ValueError("arguments must be an object")
-        if call["name"] == "write_file":
-            path, content = args.get("path"), args.get("content")
-            if not isinstance(path, str) or not path.endswith(".txt") or path[:-4] not in allowed:
-                raise ValueError(f"path {path!r} is not on the todo list")
-            if not isinstance(content, str) or not 0 < len(content) <= 8:
-                raise ValueError("content must be 1-8 characters")
-        if call["name"] == "delegate":
-            words = args.get("words")
-            if not isinstance(words, str) or not words.split() or any(w not in self.todo.helper for w in words.split()):
-                raise ValueError("delegate needs helper words from the todo list")
+        if call["name"] == "write_next":
+            if self.todo.next(kind) is None:
+                raise ValueError("no file left to write")
+            content = args.get("content")
+            if not isinstance(content, str) or not content.strip().isdigit() or len(content) > 4:
+                raise ValueError("content must be a number")
+        if call["name"] == "delegate" and self.todo.next("sub") is None:
+            raise ValueError("nothing left to delegate")
         return call["name"], args
 
     def _run_tool(self, name: str, args: dict[str, Any], kind: str) -> str:
-        if name == "write_file":
-            with open(os.path.join(self.workdir, args["path"]), "w") as f:
+        if name == "write_next":
+            word = self.todo.next(kind)
+            with open(os.path.join(self.workdir, f"{word}.txt"), "w") as f:
                 f.write(args["content"])
-            self.todo.done.add(args["path"][:-4])
+            self.todo.done.add(word)
             return f"ok. {self.todo.line(kind)}"
         if name == "delegate":
-            words = args["words"].split()
             self.stats.sub_agents += 1
-            self.todo.helper_words = words
-            report = self.run("sub", SYSTEM_SUB, TOOLS_SUB, f"Words: {' '.join(words)}")
-            return f"helper: {report}. {self.todo.line(kind)}"
+            report = self.run("sub", SYSTEM_SUB, TOOLS_SUB, f"Words: {' '.join(self.todo.helper)}.")
+            return f"helper {report}. {self.todo.line(kind)}"
         raise AssertionError(name)
 
     # -- the loop ----------------------------------------------------------------------
     def run(self, kind: str, system: str, tools: list[dict[str, Any]], task: str) -> str:
         start = [{"role": "system", "content": system}, {"role": "user", "content": f"{task}\n{self.todo.line(kind)}"}]
         messages = list(start)
-        allowed = self.todo.main + self.todo.helper if kind == "main" else self.todo.helper_words
         for _ in range(self.max_calls):
             for attempt in range(self.retries + 1):
                 reply = self._call(messages, tools)
@@ -170,7 +170,7 @@ class Agent:
                     error = f"expected one tool call, got {len(reply.tool_calls)}"
                 else:
                     try:
-                        action = self._check(reply.tool_calls[0], kind, allowed)
+                        action = self._check(reply.tool_calls[0], kind)
                     except ValueError as e:
                         error = str(e)
                 if not error:
@@ -192,7 +192,7 @@ class Agent:
             else:
                 name, args = action
                 if name == "finish":
-                    return "done" if not self.todo.left(allowed if kind == "sub" else self.todo.main) else "stopped early"
+                    return "done" if self.todo.next(kind) is None else "stopped early"
                 result = self._run_tool(name, args, kind)
             for c in reply.tool_calls:
                 messages.append({"role": "tool", "tool_call_id": c["id"], "content": result})

@@ -1,10 +1,10 @@
 """A scripted policy for the cpu_demo agent, written over the rendered prompt text.
 
 It reads what a model would read (the Qwen-format prompt the proxy renders) and answers what
-a competent model would answer: write the first remaining word's file, delegate the helper
-words, finish, or summarize when asked. Used two ways:
+a competent model would answer: write the next file, delegate the helper words, finish, or
+summarize when asked. Used two ways:
   - demonstrations for the supervised warm start (warm_start.py), with `correct_prob` < 1 so
-    the written values are mostly random: the warm-started model knows the format, not the
+    the written numbers are mostly random: the warm-started model knows the format, not the
     answers, and RL has room to raise the reward;
   - the deterministic test engine's script (tests), to drive the real harness through the real
     proxy and check the call tree.
@@ -19,16 +19,12 @@ import re
 from examples.cpu_demo.harness import SUMMARY_PROMPT, SYSTEM_SUB
 from examples.cpu_demo.task import answer
 
-_REMAINING = re.compile(r"remaining: ([^|\n<]*?)(?: \| helper: ([^\n<.]*))?(?:\n|<|$|\.)")
+_NEXT = re.compile(r"next: (none|[a-z]+)(?:\.txt)?(?: \| helper: (done|[a-z ]+))?")
 
 
 def tool_call(name: str, arguments: dict) -> str:
     """Exactly the text the chat template renders for one tool call (Hermes / Qwen2.5)."""
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
-
-
-def _words(s: str | None) -> list[str]:
-    return [] if not s or s.strip() == "(none)" else s.split()
 
 
 def scripted_reply(prompt: str, rng: random.Random | None = None, correct_prob: float = 1.0,
@@ -37,19 +33,17 @@ def scripted_reply(prompt: str, rng: random.Random | None = None, correct_prob: 
     system = prompt.split("<|im_end|>", 1)[0]
     is_sub = SYSTEM_SUB[:30] in system
     last_user = prompt.rsplit("<|im_start|>user\n", 1)[-1]
-    matches = _REMAINING.findall(prompt)
-    if not matches:
-        return "I cannot find my todo list."
-    own, helper = _words(matches[-1][0]), _words(matches[-1][1])
     if SUMMARY_PROMPT in last_user:
-        line = f"remaining: {' '.join(own) or '(none)'}"
-        return f"Progress so far is saved. {line}" if is_sub else f"Progress so far is saved. {line} | helper: {' '.join(helper) or '(none)'}"
-    if own:
-        w = own[0]
-        value = answer(w)
+        return "Progress is saved in the files."
+    found = _NEXT.findall(prompt)
+    if not found:
+        return "I cannot find my todo list."
+    nxt, helper = found[-1]
+    if nxt != "none":
+        value = answer(nxt)
         if rng is not None and rng.random() >= correct_prob:
             value = str(rng.randint(*values))
-        return tool_call("write_file", {"path": f"{w}.txt", "content": value})
-    if helper and not is_sub:
-        return tool_call("delegate", {"words": " ".join(helper)})
+        return tool_call("write_next", {"content": value})
+    if not is_sub and helper and helper != "done":
+        return tool_call("delegate", {})
     return tool_call("finish", {})

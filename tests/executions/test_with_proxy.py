@@ -20,8 +20,7 @@ from gyre.proxy.det_engine import DeterministicEngine
 from gyre.trajectory.record import Role
 from gyre.trajectory.tree import build_tree
 
-from examples.cpu_demo.harness import SYSTEM_SUB
-from examples.cpu_demo.policy import scripted_reply, tool_call
+from examples.cpu_demo.policy import _NEXT, scripted_reply, tool_call
 from examples.cpu_demo.task import harness_command, make_task
 
 
@@ -44,6 +43,12 @@ def proxy_server():
         h.stop()
 
 
+def _next_word(prompt: str) -> str | None:
+    """The file the harness says is next, in the last todo line of the prompt."""
+    found = _NEXT.findall(prompt)
+    return found[-1][0] if found else None
+
+
 def _decoder():
     table = token_bytes(load_tokenizer())
     return lambda ids: b"".join(table[i] for i in ids).decode("utf-8", "replace")
@@ -60,11 +65,11 @@ def test_cpu_demo_harness_makes_compaction_subagent_and_retry_branches(tmp_path,
     def script(input_ids):
         prompt = decode(input_ids)
         reply = scripted_reply(prompt)  # a perfect policy ...
-        # ... that once sends a call the harness must reject (a path not on the todo list),
-        # on the main agent's second write: the harness discards it and asks again (retry).
-        if f'"path": "{main_words[1]}.txt"' in reply and SYSTEM_SUB[:30] not in prompt and not forced:
+        # ... that once sends a call the harness must reject (content not a number), on the
+        # main agent's second write: the harness discards it and asks again (retry).
+        if _next_word(prompt) == main_words[1] and not forced:
             forced.append(prompt)
-            return tool_call("write_file", {"path": "not-on-the-list.txt", "content": "1"})
+            return tool_call("write_next", {"content": "many"})
         return reply
 
     proxy, handle, sink = proxy_server(script)
@@ -186,10 +191,10 @@ def test_timed_out_cpu_demo_execution_gets_partial_reward(tmp_path, proxy_server
     decode = _decoder()
 
     def script(input_ids):
-        reply = scripted_reply(decode(input_ids))
-        if f'"path": "{main_words[3]}.txt"' in reply:
+        prompt = decode(input_ids)
+        if _next_word(prompt) == main_words[3]:
             return "Let me think about this. " * 400  # cut at max_tokens, no tool call
-        return reply
+        return scripted_reply(prompt)
 
     proxy, handle, _ = proxy_server(script, token_delay=0.01)
     task = Task.from_json({**task_json, "harness": harness_command() + ["--max-tokens", "256"], "timeout_s": 10})
