@@ -28,11 +28,13 @@ class ClusterConfig:
 class TrainingModel:
     """Training time: a step's work is shared by the cells that train it, micro-step by micro-step."""
 
-    cell_hours_per_step: float = 1.5
+    cell_hours_per_step: float = 3.0
     """Compute of one average step (B groups) on a single cell of reference_nodes nodes, in hours."""
     reference_nodes: int = 4
-    """Cell size that cell_hours_per_step refers to; a cell of n nodes trains n/reference_nodes
-    times as fast (linear scaling: an optimistic assumption for bigger cells)."""
+    """Cell size that cell_hours_per_step refers to."""
+    scaling_exponent: float = 0.9
+    """A cell of n nodes trains (n/reference_nodes)^exponent times as fast as a reference cell
+    (1.0 = linear; below 1: one replica spread over more nodes communicates more)."""
     tokens_scale: bool = True
     """Micro-step work ∝ its execution's duration (tokens grow with time); off: all equal."""
     optimizer_s: float = 120.0
@@ -72,7 +74,7 @@ class DurationConfig:
 class SimConfig:
     """Discrete-event simulation of Gyre / Colocate / Async on a cluster of elastic cells."""
 
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(batch_groups=32))
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     training: TrainingModel = field(default_factory=TrainingModel)
     durations: DurationConfig = field(default_factory=DurationConfig)

@@ -117,7 +117,7 @@ class Simulation:
         norm = np.random.default_rng(cfg.seed + 1_000_003)
         sample = np.concatenate([durations.sample_group(norm, sc.n_per_group) for _ in range(512)])
         self.mean_duration = float(sample.mean())
-        speed = cl.nodes_per_cell / cfg.training.reference_nodes
+        speed = (cl.nodes_per_cell / cfg.training.reference_nodes) ** cfg.training.scaling_exponent
         self.item_base_s = cfg.training.cell_hours_per_step * 3600.0 / (sc.batch_groups * sc.n_per_group * speed)
         self.heap: list = []
         self.seq = 0

@@ -107,3 +107,12 @@ def run_variants(base: SimConfig, durations: DurationModel, names: list[str] | N
 
 def config_dict(cfg: SimConfig) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def evaluate(cfg: SimConfig, durations: DurationModel, seeds: list[int], label: str) -> list[SimResult]:
+    """Run one configuration on several seeds (common random numbers across variants)."""
+    return [Simulation(replace(cfg, seed=s), durations, label).run() for s in seeds]
+
+
+def ordering(hours: dict[str, float]) -> list[str]:
+    return [k for k, _ in sorted(hours.items(), key=lambda kv: kv[1])]
