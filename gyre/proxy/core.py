@@ -210,7 +210,7 @@ class Call:
         if completed and self.req.messages is not None:
             calls = [{"name": tc.name, "arguments": tc.arguments} for tc in self.tool_calls]
             fp = turn_fingerprint(self.content, calls)
-            st.turns.setdefault(fp, []).append(StoredTurn(call_id=self.call_id, input_ids=self.rendered.ids, output_ids=out_ids))
+            st.turns.setdefault(fp, []).append(StoredTurn.of(self.call_id, self.rendered.ids, out_ids, self.content, calls))
         try:
             p.sink.on_record(self.record)
         except Exception:  # a failing sink must be loud, but the client already has its answer

@@ -23,6 +23,7 @@ re-sent on every call is encoded once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -30,6 +31,8 @@ import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from gyre.backends.tokenizer import IM_END, IM_START
 
@@ -52,11 +55,29 @@ def turn_fingerprint(content: str | None, tool_calls: list[dict] | None) -> tupl
     return ((content or "").strip(), calls)
 
 
+def ids_digest(ids: list[int]) -> bytes:
+    """Digest of a token sequence (the context a stored turn was sampled in)."""
+    return hashlib.blake2b(np.asarray(ids, dtype=np.int32).tobytes(), digest_size=16).digest()
+
+
 @dataclass
 class StoredTurn:
+    """An assistant turn the proxy produced: its exact sampled ids and the raw payload it returned.
+
+    The context is kept as length + digest, not as ids: a long execution re-sends ~1M-token
+    prompts hundreds of times, and only outputs need to be held.
+    """
+
     call_id: int
-    input_ids: list[int]
+    input_len: int
+    input_digest: bytes
     output_ids: list[int]
+    content: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, call_id: int, input_ids: list[int], output_ids: list[int], content: str = "", tool_calls: list[dict] | None = None) -> "StoredTurn":
+        return cls(call_id, len(input_ids), ids_digest(input_ids), list(output_ids), content, list(tool_calls or []))
 
 
 @dataclass
@@ -154,10 +175,10 @@ class ChatRenderer:
             cands = splices[int(parts[j])]
             turn = cands[-1]
             if len(cands) > 1:  # the same text was produced more than once: prefer the exact context
-                for c in reversed(cands):
-                    if len(c.input_ids) == len(ids) and c.input_ids == ids:
-                        turn = c
-                        break
+                same_len = [c for c in cands if c.input_len == len(ids)]
+                if same_len:
+                    d = ids_digest(ids)
+                    turn = next((c for c in reversed(same_len) if c.input_digest == d), turn)
             start = len(ids)
             ids.extend(turn.output_ids)
             out.spliced += 1

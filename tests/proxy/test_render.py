@@ -56,7 +56,7 @@ def _conversation(r, turns_text, reserialize):
         calls = [{"name": "bash", "arguments": args}]
         text = content + '\n<tool_call>\n{"name": "bash", "arguments": ' + json.dumps(args) + "}\n</tool_call>"
         sampled = _spell(text, tok)
-        store.setdefault(turn_fingerprint(content, calls), []).append(StoredTurn(call_id=k, input_ids=list(out.ids), output_ids=sampled))
+        store.setdefault(turn_fingerprint(content, calls), []).append(StoredTurn.of(k, out.ids, sampled))
         prompts[-1].sampled = sampled
         sent_args = reserialize(args)
         msgs = msgs + [
@@ -90,7 +90,7 @@ def test_unmatched_turn_is_plain_text_and_counted():
     r = _renderer()
     tok = r.tokenizer
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "never produced by us"}, {"role": "user", "content": "q2"}]
-    out = r.render(msgs, None, {("something else", ()): [StoredTurn(0, [], [1, 2])]})
+    out = r.render(msgs, None, {("something else", ()): [StoredTurn.of(0, [], [1, 2])]})
     assert out.spliced == 0 and out.unmatched == 1
     assert out.ids == tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
 
@@ -100,11 +100,16 @@ def test_duplicate_turn_text_prefers_exact_context():
     tok = r.tokenizer
     msgs = [{"role": "user", "content": "q"}]
     p0 = r.render(msgs, None, None).ids
-    a = StoredTurn(call_id=0, input_ids=list(p0), output_ids=_spell("same", tok))
-    b = StoredTurn(call_id=1, input_ids=[5, 6, 7], output_ids=_spell("same", tok)[:-1] + [tok.convert_tokens_to_ids("<|endoftext|>")])
-    store = {turn_fingerprint("same", []): [a, b]}
+    a = StoredTurn.of(0, p0, _spell("same", tok))
+    b_ids = _spell("same", tok)[:-1] + [tok.convert_tokens_to_ids("<|endoftext|>")]
+    b = StoredTurn.of(1, [5] * len(p0), b_ids)  # same length, other context
+    c = StoredTurn.of(2, [5, 6, 7], b_ids)
+    store = {turn_fingerprint("same", []): [c, a, b]}
     out = r.render(msgs + [{"role": "assistant", "content": "same"}, {"role": "user", "content": "again"}], None, store)
     assert out.spliced_calls == [0]
+    store = {turn_fingerprint("same", []): [a, b, c]}  # no exact context: the most recent
+    out = r.render([{"role": "user", "content": "other"}, {"role": "assistant", "content": "same"}], None, store)
+    assert out.spliced_calls == [2]
     # b (no <|im_end|> at the end) would keep the template's <|im_end|> after its ids
     store = {turn_fingerprint("same", []): [b]}
     out = r.render(msgs + [{"role": "assistant", "content": "same"}], None, store)
