@@ -1,1 +1,16 @@
-"""Backends: protocols, the built-in CPU engine and actor, SGLang / Megatron adapters, transfer."""
+"""Backends: protocols, the built-in CPU engine and actor, SGLang / Megatron adapters, transfer.
+
+    protocols.py       RolloutEngine / TrainActor contracts (shared)
+    models.py          Qwen2 decoders from size presets ('tiny', 'small'), packed forward, HF checkpoints
+    decoder.py         functional Qwen2 forward over per-request KV caches (the CPU engine's kernel)
+    sampling.py        temperature / top-p sampling with explicit generators, reported log-probs
+    cpu_engine.py      CpuEngine: asyncio front, continuous batching, weight updates between steps
+    cpu_actor.py       CpuActor: GSPO forward/backward on packed micro-steps, core-only AdamW
+    transfer.py        parameter snapshots: torch.distributed broadcast, Mooncake Transfer Engine
+    sglang_engine.py   SglangEngine (GPU): embedded sglang.Engine
+    megatron_actor.py  MegatronActor (GPU): megatron-core GPTModel, HF ⇄ megatron weight mapping
+    tokenizer.py       the repo's byte-level BPE with a chat template
+    config.py          tyro dataclasses for all of the above
+
+Nothing is imported here: GPU libraries load lazily inside the adapters.
+"""
