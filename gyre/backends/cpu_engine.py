@@ -293,6 +293,8 @@ class CpuEngine:
                     continue
                 self._admit()
                 batch = list(self._running)
+                if not batch:  # everything was aborted while we waited for the lock
+                    continue
                 weights, version = self._weights, self.version
                 feeds = []
                 for req in batch:
