@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
@@ -179,8 +180,9 @@ def _event(name: str, data: dict) -> bytes:
 async def respond(request: web.Request, call: Call, model: str) -> web.StreamResponse:
     mid = "msg_" + secrets.token_hex(12)
     if not call.req.stream:
-        async for _ in call.events():
-            pass
+        async with aclosing(call.events()) as events:
+            async for _ in events:
+                pass
         content: list[dict] = []
         if call.content:
             content.append({"type": "text", "text": call.content})
@@ -213,26 +215,27 @@ async def respond(request: web.Request, call: Call, model: str) -> web.StreamRes
     index = -1
     text_open = False
     try:
-        async for item in call.events():
-            if isinstance(item, ToolCall):
-                out = b""
-                if text_open:
+        async with aclosing(call.events()) as events:
+            async for item in events:
+                if isinstance(item, ToolCall):
+                    out = b""
+                    if text_open:
+                        out += _event("content_block_stop", {"type": "content_block_stop", "index": index})
+                        text_open = False
+                    index += 1
+                    blk = _tool_block(item)
+                    out += _event("content_block_start", {"type": "content_block_start", "index": index, "content_block": {**blk, "input": {}}})
+                    out += _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {"type": "input_json_delta", "partial_json": json.dumps(blk["input"], ensure_ascii=False)}})
                     out += _event("content_block_stop", {"type": "content_block_stop", "index": index})
-                    text_open = False
-                index += 1
-                blk = _tool_block(item)
-                out += _event("content_block_start", {"type": "content_block_start", "index": index, "content_block": {**blk, "input": {}}})
-                out += _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {"type": "input_json_delta", "partial_json": json.dumps(blk["input"], ensure_ascii=False)}})
-                out += _event("content_block_stop", {"type": "content_block_stop", "index": index})
+                    await resp.write(out)
+                    continue
+                out = b""
+                if not text_open:
+                    index += 1
+                    text_open = True
+                    out += _event("content_block_start", {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}})
+                out += _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": item}})
                 await resp.write(out)
-                continue
-            out = b""
-            if not text_open:
-                index += 1
-                text_open = True
-                out += _event("content_block_start", {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}})
-            out += _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": item}})
-            await resp.write(out)
     except ApiError as e:
         await resp.write(_event("error", error_body(e)))
         return resp

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from contextlib import aclosing
 import time
 from typing import Any
 
@@ -215,8 +216,9 @@ async def respond_chat(request: web.Request, call: Call, model: str) -> web.Stre
     created = int(time.time())
     want_lp = call.req.logprobs
     if not call.req.stream:
-        async for _ in call.events():
-            pass
+        async with aclosing(call.events()) as events:
+            async for _ in events:
+                pass
         ids: dict[int, str] = {}
         msg: dict[str, Any] = {"role": "assistant", "content": call.content or (None if call.tool_calls else "")}
         if call.tool_calls:
@@ -240,11 +242,12 @@ async def respond_chat(request: web.Request, call: Call, model: str) -> web.Stre
 
     await resp.write(chunk({"role": "assistant", "content": ""}))
     try:
-        async for item in call.events():
-            if isinstance(item, ToolCall):
-                await resp.write(chunk({"tool_calls": [{"index": item.index, **_tool_json(item, ids)}]}))
-            else:
-                await resp.write(chunk({"content": item}, lp=True))
+        async with aclosing(call.events()) as events:
+            async for item in events:
+                if isinstance(item, ToolCall):
+                    await resp.write(chunk({"tool_calls": [{"index": item.index, **_tool_json(item, ids)}]}))
+                else:
+                    await resp.write(chunk({"content": item}, lp=True))
     except ApiError as e:
         await resp.write(b"data: " + json.dumps(error_body(e)).encode() + b"\n\n")
         return resp
@@ -269,17 +272,19 @@ async def respond_completion(request: web.Request, call: Call, model: str) -> we
         return {"tokens": [e["token"] for e in ents], "token_logprobs": [e["logprob"] for e in ents], "top_logprobs": None, "text_offset": []}
 
     if not call.req.stream:
-        async for _ in call.events():
-            pass
+        async with aclosing(call.events()) as events:
+            async for _ in events:
+                pass
         choice = {"index": 0, "text": call.content, "logprobs": lp_block(0, len(call.tokens)), "finish_reason": _finish(call)}
         return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice], "usage": _usage(call)})
     resp = await _sse_start(request)
     seen = 0
     try:
-        async for item in call.events():
-            ch = {"index": 0, "text": item, "logprobs": lp_block(seen, len(call.tokens)), "finish_reason": None}
-            seen = len(call.tokens)
-            await resp.write(b"data: " + json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [ch]}, ensure_ascii=False).encode() + b"\n\n")
+        async with aclosing(call.events()) as events:
+            async for item in events:
+                ch = {"index": 0, "text": item, "logprobs": lp_block(seen, len(call.tokens)), "finish_reason": None}
+                seen = len(call.tokens)
+                await resp.write(b"data: " + json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [ch]}, ensure_ascii=False).encode() + b"\n\n")
     except ApiError as e:
         await resp.write(b"data: " + json.dumps(error_body(e)).encode() + b"\n\n")
         return resp

@@ -118,3 +118,27 @@ def test_bad_inputs_anthropic(srv):
     with pytest.raises(anthropic.BadRequestError) as e:
         anthropic.Anthropic(base_url=h.url, api_key=ka, max_retries=0).messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "word " * 400}])
     assert e.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_client_disconnect_mid_stream_frees_engine_and_records_abort(make_server):
+    slow = DeterministicEngine("slow", token_delay=0.01)
+    proxy, h = make_server([(slow, "cell", 0)])
+    key = proxy.issue_key("ex-gone")
+    with httpx.Client(base_url=h.url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        with c.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 500, "stream": True}) as r:
+            got = 0
+            for line in r.iter_lines():
+                got += line.startswith("data: ")
+                if got == 5:
+                    break
+    import time
+
+    for _ in range(300):
+        if proxy.execution_stats("ex-gone")["calls"] == 1 and slow.load() == 0:
+            break
+        time.sleep(0.01)
+    (rec,) = proxy.sink.for_execution("ex-gone")
+    assert rec.finish_reason == "abort" and 4 <= len(rec.output_ids) < 500
+    assert proxy.execution_stats("ex-gone")["aborted_calls"] == 1 and slow.load() == 0
+    # the aborted turn is not offered for splicing (the client never saw it whole)
+    assert not proxy.executions["ex-gone"].turns
