@@ -210,6 +210,9 @@ def warm_start(out: str, *, episodes: int = 120, steps: int = 120, batch_size: i
     losses = train(model, data, steps, lr, batch_size, seed)
     t_train = time.time() - t0 - t_demo
     save_checkpoint(model, out)
+    from examples.cpu_demo.learnability import value_accuracy
+
+    acc = value_accuracy(model, tok)  # P(right number | a well-formed call), the part RL must learn
     # The warm-started model's own behaviour, through the same harness loop.
     eval_rng = random.Random(seed + 1)
     mb = ModelBackend(tok, model, seed=seed)
@@ -229,7 +232,7 @@ def warm_start(out: str, *, episodes: int = 120, steps: int = 120, batch_size: i
         "demo_stats": stats, "correct_prob": correct_prob, "steps": steps, "loss_first": losses[0],
         "loss_last": sum(losses[-10:]) / len(losses[-10:]), "seconds_demos": t_demo, "seconds_train": t_train,
         "model_reward": sum(rewards) / len(rewards), "model_rewards": rewards,
-        "model_valid_call_fraction": valid / max(calls, 1),
+        "model_valid_call_fraction": valid / max(calls, 1), "model_value_accuracy": acc,
     }
     Path(out, "warm_start.json").write_text(json.dumps(report, indent=1))
     return report

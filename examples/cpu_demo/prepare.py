@@ -1,0 +1,50 @@
+"""Prepare a cpu_demo run: the task dataset and the warm-started checkpoint (skipped when it is
+already there), then print the settings that point a Gyre run at them.
+
+    python -m examples.cpu_demo.prepare --out runs/cpu_demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from examples.cpu_demo.task import harness_command, make_tasks
+
+
+def prepare(out: str, *, num_tasks: int = 64, seed: int = 0, **warm_kw) -> dict:
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    tasks = root / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(t) + "\n" for t in make_tasks(num_tasks, seed)))
+    ckpt = root / "warm_start"
+    if not (ckpt / "model.safetensors").exists():
+        from examples.cpu_demo.warm_start import warm_start
+
+        warm_start(str(ckpt), seed=seed, **warm_kw)
+    report = json.loads((ckpt / "warm_start.json").read_text())
+    return {
+        "dataset": str(tasks.resolve()),
+        "checkpoint": str(ckpt.resolve()),
+        "harness_command": harness_command(),
+        "warm_start_reward": report["model_reward"],
+        "warm_start_valid_calls": report["model_valid_call_fraction"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="write the cpu_demo dataset and warm-start checkpoint")
+    p.add_argument("--out", default="runs/cpu_demo")
+    p.add_argument("--num-tasks", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    print(json.dumps(prepare(a.out, num_tasks=a.num_tasks, seed=a.seed)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
