@@ -194,21 +194,23 @@ def extend(w: DecoderWeights, ids: torch.Tensor, positions: torch.Tensor, seqlen
         attn = torch.empty(n, nh, hd, dtype=x.dtype)
         for i, cache in enumerate(caches):
             a, b = starts[i], starts[i + 1]
-            past = cache.length
+            s_i, past = b - a, cache.length
+            total = past + s_i
             kc, vc = cache.k[layer], cache.v[layer]
-            kc[:, past : past + b - a] = k[a:b].transpose(0, 1)
-            vc[:, past : past + b - a] = v[a:b].transpose(0, 1)
-            keys = kc[:, : past + b - a].repeat_interleave(groups, dim=0)  # [nh, L, hd]
-            vals = vc[:, : past + b - a].repeat_interleave(groups, dim=0)
-            qi = q[a:b].transpose(0, 1)  # [nh, s, hd]
-            # plain matmul attention: at these sizes torch's CPU SDPA kernel costs ~100× more
-            scores = torch.matmul(qi, keys.transpose(1, 2)) * scale  # [nh, s, L]
-            if b - a > 1:
+            kc[:, past:total] = k[a:b].transpose(0, 1)
+            vc[:, past:total] = v[a:b].transpose(0, 1)
+            # GQA without copying the cache: query head h = kv·groups + g reads KV head kv, so
+            # fold the groups into the query rows: [s, nh, hd] → [nkv, groups·s, hd]
+            qi = q[a:b].view(s_i, nkv, groups, hd).permute(1, 2, 0, 3).reshape(nkv, groups * s_i, hd)
+            # plain matmul attention: at these sizes torch's CPU SDPA kernel costs far more
+            scores = torch.matmul(qi, kc[:, :total].transpose(1, 2)) * scale  # [nkv, groups·s, L]
+            if s_i > 1:
                 # query j sits at absolute position past + j and sees keys 0..past + j
-                mask = torch.ones(b - a, past + b - a, dtype=torch.bool).tril(diagonal=past)
-                scores = scores.masked_fill(~mask, float("-inf"))
+                mask = torch.ones(s_i, total, dtype=torch.bool).tril(diagonal=past)
+                scores = scores.view(nkv, groups, s_i, total).masked_fill(~mask, float("-inf")).view(nkv, groups * s_i, total)
             probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)
-            attn[a:b] = torch.matmul(probs, vals).transpose(0, 1)
+            out = torch.matmul(probs, vc[:, :total])  # [nkv, groups·s, hd]
+            attn[a:b] = out.view(nkv, groups, s_i, hd).permute(2, 0, 1, 3).reshape(s_i, nh, hd)
         x = x + F.linear(attn.reshape(n, nh * hd), t[p + "self_attn.o_proj.weight"])
         h = rms_norm(x, t[p + "post_attention_layernorm.weight"], w.eps)
         mlp = F.silu(F.linear(h, t[p + "mlp.gate_proj.weight"])) * F.linear(h, t[p + "mlp.up_proj.weight"])
