@@ -46,7 +46,9 @@ def sequence_hash(seq: list[int], salt: int) -> int:
 def _state(salt: int, n: int, tail: list[int]) -> int:
     last = tail[-1] if tail else -1
     prev = tail[-2] if len(tail) > 1 else -1
-    return _mix(_mix(salt ^ (n << 1)) ^ ((last + 2) * 1_000_003 + prev + 2))
+    # Tuple hashing of ints is deterministic across processes (no hash randomization for ints)
+    # and one C call; the finalizer spreads it over 64 bits.
+    return _mix(hash((salt, n, last, prev)) & _MASK)
 
 
 @dataclass
@@ -98,7 +100,7 @@ class DeterministicEngine:
 
     def next_token(self, h: int) -> TokenEvent:
         """The token for sequence state `h` (pure)."""
-        r = _mix(h)
+        r = h
         if self.eos_prob > 0 and (_mix(r) >> 11) / float(1 << 53) < self.eos_prob:
             tok = self.eos_token_id
         else:
