@@ -162,41 +162,43 @@ class SglangEngine:
         return self._engine.tokenizer_manager
 
     async def generate(self, request_id: str, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenEvent]:
+        engine = self._engine
+        if engine is None:
+            raise RuntimeError(f"SglangEngine.generate({request_id}): not started")
         if self._released:
             raise RuntimeError(f"SglangEngine.generate({request_id}): memory is released")
         if request_id in self._requests:
             raise ValueError(f"generate: request id {request_id!r} is already in flight")
         req = self._requests[request_id] = _Req(request_id)
-        incremental = bool(getattr(self._engine.server_args, "incremental_streaming_output", False))
-        seen = 0
+        incremental = bool(getattr(engine.server_args, "incremental_streaming_output", False))
+        seen, done = 0, False
         try:
-            stream = await self._engine.async_generate(input_ids=list(input_ids), sampling_params=sampling_params(sampling),
-                                                       return_logprob=True, stream=True, rid=request_id)
+            stream = await engine.async_generate(input_ids=list(input_ids), sampling_params=sampling_params(sampling),
+                                                 return_logprob=True, stream=True, rid=request_id)
             async for chunk in stream:
                 pairs, finish, chunk_version = parse_chunk(chunk, seen, incremental)
                 seen += len(pairs)
                 version = int(chunk_version) if chunk_version is not None and chunk_version.isdigit() else self.version
                 for i, (tok, lp) in enumerate(pairs):
-                    if req.aborted:
+                    if req.aborted:  # abort() already returned the tokens; yield nothing past them
                         return
                     ev = TokenEvent(tok, lp, version)
                     req.out.append(ev)
-                    cut = match_stop([e.token_id for e in req.out], sampling.stop_sequences)
-                    last = i == len(pairs) - 1
-                    if cut is not None:
-                        ev.finish_reason = "stop"
+                    if match_stop([e.token_id for e in req.out], sampling.stop_sequences) is not None:
+                        ev.finish_reason = "stop"  # SGLang does not know token-id stop sequences
                         self._tm.abort_request(rid=request_id)
-                        req.aborted = True
+                        done = True
                         yield ev
                         return
-                    if last and finish in ("stop", "length"):
+                    if i == len(pairs) - 1 and finish in ("stop", "length"):
                         ev.finish_reason = finish
                     yield ev
                 if finish is not None:
+                    done = True
                     return
         finally:
-            if not req.aborted and finish_pending(req, self):
-                self._tm.abort_request(rid=request_id)
+            if not done and not req.aborted and self._engine is not None:
+                self._tm.abort_request(rid=request_id)  # the consumer went away mid-stream
             self._requests.pop(request_id, None)
 
     async def abort(self, request_id: str) -> list[TokenEvent]:
@@ -262,11 +264,6 @@ class SglangEngine:
 
     def load(self) -> int:
         return len(self._requests)
-
-
-def finish_pending(req: _Req, engine: SglangEngine) -> bool:
-    """True when a stream closes before SGLang finished the request (consumer went away)."""
-    return bool(req.out) and req.out[-1].finish_reason is None and engine._engine is not None
 
 
 def _check(result: Any, what: str) -> None:
