@@ -37,6 +37,7 @@ std::tuple<at::Tensor, at::Tensor> chunked_fwd(const at::Tensor& hidden, const a
   // One [chunk, V] buffer reused by every chunk: fresh pages per chunk would cost a page fault
   // per 4 KiB each time (measured: as much as the fused kernel itself on CPU).
   auto buf = at::empty({std::min(chunk, T), weight.size(0)}, hidden.options());
+  advise_huge_pages(buf);
   for (int64_t lo = 0; lo < T; lo += chunk) {
     const int64_t hi = std::min(lo + chunk, T);
     auto logits = buf.slice(0, 0, hi - lo);  // [c, V]
@@ -61,6 +62,7 @@ std::tuple<at::Tensor, at::Tensor> chunked_bwd(const at::Tensor& grad, const at:
   auto grad_weight = at::zeros(weight.sizes(), weight.options().dtype(lowp ? at::kFloat : weight.scalar_type()));
   auto wt = weight.t();
   auto buf = at::empty({std::min(chunk, T), weight.size(0)}, hidden.options());
+  advise_huge_pages(buf);
   for (int64_t lo = 0; lo < T; lo += chunk) {
     const int64_t hi = std::min(lo + chunk, T);
     auto h = hidden.slice(0, lo, hi);

@@ -3,9 +3,32 @@
 
 #include <ATen/ATen.h>
 
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
+#include <cstdint>
+#include <cstdlib>
 #include <tuple>
 
 namespace gyre {
+
+// A fresh [T, V] gradient is first touched by the kernel; with 4 KiB pages that is one page
+// fault per 4 KiB (measured on the 2-core box: as long as the kernel's own arithmetic). Where
+// transparent huge pages are in `madvise` mode, ask for 2 MiB pages on the buffer's interior
+// (the first call may pay for compaction; GYRE_NO_HUGEPAGES=1 turns this off).
+inline void advise_huge_pages(const at::Tensor& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (!t.device().is_cpu() || std::getenv("GYRE_NO_HUGEPAGES") != nullptr) return;
+  constexpr uintptr_t kHuge = 2u << 20;
+  const size_t bytes = t.numel() * t.element_size();
+  if (bytes < 8 * kHuge) return;
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(t.data_ptr()) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(t.data_ptr()) + bytes) & ~(kHuge - 1);
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // advisory: errors ignored
+#endif
+}
+
 
 // --- fused log-prob gather (logprobs_cpu.cpp, cuda/logprobs.cu) ----------------------------
 // Writes logprobs[t] = logits[t, y_t] - lse[t] and lse[t] (float64) for rows of a contiguous

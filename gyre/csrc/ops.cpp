@@ -4,6 +4,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+
 #include "chunked.h"
 #include "gyre_ops.h"
 
@@ -32,6 +33,7 @@ static at::Tensor logprobs_bwd_cpu(const at::Tensor& grad, const at::Tensor& log
                                    const at::Tensor& lse) {
   auto x = logits.contiguous();
   auto gl = at::empty_like(x, at::MemoryFormat::Contiguous);
+  advise_huge_pages(gl);
   logprobs_bwd_into_cpu(grad, x, targets.contiguous(), lse, gl);
   return gl;
 }

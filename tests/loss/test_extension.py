@@ -108,7 +108,7 @@ def test_gspo_loss_matches_reference_random_packings(seed, num_exec, prepass, dt
     r = lp.double().clone().requires_grad_()
     loss_r, m_r = R.gspo_loss(r, b, mask, ei, tw, p["advantages"], p["lengths"], exec_logratio_sum=sums)
     loss_r.backward()
-    assert float(loss) == pytest.approx(float(loss_r), rel=1e-12, abs=1e-15)
+    assert loss.item() == pytest.approx(loss_r.item(), rel=1e-12, abs=1e-15)
     assert a.grad.dtype == dtype
     assert rel(a.grad, r.grad) <= TOL[dtype] if r.grad.norm() > 0 else a.grad.abs().max() == 0
     for k, v in m_r.items():

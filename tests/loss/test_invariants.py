@@ -82,7 +82,11 @@ def _rank_train(seed: int, micro: int) -> tuple[float, torch.Tensor]:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world,micro,seed", [(2, 3, 11), (4, 2, 12)])
+@pytest.mark.parametrize("world,micro,seed", [
+    (2, 3, 11),
+    pytest.param(3, 2, 12, marks=pytest.mark.slow),
+    pytest.param(4, 2, 12, marks=pytest.mark.slow),
+])
 def test_invariant1_any_cut_any_ranks(world, micro, seed):
     loss_ref, grad_ref, gates = _full_reference(seed)
     assert 0 < float(gates.sum()) < NUM_EXEC  # these seeds mix gated and trained executions
@@ -109,7 +113,7 @@ def test_invariant1_one_pass_whole_executions(seed, micro):
         loss, _ = L.gspo_loss(lp, p["behavior"][idx], torch.ones(idx.numel(), dtype=torch.bool), p["exec_index"][idx],
                               p["token_weight"][idx], p["advantages"], p["lengths"])
         loss.backward()
-        total += float(loss)
+        total += loss.item()
     assert total == pytest.approx(loss_ref, rel=1e-10, abs=1e-13)
     assert rel(w.grad, grad_ref) <= 1e-10
 
