@@ -64,6 +64,9 @@ class ProxyConfig:
     """How long a call waits for any engine to be in rollout before failing with 503/529."""
     tokenizer_path: str | None = None
     """Tokenizer directory; None = the committed one (gyre/assets/tokenizer)."""
+    admin_token: str | None = None
+    """Enables the /admin API (keys, engines, drain/resume) for callers presenting this bearer
+    token; None disables it (in-process users call the Proxy object directly)."""
     encode_cache_chars: int = 64 << 20
     """Characters of rendered chat turns whose token ids are cached (long histories re-send them)."""
     roles: RoleRulesConfig = field(default_factory=RoleRulesConfig)

@@ -125,6 +125,10 @@ def build_app(proxy: Proxy) -> web.Application:
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/health", health)
+    if proxy.config.admin_token:
+        from gyre.proxy.admin import add_admin_routes
+
+        add_admin_routes(app, proxy, proxy.config.admin_token)
     return app
 
 
