@@ -6,6 +6,10 @@ per-execution keys and roles, routing with drain/reroute, engines over HTTP.
     proxy.router.add_engine(engine, kind="cell", index=1)
     key = proxy.issue_key("exec-0")
     handle = serve_proxy(proxy)                    # handle.url + "/v1", handle.stop()
+    handle.call(proxy.router.drain("cell1"))       # from another thread: reroute its calls
+
+Out of process: `python -m gyre.proxy --store-dir DIR` + `gyre.proxy.admin.AdminClient`.
+Engines in other processes: `gyre.proxy.engine_http.serve_engine(engine)` / `HttpEngine(url)`.
 """
 
 from gyre.proxy.config import ProxyConfig, RoleRulesConfig
