@@ -47,9 +47,11 @@ Rules implemented (with the log entries that show them):
 - When all B groups are assigned and every micro-step is done: `OptimizerStep`. After μ steps
   the burst ends: training cells `SwitchToRollout` (not in async mode), `Publish(v)`, then
   boundary `Dispatch(μ·B)` at the new version.
-- colocate: all cells switch together when the burst's remaining μ·B groups are ready, or
-  (streaming) when every outstanding execution fits in the standalone pool (w ≤ C_s) and the
-  supply check holds. async: cells 0..async_train_cells−1 train for the whole run.
+- colocate: all cells switch at once when the burst's remaining μ·B groups are ready (training
+  waits for the last execution of the batch; executions beyond it continue on the standalone
+  pool if it has room, else wait for the cells to come back), or, with streaming, as soon as
+  every outstanding execution fits in the pool (w ≤ C_s) and the supply check holds.
+  async: cells 0..async_train_cells−1 train for the whole run.
 """
 
 from gyre.scheduler.config import SchedulerConfig

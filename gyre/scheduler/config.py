@@ -14,8 +14,8 @@ class SchedulerConfig:
 
     mode: Literal["gyre", "colocate", "async"] = "gyre"
     """gyre: cells enter training one by one, core first, by the water-level rule. colocate: all
-    cells switch together (when the burst's batch is ready, or with --scheduler.streaming when
-    every outstanding execution fits in the standalone pool). async: a fixed split, cells
+    cells switch together when the burst's batch is ready (with --scheduler.streaming also as
+    soon as every outstanding execution fits in the standalone pool and the supply check holds). async: a fixed split, cells
     0..async-train-cells−1 train, the rest roll out."""
     phi: float = 0.5
     """φ: extra dispatch in batch units (φ·B must be an integer). E[d] = φ + (μ−1)/2."""

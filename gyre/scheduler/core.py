@@ -349,10 +349,14 @@ class ElasticScheduler:
             final = self.burst_pos == self.cfg.mu - 1
             self.log.add(self.clock(), "optimizer_step", step=st.index, cells=list(cells), final=final)
             out.append(OptimizerStep(st.index, cells, final))
-        if self.cfg.mode == "colocate" and all(r is CellRole.ROLLOUT for r in self.roles):
-            need = (self.cfg.mu - self.burst_pos) * self.cfg.batch_groups
-            if self.ready_unassigned >= need:  # the whole remaining batch is ready
-                out.extend(self._switch_to_train(c) for c in range(self.K))
+        if (
+            self.cfg.mode == "colocate"
+            and all(r is CellRole.ROLLOUT for r in self.roles)
+            and self.ready_unassigned >= (self.cfg.mu - self.burst_pos) * self.cfg.batch_groups
+        ):
+            # training waits for the last execution of the burst's batch; executions beyond it
+            # keep running on the standalone pool if it has room, else they wait (paused)
+            out.extend(self._switch_to_train(c) for c in range(self.K))
         return out
 
     def tick(self) -> list[Decision]:

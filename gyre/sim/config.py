@@ -22,6 +22,9 @@ class ClusterConfig:
     """C_s: concurrency of the standalone rollout pool (0 = no pool)."""
     standalone_nodes: int = 0
     """Nodes of the standalone pool (GPU-budget accounting only)."""
+    kv_recompute_s: float = 600.0
+    """Extra time a *paused* execution needs when it resumes: its engine released the KV cache
+    for training, so its long prefix is recomputed (Gyre migrates or keeps it; it never pauses)."""
 
 
 @dataclass(kw_only=True)

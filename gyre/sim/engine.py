@@ -7,7 +7,8 @@ switches, micro-step compute and optimizer updates. Modelling assumptions (docs/
   drawn at dispatch. Dispatched executions wait FIFO for a slot (d − p queued).
 - Rollout capacity is C_R(t) = C_s + (cells in ROLLOUT)·C_e. A switching cell serves nothing.
   When capacity drops below the running count (colocate), the most recently started executions
-  are *paused* (their harness waits for a model) and resume first; nothing is ever aborted.
+  are *paused* (their harness waits for a model) and resume first, kv_recompute_s later than
+  they would have (their KV cache is gone); nothing is ever aborted.
   Under the water-level rule (gyre) this never happens: w ≤ C_R − C_e before a cell leaves.
 - A group is ready eval_s after its last execution ends; it yields N micro-steps (one per
   execution), each taking (cell_hours_per_step·3600 / (B·N)) · duration/mean_duration seconds
@@ -200,6 +201,7 @@ class Simulation:
         while len(self.running) > cap:
             e, seg_start = self.running.popitem(last=True)
             self.ex_left[e] -= now - seg_start
+            self.ex_left[e] += self.cfg.cluster.kv_recompute_s  # prefix recompute on resume
             self.ex_epoch[e] += 1  # invalidates its pending finish event
             self.queue.appendleft(e)
             self.paused += 1

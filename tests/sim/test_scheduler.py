@@ -211,7 +211,24 @@ def test_burst_end_and_publish_properties():
 
 def test_gyre_never_pauses_a_harness_colocate_does():
     assert _sim("gyre").paused_executions == 0
-    assert _sim("colocate", streaming=False).paused_executions > 0
+    res = _sim("colocate", streaming=False)
+    assert res.paused_executions > 0  # executions beyond the batch wait for the cells
+    need = 3 * 8  # μ·B groups of the burst ready before all cells switch
+    assert all(e["ready"] >= need for e in res.log.of("switch_to_train"))
+
+
+def test_colocate_with_pool_switches_when_the_pool_holds_the_rest():
+    cfg = SimConfig(
+        scheduler=SchedulerConfig(mode="colocate", streaming=True, batch_groups=8),
+        cluster=ClusterConfig(num_cells=3, cell_concurrency=144, standalone_concurrency=144),
+        training=TrainingModel(cell_hours_per_step=2.0),
+        steps=3,
+    )
+    res = Simulation(cfg, NL2REPO_122B, "C2").run()
+    moves = res.log.of("switch_to_train")
+    assert moves and all(e["w"] <= 144 or e["ready"] >= 24 for e in moves)
+    assert any(e["w"] > 0 for e in moves)  # stragglers kept running on the pool
+    assert res.paused_executions == 0
 
 
 def test_colocate_switches_all_cells_together_async_is_fixed():
