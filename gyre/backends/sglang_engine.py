@@ -24,6 +24,8 @@ the engine starts, so SGLang reports log-softmax of the logits before temperatur
 quantity as the CPU engine and the trainer. Token-id stop sequences (SGLang's `stop` takes
 strings) are matched here: the request is aborted and its output cut right after the match.
 
+Checked against the sglang 0.5.23 wheel's source (Engine, tokenizer_manager, io_struct msgspec
+request types, ServerArgs fields, SGLANG_RETURN_ORIGINAL_LOGPROB); not run here (no GPU).
 Nothing here imports sglang at module import; the pure translation functions are CPU-tested.
 """
 
@@ -96,14 +98,16 @@ def sampling_params(sp: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def parse_chunk(chunk: dict[str, Any], seen: int, incremental: bool) -> tuple[list[tuple[int, float]], str | None, str | None]:
+def parse_chunk(chunk: dict[str, Any], seen: int) -> tuple[list[tuple[int, float]], str | None, str | None]:
     """New (token_id, logprob) pairs of a streamed chunk, its finish type, its weight version.
 
-    `output_token_logprobs` is cumulative unless the server streams incrementally."""
+    SGLang's meta_info['output_token_logprobs'] is the request's cumulative list — the same list
+    object, which keeps growing after the chunk was sent — so the chunk's own
+    'output_token_logprobs_length' bounds what belongs to it (sglang 0.5.23 tokenizer_manager)."""
     meta = chunk.get("meta_info", {})
     entries = meta.get("output_token_logprobs") or []
-    new = entries if incremental else entries[seen:]
-    pairs = [(int(e[1]), float(e[0])) for e in new]
+    end = int(meta.get("output_token_logprobs_length", len(entries)))
+    pairs = [(int(e[1]), float(e[0])) for e in entries[seen:end]]
     finish = meta.get("finish_reason")
     kind = finish.get("type") if isinstance(finish, dict) else finish
     version = meta.get("weight_version")
@@ -170,13 +174,12 @@ class SglangEngine:
         if request_id in self._requests:
             raise ValueError(f"generate: request id {request_id!r} is already in flight")
         req = self._requests[request_id] = _Req(request_id)
-        incremental = bool(getattr(engine.server_args, "incremental_streaming_output", False))
         seen, done = 0, False
         try:
             stream = await engine.async_generate(input_ids=list(input_ids), sampling_params=sampling_params(sampling),
                                                  return_logprob=True, stream=True, rid=request_id)
             async for chunk in stream:
-                pairs, finish, chunk_version = parse_chunk(chunk, seen, incremental)
+                pairs, finish, chunk_version = parse_chunk(chunk, seen)
                 seen += len(pairs)
                 version = int(chunk_version) if chunk_version is not None and chunk_version.isdigit() else self.version
                 for i, (tok, lp) in enumerate(pairs):
@@ -217,7 +220,7 @@ class SglangEngine:
         named = [(k, v.detach().cuda() if torch.cuda.is_available() else v) for k, v in state_dict.items()]
         payload = [MultiprocessingSerializer.serialize(named) for _ in range(self.config.tp_size)]
         kwargs: dict[str, Any] = dict(serialized_named_tensors=payload, load_format=None, flush_cache=True)
-        if "weight_version" in getattr(UpdateWeightsFromTensorReqInput, "__dataclass_fields__", {}):
+        if "weight_version" in _fields(UpdateWeightsFromTensorReqInput):
             kwargs["weight_version"] = str(version)
         await self._tm.pause_generation(PauseGenerationReqInput(mode="retract"))
         try:
@@ -264,6 +267,11 @@ class SglangEngine:
 
     def load(self) -> int:
         return len(self._requests)
+
+
+def _fields(cls) -> set[str]:
+    """Field names of an io_struct request: msgspec Structs (sglang ≥ 0.5.2x) or dataclasses."""
+    return set(getattr(cls, "__struct_fields__", ())) | set(getattr(cls, "__dataclass_fields__", {}))
 
 
 def _check(result: Any, what: str) -> None:

@@ -45,14 +45,19 @@ def test_sampling_params_translation():
     assert "sampling_seed" not in sampling_params(SamplingParams())
 
 
-def test_parse_chunk_cumulative_and_incremental():
-    c1 = {"meta_info": {"output_token_logprobs": [(-0.5, 7, None), (-1.5, 8, None)], "finish_reason": None}}
-    c2 = {"meta_info": {"output_token_logprobs": [(-0.5, 7, None), (-1.5, 8, None), (-0.25, 2, None)],
+def test_parse_chunk_takes_this_chunks_slice_of_the_cumulative_list():
+    """SGLang shares one growing list between chunks; the chunk's recorded length bounds it."""
+    shared = [(-0.5, 7, None), (-1.5, 8, None)]
+    c1 = {"meta_info": {"output_token_logprobs": shared, "output_token_logprobs_length": 1, "finish_reason": None}}
+    c2 = {"meta_info": {"output_token_logprobs": shared, "output_token_logprobs_length": 2, "finish_reason": None}}
+    shared.append((-0.25, 2, None))  # the list grew after both chunks were sent
+    c3 = {"meta_info": {"output_token_logprobs": shared, "output_token_logprobs_length": 3,
                         "finish_reason": {"type": "stop", "matched": 2}, "weight_version": "3"}}
-    assert parse_chunk(c1, 0, False) == ([(7, -0.5), (8, -1.5)], None, None)
-    assert parse_chunk(c2, 2, False) == ([(2, -0.25)], "stop", "3")
-    inc = {"meta_info": {"output_token_logprobs": [(-0.25, 2, None)], "finish_reason": {"type": "length"}}}
-    assert parse_chunk(inc, 2, True) == ([(2, -0.25)], "length", None)
+    assert parse_chunk(c1, 0) == ([(7, -0.5)], None, None)
+    assert parse_chunk(c2, 1) == ([(8, -1.5)], None, None)
+    assert parse_chunk(c3, 2) == ([(2, -0.25)], "stop", "3")
+    legacy = {"meta_info": {"output_token_logprobs": [(-0.5, 7, None)], "finish_reason": {"type": "length"}}}
+    assert parse_chunk(legacy, 0) == ([(7, -0.5)], "length", None)
 
 
 def test_match_stop_finds_the_earliest_end():
