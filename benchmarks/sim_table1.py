@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 from gyre.sim.config import SimConfig  # noqa: E402
 from gyre.sim.durations import NL2REPO_122B  # noqa: E402
 from gyre.sim.engine import Simulation  # noqa: E402
-from gyre.sim.report import format_run  # noqa: E402
+from gyre.sim.report import format_cumulative, format_run  # noqa: E402
 from gyre.sim.variants import (  # noqa: E402
     DESCRIPTIONS,
     PAPER_HOURS,
@@ -101,6 +101,7 @@ def main() -> None:
               f"{describe(cfg)} (best of {n_cand})")
     alt = dict(hours, **sens_hours)
     print(f"ordering with tuned baselines: {' < '.join(ordering(alt))}")
+    print(f"seed {args.seeds[0]}: " + format_cumulative({k: v[0] for k, v in runs.items()}))
     print("E0 seed", args.seeds[0], "detail:\n" + format_run(runs["E0"][0]))
 
     t1 = time.perf_counter()

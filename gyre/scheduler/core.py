@@ -111,7 +111,8 @@ class ElasticScheduler:
         self.K, self.C_e, self.C_s = num_cells, cell_concurrency, standalone_concurrency
         self.clock = clock
         self.log = log if log is not None else EventLog()
-        self.roles = [CellRole.ROLLOUT] * num_cells
+        self.roles = [CellRole.ROLLOUT] * num_cells  # read-only for drivers
+        self._k = 0  # cells not in ROLLOUT, kept in step with roles by _set_role
         self.dispatched = self.started = self.finished = 0  # d(t), p(t), f(t) in executions
         self.groups: dict[int, _Group] = {}
         self._ready: list[tuple[int, int, int]] = []  # heap (v_d, ready seq, group)
@@ -132,7 +133,7 @@ class ElasticScheduler:
     @property
     def cells_in_training(self) -> int:
         """k(t): cells not in ROLLOUT (switching either way counts: they serve no rollouts)."""
-        return sum(r is not CellRole.ROLLOUT for r in self.roles)
+        return self._k
 
     @property
     def rollout_capacity(self) -> int:
@@ -161,6 +162,7 @@ class ElasticScheduler:
         cur = self.roles[cell]
         if role not in _LEGAL[cur]:
             raise IllegalRole(f"cell {cell}: {cur.value} -> {role.value} is not a legal role change")
+        self._k += (cur is CellRole.ROLLOUT) - (role is CellRole.ROLLOUT)
         self.roles[cell] = role
 
     # ------------------------------------------------------------------ start and dispatch

@@ -20,7 +20,7 @@ import tyro
 from gyre.sim.config import SimConfig
 from gyre.sim.durations import NL2REPO_122B, DurationModel, EmpiricalDurations, HierarchicalLogNormal
 from gyre.sim.engine import Simulation
-from gyre.sim.report import ascii_timeline, format_run, table, write_outputs
+from gyre.sim.report import ascii_timeline, format_cumulative, format_run, table, write_outputs
 from gyre.sim.variants import DESCRIPTIONS, PAPER_HOURS, describe, run_variants
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,9 @@ def run(cfg: SimConfig) -> int:
         print(f"wrote {cfg.out_dir}/result.json, events.jsonl, timeline.png")
     if cfg.compare:
         results = run_variants(cfg, durations)
-        print(table({k: v[0] for k, v in results.items()}, PAPER_HOURS, descriptions=DESCRIPTIONS))
+        by_name = {k: v[0] for k, v in results.items()}
+        print(table(by_name, PAPER_HOURS, descriptions=DESCRIPTIONS))
+        print(format_cumulative(by_name))
         for k, (_, c, n) in results.items():
             print(f"  {k}: {describe(c)} (best of {n})")
     print(f"simulated in {time.perf_counter() - t0:.1f} s wall")

@@ -103,3 +103,20 @@ def write_outputs(res: SimResult, out_dir: str, extra: dict | None = None) -> No
         json.dump({**summary(res), **(extra or {})}, fh, indent=1)
     res.log.write_jsonl(os.path.join(out_dir, "events.jsonl"))
     plot_timeline(res, os.path.join(out_dir, "timeline.png"))
+
+
+def cumulative_speedups(results: dict[str, SimResult], ref: str = "E0") -> dict[str, list[float]]:
+    """Per step k: cumulative time of each variant / cumulative time of `ref` (paper Fig. 7)."""
+    r = results[ref].step_end_h
+    return {
+        name: [round(b / a, 3) for a, b in zip(r, res.step_end_h)]
+        for name, res in results.items()
+        if name != ref
+    }
+
+
+def format_cumulative(results: dict[str, SimResult], ref: str = "E0") -> str:
+    lines = [f"cumulative speedup of {ref} over each variant, per step:"]
+    for name, sp in cumulative_speedups(results, ref).items():
+        lines.append(f"  {name:4s} " + " ".join(f"{x:5.2f}" for x in sp))
+    return "\n".join(lines)
