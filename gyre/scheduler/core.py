@@ -196,22 +196,24 @@ class ElasticScheduler:
             raise SchedulerError(f"unknown group {g}")
         return self.groups[g]
 
-    def on_execution_started(self, group: int) -> list[Decision]:
+    def on_execution_started(self, group: int, execution: int | None = None) -> list[Decision]:
+        """A harness began; `execution` (index within the group) is optional, logged so that a
+        run's event log yields measured durations (gyre.sim.durations.EmpiricalDurations)."""
         self._group(group)
         self.started += 1
         if self.started > self.dispatched:
             raise SchedulerError("more executions started than dispatched")
-        self.log.add(self.clock(), "exec_start", group=group)
+        self.log.add(self.clock(), "exec_start", group=group, execution=execution)
         return []
 
-    def on_execution_finished(self, group: int) -> list[Decision]:
+    def on_execution_finished(self, group: int, execution: int | None = None) -> list[Decision]:
         """An execution ended (success, harness timeout or crash)."""
         grp = self._group(group)
         if grp.finished >= self.cfg.n_per_group:
             raise SchedulerError(f"group {group}: more than N={self.cfg.n_per_group} executions finished")
         grp.finished += 1
         self.finished += 1
-        self.log.add(self.clock(), "exec_finish", group=group)
+        self.log.add(self.clock(), "exec_finish", group=group, execution=execution)
         return self._poll()
 
     def on_group_ready(self, group: int, work_items: int = 1) -> list[Decision]:

@@ -15,7 +15,8 @@ its executions, which is what makes "max of 16" long-tailed and timeouts cluster
 CSV format (header required): `group,duration_s[,timed_out]` — one row per execution; `group`
 is any query/group id, rows of the same group are one measured group. A run directory is read
 from `executions.csv`, or `executions.jsonl` with the same keys (or `start`/`end` instead of
-`duration_s`).
+`duration_s`), or else from the scheduler's event log `events.jsonl` (exec_start / exec_finish
+per group; paired by execution index when logged, else in order within the group).
 """
 
 from __future__ import annotations
@@ -213,4 +214,29 @@ class EmpiricalDurations:
             with open(jsonl_path) as fh:
                 rows = [json.loads(line) for line in fh if line.strip()]
             return EmpiricalDurations.from_rows(rows, jsonl_path)
-        raise FileNotFoundError(f"run directory {path} has neither executions.csv nor executions.jsonl")
+        events_path = os.path.join(path, "events.jsonl")
+        if os.path.exists(events_path):
+            return EmpiricalDurations.from_event_log(events_path)
+        raise FileNotFoundError(f"run directory {path} has no executions.csv, executions.jsonl or events.jsonl")
+
+    @staticmethod
+    def from_event_log(path: str) -> "EmpiricalDurations":
+        """Durations from a scheduler event log (gyre.scheduler.EventLog.write_jsonl)."""
+        starts: dict = {}
+        rows = []
+        with open(path) as fh:
+            for line in fh:
+                if not line.strip():
+                    continue
+                ev = json.loads(line)
+                if ev.get("kind") not in ("exec_start", "exec_finish"):
+                    continue
+                g, x = ev["group"], ev.get("execution")
+                key = (g, x)
+                if ev["kind"] == "exec_start":
+                    starts.setdefault(key, []).append(ev["t"])
+                elif starts.get(key):
+                    rows.append({"group": g, "start": starts[key].pop(0), "end": ev["t"]})
+        if not rows:
+            raise ValueError(f"{path}: no exec_start/exec_finish pairs")
+        return EmpiricalDurations.from_rows(rows, path)

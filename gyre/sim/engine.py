@@ -213,7 +213,8 @@ class Simulation:
             self.running[e] = now
             if not self.ex_started[e]:
                 self.ex_started[e] = True
-                self.sched.on_execution_started(self.ex_group[e])  # never yields decisions
+                g = self.ex_group[e]
+                self.sched.on_execution_started(g, e - self.group_execs[g][0])  # never yields decisions
             self._push(now + self.ex_left[e], _EXEC_DONE, e, self.ex_epoch[e])
 
     def _feed_cells(self) -> None:
@@ -252,7 +253,7 @@ class Simulation:
             if kind == _EXEC_DONE:
                 del self.running[a]
                 g = self.ex_group[a]
-                self._apply(self.sched.on_execution_finished(g))
+                self._apply(self.sched.on_execution_finished(g, a - self.group_execs[g][0]))
                 self.group_left[g] -= 1
                 if self.group_left[g] == 0:
                     self._push(t + cfg.training.eval_s, _GROUP_READY, g)

@@ -62,6 +62,22 @@ def test_empirical_from_csv_and_run_dir(tmp_path):
         EmpiricalDurations.from_run_dir(str(tmp_path))
 
 
+def test_durations_from_a_runs_event_log(tmp_path):
+    """A run directory holding only the scheduler's event log: durations are recovered exactly."""
+    cfg = SimConfig(steps=2)
+    cfg.scheduler.batch_groups = 4
+    cfg.cluster.num_cells = 2
+    model = HierarchicalLogNormal(m=0.0, sigma_q=0.3, sigma_e=0.3, cap_h=5.0)
+    sim = Simulation(cfg, model, "gyre")
+    sim.run()
+    sim.log.write_jsonl(str(tmp_path / "events.jsonl"))
+    measured = EmpiricalDurations.from_run_dir(str(tmp_path))
+    finished = {g for g, left in sim.group_left.items() if left == 0}
+    truth = sorted(sorted(sim.ex_dur[e] for e in sim.group_execs[g]) for g in finished)
+    got = sorted(sorted(g.tolist()) for g in measured.groups if len(g) == cfg.scheduler.n_per_group)
+    assert len(got) == len(truth) and np.allclose(np.array(got), np.array(truth))
+
+
 def test_cli_runs_and_writes_outputs(tmp_path, capsys):
     out = tmp_path / "o"
     assert main(["--steps", "3", "--scheduler.batch-groups", "8", "--cluster.num-cells", "4", "--out-dir", str(out)]) == 0
