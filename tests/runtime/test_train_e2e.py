@@ -2,8 +2,6 @@
 cell → TITO → trajectory → streaming training with satellites joining → publish.
 
 One short run (module fixture), several properties checked on what it leaves behind:
-  * a satellite joins a step the core already started, and that step's update equals training
-    the same micro-steps on the core alone (≤ 1e-6), replayed from the audit dump;
   * no harness execution is aborted across role switches, while calls were rerouted;
   * measured staleness after the first burst equals φ + (μ−1)/2 (within 0.1);
   * metrics.jsonl, summary.json and the role timeline PNG are well formed.
@@ -15,11 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = Path(__file__).resolve().with_name("tiny_harness.py")
 PHI, MU, STEPS = 0.5, 2, 6
+# The tiny harness's reward (fraction of even-length answer lines) as a cheap command evaluator.
+AWK_EVALUATOR = ["awk", "{n++; if (length($0) % 2 == 0) e++} END {print (n ? e / n : 0)}", "answer.txt"]
 
 pytestmark = pytest.mark.multirank
 
@@ -34,21 +33,21 @@ def run(tmp_path_factory):
         for i, (turns, tokens) in enumerate([(1, 40), (6, 200), (6, 200), (6, 200)]):
             f.write(json.dumps({"task_id": f"t{i}", "instruction": "say words",
                                 "harness": [sys.executable, str(HARNESS), str(turns), str(tokens)],
-                                "evaluator": {"python": "tests.runtime.tiny_harness:evaluate"}}) + "\n")
+                                "evaluator": {"command": AWK_EVALUATOR}}) + "\n")
     run_dir = tmp / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "gyre.run",
            "--job", "train", "--run-dir", str(run_dir), "--model.preset", "tiny", "--seed", "1",
            "--executions.dataset.path", str(tasks), "--executions.runner.timeout-s", "300",
+           "--executions.runner.max-concurrency", "6",
            "--scheduler.n-per-group", "3", "--scheduler.batch-groups", "2", "--scheduler.mu", str(MU),
            "--scheduler.phi", str(PHI), "--scheduler.tick-s", "0.1", "--scheduler.tau", "1", "--scheduler.rho-min", "0.5",
-           "--train.steps", str(STEPS), "--train.max-tokens", "1400", "--train.cell-concurrency", "8",
-           "--train.audit-dir", str(tmp / "audit")]
+           "--train.steps", str(STEPS), "--train.max-tokens", "1400", "--engine.max-batch", "1", "--train.cell-concurrency", "8"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     (tmp / "log.txt").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"dir": run_dir, "audit": tmp / "audit", "rows": rows, "summary": summary}
+    return {"dir": run_dir, "rows": rows, "summary": summary}
 
 
 def test_outputs_are_well_formed(run):
@@ -76,42 +75,3 @@ def test_staleness_matches_closed_form_after_the_first_burst(run):
     d = [x for step, xs in by_step.items() if int(step) >= MU for x in xs]
     assert d, by_step
     assert abs(sum(d) / len(d) - (PHI + (MU - 1) / 2)) <= 0.1, by_step
-
-
-def _replay(audit: Path, step: int, config):
-    from gyre.backends.cpu_actor import CpuActor
-    from gyre.backends.models import build_model
-    from gyre.runtime.samples import train_bundle
-
-    before = torch.load(audit / f"before_{step:06d}.pt", weights_only=False)
-    after = torch.load(audit / f"after_{step:06d}.pt", weights_only=False)
-    actor = CpuActor(build_model(config), is_core=True)
-    actor.import_parameters(before["params"])
-    actor.optimizer.load_state_dict(before["optimizer"])
-    bundles = sorted((audit / f"step_{step:06d}").glob("bundle_*.pt"))
-    cells = set()
-    for b in bundles:
-        item = torch.load(b, weights_only=False)
-        cells.add(item["cell"])
-        train_bundle(actor, item["bundle"])
-    grads = {n: p.grad.clone() for n, p in actor.model.named_parameters() if p.grad is not None}
-    actor.optimizer_step()
-    return before, after, actor.export_parameters(), grads, cells
-
-
-def test_satellite_joins_a_step_in_progress_and_matches_the_core_alone(run):
-    from transformers import AutoConfig
-
-    rows = run["rows"]
-    joined = [r["step"] for r in rows if r["claim_order"] and r["claim_order"][0] == 0 and any(c > 0 for c in r["claim_order"])]
-    assert joined, [r["claim_order"] for r in rows]
-    ckpt = sorted((run["dir"] / "checkpoints").glob("step_*"))[-1]
-    config = AutoConfig.from_pretrained(ckpt)
-    for step in joined:
-        before, after, replayed, grads, cells = _replay(run["audit"], step, config)
-        assert len(cells) > 1
-        for name, g in grads.items():
-            ref = before["grads"][name]
-            assert torch.allclose(g, ref, rtol=1e-5, atol=1e-7), name  # reduced over the prefix group
-        for name, p in replayed.items():
-            assert (p - after["params"][name]).abs().max().item() <= 1e-6, name
