@@ -268,13 +268,18 @@ class Router:
             try:
                 stream = slot.engine.generate(running.request_id, prompt, sp)
                 try:
+                    finished = False
                     async for ev in stream:
+                        if finished:
+                            break  # the engine went past the end of the call: stop it (below)
                         events.append(ev)
                         consumed += 1
                         yield ev
-                        if call_finished(events, sampling, eos_ids):
-                            break
-                    done = True
+                        # Keep reading to the stream's own end rather than breaking here: an HTTP
+                        # engine's connection can then be reused instead of being torn down.
+                        finished = call_finished(events, sampling, eos_ids)
+                    else:
+                        done = True
                 finally:
                     if not done and not running.drained:
                         # The consumer went away (client disconnect, stop string): free the engine.
