@@ -51,6 +51,8 @@ def run(cfg: SimConfig) -> int:
     if cfg.compare:
         results = run_variants(cfg, durations)
         by_name = {k: v[0] for k, v in results.items()}
+        if cfg.steps != 12:
+            print(f"(the paper's hours are for 12 steps; this run has {cfg.steps})")
         print(table(by_name, PAPER_HOURS, descriptions=DESCRIPTIONS))
         print(format_cumulative(by_name))
         for k, (_, c, n) in results.items():
