@@ -30,7 +30,7 @@ class SchedulerConfig:
     checks): (φ+1)·B at start and B after every step, i.e. Q_c = (φ+1)·B groups in the system
     before each step, which matches the boundary E[d] (gyre/dispatch.py)."""
     rho_min: float = 0.25
-    """Supply check: at least ρ_min·B ready, unassigned groups ..."""
+    """Supply check: at least ρ_min·B (and at least one) ready, unassigned groups ..."""
     tau: int = 2
     """... for τ consecutive control ticks before the next cell may enter training."""
     tick_s: float = 30.0

@@ -123,12 +123,17 @@ class Event:
 class EventLog:
     """Append-only list of (time, kind, data). Kinds written by the scheduler:
 
-    dispatch(first_group, n_groups, version, w)   exec_start(group)   exec_finish(group)
-    group_ready(group, version)   tick(w, C_R, k, ready, supply_ticks)
+    dispatch(first_group, n_groups, version, w)
+    exec_start(group, execution)   exec_finish(group, execution)   group_ready(group, version)
+    tick(w, C_R, k, ready, supply_ticks)
     switch_to_train(cell, w, C_R, k, ready, supply_ticks)   switch_done(cell, role)
-    switch_to_rollout(cell)   assign(group, step, version, d)   claim(cell, step, group, item)
-    item_done(cell, step)   close_join(step, cells)   optimizer_step(step, cells)
+    switch_superseded(cell)   switch_to_rollout(cell)
+    assign(group, step, version, d)   join(cell, step)   claim(cell, step, group, item)
+    item_done(cell, step)   close_join(step, cells)   optimizer_step(step, cells, final)
     step_done(step)   publish(version)
+
+    w, C_R, k are the water level, the rollout capacity and the cells out of rollout *after*
+    the event; ready is the number of ready, unassigned groups.
     """
 
     def __init__(self, keep_ticks: bool = True) -> None:
