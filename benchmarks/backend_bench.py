@@ -190,7 +190,8 @@ def main() -> None:
         versions["mooncake-transfer-engine-non-cuda"] = md.version("mooncake-transfer-engine-non-cuda")
     except Exception:  # noqa: BLE001
         pass
-    record = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor()},
+    record = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor(),
+                          "loadavg_1_5_15_at_end": os.getloadavg()},
               "versions": versions, "config": vars(args), "git_commit": commit, "figures": figures,
               "left_out": left_out + ["SGLang engine (needs a GPU)", "Mooncake RDMA (no RDMA NIC here)",
                                       "both snapshot ranks share one 2-core machine with other work"]}
