@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from gyre.scheduler import (
-    CellRole,
     Dispatch,
     ElasticScheduler,
     IllegalRole,
