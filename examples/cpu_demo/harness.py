@@ -114,6 +114,7 @@ class Stats:
     compactions: int = 0
     sub_agents: int = 0
     tool_errors: int = 0
+    valid_calls: int = 0  # replies that were one well-formed, accepted tool call
 
 
 class Agent:
@@ -174,6 +175,7 @@ class Agent:
                     except ValueError as e:
                         error = str(e)
                 if not error:
+                    self.stats.valid_calls += 1
                     break
                 if attempt < self.retries:
                     self.stats.retries += 1  # discard the reply; same request again

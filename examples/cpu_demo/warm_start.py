@@ -89,18 +89,21 @@ class ModelBackend:
 
     @torch.no_grad()
     def complete(self, messages, tools) -> Reply:
+        from transformers import DynamicCache
+
         prompt = render(self.tokenizer, messages, tools)
         ids = self.tokenizer(prompt).input_ids
-        out = self.model(input_ids=torch.tensor([ids]), use_cache=True)
-        past, logits, new = out.past_key_values, out.logits[0, -1], []
+        cache = DynamicCache()  # a fresh cache per call (reusing the model's default one leaks state)
+        out = self.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+        logits, new = out.logits[0, -1], []
         for _ in range(self.max_tokens):
             probs = torch.softmax(logits.float() / self.temperature, -1)
             t = int(torch.multinomial(probs, 1, generator=self.gen))
             if t == self.im_end:
                 break
             new.append(t)
-            out = self.model(input_ids=torch.tensor([[t]]), past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[0, -1]
+            out = self.model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True)
+            logits = out.logits[0, -1]
         self.n += 1
         content, calls = parse_output(self.tokenizer.decode(new), f"m{self.n}")
         return Reply(content, calls, len(ids))
@@ -181,7 +184,7 @@ def train(model, batches: list[tuple[list[int], list[bool]]], steps: int, lr: fl
     return losses
 
 
-def warm_start(out: str, *, episodes: int = 120, steps: int = 120, batch_size: int = 4, lr: float = 3e-3,
+def warm_start(out: str, *, episodes: int = 120, steps: int = 300, batch_size: int = 4, lr: float = 5e-3,
                correct_prob: float = 0.25, compact_at: int = 650, preset: str = "tiny", seed: int = 0,
                eval_episodes: int = 4) -> dict[str, Any]:
     from gyre.backends.models import build_model, model_config, save_checkpoint
@@ -224,7 +227,8 @@ def warm_start(out: str, *, episodes: int = 120, steps: int = 120, batch_size: i
             r, agent = run_episode(mb, make_task(f"eval-{e}", eval_rng), wd, compact_at)
             rewards.append(r)
             calls += agent.stats.calls
-            valid += agent.stats.calls - agent.stats.retries - agent.stats.tool_errors - agent.stats.compactions
+            calls -= agent.stats.compactions  # summaries are text, not tool calls
+            valid += agent.stats.valid_calls
     report = {
         "checkpoint": out, "preset": preset, "episodes": episodes, "demo_calls": len(backend.pairs),
         "demo_sequences": len(seqs), "demo_tokens": sum(len(i) for i, _ in data),
@@ -242,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="supervised warm start of the cpu_demo model")
     p.add_argument("--out", default="runs/cpu_demo/warm_start")
     p.add_argument("--episodes", type=int, default=120)
-    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--correct-prob", type=float, default=0.25)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--seed", type=int, default=0)
