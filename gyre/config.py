@@ -11,6 +11,7 @@ overrides a field of it. `python -m gyre.run --help` lists every option with its
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -64,6 +65,11 @@ class TrainConfig:
     """torch intra-op threads per rank (CPU: ranks share the cores)."""
     drain_at_end_s: float = 60.0
     """At the end, wait this long for executions still running before cancelling them."""
+    prepare: str = ""
+    """'module:function' called on rank 0 before training as function(prepare_dir, seed=...) to
+    write what the config points at (dataset, starting checkpoint); skipped when empty."""
+    prepare_dir: str = ""
+    """Directory handed to `prepare`."""
     audit_dir: str = ""
     """Debug: save every granted micro-step bundle and the core's parameters + optimizer state
     around every step here, so a step can be replayed on one rank (the equivalence tests)."""
@@ -95,14 +101,27 @@ class GyreConfig:
 
 
 # ----------------------------------------------------------------------------- presets
+REPO = Path(__file__).resolve().parents[1]  # examples/ lives beside the package in a checkout
+
 def smoke() -> GyreConfig:
     """Topology smoke run: prefix all-reduces over every prefix group, then exit."""
     return GyreConfig(preset="smoke", job="smoke")
 
 
 def cpu_demo() -> GyreConfig:
-    """The CPU demo: 4 gloo ranks = 4 cells of 1 rank, tiny model, examples/cpu_demo task."""
-    return GyreConfig(preset="cpu-demo", job="smoke", run_dir="runs/cpu-demo")
+    """The CPU demo: 4 cells of 1 rank train a small warm-started model on examples/cpu_demo."""
+    data = "runs/cpu-demo/data"  # written by examples.cpu_demo.prepare on the first run
+    cfg = GyreConfig(preset="cpu-demo", job="train", run_dir="runs/cpu-demo")
+    cfg.train = TrainConfig(steps=12, max_tokens=4096, cell_concurrency=8, prepare="examples.cpu_demo.prepare:prepare",
+                            prepare_dir=data, drain_at_end_s=30.0)
+    cfg.scheduler = SchedulerConfig(mode="gyre", phi=0.5, mu=2, n_per_group=4, batch_groups=2, tick_s=0.5, tau=2, rho_min=0.5)
+    cfg.model = ModelConfig(preset="small", checkpoint=f"{data}/warm_start")
+    cfg.executions.dataset.path = f"{data}/tasks.jsonl"
+    cfg.executions.runner.harness_command = ["{python}", str(REPO / "examples" / "cpu_demo" / "harness.py")]
+    cfg.executions.runner.max_concurrency = 8
+    cfg.executions.runner.timeout_s = 300.0
+    cfg.actor = CpuActorConfig(lr=1e-4)
+    return cfg
 
 
 PRESETS: dict[str, Callable[[], GyreConfig]] = {

@@ -66,6 +66,8 @@ def train(cfg: Any, topo: Topology, groups: Groups) -> None:
     tokenizer = load_tokenizer(cfg.proxy.tokenizer_path)
     ckpt_dir = Path(cfg.run_dir) / "checkpoints"
 
+    if topo.is_controller and cfg.train.prepare:
+        _prepare(cfg)  # the other ranks wait in the barrier below
     core_actor = None
     if topo.is_core:  # the authoritative weights and optimizer state live here (DESIGN §1)
         model, resumed = _initial_model(cfg.model, len(tokenizer), ckpt_dir, cfg.train.resume)
@@ -106,6 +108,18 @@ def train(cfg: Any, topo: Topology, groups: Groups) -> None:
     if controller is not None:
         controller.join()
     logger.info("rank %d done", topo.rank)
+
+
+def _prepare(cfg: Any) -> None:
+    """Run the config's preparation hook (e.g. the cpu_demo dataset and warm start)."""
+    import importlib
+
+    module, _, fn = cfg.train.prepare.partition(":")
+    if not module or not fn:
+        raise ValueError(f"train.prepare must be 'module:function', got {cfg.train.prepare!r}")
+    logger.info("preparing with %s into %s (the other ranks wait)", cfg.train.prepare, cfg.train.prepare_dir)
+    out = getattr(importlib.import_module(module), fn)(cfg.train.prepare_dir, seed=cfg.seed)
+    logger.info("prepared: %s", out)
 
 
 def _config_of(mc: ModelConfig, vocab: int) -> Any:
