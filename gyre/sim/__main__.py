@@ -64,7 +64,12 @@ def run(cfg: SimConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     cfg = tyro.cli(SimConfig, args=argv, description=__doc__)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return run(cfg)
+    try:
+        cfg.scheduler.validate(cfg.cluster.num_cells)
+        return run(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"gyre.sim: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

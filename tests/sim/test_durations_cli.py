@@ -88,6 +88,13 @@ def test_cli_runs_and_writes_outputs(tmp_path, capsys):
     assert (out / "events.jsonl").read_text().count("\n") > 100
 
 
+def test_cli_bad_input_is_a_clear_error(capsys):
+    assert main(["--durations.source", "csv"]) == 2
+    assert "--durations.path is required" in capsys.readouterr().err
+    assert main(["--scheduler.phi", "0.3"]) == 2  # φ·B = 9.6 is not an integer
+    assert "scheduler.phi" in capsys.readouterr().err
+
+
 def test_cli_help():
     r = subprocess.run([sys.executable, "-m", "gyre.sim", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "--scheduler.mode" in r.stdout and "--durations.source" in r.stdout
