@@ -196,8 +196,8 @@ def test_timed_out_cpu_demo_execution_gets_partial_reward(tmp_path, proxy_server
             return "Let me think about this. " * 400  # cut at max_tokens, no tool call
         return scripted_reply(prompt)
 
-    proxy, handle, _ = proxy_server(script, token_delay=0.01)
-    task = Task.from_json({**task_json, "harness": harness_command() + ["--max-tokens", "256"], "timeout_s": 10})
+    proxy, handle, _ = proxy_server(script, token_delay=0.002)
+    task = Task.from_json({**task_json, "harness": harness_command() + ["--max-tokens", "256"], "timeout_s": 15})
     runner = HarnessRunner(RunnerConfig(run_dir=str(tmp_path / "runs"), kill_grace_s=0.5), Evaluator(EvaluatorConfig()),
                            GyreProxyAccess(proxy, handle.url))
 
