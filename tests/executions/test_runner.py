@@ -57,7 +57,7 @@ def test_timeout_kills_whole_tree(tmp_path):
 
     res = run(main())
     assert res.outcome is Outcome.TIMED_OUT
-    assert 1.4 < res.wall_s < 5.0
+    assert 1.4 < res.wall_s < 15.0  # the limit, plus the kill on a loaded machine
     pids = [int(p) for p in pidfile.read_text().split()]
     assert len(pids) == 5
     assert wait_dead(pids) == [], "orphans left behind"
