@@ -168,6 +168,26 @@ def shard_for_tp(sd: dict[str, torch.Tensor], rank: int, size: int) -> dict[str,
     return out
 
 
+def unshard_tp(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Full megatron state dict from every TP rank's slice (inverse of `shard_for_tp`)."""
+    size = len(shards)
+    if size == 1:
+        return dict(shards[0])
+    out = {}
+    for name, t in shards[0].items():
+        parts = [s[name] for s in shards]
+        if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")):
+            out[name] = torch.cat(parts, dim=0)
+        elif name.endswith("linear_fc1.weight"):
+            halves = [p.chunk(2, dim=0) for p in parts]
+            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            out[name] = torch.cat(parts, dim=1)
+        else:
+            out[name] = t
+    return out
+
+
 # ---------------------------------------------------------------------------- the actor
 def initialize_parallel_state(mc: MegatronConfig) -> None:
     """megatron parallel_state for the cell layout (torch.distributed already initialised)."""
@@ -348,8 +368,40 @@ class MegatronActor:
                     raise ValueError(f"MegatronActor.import_parameters: {k} is {tuple(params[k].shape)}, expected {tuple(t.shape)}")
                 t.copy_(params[k])
 
+    def export_hf(self) -> dict[str, torch.Tensor]:
+        """Full HF-named tensors (what SGLang engines and checkpoints take): the TP slices are
+        all-gathered over the tensor-parallel group and mapped back with `mcore_to_hf`.
+        Collective over the TP group; PP > 1 also needs the other stages (not gathered here)."""
+        from megatron.core import parallel_state
+
+        if self.mc.pipeline_model_parallel_size > 1:
+            raise NotImplementedError("MegatronActor.export_hf: gathering pipeline stages is not built yet")
+        mine = self.export_parameters()
+        shards = [mine]
+        if self.mc.tensor_model_parallel_size > 1:
+            shards = [None] * self.mc.tensor_model_parallel_size
+            dist.all_gather_object(shards, mine, group=parallel_state.get_tensor_model_parallel_group())
+        return mcore_to_hf(unshard_tp(shards), self.hf_config)
+
     def save_checkpoint(self, path: str) -> None:
-        raise NotImplementedError("MegatronActor.save_checkpoint: gather TP shards with mcore_to_hf on the GPU path (not built yet)")
+        """HF checkpoint (config.json + model.safetensors) written by TP rank 0; collective."""
+        full = self.export_hf()
+        if self.tp_rank == 0:
+            import os
+
+            from safetensors.torch import save_file
+
+            os.makedirs(path, exist_ok=True)
+            self.hf_config.save_pretrained(path)
+            if self.hf_config.tie_word_embeddings:
+                full.pop("lm_head.weight", None)
+            save_file({k: v.contiguous() for k, v in full.items()}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+            if self.optimizer is not None:
+                logger.warning("MegatronActor.save_checkpoint: optimizer state is not saved (weights only)")
 
     def load_checkpoint(self, path: str) -> None:
-        raise NotImplementedError("MegatronActor.load_checkpoint: see save_checkpoint")
+        import os
+
+        from safetensors.torch import load_file
+
+        self.import_parameters(load_file(os.path.join(path, "model.safetensors")))
