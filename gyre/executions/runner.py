@@ -30,15 +30,12 @@ Execution lifecycle (`ExecutionState`), transitions:
     DISPATCHED → ENDED   (launch failed, or cancelled before it started)
 Anything else raises.
 
-Remote sandbox hosts (`sandbox_hosts` non-empty): the workspace is prepared locally, pushed to
-`<remote_root>/<execution_id>/workspace` on the least-loaded host with `remote_push`, the harness
-runs there through `remote_shell` (`ssh -o BatchMode=yes HOST 'cd WS && exec env -i K=V ...
-timeout -k GRACE LIMIT ARGV'`: the remote `timeout` enforces the limit even if the link dies),
-and after it ends the workspace is pulled back with `remote_pull` so the evaluator scores it on
-the controller. `proxy_url_for_harness` must then be an address the hosts can reach. The
-per-execution key is the only credential the harness receives. Hosts are trusted to run
-arbitrary harness code; isolate them (containers, one user per sandbox) as for any agent
-sandbox.
+Remote sandbox hosts (`sandbox_hosts` non-empty): the workspace is prepared here, pushed to
+the least-loaded host, the harness runs there under a remote `timeout`, and the workspace is
+pulled back for the evaluator (`gyre.executions.remote`). `proxy_url_for_harness` must then be
+an address the hosts can reach. The per-execution key is the only credential the harness
+receives. Hosts run arbitrary harness code: isolate them (containers, one user per sandbox) as
+for any agent sandbox.
 """
 
 from __future__ import annotations
@@ -49,7 +46,6 @@ import json
 import logging
 import os
 import secrets
-import shlex
 import shutil
 import sys
 import time
@@ -57,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from gyre.executions import remote
 from gyre.executions.config import RunnerConfig
 from gyre.executions.evaluator import Evaluator, Outcome, RewardResult
 from gyre.executions.procs import kill_tree, tree_pids
@@ -345,7 +342,7 @@ class HarnessRunner:
                         argv = self._argv(spec, exec_dir, ws)
                         live.host = self._pick_host()
                         if live.host != "local":
-                            argv, env = await self._remote_launch(spec, live.host, ws, argv, env, timeout)
+                            argv, env = await remote.push_and_wrap(self.cfg, spec, live.host, ws, argv, env, timeout)
                         with open(exec_dir / "stdout.log", "wb") as out, open(exec_dir / "stderr.log", "wb") as err:
                             proc = await asyncio.create_subprocess_exec(
                                 *argv, cwd=str(ws) if live.host == "local" else str(exec_dir), env=env,
@@ -362,7 +359,7 @@ class HarnessRunner:
                         self._emit(EventKind.STARTED, spec)
                         outcome, exit_code = await self._supervise(live, proc, timeout)
                         if live.host != "local":
-                            await self._remote_pull(spec, live.host, ws)
+                            await remote.pull(self.cfg, spec, live.host, ws)
         except asyncio.CancelledError:
             # Hard cancellation of the asyncio task: the tree is already killed (_supervise);
             # keep the counters right, skip evaluation, propagate.
@@ -427,48 +424,3 @@ class HarnessRunner:
         host = min(self._host_load, key=lambda h: self._host_load[h])
         self._host_load[host] += 1
         return host
-
-    def _remote_ws(self, spec: ExecutionSpec) -> str:
-        return f"{self.cfg.remote_root.rstrip('/')}/{spec.execution_id}/workspace"
-
-    @staticmethod
-    def _fill(template: list[str], **kw: str) -> list[str]:
-        out = []
-        for a in template:
-            for k, v in kw.items():
-                a = a.replace("{" + k + "}", v)
-            out.append(a)
-        return out
-
-    async def _remote_launch(self, spec: ExecutionSpec, host: str, ws: Path, argv: list[str], env: dict[str, str],
-                             timeout: float) -> tuple[list[str], dict[str, str]]:
-        remote = self._remote_ws(spec)
-        await _check_call(self._fill(self.cfg.remote_push, host=host, local=str(ws), remote=remote))
-        env = {**env, "GYRE_WORKSPACE": remote}
-        env.pop("GYRE_INSTRUCTION_FILE", None)
-        env["GYRE_INSTRUCTION"] = spec.task.instruction
-        argv = [a.replace(str(ws), remote) for a in argv]
-        grace = max(1, int(self.cfg.kill_grace_s))
-        inner = (f"cd {shlex.quote(remote)} && exec env -i "
-                 + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
-                 + f" timeout -k {grace} {int(timeout) + 1} " + shlex.join(argv))
-        local_env = {k: os.environ[k] for k in ("PATH", "HOME", "USER", "SSH_AUTH_SOCK") if k in os.environ}
-        return self._fill(self.cfg.remote_shell, host=host) + [inner], local_env
-
-    async def _remote_pull(self, spec: ExecutionSpec, host: str, ws: Path) -> None:
-        try:
-            await _check_call(self._fill(self.cfg.remote_pull, host=host, local=str(ws), remote=self._remote_ws(spec)))
-        except Exception as e:  # noqa: BLE001 - the evaluator then scores what is local
-            logger.warning("execution %s: pulling the workspace back from %s failed: %s", spec.execution_id, host, e)
-
-
-async def _check_call(argv: list[str], timeout_s: float = 600.0) -> None:
-    proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except asyncio.TimeoutError:
-        await kill_tree(proc.pid, 1.0, proc)
-        raise TimeoutError(f"{argv[0]} exceeded {timeout_s}s") from None
-    if proc.returncode != 0:
-        raise RuntimeError(f"{shlex.join(argv)} exited {proc.returncode}: {err.decode(errors='replace')[-500:]}")
