@@ -156,6 +156,7 @@ class Controller:
 
         # run state
         self.group_of_exec: dict[str, int] = {}
+        self.exec_index: dict[str, int] = {}
         self.group_name: dict[int, str] = {}
         self.group_version: dict[int, int] = {}
         self.evaluated: dict[int, list] = defaultdict(list)
@@ -236,6 +237,7 @@ class Controller:
             for spec in group.executions:
                 spec.dispatch_version = d.version
                 self.group_of_exec[spec.execution_id] = g
+                self.exec_index[spec.execution_id] = spec.index
             self.runner.dispatch_group(group)
         logger.info("dispatched groups %d..%d at version %d (w=%d)", d.first_group, d.first_group + d.n_groups - 1,
                     d.version, self.sched.water_level)
@@ -358,11 +360,12 @@ class Controller:
     # ------------------------------------------------------------------ executions
     def _on_exec_event(self, ev: ExecutionEvent) -> None:
         g = self.group_of_exec[ev.execution_id]
+        index = self.exec_index[ev.execution_id]
         if ev.kind is EventKind.STARTED:
-            self._apply(self.sched.on_execution_started(g))
+            self._apply(self.sched.on_execution_started(g, index))
         elif ev.kind is EventKind.FINISHED:
             self.outcomes[ev.result.outcome.value] += 1
-            self._apply(self.sched.on_execution_finished(g))
+            self._apply(self.sched.on_execution_finished(g, index))
         elif ev.kind is EventKind.EVALUATED:
             self.evaluated[g].append(ev.result)
             if len(self.evaluated[g]) == self.cfg.scheduler.n_per_group:
@@ -450,6 +453,8 @@ class Controller:
         import json
 
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+        # The scheduler's event log: replayable by `python -m gyre.sim --durations.source run-dir`.
+        self.sched.log.write_jsonl(str(self.run_dir / "events.jsonl"))
         self.metrics.close()
         await self.proxy_handle.astop()
         logger.info("run summary: %s", self.summary)
