@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
 import textwrap
 import time
 from pathlib import Path
 
-from gyre.executions.tasks import EvaluatorSpec, ExecutionSpec, Task
+from gyre.executions.tasks import ExecutionSpec, Task
 
 
 def write_script(dirpath: Path, name: str, body: str) -> Path:
@@ -19,11 +18,6 @@ def write_script(dirpath: Path, name: str, body: str) -> Path:
 
 def spec(task: Task, eid: str, group: str = "g0", index: int = 0) -> ExecutionSpec:
     return ExecutionSpec(execution_id=eid, task=task, group_id=group, index=index)
-
-
-def python_task(task_id: str, script: Path, evaluator: EvaluatorSpec | None = None, **kw) -> Task:
-    ev = evaluator or EvaluatorSpec("python", lambda ws, task: 1.0)
-    return Task(task_id=task_id, instruction="do it", evaluator=ev, harness=[sys.executable, str(script)], **kw)
 
 
 def alive(pid: int) -> bool:

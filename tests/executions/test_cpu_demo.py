@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import random
 
-import pytest
 
 from gyre.backends.tokenizer import load_tokenizer
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from pathlib import Path
 
 from gyre.executions.config import EvaluatorConfig, RunnerConfig
 from gyre.executions.evaluator import Evaluator, Outcome, RewardStatus

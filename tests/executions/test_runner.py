@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from gyre.executions.evaluator import Evaluator, Outcome, RewardStatus
 from gyre.executions.runner import EventKind, ExecutionState, HarnessRunner, LocalKeys, _Live
 from gyre.executions.tasks import EvaluatorSpec, Task
 
-from tests.executions.helpers import alive, python_task, spec, wait_dead, write_script
+from tests.executions.helpers import spec, wait_dead, write_script
 
 
 def run(coro):
