@@ -5,8 +5,11 @@ tokens per call), each server in its own process, the load generator in this one
 
   * direct      client -> engine over HTTP (`serve_engine`, token ids in, token lines out)
   * proxy       client -> proxy (OpenAI chat API: render + splice + route + detokenize + tool
-                parser + TITO record to the on-disk store) -> the same engine over HTTP
+                parser + TITO record to the on-disk store) -> the same engine (HttpEngine,
+                multiplexed websocket transport, the default)
   * proxy-embed the proxy with the engine in its own process (no second HTTP hop)
+  * proxy-http  as `proxy`, the engine reached by one streamed POST per call instead of the
+                multiplexed websocket (HttpEngine transport="http")
 
 Latency: one client, sequential requests, p50 / p99; the proxy's *added* latency is its p50/p99
 minus the direct p50/p99. Throughput: `--concurrency` clients, each its own execution (key),
@@ -49,7 +52,7 @@ def _engine_main(q, token_delay):
     h.thread.join()
 
 
-def _proxy_main(q, engine_url, n_keys, token_delay, store_dir):
+def _proxy_main(q, engine_url, n_keys, token_delay, store_dir, transport="ws"):
     from gyre.proxy import Proxy, ProxyConfig, StoreSink, serve_proxy
     from gyre.proxy.det_engine import DeterministicEngine
     from gyre.proxy.engine_http import HttpEngine
@@ -57,7 +60,7 @@ def _proxy_main(q, engine_url, n_keys, token_delay, store_dir):
 
     proxy = Proxy(ProxyConfig(), sink=StoreSink(TitoStore(store_dir)))
     if engine_url:
-        proxy.router.add_engine(HttpEngine(engine_url, name="bench"), kind="cell", index=0)
+        proxy.router.add_engine(HttpEngine(engine_url, name="bench", transport=transport), kind="cell", index=0)
     else:
         proxy.router.add_engine(DeterministicEngine("bench", token_delay=token_delay), kind="cell", index=0)
     keys = [proxy.issue_key(f"exec-{i}") for i in range(n_keys)]
@@ -129,13 +132,13 @@ async def _run_load(kind, url, keys, n, concurrency, max_tokens, prompt_ids):
             await one(session, i, key)
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        for i in range(min(50, n)):  # warm-up (connections, caches)
+        for i in range(min(10, n)):  # warm-up (connections, caches)
             await one(session, -1 - i, keys[0] if keys else None)
         lat.clear()
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(w, session) for w in range(concurrency)))
         wall = time.perf_counter() - t0
-    return {"n": len(lat), "errors": errors, "req_per_s": len(lat) / wall, "p50_ms": _pct(lat, 50) * 1e3, "p99_ms": _pct(lat, 99) * 1e3}
+    return {"n": len(lat), "errors": errors, "req_per_s": len(lat) / wall, "p50_ms": _pct(lat, 50) * 1e3, "p99_ms": _pct(lat, 99) * 1e3, "samples": lat}
 
 
 async def _hold_streams(url, keys, n, max_tokens):
@@ -176,10 +179,11 @@ async def _hold_streams(url, keys, n, max_tokens):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=3000, help="requests per throughput run")
-    ap.add_argument("--latency-requests", type=int, default=400, help="sequential requests per latency run")
+    ap.add_argument("--requests", type=int, default=3000, help="requests per variant in the throughput runs (all rounds)")
+    ap.add_argument("--latency-requests", type=int, default=500, help="sequential requests per variant (all rounds)")
     ap.add_argument("--concurrency", type=int, default=32, help="concurrent clients in the throughput runs")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the variants")
     ap.add_argument("--streams", type=int, default=1000, help="concurrent open streams to hold")
     ap.add_argument("--stream-token-delay", type=float, default=0.2, help="engine delay per token for the streams run (s)")
     ap.add_argument("--stream-tokens", type=int, default=20)
@@ -202,26 +206,45 @@ def main() -> None:
         procs.append(p)
         p, (xport, xkeys) = _start(_proxy_main, "", args.concurrency, 0.0, store + "/b")
         procs.append(p)
-        proxy_url, embed_url = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{xport}"
+        p, (hport, hkeys) = _start(_proxy_main, engine_url, args.concurrency, 0.0, store + "/d", "http")
+        procs.append(p)
+        proxy_url, embed_url, phttp_url = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{xport}", f"http://127.0.0.1:{hport}"
 
         calib = _calibrate_ns()
         print(f"machine load check: {calib:.0f} ns per empty loop iteration (idle core: ~15-30)")
-        engine_pid, proxy_pid, embed_pid = procs[0].pid, procs[1].pid, procs[2].pid
-        res: dict = {}
-        for name, url, ks, kind, pids in [
+        engine_pid, proxy_pid, embed_pid, phttp_pid = (p.pid for p in procs)
+        variants = [
             ("direct", engine_url, None, "direct", [engine_pid]),
             ("proxy", proxy_url, keys, "proxy", [proxy_pid, engine_pid]),
             ("proxy_embed", embed_url, xkeys, "proxy", [embed_pid]),
-        ]:
-            lat = asyncio.run(_run_load(kind, url, ks, args.latency_requests, 1, args.max_tokens, prompt_ids))
-            c0 = [_cpu_s(p) for p in pids]
-            thr = asyncio.run(_run_load(kind, url, ks, args.requests, args.concurrency, args.max_tokens, prompt_ids))
-            cpu_us = [(_cpu_s(p) - c) / thr["n"] * 1e6 for p, c in zip(pids, c0)]
+            ("proxy_http", phttp_url, hkeys, "proxy", [phttp_pid, engine_pid]),
+        ]
+        # Interleaved rounds (every variant once per round) so that load from other work on the
+        # machine hits all variants alike; latency percentiles over all samples, throughput the
+        # median of the rounds.
+        acc = {v[0]: {"lat": [], "rps": [], "cpu": [0.0] * len(v[4]), "n": 0, "errors": 0} for v in variants}
+        for rnd in range(args.rounds):
+            for name, url, ks, kind, pids in variants:
+                a = acc[name]
+                lat = asyncio.run(_run_load(kind, url, ks, max(1, args.latency_requests // args.rounds), 1, args.max_tokens, prompt_ids))
+                c0 = [_cpu_s(p) for p in pids]
+                thr = asyncio.run(_run_load(kind, url, ks, max(1, args.requests // args.rounds), args.concurrency, args.max_tokens, prompt_ids))
+                a["cpu"] = [acc_c + _cpu_s(p) - c for acc_c, p, c in zip(a["cpu"], pids, c0)]
+                a["lat"] += lat["samples"]
+                a["rps"].append(thr["req_per_s"])
+                a["n"] += thr["n"]
+                a["errors"] += lat["errors"] + thr["errors"]
+        res: dict = {}
+        for name, *_ in variants:
+            a = acc[name]
+            cpu_us = [c / a["n"] * 1e6 for c in a["cpu"]]
+            lat = {"p50_ms": _pct(a["lat"], 50) * 1e3, "p99_ms": _pct(a["lat"], 99) * 1e3, "n": len(a["lat"]), "errors": a["errors"]}
+            thr = {"req_per_s": sorted(a["rps"])[len(a["rps"]) // 2], "rounds": a["rps"], "n": a["n"], "errors": 0}
             res[name] = {"latency": lat, "throughput": thr, "server_cpu_us_per_req": cpu_us}
             print(f"{name:12s} seq p50 {lat['p50_ms']:.3f} ms  p99 {lat['p99_ms']:.3f} ms | {args.concurrency} clients: "
-                  f"{thr['req_per_s']:.0f} req/s (p50 {thr['p50_ms']:.2f} ms)  server CPU/req {' + '.join(f'{c:.0f}' for c in cpu_us)} us"
-                  f"  errors {lat['errors'] + thr['errors']}", flush=True)
-        for name in ("proxy", "proxy_embed"):
+                  f"{thr['req_per_s']:.0f} req/s (median of {args.rounds} rounds)  server CPU/req {' + '.join(f'{c:.0f}' for c in cpu_us)} us"
+                  f"  errors {a['errors']}", flush=True)
+        for name in ("proxy", "proxy_embed", "proxy_http"):
             r = res[name]
             print(f"{name:12s} added p50 {r['latency']['p50_ms'] - res['direct']['latency']['p50_ms']:.3f} ms, "
                   f"added p99 {r['latency']['p99_ms'] - res['direct']['latency']['p99_ms']:.3f} ms, "
@@ -245,6 +268,7 @@ def main() -> None:
         "direct_req_per_s": res["direct"]["throughput"]["req_per_s"],
         "embedded_added_latency_p50_ms": res["proxy_embed"]["latency"]["p50_ms"] - res["direct"]["latency"]["p50_ms"],
         "embedded_req_per_s": res["proxy_embed"]["throughput"]["req_per_s"],
+        "proxy_http_transport_req_per_s": res["proxy_http"]["throughput"]["req_per_s"],
         "concurrent_streams_held": streams["peak_open"],
         "streams_completed": streams["completed"],
         "proxy_cpu_us_per_req": res["proxy"]["server_cpu_us_per_req"][0],

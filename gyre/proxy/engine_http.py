@@ -11,6 +11,7 @@ Engines of other cells live in other processes (DESIGN §1); the proxy reaches t
     POST /update_weights?version=V   body: safetensors bytes -> {"ok": true}
     POST /release_memory, /resume, /start -> {"ok": true}
     GET  /health         -> EngineHealth as JSON;  GET /info -> {"name": ...}
+    GET  /ws             websocket carrying many generate/abort streams (`engine_mux`)
 
 A client that goes away mid-stream makes the server abort the engine request.
 """
@@ -23,11 +24,12 @@ import json
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Literal
 
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
 from gyre.backends.protocols import EngineHealth, RolloutEngine, SamplingParams, TokenEvent
+from gyre.proxy.engine_mux import MuxClient, add_mux_route
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +127,7 @@ def _engine_app(engine: RolloutEngine) -> web.Application:
         return web.json_response({"name": engine.name, "load": engine.load()})
 
     app = web.Application(client_max_size=1 << 34)
+    add_mux_route(app, engine, _sampling_from_json)
     app.router.add_post("/generate", generate)
     app.router.add_post("/abort", abort)
     app.router.add_post("/update_weights", update_weights)
@@ -168,7 +171,8 @@ class ServerHandle:
 async def start_app(app: web.Application, host: str, port: int) -> ServerHandle:
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
+    # shutdown_timeout: how long stop() lets in-flight responses finish before closing them.
+    site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True, shutdown_timeout=2.0)
     await site.start()
     bound = runner.addresses[0][1]
     return ServerHandle(host=host, port=bound, runner=runner, loop=asyncio.get_running_loop())
@@ -218,15 +222,39 @@ def serve_engine(engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0) 
 
 
 class HttpEngine:
-    """`RolloutEngine` client for an engine served by `serve_engine` (one aiohttp session per loop)."""
+    """`RolloutEngine` client for an engine served by `serve_engine` (one aiohttp session per loop).
 
-    def __init__(self, url: str, name: str | None = None, *, connect_timeout: float = 10.0) -> None:
+    transport="ws" (default): generate/abort multiplexed over one websocket (`engine_mux`);
+    transport="http": one streamed POST /generate per call. Other methods are plain HTTP.
+    """
+
+    def __init__(self, url: str, name: str | None = None, *, connect_timeout: float = 10.0, transport: Literal["ws", "http"] = "ws") -> None:
+        if transport not in ("ws", "http"):
+            raise ValueError(f"HttpEngine: transport must be 'ws' or 'http', got {transport!r}")
         self.url = url.rstrip("/")
         self.name = name or self.url
+        self.transport = transport
         self._session: ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._mux: MuxClient | None = None
+        self._mux_loop: asyncio.AbstractEventLoop | None = None
+        self._mux_lock: asyncio.Lock | None = None
         self._inflight = 0
         self._timeout = ClientTimeout(total=None, sock_connect=connect_timeout)
+
+    async def _get_mux(self) -> MuxClient:
+        loop = asyncio.get_running_loop()
+        if self._mux is not None and not self._mux.closed and self._mux_loop is loop:
+            return self._mux
+        if self._mux_lock is None or self._mux_loop is not loop:
+            self._mux_lock = asyncio.Lock()
+            self._mux_loop = loop
+            self._mux = None
+        async with self._mux_lock:
+            if self._mux is None or self._mux.closed:
+                ws = await self._sess().ws_connect(self.url + "/ws", max_msg_size=0, autoping=True)
+                self._mux = MuxClient(ws, self.name)
+            return self._mux
 
     def _sess(self) -> ClientSession:
         loop = asyncio.get_running_loop()
@@ -236,6 +264,8 @@ class HttpEngine:
         return self._session
 
     async def close(self) -> None:
+        if self._mux is not None and not self._mux.closed:
+            await self._mux.close()
         if self._session is not None and not self._session.closed:
             await self._session.close()
 
@@ -247,9 +277,17 @@ class HttpEngine:
                 self.name = (await r.json())["name"]
 
     async def generate(self, request_id: str, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenEvent]:
-        payload = {"request_id": request_id, "input_ids": list(input_ids), "sampling": dataclasses.asdict(sampling)}
         self._inflight += 1
         try:
+            if self.transport == "ws":
+                stream = (await self._get_mux()).generate(request_id, input_ids, sampling)
+                try:
+                    async for ev in stream:
+                        yield ev
+                finally:
+                    await stream.aclose()
+                return
+            payload = {"request_id": request_id, "input_ids": list(input_ids), "sampling": dataclasses.asdict(sampling)}
             async with self._sess().post(self.url + "/generate", data=json.dumps(payload), headers={"Content-Type": "application/json"}) as resp:
                 if resp.status != 200:
                     raise RuntimeError(f"engine {self.name}: generate -> HTTP {resp.status}: {await resp.text()}")
@@ -267,6 +305,8 @@ class HttpEngine:
             self._inflight -= 1
 
     async def abort(self, request_id: str) -> list[TokenEvent]:
+        if self.transport == "ws":
+            return await (await self._get_mux()).abort(request_id)
         async with self._sess().post(self.url + "/abort", json={"request_id": request_id}) as r:
             r.raise_for_status()
             data = await r.json()

@@ -2,6 +2,7 @@
 
 import asyncio
 
+import pytest
 import torch
 
 from gyre.backends.protocols import RolloutEngine, SamplingParams
@@ -9,12 +10,13 @@ from gyre.proxy.det_engine import DeterministicEngine
 from gyre.proxy.engine_http import HttpEngine, serve_engine
 
 
-def test_http_engine_matches_in_process_and_aborts():
+@pytest.mark.parametrize("transport", ["ws", "http"])
+def test_http_engine_matches_in_process_and_aborts(transport):
     local = DeterministicEngine("ref", salt=5, eos_prob=0.02)
     remote_engine = DeterministicEngine("remote", salt=5, eos_prob=0.02, token_delay=0.002)
     handle = serve_engine(remote_engine)
     try:
-        client = HttpEngine(handle.url)
+        client = HttpEngine(handle.url, transport=transport)
         assert isinstance(client, RolloutEngine)
 
         async def main():
@@ -58,3 +60,22 @@ def test_http_engine_matches_in_process_and_aborts():
         asyncio.run(main())
     finally:
         handle.stop()
+
+
+def test_engine_process_going_away_fails_open_streams():
+    """A dropped engine connection ends its streams with an error (the router then reroutes)."""
+    handle = serve_engine(DeterministicEngine("dies", token_delay=0.01))
+    client = HttpEngine(handle.url, name="dies")
+
+    async def main():
+        stream = client.generate("r", [1, 2, 3], SamplingParams(max_tokens=1000))
+        got = 0
+        with pytest.raises((ConnectionError, RuntimeError)):
+            async for _ in stream:
+                got += 1
+                if got == 3:
+                    await asyncio.get_running_loop().run_in_executor(None, handle.stop)
+        assert got >= 3
+        await client.close()
+
+    asyncio.run(main())

@@ -11,6 +11,7 @@ import time
 import anthropic
 import numpy as np
 import openai
+import pytest
 
 from gyre.backends.tokenizer import load_tokenizer
 from gyre.proxy.det_engine import DeterministicEngine
@@ -30,20 +31,22 @@ def _split_point(out, prompt, salt_a, salt_b):
     return k, [e.token_id for e in ref_b], [e.logprob for e in ref_a[:k]] + [e.logprob for e in ref_b]
 
 
-def _setup(make_server):
+def _setup(make_server, transport="ws"):
     a = DeterministicEngine("A", salt=1, token_delay=0.004)
     b = DeterministicEngine("B", salt=2, token_delay=0.001)
     ha, hb = serve_engine(a), serve_engine(b)
-    proxy, h = make_server([(HttpEngine(ha.url, name="A"), "cell", 1)])
+    proxy, h = make_server([(HttpEngine(ha.url, name="A", transport=transport), "cell", 1)])
+    proxy.test_transport = transport
     return a, b, ha, hb, proxy, h
 
 
 async def _add(proxy, url):
-    proxy.router.add_engine(HttpEngine(url, name="B"), kind="pool", index=0)
+    proxy.router.add_engine(HttpEngine(url, name="B", transport=proxy.test_transport), kind="pool", index=0)
 
 
-def test_openai_stream_survives_drain(make_server):
-    a, b, ha, hb, proxy, h = _setup(make_server)
+@pytest.mark.parametrize("transport", ["ws", "http"])
+def test_openai_stream_survives_drain(make_server, transport):
+    a, b, ha, hb, proxy, h = _setup(make_server, transport)
     try:
         key = proxy.issue_key("ex-reroute")
         c = openai.OpenAI(base_url=h.url + "/v1", api_key=key, max_retries=0)

@@ -1,0 +1,216 @@
+"""Multiplexed engine transport: all generate / abort traffic of one client over one websocket.
+
+An HTTP request per model call costs a request/response cycle on both sides; the proxy makes
+thousands of calls per second to a few engines, so `HttpEngine` (transport="ws", the default)
+keeps one websocket per engine and event loop instead. Tokens produced back to back are
+coalesced into one frame.
+
+Client -> server, one JSON text frame each:
+    {"op": "generate", "rid", "input_ids", "sampling"}      {"op": "abort", "rid"}
+Server -> client, text frames of newline-terminated lines:
+    t <rid> <token_id> <logprob repr> <version> [finish_reason]     a token
+    e <rid>                                                          the stream ended
+    x <rid> <message>                                                the stream failed
+    a <rid> <json [[id, logprob, version, finish_reason], ...]>      reply to abort
+Request ids must not contain whitespace. A dropped connection fails every open stream (the
+router then continues those calls elsewhere) and makes the server abort their requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import weakref
+from typing import AsyncIterator
+
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from gyre.backends.protocols import RolloutEngine, SamplingParams, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+_END = object()
+
+
+def _parse_events(rows) -> list[TokenEvent]:
+    return [TokenEvent(token_id=int(t[0]), logprob=float(t[1]), version=int(t[2]), finish_reason=t[3]) for t in rows]
+
+
+def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_json) -> None:
+    sockets: "weakref.WeakSet[web.WebSocketResponse]" = weakref.WeakSet()
+
+    async def close_all(app: web.Application) -> None:  # server stopping: end every connection
+        for ws in list(sockets):
+            await ws.close(code=WSCloseCode.GOING_AWAY, message=b"engine server shutdown")
+
+    async def handler(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(max_msg_size=0, compress=False, autoping=True)
+        await ws.prepare(request)
+        sockets.add(ws)
+        out: list[str] = []
+        wake = asyncio.Event()
+        tasks: dict[str, asyncio.Task] = {}
+
+        def push(line: str) -> None:
+            out.append(line)
+            wake.set()
+
+        async def flusher() -> None:
+            while not ws.closed:
+                await wake.wait()
+                wake.clear()
+                if out:
+                    data = "".join(out)
+                    out.clear()
+                    await ws.send_str(data)
+
+        async def run(rid: str, ids: list[int], sp: SamplingParams) -> None:
+            stream = engine.generate(rid, ids, sp)
+            try:
+                async for ev in stream:
+                    fin = f" {ev.finish_reason}" if ev.finish_reason else ""
+                    push(f"t {rid} {ev.token_id} {ev.logprob!r} {ev.version}{fin}\n")
+                push(f"e {rid}\n")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                logger.warning("engine %s: generate %s failed: %r", engine.name, rid, e)
+                push(f"x {rid} {type(e).__name__}: {e}".replace("\n", " ") + "\n")
+            finally:
+                tasks.pop(rid, None)
+                await stream.aclose()
+
+        async def abort(rid: str) -> None:
+            try:
+                toks = await engine.abort(rid)
+            except Exception as e:  # unknown / finished request: nothing more to return
+                logger.debug("engine %s: abort %s: %r", engine.name, rid, e)
+                toks = []
+            push(f"a {rid} " + json.dumps([[e.token_id, e.logprob, e.version, e.finish_reason] for e in toks]) + "\n")
+
+        flush_task = asyncio.create_task(flusher())
+        try:
+            async for msg in ws:
+                if msg.type != WSMsgType.TEXT:
+                    continue
+                try:
+                    d = json.loads(msg.data)
+                    rid = str(d["rid"])
+                    if d["op"] == "generate":
+                        ids = [int(t) for t in d["input_ids"]]
+                        tasks[rid] = asyncio.create_task(run(rid, ids, sampling_from_json(d.get("sampling", {}))))
+                    elif d["op"] == "abort":
+                        tasks_abort = asyncio.create_task(abort(rid))
+                        tasks[f"abort:{rid}"] = tasks_abort
+                        tasks_abort.add_done_callback(lambda _t, k=f"abort:{rid}": tasks.pop(k, None))
+                    else:
+                        raise ValueError(f"unknown op {d['op']!r}")
+                except (ValueError, KeyError, TypeError) as e:
+                    rid = d.get("rid", "?") if isinstance(d, dict) else "?"
+                    push(f"x {rid} bad request: {e}".replace("\n", " ") + "\n")
+        finally:
+            for rid, task in list(tasks.items()):
+                if not rid.startswith("abort:"):
+                    try:
+                        await engine.abort(rid)  # the client is gone: free the engine
+                    except Exception:
+                        pass
+                task.cancel()
+            flush_task.cancel()
+        return ws
+
+    app.router.add_get("/ws", handler)
+    app.on_shutdown.append(close_all)
+
+
+class MuxClient:
+    """The client end: one websocket, a reader task, a queue per open stream."""
+
+    def __init__(self, ws, name: str) -> None:
+        self.ws = ws
+        self.name = name
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.aborts: dict[str, list[asyncio.Future]] = {}
+        self.closed = False
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        error: BaseException = ConnectionError(f"engine {self.name}: connection closed")
+        try:
+            async for msg in self.ws:
+                if msg.type != WSMsgType.TEXT:
+                    if msg.type == WSMsgType.ERROR:
+                        error = ConnectionError(f"engine {self.name}: {self.ws.exception()!r}")
+                    continue
+                batch: dict[str, list] = {}
+                for line in msg.data.split("\n"):
+                    if not line:
+                        continue
+                    kind, rid, rest = (line.split(" ", 2) + [""])[:3]
+                    if kind == "t":
+                        f = rest.split()
+                        batch.setdefault(rid, []).append(TokenEvent(int(f[0]), float(f[1]), int(f[2]), f[3] if len(f) > 3 else None))
+                    elif kind == "e":
+                        batch.setdefault(rid, []).append(_END)
+                    elif kind == "x":
+                        batch.setdefault(rid, []).append(RuntimeError(f"engine {self.name}: {rest}"))
+                    elif kind == "a":
+                        for fut in self.aborts.pop(rid, []):
+                            if not fut.done():
+                                fut.set_result(_parse_events(json.loads(rest)))
+                for rid, items in batch.items():
+                    q = self.queues.get(rid)
+                    if q is not None:
+                        q.put_nowait(items)
+        except Exception as e:  # the connection broke
+            error = ConnectionError(f"engine {self.name}: {e!r}")
+        finally:
+            self.closed = True
+            for q in self.queues.values():
+                q.put_nowait([error])
+            for futs in self.aborts.values():
+                for fut in futs:
+                    if not fut.done():
+                        fut.set_exception(error)
+            self.aborts.clear()
+
+    async def generate(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenEvent]:
+        if any(c.isspace() for c in rid):
+            raise ValueError(f"request id {rid!r} must not contain whitespace")
+        if rid in self.queues:
+            raise ValueError(f"engine {self.name}: duplicate request id {rid!r}")
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[rid] = q
+        ended = False
+        try:
+            await self.ws.send_str(json.dumps({"op": "generate", "rid": rid, "input_ids": list(input_ids), "sampling": dataclasses.asdict(sampling)}))
+            while True:
+                for item in await q.get():
+                    if item is _END:
+                        ended = True
+                        return
+                    if isinstance(item, BaseException):
+                        ended = True
+                        raise item
+                    yield item
+        finally:
+            self.queues.pop(rid, None)
+            if not ended and not self.closed:  # the caller stopped reading: stop the engine too
+                try:
+                    await self.ws.send_str(json.dumps({"op": "abort", "rid": rid}))
+                except Exception:
+                    pass
+
+    async def abort(self, rid: str) -> list[TokenEvent]:
+        if self.closed:
+            raise ConnectionError(f"engine {self.name}: connection closed")
+        fut = asyncio.get_running_loop().create_future()
+        self.aborts.setdefault(rid, []).append(fut)
+        await self.ws.send_str(json.dumps({"op": "abort", "rid": rid}))
+        return await fut
+
+    async def close(self) -> None:
+        await self.ws.close()
+        self.reader.cancel()
