@@ -3,7 +3,9 @@
 No model hub at run time (DESIGN §1, CPU path): the tokenizer is trained once, deterministically,
 with `tokenizers` from `gyre/assets/tokenizer/corpus.txt` and committed as `tokenizer.json` +
 `tokenizer_config.json` next to it. `load_tokenizer()` reads those files; `build_tokenizer()`
-regenerates them (tests check that a rebuild is byte-identical).
+regenerates them (tests check that a rebuild is byte-identical). The corpus is a few modules of
+CPython's standard library (PSF License: code and English docstrings) followed by generated
+chat / tool-call / tool-response samples.
 
 Vocabulary (VOCAB_SIZE = 1024): ids 0..6 are the special tokens below, ids 7..262 the 256 byte
 symbols of the byte-level alphabet, the rest BPE merges. Every byte string is encodable, and

@@ -188,3 +188,22 @@ def test_random_drains_under_load_never_change_outputs(seed):
 
 async def _collect_ex(router, key, ex, prompt, sp):
     return [ev async for ev in router.generate(key, ex, prompt, sp, None, EOS)]
+
+
+def test_key_registry_validates_ids_and_revokes():
+    from gyre.proxy.keys import KeyRegistry
+    from gyre.trajectory.record import Role
+
+    reg = KeyRegistry()
+    for bad in ("", "has space", "../x", "x" * 201):
+        with pytest.raises(ValueError):
+            reg.issue(bad)
+    k = reg.issue("ex-1", role_hint="sub_summary")
+    assert reg.lookup(k).execution_id == "ex-1" and reg.lookup(k).role_hint is Role.SUB_SUMMARY
+    with pytest.raises(ValueError):
+        reg.issue("ex-1", role_hint="boss")
+    k2 = reg.issue("ex-1")
+    assert reg.revoke_execution("ex-1") == 2
+    assert reg.lookup(k) is None and reg.lookup(k2) is None
+    with pytest.raises(ValueError):
+        reg.issue("ex-2", key=k)  # a revoked key is never handed out again
