@@ -7,6 +7,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gyre.backends.config import CpuEngineConfig
 from gyre.backends.cpu_actor import CpuActor
@@ -330,3 +332,46 @@ def test_from_checkpoint_serves_the_saved_weights_and_stops_at_eos(tmp_path, mod
     assert [e.token_id for e in c] == ids[: ids.index(eos) + 1] and c[-1].finish_reason == "stop"
     with pytest.raises(FileNotFoundError):
         CpuEngine.from_checkpoint(str(tmp_path / "nope"))
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 30), st.sampled_from([None, 3, 8]), st.integers(0, 3),
+                          st.sampled_from([[], list(range(0, VOCAB, 7)), list(range(0, VOCAB, 3))])),
+                min_size=2, max_size=8), st.integers(1, 4))
+def test_random_mixes_of_stops_aborts_and_batch_sizes_keep_every_stream_exact(model, reqs, max_batch):
+    """Property: whatever mix of prompt lengths, max_tokens, aborts after k tokens and batch
+    caps, each stream is a prefix of the request's solo run, ends exactly where its stop /
+    max_tokens / abort says, and an abort returns exactly what the stream yielded."""
+    async def one(eng, i, plen, max_tokens, abort_after, seed, stop_ids):
+        sp = SamplingParams(max_tokens=max_tokens, seed=seed, stop_token_ids=stop_ids)
+        prompt = [(7 * i + j) % VOCAB for j in range(plen)]
+        got, partial = [], None
+        async for ev in eng.generate(f"r{i}", prompt, sp):
+            got.append(ev)
+            if abort_after is not None and len(got) == abort_after and ev.finish_reason is None:
+                partial = await eng.abort(f"r{i}")
+        return prompt, sp, got, partial
+
+    async def go():
+        eng = CpuEngine.from_model(model, config=CpuEngineConfig(max_batch=max_batch))
+        await eng.start()
+        outs = await asyncio.gather(*[one(eng, i, *r) for i, r in enumerate(reqs)])
+        solos = []
+        for prompt, sp, _, _ in outs:
+            solos.append(await collect(eng, f"solo{len(solos)}", prompt, sp))
+        await eng.stop()
+        return outs, solos
+
+    outs, solos = run(go())
+    for (prompt, sp, got, partial), solo in zip(outs, solos):
+        ids, ref = [e.token_id for e in got], [e.token_id for e in solo]
+        assert ids == ref[: len(ids)]
+        if partial is None:
+            assert ids == ref
+            stopped = [j for j, t in enumerate(ids) if t in sp.stop_token_ids]
+            if stopped:  # ends right after the first stop id
+                assert stopped == [len(ids) - 1] and got[-1].finish_reason == "stop"
+            else:
+                assert len(ids) == sp.max_tokens and got[-1].finish_reason == "length"
+        else:
+            assert [e.token_id for e in partial] == ids  # stream ends with exactly what abort returned
