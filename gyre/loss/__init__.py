@@ -12,6 +12,9 @@ Public API (all autograd-aware where a gradient exists):
 
 The fused C++/CUDA ops (gyre/csrc, `gyre._C`) are used when built; otherwise the pure-torch
 `gyre.loss.reference` runs, with one warning. Nothing is loaded at import time.
+Environment: GYRE_LOSS_BACKEND=auto|extension|reference (force a path; `extension` makes a
+missing build an error), GYRE_HUGEPAGES=1 (CPU: madvise 2 MiB pages on fresh [T, V] gradients;
+faster backward in steady state, but the first calls can stall on memory compaction).
 """
 
 from gyre.loss import reference
