@@ -167,6 +167,15 @@ class ServerHandle:
         """Run a coroutine on the server's loop from another thread and wait for it."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=timeout)
 
+    def call_fn(self, fn, *args, timeout: float | None = None, **kwargs):
+        """Run a plain function on the server's loop thread (e.g. `proxy.close_execution`, which
+        must not race with calls being served) and return its result."""
+
+        async def run():
+            return fn(*args, **kwargs)
+
+        return self.call(run(), timeout=timeout)
+
 
 async def start_app(app: web.Application, host: str, port: int) -> ServerHandle:
     runner = web.AppRunner(app, access_log=None, handle_signals=False)

@@ -196,17 +196,13 @@ def test_records_go_to_the_store(make_server, tmp_path):
     c = openai.OpenAI(base_url=h.url + "/v1", api_key=key, max_retries=0)
     for q in ("a", "b"):
         c.chat.completions.create(model="m", messages=[{"role": "user", "content": q}], max_tokens=10, logprobs=True)
-    stats = h.call(_close(proxy, "ex-store"))
+    stats = h.call_fn(proxy.close_execution, "ex-store")
     assert stats["calls"] == 2
     loaded = store.load("ex-store")
     assert [r.call_id for r in loaded] == [0, 1]
     assert all(len(r.output_logprobs) == len(r.output_ids) > 0 for r in loaded)
     with pytest.raises(openai.AuthenticationError):  # closing the execution revoked its key
         c.chat.completions.create(model="m", messages=[{"role": "user", "content": "c"}], max_tokens=3)
-
-
-async def _close(proxy, eid):
-    return proxy.close_execution(eid)
 
 
 def test_proxy_config_is_tyro_friendly():
