@@ -107,3 +107,25 @@ def plot_role_timeline(
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return fractions
+
+
+def reward_trend(rows: list[dict[str, Any]], k: int, *, resamples: int = 10000, seed: int = 0) -> dict[str, float]:
+    """Did the reward rise? Compare the executions' rewards in the first `k` steps with the last `k`.
+
+    Returns the two means, their difference (last − first) and a two-sided 95 % bootstrap
+    confidence interval of that difference, resampling executions within each window with an
+    explicit seeded generator. `rows` are metrics.jsonl records carrying per-step `rewards`.
+    """
+    import numpy as np
+
+    if not 1 <= k <= len(rows) // 2:
+        raise ValueError(f"reward_trend: k must be in [1, {len(rows) // 2}] for {len(rows)} steps, got {k}")
+    first = np.array([x for r in rows[:k] for x in r["rewards"]], dtype=np.float64)
+    last = np.array([x for r in rows[-k:] for x in r["rewards"]], dtype=np.float64)
+    if not len(first) or not len(last):
+        raise ValueError("reward_trend: a window has no rewarded executions")
+    rng = np.random.default_rng(seed)
+    diffs = (rng.choice(last, (resamples, len(last))).mean(1) - rng.choice(first, (resamples, len(first))).mean(1))
+    lo, hi = np.quantile(diffs, [0.025, 0.975])
+    return {"first_mean": float(first.mean()), "last_mean": float(last.mean()), "diff": float(last.mean() - first.mean()),
+            "ci95_low": float(lo), "ci95_high": float(hi), "n_first": int(len(first)), "n_last": int(len(last))}

@@ -323,6 +323,7 @@ class Controller:
             "groups": len(info["groups"]),
             "reward_mean": float(np.mean(rewards)) if rewards else None,
             "reward_count": len(rewards),
+            "rewards": rewards,
             "staleness_mean": float(np.mean(info["staleness"])) if info["staleness"] else None,
             "staleness": info["staleness"],
             "water_level": self.sched.water_level,
@@ -452,6 +453,14 @@ class Controller:
         }
         import json
 
+        from gyre.metrics import read_metrics, reward_trend
+
+        rows = read_metrics(str(self.run_dir / "metrics.jsonl"))
+        if len(rows) >= 2:
+            try:
+                self.summary["reward_trend"] = reward_trend(rows, max(1, len(rows) // 4), seed=self.cfg.seed)
+            except ValueError as e:
+                logger.warning("reward trend not computed: %s", e)
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
         # The scheduler's event log: replayable by `python -m gyre.sim --durations.source run-dir`.
         self.sched.log.write_jsonl(str(self.run_dir / "events.jsonl"))

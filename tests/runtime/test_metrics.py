@@ -30,3 +30,17 @@ def test_timeline_png_and_fractions(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", data[16:24])
     assert width > 400 and height > 100
+
+
+def test_reward_trend_hand_values():
+    from gyre.metrics import reward_trend
+
+    rows = [{"rewards": [0.0, 0.0]}, {"rewards": [0.0, 0.5]}, {"rewards": [0.5, 1.0]}, {"rewards": [1.0, 1.0]}]
+    t = reward_trend(rows, 2, resamples=2000)
+    assert t["first_mean"] == 0.125 and t["last_mean"] == 0.875 and t["diff"] == 0.75
+    assert 0 < t["ci95_low"] <= 0.75 <= t["ci95_high"] <= 1.0
+    flat = [{"rewards": [0.0, 1.0]}] * 4
+    t = reward_trend(flat, 2, resamples=2000)
+    assert t["diff"] == 0 and t["ci95_low"] < 0 < t["ci95_high"]  # no rise: the interval straddles 0
+    with pytest.raises(ValueError):
+        reward_trend(rows, 3)
