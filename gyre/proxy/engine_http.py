@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Literal
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
 from gyre.backends.protocols import EngineHealth, RolloutEngine, SamplingParams, TokenEvent
-from gyre.proxy.engine_mux import MuxClient, add_mux_route
+from gyre.proxy.engine_mux import MuxClient, add_mux_route, sampling_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ class HttpEngine:
                 finally:
                     await stream.aclose()
                 return
-            payload = {"request_id": request_id, "input_ids": list(input_ids), "sampling": dataclasses.asdict(sampling)}
+            payload = {"request_id": request_id, "input_ids": list(input_ids), "sampling": sampling_to_json(sampling)}
             async with self._sess().post(self.url + "/generate", data=json.dumps(payload), headers={"Content-Type": "application/json"}) as resp:
                 if resp.status != 200:
                     raise RuntimeError(f"engine {self.name}: generate -> HTTP {resp.status}: {await resp.text()}")
