@@ -8,7 +8,8 @@ Competitors, same logits, one process:
   eager   log_softmax(x).gather(y) then backward (materializes [T, V] log-softmax and its grad)
   fused   gyre.loss.token_logprobs (one blocked online pass per row; backward row by row)
   floor   torch.logsumexp(x, -1), forward only: the one-pass reduction every method needs
-Peak memory is the rise of the process's peak RSS (VmHWM, reset through /proc/self/clear_refs)
+Times: best of --reps runs (wall clock), with that run's process CPU time beside it: on a shared
+box the wall clock mostly measures the other jobs. Peak memory is the rise of the process's peak RSS (VmHWM, reset through /proc/self/clear_refs)
 over the RSS before the call, inputs already resident.
 Chunked path: token_logprobs_from_hidden at several T, same V, H, chunk; its peak rise minus the
 unavoidable outputs (grad_hidden [T, H], grad_weight [V, H]) should not grow with T.
