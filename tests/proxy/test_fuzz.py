@@ -87,7 +87,7 @@ def _check(client, path, body):
     return r.status_code
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 @given(path=st.sampled_from(PATHS), data=st.data())
 def test_mutated_valid_bodies_never_5xx(fuzz_server, path, data):
     """A valid body with one to three fields replaced by fuzzed values (reaches the deep paths)."""

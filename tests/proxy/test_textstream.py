@@ -47,7 +47,7 @@ def test_parser_hand_cases():
 pieces = st.sampled_from(["<tool_call>", "</tool_call>", "\n", " ", "hi", "<tool", "_call>", '{"name": "f", "arguments": {"a": 1}}', "{", "x"])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(pieces, max_size=14), st.data())
 def test_parser_chunking_invariant(parts, data):
     text = "".join(parts)
