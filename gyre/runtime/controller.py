@@ -397,7 +397,13 @@ class Controller:
 
     # ------------------------------------------------------------------ progress and the end
     def _progress(self) -> None:
+        """One progress line when the picture changed, or every 15 s while nothing moves."""
         s = self.sched
+        state = (self.steps_done, s.ready_unassigned, s.water_level, s.cells_in_training, s.started, s.finished)
+        now = time.monotonic()
+        if state == getattr(self, "_last_progress", None) and now - getattr(self, "_last_progress_t", 0.0) < 15.0:
+            return
+        self._last_progress, self._last_progress_t = state, now
         logger.info("step %d/%d | groups ready %d | water level %d (C_R %d) | cells training %d | d/p/f %d/%d/%d",
                     self.steps_done, self.cfg.train.steps, s.ready_unassigned, s.water_level, s.rollout_capacity,
                     s.cells_in_training, s.dispatched, s.started, s.finished)
