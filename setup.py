@@ -31,7 +31,7 @@ def extension_modules():
     sources = sorted(glob.glob(os.path.join("gyre", "csrc", "*.cpp")))
     if not sources:
         return [], {}
-    cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
+    cxx_flags = ["-O3", "-std=c++20", "-fopenmp"]
     if os.uname().machine in ("x86_64", "AMD64"):
         cxx_flags.append("-mavx2")
         cxx_flags.append("-mfma")
@@ -39,7 +39,7 @@ def extension_modules():
     use_cuda = bool(cuda_sources) and torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
     kwargs = dict(extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])
     if use_cuda:
-        kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-DGYRE_WITH_CUDA"]
+        kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-std=c++20", "-DGYRE_WITH_CUDA"]
         kwargs["define_macros"] = [("GYRE_WITH_CUDA", "1")]
         ext = cpp_extension.CUDAExtension("gyre._C", sources + cuda_sources, **kwargs)
     else:
