@@ -19,7 +19,7 @@ Each message differs per request, so the last turn is tokenized every call (the 
 hits the per-turn token cache, as a re-sent history does). The last line printed is one JSON
 object with the figures named in the issue.
 
-    python benchmarks/proxy_bench.py [--requests 3000] [--concurrency 32] [--streams 1000]
+    python benchmarks/proxy_bench.py [--requests 2000] [--concurrency 32] [--streams 1000] [--rounds 4]
 """
 
 from __future__ import annotations
@@ -179,11 +179,11 @@ async def _hold_streams(url, keys, n, max_tokens):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=3000, help="requests per variant in the throughput runs (all rounds)")
-    ap.add_argument("--latency-requests", type=int, default=500, help="sequential requests per variant (all rounds)")
+    ap.add_argument("--requests", type=int, default=2000, help="requests per variant in the throughput runs (all rounds)")
+    ap.add_argument("--latency-requests", type=int, default=300, help="sequential requests per variant (all rounds)")
     ap.add_argument("--concurrency", type=int, default=32, help="concurrent clients in the throughput runs")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the variants")
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds over the variants")
     ap.add_argument("--streams", type=int, default=1000, help="concurrent open streams to hold")
     ap.add_argument("--stream-token-delay", type=float, default=0.2, help="engine delay per token for the streams run (s)")
     ap.add_argument("--stream-tokens", type=int, default=20)
