@@ -211,7 +211,7 @@ def main() -> None:
         proxy_url, embed_url, phttp_url = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{xport}", f"http://127.0.0.1:{hport}"
 
         calib = _calibrate_ns()
-        print(f"machine load check: {calib:.0f} ns per empty loop iteration (idle core: ~15-30)")
+        print(f"machine load check: {calib:.0f} ns per empty loop iteration (idle core: ~15-30), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         engine_pid, proxy_pid, embed_pid, phttp_pid = (p.pid for p in procs)
         variants = [
             ("direct", engine_url, None, "direct", [engine_pid]),
@@ -277,6 +277,7 @@ def main() -> None:
         "engine_cpu_us_per_req": res["direct"]["server_cpu_us_per_req"][0],
         "calibration_loop_ns": sorted(calibs)[len(calibs) // 2],
         "calibration_loop_ns_max": max(calibs),
+        "load_average_1min_at_end": os.getloadavg()[0],
         "errors": sum(r[k]["errors"] for r in res.values() for k in ("latency", "throughput")),
     }
     try:
