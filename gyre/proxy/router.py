@@ -173,23 +173,22 @@ class Router:
 
     async def drain(self, name: str) -> int:
         """Take `name` out of rollout; move its in-flight calls to retained engines. Returns how
-        many calls were moved. Returns once no call is running on it."""
+        many calls were moved, once no call is running on it (or `resume` cancelled the drain)."""
         slot = self._slot(name)
         if slot.state is SlotState.ACTIVE:
             slot.set_state(SlotState.DRAINING)
         moved = 0
         loop = asyncio.get_running_loop()
-        while slot.inflight:
-            for running in list(slot.inflight.values()):
-                if running.drained:
-                    continue
+        while slot.inflight and slot.state is SlotState.DRAINING:  # resume() cancels a drain
+            batch = [r for r in slot.inflight.values() if not r.drained]
+            for running in batch:
                 running.drained = True
                 running.abort_result = loop.create_future()
-                moved += 1
-                try:
-                    result = await slot.engine.abort(running.request_id)
-                except Exception as e:  # the engine is going away anyway; continue from what we saw
-                    logger.warning("router: abort of %s on %s failed: %r", running.request_id, name, e)
+            moved += len(batch)
+            results = await asyncio.gather(*(slot.engine.abort(r.request_id) for r in batch), return_exceptions=True)
+            for running, result in zip(batch, results):
+                if isinstance(result, BaseException):  # going away anyway: continue from what was seen
+                    logger.warning("router: abort of %s on %s failed: %r", running.request_id, name, result)
                     result = None
                 if not running.abort_result.done():
                     running.abort_result.set_result(result)
