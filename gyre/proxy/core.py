@@ -147,6 +147,8 @@ class Call:
             completed = True
         except NoEngineError as e:
             raise ApiError(503, "overloaded", f"no rollout engine: {e}") from None
+        except ValueError as e:  # the engine refused the request (e.g. over its own length limit)
+            raise ApiError(400, "invalid_request", f"the engine rejected the request: {e}") from None
         finally:
             await gen.aclose()
             self._finish(completed, stopper.matched)

@@ -306,7 +306,8 @@ class HttpEngine:
                     *lines, pending = pending.split(b"\n")
                     for line in lines:
                         if line.startswith(b"error "):
-                            raise RuntimeError(f"engine {self.name}: {line[6:].decode(errors='replace').strip()}")
+                            msg = line[6:].decode(errors="replace").strip()
+                            raise (ValueError if msg.startswith("ValueError:") else RuntimeError)(f"engine {self.name}: {msg}")
                         f = line.split()
                         fin = f[3].decode() if len(f) > 3 else None
                         yield TokenEvent(token_id=int(f[0]), logprob=float(f[1]), version=int(f[2]), finish_reason=fin)

@@ -170,7 +170,8 @@ class MuxClient:
                     elif kind == "e":
                         batch.setdefault(rid, []).append(_END)
                     elif kind == "x":
-                        batch.setdefault(rid, []).append(RuntimeError(f"engine {self.name}: {rest}"))
+                        cls = ValueError if rest.startswith("ValueError:") else RuntimeError
+                        batch.setdefault(rid, []).append(cls(f"engine {self.name}: {rest}"))
                     elif kind == "a":
                         for fut in self.aborts.pop(rid, []):
                             if not fut.done():

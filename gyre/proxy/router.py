@@ -286,6 +286,8 @@ class Router:
                     await stream.aclose()
             except (asyncio.CancelledError, GeneratorExit):
                 raise
+            except ValueError:
+                raise  # the engine rejected the request itself: another engine would too
             except Exception as e:
                 failed = True
                 self.engine_failures += 1

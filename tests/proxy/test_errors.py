@@ -142,3 +142,20 @@ def test_client_disconnect_mid_stream_frees_engine_and_records_abort(make_server
     assert proxy.execution_stats("ex-gone")["aborted_calls"] == 1 and slow.load() == 0
     # the aborted turn is not offered for splicing (the client never saw it whole)
     assert not proxy.executions["ex-gone"].turns
+
+
+class _Picky(DeterministicEngine):
+    async def generate(self, request_id, input_ids, sampling):
+        if len(input_ids) > 25:
+            raise ValueError(f"prompt of {len(input_ids)} tokens is over this engine's limit")
+        async for ev in super().generate(request_id, input_ids, sampling):
+            yield ev
+
+
+def test_engine_rejection_is_a_400_not_a_reroute_storm(make_server):
+    proxy, h = make_server([(_Picky("picky"), "cell", 0), (_Picky("picky2"), "pool", 0)])
+    key = proxy.issue_key("ex-picky")
+    with httpx.Client(base_url=h.url, headers={"Authorization": f"Bearer {key}"}) as c:
+        err = _oa_err(c.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "long " * 20}]}), 400)
+        assert "limit" in err["message"]
+    assert proxy.router.reroutes == 0 and proxy.router.engine_failures == 0
