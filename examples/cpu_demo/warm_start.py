@@ -1,8 +1,7 @@
 """Supervised warm start for the cpu_demo: teach a tiny model the tool-call format, not the answers.
 
 A model built from a config cannot follow a tool-call format, so before RL it is trained for
-a few hundred steps (well under a minute on 2 cores) on demonstrations produced by running the
-real harness loop (harness.Agent) against the scripted policy (policy.py), rendered with the
+200 steps of 4 conversations on demonstrations produced by running the real harness loop (harness.Agent) against the scripted policy (policy.py), rendered with the
 proxy's own chat template. The demonstrations write the right number only with probability
 `correct_prob` (default 0.25) and a random 2..7 otherwise, so the warm-started model writes
 well-formed calls with mostly wrong values: its reward starts low and RL has room to raise it.
@@ -10,7 +9,11 @@ well-formed calls with mostly wrong values: its reward starts low and RL has roo
     python -m examples.cpu_demo.warm_start --out runs/cpu_demo/warm_start
 
 writes an HF checkpoint (config.json + model.safetensors) and `warm_start.json` (loss curve,
-demo statistics, and the warm-started model's own measured reward and tool-call validity).
+demo statistics, and the warm-started model's own measured reward, tool-call validity and
+value accuracy). Measured (tiny preset, 300 steps, on 2 cores shared with a load average of
+~17): loss 6.94 → 0.054 (flat after ~150 steps), 1245 s of training, 92 % of the model's own
+sampled calls valid, value accuracy 0.19, reward 0.125 over 4 episodes; the demonstrations
+themselves score 0.33.
 """
 
 from __future__ import annotations
@@ -184,7 +187,7 @@ def train(model, batches: list[tuple[list[int], list[bool]]], steps: int, lr: fl
     return losses
 
 
-def warm_start(out: str, *, episodes: int = 120, steps: int = 300, batch_size: int = 4, lr: float = 5e-3,
+def warm_start(out: str, *, episodes: int = 120, steps: int = 200, batch_size: int = 4, lr: float = 5e-3,
                correct_prob: float = 0.25, compact_at: int = 650, preset: str = "tiny", seed: int = 0,
                eval_episodes: int = 4) -> dict[str, Any]:
     from gyre.backends.models import build_model, model_config, save_checkpoint
@@ -246,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="supervised warm start of the cpu_demo model")
     p.add_argument("--out", default="runs/cpu_demo/warm_start")
     p.add_argument("--episodes", type=int, default=120)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=200)
     p.add_argument("--correct-prob", type=float, default=0.25)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--seed", type=int, default=0)
