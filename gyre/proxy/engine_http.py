@@ -261,7 +261,9 @@ class HttpEngine:
             self._mux = None
         async with self._mux_lock:
             if self._mux is None or self._mux.closed:
-                ws = await self._sess().ws_connect(self.url + "/ws", max_msg_size=0, autoping=True)
+                # heartbeat: a silent peer (host gone, network cut) is noticed within ~90 s and
+                # its calls rerouted; generous so a busy engine loop is not mistaken for a dead one.
+                ws = await self._sess().ws_connect(self.url + "/ws", max_msg_size=0, autoping=True, heartbeat=60.0)
                 self._mux = MuxClient(ws, self.name)
             return self._mux
 
