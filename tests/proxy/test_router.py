@@ -207,3 +207,31 @@ def test_key_registry_validates_ids_and_revokes():
     assert reg.lookup(k) is None and reg.lookup(k2) is None
     with pytest.raises(ValueError):
         reg.issue("ex-2", key=k)  # a revoked key is never handed out again
+
+
+class _SlowAbort(DeterministicEngine):
+    async def abort(self, request_id):
+        await asyncio.sleep(0.05)
+        return await super().abort(request_id)
+
+
+def test_resume_during_drain_cancels_it_and_calls_still_complete():
+    async def main():
+        r = Router()
+        a = _SlowAbort("A", salt=4, token_delay=0.002)
+        r.add_engine(a, kind="cell", index=1)
+        r.add_engine(DeterministicEngine("B", salt=4, token_delay=0.002), kind="pool")
+        r.slots["B"].served = 10**6  # first picks go to A
+        calls = [asyncio.create_task(_collect_ex(r, f"k{i}", f"e{i}", [i + 7], SamplingParams(max_tokens=40))) for i in range(3)]
+        await asyncio.sleep(0.02)
+        drain = asyncio.create_task(r.drain("A"))
+        await asyncio.sleep(0.01)
+        r.resume("A")  # the cell came back before its calls had left
+        moved = await asyncio.wait_for(drain, 5)
+        outs = await asyncio.gather(*calls)
+        return r, moved, outs
+
+    r, moved, outs = asyncio.run(main())
+    assert r.slots["A"].state is SlotState.ACTIVE and moved == 3
+    for i, out in enumerate(outs):
+        assert [e.token_id for e in out] == [e.token_id for e in reference(4, [i + 7], 40)]
