@@ -7,6 +7,7 @@ states make the switch visible and measurable:
                                 │           │          ▲
                                 │           └► PUBLISHING (core only, burst end)
                                 └──────────────────────┘  (burst ended before it claimed work)
+    PUBLISHING ──► TRAIN   (async mode: the core publishes and keeps training)
 
     ROLLOUT     the cell's engine serves model calls.
     DRAINING    the proxy reroutes the engine's in-flight calls to retained engines; the engine
@@ -43,7 +44,7 @@ LEGAL: dict[CellState, frozenset[CellState]] = {
     CellState.DRAINING: frozenset({CellState.JOINING}),
     CellState.JOINING: frozenset({CellState.TRAIN, CellState.RESUMING}),
     CellState.TRAIN: frozenset({CellState.PUBLISHING, CellState.RESUMING}),
-    CellState.PUBLISHING: frozenset({CellState.RESUMING}),
+    CellState.PUBLISHING: frozenset({CellState.RESUMING, CellState.TRAIN}),
     CellState.RESUMING: frozenset({CellState.ROLLOUT}),
 }
 

@@ -212,6 +212,7 @@ class Controller:
                 self.switch_sent[d.cell] = time.time()
                 self._spawn(self._switch_to_train(d.cell))
             elif isinstance(d, SwitchToRollout):
+                self.pending.discard(d.cell)  # no more work for it this burst
                 self.switch_sent[d.cell] = time.time()
                 self._send_cell(d.cell, {"cmd": "to_rollout", "version": self.sched.published})
             elif isinstance(d, OptimizerStep):
@@ -259,7 +260,8 @@ class Controller:
                                   "staleness": [d.step - self.group_version[g] for g in groups]}
         for c in range(k):
             self.pending.discard(c)
-            self._send_cell(c, {"cmd": "reduce", "step": d.step, "k": k, "final": d.final_in_burst})
+            self._send_cell(c, {"cmd": "reduce", "step": d.step, "k": k, "final": d.final_in_burst,
+                                "stay": self.cfg.scheduler.mode == "async"})
 
     def _serve_pending(self) -> None:
         for cell in sorted(self.pending):

@@ -122,6 +122,7 @@ class CellWorker:
 
     def _on_reduce(self, msg: dict[str, Any]) -> None:
         step, k, final = msg["step"], msg["k"], msg["final"]
+        stay = msg.get("stay", False)  # async mode: training cells keep training after a publish
         if self.sm.state is CellState.JOINING:  # joined, trained nothing: still in the step's group
             self._to(CellState.TRAIN, f"step {step} (no work)")
         group = self.groups.prefix(k)
@@ -145,7 +146,9 @@ class CellWorker:
             if final:
                 self._to(CellState.PUBLISHING, f"version {step + 1}")
             self._report("step_done", step=step, stats=stats)
-        if not final:
+            if final and stay:
+                self._to(CellState.TRAIN, "publish done, training on")
+        if not final or stay:
             self._report("request_work")
 
     def _on_to_rollout(self, msg: dict[str, Any]) -> None:
