@@ -99,19 +99,14 @@ class EvaluatorConfig:
 
 @dataclass(kw_only=True)
 class DatasetConfig:
-    """Where tasks come from and how many executions each query gets."""
+    """Where tasks come from. (N, the executions per query, is `scheduler.n_per_group`; the task
+    order is seeded by the run's `--seed`.)"""
 
     path: str = ""
     """JSONL file of tasks (see `gyre.executions.tasks.Task` for the fields)."""
 
-    group_size: int = 16
-    """N: executions per task (one group, DESIGN §2)."""
-
     shuffle: bool = True
     """Visit tasks in a seeded random order each epoch."""
-
-    seed: int = 0
-    """Seed of the task order."""
 
 
 @dataclass(kw_only=True)
