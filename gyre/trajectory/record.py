@@ -37,9 +37,9 @@ class CallRecord:
                                    mid-call changes it for later tokens)
       message_starts   [M] int32   offsets into input_ids where each chat message starts, when
                                    the renderer knows them (empty otherwise)
-      input_sampled    [I] bool    optional: True where the proxy spliced in original sampled
-                                   ids of an earlier assistant turn (informational; the tree
-                                   decides provenance by exact prefix match, not by this flag)
+    Where the proxy spliced original sampled ids into the input is recorded in
+    payload_ref["spliced_spans"] (informational: the tree decides provenance by exact prefix
+    match against earlier outputs, not by this).
     """
 
     execution_id: str
