@@ -83,6 +83,9 @@ setup(
             "openai>=1.40",
             "anthropic>=0.40",
             "mini-swe-agent",
+            # Mooncake over TCP (the snapshot transport test; it also needs Debian's libibverbs1
+            # and `unshare --net`, and skips with the reason where either is missing).
+            "mooncake-transfer-engine-non-cuda",
         ],
         # GPU backends. Installed on GPU machines only; never imported by the CPU path.
         "gpu": [
