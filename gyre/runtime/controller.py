@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -28,13 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from gyre.cell import CellState
 from gyre.control import CONTROLLER, ControlPlane
 from gyre.executions.evaluator import Evaluator, RewardStatus
 from gyre.executions.runner import EventKind, ExecutionEvent, HarnessRunner
 from gyre.executions.tasks import Dataset, ExecutionSpec
-from gyre.metrics import MetricsWriter, plot_role_timeline
+from gyre.metrics import MetricsWriter, plot_role_timeline, read_metrics, reward_trend
 from gyre.proxy import Proxy, StoreSink, start_proxy
 from gyre.proxy.engine_http import HttpEngine
 from gyre.runtime.samples import group_work, merge_metrics, summarize_metrics
@@ -272,11 +274,9 @@ class Controller:
             bundle = self.work[w.group][w.item]
             self.step_claims[w.step].append(cell)
             if self.cfg.train.audit_dir:
-                import torch
-
                 path = Path(self.cfg.train.audit_dir) / f"step_{w.step:06d}"
                 path.mkdir(parents=True, exist_ok=True)
-                torch.save({"cell": cell, "bundle": bundle}, path / f"bundle_{w.group}_{w.item}.pt")
+                torch.save({"cell": cell, "bundle": bundle}, path / f"bundle_{w.group}_{w.item}.pt")  # debug dump
             for r in self._cell_ranks(cell):
                 key = f"ms/{w.step}/{w.group}/{w.item}/{r}"
                 self.cp.put_blob(key, bundle)
@@ -459,10 +459,6 @@ class Controller:
             "staleness_by_step": {str(s): i["staleness"] for s, i in sorted(self.step_info.items())},
             "expected_staleness": self.cfg.scheduler.expected_staleness,
         }
-        import json
-
-        from gyre.metrics import read_metrics, reward_trend
-
         rows = read_metrics(str(self.run_dir / "metrics.jsonl"))
         if len(rows) >= 2:
             try:
