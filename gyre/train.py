@@ -13,7 +13,6 @@ prefix group).
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 

@@ -11,7 +11,6 @@ as a list indexed by rank.
 from __future__ import annotations
 
 import os
-import tempfile
 import uuid
 from typing import Any, Callable
 
@@ -31,7 +30,6 @@ def _rank_main(fn: Callable[..., Any], args: tuple, init: bool) -> Any:
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, init: bool = True, timeout: float = 120.0) -> list[Any]:
     """Run `fn(*args)` on `world_size` gloo ranks; return the per-rank results, rank order."""
-    log_dir = tempfile.mkdtemp(prefix="gyre-ranks-")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

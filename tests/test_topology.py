@@ -1,6 +1,5 @@
 """Topology: pure layout and validation (no torch.distributed)."""
 
-from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings, strategies as st

@@ -35,7 +35,7 @@ from gyre.cell import CellState
 from gyre.control import CONTROLLER, ControlPlane
 from gyre.executions.evaluator import Evaluator, RewardStatus
 from gyre.executions.runner import EventKind, ExecutionEvent, HarnessRunner
-from gyre.executions.tasks import Dataset, ExecutionSpec
+from gyre.executions.tasks import Dataset
 from gyre.metrics import MetricsWriter, plot_role_timeline, read_metrics, reward_trend
 from gyre.proxy import Proxy, StoreSink, start_proxy
 from gyre.proxy.engine_http import HttpEngine
