@@ -1,16 +1,15 @@
 """Control plane over the store torchrun provides (DESIGN §1, §3): no ad-hoc sockets.
 
-Two things travel here, both small:
+Three small things travel here:
 
-* **Mailboxes.** `send(dst_rank, msg)` / `recv()`: one FIFO queue per rank (the store's
-  queue_push / queue_pop), carrying commands from the controller ("drain", "train", "resume",
-  "stop") and reports back to it ("joined", "rolled_back", "metrics").
-* **The step board.** For optimizer step s the core publishes packed micro-steps as they become
-  ready (streaming training); every training cell *claims* the next index with one atomic
-  `store.add`, so each micro-step is trained exactly once, by whichever cell is free. When all of
-  the step's micro-steps are published the core closes the window, recording k (the cells in
-  the step, always a prefix 0..k−1); a claim past the end then returns None and the cell
-  proceeds to the gradient reduction over the prefix group of k.
+* **Mailboxes.** `send(dst, msg)` / `recv()`: one FIFO queue per rank and one for the
+  controller (the store's queue_push / queue_pop), carrying commands from the controller
+  ("to_train", "work", "reduce", "to_rollout", "load", "stop") and reports back to it
+  ("transition", "joined", "request_work", "work_done", "step_done", "rolled_back").
+* **Blobs.** A granted micro-step bundle is put under a key and taken (read and deleted) by the
+  cell it was granted to; the grant message on the same store connection comes after the put,
+  so the taker always finds it.
+* **The snapshot board.** The core's parameters by version, readable one-sidedly.
 
 Polling with a short sleep keeps the store's own timeout machinery (and its socket warnings) out
 of the way; a wait that lasts longer than `progress_every` seconds is logged, so a hang is never
@@ -78,44 +77,6 @@ class ControlPlane:
                 logger.info("rank %d still waiting for %s (%.0fs)", self.rank, what, now - start)
                 last = now
             time.sleep(self.poll)
-
-    # ------------------------------------------------------------------ step board
-    def publish_microstep(self, step: int, index: int, micro_step: Any) -> None:
-        buf = io.BytesIO()
-        torch.save(micro_step, buf)
-        self.store.set(f"step/{step}/ms/{index}", buf.getvalue())
-
-    def close_step(self, step: int, total: int, k: int) -> None:
-        """No more micro-steps for `step` (there are `total`); cells 0..k−1 are in it."""
-        self.store.set(f"step/{step}/closed", pickle.dumps((total, k)))
-
-    def step_closure(self, step: int) -> tuple[int, int] | None:
-        key = f"step/{step}/closed"
-        return pickle.loads(self.store.get(key)) if self.store.check([key]) else None
-
-    def claim(self, step: int, timeout: float | None = None) -> tuple[int, Any] | None:
-        """Claim the next micro-step of `step`: (index, micro_step), or None once the step is
-        closed and every micro-step has been claimed."""
-        index = self.store.add(f"step/{step}/claimed", 1) - 1
-        key = f"step/{step}/ms/{index}"
-
-        def probe():
-            if self.store.check([key]):
-                return ("ms",)
-            closure = self.step_closure(step)
-            if closure is not None and index >= closure[0]:
-                return ("end",)
-            return None
-
-        got = self._wait(probe, timeout, f"micro-step {index} of step {step}")
-        if got[0] == "end":
-            return None
-        data = self.store.get(key)
-        self.store.delete_key(key)
-        return index, torch.load(io.BytesIO(data), weights_only=False)
-
-    def wait_closure(self, step: int, timeout: float | None = None) -> tuple[int, int]:
-        return self._wait(lambda: self.step_closure(step), timeout, f"the close of step {step}")
 
     # ------------------------------------------------------------------ blobs
     def put_blob(self, key: str, obj: Any) -> None:

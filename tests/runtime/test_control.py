@@ -1,13 +1,10 @@
-"""Control plane on real ranks: FIFO mailboxes, and every micro-step claimed exactly once."""
-
-import threading
-import time
+"""Control plane on real ranks: FIFO mailboxes, blobs to their taker, the snapshot board."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from gyre.control import ControlPlane, default_store
+from gyre.control import ControlPlane, SnapshotBoard, default_store
 from tests.distributed import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -30,37 +27,27 @@ def test_mailboxes_are_fifo_per_sender():
         assert {m["from"] for m in got} == {(rank - 1) % 3}
 
 
-def _claims(total, steps):
+def _blobs_and_board():
     rank = dist.get_rank()
-    cp = ControlPlane(default_store(), rank)
-    mine = []
-    for step in range(steps):
-        publisher = None
-        if rank == 0:
-            # As in a run: the controller thread publishes micro-steps as they are packed
-            # (streaming) and closes the window; the core's main thread claims like everyone.
-            def publish(cp=cp.clone(), step=step):
-                for i in range(total):
-                    cp.publish_microstep(step, i, {"step": step, "i": i, "x": torch.full((3,), float(i))})
-                    time.sleep(0.002)
-                cp.close_step(step, total, k=dist.get_world_size())
-
-            publisher = threading.Thread(target=publish)
-            publisher.start()
-        while (got := cp.claim(step, timeout=30)) is not None:
-            mine.append((step, got[0], got[1]["i"], got[1]["x"].sum().item()))
-        assert cp.wait_closure(step, timeout=30) == (total, dist.get_world_size())
-        if publisher is not None:
-            publisher.join()
-    dist.barrier()
-    return mine
+    store = default_store()
+    cp, board = ControlPlane(store, rank), SnapshotBoard(store)
+    if rank == 0:
+        params = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.tensor([1, 2, 3])}
+        board.put(0, params)
+        for r in (1, 2):
+            cp.put_blob(f"x/{r}", {"r": r, "t": torch.full((2,), float(r))})
+            cp.send(r, {"key": f"x/{r}"})
+        dist.barrier()
+        return None
+    msg = cp.recv(timeout=60)
+    blob = cp.take_blob(msg["key"])
+    dist.barrier()  # after rank 0 put version 0 (put ends with a round trip, see SnapshotBoard)
+    snap = board.get(0)
+    return blob["r"], blob["t"].tolist(), snap["w"].tolist(), snap["b"].tolist()
 
 
-def test_every_microstep_claimed_exactly_once():
-    total, steps = 17, 3
-    out = run_ranks(_claims, 4, total, steps)
-    claimed = sorted((s, i) for rank in out for (s, i, _, _) in rank)
-    assert claimed == [(s, i) for s in range(steps) for i in range(total)]
-    for rank in out:
-        for s, i, payload_i, xsum in rank:
-            assert payload_i == i and xsum == 3.0 * i  # the payload that was published under i
+def test_blobs_reach_their_taker_and_the_board_is_read_one_sidedly():
+    out = run_ranks(_blobs_and_board, 3)
+    for r in (1, 2):
+        assert out[r] == (r, [float(r)] * 2, [[float(4 * i + j) for j in range(4)] for i in range(3)], [1, 2, 3])
+
