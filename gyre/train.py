@@ -93,7 +93,7 @@ def train(cfg: Any, topo: Topology, groups: Groups) -> None:
         return actor
 
     worker = CellWorker(topo, groups, control, board, engine_host, make_actor, checkpoint_dir=str(ckpt_dir),
-                        audit_dir=cfg.train.audit_dir)
+                        checkpoint_every=cfg.train.checkpoint_every, audit_dir=cfg.train.audit_dir)
     worker.actor = core_actor
     controller = None
     if topo.is_controller:

@@ -43,9 +43,11 @@ class CellWorker:
         make_actor: Callable[[bool], Any],
         *,
         checkpoint_dir: str | None = None,
+        checkpoint_every: int = 0,
         audit_dir: str = "",
     ) -> None:
         self.audit_dir = audit_dir
+        self.checkpoint_every = checkpoint_every
         self.topo, self.groups, self.cp, self.board = topo, groups, control, board
         self.engine = engine_host
         self.make_actor = make_actor
@@ -135,20 +137,25 @@ class CellWorker:
             self.board.put(self.actor.version, self.actor.export_parameters())
         else:
             self.actor.zero_grad()
-        if not final and k > 1:
+        keeps_training = not final or stay
+        if keeps_training and k > 1:
             # New parameters to the satellites of the step (DESIGN §3), over the same group.
             params = TorchDistTransport(group, src=self.topo.cell_ranks(0)[self.topo.position]).share(
                 self.actor.export_parameters() if self.topo.is_core else None)
             if not self.topo.is_core:
                 self.actor.import_parameters(params)
-        self.actor.version = step + 1
+        if self.topo.is_core or keeps_training:
+            self.actor.version = step + 1  # a satellite going back to rollout keeps its old version,
+            # so the next time it joins it pulls the core's snapshot from the board
+        if self.topo.is_core and self.checkpoint_every and (step + 1) % self.checkpoint_every == 0:
+            self._checkpoint()
         if self.topo.is_core:
             if final:
                 self._to(CellState.PUBLISHING, f"version {step + 1}")
             self._report("step_done", step=step, stats=stats)
             if final and stay:
                 self._to(CellState.TRAIN, "publish done, training on")
-        if not final or stay:
+        if keeps_training:
             self._report("request_work")
 
     def _on_to_rollout(self, msg: dict[str, Any]) -> None:
@@ -166,11 +173,15 @@ class CellWorker:
         self.version = msg["version"]
         self._report("loaded", version=msg["version"])
 
-    def _on_stop(self, msg: dict[str, Any]) -> bool:
-        if self.topo.is_core and self.actor is not None and self.checkpoint_dir:
+    def _checkpoint(self) -> None:
+        if self.checkpoint_dir:
             path = f"{self.checkpoint_dir}/step_{self.actor.version:06d}"
             self.actor.save_checkpoint(path)
             logger.info("checkpoint written to %s", path)
+
+    def _on_stop(self, msg: dict[str, Any]) -> bool:
+        if self.topo.is_core and self.actor is not None:
+            self._checkpoint()
         if self.engine is not None:
             self.engine.stop()
         self.cp.send(CONTROLLER, {"kind": "stopped", "cell": self.cell, "rank": self.topo.rank,

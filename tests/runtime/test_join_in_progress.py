@@ -2,8 +2,9 @@
 workers, control plane, snapshot board and CPU actors; the controller's part is scripted so the
 join is deterministic: the core trains the step's first micro-step, *then* cell 1 is switched
 to training, pulls the core's current snapshot, and claims the rest. The update of that step must
-equal training every micro-step on the core alone (≤ 1e-6), and a second, non-final step
-(whose new parameters are broadcast over the prefix group) must agree as well.
+equal training every micro-step on the core alone (≤ 1e-6); so must a non-final step (whose new
+parameters are broadcast over the prefix group), the burst's final step, and the first step of
+the next burst, for which the satellite must pull the core's new snapshot again.
 """
 
 import threading
@@ -65,7 +66,7 @@ def _drive(cp: ControlPlane, steps: list[list], audit: dict) -> None:
             m = cp.recv(timeout=120)
             if m["kind"] == kind and (cell is None or m["cell"] == cell):
                 return m
-            if m["kind"] not in ("transition", "request_work", "work_done", "joined"):
+            if m["kind"] not in ("transition", "request_work", "work_done", "joined", "rolled_back"):
                 raise AssertionError(f"unexpected {m}")
 
     def grant(cell, step, i, bundle):
@@ -90,6 +91,19 @@ def _drive(cp: ControlPlane, steps: list[list], audit: dict) -> None:
         for c in (0, 1):
             cp.send(c, {"cmd": "reduce", "step": step, "k": 2, "final": final})
         expect("step_done", 0)
+    # Burst end: both back to rollout; next burst both join again and train step 3 (final). The
+    # satellite last trained at version 2 and must pull version 3 from the board, not reuse its own.
+    for c in (0, 1):
+        cp.send(c, {"cmd": "to_rollout", "version": 3})
+        expect("rolled_back", c)
+    for c in (0, 1):
+        cp.send(c, {"cmd": "to_train"})
+        expect("joined", c)
+    for i, b in enumerate(steps[3]):
+        grant(1 - i % 2, 3, i, b)
+    for c in (0, 1):
+        cp.send(c, {"cmd": "reduce", "step": 3, "k": 2, "final": True})
+    expect("step_done", 0)
     for r in range(dist.get_world_size()):
         cp.send(r, {"cmd": "stop"})
 
@@ -125,7 +139,7 @@ def _rank(tmp: str):
     driver = None
     if rank == 0:
         driver = threading.Thread(target=_drive, args=(ControlPlane(store.clone(), CONTROLLER),
-                                                       [_bundles(s) for s in (11, 12, 13)], audit))
+                                                       [_bundles(s) for s in (11, 12, 13, 14)], audit))
         driver.start()
     while worker.handle(cp.recv(timeout=300)):
         pass
@@ -145,7 +159,7 @@ def test_satellite_joins_mid_step_and_matches_core_alone(tmp_path):
     assert out[2] is None  # cell 2 never left rollout: outside the prefix, never blocked
     cells = [c for c, _ in audit[0]]
     assert cells[0] == 0 and 1 in cells[1:]  # the core started the step alone; cell 1 joined it
-    for step in (0, 1, 2):
+    for step in (0, 1, 2, 3):
         before = torch.load(tmp_path / "audit" / f"before_{step:06d}.pt", weights_only=False)
         after = torch.load(tmp_path / "audit" / f"after_{step:06d}.pt", weights_only=False)
         alone = CpuActor(build_model(_config()), is_core=True)
