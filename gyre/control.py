@@ -45,10 +45,6 @@ class ControlPlane:
         self.poll = poll
         self.progress_every = progress_every
 
-    def clone(self) -> "ControlPlane":
-        """A handle for another thread (store clients are not shared across threads)."""
-        return ControlPlane(self.store.clone(), self.rank, poll=self.poll, progress_every=self.progress_every)
-
     # ------------------------------------------------------------------ mailboxes
     def send(self, dst: int | str, msg: dict[str, Any]) -> None:
         """Queue `msg` for mailbox `dst` (a rank, or CONTROLLER)."""

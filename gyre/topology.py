@@ -195,9 +195,3 @@ class Groups:
         if k == 1:
             return None
         return self.prefix_by_k[(k, t.position if position is None else position)]
-
-    def own_cell(self) -> Any | None:
-        t = self.topology
-        if t.is_pool:
-            return self.pool[(t.rank - t.num_cells * t.cell_size) // t.cell_size]
-        return self.cells[t.cell]
