@@ -48,7 +48,8 @@ class TrainConfig:
     """The training loop (DESIGN §2, §5–6)."""
 
     steps: int = 6
-    """Optimizer steps to run (a multiple of scheduler.mu ends on a publish)."""
+    """Optimizer steps of the whole run, counted across resumes: a run resumed at version v trains
+    steps − v more (a multiple of scheduler.mu ends on a publish)."""
     max_tokens: int = 4096
     """Tokens per packed micro-step; an execution is kept in one micro-step when it fits."""
     j_max: int = 5
@@ -60,7 +61,8 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
     resume: bool = False
-    """Resume from the newest checkpoint in run_dir/checkpoints."""
+    """Resume from the newest checkpoint in run_dir/checkpoints: weights, optimizer state and
+    version (steps, versions and metrics.jsonl continue from it; the world size may differ)."""
     torch_threads: int = 1
     """torch intra-op threads per rank (CPU: ranks share the cores)."""
     drain_at_end_s: float = 60.0

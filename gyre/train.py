@@ -72,17 +72,20 @@ def train(cfg: Any, topo: Topology, groups: Groups) -> None:
         model, resumed = _initial_model(cfg.model, len(tokenizer), ckpt_dir, cfg.train.resume)
         core_actor = CpuActor(model, is_core=True, config=cfg.actor)
         if resumed is not None:
-            core_actor.load_checkpoint(str(resumed))
-            core_actor.version = 0  # the scheduler counts this run's versions from 0
-        board.put(0, core_actor.export_parameters())
-    dist.barrier(group=groups.control)  # blocking: snapshot 0 is on the board for every rank
+            core_actor.load_checkpoint(str(resumed))  # weights, optimizer state and version
+            if core_actor.version >= cfg.train.steps:
+                raise ValueError(f"--train.resume: {resumed} is already at version {core_actor.version} >= "
+                                 f"train.steps = {cfg.train.steps}; train.steps counts the whole run, raise it")
+        board.put(core_actor.version, core_actor.export_parameters())
+    dist.barrier(group=groups.control)  # blocking: the starting snapshot is on the board for every rank
 
-    params = board.get(0)
+    start_version = board.latest()  # 0, or the resumed checkpoint's version
+    params = board.get(start_version)
     model_cfg = core_actor.model.config if core_actor is not None else _config_of(cfg.model, len(tokenizer))
     engine_host = None
     if topo.position == 0:  # a cell's (or pool engine's) first rank serves its engine
         eos = tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT])
-        engine = CpuEngine(model_cfg, params, version=0, config=cfg.engine, eos_token_ids=eos)
+        engine = CpuEngine(model_cfg, params, version=start_version, config=cfg.engine, eos_token_ids=eos)
         engine.name = f"rank{topo.rank}"
         engine_host = EngineHost(engine, host=cfg.proxy.host)
         store.set(f"engine/{topo.rank}", engine_host.url)
@@ -97,7 +100,7 @@ def train(cfg: Any, topo: Topology, groups: Groups) -> None:
     worker.actor = core_actor
     controller = None
     if topo.is_controller:
-        controller = Controller(cfg, topo, store)
+        controller = Controller(cfg, topo, store, start_version=start_version)
         controller.start()
 
     while True:

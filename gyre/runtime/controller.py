@@ -82,8 +82,9 @@ class Controller:
     rank is told to stop, and the timeline and summary are written.
     """
 
-    def __init__(self, cfg: Any, topo: Topology, store: Any) -> None:
+    def __init__(self, cfg: Any, topo: Topology, store: Any, start_version: int = 0) -> None:
         self.cfg, self.topo, self.store = cfg, topo, store
+        self.start_version = start_version  # > 0 when resuming: steps and versions count on from it
         self.run_dir = Path(cfg.run_dir)
         self.error: BaseException | None = None
         self.summary: dict[str, Any] = {}
@@ -146,13 +147,21 @@ class Controller:
         if not ds.path:
             raise ValueError("executions.dataset.path is empty: give a JSONL of tasks (see examples/cpu_demo)")
         self.dataset = Dataset.from_jsonl(ds.path)
-        self.group_iter = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed)
+        if self.start_version:  # a resumed run: a fresh task order, and ids that cannot collide with the first run's
+            v = self.start_version
+            self.group_iter = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed + v,
+                                                       make_id=lambda task, k: f"{task.task_id}.r{v}.g{k}")
+        else:
+            self.group_iter = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed)
         runner_cfg = dataclasses.replace(cfg.executions.runner, run_dir=str(self.run_dir / "executions"))
         self.access = _ProxyAccess(self.proxy, self.proxy_handle.url)
         self.runner = HarnessRunner(runner_cfg, Evaluator(cfg.executions.evaluator), proxy=self.access,
                                     on_event=self._on_exec_event)
         self.sched = ElasticScheduler(sc, topo.num_cells, tc.cell_concurrency,
-                                      topo.num_pool_engines * tc.cell_concurrency, clock=WallClock())
+                                      topo.num_pool_engines * tc.cell_concurrency, clock=WallClock(),
+                                      start_version=self.start_version)
+        if not tc.resume:  # a fresh run replaces the run directory's metrics; a resumed one appends
+            (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         self.metrics = MetricsWriter(str(self.run_dir / "metrics.jsonl"))
         self.rng = np.random.default_rng(cfg.seed)
 
@@ -172,7 +181,7 @@ class Controller:
         self.timeline: dict[int, list[tuple[str, float]]] = defaultdict(list)
         self.switch_sent: dict[int, float] = {}
         self.latencies: dict[str, list[float]] = {"to_train": [], "to_rollout": []}
-        self.steps_done = 0
+        self.steps_done = self.start_version  # train.steps counts the whole run, across resumes
         self.stopping = False
         self.task_error: BaseException | None = None
         self.stopped: dict[int, dict] = {}

@@ -90,6 +90,8 @@ class ElasticScheduler:
         standalone_concurrency: C_s, the standalone pool's concurrency (0 = no pool).
         clock: a `SimClock` or `WallClock`; every log entry carries clock time.
         log: event log to append to (a new one by default).
+        start_version: the version the run starts at (a resumed run's checkpoint); step indices,
+            dispatch versions and publishes count on from it.
     """
 
     def __init__(
@@ -101,10 +103,13 @@ class ElasticScheduler:
         *,
         clock: Clock,
         log: EventLog | None = None,
+        start_version: int = 0,
     ) -> None:
         cfg.validate(num_cells)
         if cell_concurrency < 1:
             raise ValueError(f"cell_concurrency (C_e) must be >= 1, got {cell_concurrency}")
+        if start_version < 0:
+            raise ValueError(f"start_version must be >= 0, got {start_version}")
         if standalone_concurrency < 0:
             raise ValueError(f"standalone_concurrency (C_s) must be >= 0, got {standalone_concurrency}")
         self.cfg = cfg
@@ -117,9 +122,9 @@ class ElasticScheduler:
         self.groups: dict[int, _Group] = {}
         self._ready: list[tuple[int, int, int]] = []  # heap (v_d, ready seq, group)
         self._ready_seq = 0
-        self.version = 0  # optimizer steps done
-        self.published = 0
-        self.step = _Step(0)
+        self.version = start_version  # optimizer steps done (a resumed run counts on from its checkpoint)
+        self.published = start_version
+        self.step = _Step(start_version)
         self.supply_ticks = 0
         self.started_run = False
         self.staleness: list[int] = []  # d of every assigned group, in assignment order

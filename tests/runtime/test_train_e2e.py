@@ -4,7 +4,8 @@ cell → TITO → trajectory → streaming training with satellites joining → 
 One short run (module fixture), several properties checked on what it leaves behind:
   * no harness execution is aborted across role switches, while calls were rerouted;
   * measured staleness after the first burst equals φ + (μ−1)/2 (within 0.1);
-  * metrics.jsonl, summary.json and the role timeline PNG are well formed.
+  * metrics.jsonl, summary.json and the role timeline PNG are well formed;
+  * `--train.resume` on a smaller world continues the versions, steps and metrics of the run.
 """
 
 import json
@@ -35,19 +36,23 @@ def run(tmp_path_factory):
                                 "harness": [sys.executable, str(HARNESS), str(turns), str(tokens)],
                                 "evaluator": {"command": AWK_EVALUATOR}}) + "\n")
     run_dir = tmp / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "gyre.run",
-           "--job", "train", "--run-dir", str(run_dir), "--model.preset", "tiny", "--seed", "1",
-           "--executions.dataset.path", str(tasks), "--executions.runner.timeout-s", "300",
-           "--executions.runner.max-concurrency", "6",
-           "--scheduler.n-per-group", "3", "--scheduler.batch-groups", "2", "--scheduler.mu", str(MU),
-           "--scheduler.phi", str(PHI), "--scheduler.tick-s", "0.1", "--scheduler.tau", "1", "--scheduler.rho-min", "0.5",
-           "--train.steps", str(STEPS), "--train.max-tokens", "1400", "--engine.max-batch", "1", "--train.cell-concurrency", "8"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(_command(run_dir, tasks, nproc=4, steps=STEPS), cwd=ROOT, capture_output=True, text=True, timeout=900)
     (tmp / "log.txt").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"dir": run_dir, "rows": rows, "summary": summary}
+    return {"dir": run_dir, "rows": rows, "summary": summary, "tasks": tasks}
+
+
+def _command(run_dir: Path, tasks: Path, *, nproc: int, steps: int, extra: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "gyre.run",
+            "--job", "train", "--run-dir", str(run_dir), "--model.preset", "tiny", "--seed", "1",
+            "--executions.dataset.path", str(tasks), "--executions.runner.timeout-s", "300",
+            "--executions.runner.max-concurrency", "6",
+            "--scheduler.n-per-group", "3", "--scheduler.batch-groups", "2", "--scheduler.mu", str(MU),
+            "--scheduler.phi", str(PHI), "--scheduler.tick-s", "0.1", "--scheduler.tau", "1", "--scheduler.rho-min", "0.5",
+            "--train.steps", str(steps), "--train.max-tokens", "1400", "--engine.max-batch", "1",
+            "--train.cell-concurrency", "8", *extra]
 
 
 def test_outputs_are_well_formed(run):
@@ -75,3 +80,29 @@ def test_staleness_matches_closed_form_after_the_first_burst(run):
     d = [x for step, xs in by_step.items() if int(step) >= MU for x in xs]
     assert d, by_step
     assert abs(sum(d) / len(d) - (PHI + (MU - 1) / 2)) <= 0.1, by_step
+
+
+def test_resume_continues_versions_on_a_smaller_world(run):
+    """Resume the finished 6-step run on 2 ranks to 8 steps: the checkpoint's weights, optimizer
+    state and version carry over, so steps 6..7 are appended and the last checkpoint is version 8."""
+    from safetensors.torch import load_file
+
+    ckpts = sorted((run["dir"] / "checkpoints").glob("step_*"))
+    assert [c.name for c in ckpts] == [f"step_{STEPS:06d}"]
+    before = load_file(str(ckpts[-1] / "model.safetensors"))
+    proc = subprocess.run(_command(run["dir"], run["tasks"], nproc=2, steps=STEPS + MU, extra=("--train.resume",)),
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    rows = [json.loads(line) for line in (run["dir"] / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS + MU))  # appended, not restarted at 0
+    assert [r["version"] for r in rows[STEPS:]] == [STEPS + 1, STEPS + 2]
+    # Groups trained after resuming were dispatched at the resumed version or later.
+    assert all(d >= 0 for r in rows[STEPS:] for d in r["staleness"]), rows[STEPS:]
+    last = run["dir"] / "checkpoints" / f"step_{STEPS + MU:06d}"
+    assert json.loads((last / "gyre_actor.json").read_text())["version"] == STEPS + MU
+    after = load_file(str(last / "model.safetensors"))
+    assert any(not (after[k] == before[k]).all() for k in before), "resumed run did not train"
+    # Training again to the same total is refused with a message naming the field.
+    again = subprocess.run(_command(run["dir"], run["tasks"], nproc=2, steps=STEPS + MU, extra=("--train.resume",)),
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode != 0 and "train.steps" in again.stderr + again.stdout
