@@ -39,6 +39,14 @@ class CpuEngineConfig:
     """torch intra-op threads (process-wide) set when the engine starts; 0 leaves torch's
     setting. 1 by default: with other ranks on the same cores, OpenMP oversubscription makes a
     2-thread decode step ~10× slower than a 1-thread one (measured on the 2-core dev machine)."""
+    min_decode_step_s: float = 0.0
+    """Emulated accelerator (benchmarks on shared CPUs; 0 = off): every decode step lasts at least
+    this long — the engine sleeps the rest of the floor after the step's compute, before its tokens
+    are emitted. One engine then yields at most max_batch tokens per min_decode_step_s, like a
+    GPU engine whose step time barely depends on the batch, and a cell's rollout throughput no
+    longer depends on how many ranks share the CPU cores. Only meaningful while the compute of a
+    step stays below the floor (steps that overran it are counted in health()["slow_steps"] and
+    logged)."""
 
 
 @dataclass(kw_only=True)
@@ -59,6 +67,13 @@ class CpuActorConfig:
     """GSPO clip: execution ratio upper bound 1 + eps_high."""
     cap: float = 5.0
     """Token importance-weight cap C."""
+    min_s_per_ktok: float = 0.0
+    """Emulated accelerator (benchmarks on shared CPUs; 0 = off): forward_backward of a micro-step
+    lasts at least (its packed tokens / 1000) × this many seconds — the actor sleeps the rest after
+    the compute. Training time is then set by tokens, as on a GPU, and k cells training a step's
+    micro-steps in parallel take 1/k of the wall time even when all ranks share two CPU cores.
+    Only meaningful while the compute stays below the floor (overruns are counted in
+    `CpuActor.pace_overruns` and logged)."""
 
 
 @dataclass(kw_only=True)

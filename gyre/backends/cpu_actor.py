@@ -11,6 +11,9 @@ sends its parameters to the satellites (`gyre.backends.transfer`).
     actor.reduce_gradients(prefix_group)          # None when the core trains alone
     if actor.is_core:
         actor.optimizer_step(max_grad_norm=1.0)
+
+With `CpuActorConfig.min_s_per_ktok` > 0 (emulated accelerator, benchmarks only) a micro-step's
+forward_backward lasts at least tokens/1000 × that: the actor sleeps the rest after computing.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -41,6 +45,8 @@ class CpuActor:
         self.model.train()
         self._params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer: torch.optim.Optimizer | None = None
+        self.paced_s = 0.0  # seconds slept to hold micro-steps at min_s_per_ktok
+        self.pace_overruns = 0  # micro-steps whose compute alone exceeded their floor
         if is_core:
             c = self.config
             self.optimizer = torch.optim.AdamW(self._params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
@@ -75,6 +81,7 @@ class CpuActor:
         from gyre.loss import gspo_loss
 
         ms = micro_step
+        t0 = time.perf_counter()
         if ms.advantages.numel() > ms.num_executions:
             raise ValueError(f"micro-step {ms.step}/{ms.index}: its execution table has {ms.advantages.numel()} entries, "
                              f"more than |E| = num_executions = {ms.num_executions}")
@@ -88,7 +95,23 @@ class CpuActor:
         out = {k: float(v) for k, v in metrics.items()}
         out["loss"] = float(loss.detach())
         out["tokens"] = float(ms.num_tokens)
+        self._pace(ms.num_tokens, time.perf_counter() - t0)
         return out
+
+    def _pace(self, tokens: int, compute_s: float) -> None:
+        """Emulated accelerator: hold the micro-step to tokens/1000 × min_s_per_ktok (off at 0)."""
+        per_ktok = self.config.min_s_per_ktok
+        if per_ktok <= 0:
+            return
+        floor = tokens / 1000.0 * per_ktok
+        rest = floor - compute_s
+        if rest <= 0:
+            self.pace_overruns += 1
+            logger.warning("micro-step of %d tokens computed in %.3fs, over its min_s_per_ktok floor %.3fs "
+                           "(%d such micro-steps)", tokens, compute_s, floor, self.pace_overruns)
+            return
+        self.paced_s += rest
+        time.sleep(rest)
 
     # ------------------------------------------------------------------ gradients and update
     def zero_grad(self) -> None:

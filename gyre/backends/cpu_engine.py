@@ -10,6 +10,11 @@ An asyncio front (`generate` streams TokenEvents) over one decode loop task. Eac
 
 so requests join and leave the running batch between decode steps.
 
+Emulated accelerator (`min_decode_step_s` > 0, benchmarks only): a step that computed faster than
+the floor sleeps the rest of it before emitting its tokens, so an engine's throughput is
+max_batch tokens per floor whatever else shares the CPU (`paced_s` sums the sleeps,
+`slow_steps` counts steps whose compute overran the floor).
+
 Log-probs. Each TokenEvent carries log-softmax of the raw logits at the sampled token (config
 `logprobs='policy'`, the default): exactly the trainer's ℓ_t for the same weights and tokens,
 whatever temperature / top-p sampled it. With `logprobs='sampling'` it is the log-prob under the
@@ -32,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -97,6 +103,8 @@ class CpuEngine:
         self._loop_task: asyncio.Task | None = None
         self.steps = 0
         self.tokens_generated = 0
+        self.paced_s = 0.0  # seconds slept to hold decode steps at min_decode_step_s
+        self.slow_steps = 0  # steps whose compute alone exceeded min_decode_step_s
 
     @classmethod
     def from_model(cls, model, **kwargs) -> "CpuEngine":
@@ -173,7 +181,8 @@ class CpuEngine:
             version=self.version, running=len(self._running), waiting=len(self._waiting),
             released=self.state is EngineState.RELEASED,
             detail={"state": self.state.value, "steps": self.steps, "tokens": self.tokens_generated,
-                    "kv_bytes": sum(r.cache.nbytes() for r in self._running if r.cache is not None)},
+                    "kv_bytes": sum(r.cache.nbytes() for r in self._running if r.cache is not None),
+                    "paced_s": self.paced_s, "slow_steps": self.slow_steps},
         )
 
     def load(self) -> int:
@@ -304,7 +313,9 @@ class CpuEngine:
                     feeds.append((seq[req.fed:], req.fed))
                 try:
                     caches = [req.cache for req in batch]  # captured here: an abort clears req.cache
+                    t0 = time.perf_counter()
                     results = await asyncio.to_thread(self._compute, weights, batch, caches, feeds)
+                    await self._pace(time.perf_counter() - t0)
                 except Exception as exc:  # a failed step fails its requests, not the engine
                     logger.exception("engine step failed for %d requests", len(batch))
                     for req in batch:
@@ -319,6 +330,21 @@ class CpuEngine:
                     req.fed += len(feed)
                     self._emit(req, TokenEvent(tok, lp, version))
             await asyncio.sleep(0)  # let aborts / updates / new requests in between steps
+
+    async def _pace(self, compute_s: float) -> None:
+        """Emulated accelerator: hold the step to min_decode_step_s (nothing when it is 0)."""
+        floor = self.config.min_decode_step_s
+        if floor <= 0:
+            return
+        rest = floor - compute_s
+        if rest <= 0:
+            self.slow_steps += 1
+            if self.slow_steps == 1 or self.slow_steps % 100 == 0:
+                logger.warning("engine step computed in %.3fs, over min_decode_step_s %.3fs (%d such steps): "
+                               "the emulated accelerator is slower than asked", compute_s, floor, self.slow_steps)
+            return
+        self.paced_s += rest
+        await asyncio.sleep(rest)
 
     def _compute(self, weights: DecoderWeights, batch: list[_Request], caches: list[KVCache], feeds) -> list[tuple[int, float]]:
         """Worker thread: one fused forward, then one sample per request."""
