@@ -12,7 +12,16 @@ the runner kills it. `progress.json` in the workspace is rewritten after every t
 evaluator (task.py) scores partial progress.
 
 `--time-scale` multiplies every duration (1e-3: an hour lasts 3.6 s), so benchmarks run fast.
-Only the stdlib and `openai` are used; the runner's env supplies OPENAI_BASE_URL/OPENAI_API_KEY.
+A turn's think time is a model call followed by a sleep for whatever of the think time the call
+did not take. By default the call asks for `--max-tokens` tokens; with `--think-tokens-per-s R`
+it asks for R × (scaled think time) tokens instead, so against an engine that decodes R tokens/s
+per request (`--engine.min-decode-step-s 1/R`) the call *is* the think time while the engine has
+room, and takes longer when more calls compete for its batch than it holds: rollout throughput
+then depends on the cells serving rollouts, as on GPUs.
+
+Only the stdlib and `openai` are used (`--client http`: the stdlib alone, ~10× less start-up CPU
+than importing the SDK, for benchmarks with many executions on few cores); the runner's env
+supplies OPENAI_BASE_URL/OPENAI_API_KEY.
 """
 
 from __future__ import annotations
@@ -68,6 +77,35 @@ def _poisson(rng: random.Random, lam: float) -> int:
     return max(0, int(round(rng.gauss(lam, math.sqrt(lam)))))
 
 
+class _HttpChat:
+    """The one OpenAI call the harness makes (POST {base}/chat/completions), over the stdlib."""
+
+    def __init__(self, retries: int = 5) -> None:
+        self.url = os.environ["OPENAI_BASE_URL"].rstrip("/") + "/chat/completions"
+        self.key = os.environ.get("OPENAI_API_KEY", "")
+        self.retries = retries
+
+    def create(self, *, model: str, messages: list[dict], max_tokens: int) -> str:
+        import urllib.error
+        import urllib.request
+
+        body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens}).encode()
+        for attempt in range(self.retries + 1):
+            req = urllib.request.Request(self.url, data=body, method="POST", headers={
+                "Content-Type": "application/json", "Authorization": f"Bearer {self.key}"})
+            try:
+                with urllib.request.urlopen(req, timeout=3600) as r:
+                    return json.loads(r.read())["choices"][0]["message"]["content"] or ""
+            except urllib.error.HTTPError as e:
+                if (e.code < 500 and e.code != 429) or attempt == self.retries:
+                    raise
+            except (urllib.error.URLError, ConnectionError):
+                if attempt == self.retries:
+                    raise
+            time.sleep(min(8.0, 0.5 * 2 ** attempt))
+        raise AssertionError("unreachable")
+
+
 def _write_progress(done: int, plan: Plan, t0: float) -> None:
     tmp = "progress.json.tmp"
     with open(tmp, "w") as f:
@@ -84,31 +122,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns-mean", type=float, default=40.0)
     p.add_argument("--think-fraction", type=float, default=0.3)
     p.add_argument("--no-model", action="store_true", help="sleep the think time instead of calling the model")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens each model call asks for")
+    p.add_argument("--think-tokens-per-s", type=float, default=0.0,
+                   help="> 0: a call asks for this × its scaled think time in tokens (min 1) instead of --max-tokens")
+    p.add_argument("--client", choices=("openai", "http"), default="openai",
+                   help="openai: the official SDK; http: the same call over the stdlib (cheap start-up)")
     a = p.parse_args(argv)
     eid = os.environ.get("GYRE_EXECUTION_ID", "local")
     plan = draw_plan(a.seed, eid, median_h=a.median_h, sigma=a.sigma, turns_mean=a.turns_mean, think_fraction=a.think_fraction)
     with open("plan.json", "w") as f:
         json.dump({**asdict(plan), "time_scale": a.time_scale}, f)
-    client = None
-    if not a.no_model:
+    client = chat = None
+    if not a.no_model and a.client == "openai":
         from openai import OpenAI
 
         client = OpenAI(max_retries=5, timeout=3600)
+    elif not a.no_model:
+        chat = _HttpChat()
     model = os.environ.get("GYRE_MODEL", "gyre-policy")
     messages = [{"role": "system", "content": "You are a long-running agent."}, {"role": "user", "content": f"Work on {eid}."}]
     t0 = time.time()
     _write_progress(0, plan, t0)
     for k in range(plan.turns):
-        if client is None:
-            time.sleep(plan.think_s[k] * a.time_scale)
+        think = plan.think_s[k] * a.time_scale
+        if a.no_model:
+            time.sleep(think)
         else:
             # A model call stands for the think time; the engine decides how long it really takes.
             started = time.time()
-            resp = client.chat.completions.create(model=model, messages=messages, max_tokens=a.max_tokens)
-            messages.append({"role": "assistant", "content": resp.choices[0].message.content or ""})
+            n = max(1, round(think * a.think_tokens_per_s)) if a.think_tokens_per_s > 0 else a.max_tokens
+            if client is not None:
+                resp = client.chat.completions.create(model=model, messages=messages, max_tokens=n)
+                text = resp.choices[0].message.content or ""
+            else:
+                text = chat.create(model=model, messages=messages, max_tokens=n)
+            messages.append({"role": "assistant", "content": text})
             messages.append({"role": "user", "content": f"tool result {k}"})
-            time.sleep(max(0.0, plan.think_s[k] * a.time_scale - (time.time() - started)))
+            time.sleep(max(0.0, think - (time.time() - started)))
         time.sleep(plan.tool_s[k] * a.time_scale)
         _write_progress(k + 1, plan, t0)
     return 0
