@@ -149,6 +149,9 @@ class CpuEngine:
 
     async def stop(self) -> None:
         self._move(EngineState.STOPPED)
+        if self.config.min_decode_step_s > 0:
+            logger.info("engine paced: %d of %d decode steps overran min_decode_step_s %.3fs; %.1fs slept",
+                        self.slow_steps, self.steps, self.config.min_decode_step_s, self.paced_s)
         for req in list(self._running) + list(self._waiting):
             self._finish(req, "abort")
         self._running.clear()
