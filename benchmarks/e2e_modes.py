@@ -315,6 +315,13 @@ TRIED = [
     ("async splits in the simulator: 3 training cells is the slowest in every scanned regime (26-42 s/step vs 14-25), "
     "so the default runs 1 and 2 (add --async-train-cells 1,2,3 to run it)"),
     "gyre's own knobs in the simulator (rho_min 0.25/0.5/1, serial join on/off): within 0.01-0.07 h of the default",
+    ("one run per configuration, in order, at the defaults (C_e 8, 5 s/ktok, 8 steps): gyre 15.16 s/step (load "
+     "10-11.5), colocate 16.62 (load 6-11), async@1 17.55 (load 3.5-6), async@2 15.21 (load 3.5-4): 1.10x colocate, "
+     "1.00x async; the other user's load fell during the run, so the figures now come from round-robin repeats"),
+    ("the same gyre run again at load ~4.6: 14.06 s/step (15.16 at load ~11): load from other users moves a run by "
+     "~8 %"),
+    ("gyre with the water level counting C_e 10 per cell (engine batch 8; a cell holds ~8/0.9 executions): 14.20 "
+     "s/step at load ~4, no gain over 14.06 at C_e 8; not used"),
     ("other matched-E[d]=1 settings in the simulator (C_e 8, 2 h/step): gyre phi 0 mu 3 1.69 h vs phi 0.5 mu 2 1.81 h; "
     "colocate phi 0 mu 3 2.02 h vs phi 1 mu 1 2.48 h; async@2 phi 0 mu 3 2.46 h vs phi 1 mu 1 2.17 h. So colocate "
     "at its best (phi, mu) would be within 1.12x of gyre's prescribed (0.5, 2); not run for real (the issue fixes "
