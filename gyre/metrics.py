@@ -113,19 +113,36 @@ def reward_trend(rows: list[dict[str, Any]], k: int, *, resamples: int = 10000, 
     """Did the reward rise? Compare the executions' rewards in the first `k` steps with the last `k`.
 
     Returns the two means, their difference (last − first) and a two-sided 95 % bootstrap
-    confidence interval of that difference, resampling executions within each window with an
-    explicit seeded generator. `rows` are metrics.jsonl records carrying per-step `rewards`.
+    confidence interval of that difference (explicit seeded generator). When the rows carry
+    `group_rewards`, whole groups are resampled (a cluster bootstrap: the N executions of a group
+    share a task, so they are not independent draws); otherwise single executions are.
+    `rows` are metrics.jsonl records carrying per-step `rewards` (and `group_rewards`).
     """
     import numpy as np
 
     if not 1 <= k <= len(rows) // 2:
         raise ValueError(f"reward_trend: k must be in [1, {len(rows) // 2}] for {len(rows)} steps, got {k}")
-    first = np.array([x for r in rows[:k] for x in r["rewards"]], dtype=np.float64)
-    last = np.array([x for r in rows[-k:] for x in r["rewards"]], dtype=np.float64)
-    if not len(first) or not len(last):
+    by_group = all("group_rewards" in r for r in rows)
+
+    def clusters(window: list[dict[str, Any]]) -> list[list[float]]:
+        if by_group:
+            return [[float(x) for x in g] for r in window for g in r["group_rewards"] if g]
+        return [[float(x)] for r in window for x in r["rewards"]]
+
+    first, last = clusters(rows[:k]), clusters(rows[-k:])
+    if not first or not last:
         raise ValueError("reward_trend: a window has no rewarded executions")
     rng = np.random.default_rng(seed)
-    diffs = (rng.choice(last, (resamples, len(last))).mean(1) - rng.choice(first, (resamples, len(first))).mean(1))
+
+    def boot_means(cl: list[list[float]]) -> np.ndarray:
+        sums = np.array([sum(c) for c in cl])
+        sizes = np.array([len(c) for c in cl], dtype=np.float64)
+        idx = rng.integers(0, len(cl), (resamples, len(cl)))
+        return sums[idx].sum(1) / sizes[idx].sum(1)
+
+    mean = lambda cl: sum(map(sum, cl)) / sum(map(len, cl))  # noqa: E731
+    diffs = boot_means(last) - boot_means(first)
     lo, hi = np.quantile(diffs, [0.025, 0.975])
-    return {"first_mean": float(first.mean()), "last_mean": float(last.mean()), "diff": float(last.mean() - first.mean()),
-            "ci95_low": float(lo), "ci95_high": float(hi), "n_first": int(len(first)), "n_last": int(len(last))}
+    return {"first_mean": float(mean(first)), "last_mean": float(mean(last)), "diff": float(mean(last) - mean(first)),
+            "ci95_low": float(lo), "ci95_high": float(hi), "unit": "group" if by_group else "execution",
+            "n_first": sum(map(len, first)), "n_last": sum(map(len, last))}

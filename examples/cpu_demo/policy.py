@@ -28,8 +28,11 @@ def tool_call(name: str, arguments: dict) -> str:
 
 
 def scripted_reply(prompt: str, rng: random.Random | None = None, correct_prob: float = 1.0,
-                   values: tuple[int, int] = (2, 7)) -> str:
-    """The next assistant output for a rendered prompt (ending in `<|im_start|>assistant\\n`)."""
+                   wrong: str = "off_by_one") -> str:
+    """The next assistant output for a rendered prompt (ending in `<|im_start|>assistant\\n`).
+
+    With probability 1 − `correct_prob` the written number is wrong: `off_by_one` (the length
+    ± 1, a miscount that still depends on the word) or `random` (2..7, independent of it)."""
     system = prompt.split("<|im_end|>", 1)[0]
     is_sub = SYSTEM_SUB[:30] in system
     last_user = prompt.rsplit("<|im_start|>user\n", 1)[-1]
@@ -42,7 +45,12 @@ def scripted_reply(prompt: str, rng: random.Random | None = None, correct_prob: 
     if nxt != "none":
         value = answer(nxt)
         if rng is not None and rng.random() >= correct_prob:
-            value = str(rng.randint(*values))
+            if wrong == "off_by_one":
+                value = str(int(value) + rng.choice((-1, 1)))
+            elif wrong == "random":
+                value = str(rng.randint(2, 7))
+            else:
+                raise ValueError(f"wrong must be 'off_by_one' or 'random', got {wrong!r}")
         return tool_call("write_next", {"content": value})
     if not is_sub and helper and helper != "done":
         return tool_call("delegate", {})

@@ -1,11 +1,11 @@
 """The cpu_demo task: write the number of letters of each word into `<word>.txt`.
 
 Each task lists six colour words in TODO.md: four for the main agent, two for a helper
-sub-agent. The answer for a word is its length (3..6). A tiny model learns the tool-call format
-from scripted demonstrations whose values are mostly random (warm_start.py), so it starts at a
-low reward; the value of each word is exactly what RL has to learn. The reward is the fraction
-of words whose file holds the right number: dense, and partial progress counts after a
-timeout.
+sub-agent. The answer for a word is its length (3..6). The warm start (warm_start.py) leaves a
+tiny model with the tool-call format and a blurred guess of each word's number, so it starts at
+a low reward; the number written for each word is exactly what RL has to sharpen. The reward
+is the fraction of words whose file holds the right number: dense, and partial progress counts
+after a timeout.
 
     python -m examples.cpu_demo.task --out runs/cpu_demo/tasks.jsonl --num-tasks 64
 """
@@ -18,8 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-WORDS = ["red", "tan", "blue", "gray", "pink", "teal", "gold", "cyan", "green", "black", "white", "brown",
-         "olive", "coral", "orange", "purple", "yellow", "silver", "indigo", "violet", "maroon"]
+# Two words of each length 3..6. A small pool on purpose: each word recurs in most executions
+# of every step, so the per-word answer gets enough reward signal within a few-minute run.
+WORDS = ["red", "tan", "blue", "pink", "green", "white", "orange", "yellow"]
 HARNESS = Path(__file__).resolve().with_name("harness.py")
 
 

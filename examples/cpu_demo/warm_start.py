@@ -1,19 +1,21 @@
-"""Supervised warm start for the cpu_demo: teach a tiny model the tool-call format, not the answers.
+"""Supervised warm start for the cpu_demo: the tool-call format and a blurred word → number mapping.
 
-A model built from a config cannot follow a tool-call format, so before RL it is trained for
-200 steps of 4 conversations on demonstrations produced by running the real harness loop (harness.Agent) against the scripted policy (policy.py), rendered with the
-proxy's own chat template. The demonstrations write the right number only with probability
-`correct_prob` (default 0.25) and a random 2..7 otherwise, so the warm-started model writes
-well-formed calls with mostly wrong values: its reward starts low and RL has room to raise it.
+A model built from a config cannot follow a tool-call format, so before RL it is trained on
+demonstrations produced by running the real harness loop (harness.Agent) against the scripted
+policy (policy.py), rendered with the proxy's own chat template. Two phases:
+  1. right-answer demonstrations until `value_accuracy` (learnability.py) reaches `learned`
+     (0.9): format, todo list, delegation, summaries and the mapping;
+  2. "blur": demonstrations that are right with probability `correct_prob` (0.3) and otherwise
+     off by one, until value accuracy falls to `blurred` (0.35).
+RL then starts from a model that has the features but guesses among length − 1, length and
+length + 1. (From noisy demonstrations alone the tiny model learns only the marginal over
+digits, and RL would have to build the mapping from scratch; see README.)
 
     python -m examples.cpu_demo.warm_start --out runs/cpu_demo/warm_start
 
-writes an HF checkpoint (config.json + model.safetensors) and `warm_start.json` (loss curve,
-demo statistics, and the warm-started model's own measured reward, tool-call validity and
-value accuracy). Measured (tiny preset, 300 steps, on 2 cores shared with a load average of
-~17): loss 6.94 → 0.054 (flat after ~150 steps), 1245 s of training, 92 % of the model's own
-sampled calls valid, value accuracy 0.19, reward 0.125 over 4 episodes; the demonstrations
-themselves score 0.33.
+writes an HF checkpoint (config.json + model.safetensors) and `warm_start.json` (both phases'
+steps and accuracies, demo statistics, and the warm-started model's own measured reward,
+tool-call validity and value accuracy).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +40,7 @@ from examples.cpu_demo.task import evaluate, make_task
 
 logger = logging.getLogger(__name__)
 
-_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 IM_END = "<|im_end|>"
 
 
@@ -69,13 +72,13 @@ def parse_output(text: str, call_prefix: str) -> tuple[str, list[dict[str, Any]]
 class ScriptedBackend:
     """Harness backend that answers with the scripted policy and records (prompt, output)."""
 
-    def __init__(self, tokenizer, rng: random.Random, correct_prob: float) -> None:
-        self.tokenizer, self.rng, self.correct_prob = tokenizer, rng, correct_prob
+    def __init__(self, tokenizer, rng: random.Random, correct_prob: float, wrong: str = "off_by_one") -> None:
+        self.tokenizer, self.rng, self.correct_prob, self.wrong = tokenizer, rng, correct_prob, wrong
         self.pairs: list[tuple[str, str]] = []
 
     def complete(self, messages, tools) -> Reply:
         prompt = render(self.tokenizer, messages, tools)
-        out = scripted_reply(prompt, self.rng, self.correct_prob)
+        out = scripted_reply(prompt, self.rng, self.correct_prob, self.wrong)
         self.pairs.append((prompt, out + IM_END))
         content, calls = parse_output(out, f"c{len(self.pairs)}")
         return Reply(content, calls, len(self.tokenizer(prompt).input_ids))
@@ -151,12 +154,16 @@ def tokenize_with_mask(tokenizer, text: str, spans: list[tuple[int, int]]) -> tu
     return ids, mask
 
 
-def train(model, batches: list[tuple[list[int], list[bool]]], steps: int, lr: float, batch_size: int, seed: int) -> list[float]:
+def train(model, batches: list[tuple[list[int], list[bool]]], max_steps: int, lr: float, batch_size: int, seed: int,
+          *, stop: Callable[[], bool] | None = None, check_every: int = 50) -> list[float]:
+    """AdamW on the demonstrations (loss on assistant outputs only), lr constant after a 20-step
+    warm-up. Ends after `max_steps`, or earlier once `stop()` (called every `check_every` steps)
+    is true."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
     losses = []
     model.train()
-    for step in range(steps):
+    for step in range(max_steps):
         batch = rng.sample(batches, min(batch_size, len(batches)))
         L = max(len(ids) for ids, _ in batch)
         inp = torch.zeros(len(batch), L, dtype=torch.long)
@@ -177,19 +184,26 @@ def train(model, batches: list[tuple[list[int], list[bool]]], steps: int, lr: fl
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * (1 - step / steps))
+        for g in opt.param_groups:  # constant after warm-up: a decaying lr stalls the word → number mapping
+            g["lr"] = lr * min(1.0, (step + 1) / 20)
         opt.step()
         losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
-            logger.info("warm start step %d/%d loss %.4f", step, steps, losses[-1])
+        if (step + 1) % check_every == 0 or step == max_steps - 1:
+            model.eval()
+            done = stop is not None and stop()
+            model.train()
+            logger.info("warm start step %d/%d loss %.4f", step + 1, max_steps, losses[-1])
+            if done:
+                break
     model.eval()
     return losses
 
 
-def warm_start(out: str, *, episodes: int = 120, steps: int = 200, batch_size: int = 4, lr: float = 5e-3,
-               correct_prob: float = 0.25, compact_at: int = 650, preset: str = "tiny", seed: int = 0,
-               eval_episodes: int = 4) -> dict[str, Any]:
+def warm_start(out: str, *, episodes: int = 120, steps: int = 1200, batch_size: int = 4, lr: float = 5e-3,
+               learned: float = 0.9, blur_steps: int = 200, blur_lr: float = 1e-3, blurred: float = 0.35,
+               correct_prob: float = 0.3, wrong: str = "off_by_one", compact_at: int = 650, preset: str = "tiny",
+               seed: int = 0, eval_episodes: int = 4) -> dict[str, Any]:
+    from examples.cpu_demo.learnability import value_accuracy
     from gyre.backends.models import build_model, model_config, save_checkpoint
     from gyre.backends.tokenizer import load_tokenizer
 
@@ -197,27 +211,42 @@ def warm_start(out: str, *, episodes: int = 120, steps: int = 200, batch_size: i
     t0 = time.time()
     tok = load_tokenizer()
     rng = random.Random(seed)
-    backend = ScriptedBackend(tok, rng, correct_prob)
-    demo_rewards, stats = [], {"calls": 0, "compactions": 0, "sub_agents": 0}
-    with tempfile.TemporaryDirectory() as tmp:
-        for e in range(episodes):
-            wd = Path(tmp) / f"d{e}"
-            wd.mkdir()
-            r, agent = run_episode(backend, make_task(f"demo-{e}", rng), wd, compact_at)
-            demo_rewards.append(r)
-            for k in stats:
-                stats[k] += getattr(agent.stats, k)
-    seqs = demo_sequences(backend.pairs)
-    data = [tokenize_with_mask(tok, text, spans) for text, spans in seqs]
+    stats = {"calls": 0, "compactions": 0, "sub_agents": 0}
+
+    def demonstrations(prob: float, tag: str) -> tuple[list, list[float], int, int]:
+        backend = ScriptedBackend(tok, rng, prob, wrong)
+        rewards = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for e in range(episodes):
+                wd = Path(tmp) / f"{tag}{e}"
+                wd.mkdir()
+                r, agent = run_episode(backend, make_task(f"demo-{tag}{e}", rng), wd, compact_at)
+                rewards.append(r)
+                for k in stats:
+                    stats[k] += getattr(agent.stats, k)
+        seqs = demo_sequences(backend.pairs)
+        return [tokenize_with_mask(tok, text, spans) for text, spans in seqs], rewards, len(backend.pairs), len(seqs)
+
+    data, demo_rewards, n_pairs, n_seqs = demonstrations(1.0, "x")
+    blur = demonstrations(correct_prob, "b")[0] if blur_steps else []
     t_demo = time.time() - t0
     config = model_config(preset, vocab_size=len(tok), eos_token_id=tok.convert_tokens_to_ids(IM_END),
                           bos_token_id=None, pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
     model = build_model(config, seed=seed)
-    losses = train(model, data, steps, lr, batch_size, seed)
+    # Phase 1 on right answers builds the format and the word → number mapping (from noisy
+    # demonstrations alone the tiny model learns only the marginal over digits); a short phase 2
+    # on mostly off-by-one answers blurs the mapping: RL starts from a model that has the
+    # features but guesses, which is where it learns fast (README: measured).
+    losses = train(model, data, steps, lr, batch_size, seed, stop=lambda: value_accuracy(model, tok) >= learned)
+    exact_accuracy, exact_steps = value_accuracy(model, tok), len(losses)
+    if exact_accuracy < learned:
+        logger.warning("warm start: value accuracy %.3f < %.2f after %d steps; RL starts without the mapping",
+                       exact_accuracy, learned, steps)
+    if blur_steps:
+        losses += train(model, blur, blur_steps, blur_lr, batch_size, seed + 1,
+                        stop=lambda: value_accuracy(model, tok) <= blurred, check_every=5)
     t_train = time.time() - t0 - t_demo
     save_checkpoint(model, out)
-    from examples.cpu_demo.learnability import value_accuracy
-
     acc = value_accuracy(model, tok)  # P(right number | a well-formed call), the part RL must learn
     # The warm-started model's own behaviour, through the same harness loop.
     eval_rng = random.Random(seed + 1)
@@ -233,10 +262,11 @@ def warm_start(out: str, *, episodes: int = 120, steps: int = 200, batch_size: i
             calls -= agent.stats.compactions  # summaries are text, not tool calls
             valid += agent.stats.valid_calls
     report = {
-        "checkpoint": out, "preset": preset, "episodes": episodes, "demo_calls": len(backend.pairs),
-        "demo_sequences": len(seqs), "demo_tokens": sum(len(i) for i, _ in data),
+        "checkpoint": out, "preset": preset, "episodes": episodes, "demo_calls": n_pairs,
+        "demo_sequences": n_seqs, "exact_steps": exact_steps,
+        "value_accuracy_before_blur": exact_accuracy, "blur_steps": len(losses) - exact_steps, "blur_lr": blur_lr, "demo_tokens": sum(len(i) for i, _ in data),
         "demo_targets": sum(sum(m) for _, m in data), "demo_reward": sum(demo_rewards) / len(demo_rewards),
-        "demo_stats": stats, "correct_prob": correct_prob, "steps": steps, "loss_first": losses[0],
+        "demo_stats": stats, "correct_prob": correct_prob, "wrong": wrong, "steps": steps, "loss_first": losses[0],
         "loss_last": sum(losses[-10:]) / len(losses[-10:]), "seconds_demos": t_demo, "seconds_train": t_train,
         "model_reward": sum(rewards) / len(rewards), "model_rewards": rewards,
         "model_valid_call_fraction": valid / max(calls, 1), "model_value_accuracy": acc,
@@ -249,14 +279,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="supervised warm start of the cpu_demo model")
     p.add_argument("--out", default="runs/cpu_demo/warm_start")
     p.add_argument("--episodes", type=int, default=120)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--correct-prob", type=float, default=0.25)
+    p.add_argument("--steps", type=int, default=1200, help="at most this many steps on right-answer demonstrations")
+    p.add_argument("--blur-steps", type=int, default=200, help="then at most this many on mostly off-by-one ones")
+    p.add_argument("--correct-prob", type=float, default=0.3)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    report = warm_start(a.out, episodes=a.episodes, steps=a.steps, correct_prob=a.correct_prob, preset=a.preset, seed=a.seed)
+    report = warm_start(a.out, episodes=a.episodes, steps=a.steps, blur_steps=a.blur_steps, correct_prob=a.correct_prob, preset=a.preset, seed=a.seed)
     print(json.dumps(report))
     return 0
 

@@ -335,6 +335,7 @@ class Controller:
             "reward_mean": float(np.mean(rewards)) if rewards else None,
             "reward_count": len(rewards),
             "rewards": rewards,
+            "group_rewards": [[r for r in self.group_rewards.get(g, []) if r is not None] for g in info["groups"]],
             "staleness_mean": float(np.mean(info["staleness"])) if info["staleness"] else None,
             "staleness": info["staleness"],
             "water_level": self.sched.water_level,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 
 from gyre.backends.tokenizer import load_tokenizer
 
@@ -80,8 +81,20 @@ def test_scripted_policy_decisions():
     assert scripted_reply(base + "x\nnext: red.txt | helper: done<|im_end|>\n<|im_start|>user\n" + SUMMARY_PROMPT + asst).startswith("Progress")
     # random values stay in range and hit the right one about 1/6 of the time
     rng = random.Random(0)
-    vals = [json.loads(scripted_reply(base + "next: green.txt | helper: done" + asst, rng, 0.0).split("\n")[1])["arguments"]["content"] for _ in range(600)]
+
+    def values(prob: float, wrong: str) -> list[str]:
+        prompt = base + "next: green.txt | helper: done" + asst
+        return [json.loads(scripted_reply(prompt, rng, prob, wrong).split("\n")[1])["arguments"]["content"] for _ in range(600)]
+
+    vals = values(0.0, "random")
     assert set(vals) <= set("234567") and 60 < vals.count("5") < 140
+    # off by one: never right, 4 and 6 about equally; with correct_prob 0.3, right about 30 %
+    vals = values(0.0, "off_by_one")
+    assert set(vals) == {"4", "6"} and 240 < vals.count("4") < 360
+    vals = values(0.3, "off_by_one")
+    assert set(vals) == {"4", "5", "6"} and 135 < vals.count("5") < 225
+    with pytest.raises(ValueError):
+        values(0.0, "sideways")
 
 
 def test_parse_output_matches_template_rendering():

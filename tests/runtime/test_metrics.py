@@ -4,6 +4,8 @@ import json
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gyre.cell import CellState
 from gyre.metrics import MetricsWriter, plot_role_timeline, read_metrics
@@ -44,3 +46,23 @@ def test_reward_trend_hand_values():
     assert t["diff"] == 0 and t["ci95_low"] < 0 < t["ci95_high"]  # no rise: the interval straddles 0
     with pytest.raises(ValueError):
         reward_trend(rows, 3)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.floats(0, 1), min_size=16, max_size=16), st.integers(3, 6))
+def test_reward_trend_resamples_whole_groups(group_means, n):
+    """Executions of a group share a task: with identical rewards inside each group, resampling
+    groups must give the same point estimate and a wider interval than pretending the N
+    executions were independent (about sqrt(N) wider)."""
+    import numpy as np
+
+    from gyre.metrics import reward_trend
+
+    groups = [[m] * n for m in group_means]
+    grouped = [{"rewards": sum(groups[4 * i:4 * i + 4], []), "group_rewards": groups[4 * i:4 * i + 4]} for i in range(4)]
+    flat = [{"rewards": r["rewards"]} for r in grouped]
+    g, f = reward_trend(grouped, 2, resamples=4000), reward_trend(flat, 2, resamples=4000)
+    assert g["unit"] == "group" and f["unit"] == "execution"
+    assert g["diff"] == pytest.approx(f["diff"]) and g["n_first"] == f["n_first"] == 8 * n
+    if min(np.std(group_means[:8]), np.std(group_means[8:])) > 0.1:
+        assert g["ci95_high"] - g["ci95_low"] > 1.2 * (f["ci95_high"] - f["ci95_low"])
