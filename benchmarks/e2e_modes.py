@@ -1,10 +1,10 @@
 """Gyre vs Colocate vs Async, end to end on this machine (issue: elastic scheduler).
 
 Each mode is one real run — `torchrun --standalone --nproc-per-node 4 -m gyre.run --job train`,
-4 ranks = 4 cells — on the same long-tailed workload (examples/longtail: seeded log-normal
-execution times, mean 1.93 h and 6.25 % over the 4 h timeout, scaled by --time-scale; model calls
-through the proxy, tool time as sleeps), the same seed, the same cells and the same matched
-expected staleness E[d] = φ + (μ−1)/2 = 1:
+4 ranks = 4 cells (--nproc; the simulator prediction uses the same K) — on the same long-tailed
+workload (examples/longtail: seeded log-normal execution times, mean 1.93 h and 6.25 % over
+the 4 h timeout, scaled by --time-scale; model calls through the proxy, tool time as sleeps),
+the same seed, the same cells and the same matched expected staleness E[d] = φ + (μ−1)/2 = 1:
 
     gyre       φ = 0.5, μ = 2   cells enter training one by one by the water level, streaming
     colocate   φ = 1,   μ = 1   all cells switch together when the step's batch is ready
@@ -84,7 +84,7 @@ def _overruns(log: str) -> dict[str, int]:
 def run_mode(name: str, tasks: Path, out: Path, args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     run_dir = out / name.replace("@", "_")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "gyre.run",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc), "-m", "gyre.run",
            "--job", "train", "--run-dir", str(run_dir), "--seed", str(args.seed), "--model.preset", "tiny",
            "--executions.dataset.path", str(tasks), "--executions.runner.max-concurrency", "128",
            "--executions.evaluator.concurrency", "4",
@@ -171,7 +171,7 @@ def sim_prediction(args: argparse.Namespace, names: list[str], train_s_per_step:
                 scheduler=SchedulerConfig(mode=mode, phi=phi, mu=mu, n_per_group=args.n, batch_groups=args.b,
                                           tick_s=args.tick_s * real, tau=args.tau, rho_min=args.rho_min,
                                           async_train_cells=int(k or 1)),
-                cluster=ClusterConfig(num_cells=4, nodes_per_cell=4, cell_concurrency=args.c_e, kv_recompute_s=0.2 * real),
+                cluster=ClusterConfig(num_cells=args.nproc, nodes_per_cell=4, cell_concurrency=args.c_e, kv_recompute_s=0.2 * real),
                 training=TrainingModel(cell_hours_per_step=train_s_per_step * real / 3600.0, reference_nodes=4,
                                        scaling_exponent=1.0, optimizer_s=0.1 * real, param_send_s=0.05 * real,
                                        switch_to_train_s=0.3 * real, switch_to_rollout_s=0.3 * real, eval_s=0.4 * real),
@@ -185,6 +185,7 @@ def sim_prediction(args: argparse.Namespace, names: list[str], train_s_per_step:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per run (even; steps 2..S−1 are timed)")
+    p.add_argument("--nproc", type=int, default=4, help="ranks = cells (one rank per cell), in the runs and the simulator")
     p.add_argument("--n", type=int, default=4, help="N executions per group")
     p.add_argument("--b", type=int, default=4, help="B groups per step")
     p.add_argument("--c-e", type=int, default=8, help="C_e: one cell's rollout concurrency = its engine's max_batch")
