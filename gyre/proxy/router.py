@@ -117,6 +117,13 @@ class Router:
         self._background: set[asyncio.Task] = set()
         self.reroutes = 0
         self.engine_failures = 0
+        self.closed = False
+
+    async def close(self) -> None:
+        """The run is over: calls waiting for a rollout engine (and any new ones) fail now with
+        `NoEngineError` instead of waiting out `engine_wait_s`, so the server can stop."""
+        self.closed = True
+        await self._notify()
 
     # ---- engine set -------------------------------------------------------------------------
     def _cond(self) -> asyncio.Condition:
@@ -217,6 +224,8 @@ class Router:
         return best
 
     async def _acquire(self, execution_id: str, rerouting: bool) -> EngineSlot:
+        if self.closed:
+            raise NoEngineError("the proxy is shutting down")
         slot = self._pick(execution_id, rerouting)
         if slot is not None:
             return slot
@@ -226,6 +235,8 @@ class Router:
         deadline = loop.time() + self.engine_wait_s
         async with cond:
             while (slot := self._pick(execution_id, rerouting)) is None:
+                if self.closed:
+                    raise NoEngineError("the proxy is shutting down")
                 left = deadline - loop.time()
                 if left <= 0:
                     raise NoEngineError(f"no rollout engine available for {self.engine_wait_s:.0f}s")

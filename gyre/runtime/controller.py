@@ -65,6 +65,25 @@ class _ProxyAccess:
                 self.totals[k] += v
 
 
+def _close_loop(loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+    """Cancel what is left on the controller's loop and close it, waiting at most `timeout`.
+
+    `asyncio.run` would wait without limit for every task to take its cancellation; one that
+    does not (a call stuck in a library) would keep the run from exiting after its summary
+    is written. Here it is named in the log and left behind instead.
+    """
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        _, stuck = loop.run_until_complete(asyncio.wait(tasks, timeout=timeout))
+        if stuck:
+            logger.warning("controller: %d tasks did not stop within %.0fs and are abandoned: %s", len(stuck), timeout,
+                           ", ".join(sorted(t.get_name() for t in stuck)))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
+
+
 def _outcome(reward: Any) -> Outcome:
     """Runner reward result → the trajectory processor's outcome (DESIGN §5)."""
     if reward is None or reward.status is RewardStatus.EXCLUDED:
@@ -100,14 +119,17 @@ class Controller:
             raise RuntimeError("controller failed") from self.error
 
     def _main(self) -> None:
+        loop = asyncio.new_event_loop()
         try:
-            asyncio.run(self._run())
+            loop.run_until_complete(self._run())
         except BaseException as e:  # surfaced by join(); the ranks must not hang meanwhile
             logger.exception("controller failed; stopping every rank")
             self.error = e
             cp = ControlPlane(self.store.clone(), CONTROLLER)
             for r in range(self.topo.world_size):
                 cp.send(r, {"cmd": "stop"})
+        finally:
+            _close_loop(loop, timeout=30.0)
 
     # ------------------------------------------------------------------ set-up
     def _cell_ranks(self, cell: int) -> list[int]:
@@ -479,5 +501,6 @@ class Controller:
         # The scheduler's event log: replayable by `python -m gyre.sim --durations.source run-dir`.
         self.sched.log.write_jsonl(str(self.run_dir / "events.jsonl"))
         self.metrics.close()
+        await self.proxy.router.close()  # calls still waiting for an engine end now, not in engine_wait_s
         await self.proxy_handle.astop()
         logger.info("run summary: %s", self.summary)

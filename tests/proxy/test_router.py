@@ -118,6 +118,30 @@ def test_slot_lifecycle_and_wait_for_engine():
     asyncio.run(main())
 
 
+def test_close_fails_waiting_calls_at_once():
+    """At the end of a run no engine will come back: close() must end a call that waits for
+    one (engine_wait_s is 600 s here) right away, and refuse new calls."""
+    from gyre.proxy.router import NoEngineError
+
+    async def main():
+        r = Router(engine_wait_s=600)
+        r.add_engine(DeterministicEngine("solo"))
+        await r.drain("solo")
+        task = asyncio.create_task(_collect(r, "w", [1, 2], SamplingParams(max_tokens=5)))
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        t0 = asyncio.get_running_loop().time()
+        await r.close()
+        with pytest.raises(NoEngineError, match="shutting down"):
+            await asyncio.wait_for(task, 5)
+        assert asyncio.get_running_loop().time() - t0 < 2.0
+        r.resume("solo")  # even with an engine back, a closed router takes no new calls
+        with pytest.raises(NoEngineError, match="shutting down"):
+            await _collect(r, "x", [1, 2], SamplingParams(max_tokens=5))
+
+    asyncio.run(main())
+
+
 class _Failing(DeterministicEngine):
     async def generate(self, request_id, input_ids, sampling):
         n = 0
