@@ -100,13 +100,20 @@ class CellWorker:
 
     def _on_to_train(self, msg: dict[str, Any]) -> None:
         self._to(CellState.DRAINING)
+        t = [time.perf_counter()]
         if self.engine is not None:
             self.engine.release()
+        t.append(time.perf_counter())
         if self.actor is None:
             self.actor = self.make_actor(self.topo.is_core)
+        t.append(time.perf_counter())
         if not self.topo.is_core:
             latest = self.board.latest()  # the core's *current* parameters (DESIGN §3)
             self._ensure_version(latest)
+        t.append(time.perf_counter())
+        if t[-1] - t[0] > 2.0:
+            logger.info("rank %d: switching to train took %.1fs (engine release %.1fs, actor %.1fs, snapshot %.1fs)",
+                        self.topo.rank, t[-1] - t[0], t[1] - t[0], t[2] - t[1], t[3] - t[2])
         self._to(CellState.JOINING)
         self._report("joined", version=self.actor.version)
         self._report("request_work")

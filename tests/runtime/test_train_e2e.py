@@ -48,7 +48,7 @@ def _command(run_dir: Path, tasks: Path, *, nproc: int, steps: int, extra: tuple
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "gyre.run",
             "--job", "train", "--run-dir", str(run_dir), "--model.preset", "tiny", "--seed", "1",
             "--executions.dataset.path", str(tasks), "--executions.runner.timeout-s", "300",
-            "--executions.runner.max-concurrency", "6",
+            "--executions.runner.max-concurrency", "12",
             "--scheduler.n-per-group", "3", "--scheduler.batch-groups", "2", "--scheduler.mu", str(MU),
             "--scheduler.phi", str(PHI), "--scheduler.tick-s", "0.1", "--scheduler.tau", "1", "--scheduler.rho-min", "0.5",
             "--train.steps", str(steps), "--train.max-tokens", "1400", "--engine.max-batch", "1",
