@@ -122,7 +122,7 @@ def cpu_demo() -> GyreConfig:
     cfg.executions.runner.harness_command = ["{python}", str(REPO / "examples" / "cpu_demo" / "harness.py")]
     cfg.executions.runner.max_concurrency = 8
     cfg.executions.runner.timeout_s = 300.0
-    cfg.actor = CpuActorConfig(lr=6e-4)  # measured: reward 0.39 -> 0.53 over 24 steps; 1e-3 broke the tool-call format
+    cfg.actor = CpuActorConfig(lr=6e-4)  # measured (README): reward rises with a 95% CI above 0; 1e-3 broke the tool-call format
     return cfg
 
 

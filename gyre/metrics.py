@@ -117,6 +117,9 @@ def reward_trend(rows: list[dict[str, Any]], k: int, *, resamples: int = 10000, 
     `group_rewards`, whole groups are resampled (a cluster bootstrap: the N executions of a group
     share a task, so they are not independent draws); otherwise single executions are.
     `rows` are metrics.jsonl records carrying per-step `rewards` (and `group_rewards`).
+    Also returns `fitted_rise`: the least-squares slope of reward on step over every step,
+    times the number of steps − 1, with its bootstrap interval (uses all the data, not only the
+    two windows).
     """
     import numpy as np
 
@@ -143,6 +146,23 @@ def reward_trend(rows: list[dict[str, Any]], k: int, *, resamples: int = 10000, 
     mean = lambda cl: sum(map(sum, cl)) / sum(map(len, cl))  # noqa: E731
     diffs = boot_means(last) - boot_means(first)
     lo, hi = np.quantile(diffs, [0.025, 0.975])
+
+    # All steps at once: the least-squares slope of reward on step (clusters weighted by their
+    # size), as the fitted rise over the run, with the same cluster bootstrap.
+    pts = [(i, sum(c) / len(c), len(c)) for i, r in enumerate(rows) for c in clusters([r])]
+    x, y, w = (np.array(v, dtype=np.float64) for v in zip(*pts))
+
+    def slopes(idx: np.ndarray) -> np.ndarray:
+        xx, yy, ww = x[idx], y[idx], w[idx]
+        xm = (ww * xx).sum(-1, keepdims=True) / ww.sum(-1, keepdims=True)
+        ym = (ww * yy).sum(-1, keepdims=True) / ww.sum(-1, keepdims=True)
+        den = (ww * (xx - xm) ** 2).sum(-1)
+        return np.where(den > 0, (ww * (xx - xm) * (yy - ym)).sum(-1) / np.where(den > 0, den, 1.0), 0.0)
+
+    span = len(rows) - 1
+    rise = float(slopes(np.arange(len(x)))) * span
+    rise_lo, rise_hi = np.quantile(slopes(rng.integers(0, len(x), (resamples, len(x)))) * span, [0.025, 0.975])
     return {"first_mean": float(mean(first)), "last_mean": float(mean(last)), "diff": float(mean(last) - mean(first)),
             "ci95_low": float(lo), "ci95_high": float(hi), "unit": "group" if by_group else "execution",
-            "n_first": sum(map(len, first)), "n_last": sum(map(len, last))}
+            "n_first": sum(map(len, first)), "n_last": sum(map(len, last)),
+            "fitted_rise": rise, "fitted_rise_ci95_low": float(rise_lo), "fitted_rise_ci95_high": float(rise_hi)}

@@ -66,3 +66,26 @@ def test_reward_trend_resamples_whole_groups(group_means, n):
     assert g["diff"] == pytest.approx(f["diff"]) and g["n_first"] == f["n_first"] == 8 * n
     if min(np.std(group_means[:8]), np.std(group_means[8:])) > 0.1:
         assert g["ci95_high"] - g["ci95_low"] > 1.2 * (f["ci95_high"] - f["ci95_low"])
+
+
+def test_reward_trend_fitted_rise_matches_float64_least_squares():
+    """fitted_rise is the slope of reward on step times (steps − 1): compared with numpy's
+    polyfit on the per-group means (equal group sizes), and its interval covers it."""
+    import numpy as np
+
+    from gyre.metrics import reward_trend
+
+    rng = np.random.default_rng(3)
+    rows = []
+    for step in range(10):
+        groups = [list(np.clip(0.2 + 0.05 * step + rng.normal(0, 0.1, 4), 0, 1)) for _ in range(3)]
+        rows.append({"rewards": sum(groups, []), "group_rewards": groups})
+    t = reward_trend(rows, 2, resamples=3000)
+    xs = [i for i, r in enumerate(rows) for _ in r["group_rewards"]]
+    ys = [float(np.mean(g)) for r in rows for g in r["group_rewards"]]
+    assert t["fitted_rise"] == pytest.approx(np.polyfit(xs, ys, 1)[0] * 9, rel=1e-9)
+    assert t["fitted_rise_ci95_low"] < t["fitted_rise"] < t["fitted_rise_ci95_high"]
+    assert t["fitted_rise_ci95_low"] > 0  # a true rise of 0.45 over the run, noise 0.05 per group mean
+    flat = [{"rewards": r["rewards"], "group_rewards": [[0.5] * 4] * 3} for r in rows]
+    f = reward_trend(flat, 2, resamples=500)
+    assert f["fitted_rise"] == 0 and f["fitted_rise_ci95_low"] == 0 == f["fitted_rise_ci95_high"]
