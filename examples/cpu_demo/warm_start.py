@@ -123,6 +123,17 @@ def run_episode(backend, task: dict[str, Any], workdir: Path, compact_at: int) -
     return evaluate(workdir, None, task["evaluator"]["kwargs"]["words"])["reward"], agent
 
 
+def run_episodes(backend, n: int, tag: str, rng: random.Random, compact_at: int) -> list[tuple[float, Agent]]:
+    """`n` episodes on fresh tasks (`<tag>-<k>`), each in its own temporary workspace."""
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for e in range(n):
+            wd = Path(tmp) / f"{tag}-{e}"
+            wd.mkdir()
+            out.append(run_episode(backend, make_task(f"{tag}-{e}", rng), wd, compact_at))
+    return out
+
+
 def demo_sequences(pairs: list[tuple[str, str]]) -> list[tuple[str, list[tuple[int, int]]]]:
     """Merge (prompt, output) pairs into maximal conversations: a pair whose prompt+output is a
     prefix of another pair's prompt is covered by it. Returns (text, target char spans)."""
@@ -216,14 +227,10 @@ def warm_start(out: str, *, episodes: int = 120, steps: int = 1200, batch_size: 
     def demonstrations(prob: float, tag: str) -> tuple[list, list[float], int, int]:
         backend = ScriptedBackend(tok, rng, prob, wrong)
         rewards = []
-        with tempfile.TemporaryDirectory() as tmp:
-            for e in range(episodes):
-                wd = Path(tmp) / f"{tag}{e}"
-                wd.mkdir()
-                r, agent = run_episode(backend, make_task(f"demo-{tag}{e}", rng), wd, compact_at)
-                rewards.append(r)
-                for k in stats:
-                    stats[k] += getattr(agent.stats, k)
+        for r, agent in run_episodes(backend, episodes, f"demo-{tag}", rng, compact_at):
+            rewards.append(r)
+            for k in stats:
+                stats[k] += getattr(agent.stats, k)
         seqs = demo_sequences(backend.pairs)
         return [tokenize_with_mask(tok, text, spans) for text, spans in seqs], rewards, len(backend.pairs), len(seqs)
 
@@ -252,15 +259,10 @@ def warm_start(out: str, *, episodes: int = 120, steps: int = 1200, batch_size: 
     eval_rng = random.Random(seed + 1)
     mb = ModelBackend(tok, model, seed=seed)
     rewards, valid, calls = [], 0, 0
-    with tempfile.TemporaryDirectory() as tmp:
-        for e in range(eval_episodes):
-            wd = Path(tmp) / f"e{e}"
-            wd.mkdir()
-            r, agent = run_episode(mb, make_task(f"eval-{e}", eval_rng), wd, compact_at)
-            rewards.append(r)
-            calls += agent.stats.calls
-            calls -= agent.stats.compactions  # summaries are text, not tool calls
-            valid += agent.stats.valid_calls
+    for r, agent in run_episodes(mb, eval_episodes, "eval", eval_rng, compact_at):
+        rewards.append(r)
+        calls += agent.stats.calls - agent.stats.compactions  # summaries are text, not tool calls
+        valid += agent.stats.valid_calls
     report = {
         "checkpoint": out, "preset": preset, "episodes": episodes, "demo_calls": n_pairs,
         "demo_sequences": n_seqs, "exact_steps": exact_steps,
