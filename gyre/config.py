@@ -114,7 +114,7 @@ def cpu_demo() -> GyreConfig:
     """The CPU demo: 4 cells of 1 rank train a small warm-started model on examples/cpu_demo."""
     data = "runs/cpu-demo/data"  # written by examples.cpu_demo.prepare on the first run
     cfg = GyreConfig(preset="cpu-demo", job="train", run_dir="runs/cpu-demo")
-    cfg.train = TrainConfig(steps=32, max_tokens=4096, cell_concurrency=8, checkpoint_every=8,
+    cfg.train = TrainConfig(steps=24, max_tokens=4096, cell_concurrency=8, checkpoint_every=8,
                             prepare="examples.cpu_demo.prepare:prepare", prepare_dir=data, drain_at_end_s=30.0)
     cfg.scheduler = SchedulerConfig(mode="gyre", phi=0.5, mu=2, n_per_group=4, batch_groups=2, tick_s=0.5, tau=2, rho_min=0.5)
     cfg.model = ModelConfig(preset="small", checkpoint=f"{data}/warm_start")
