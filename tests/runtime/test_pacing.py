@@ -47,7 +47,16 @@ class _Server:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
 
-def _run(tmp_path: Path, server: _Server, *extra: str) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, _Server]:
+    """Run the harness against a fresh stand-in server; returns the process and the server's record."""
+    server = _Server()
+    try:
+        return _harness(tmp_path, server, *extra), server
+    finally:
+        server.httpd.shutdown()
+
+
+def _harness(tmp_path: Path, server: _Server, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OPENAI_BASE_URL": f"http://127.0.0.1:{server.port}/v1", "OPENAI_API_KEY": "k-test",
            "GYRE_EXECUTION_ID": "e-7"}
     return subprocess.run([sys.executable, str(HARNESS), "--seed", "3", "--time-scale", "1e-5", "--turns-mean", "5",
@@ -55,11 +64,7 @@ def _run(tmp_path: Path, server: _Server, *extra: str) -> subprocess.CompletedPr
 
 
 def test_think_tokens_per_s_asks_for_the_think_time_in_tokens(tmp_path):
-    server = _Server()
-    try:
-        proc = _run(tmp_path, server, "--think-tokens-per-s", "2000")
-    finally:
-        server.httpd.shutdown()
+    proc, server = _run(tmp_path, "--think-tokens-per-s", "2000")
     assert proc.returncode == 0, proc.stderr
     plan = draw_plan(3, "e-7", turns_mean=5)
     want = [max(1, round(t * 1e-5 * 2000)) for t in plan.think_s]
@@ -70,10 +75,6 @@ def test_think_tokens_per_s_asks_for_the_think_time_in_tokens(tmp_path):
 
 
 def test_without_the_rate_every_call_asks_for_max_tokens(tmp_path):
-    server = _Server()
-    try:
-        proc = _run(tmp_path, server, "--max-tokens", "9")
-    finally:
-        server.httpd.shutdown()
+    proc, server = _run(tmp_path, "--max-tokens", "9")
     assert proc.returncode == 0, proc.stderr
     assert [b["max_tokens"] for b in server.bodies] == [9] * draw_plan(3, "e-7", turns_mean=5).turns
