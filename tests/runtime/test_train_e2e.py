@@ -45,13 +45,18 @@ def run(tmp_path_factory):
 
 
 def _command(run_dir: Path, tasks: Path, *, nproc: int, steps: int, extra: tuple[str, ...] = ()) -> list[str]:
+    # Rerouting needs calls in flight on a cell when it leaves rollout. Two settings make that the
+    # rule rather than luck: a decode-step floor (10 ms) so a call lasts about as long as the
+    # harness's gap between calls is short, and τ = 30 ticks (3 s) so a burst's first switch waits
+    # until the freshly dispatched harnesses have started calling (with τ = 1 the core left
+    # rollout before their first call, and only burst 0 ever rerouted anything).
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "gyre.run",
             "--job", "train", "--run-dir", str(run_dir), "--model.preset", "tiny", "--seed", "1",
             "--executions.dataset.path", str(tasks), "--executions.runner.timeout-s", "300",
             "--executions.runner.max-concurrency", "12",
             "--scheduler.n-per-group", "3", "--scheduler.batch-groups", "2", "--scheduler.mu", str(MU),
-            "--scheduler.phi", str(PHI), "--scheduler.tick-s", "0.1", "--scheduler.tau", "1", "--scheduler.rho-min", "0.5",
-            "--train.steps", str(steps), "--train.max-tokens", "1400", "--engine.max-batch", "1",
+            "--scheduler.phi", str(PHI), "--scheduler.tick-s", "0.1", "--scheduler.tau", "30", "--scheduler.rho-min", "0.5",
+            "--train.steps", str(steps), "--train.max-tokens", "1400", "--engine.max-batch", "4", "--engine.min-decode-step-s", "0.01",
             "--train.cell-concurrency", "8", *extra]
 
 
