@@ -67,6 +67,12 @@ class CpuActorConfig:
     """GSPO clip: execution ratio upper bound 1 + eps_high."""
     cap: float = 5.0
     """Token importance-weight cap C."""
+    lr_decay_steps: int = 0
+    """Linear learning-rate decay over this many optimizer steps, from `lr` down to
+    `lr × min_lr_ratio` (then flat); 0 keeps `lr` constant. Counted in versions, so a resumed run
+    continues the schedule where it stopped."""
+    min_lr_ratio: float = 0.0
+    """Where the linear decay ends, as a fraction of `lr` (0..1)."""
     min_s_per_ktok: float = 0.0
     """Emulated accelerator (benchmarks on shared CPUs; 0 = off): forward_backward of a micro-step
     lasts at least (its packed tokens / 1000) × this many seconds — the actor sleeps the rest after
@@ -74,6 +80,19 @@ class CpuActorConfig:
     micro-steps in parallel take 1/k of the wall time even when all ranks share two CPU cores.
     Only meaningful while the compute stays below the floor (overruns are counted in
     `CpuActor.pace_overruns` and logged)."""
+
+    def __post_init__(self) -> None:
+        if self.lr_decay_steps < 0:
+            raise ValueError(f"actor.lr_decay_steps must be >= 0 (0 = constant lr), got {self.lr_decay_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"actor.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+    def lr_at(self, version: int) -> float:
+        """Learning rate of the optimizer step that turns version `version` into `version + 1`."""
+        if self.lr_decay_steps == 0:
+            return self.lr
+        frac = min(version, self.lr_decay_steps) / self.lr_decay_steps
+        return self.lr * (1.0 - (1.0 - self.min_lr_ratio) * frac)
 
 
 @dataclass(kw_only=True)

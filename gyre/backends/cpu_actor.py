@@ -142,6 +142,8 @@ class CpuActor:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(self._params, clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.lr_at(self.version)
         self.optimizer.step()
         self.zero_grad()
         self.version += 1

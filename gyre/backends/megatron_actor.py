@@ -344,10 +344,13 @@ class MegatronActor:
         unique = [p.grad for p in self._params if param_is_not_tensor_parallel_duplicate(p)]
         norm = get_grad_norm_fp32(unique, grad_stats_parallel_group=parallel_state.get_model_parallel_group())
         clip_grad_by_total_norm_fp32(self._params, clip, norm)
+        lr = self.optim.lr_at(self.version)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         self.zero_grad()
         self.version += 1
-        return {"grad_norm": float(norm), "version": float(self.version)}
+        return {"grad_norm": float(norm), "lr": lr, "version": float(self.version)}
 
     def export_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's megatron shards (megatron names), on CPU: what satellites in the same

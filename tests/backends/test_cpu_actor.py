@@ -96,6 +96,25 @@ def test_only_the_core_steps_and_clipping_applies(step):
     assert core.version == 1
 
 
+def test_linear_lr_decay_reaches_the_optimizer(step):
+    """lr 1e-3 decaying over 3 steps to 0.1×: 1.0, 0.7, 0.4, 0.1, 0.1 (×1e-3), by version, so an
+    actor resumed at version 2 continues at 0.4e-3. Adam's first update is lr·g/(|g|+eps), so the
+    largest parameter move of a fresh optimizer's first step is the lr it used."""
+    cfg = CpuActorConfig(lr=1e-3, lr_decay_steps=3, min_lr_ratio=0.1, max_grad_norm=1e9)
+    assert [cfg.lr_at(v) for v in range(5)] == pytest.approx([1e-3, 0.7e-3, 0.4e-3, 0.1e-3, 0.1e-3])
+    for version, expected in ((0, 1e-3), (2, 0.4e-3)):
+        actor = CpuActor(tiny_model(seed=0, dtype=torch.float64), is_core=True, config=cfg, version=version)
+        before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+        for ms in step:
+            actor.forward_backward(ms)
+        out = actor.optimizer_step()
+        moved = max(float((p.detach() - before[n]).abs().max()) for n, p in actor.model.named_parameters())
+        assert out["lr"] == pytest.approx(expected) and moved == pytest.approx(expected, rel=1e-3)
+    for bad in ({"lr_decay_steps": -1}, {"min_lr_ratio": 1.5}):
+        with pytest.raises(ValueError, match=f"actor.{next(iter(bad))}"):
+            CpuActorConfig(**bad)
+
+
 def test_export_import_round_trip_and_errors():
     a, b = CpuActor(tiny_model(seed=1), is_core=False), CpuActor(tiny_model(seed=2), is_core=False)
     b.import_parameters(a.export_parameters())
