@@ -17,7 +17,9 @@ did not take. By default the call asks for `--max-tokens` tokens; with `--think-
 it asks for R × (scaled think time) tokens instead, so against an engine that decodes R tokens/s
 per request (`--engine.min-decode-step-s 1/R`) the call *is* the think time while the engine has
 room, and takes longer when more calls compete for its batch than it holds: rollout throughput
-then depends on the cells serving rollouts, as on GPUs.
+then depends on the cells serving rollouts, as on GPUs. Such calls also send `min_tokens` = the
+tokens asked (an OpenAI-API extension of SGLang and vLLM, honoured by the proxy), so an early EOS
+cannot turn think time into a sleep that would go on while the cells train.
 
 Only the stdlib and `openai` are used (`--client http`: the stdlib alone, ~10× less start-up CPU
 than importing the SDK, for benchmarks with many executions on few cores); the runner's env
@@ -85,11 +87,11 @@ class _HttpChat:
         self.key = os.environ.get("OPENAI_API_KEY", "")
         self.retries = retries
 
-    def create(self, *, model: str, messages: list[dict], max_tokens: int) -> str:
+    def create(self, *, model: str, messages: list[dict], max_tokens: int, extra_body: dict | None = None) -> str:
         import urllib.error
         import urllib.request
 
-        body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens}).encode()
+        body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, **(extra_body or {})}).encode()
         for attempt in range(self.retries + 1):
             req = urllib.request.Request(self.url, data=body, method="POST", headers={
                 "Content-Type": "application/json", "Authorization": f"Bearer {self.key}"})
@@ -151,11 +153,15 @@ def main(argv: list[str] | None = None) -> int:
             # A model call stands for the think time; the engine decides how long it really takes.
             started = time.time()
             n = max(1, round(think * a.think_tokens_per_s)) if a.think_tokens_per_s > 0 else a.max_tokens
+            # Paced: all n tokens are decoded (min_tokens holds EOS back), so the think time is
+            # spent in the engine, where it competes for the batch, and not in a sleep that would
+            # go on while the cells train.
+            extra = {"min_tokens": n} if a.think_tokens_per_s > 0 else None
             if client is not None:
-                resp = client.chat.completions.create(model=model, messages=messages, max_tokens=n)
+                resp = client.chat.completions.create(model=model, messages=messages, max_tokens=n, extra_body=extra)
                 text = resp.choices[0].message.content or ""
             else:
-                text = chat.create(model=model, messages=messages, max_tokens=n)
+                text = chat.create(model=model, messages=messages, max_tokens=n, extra_body=extra)
             messages.append({"role": "assistant", "content": text})
             messages.append({"role": "user", "content": f"tool result {k}"})
             time.sleep(max(0.0, think - (time.time() - started)))

@@ -358,7 +358,9 @@ class CpuEngine:
         out = []
         for req, row in zip(batch, logits):
             sp = req.sampling
-            tok, policy_lp, sampling_lp = sample_token(row, temperature=sp.temperature, top_p=sp.top_p, generator=req.generator)
+            banned = [*sp.stop_token_ids, *self.eos_token_ids] if len(req.out) < sp.min_tokens else None
+            tok, policy_lp, sampling_lp = sample_token(row, temperature=sp.temperature, top_p=sp.top_p, generator=req.generator,
+                                                       banned=banned)
             out.append((tok, policy_lp if self.config.logprobs == "policy" else sampling_lp))
         return out
 

@@ -26,6 +26,9 @@ class SamplingParams:
     # Stop sequences as token-id sequences: generation stops after the last token of a match.
     stop_sequences: list[list[int]] = field(default_factory=list)
     seed: int | None = None
+    # EOS and stop_token_ids cannot be sampled before this many tokens (SGLang's min_new_tokens,
+    # vLLM's min_tokens); policy log-probs are still those of the unmasked distribution.
+    min_tokens: int = 0
 
 
 @dataclass

@@ -28,16 +28,20 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample_token(logits: torch.Tensor, *, temperature: float, top_p: float,
-                 generator: torch.Generator | None) -> tuple[int, float, float]:
+                 generator: torch.Generator | None, banned: list[int] | None = None) -> tuple[int, float, float]:
     """Sample one token from logits [V]; return (token, policy_logprob, sampling_logprob).
 
     temperature 0 is greedy (sampling_logprob 0). One uniform draw from `generator` per call,
-    inverse-CDF over token ids in ascending order, so a seed fixes the outcome.
+    inverse-CDF over token ids in ascending order, so a seed fixes the outcome. `banned` ids
+    (EOS before min_tokens) are removed from the sampled distribution, not from the policy's.
     """
     if temperature < 0 or not 0.0 < top_p <= 1.0:
         raise ValueError(f"sampling: temperature {temperature} must be ≥ 0 and top_p {top_p} in (0, 1]")
     logits = logits.float()
     policy = torch.log_softmax(logits, dim=-1)
+    if banned:
+        logits = logits.clone()
+        logits[banned] = float("-inf")
     if temperature == 0:
         tok = int(torch.argmax(logits))
         return tok, float(policy[tok]), 0.0

@@ -95,6 +95,8 @@ def sampling_params(sp: SamplingParams) -> dict[str, Any]:
     }
     if sp.seed is not None:
         out["sampling_seed"] = int(sp.seed)
+    if sp.min_tokens:
+        out["min_new_tokens"] = int(sp.min_tokens)
     return out
 
 

@@ -52,6 +52,7 @@ class ChatRequest:
     prompt_ids: list[int] | None = None  # /v1/completions
     prompt_text: str | None = None
     max_tokens: int | None = None
+    min_tokens: int = 0  # OpenAI-compatible extension (SGLang, vLLM): no EOS before this many tokens
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
@@ -324,6 +325,7 @@ class Proxy:
             stop_token_ids=sorted(self.eos_ids),
             stop_sequences=stop_seqs,
             seed=req.seed,
+            min_tokens=min(req.min_tokens, max_tokens),
         )
         return Call(self, state, role, req, rendered, sampling, start)
 

@@ -138,6 +138,7 @@ def _common(body: dict, api: str) -> ChatRequest:
     req = ChatRequest(
         api=api,
         max_tokens=max_tokens,
+        min_tokens=V.opt_int(body, "min_tokens", 0, lo=0),
         temperature=V.opt_num(body, "temperature", 1.0, 0.0, 2.0),
         top_p=V.opt_num(body, "top_p", 1.0, 0.0, 1.0),
         seed=V.opt_int(body, "seed"),

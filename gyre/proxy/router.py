@@ -273,7 +273,8 @@ class Router:
             consumed = 0
             failed = False
             done = False
-            sp = replace(sampling, max_tokens=sampling.max_tokens - len(events))
+            sp = replace(sampling, max_tokens=sampling.max_tokens - len(events),
+                         min_tokens=max(0, sampling.min_tokens - len(events)))
             prompt = input_ids + [e.token_id for e in events] if events else input_ids
             try:
                 stream = slot.engine.generate(running.request_id, prompt, sp)

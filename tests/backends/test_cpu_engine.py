@@ -166,6 +166,29 @@ def test_stop_token_stop_sequence_and_max_tokens(model):
     assert all(e.finish_reason is None for e in by_tok[:-1])
 
 
+def test_min_tokens_holds_back_stop_tokens_until_reached(model):
+    """A third of the vocabulary as stop ids ends a free run within a few tokens; with
+    min_tokens 12 none of them is among the first 12 tokens, and the reported log-probs are
+    still the policy's (the actor's), not those of the masked draw."""
+    stops = list(range(0, VOCAB, 3))
+
+    async def go():
+        eng = CpuEngine.from_model(model)
+        await eng.start()
+        free = await collect(eng, "free", [9, 8, 7], SamplingParams(max_tokens=40, seed=5, stop_token_ids=stops))
+        held = await collect(eng, "held", [9, 8, 7], SamplingParams(max_tokens=40, seed=5, stop_token_ids=stops, min_tokens=12))
+        await eng.stop()
+        return free, held
+
+    free, held = run(go())
+    ids = [e.token_id for e in held]
+    assert len(free) < 12 and free[-1].finish_reason == "stop"
+    assert len(held) > 12 and not set(ids[:12]) & set(stops)
+    assert held[-1].finish_reason in ("stop", "length")
+    expected = actor_logprobs(model, [9, 8, 7], ids)
+    assert [e.logprob for e in held] == pytest.approx(expected, abs=1e-4)
+
+
 def test_abort_returns_exact_partial_output(model):
     """Abort after consuming k tokens: the returned tokens are what was yielded plus what was
     queued, a prefix of the unaborted run; the stream then yields exactly the queued rest."""

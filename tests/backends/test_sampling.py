@@ -30,6 +30,21 @@ def test_sampled_token_lies_in_the_nucleus_and_logprobs_are_consistent(logits, t
 
 
 @settings(max_examples=100, deadline=None)
+@given(logit_lists, st.data(), st.integers(0, 2**31))
+def test_banned_tokens_are_never_sampled_and_the_policy_logprob_ignores_the_ban(logits, data, seed):
+    """min_tokens bans EOS: the draw comes from the rest, renormalised; ℓ_t stays the policy's."""
+    x = torch.tensor(logits)
+    banned = data.draw(st.lists(st.integers(0, len(logits) - 1), max_size=len(logits) - 1, unique=True))
+    tok, policy_lp, samp_lp = sample_token(x, temperature=1.0, top_p=1.0, generator=torch.Generator().manual_seed(seed),
+                                           banned=banned)
+    probs = torch.softmax(x.double(), -1)
+    allowed = [i for i in range(len(logits)) if i not in banned]
+    assert tok in allowed
+    assert policy_lp == pytest.approx(math.log(float(probs[tok])), abs=1e-5)
+    assert samp_lp == pytest.approx(math.log(float(probs[tok] / probs[allowed].sum())), abs=1e-4)
+
+
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.floats(0.0, 1.0, allow_nan=False), min_size=1, max_size=30).filter(lambda p: sum(p) > 0), st.floats(0.01, 1.0))
 def test_nucleus_is_the_smallest_top_set_reaching_top_p(raw, top_p):
     p = torch.tensor(raw, dtype=torch.float64)

@@ -43,6 +43,8 @@ def test_sampling_params_translation():
     assert sampling_params(sp) == {"max_new_tokens": 77, "temperature": 0.6, "top_p": 0.95, "stop_token_ids": [2, 5],
                                    "skip_special_tokens": False, "no_stop_trim": True, "sampling_seed": 9}
     assert "sampling_seed" not in sampling_params(SamplingParams())
+    assert "min_new_tokens" not in sampling_params(SamplingParams())
+    assert sampling_params(SamplingParams(max_tokens=20, min_tokens=12))["min_new_tokens"] == 12
 
 
 def test_parse_chunk_takes_this_chunks_slice_of_the_cumulative_list():

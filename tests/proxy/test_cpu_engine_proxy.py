@@ -71,3 +71,30 @@ def test_greedy_call_rerouted_between_cpu_engines_matches_uninterrupted(make_ser
 
 async def _result(task):
     return await task
+
+
+def test_min_tokens_through_the_openai_sdk(make_server):
+    """`min_tokens` (the SGLang/vLLM extension, sent as extra_body) reaches the engine: with EOS
+    set to the greedy first token, a plain greedy call ends after one token, a call with
+    min_tokens 10 does not end before 11; a negative value is a 400 naming the field."""
+    model = tiny_model(seed=0, vocab=VOCAB_SIZE)
+    proxy, h = make_server()
+    probe = CpuEngine.from_model(model)
+    probe.name = "probe"
+    h.call(probe.start())
+    proxy.router.add_engine(probe, kind="cell", index=0)
+    c = openai.OpenAI(base_url=h.url + "/v1", api_key=proxy.issue_key("ex-min"), max_retries=0)
+    msgs = [{"role": "user", "content": "Say something."}]
+    c.chat.completions.create(model="m", messages=msgs, max_tokens=1, temperature=0)
+    first = int(proxy.sink.records[-1].output_ids[0])
+    proxy.eos_ids = frozenset(proxy.eos_ids | {first})  # the proxy sends its EOS ids as stop ids
+    plain = c.chat.completions.create(model="m", messages=msgs, max_tokens=30, temperature=0)
+    held = c.chat.completions.create(model="m", messages=msgs, max_tokens=30, temperature=0, extra_body={"min_tokens": 10})
+    assert plain.usage.completion_tokens == 1 and plain.choices[0].finish_reason == "stop"
+    assert held.usage.completion_tokens > 10
+    assert first not in [int(t) for t in proxy.sink.records[-1].output_ids[:10]]
+    try:
+        c.chat.completions.create(model="m", messages=msgs, max_tokens=5, extra_body={"min_tokens": -1})
+        raise AssertionError("min_tokens -1 was accepted")
+    except openai.BadRequestError as e:
+        assert e.status_code == 400 and "min_tokens" in str(e)

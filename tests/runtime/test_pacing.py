@@ -1,6 +1,6 @@
 """The longtail harness's paced think time (examples/longtail/harness.py): with
 `--think-tokens-per-s R` each turn's model call asks for round(R × scaled think time) tokens
-(at least 1), over the stdlib client (`--client http`), against a stand-in OpenAI server."""
+(at least 1) and as many at least (`min_tokens`), over the stdlib client (`--client http`), against a stand-in OpenAI server."""
 
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ def test_think_tokens_per_s_asks_for_the_think_time_in_tokens(tmp_path):
     plan = draw_plan(3, "e-7", turns_mean=5)
     want = [max(1, round(t * 1e-5 * 2000)) for t in plan.think_s]
     assert [b["max_tokens"] for b in server.bodies] == want
+    assert [b["min_tokens"] for b in server.bodies] == want  # no early EOS: the call lasts its think time
     assert len(set(want)) > 1  # the plan's turns differ, so the test tells the rule from a constant
     assert all(a == "Bearer k-test" for a in server.auth)
     assert json.loads((tmp_path / "progress.json").read_text())["turns_done"] == plan.turns
@@ -78,3 +79,4 @@ def test_without_the_rate_every_call_asks_for_max_tokens(tmp_path):
     proc, server = _run(tmp_path, "--max-tokens", "9")
     assert proc.returncode == 0, proc.stderr
     assert [b["max_tokens"] for b in server.bodies] == [9] * draw_plan(3, "e-7", turns_mean=5).turns
+    assert not any("min_tokens" in b for b in server.bodies)
