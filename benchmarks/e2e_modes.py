@@ -165,6 +165,7 @@ def sim_prediction(args: argparse.Namespace, names: list[str], train_s_per_step:
     from gyre.sim.config import ClusterConfig, SimConfig, TrainingModel
     from gyre.sim.durations import HierarchicalLogNormal
     from gyre.sim.engine import Simulation
+    from examples.longtail.task import TIMEOUT_H
 
     durations = HierarchicalLogNormal(m=math.log(1.62), sigma_q=1e-9, sigma_e=0.588, cap_h=4.0)  # the harness's law
     real = 1.0 / args.time_scale  # real seconds → workload seconds
@@ -184,7 +185,7 @@ def sim_prediction(args: argparse.Namespace, names: list[str], train_s_per_step:
                 training=TrainingModel(cell_hours_per_step=train_s_per_step * real / 3600.0, reference_nodes=4,
                                        scaling_exponent=1.0, optimizer_s=0.1 * real, param_send_s=0.05 * real,
                                        switch_to_train_s=0.3 * real, switch_to_rollout_s=0.3 * real, eval_s=0.4 * real),
-                steps=args.steps, seed=seed)
+                steps=args.steps, seed=seed, wall_timeout_h=TIMEOUT_H)  # the runner's wall clock, as for real
             r = Simulation(cfg, durations).run()
             steps.append((r.step_end_h[-1] - r.step_end_h[1]) * 3600.0 / (len(r.step_end_h) - 2) / real)
         out[name] = round(float(np.mean(steps)), 2)

@@ -89,5 +89,10 @@ class SimConfig:
     """Also run the paper's ablation variants (A0 A3 C0 C2 E0 E1 E2) on the same cluster and print a table."""
     out_dir: str = ""
     """If set: write result.json, events.jsonl and timeline.png here."""
+    wall_timeout_h: float = 0.0
+    """The runner's wall-clock limit per execution, counted from its dispatch (0 = off: the
+    duration law's cap bounds an execution's *work* only). With it, an execution still queued or
+    paused at its deadline is cut there, as the real runner kills a harness on wall time; its
+    training work then scales with the work it did."""
     max_sim_hours: float = 1e6
     """Abort a run whose simulated clock passes this (a stalled configuration)."""

@@ -4,7 +4,9 @@ The simulator plays the world around the scheduler: harness executions, engine s
 switches, micro-step compute and optimizer updates. Modelling assumptions (docs/theory.md §4):
 
 - An execution holds one engine slot from start to end and runs at full speed; its duration is
-  drawn at dispatch. Dispatched executions wait FIFO for a slot (d − p queued).
+  drawn at dispatch. Dispatched executions wait FIFO for a slot (d − p queued). With
+  `wall_timeout_h` an execution ends at dispatch + that limit whatever it was doing (running,
+  queued or paused), as the runner's wall clock would end it.
 - Rollout capacity is C_R(t) = C_s + (cells in ROLLOUT)·C_e. A switching cell serves nothing.
   When capacity drops below the running count (colocate), the most recently started executions
   are *paused* (their harness waits for a model) and resume first, kv_recompute_s later than
@@ -43,7 +45,7 @@ from gyre.sim.durations import DurationModel
 
 logger = logging.getLogger(__name__)
 
-_EXEC_DONE, _GROUP_READY, _SWITCH_DONE, _WORK_DONE, _STEP_DONE, _TICK = range(6)
+_EXEC_DONE, _GROUP_READY, _SWITCH_DONE, _WORK_DONE, _STEP_DONE, _TICK, _DEADLINE = range(7)
 
 
 class SimulationStalled(RuntimeError):
@@ -67,6 +69,7 @@ class SimResult:
     num_cells: int
     cell_concurrency: int
     standalone_concurrency: int
+    timed_out_executions: int = 0  # cut by wall_timeout_h
     log: EventLog = field(repr=False, default_factory=EventLog)
 
     @property
@@ -128,6 +131,8 @@ class Simulation:
         self.ex_dur: list[float] = []
         self.ex_epoch: list[int] = []
         self.ex_started: list[bool] = []
+        self.ex_done: list[bool] = []
+        self.timed_out = 0
         self.queue: deque[int] = deque()
         self.running: OrderedDict[int, float] = OrderedDict()  # exec -> time its segment started
         self.group_left: dict[int, int] = {}
@@ -189,7 +194,10 @@ class Simulation:
             self.ex_dur.append(float(dur))
             self.ex_epoch.append(0)
             self.ex_started.append(False)
+            self.ex_done.append(False)
             self.queue.append(e)
+            if self.cfg.wall_timeout_h > 0:
+                self._push(self.clock() + self.cfg.wall_timeout_h * 3600.0, _DEADLINE, e)
             ids.append(e)
         self.group_left[g] = n
         self.group_execs[g] = ids
@@ -216,6 +224,31 @@ class Simulation:
                 g = self.ex_group[e]
                 self.sched.on_execution_started(g, e - self.group_execs[g][0])  # never yields decisions
             self._push(now + self.ex_left[e], _EXEC_DONE, e, self.ex_epoch[e])
+
+    def _finish(self, e: int) -> None:
+        self.ex_done[e] = True
+        g = self.ex_group[e]
+        self._apply(self.sched.on_execution_finished(g, e - self.group_execs[g][0]))
+        self.group_left[g] -= 1
+        if self.group_left[g] == 0:
+            self._push(self.clock() + self.cfg.training.eval_s, _GROUP_READY, g)
+        self._start_queued()
+
+    def _cut(self, e: int) -> None:
+        """Wall-clock timeout: end the execution now, running, queued or paused."""
+        now = self.clock()
+        if e in self.running:
+            self.ex_left[e] -= now - self.running.pop(e)
+        else:
+            self.queue.remove(e)
+            if not self.ex_started[e]:  # the real runner had started its harness at dispatch
+                self.ex_started[e] = True
+                g = self.ex_group[e]
+                self.sched.on_execution_started(g, e - self.group_execs[g][0])
+        self.ex_epoch[e] += 1  # invalidates a pending finish
+        self.ex_dur[e] -= max(self.ex_left[e], 0.0)  # training work ∝ the work done
+        self.timed_out += 1
+        self._finish(e)
 
     def _feed_cells(self) -> None:
         """Every idle training cell asks the scheduler for a micro-step."""
@@ -252,12 +285,10 @@ class Simulation:
             self._advance(t)
             if kind == _EXEC_DONE:
                 del self.running[a]
-                g = self.ex_group[a]
-                self._apply(self.sched.on_execution_finished(g, a - self.group_execs[g][0]))
-                self.group_left[g] -= 1
-                if self.group_left[g] == 0:
-                    self._push(t + cfg.training.eval_s, _GROUP_READY, g)
-                self._start_queued()
+                self._finish(a)
+            elif kind == _DEADLINE:
+                if not self.ex_done[a]:
+                    self._cut(a)
             elif kind == _GROUP_READY:
                 self._apply(self.sched.on_group_ready(a, cfg.scheduler.n_per_group))
             elif kind == _SWITCH_DONE:
@@ -308,6 +339,7 @@ class Simulation:
             rollout_slot_hours=self.area_running / H,
             capacity_slot_hours=self.area_capacity / H,
             paused_executions=self.paused,
+            timed_out_executions=self.timed_out,
             group_sojourn_h=sojourn,
             groups_in_system_area_h=self.area_groups / H,
             num_cells=self.cfg.cluster.num_cells,

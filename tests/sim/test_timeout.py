@@ -1,0 +1,72 @@
+"""The runner's wall-clock timeout in the simulator (`SimConfig.wall_timeout_h`): an execution
+ends at dispatch + the limit whether it is running, queued or paused, hand-computed on one cell."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gyre.scheduler import SchedulerConfig
+from gyre.sim.config import ClusterConfig, SimConfig, TrainingModel
+from gyre.sim.engine import Simulation
+
+H = 3600.0
+TICK_H = 0.01
+
+
+class Scripted:
+    """Group g lasts hours[g] (one execution per group), in dispatch order."""
+
+    def __init__(self, hours: list[float]) -> None:
+        self.hours, self.next = hours, 0
+
+    def sample_group(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        h = self.hours[self.next]
+        self.next += 1
+        return np.full(n, h * H)
+
+
+def _run(hours: list[float], timeout_h: float, *, train_h: float = 5.0):
+    """Colocate on one cell of one slot, φ = 1 (both groups dispatched at t = 0), μ = 1, every
+    switch, optimizer and evaluation free: only executions and training take time."""
+    cfg = SimConfig(
+        scheduler=SchedulerConfig(mode="colocate", phi=1, mu=1, n_per_group=1, batch_groups=1, streaming=False,
+                                  tick_s=TICK_H * H, tau=1, rho_min=1.0),
+        cluster=ClusterConfig(num_cells=1, nodes_per_cell=4, cell_concurrency=1, kv_recompute_s=0.0),
+        training=TrainingModel(cell_hours_per_step=train_h, reference_nodes=4, scaling_exponent=1.0, tokens_scale=False,
+                               optimizer_s=0.0, param_send_s=0.0, switch_to_train_s=0.0, switch_to_rollout_s=0.0, eval_s=0.0),
+        steps=2, seed=0, wall_timeout_h=timeout_h)
+    sim = Simulation(cfg, Scripted([1.0] * 512))  # the mean-duration sample
+    sim.durations = Scripted(hours + [100.0] * 8)  # groups dispatched after a publish: 100 h each
+    return sim.run()
+
+
+def test_a_paused_execution_is_cut_at_its_deadline():
+    """Group 0 (1 h) runs, group 1 (10 h) waits for the slot, starts at 1 h and is paused at once
+    when the cell trains step 0 (1 h → 6 h). Without a timeout it resumes at 6 h with all 10 h left,
+    ends at 16 h and step 1 ends at 21 h; with a 4 h limit it is cut at 4 h while paused, so step 1 trains right
+    after step 0 and ends at 11 h."""
+    free = _run([1.0, 10.0], 0.0)
+    cut = _run([1.0, 10.0], 4.0)
+    # cut: group 1 at 4 h, and group 2 (dispatched at 6 h, paused at once by step 1) at 10 h
+    assert free.timed_out_executions == 0 and cut.timed_out_executions == 2
+    assert cut.paused_executions >= 1
+    assert free.step_end_h == pytest.approx([6.0, 21.0], abs=3 * TICK_H)
+    assert cut.step_end_h == pytest.approx([6.0, 11.0], abs=3 * TICK_H)
+
+
+def test_running_and_queued_executions_are_cut_at_their_deadline():
+    """Both groups last 10 h; group 1 waits in the queue for the only slot. A 4 h limit ends the
+    running one and the queued one (never started) at 4 h: steps end at 9 h and 14 h instead of
+    15 h and 30 h."""
+    free = _run([10.0, 10.0], 0.0)
+    cut = _run([10.0, 10.0], 4.0)
+    assert cut.timed_out_executions == 3  # and group 2, dispatched at 9 h, paused, cut at 13 h
+    assert free.step_end_h == pytest.approx([15.0, 30.0], abs=3 * TICK_H)
+    assert cut.step_end_h == pytest.approx([9.0, 14.0], abs=3 * TICK_H)
+
+
+def test_a_deadline_after_the_execution_ended_changes_nothing():
+    free = _run([1.0, 2.0], 0.0)
+    late = _run([1.0, 2.0], 50.0)
+    assert late.timed_out_executions == 0 and late.step_end_h == free.step_end_h
