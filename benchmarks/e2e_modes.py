@@ -45,7 +45,7 @@ long/short pairs of the baselines), from each run's metrics.jsonl; measured stal
 the run's summary (whole run, and over the measured steps). Results go to benchmarks/results/e2e_modes.json (machine, load, versions, config,
 commit, every run tried); the last line printed is one JSON object of the figures.
 
-    python benchmarks/e2e_modes.py              # ~18 min on 2 shared cores (3 runs x 2 repeats)
+    python benchmarks/e2e_modes.py              # ~21 min on 2 shared cores (4 runs x 2 repeats)
     python benchmarks/e2e_modes.py --repeats 1 --modes gyre   # one gyre run, ~3 min
 """
 
