@@ -26,8 +26,9 @@ DUR = HierarchicalLogNormal(m=-1.0, sigma_q=0.5, sigma_e=0.6, cap_h=2.0)
     phi_units=st.integers(0, 2),
     mu=st.integers(1, 3),
     seed=st.integers(0, 1000),
+    wall_timeout_h=st.sampled_from([0.0, 0.3, 1.0]),  # DUR's executions run up to 2 h
 )
-def test_invariants_on_the_event_log(mode, streaming, K, C_e, C_s, N, B, phi_units, mu, seed):
+def test_invariants_on_the_event_log(mode, streaming, K, C_e, C_s, N, B, phi_units, mu, seed, wall_timeout_h):
     steps = 2 * mu
     cfg = SimConfig(
         scheduler=SchedulerConfig(mode=mode, streaming=streaming, n_per_group=N, batch_groups=B,
@@ -36,6 +37,7 @@ def test_invariants_on_the_event_log(mode, streaming, K, C_e, C_s, N, B, phi_uni
         training=TrainingModel(cell_hours_per_step=0.05),
         steps=steps,
         seed=seed,
+        wall_timeout_h=wall_timeout_h,
     )
     res = Simulation(cfg, DUR, mode).run()
     roles = ["rollout"] * K
