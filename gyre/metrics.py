@@ -143,7 +143,9 @@ def reward_trend(rows: list[dict[str, Any]], k: int, *, resamples: int = 10000, 
         idx = rng.integers(0, len(cl), (resamples, len(cl)))
         return sums[idx].sum(1) / sizes[idx].sum(1)
 
-    mean = lambda cl: sum(map(sum, cl)) / sum(map(len, cl))  # noqa: E731
+    def mean(cl: list[list[float]]) -> float:
+        return sum(map(sum, cl)) / sum(map(len, cl))
+
     diffs = boot_means(last) - boot_means(first)
     lo, hi = np.quantile(diffs, [0.025, 0.975])
 

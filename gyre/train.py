@@ -97,12 +97,10 @@ def train(cfg: Any, topo: Topology, groups: Groups) -> None:
 
     worker = CellWorker(topo, groups, control, board, engine_host, make_actor, checkpoint_dir=str(ckpt_dir),
                         checkpoint_every=cfg.train.checkpoint_every, audit_dir=cfg.train.audit_dir)
-    worker.actor = core_actor
-    if worker.actor is None:
-        # A satellite's actor is built now, not at its first switch: the first model build in a
-        # process costs seconds (library imports, 5-7 s measured under load), which used to
-        # keep every satellite out of the first step it was switched in for.
-        worker.actor = make_actor(False)
+    # A satellite's actor is built now, not at its first switch: the first model build in a
+    # process costs seconds (library imports, 5-7 s measured under load), which used to keep
+    # every satellite out of the first step it was switched in for.
+    worker.actor = core_actor if core_actor is not None else make_actor(False)
     controller = None
     if topo.is_controller:
         controller = Controller(cfg, topo, store, start_version=start_version)

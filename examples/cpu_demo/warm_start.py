@@ -265,8 +265,8 @@ def warm_start(out: str, *, episodes: int = 120, steps: int = 1200, batch_size: 
         valid += agent.stats.valid_calls
     report = {
         "checkpoint": out, "preset": preset, "episodes": episodes, "demo_calls": n_pairs,
-        "demo_sequences": n_seqs, "exact_steps": exact_steps,
-        "value_accuracy_before_blur": exact_accuracy, "blur_steps": len(losses) - exact_steps, "blur_lr": blur_lr, "demo_tokens": sum(len(i) for i, _ in data),
+        "demo_sequences": n_seqs, "exact_steps": exact_steps, "value_accuracy_before_blur": exact_accuracy,
+        "blur_steps": len(losses) - exact_steps, "blur_lr": blur_lr, "demo_tokens": sum(len(i) for i, _ in data),
         "demo_targets": sum(sum(m) for _, m in data), "demo_reward": sum(demo_rewards) / len(demo_rewards),
         "demo_stats": stats, "correct_prob": correct_prob, "wrong": wrong, "steps": steps, "loss_first": losses[0],
         "loss_last": sum(losses[-10:]) / len(losses[-10:]), "seconds_demos": t_demo, "seconds_train": t_train,
@@ -289,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    report = warm_start(a.out, episodes=a.episodes, steps=a.steps, blur_steps=a.blur_steps, correct_prob=a.correct_prob, preset=a.preset, seed=a.seed)
+    report = warm_start(a.out, episodes=a.episodes, steps=a.steps, blur_steps=a.blur_steps, correct_prob=a.correct_prob,
+                        preset=a.preset, seed=a.seed)
     print(json.dumps(report))
     return 0
 

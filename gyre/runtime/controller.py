@@ -343,7 +343,8 @@ class Controller:
     def _step_done(self, step: int, stats: dict[str, float]) -> None:
         info = self.step_info[step]
         now = time.time()
-        rewards = [r for g in info["groups"] for r in self.group_rewards.get(g, []) if r is not None]
+        by_group = [[r for r in self.group_rewards.get(g, []) if r is not None] for g in info["groups"]]
+        rewards = [r for g in by_group for r in g]
         row = {
             "step": step,
             "version": step + 1,
@@ -357,7 +358,7 @@ class Controller:
             "reward_mean": float(np.mean(rewards)) if rewards else None,
             "reward_count": len(rewards),
             "rewards": rewards,
-            "group_rewards": [[r for r in self.group_rewards.get(g, []) if r is not None] for g in info["groups"]],
+            "group_rewards": by_group,
             "staleness_mean": float(np.mean(info["staleness"])) if info["staleness"] else None,
             "staleness": info["staleness"],
             "water_level": self.sched.water_level,
