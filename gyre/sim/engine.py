@@ -129,6 +129,7 @@ class Simulation:
         self.ex_group: list[int] = []
         self.ex_left: list[float] = []
         self.ex_dur: list[float] = []
+        self.ex_owed: list[float] = []  # prefix recompute still to run, part of ex_left
         self.ex_epoch: list[int] = []
         self.ex_started: list[bool] = []
         self.ex_done: list[bool] = []
@@ -192,6 +193,7 @@ class Simulation:
             self.ex_group.append(g)
             self.ex_left.append(float(dur))
             self.ex_dur.append(float(dur))
+            self.ex_owed.append(0.0)
             self.ex_epoch.append(0)
             self.ex_started.append(False)
             self.ex_done.append(False)
@@ -208,11 +210,17 @@ class Simulation:
         cap, now = self.sched.rollout_capacity, self.clock()
         while len(self.running) > cap:
             e, seg_start = self.running.popitem(last=True)
-            self.ex_left[e] -= now - seg_start
+            self._ran(e, now - seg_start)
             self.ex_left[e] += self.cfg.cluster.kv_recompute_s  # prefix recompute on resume
+            self.ex_owed[e] += self.cfg.cluster.kv_recompute_s
             self.ex_epoch[e] += 1  # invalidates its pending finish event
             self.queue.appendleft(e)
             self.paused += 1
+
+    def _ran(self, e: int, s: float) -> None:
+        """Execution e ran for s: the prefix recompute it owes runs first, then its own work."""
+        self.ex_owed[e] = max(self.ex_owed[e] - s, 0.0)
+        self.ex_left[e] -= s
 
     def _start_queued(self) -> None:
         cap, now = self.sched.rollout_capacity, self.clock()
@@ -238,7 +246,7 @@ class Simulation:
         """Wall-clock timeout: end the execution now, running, queued or paused."""
         now = self.clock()
         if e in self.running:
-            self.ex_left[e] -= now - self.running.pop(e)
+            self._ran(e, now - self.running.pop(e))
         else:
             self.queue.remove(e)
             if not self.ex_started[e]:  # the real runner had started its harness at dispatch
@@ -246,7 +254,7 @@ class Simulation:
                 g = self.ex_group[e]
                 self.sched.on_execution_started(g, e - self.group_execs[g][0])
         self.ex_epoch[e] += 1  # invalidates a pending finish
-        self.ex_dur[e] -= max(self.ex_left[e], 0.0)  # training work ∝ the work done
+        self.ex_dur[e] -= max(self.ex_left[e] - self.ex_owed[e], 0.0)  # training work ∝ its own work done
         self.timed_out += 1
         self._finish(e)
 

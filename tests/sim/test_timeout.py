@@ -26,14 +26,15 @@ class Scripted:
         return np.full(n, h * H)
 
 
-def _run(hours: list[float], timeout_h: float, *, train_h: float = 5.0):
+def _run(hours: list[float], timeout_h: float, *, train_h: float = 5.0, kv_recompute_h: float = 0.0,
+         tokens_scale: bool = False):
     """Colocate on one cell of one slot, φ = 1 (both groups dispatched at t = 0), μ = 1, every
     switch, optimizer and evaluation free: only executions and training take time."""
     cfg = SimConfig(
         scheduler=SchedulerConfig(mode="colocate", phi=1, mu=1, n_per_group=1, batch_groups=1, streaming=False,
                                   tick_s=TICK_H * H, tau=1, rho_min=1.0),
-        cluster=ClusterConfig(num_cells=1, nodes_per_cell=4, cell_concurrency=1, kv_recompute_s=0.0),
-        training=TrainingModel(cell_hours_per_step=train_h, reference_nodes=4, scaling_exponent=1.0, tokens_scale=False,
+        cluster=ClusterConfig(num_cells=1, nodes_per_cell=4, cell_concurrency=1, kv_recompute_s=kv_recompute_h * H),
+        training=TrainingModel(cell_hours_per_step=train_h, reference_nodes=4, scaling_exponent=1.0, tokens_scale=tokens_scale,
                                optimizer_s=0.0, param_send_s=0.0, switch_to_train_s=0.0, switch_to_rollout_s=0.0, eval_s=0.0),
         steps=2, seed=0, wall_timeout_h=timeout_h)
     sim = Simulation(cfg, Scripted([1.0] * 512))  # the mean-duration sample
@@ -70,3 +71,14 @@ def test_a_deadline_after_the_execution_ended_changes_nothing():
     free = _run([1.0, 2.0], 0.0)
     late = _run([1.0, 2.0], 50.0)
     assert late.timed_out_executions == 0 and late.step_end_h == free.step_end_h
+
+
+def test_a_cut_execution_trains_only_the_work_it_did_not_its_owed_recompute():
+    """Training cost ∝ duration (tokens_scale), a pause owes 0.5 h of prefix recompute. Group 1
+    (10 h) is paused the moment it starts (1 h) and cut at 4 h having done no work: it trains
+    for 0 h, so step 1 ends when step 0 does (6 h). Its remaining time (10.5 h) includes the
+    recompute it owes; counting that as work undone gave it −0.5 h of training."""
+    cut = _run([1.0, 10.0], 4.0, kv_recompute_h=0.5, tokens_scale=True)
+    assert cut.timed_out_executions >= 1 and cut.paused_executions >= 1
+    # step 0: group 0 (1 h of work, the mean) trains 5 h from 1 h; step 1: group 1, 0 h of work
+    assert cut.step_end_h == pytest.approx([6.0, 6.0], abs=3 * TICK_H)
