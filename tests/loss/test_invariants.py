@@ -192,7 +192,7 @@ def _tree_loss(shared_on: int, seed: int):
     lp = L.token_logprobs_from_hidden(torch.cat(hid), w, torch.tensor(tgt), chunk_size=4)
     loss, _ = L.gspo_loss(lp, torch.tensor(b, dtype=torch.float64), mask_t, ei_t, tw, adv, lens, eps_low=0.5, eps_high=0.5)
     loss.backward()
-    return float(loss), emb.grad, w.grad
+    return loss.item(), emb.grad, w.grad
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
