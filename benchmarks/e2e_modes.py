@@ -42,14 +42,15 @@ Both floors only hold while the real compute stays under them; overruns are coun
 runs' logs and reported. The regime (C_e, training cost) was picked with the simulator
 (`gyre.sim`, the same ElasticScheduler), see "sim_prediction" in the results.
 
-Time per step is measured from the end of step 1 to the end of step S−1 (step 0 includes
-start-up: process launch, model build, the first dispatch). Step times are periodic: Gyre's repeat
-with its bursts of μ = 3, the baselines' alternate long/short with the boundary dispatch (φ = 1),
-so the window holds a multiple of lcm(2, 3) = 6 steps, S − 2 ∈ {6, 12, ...}; from each run's metrics.jsonl; measured staleness comes from
-the run's summary (whole run, and over the measured steps). Results go to benchmarks/results/e2e_modes.json (machine, load, versions, config,
+Time per step is measured from each run's metrics.jsonl, from the end of step 1 to the end of
+step S−1 (step 0 includes start-up: process launch, model build, the first dispatch). Step times
+are periodic: Gyre's repeat with its bursts of μ = 3, the baselines' alternate long/short with
+the boundary dispatch (φ = 1), so the window holds a multiple of lcm(2, 3) = 6 steps
+(S − 2 ∈ {6, 12, ...}). Measured staleness comes from the run's summary (whole run, and over the
+timed steps). Results go to benchmarks/results/e2e_modes.json (machine, load, versions, config,
 commit, every run tried); the last line printed is one JSON object of the figures.
 
-    python benchmarks/e2e_modes.py              # ~32 min on 2 shared cores (6 runs x 2 repeats)
+    python benchmarks/e2e_modes.py              # ~33 min on 2 shared cores (6 runs x 2 repeats)
     python benchmarks/e2e_modes.py --repeats 1 --modes gyre   # one gyre run, ~3 min
 """
 
@@ -204,7 +205,8 @@ def sim_prediction(args: argparse.Namespace, names: list[str], train_s_per_step:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps per run; steps 2..S−1 are timed, so S − 2 must be a multiple of 6")
+    p.add_argument("--steps", type=int, default=8,
+                   help="optimizer steps per run; steps 2..S−1 are timed, so S − 2 must be a multiple of 6")
     p.add_argument("--nproc", type=int, default=4, help="ranks = cells (one rank per cell), in the runs and the simulator")
     p.add_argument("--n", type=int, default=4, help="N executions per group")
     p.add_argument("--b", type=int, default=4, help="B groups per step")
