@@ -73,7 +73,7 @@ def test_gspo_loss_cuda_match_reference(prepass):
     r = lp.double().requires_grad_()
     loss_r, m_r = R.gspo_loss(r, b, mask, ei, tw, p["advantages"], p["lengths"], exec_logratio_sum=sums)
     loss_r.backward()
-    assert float(loss) == pytest.approx(float(loss_r), rel=1e-10, abs=1e-14)
+    assert loss.item() == pytest.approx(loss_r.item(), rel=1e-10, abs=1e-14)
     assert rel(a.grad.cpu(), r.grad) <= 1e-6
     for k, v in m_r.items():
         assert m[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k

@@ -99,7 +99,7 @@ def test_packed_form_equals_definition(seed, num_exec):
     d = lp.clone().requires_grad_()
     ref = R.gspo_loss_from_definition(d, b, mask, ei, p["advantages"], p["lengths"], num_exec)
     ref.backward()
-    assert float(loss) == pytest.approx(float(ref), rel=1e-10, abs=1e-14)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-10, abs=1e-14)
     torch.testing.assert_close(a.grad, d.grad, rtol=1e-10, atol=1e-14)
 
 

@@ -70,7 +70,7 @@ def packed_loss(micro, E) -> float:
     total = 0.0
     for lp, m in zip(lps, micro):
         loss, _ = gyre_loss.gspo_loss_for_microstep(lp, m, exec_logratio_sum=sums, eps_low=EPS, eps_high=EPS, cap=CAP)
-        total += float(loss)
+        total += loss.item()
     return total
 
 
