@@ -1,0 +1,37 @@
+"""benchmarks/e2e_modes.py compares modes only if they are what it says: every mode parses as a
+real run configuration at matched E[d] = 1, and the timing window holds whole periods of every
+mode's step pattern (bursts of μ steps; the long/short pairs of the φ = 1 baselines)."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+from gyre.config import parse_config
+from gyre.dispatch import expected_staleness
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    spec = importlib.util.spec_from_file_location("e2e_modes", ROOT / "benchmarks" / "e2e_modes.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_mode_parses_at_matched_staleness(e2e):
+    for variant, (mode, phi, mu, streaming) in e2e.MODES.items():
+        name = f"{variant}@2" if variant in e2e.SPLIT_MODES else variant
+        cfg = parse_config(["--scheduler.batch-groups", "4", *e2e.run_args(name)]).scheduler
+        assert (cfg.mode, cfg.phi, cfg.mu, cfg.streaming) == (mode, phi, mu, streaming), variant
+        assert expected_staleness(cfg.phi, cfg.mu) == pytest.approx(1.0), variant
+        if variant in e2e.SPLIT_MODES:
+            assert cfg.async_train_cells == 2
+
+
+def test_the_window_holds_whole_periods_of_every_mode(e2e):
+    period = math.lcm(2, *(mu for _, _, mu, _ in e2e.MODES.values()))
+    assert e2e.WINDOW_PERIOD % period == 0
