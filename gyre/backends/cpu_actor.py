@@ -142,12 +142,13 @@ class CpuActor:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(self._params, clip)
+        lr = self.config.lr_at(self.version)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.config.lr_at(self.version)
+            group["lr"] = lr
         self.optimizer.step()
         self.zero_grad()
         self.version += 1
-        return {"grad_norm": float(grad_norm), "lr": float(self.optimizer.param_groups[0]["lr"]), "version": float(self.version)}
+        return {"grad_norm": float(grad_norm), "lr": lr, "version": float(self.version)}
 
     # ------------------------------------------------------------------ parameters
     def export_parameters(self) -> dict[str, torch.Tensor]:

@@ -222,15 +222,18 @@ class Simulation:
         self.ex_owed[e] = max(self.ex_owed[e] - s, 0.0)
         self.ex_left[e] -= s
 
+    def _mark_started(self, e: int) -> None:
+        if not self.ex_started[e]:
+            self.ex_started[e] = True
+            g = self.ex_group[e]
+            self.sched.on_execution_started(g, e - self.group_execs[g][0])  # never yields decisions
+
     def _start_queued(self) -> None:
         cap, now = self.sched.rollout_capacity, self.clock()
         while self.queue and len(self.running) < cap:
             e = self.queue.popleft()
             self.running[e] = now
-            if not self.ex_started[e]:
-                self.ex_started[e] = True
-                g = self.ex_group[e]
-                self.sched.on_execution_started(g, e - self.group_execs[g][0])  # never yields decisions
+            self._mark_started(e)
             self._push(now + self.ex_left[e], _EXEC_DONE, e, self.ex_epoch[e])
 
     def _finish(self, e: int) -> None:
@@ -249,10 +252,7 @@ class Simulation:
             self._ran(e, now - self.running.pop(e))
         else:
             self.queue.remove(e)
-            if not self.ex_started[e]:  # the real runner had started its harness at dispatch
-                self.ex_started[e] = True
-                g = self.ex_group[e]
-                self.sched.on_execution_started(g, e - self.group_execs[g][0])
+            self._mark_started(e)  # the real runner had started its harness at dispatch
         self.ex_epoch[e] += 1  # invalidates a pending finish
         self.ex_dur[e] -= max(self.ex_left[e] - self.ex_owed[e], 0.0)  # training work ∝ its own work done
         self.timed_out += 1
