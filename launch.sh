@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Gyre on Slurm: one torchrun per node, every rank runs `-m gyre.run`.
 #
-#   sbatch --nodes=4 launch.sh --preset cluster --parallel.cell-size 8 --parallel.tp 8
+#   sbatch --nodes=4 launch.sh --preset cpu-demo
+#
+# (Today gyre.run serves the built-in CPU engine and actor only, one whole model per rank, so
+# --parallel.cell-size stays 1; the SGLang / Megatron cells with TP inside a cell are not yet
+# reachable from gyre.run.)
 #
 # The node count is given once (sbatch --nodes or #SBATCH --nodes); everything else is derived
 # from $SLURM_*: nnodes, this node's rank, and the rendezvous endpoint (the first host).

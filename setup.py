@@ -74,13 +74,15 @@ setup(
         "ninja",
         "matplotlib",
         "tqdm",
+        # The example harnesses (cpu_demo, longtail) are real black-box clients of the proxy
+        # through the official SDK: the main job needs it, not just the tests.
+        "openai>=1.40",
     ],
     extras_require={
         "test": [
             "pytest>=8",
             "pytest-timeout",
             "hypothesis>=6",
-            "openai>=1.40",
             "anthropic>=0.40",
             "mini-swe-agent",
             # Mooncake over TCP (the snapshot transport test; it also needs Debian's libibverbs1
@@ -93,6 +95,8 @@ setup(
             "megatron-core",
             "mooncake-transfer-engine",
         ],
+        # The mini-swe-agent example's harness (examples/mini_swe_agent).
+        "mini-swe-agent": ["mini-swe-agent"],
         # Mooncake over TCP on machines without CUDA (same `mooncake` module).
         "mooncake-cpu": ["mooncake-transfer-engine-non-cuda"],
     },

@@ -61,8 +61,9 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
     resume: bool = False
-    """Resume from the newest checkpoint in run_dir/checkpoints: weights, optimizer state and
-    version (steps, versions and metrics.jsonl continue from it; the world size may differ)."""
+    """Resume from the newest checkpoint in the run directory's checkpoints/ (--run-dir; with none,
+    the preset's latest run): weights, optimizer state and version (steps, versions and
+    metrics.jsonl continue from it; the world size may differ)."""
     torch_threads: int = 1
     """torch intra-op threads per rank (CPU: ranks share the cores)."""
     drain_at_end_s: float = 60.0
@@ -85,8 +86,13 @@ class GyreConfig:
     """Named starting config (see --help epilog); other flags override its fields."""
     job: Literal["smoke", "train"] = "smoke"
     """smoke: build the topology, all-reduce over every prefix group, exit. train: the full RL loop."""
-    run_dir: str = "runs/gyre"
-    """Where metrics, records, checkpoints and plots are written."""
+    run_dir: str = ""
+    """This run's directory (metrics, records, checkpoints, plots). Empty: a fresh
+    runs/<preset>/<YYYYmmdd-HHMMSS>/ with runs/<preset>/latest pointing at it, so re-running a
+    command keeps earlier runs. A directory that already holds a run is refused unless
+    --train.resume (continue it; with no --run-dir: the latest run) or --overwrite."""
+    overwrite: bool = False
+    """Delete the previous run's outputs in an explicitly given --run-dir and start over."""
     seed: int = 0
     """Global seed; every generator in the run is derived from it explicitly."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -113,7 +119,7 @@ def smoke() -> GyreConfig:
 def cpu_demo() -> GyreConfig:
     """The CPU demo: 4 cells of 1 rank train a small warm-started model on examples/cpu_demo."""
     data = "runs/cpu-demo/data"  # written by examples.cpu_demo.prepare on the first run
-    cfg = GyreConfig(preset="cpu-demo", job="train", run_dir="runs/cpu-demo")
+    cfg = GyreConfig(preset="cpu-demo", job="train")  # runs/cpu-demo/<timestamp>/, data beside them
     cfg.train = TrainConfig(steps=32, max_tokens=4096, cell_concurrency=8, checkpoint_every=8,
                             prepare="examples.cpu_demo.prepare:prepare", prepare_dir=data, drain_at_end_s=30.0)
     cfg.scheduler = SchedulerConfig(mode="gyre", phi=0.5, mu=2, n_per_group=4, batch_groups=2, tick_s=0.5, tau=2, rho_min=0.5)
@@ -129,9 +135,25 @@ def cpu_demo() -> GyreConfig:
     return cfg
 
 
+def cpu_demo_smoke() -> GyreConfig:
+    """The CPU demo in about a minute (CI's clean-install check): 8 tasks, a short warm start, 2 steps."""
+    data = "runs/cpu-demo-smoke/data"
+    cfg = cpu_demo()
+    cfg.preset = "cpu-demo-smoke"
+    cfg.train.steps, cfg.train.checkpoint_every = 2, 0
+    cfg.train.prepare, cfg.train.prepare_dir = "examples.cpu_demo.prepare:prepare_smoke", data
+    cfg.train.drain_at_end_s = 5.0
+    cfg.scheduler.batch_groups = 1
+    cfg.model.checkpoint = f"{data}/warm_start"
+    cfg.executions.dataset.path = f"{data}/tasks.jsonl"
+    cfg.actor.lr_decay_steps = 2
+    return cfg
+
+
 PRESETS: dict[str, Callable[[], GyreConfig]] = {
     "smoke": smoke,
     "cpu-demo": cpu_demo,
+    "cpu-demo-smoke": cpu_demo_smoke,
 }
 
 

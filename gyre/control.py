@@ -96,14 +96,21 @@ class SnapshotBoard:
     the published version, without the core's training thread taking part (DESIGN §3). On CPU
     the flat buffer lives in torchrun's store; a GPU cluster uses Mooncake's one-sided read
     (`gyre.backends.transfer.MooncakeTransport.serve/read`) behind the same calls. Integrity is
-    checked with the CRC32 of the flat buffer. Only the newest `keep` versions are retained.
+    checked with the CRC32 of the flat buffer.
+
+    Retention: the newest `keep` versions, plus the newest *published* one (a burst's last step),
+    which stays until a newer version is published. A slow rank whose mailbox still holds
+    `load(v)` for a version evicted since can always load the newest published version instead
+    (`get_published`), which is what its later `load` commands ask for anyway; no rank fails for
+    being slow. Only the core puts, so the writer's own `_held` set is the board's contents.
     """
 
     def __init__(self, store: Any, keep: int = 2) -> None:
         self.store = store
         self.keep = keep
+        self._held: set[int] = set()
 
-    def put(self, version: int, params: dict[str, torch.Tensor]) -> None:
+    def put(self, version: int, params: dict[str, torch.Tensor], *, published: bool = False) -> None:
         from gyre.backends.transfer import FlatLayout, checksum
 
         layout = FlatLayout.of(params)
@@ -111,25 +118,61 @@ class SnapshotBoard:
         self.store.set(f"snap/{version}/data", buf.numpy().tobytes())
         self.store.set(f"snap/{version}/meta", pickle.dumps((layout, checksum(buf))))
         self.store.set("snap/latest", str(version))
+        if published:
+            self.store.set("snap/published", str(version))
         # A store `set` is fire-and-forget on this connection; a round trip on the same connection
         # returns only after the server applied it, so a reader told "version v is there" (by a
         # collective or a message on another connection) really finds it.
         self.store.check(["snap/latest"])
-        old = version - self.keep
-        if old >= 0:
-            for part in ("data", "meta"):
-                self.store.delete_key(f"snap/{old}/{part}")
+        self._held.add(version)
+        pinned = self.published()
+        for old in sorted(self._held):
+            if old <= version - self.keep and old != pinned:
+                for part in ("data", "meta"):
+                    self.store.delete_key(f"snap/{old}/{part}")
+                self._held.discard(old)
 
     def latest(self) -> int | None:
         return int(self.store.get("snap/latest")) if self.store.check(["snap/latest"]) else None
 
+    def published(self) -> int | None:
+        return int(self.store.get("snap/published")) if self.store.check(["snap/published"]) else None
+
+    def has(self, version: int) -> bool:
+        return bool(self.store.check([f"snap/{version}/meta"]))
+
     def get(self, version: int) -> dict[str, torch.Tensor]:
         from gyre.backends.transfer import checksum
 
-        if not self.store.check([f"snap/{version}/meta"]):
-            raise KeyError(f"snapshot version {version} is not on the board (latest: {self.latest()})")
+        if not self.has(version):
+            raise KeyError(f"snapshot version {version} is not on the board (latest: {self.latest()}, "
+                           f"published: {self.published()})")
         layout, crc = pickle.loads(self.store.get(f"snap/{version}/meta"))
         buf = torch.frombuffer(bytearray(self.store.get(f"snap/{version}/data")), dtype=torch.uint8)
         if checksum(buf) != crc:
             raise RuntimeError(f"snapshot version {version}: checksum mismatch")
         return layout.unpack(buf, copy=False)
+
+    def get_latest(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """The core's current snapshot: (version, params). If the core put two newer versions
+        between reading the pointer and the data (a very slow reader), read the pointer again."""
+        for _ in range(5):
+            version = self.latest()
+            try:
+                return version, self.get(version)
+            except KeyError:
+                continue
+        raise KeyError(f"the board's latest snapshot kept moving past this rank (latest: {self.latest()})")
+
+    def get_published(self, version: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """Published `version` for a rollout engine, or the newest published one when `version` was
+        evicted because a newer one was published meanwhile. Returns (version loaded, params)."""
+        if self.has(version):
+            return version, self.get(version)
+        newest = self.published()
+        if newest is None or newest < version:
+            raise KeyError(f"snapshot version {version} is not on the board and none newer was published "
+                           f"(latest: {self.latest()}, published: {newest})")
+        logger.info("snapshot version %d was evicted (this rank fell behind); loading the newest published "
+                    "version %d instead", version, newest)
+        return newest, self.get(newest)

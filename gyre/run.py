@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from gyre.config import GyreConfig, parse_config
 from gyre.logging_utils import ONCE, setup_logging
-from gyre.topology import Groups, Topology
+from gyre.topology import Groups, Topology, TopologyError
 
 logger = logging.getLogger("gyre.run")
 
@@ -50,6 +50,8 @@ def smoke_check(topo: Topology, groups: Groups) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the job; 0 when it succeeded. A failure is stated once: by the controller for a run
+    that stopped early (RunFailed), else by the rank that raised, with its traceback."""
     cfg: GyreConfig = parse_config(argv)
     setup_logging(cfg.log_level)
     if "RANK" not in os.environ:
@@ -62,23 +64,46 @@ def main(argv: list[str] | None = None) -> int:
     else:
         dist.init_process_group(choose_backend(cfg.parallel.backend))  # blocking: rendezvous
     rank, world = dist.get_rank(), dist.get_world_size()
-    topo = Topology.from_config(cfg.parallel, world, rank)
-    logger.info("topology (%s backend):\n%s", dist.get_backend(), topo.describe(), extra=ONCE)
-    t0 = time.perf_counter()
-    groups = topo.create_groups()  # blocking: every rank creates every group, same order
-    logger.info("created all process groups in %.2fs", time.perf_counter() - t0, extra=ONCE)
+    from gyre.executions.health import RunFailed
+    from gyre.rundir import RunDirError
+
+    rc = 0
     try:
+        topo = Topology.from_config(cfg.parallel, world, rank)
+        logger.info("topology (%s backend):\n%s", dist.get_backend(), topo.describe(), extra=ONCE)
+        t0 = time.perf_counter()
+        groups = topo.create_groups()  # blocking: every rank creates every group, same order
+        logger.info("created all process groups in %.2fs", time.perf_counter() - t0, extra=ONCE)
         if cfg.job == "smoke":
             smoke_check(topo, groups)
         else:
+            from gyre import rundir
+            from gyre.control import default_store
             from gyre.train import train  # the full RL loop (scheduler, cells, proxy, actors)
 
+            path = rundir.resolve(cfg, rank, world, default_store())  # blocking: rank 0 decides
+            logger.info("run directory: %s", path, extra=ONCE)
             train(cfg, topo, groups)
         dist.barrier(group=groups.control)  # blocking: everyone done
+    except (RunDirError, TopologyError) as e:  # a refused config: every rank has it, rank 0 says it
+        logger.error("%s", e, extra=ONCE)
+        rc = 2
+    except RunFailed as e:
+        from gyre.train import RunStopped
+
+        if isinstance(e, RunStopped):  # the run failed elsewhere and the controller said why
+            logger.info("%s", e)
+            rc = 0
+        else:  # the controller already logged the diagnosis
+            rc = 1
+    except Exception:
+        logger.exception("rank %d failed", rank)
+        rc = 1
     finally:
         dist.destroy_process_group()
-    logger.info("done", extra=ONCE)
-    return 0
+    if rc == 0:
+        logger.info("done", extra=ONCE)
+    return rc
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ prefix group).
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,17 @@ import torch
 import torch.distributed as dist
 
 from gyre.backends.config import ModelConfig
-from gyre.control import ControlPlane, SnapshotBoard, default_store
+from gyre.control import CONTROLLER, ControlPlane, SnapshotBoard, default_store
+from gyre.executions.health import RunFailed
 from gyre.logging_utils import ONCE
 from gyre.topology import Groups, Topology
 
 logger = logging.getLogger(__name__)
+
+
+class RunStopped(RunFailed):
+    """On a rank other than the controller's: the controller stopped the run after a failure it
+    reported itself."""
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -76,7 +83,7 @@ def train(cfg: Any, topo: Topology, groups: Groups) -> None:
             if core_actor.version >= cfg.train.steps:
                 raise ValueError(f"--train.resume: {resumed} is already at version {core_actor.version} >= "
                                  f"train.steps = {cfg.train.steps}; train.steps counts the whole run, raise it")
-        board.put(core_actor.version, core_actor.export_parameters())
+        board.put(core_actor.version, core_actor.export_parameters(), published=True)
     dist.barrier(group=groups.control)  # blocking: the starting snapshot is on the board for every rank
 
     start_version = board.latest()  # 0, or the resumed checkpoint's version
@@ -108,10 +115,22 @@ def train(cfg: Any, topo: Topology, groups: Groups) -> None:
 
     while True:
         msg = control.recv(what="a command from the controller")  # blocking: the controller's next command
-        if not worker.handle(msg):
-            break
+        try:
+            if not worker.handle(msg):
+                break
+        except Exception as e:
+            # Tell the controller (it stops the other ranks and states the root cause once), give it
+            # a moment to do so before torchrun tears the job down, then fail this rank.
+            control.send(CONTROLLER, {"kind": "failed", "rank": topo.rank, "command": msg.get("cmd"),
+                                      "error": f"{type(e).__name__}: {e}"})
+            if controller is not None:
+                controller.join()  # raises the RunFailed it built from the report
+            time.sleep(3.0)
+            raise
     if controller is not None:
-        controller.join()
+        controller.join()  # raises RunFailed when the run stopped early
+    elif worker.stopped_by_failure:
+        raise RunStopped(f"rank {topo.rank}: stopped early by the controller (rank 0 reports why)")
     logger.info("rank %d done", topo.rank)
 
 

@@ -35,6 +35,12 @@ def prepare(out: str, *, num_tasks: int = 64, seed: int = 0, **warm_kw) -> dict:
     }
 
 
+def prepare_smoke(out: str, *, seed: int = 0) -> dict:
+    """A seconds-long preparation for the smoke preset (CI): 8 tasks and a short warm start that
+    teaches the tool-call format but not the word -> number mapping (no blur phase)."""
+    return prepare(out, num_tasks=8, seed=seed, episodes=16, steps=150, blur_steps=0, eval_episodes=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="write the cpu_demo dataset and warm-start checkpoint")
     p.add_argument("--out", default="runs/cpu_demo")

@@ -51,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=1024)
     a = p.parse_args(argv)
+    import importlib.util
+
+    if importlib.util.find_spec("minisweagent") is None:
+        print("run_mini: mini-swe-agent is not installed in this interpreter "
+              "(pip install -e '.[mini-swe-agent]', or pip install mini-swe-agent)", file=sys.stderr)
+        return 127
     env = dict(os.environ)
     # mini asks setup questions on first use unless told it is configured; litellm fetches a
     # cost map from the internet at import unless told to use its local copy.

@@ -110,9 +110,24 @@ class DatasetConfig:
 
 
 @dataclass(kw_only=True)
+class HealthConfig:
+    """When the run stops because its executions give nothing to train on (crashed, could not
+    launch, evaluator failed, or no model call; see `gyre.executions.health`)."""
+
+    window: int = 0
+    """How many of the latest evaluated executions are judged together; 0 = one step's worth
+    (scheduler.n_per_group × scheduler.batch_groups)."""
+
+    stop_fraction: float = 1.0
+    """Stop the run with an error when at least this fraction of the window failed. 1.0 = only when
+    every one did; above 1 never stops."""
+
+
+@dataclass(kw_only=True)
 class ExecutionsConfig:
-    """Everything about executions: runner, evaluator, dataset."""
+    """Everything about executions: runner, evaluator, dataset, health check."""
 
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)

@@ -34,6 +34,7 @@ import torch
 from gyre.cell import CellState
 from gyre.control import CONTROLLER, ControlPlane
 from gyre.executions.evaluator import Evaluator, RewardStatus
+from gyre.executions.health import HealthMonitor, RunFailed
 from gyre.executions.runner import EventKind, ExecutionEvent, HarnessRunner
 from gyre.executions.tasks import Dataset
 from gyre.metrics import MetricsWriter, plot_role_timeline, read_metrics, reward_trend
@@ -55,12 +56,15 @@ class _ProxyAccess:
     def __init__(self, proxy: Proxy, url: str) -> None:
         self.proxy, self.url = proxy, url
         self.totals: dict[str, int] = defaultdict(int)  # summed per-execution proxy stats
+        self.calls: dict[str, int] = {}  # model calls per closed execution (the health check)
 
     def open_execution(self, execution_id: str, group_id: str) -> str:
         return self.proxy.issue_key(execution_id)
 
     def close_execution(self, execution_id: str) -> None:
-        for k, v in self.proxy.close_execution(execution_id).items():
+        stats = self.proxy.close_execution(execution_id)
+        self.calls[execution_id] = stats["calls"]
+        for k, v in stats.items():
             if isinstance(v, int):
                 self.totals[k] += v
 
@@ -114,20 +118,27 @@ class Controller:
         self._thread.start()
 
     def join(self) -> None:
+        """Wait for the controller; raise RunFailed (already reported in the log) if the run failed."""
         self._thread.join()
+        if isinstance(self.error, RunFailed):
+            raise self.error
         if self.error is not None:
-            raise RuntimeError("controller failed") from self.error
+            raise RunFailed(f"the controller failed: {type(self.error).__name__}: {self.error}") from self.error
 
     def _main(self) -> None:
         loop = asyncio.new_event_loop()
         try:
             loop.run_until_complete(self._run())
         except BaseException as e:  # surfaced by join(); the ranks must not hang meanwhile
-            logger.exception("controller failed; stopping every rank")
+            if isinstance(e, RunFailed):  # a diagnosis written for the user: no traceback
+                logger.error("the run failed: %s", e)
+            else:
+                logger.exception("the run failed: the controller raised; stopping every rank")
             self.error = e
-            cp = ControlPlane(self.store.clone(), CONTROLLER)
-            for r in range(self.topo.world_size):
-                cp.send(r, {"cmd": "stop"})
+            if not getattr(self, "stop_sent", False):
+                cp = ControlPlane(self.store.clone(), CONTROLLER)
+                for r in range(self.topo.world_size):
+                    cp.send(r, {"cmd": "stop", "failed": True})
         finally:
             _close_loop(loop, timeout=30.0)
 
@@ -186,6 +197,9 @@ class Controller:
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         self.metrics = MetricsWriter(str(self.run_dir / "metrics.jsonl"))
         self.rng = np.random.default_rng(cfg.seed)
+        hc = cfg.executions.health
+        self.health = HealthMonitor(hc.window or sc.n_per_group * sc.batch_groups, hc.stop_fraction)
+        self.stop_sent = False
 
         # run state
         self.group_of_exec: dict[str, int] = {}
@@ -222,7 +236,7 @@ class Controller:
                 next_tick = time.monotonic() + sc.tick_s
             self._serve_pending()
             await asyncio.sleep(0.003)
-        await self._finish()
+        await self._finish(failed=self.task_error is not None)
         if self.task_error is not None:
             raise self.task_error
 
@@ -337,6 +351,12 @@ class Controller:
         elif kind in ("loaded", "stopped"):
             if kind == "stopped":
                 self.stopped[msg["rank"]] = msg
+        elif kind == "failed":  # a worker raised; it exits after this report
+            self.stopped[msg["rank"]] = msg
+            if self.task_error is None:
+                self.task_error = RunFailed(f"rank {msg['rank']} failed while handling {msg['command']!r}: "
+                                            f"{msg['error']} (its traceback is in rank {msg['rank']}'s log)")
+            self.stopping = True
         else:
             raise ValueError(f"controller: unknown message kind {kind!r} from cell {cell}")
 
@@ -403,6 +423,10 @@ class Controller:
             self.outcomes[ev.result.outcome.value] += 1
             self._apply(self.sched.on_execution_finished(g, index))
         elif ev.kind is EventKind.EVALUATED:
+            problem = self.health.observe(ev.result, self.access.calls.get(ev.execution_id))
+            if problem is not None and self.task_error is None:
+                self.task_error = RunFailed(problem)
+                self.stopping = True
             self.evaluated[g].append(ev.result)
             if len(self.evaluated[g]) == self.cfg.scheduler.n_per_group:
                 self._spawn(self._make_work(g))
@@ -443,10 +467,12 @@ class Controller:
                     self.steps_done, self.cfg.train.steps, s.ready_unassigned, s.water_level, s.rollout_capacity,
                     s.cells_in_training, s.dispatched, s.started, s.finished)
 
-    async def _finish(self) -> None:
+    async def _finish(self, failed: bool = False) -> None:
+        """Stop the executions and every rank, then write the timeline, summary and event log.
+        After a failure nothing is waited for beyond a few seconds: the error is the news."""
         tc = self.cfg.train
         in_flight = self.runner.in_flight()
-        if in_flight:
+        if in_flight and not failed:
             logger.info("run complete; waiting up to %.0fs for %d executions still running", tc.drain_at_end_s, len(in_flight))
             deadline = time.monotonic() + tc.drain_at_end_s
             while self.runner.in_flight() and time.monotonic() < deadline:
@@ -456,8 +482,9 @@ class Controller:
         cancelled = len(self.runner.in_flight())
         await self.runner.shutdown()
         for r in range(self.topo.world_size):
-            self.cp.send(r, {"cmd": "stop"})
-        deadline = time.monotonic() + 300
+            self.cp.send(r, {"cmd": "stop", "failed": failed})
+        self.stop_sent = True
+        deadline = time.monotonic() + (15 if failed else 300)
         while len(self.stopped) < self.topo.world_size and time.monotonic() < deadline:
             while (msg := self.cp.try_recv()) is not None:
                 self._on_message(msg)
@@ -491,6 +518,8 @@ class Controller:
             "measured_staleness_mean": float(np.mean(self.sched.staleness)) if self.sched.staleness else None,
             "staleness_by_step": {str(s): i["staleness"] for s, i in sorted(self.step_info.items())},
             "expected_staleness": self.cfg.scheduler.expected_staleness,
+            "failed_executions": dict(self.health.counts),
+            "error": str(self.task_error) if self.task_error is not None else None,
         }
         rows = read_metrics(str(self.run_dir / "metrics.jsonl"))
         if len(rows) >= 2:

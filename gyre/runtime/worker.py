@@ -14,7 +14,8 @@ transition is reported to the controller, which keeps the run's timeline.
                         new parameters are broadcast over the same group
     to_rollout(v)       → RESUMING (engine resumes, loads published version v) → ROLLOUT
     load(v)             a rollout engine loads published version v between decode steps
-    stop                report the timeline, save the core's checkpoint, stop the engine
+    stop(failed)        report the timeline, save the core's checkpoint (not after a failure),
+                        stop the engine
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class CellWorker:
         self.cell = topo.cell  # None on a standalone-pool rank
         self.sm = CellStateMachine(self.cell if self.cell is not None else -1, clock=time.time)
         self.version = 0  # policy version of the weights this rank holds (engine or actor)
+        self.stopped_by_failure = False  # the controller stopped the run early (it reports why)
 
     # ------------------------------------------------------------------ helpers
     def _to(self, state: CellState, note: str = "") -> None:
@@ -68,7 +70,8 @@ class CellWorker:
             self.cp.send(CONTROLLER, {"kind": kind, "cell": self.cell, "rank": self.topo.rank, **data})
 
     def _ensure_version(self, version: int) -> None:
-        """A satellite trains at the step's version: pull it from the board when behind."""
+        """A satellite trains at the step's version: pull it from the board when behind. (The core
+        cannot step past a version while a cell of the step still has work, so it is on the board.)"""
         if self.actor.version != version:
             if self.topo.is_core:
                 raise RuntimeError(f"core actor is at version {self.actor.version}, step needs {version}")
@@ -107,9 +110,10 @@ class CellWorker:
         if self.actor is None:
             self.actor = self.make_actor(self.topo.is_core)
         t.append(time.perf_counter())
-        if not self.topo.is_core:
-            latest = self.board.latest()  # the core's *current* parameters (DESIGN §3)
-            self._ensure_version(latest)
+        if not self.topo.is_core and self.actor.version != self.board.latest():
+            version, params = self.board.get_latest()  # the core's *current* parameters (DESIGN §3)
+            self.actor.import_parameters(params)
+            self.actor.version = version
         t.append(time.perf_counter())
         if t[-1] - t[0] > 2.0:
             logger.info("rank %d: switching to train took %.1fs (engine release %.1fs, actor %.1fs, snapshot %.1fs)",
@@ -141,7 +145,7 @@ class CellWorker:
             self._audit(f"before_{step:06d}")
             stats = self.actor.optimizer_step()
             self._audit(f"after_{step:06d}")
-            self.board.put(self.actor.version, self.actor.export_parameters())
+            self.board.put(self.actor.version, self.actor.export_parameters(), published=final)
         else:
             self.actor.zero_grad()
         keeps_training = not final or stay
@@ -169,16 +173,21 @@ class CellWorker:
         self._to(CellState.RESUMING)
         if self.engine is not None:
             self.engine.resume()
-            self.engine.update(self.board.get(msg["version"]), msg["version"])
-        self.version = msg["version"]
+        self._load_published(msg["version"])
         self._to(CellState.ROLLOUT)
-        self._report("rolled_back", version=msg["version"])
+        self._report("rolled_back", version=self.version)
 
     def _on_load(self, msg: dict[str, Any]) -> None:
+        self._load_published(msg["version"])
+        self._report("loaded", version=self.version)
+
+    def _load_published(self, version: int) -> None:
+        """The engine loads published `version`, or a newer published one if this rank fell so far
+        behind that `version` left the board (its later `load` commands name that one anyway)."""
         if self.engine is not None:
-            self.engine.update(self.board.get(msg["version"]), msg["version"])
-        self.version = msg["version"]
-        self._report("loaded", version=msg["version"])
+            version, params = self.board.get_published(version)
+            self.engine.update(params, version)
+        self.version = version
 
     def _checkpoint(self) -> None:
         if self.checkpoint_dir:
@@ -187,7 +196,8 @@ class CellWorker:
             logger.info("checkpoint written to %s", path)
 
     def _on_stop(self, msg: dict[str, Any]) -> bool:
-        if self.topo.is_core and self.actor is not None:
+        self.stopped_by_failure = msg.get("failed", False)
+        if self.topo.is_core and self.actor is not None and not self.stopped_by_failure:
             self._checkpoint()
         if self.engine is not None:
             self.engine.stop()
