@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("extra", nargs="*", help="more gyre.run flags, after --")
     args = ap.parse_args(argv)
 
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                                text=True, check=False).stdout.strip())
     runs_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="gyre-demo-learning-"))
     runs_dir.mkdir(parents=True, exist_ok=True)
     print(f"{len(args.seeds)} runs of --preset {args.preset} into {runs_dir}", flush=True)
@@ -101,9 +104,6 @@ def main(argv: list[str] | None = None) -> int:
                "wall_s": [r["wall_s"] for r in ok], "load_mean": [r["load_mean"] for r in ok]}
     import torch
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                                text=True, check=False).stdout.strip())
     record = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
               "versions": {"torch": torch.__version__}, "git_commit": commit, "git_dirty": dirty,
               "config": {"preset": args.preset, "extra": args.extra, "seeds": args.seeds},
