@@ -1,4 +1,4 @@
-"""The cell state machine (DESIGN §1, §3).
+"""The cell state machine (docs/design.md §1, §3).
 
 Each cell is either serving rollouts or holding a training actor replica; the transitional
 states make the switch visible and measurable:

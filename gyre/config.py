@@ -25,7 +25,7 @@ from gyre.scheduler.config import SchedulerConfig
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    """How ranks form cells (DESIGN §1)."""
+    """How ranks form cells (docs/design.md §1)."""
 
     cell_size: int = 1
     """Ranks per cell, S. One cell = one complete model replica; must equal tp·pp·cp·ep."""
@@ -45,7 +45,7 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """The training loop (DESIGN §2, §5–6)."""
+    """The training loop (docs/design.md §2, §5–6)."""
 
     steps: int = 6
     """Optimizer steps of the whole run, counted across resumes: a run resumed at version v trains
@@ -53,7 +53,7 @@ class TrainConfig:
     max_tokens: int = 4096
     """Tokens per packed micro-step; an execution is kept in one micro-step when it fits."""
     j_max: int = 5
-    """J_max: trajectories selected per execution (DESIGN §5)."""
+    """J_max: trajectories selected per execution (docs/design.md §5)."""
     normalize_std: bool = True
     """Group-relative advantages divided by the group's reward std (off: mean-centred only)."""
     cell_concurrency: int = 8
@@ -106,6 +106,26 @@ class GyreConfig:
     engine: CpuEngineConfig = field(default_factory=CpuEngineConfig)
     actor: CpuActorConfig = field(default_factory=CpuActorConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names the field."""
+
+
+def check_train_config(cfg: GyreConfig, num_cells: int) -> None:
+    """Every check of a training config that needs no files: run on every rank before anything
+    starts, so a bad value is one clear message instead of a failure minutes into the run."""
+    try:
+        cfg.scheduler.validate(num_cells)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    hc = cfg.executions.health
+    if hc.window < 0:
+        raise ConfigError(f"executions.health.window must be >= 0 (0 = one step's executions), got {hc.window}")
+    if not hc.stop_fraction > 0:
+        raise ConfigError(f"executions.health.stop_fraction must be > 0, got {hc.stop_fraction}")
+    if cfg.train.steps < 1:
+        raise ConfigError(f"train.steps must be >= 1, got {cfg.train.steps}")
 
 
 # ----------------------------------------------------------------------------- presets

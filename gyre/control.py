@@ -1,4 +1,4 @@
-"""Control plane over the store torchrun provides (DESIGN §1, §3): no ad-hoc sockets.
+"""Control plane over the store torchrun provides (docs/design.md §1, §3): no ad-hoc sockets.
 
 Three small things travel here:
 
@@ -93,7 +93,7 @@ class SnapshotBoard:
     """The core's parameter snapshots by version, readable one-sidedly by any rank.
 
     A satellite joining a step in progress pulls the core's *current* snapshot, and engines load
-    the published version, without the core's training thread taking part (DESIGN §3). On CPU
+    the published version, without the core's training thread taking part (docs/design.md §3). On CPU
     the flat buffer lives in torchrun's store; a GPU cluster uses Mooncake's one-sided read
     (`gyre.backends.transfer.MooncakeTransport.serve/read`) behind the same calls. Integrity is
     checked with the CRC32 of the flat buffer.

@@ -1,4 +1,4 @@
-"""Dispatch and staleness math (DESIGN §2, §7; paper appendix A). Pure: ints and floats only.
+"""Dispatch and staleness math (docs/design.md §2, §7; paper appendix A). Pure: ints and floats only.
 
 Vocabulary. A *group* is one query run N times (N executions). A training step consumes B
 groups. A *burst* is μ consecutive steps, after which the policy is published. Versions count

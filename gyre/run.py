@@ -1,6 +1,6 @@
 """Entry point: `torchrun --standalone --nproc-per-node 4 -m gyre.run [--preset NAME] [overrides]`.
 
-Every rank runs this same program (SPMD, DESIGN §1): parse the config, initialize
+Every rank runs this same program (SPMD, docs/design.md §1): parse the config, initialize
 torch.distributed, build the topology and every process group up front, then run the job.
 Every blocking collective of the top level is visible here.
 """
@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from gyre.config import GyreConfig, parse_config
+from gyre.config import ConfigError, GyreConfig, check_train_config, parse_config
 from gyre.logging_utils import ONCE, setup_logging
 from gyre.topology import Groups, Topology, TopologyError
 
@@ -49,6 +49,21 @@ def smoke_check(topo: Topology, groups: Groups) -> None:
     logger.info("prefix all-reduce ok for k=2..%d", topo.num_cells)
 
 
+def _leave_together(rank: int, world: int, timeout: float = 20.0) -> None:
+    """After a failure every rank has been told to stop; rank 0 (whose exit code carries the
+    failure) leaves last, so torchrun does not SIGTERM ranks that were exiting cleanly and list
+    them as failures beside the root cause."""
+    from gyre.control import default_store
+
+    store = default_store()
+    if rank != 0:
+        store.add("leaving", 1)
+        return
+    deadline = time.monotonic() + timeout
+    while store.add("leaving", 0) < world - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the job; 0 when it succeeded. A failure is stated once: by the controller for a run
     that stopped early (RunFailed), else by the rank that raised, with its traceback."""
@@ -74,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         groups = topo.create_groups()  # blocking: every rank creates every group, same order
         logger.info("created all process groups in %.2fs", time.perf_counter() - t0, extra=ONCE)
+        if cfg.job == "train":
+            check_train_config(cfg, topo.num_cells)
         if cfg.job == "smoke":
             smoke_check(topo, groups)
         else:
@@ -85,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("run directory: %s", path, extra=ONCE)
             train(cfg, topo, groups)
         dist.barrier(group=groups.control)  # blocking: everyone done
-    except (RunDirError, TopologyError) as e:  # a refused config: every rank has it, rank 0 says it
+    except (ConfigError, RunDirError, TopologyError) as e:  # a refused config: every rank has it, rank 0 says it
         logger.error("%s", e, extra=ONCE)
         rc = 2
     except RunFailed as e:
@@ -96,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             rc = 0
         else:  # the controller already logged the diagnosis
             rc = 1
+        _leave_together(rank, world)
     except Exception:
         logger.exception("rank %d failed", rank)
         rc = 1

@@ -1,6 +1,6 @@
 """Topology: cells, the core, satellites, the standalone rollout pool, and the prefix groups.
 
-DESIGN §1. W ranks = K cells of S ranks each, followed by an optional standalone rollout pool of
+docs/design.md §1. W ranks = K cells of S ranks each, followed by an optional standalone rollout pool of
 R ranks (the last R ranks). Cell 0 is the core (authoritative weights and optimizer state);
 cells 1..K−1 are satellites. Cells enter training in order, so the training set is always a
 prefix of cells 0..k−1, and gradients are reduced over the prebuilt *prefix group*
@@ -131,7 +131,7 @@ class Topology:
 
     @property
     def is_controller(self) -> bool:
-        """The core's first rank hosts the proxy and the controller (DESIGN §1)."""
+        """The core's first rank hosts the proxy and the controller (docs/design.md §1)."""
         return self.rank == 0
 
     def describe(self) -> str:

@@ -75,7 +75,7 @@ def train(cfg: Any, topo: Topology, groups: Groups) -> None:
     if topo.is_controller and cfg.train.prepare:
         _prepare(cfg)  # the other ranks wait in the barrier below
     core_actor = None
-    if topo.is_core:  # the authoritative weights and optimizer state live here (DESIGN §1)
+    if topo.is_core:  # the authoritative weights and optimizer state live here (docs/design.md §1)
         model, resumed = _initial_model(cfg.model, len(tokenizer), ckpt_dir, cfg.train.resume)
         core_actor = CpuActor(model, is_core=True, config=cfg.actor)
         if resumed is not None:

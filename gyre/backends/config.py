@@ -62,7 +62,7 @@ class CpuActorConfig:
     max_grad_norm: float = 1.0
     """Global grad-norm clip applied by the core before its update."""
     eps_low: float = 0.005
-    """GSPO clip: execution ratio lower bound 1 − eps_low (DESIGN §6)."""
+    """GSPO clip: execution ratio lower bound 1 − eps_low (docs/design.md §6)."""
     eps_high: float = 0.005
     """GSPO clip: execution ratio upper bound 1 + eps_high."""
     cap: float = 5.0

@@ -1,4 +1,4 @@
-"""Built-in CPU training actor (DESIGN §3, §6): one model replica in one cell.
+"""Built-in CPU training actor (docs/design.md §3, §6): one model replica in one cell.
 
 Every training cell runs forward/backward on the micro-steps it claims and accumulates
 gradients; `reduce_gradients(group)` sums them over the prefix group of the cells in the step;
@@ -41,7 +41,7 @@ class CpuActor:
         self.model = model
         self.config = config or CpuActorConfig()
         self.is_core = is_core
-        self.version = version  # optimizer steps applied (DESIGN §2: versions count steps)
+        self.version = version  # optimizer steps applied (docs/design.md §2: versions count steps)
         self.model.train()
         self._params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer: torch.optim.Optimizer | None = None

@@ -1,4 +1,4 @@
-"""Built-in CPU rollout engine (DESIGN §1): continuous batching over per-request KV caches.
+"""Built-in CPU rollout engine (docs/design.md §1): continuous batching over per-request KV caches.
 
 An asyncio front (`generate` streams TokenEvents) over one decode loop task. Each loop step:
 

@@ -3,7 +3,7 @@
 A cell of S ranks holds one replica laid out by megatron's `parallel_state` (TP × PP × CP × EP
 = S). Gyre, not megatron, decides who reduces gradients with whom: megatron's own data-parallel
 groups are not used; gradients are summed over the Gyre prefix group of this intra-cell position
-(DESIGN §3) by `reduce_gradients(group)`, and only the core owns the optimizer.
+(docs/design.md §3) by `reduce_gradients(group)`, and only the core owns the optimizer.
 
 Real megatron-core APIs used (checked against megatron-core 0.16.1):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=..., pipeline_...,

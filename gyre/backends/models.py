@@ -7,7 +7,7 @@ HF layout (`config.json` + `model.safetensors`) that `transformers` (and SGLang)
     >>> model = build_model(config, seed=0)
     >>> logits = packed_logits(model, input_ids, position_ids, cu_seqlens)   # [N, V]
 
-Packed sequences (DESIGN §5 micro-steps) never attend to each other: `packed_logits` runs each
+Packed sequences (docs/design.md §5 micro-steps) never attend to each other: `packed_logits` runs each
 sequence of a pack through the model on its own (correctness over cleverness at this size).
 """
 

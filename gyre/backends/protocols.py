@@ -1,4 +1,4 @@
-"""Backend protocols (DESIGN §1): what the proxy and scheduler need from a rollout engine and a
+"""Backend protocols (docs/design.md §1): what the proxy and scheduler need from a rollout engine and a
 training actor. Small on purpose; implementations do not inherit from each other.
 
 Implementations: `gyre.backends.cpu_engine` (built-in torch engine), `gyre.backends.sglang_engine`
@@ -95,7 +95,7 @@ class RolloutEngine(Protocol):
 
 @runtime_checkable
 class TrainActor(Protocol):
-    """A training actor replica in one cell (DESIGN §3). Only the core's actor holds optimizer
+    """A training actor replica in one cell (docs/design.md §3). Only the core's actor holds optimizer
     state; satellites compute gradients on the micro-steps they claim."""
 
     def forward_logprobs(self, micro_step: Any) -> torch.Tensor:

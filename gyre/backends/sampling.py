@@ -4,7 +4,7 @@
     >>> tok, policy_lp, sampling_lp = sample_token(logits, temperature=0.7, top_p=0.9, generator=g)
 
 `policy_lp` is log-softmax of the unmodified logits at the sampled token — the quantity a
-trainer computes for the same weights (DESIGN §6's ℓ_t), independent of temperature and top-p.
+trainer computes for the same weights (docs/design.md §6's ℓ_t), independent of temperature and top-p.
 `sampling_lp` is the log-prob under the distribution actually sampled from.
 """
 

@@ -60,7 +60,7 @@ def server_args(config: SglangConfig) -> dict[str, Any]:
         "base_gpu_id": config.base_gpu_id,
         "dtype": config.dtype,
         "enable_memory_saver": config.enable_memory_saver,
-        "skip_tokenizer_init": True,  # token ids in, token ids out (TITO, DESIGN §4)
+        "skip_tokenizer_init": True,  # token ids in, token ids out (TITO, docs/design.md §4)
         "host": "127.0.0.1",
         "log_level": "error",
     }

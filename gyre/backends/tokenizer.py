@@ -1,6 +1,6 @@
 """The project's small byte-level BPE tokenizer with a Qwen2.5-style chat template.
 
-No model hub at run time (DESIGN §1, CPU path): the tokenizer is trained once, deterministically,
+No model hub at run time (docs/design.md §1, CPU path): the tokenizer is trained once, deterministically,
 with `tokenizers` from `gyre/assets/tokenizer/corpus.txt` and committed as `tokenizer.json` +
 `tokenizer_config.json` next to it. `load_tokenizer()` reads those files; `build_tokenizer()`
 regenerates them (tests check that a rebuild is byte-identical). The corpus is a few modules of

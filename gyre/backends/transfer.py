@@ -1,4 +1,4 @@
-"""Parameter snapshots (DESIGN §3): the core's current parameters, moved to satellites/engines.
+"""Parameter snapshots (docs/design.md §3): the core's current parameters, moved to satellites/engines.
 
 One interface, two transports. Every member of `group` calls `share` at once; the source
 (`src`, a global rank) passes its parameters, the others pass nothing and get a copy back:

@@ -1,4 +1,4 @@
-"""Configuration of the executions plane: harness runner, evaluator, dataset (DESIGN §4–5).
+"""Configuration of the executions plane: harness runner, evaluator, dataset (docs/design.md §4–5).
 
 Tyro-friendly dataclasses; the lead nests `ExecutionsConfig` into `gyre.config`.
 """
@@ -76,7 +76,7 @@ class RunnerConfig:
 
 @dataclass(kw_only=True)
 class EvaluatorConfig:
-    """How an ended execution's preserved workspace is scored (DESIGN §5)."""
+    """How an ended execution's preserved workspace is scored (docs/design.md §5)."""
 
     timeout_s: float = 600.0
     """Wall-clock limit of one evaluator attempt; a hung attempt is killed and counts as failed."""
@@ -90,7 +90,7 @@ class EvaluatorConfig:
     on_crash: Literal["placeholder", "evaluate"] = "placeholder"
     """A harness that failed outright (non-zero exit or killed by a signal other than the
     runner's timeout): `placeholder` gives it a zero-reward placeholder without evaluating
-    (DESIGN §5); `evaluate` scores its workspace like a timed-out execution. A harness that
+    (docs/design.md §5); `evaluate` scores its workspace like a timed-out execution. A harness that
     could not be launched at all always gets the placeholder."""
 
     concurrency: int = 8

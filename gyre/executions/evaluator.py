@@ -1,4 +1,4 @@
-"""Evaluator: score an ended execution's preserved workspace (DESIGN §5).
+"""Evaluator: score an ended execution's preserved workspace (docs/design.md §5).
 
 Runs after an execution ends for any reason. Outcomes and what they get:
 

@@ -1,4 +1,4 @@
-"""Harness runner: one black-box harness process per execution (DESIGN §1, §3, §4).
+"""Harness runner: one black-box harness process per execution (docs/design.md §1, §3, §4).
 
 For each dispatched execution the runner
   1. prepares `<run_dir>/<execution_id>/workspace` from the task (template copied, inline
@@ -20,7 +20,7 @@ Harness environment:
     GYRE_EXECUTION_ID, GYRE_GROUP_ID, GYRE_TASK_ID, GYRE_WORKSPACE, GYRE_INSTRUCTION_FILE,
     GYRE_TIMEOUT_S, GYRE_PROXY_URL, GYRE_API_KEY
 
-Counters for the scheduler (DESIGN §3): d(t) dispatched (on `dispatch`), p(t) started (the
+Counters for the scheduler (docs/design.md §3): d(t) dispatched (on `dispatch`), p(t) started (the
 harness process exists), f(t) finished (the harness ended for any reason, including a launch
 failure; evaluation comes after). Every change is published as an `ExecutionEvent` to the
 `on_event` callback and to the `events` asyncio queue.
@@ -132,7 +132,7 @@ class EventKind(enum.Enum):
 
 @dataclass
 class Counters:
-    """Cumulative d(t), p(t), f(t) (DESIGN §3); water level w = d − f."""
+    """Cumulative d(t), p(t), f(t) (docs/design.md §3); water level w = d − f."""
 
     dispatched: int = 0
     started: int = 0
@@ -227,6 +227,7 @@ class HarnessRunner:
         self._live: dict[str, _Live] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._host_load = {h: 0 for h in cfg.sandbox_hosts}
+        self._evaluate_cancelled = True
 
     # ------------------------------------------------------------------ public API
     def dispatch(self, spec: ExecutionSpec) -> asyncio.Task:
@@ -254,9 +255,10 @@ class HarnessRunner:
         results = await asyncio.gather(*self._tasks.values())
         return list(results)
 
-    async def shutdown(self) -> None:
-        """Stop every in-flight execution (outcome CANCELLED; workspaces are still evaluated)
-        and wait for all of them."""
+    async def shutdown(self, evaluate: bool = True) -> None:
+        """Stop every in-flight execution (outcome CANCELLED) and wait for all of them. Their
+        workspaces are still evaluated unless `evaluate` is False (a run stopping on an error)."""
+        self._evaluate_cancelled = evaluate
         for live in self._live.values():
             live.stop.set()
         if self._tasks:
@@ -369,7 +371,8 @@ class HarnessRunner:
             if live.host != "local":
                 self._host_load[live.host] -= 1
         result = self._end(live, key_opened, outcome, exit_code, start, exec_dir, ws, error)
-        if self.evaluator is not None and exec_dir.exists():
+        skip = outcome is Outcome.CANCELLED and not self._evaluate_cancelled
+        if self.evaluator is not None and exec_dir.exists() and not skip:
             result.reward = await self.evaluator.evaluate(spec.execution_id, spec.task, ws, outcome)
         live.move(ExecutionState.EVALUATED)
         if exec_dir.exists():
@@ -413,7 +416,8 @@ class HarnessRunner:
             return (Outcome.COMPLETED if rc == 0 else Outcome.CRASHED), rc
         waiter.cancel()
         outcome = Outcome.CANCELLED if stopper in done else Outcome.TIMED_OUT
-        logger.info("execution %s: %s after %.1fs, killing its process tree", live.spec.execution_id, outcome.value, timeout)
+        why = "cancelled (the run is stopping)" if outcome is Outcome.CANCELLED else f"timed out after {timeout:.1f}s"
+        logger.info("execution %s: %s, killing its process tree", live.spec.execution_id, why)
         await kill_tree(proc.pid, self.cfg.kill_grace_s, proc)
         return outcome, proc.returncode
 

@@ -1,4 +1,4 @@
-"""Tasks, datasets and groups (DESIGN §2, §5).
+"""Tasks, datasets and groups (docs/design.md §2, §5).
 
 A task is a workspace template + an instruction + an evaluator. A dataset is a JSONL file, one
 task per line:
@@ -160,7 +160,7 @@ class ExecutionSpec:
     task: Task
     group_id: str
     index: int = 0
-    # Latest published policy version when dispatched (v_d in DESIGN §2); set by the dispatcher.
+    # Latest published policy version when dispatched (v_d in docs/design.md §2); set by the dispatcher.
     dispatch_version: int = 0
 
 

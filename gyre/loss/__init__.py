@@ -1,4 +1,4 @@
-"""Execution-level GSPO loss (DESIGN §6) and fused token log-probs.
+"""Execution-level GSPO loss (docs/design.md §6) and fused token log-probs.
 
 Public API (all autograd-aware where a gradient exists):
     token_logprobs(logits [T,V], targets [T]) -> [T]

@@ -1,4 +1,4 @@
-"""Execution-level GSPO loss over a packed micro-step (DESIGN §6), fused op or reference.
+"""Execution-level GSPO loss over a packed micro-step (docs/design.md §6), fused op or reference.
 
     loss = Σ_t mask_t · m_i · ω_t · token_weight_t · ℓ_t,   i = exec_index[t]
     token_weight_t = −A_i/(|E|·L_i)   (computed by the packer; gyre/trajectory/microstep.py)

@@ -1,7 +1,7 @@
 """Reduce the pre-pass sums Σδ per execution over the ranks that hold parts of a step.
 
 The one place in gyre.loss with a collective: the caller passes the process group (the prefix
-group of the cells in the step, DESIGN §3), nothing is global. The math stays in
+group of the cells in the step, docs/design.md §3), nothing is global. The math stays in
 `gyre.loss.gspo.exec_logratio_partial_sums`.
 """
 

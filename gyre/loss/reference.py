@@ -1,9 +1,9 @@
-"""Pure-torch reference of the execution-level GSPO loss (DESIGN §6) and of token log-probs.
+"""Pure-torch reference of the execution-level GSPO loss (docs/design.md §6) and of token log-probs.
 
 Readable, float64-capable, and the ground truth the fused extension (`gyre/csrc`) is tested
 against. Nothing here is fast: `token_logprobs` materializes the full [T, V] log-softmax.
 
-Notation (DESIGN §6), for execution i with targets T_i, L_i = |T_i|, advantage A_i, |E|
+Notation (docs/design.md §6), for execution i with targets T_i, L_i = |T_i|, advantage A_i, |E|
 executions in the step:
 
     ℓ_t = log π_θ(y_t | context_t)               token_logprobs
@@ -68,7 +68,7 @@ def exec_logratio_partial_sums(
     exec_index: torch.Tensor,
     num_exec: int,
 ) -> torch.Tensor:
-    """Σ_{t∈T_i, t here} δ_t per execution, float64 [E]; no gradient (the pre-pass of DESIGN §6).
+    """Σ_{t∈T_i, t here} δ_t per execution, float64 [E]; no gradient (the pre-pass of docs/design.md §6).
 
     logprobs, behavior_logprobs [N]; target_mask [N] bool; exec_index [N] int64 (−1 off-target).
     """
@@ -91,7 +91,7 @@ def gspo_terms(
     eps_high: float = 0.005,
     cap: float = 5.0,
 ) -> dict[str, torch.Tensor]:
-    """The intermediate quantities of DESIGN §6, in float64, all detached.
+    """The intermediate quantities of docs/design.md §6, in float64, all detached.
 
     Returns delta [N] (0 off-target), omega [N] (0 off-target), ratio s [E], gate m [E] (float),
     count [E] (targets of each execution in this batch) and logratio_sum [E] (the Σδ used).
@@ -164,7 +164,7 @@ def gspo_loss_from_definition(
     eps_high: float = 0.005,
     cap: float = 5.0,
 ) -> torch.Tensor:
-    """DESIGN §6 written literally, one execution at a time (no token_weight; slow, for tests).
+    """docs/design.md §6 written literally, one execution at a time (no token_weight; slow, for tests).
 
     loss = −(1/|E|) Σ_i (m_i A_i / L_i) Σ_{t∈T_i} ω_t ℓ_t, with s_i from the targets present, so
     the batch must hold all of each execution's targets. Returns a float64 scalar with autograd.

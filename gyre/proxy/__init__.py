@@ -1,4 +1,4 @@
-"""Black-box proxy (DESIGN §4): OpenAI / Anthropic APIs, TITO recording with exact splicing,
+"""Black-box proxy (docs/design.md §4): OpenAI / Anthropic APIs, TITO recording with exact splicing,
 per-execution keys and roles, routing with drain/reroute, engines over HTTP.
 
     from gyre.proxy import Proxy, ProxyConfig, serve_proxy

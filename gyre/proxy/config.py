@@ -37,7 +37,7 @@ class RoleRulesConfig:
 
 @dataclass(kw_only=True)
 class ProxyConfig:
-    """The black-box proxy (DESIGN §4): OpenAI / Anthropic endpoints, TITO recording, routing."""
+    """The black-box proxy (docs/design.md §4): OpenAI / Anthropic endpoints, TITO recording, routing."""
 
     host: str = "127.0.0.1"
     """Bind address (loopback by default)."""

@@ -1,6 +1,6 @@
 """Any in-process `RolloutEngine` over HTTP, and the client that speaks to it.
 
-Engines of other cells live in other processes (DESIGN §1); the proxy reaches them through
+Engines of other cells live in other processes (docs/design.md §1); the proxy reaches them through
 `HttpEngine(url)`, which implements `RolloutEngine`. Wire format (loopback by default):
 
     POST /generate       {"request_id", "input_ids", "sampling": {...SamplingParams}}

@@ -1,4 +1,4 @@
-"""Per-execution API keys and role classification (DESIGN §4).
+"""Per-execution API keys and role classification (docs/design.md §4).
 
 Each execution gets its own key; the key is the only thing that decides which execution a call
 belongs to, so one execution can never write into another's record. Keys can be revoked (the

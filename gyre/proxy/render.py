@@ -1,4 +1,4 @@
-"""Prompt rendering with exact TITO splicing (DESIGN §4).
+"""Prompt rendering with exact TITO splicing (docs/design.md §4).
 
 The prompt is the tokenizer's own chat template (jinja, through transformers) applied to the
 request's messages. Per execution the proxy keeps every assistant turn it produced: the text and

@@ -1,4 +1,4 @@
-"""Routing of model calls to rollout engines, and rerouting in-flight calls on drain (DESIGN §3).
+"""Routing of model calls to rollout engines, and rerouting in-flight calls on drain (docs/design.md §3).
 
 Selection: least-loaded among engines in rollout, with prefix affinity per execution (stay on the
 engine that holds the execution's KV unless it is `affinity_slack` calls busier than the least

@@ -1,4 +1,4 @@
-"""The controller: rank 0's own thread and asyncio loop (DESIGN §1–3).
+"""The controller: rank 0's own thread and asyncio loop (docs/design.md §1–3).
 
 It owns the data plane (the proxy and the harness runner), turns finished groups into training
 work, and drives `gyre.scheduler.ElasticScheduler` — the same decision object the simulator
@@ -89,7 +89,7 @@ def _close_loop(loop: asyncio.AbstractEventLoop, timeout: float) -> None:
 
 
 def _outcome(reward: Any) -> Outcome:
-    """Runner reward result → the trajectory processor's outcome (DESIGN §5)."""
+    """Runner reward result → the trajectory processor's outcome (docs/design.md §5)."""
     if reward is None or reward.status is RewardStatus.EXCLUDED:
         return Outcome.eval_failed()
     if reward.status is RewardStatus.PLACEHOLDER:
@@ -480,7 +480,7 @@ class Controller:
                     self._on_message(msg)
                 await asyncio.sleep(0.05)
         cancelled = len(self.runner.in_flight())
-        await self.runner.shutdown()
+        await self.runner.shutdown(evaluate=not failed)
         for r in range(self.topo.world_size):
             self.cp.send(r, {"cmd": "stop", "failed": failed})
         self.stop_sent = True
@@ -533,4 +533,4 @@ class Controller:
         self.metrics.close()
         await self.proxy.router.close()  # calls still waiting for an engine end now, not in engine_wait_s
         await self.proxy_handle.astop()
-        logger.info("run summary: %s", self.summary)
+        logger.info("run summary: %s", {k: v for k, v in self.summary.items() if k != "error"})  # the error is logged as such

@@ -1,4 +1,4 @@
-"""A finished group → its training work: micro-step *bundles* (DESIGN §5–6).
+"""A finished group → its training work: micro-step *bundles* (docs/design.md §5–6).
 
 The scheduler hands out work items; here one item is a bundle of micro-steps that share an
 execution. Packing keeps an execution in one micro-step whenever it fits, so nearly every bundle
@@ -102,7 +102,7 @@ def merge_metrics(acc: dict[str, float], m: dict[str, float]) -> dict[str, float
 
 
 def summarize_metrics(acc: dict[str, float]) -> dict[str, float]:
-    """Step-level loss metrics from merged counts (DESIGN §6: clip fraction, mean s_i, ω capped)."""
+    """Step-level loss metrics from merged counts (docs/design.md §6: clip fraction, mean s_i, ω capped)."""
     n_exec, n_tok = acc.get("num_executions", 0.0), acc.get("num_targets", 0.0)
     return {
         "loss": acc.get("loss", 0.0),

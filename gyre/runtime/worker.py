@@ -1,4 +1,4 @@
-"""The cell worker: what every rank does with the controller's commands (DESIGN §1, §3).
+"""The cell worker: what every rank does with the controller's commands (docs/design.md §1, §3).
 
 A worker owns its cell's state machine (`gyre.cell`), the rollout engine it serves (first rank
 of a cell or pool engine) and, once the cell has trained, its training actor (kept across
@@ -111,7 +111,7 @@ class CellWorker:
             self.actor = self.make_actor(self.topo.is_core)
         t.append(time.perf_counter())
         if not self.topo.is_core and self.actor.version != self.board.latest():
-            version, params = self.board.get_latest()  # the core's *current* parameters (DESIGN §3)
+            version, params = self.board.get_latest()  # the core's *current* parameters (docs/design.md §3)
             self.actor.import_parameters(params)
             self.actor.version = version
         t.append(time.perf_counter())
@@ -150,7 +150,7 @@ class CellWorker:
             self.actor.zero_grad()
         keeps_training = not final or stay
         if keeps_training and k > 1:
-            # New parameters to the satellites of the step (DESIGN §3), over the same group.
+            # New parameters to the satellites of the step (docs/design.md §3), over the same group.
             params = TorchDistTransport(group, src=self.topo.cell_ranks(0)[self.topo.position]).share(
                 self.actor.export_parameters() if self.topo.is_core else None)
             if not self.topo.is_core:

@@ -1,4 +1,4 @@
-"""Elastic scheduler decision logic (DESIGN §2–3), shared by the simulator and the runtime.
+"""Elastic scheduler decision logic (docs/design.md §2–3), shared by the simulator and the runtime.
 
 `ElasticScheduler` is a pure state machine: the driver (the simulator in `gyre.sim`, or the
 runtime controller on the core's first rank) feeds it events and carries out the decisions it

@@ -10,7 +10,7 @@ from gyre import dispatch
 
 @dataclass(kw_only=True)
 class SchedulerConfig:
-    """Elastic scheduler: boundary dispatch, water level, supply check, bursts (DESIGN §2–3)."""
+    """Elastic scheduler: boundary dispatch, water level, supply check, bursts (docs/design.md §2–3)."""
 
     mode: Literal["gyre", "colocate", "async"] = "gyre"
     """gyre: cells enter training one by one, core first, by the water-level rule. colocate: all

@@ -1,6 +1,6 @@
 """Trajectory processor: TITO records and store, prefix tree, selection, packing, advantages.
 
-Pipeline for one training step (DESIGN §4–6), every function pure and deterministic given its
+Pipeline for one training step (docs/design.md §4–6), every function pure and deterministic given its
 explicit generator:
 
     records   = load_execution(path)                      # store.py   list[CallRecord]

@@ -1,7 +1,7 @@
 """Inspect TITO store files: `python -m gyre.trajectory RUN_DIR/tito/*.tito [--j-max 5] [--seed 0]`.
 
 Prints, per execution, the store's state (records, torn tail) and the prefix-tree statistics of
-DESIGN §5 (requests, unique nodes, leaves, occurrences, duplicates saved), then the selection at
+docs/design.md §5 (requests, unique nodes, leaves, occurrences, duplicates saved), then the selection at
 the given J_max: trajectories, dropped, L_i and the forward-backward token budget.
 """
 

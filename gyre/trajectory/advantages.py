@@ -1,4 +1,4 @@
-"""Execution outcomes and group-relative advantages (DESIGN §5, "Rewards").
+"""Execution outcomes and group-relative advantages (docs/design.md §5, "Rewards").
 
 An execution ends in one of three outcomes:
   SCORED          the evaluator returned a reward (partial progress counts after a timeout);

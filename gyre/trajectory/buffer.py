@@ -1,4 +1,4 @@
-"""Group buffer: finished groups wait here until a training step takes them (DESIGN §2).
+"""Group buffer: finished groups wait here until a training step takes them (docs/design.md §2).
 
 A group (one query run N times) is registered when its executions are dispatched, with its
 dispatch version v_d (the latest *published* policy version at dispatch). It becomes READY when

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 @dataclass(kw_only=True)
 class TrajectoryConfig:
-    """TITO store and trajectory processing (DESIGN §4–6)."""
+    """TITO store and trajectory processing (docs/design.md §4–6)."""
 
     store_dir: str = "tito"
     """Directory (under run_dir) of the per-execution TITO store files, `<execution_id>.tito`."""
@@ -18,7 +18,7 @@ class TrajectoryConfig:
     store_delta_window: int = 4
     """Recent records a store writer compares each input with to store only the new suffix (0: verbatim)."""
     j_max: int = 5
-    """J_max: trajectories selected per execution; 0 means unlimited (DESIGN §5)."""
+    """J_max: trajectories selected per execution; 0 means unlimited (docs/design.md §5)."""
     max_tokens: int = 4096
     """Tokens per packed micro-step; an execution is kept in one micro-step when it fits."""
     normalize_std: bool = True

@@ -5,10 +5,10 @@ One definition shared by the packer (`gyre.trajectory.packing`), the actors and 
 Layout. N packed positions hold S whole sequences back to back (each a root-to-leaf trajectory
 path, or a prefix of one). Position t's logits predict `targets[t]` (the next token of the same
 sequence); `target_mask[t]` says whether that prediction is a training target (a policy-sampled
-token claimed by this trajectory, DESIGN §5). At the last position of each sequence
+token claimed by this trajectory, docs/design.md §5). At the last position of each sequence
 `target_mask` is False.
 
-The loss (DESIGN §6) per target position t of execution i = exec_index[t]:
+The loss (docs/design.md §6) per target position t of execution i = exec_index[t]:
     δ_t = ℓ_t − behavior_logprobs[t]
     loss = Σ_t m_i · ω_t · token_weight[t] · ℓ_t,   token_weight[t] = −A_i / (|E| · L_i)
 so Σ over all micro-steps of a step of token_weight over execution i's targets is −A_i/|E|.
@@ -41,7 +41,7 @@ class MicroStep:
     step: int = 0  # optimizer step this micro-step belongs to
     index: int = 0  # position of this micro-step within the step
     # [E] bool, same on every micro-step of a step: True where execution e's targets are spread
-    # over more than one micro-step, so s_e needs the forward-only pre-pass (DESIGN §6).
+    # over more than one micro-step, so s_e needs the forward-only pre-pass (docs/design.md §6).
     # None when the producer does not know.
     exec_split: torch.Tensor | None = None
 

@@ -1,11 +1,11 @@
-"""Materialize a training step into packed micro-steps (DESIGN §5–6, issue 3 item 5).
+"""Materialize a training step into packed micro-steps (docs/design.md §5–6, issue 3 item 5).
 
 Input: the step's executions, each with its prefix tree, its selection and its advantage A_i.
 Output: `MicroStep`s of at most `max_tokens` tokens. Every selected trajectory becomes one whole
 sequence (the path cut after its last claimed target); on it, position t is a training target
 iff token t+1 is a target claimed by *this* trajectory, and then
 
-    token_weight[t] = −A_i / (|E| · L_i)        (DESIGN §6, before ω_t and m_i)
+    token_weight[t] = −A_i / (|E| · L_i)        (docs/design.md §6, before ω_t and m_i)
 
 so the weights of execution i sum to −A_i/|E| over the step however it is packed.
 

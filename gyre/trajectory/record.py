@@ -1,6 +1,6 @@
 """The TITO record: one per model call, written by the proxy, read by the trajectory processor.
 
-This is the single definition of the record type (DESIGN §4); the proxy produces it and
+This is the single definition of the record type (docs/design.md §4); the proxy produces it and
 `gyre.trajectory` consumes it, whatever produced it.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 class Role(enum.IntEnum):
     """Role of a model call. The integer value is the selection priority (lower = chosen first).
 
-    DESIGN §5: main > main summary > sub-agent > sub-agent summary.
+    docs/design.md §5: main > main summary > sub-agent > sub-agent summary.
     """
 
     MAIN = 0
@@ -27,7 +27,7 @@ class Role(enum.IntEnum):
 
 @dataclass
 class CallRecord:
-    """Token-in/token-out record of one model call (DESIGN §4).
+    """Token-in/token-out record of one model call (docs/design.md §4).
 
     Arrays are numpy so the store can write them as raw bytes:
       input_ids        [I] int32   exact prompt token ids the engine saw (after splicing)

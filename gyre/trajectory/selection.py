@@ -1,10 +1,10 @@
-"""Selection of training trajectories from a prefix tree, without replacement (DESIGN §5).
+"""Selection of training trajectories from a prefix tree, without replacement (docs/design.md §5).
 
 Leaves are taken by role priority (main > main summary > sub-agent > sub-agent summary, i.e.
 ascending `Role` value), uniformly at random within a priority using the caller's generator.
 Each chosen trajectory's targets T_j are the target tokens on its root-to-leaf path not yet
 claimed; then its whole path is claimed. So the T_j are disjoint, a shared prefix is trained
-once, and L = Σ_j |T_j| = |T_i| is the execution's normalizer (DESIGN §6).
+once, and L = Σ_j |T_j| = |T_i| is the execution's normalizer (docs/design.md §6).
 
 Because claimed regions are unions of root paths, claims are whole segments and the unclaimed
 part of any path is a suffix of its segments: selection does no per-token work.

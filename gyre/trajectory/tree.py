@@ -1,4 +1,4 @@
-"""Per-execution prefix tree (radix tree) over the token sequences of all model calls (DESIGN §5).
+"""Per-execution prefix tree (radix tree) over the token sequences of all model calls (docs/design.md §5).
 
 Every call contributes the sequence input_ids + output_ids. Identical prefixes share nodes, so
 compaction, sub-agents, retries and edited histories appear as branches; the candidate

@@ -1,7 +1,7 @@
 """Cells 0..k−1 spreading a step's micro-steps train the same parameters as the core alone.
 
 Real gloo ranks (tests/distributed.py). Each rank is a one-rank cell; the prefix group of the k
-training cells is built by every rank up front (DESIGN §1). The model is float64 so that the
+training cells is built by every rank up front (docs/design.md §1). The model is float64 so that the
 only difference between the runs — the order gradients are summed in — stays far below 1e-6
 even after AdamW's normalisation.
 """

@@ -1,4 +1,4 @@
-"""The three invariants of DESIGN §6, on the fused path, against DESIGN §6 written literally.
+"""The three invariants of docs/design.md §6, on the fused path, against docs/design.md §6 written literally.
 
 (1) loss and gradients do not depend on how targets are cut into micro-steps or spread over
     ranks (real gloo ranks, pre-pass Σδ all-reduced over the group);
@@ -31,7 +31,7 @@ def _problem(seed: int):
 
 
 def _full_reference(seed: int):
-    """Whole step in one batch, float64, DESIGN §6 literally (no token_weight, no pre-pass)."""
+    """Whole step in one batch, float64, docs/design.md §6 literally (no token_weight, no pre-pass)."""
     p = _problem(seed)
     w = p["weight"].clone().requires_grad_()
     lp = R.token_logprobs_from_hidden(p["hidden"], w, p["targets"])

@@ -1,4 +1,4 @@
-"""The pure-torch reference against hand-computed values and DESIGN §6 written literally."""
+"""The pure-torch reference against hand-computed values and docs/design.md §6 written literally."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_hand_computed_two_executions():
     assert m["ratio_min"] == pytest.approx(math.exp((math.log(6) - 1.8) / 3))
     assert m["ratio_max"] == pytest.approx(math.exp(0.01))
     assert m["abs_delta_mean"] == pytest.approx((0.02 + math.log(6) + 1.8) / 5)
-    # DESIGN §6 written literally gives the same number
+    # docs/design.md §6 written literally gives the same number
     assert R.gspo_loss_from_definition(lp, b, mask, ei, adv, lengths, 2).item() == pytest.approx(loss.item(), rel=1e-12)
 
 

@@ -1,4 +1,4 @@
-"""A satellite joins a step in progress (DESIGN §3), on real gloo ranks with the real cell
+"""A satellite joins a step in progress (docs/design.md §3), on real gloo ranks with the real cell
 workers, control plane, snapshot board and CPU actors; the controller's part is scripted so the
 join is deterministic: the core trains the step's first micro-step, *then* cell 1 is switched
 to training, pulls the core's current snapshot, and claims the rest. The update of that step must

@@ -1,4 +1,4 @@
-"""The paper's case-study shape (DESIGN §5): 636 requests, 1347 message nodes, 10 leaves,
+"""The paper's case-study shape (docs/design.md §5): 636 requests, 1347 message nodes, 10 leaves,
 1716 node occurrences if every leaf were expanded, 369 duplicates saved — built by hand.
 
 Rendering. Every message starts with a role token and is marked as a message start:

@@ -1,4 +1,4 @@
-"""Packed micro-steps fed to gyre.loss give the DESIGN §6 loss computed directly from the trees in
+"""Packed micro-steps fed to gyre.loss give the docs/design.md §6 loss computed directly from the trees in
 float64, whatever max_tokens does to the packing (invariant 1), and for a fixed T_i the loss does
 not depend on which selected path carries a shared target (invariant 2)."""
 
@@ -62,7 +62,7 @@ def packed_loss(micro, E) -> float:
                 if m.target_mask[t]:
                     lp[t] = policy_logprob(tuple(toks[: t - a + 2]), float(m.behavior_logprobs[t]))
         lps.append(lp)
-    # forward-only pre-pass: Σδ per execution over all micro-steps (DESIGN §6)
+    # forward-only pre-pass: Σδ per execution over all micro-steps (docs/design.md §6)
     sums = gyre_loss.sum_partials(
         gyre_loss.exec_logratio_partial_sums(lp, m.behavior_logprobs.double(), m.target_mask, m.exec_index, E)
         for lp, m in zip(lps, micro)
