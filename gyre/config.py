@@ -164,7 +164,7 @@ def cpu_demo_smoke() -> GyreConfig:
     cfg.train.steps, cfg.train.checkpoint_every = 2, 0
     cfg.train.prepare, cfg.train.prepare_dir = "examples.cpu_demo.prepare:prepare_smoke", data
     cfg.train.drain_at_end_s = 5.0
-    cfg.scheduler.batch_groups = 1
+    cfg.scheduler.n_per_group, cfg.scheduler.batch_groups = 2, 2  # φ·B = 1 group: an integer, as boundary dispatch needs
     cfg.model.checkpoint = f"{data}/warm_start"
     cfg.executions.dataset.path = f"{data}/tasks.jsonl"
     cfg.actor.lr_decay_steps = 2

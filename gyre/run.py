@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier(group=groups.control)  # blocking: everyone done
     except (ConfigError, RunDirError, TopologyError) as e:  # a refused config: every rank has it, rank 0 says it
         logger.error("%s", e, extra=ONCE)
-        rc = 2
+        rc = 2 if rank == 0 else 0  # one failure for torchrun to report: rank 0's
+        _leave_together(rank, world)
     except RunFailed as e:
         from gyre.train import RunStopped
 

@@ -34,6 +34,10 @@ class RunStopped(RunFailed):
     reported itself."""
 
 
+class WorkerFailed(RunFailed):
+    """This rank raised while handling a command; it logged the traceback and told the controller."""
+
+
 def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[name]
 
@@ -119,14 +123,15 @@ def train(cfg: Any, topo: Topology, groups: Groups) -> None:
             if not worker.handle(msg):
                 break
         except Exception as e:
-            # Tell the controller (it stops the other ranks and states the root cause once), give it
-            # a moment to do so before torchrun tears the job down, then fail this rank.
+            # Log the traceback here, tell the controller (it stops the other ranks and states the
+            # root cause once), give it a moment to do so before torchrun tears the job down.
+            logger.exception("rank %d failed while handling %r", topo.rank, msg.get("cmd"))
             control.send(CONTROLLER, {"kind": "failed", "rank": topo.rank, "command": msg.get("cmd"),
                                       "error": f"{type(e).__name__}: {e}"})
             if controller is not None:
                 controller.join()  # raises the RunFailed it built from the report
             time.sleep(3.0)
-            raise
+            raise WorkerFailed(f"rank {topo.rank} failed") from e
     if controller is not None:
         controller.join()  # raises RunFailed when the run stopped early
     elif worker.stopped_by_failure:
