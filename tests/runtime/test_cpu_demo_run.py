@@ -1,13 +1,13 @@
 """The README's first command, for real: `torchrun --nproc-per-node 4 -m gyre.run --preset cpu-demo`.
 
-Slow (about 5 min on 2 cores, plus about 2 min for the warm start unless GYRE_CPU_DEMO_DATA
+Slow (about 6-7 min on 2 cores, plus about a minute for the warm start unless GYRE_CPU_DEMO_DATA
 points at a prepared data directory): the reward must rise by a margin whose 95 % confidence
 interval excludes zero, and the metrics, summary and role timeline must be well formed.
 
 The margin is `fitted_rise`: the least-squares line of group-mean reward on step, its value at
-the last step minus at the first, with a bootstrap over whole groups. With the preset (32 steps,
-lr 6e-4 decaying linearly to 0.1x) its lower bound was 0.10, 0.24 and 0.20 on seeds 0, 1, 2; the
-first-vs-last-quarter interval excluded zero too (lower bounds 0.06, 0.20, 0.16).
+the last step minus at the first, with a bootstrap over whole groups. Five seeds of the preset
+(32 steps of 16 executions, lr 1e-3 decaying linearly to 0.1x) are measured side by side by
+`benchmarks/demo_learning.py` (results/demo_learning.json; the README has the table).
 """
 
 import json
