@@ -9,6 +9,7 @@ from gyre.backends.config import CpuActorConfig
 from gyre.backends.cpu_actor import CpuActor
 from gyre.backends.models import packed_logits
 from gyre.backends.protocols import TrainActor
+from gyre.loss import LossConfig
 from tests.backends.helpers import finish_step, merge, random_step, tiny_model
 
 
@@ -40,7 +41,7 @@ def test_gradient_equals_hand_derived_surrogate(step):
     """With every execution inside its clip range and no ω capped, ∂loss/∂θ equals the gradient
     of Σ_t ω_t·token_weight_t·ℓ_t with ω_t = exp(ℓ_t − b_t) held constant (docs/design.md §6)."""
     actor = CpuActor(tiny_model(seed=0, dtype=torch.float64), is_core=True,
-                     config=CpuActorConfig(eps_low=10.0, eps_high=10.0, cap=1e9))
+                     loss=LossConfig(eps_low=10.0, eps_high=10.0, cap=1e9))
     sums = sum(actor.exec_logratio_partial_sums(ms) for ms in step)
     for ms in step:
         actor.forward_backward(ms, exec_logratio_sum=sums)
