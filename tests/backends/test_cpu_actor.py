@@ -81,8 +81,9 @@ def test_only_the_core_steps_and_clipping_applies(step):
         sat.optimizer_step(1.0)
     assert not sat.has_optimizer_state
     core = CpuActor(tiny_model(seed=0, dtype=torch.float64), is_core=True, config=CpuActorConfig(lr=0.0))
+    sums = sum(core.exec_logratio_partial_sums(ms) for ms in step)  # executions span the micro-steps
     for ms in step:
-        core.forward_backward(ms)
+        core.forward_backward(ms, exec_logratio_sum=sums)
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in core.model.parameters() if p.grad is not None))
     clip = float(norm) / 4
     before = {n: p.grad.clone() for n, p in core.model.named_parameters() if p.grad is not None}
@@ -106,8 +107,9 @@ def test_linear_lr_decay_reaches_the_optimizer(step):
     for version, expected in ((0, 1e-3), (2, 0.4e-3)):
         actor = CpuActor(tiny_model(seed=0, dtype=torch.float64), is_core=True, config=cfg, version=version)
         before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+        sums = sum(actor.exec_logratio_partial_sums(ms) for ms in step)
         for ms in step:
-            actor.forward_backward(ms)
+            actor.forward_backward(ms, exec_logratio_sum=sums)
         out = actor.optimizer_step()
         moved = max(float((p.detach() - before[n]).abs().max()) for n, p in actor.model.named_parameters())
         assert out["lr"] == pytest.approx(expected) and moved == pytest.approx(expected, rel=1e-3)
