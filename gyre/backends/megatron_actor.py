@@ -312,6 +312,14 @@ class MegatronActor:
         with torch.no_grad():
             return self._run(micro_step, forward_only=True)["logprobs"].cpu()
 
+    def exec_logratio_partial_sums(self, micro_step) -> torch.Tensor:
+        """Forward-only pre-pass for a split execution (as `CpuActor`'s): Σ_{t here} δ_t, [E] float64."""
+        from gyre.loss import exec_logratio_partial_sums
+
+        ms = micro_step
+        return exec_logratio_partial_sums(self.forward_logprobs(ms), ms.behavior_logprobs, ms.target_mask,
+                                          ms.exec_index, ms.advantages.numel())
+
     def forward_backward(self, micro_step, exec_logratio_sum: torch.Tensor | None = None) -> dict[str, float]:
         res = self._run(micro_step, forward_only=False, exec_logratio_sum=exec_logratio_sum)
         return {k: float(v) for k, v in res.items() if k != "logprobs"}
