@@ -19,6 +19,7 @@ import tyro
 
 from gyre.backends.config import CpuActorConfig, CpuEngineConfig, ModelConfig, TransferConfig
 from gyre.executions.config import ExecutionsConfig
+from gyre.loss.config import LossConfig
 from gyre.proxy.config import ProxyConfig
 from gyre.scheduler.config import SchedulerConfig
 
@@ -105,6 +106,7 @@ class GyreConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: CpuEngineConfig = field(default_factory=CpuEngineConfig)
     actor: CpuActorConfig = field(default_factory=CpuActorConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
 
 

@@ -81,7 +81,7 @@ def train(cfg: Any, topo: Topology, groups: Groups) -> None:
     core_actor = None
     if topo.is_core:  # the authoritative weights and optimizer state live here (docs/design.md §1)
         model, resumed = _initial_model(cfg.model, len(tokenizer), ckpt_dir, cfg.train.resume)
-        core_actor = CpuActor(model, is_core=True, config=cfg.actor)
+        core_actor = CpuActor(model, is_core=True, config=cfg.actor, loss=cfg.loss)
         if resumed is not None:
             core_actor.load_checkpoint(str(resumed))  # weights, optimizer state and version
             if core_actor.version >= cfg.train.steps:
@@ -102,7 +102,8 @@ def train(cfg: Any, topo: Topology, groups: Groups) -> None:
         store.set(f"engine/{topo.rank}", engine_host.url)
 
     def make_actor(is_core: bool) -> Any:
-        actor = CpuActor(build_model(model_cfg, dtype=_dtype(cfg.model.dtype)), is_core=is_core, config=cfg.actor)
+        actor = CpuActor(build_model(model_cfg, dtype=_dtype(cfg.model.dtype)), is_core=is_core, config=cfg.actor,
+                         loss=cfg.loss)
         actor.version = -1  # nothing yet: the first work pulls the core's current snapshot
         return actor
 

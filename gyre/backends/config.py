@@ -51,6 +51,8 @@ class CpuEngineConfig:
 
 @dataclass(kw_only=True)
 class CpuActorConfig:
+    """The training actor's optimizer and pacing (the loss's ε and C are `gyre.loss.LossConfig`)."""
+
     lr: float = 1e-4
     """AdamW learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -61,12 +63,6 @@ class CpuActorConfig:
     """AdamW decoupled weight decay."""
     max_grad_norm: float = 1.0
     """Global grad-norm clip applied by the core before its update."""
-    eps_low: float = 0.005
-    """GSPO clip: execution ratio lower bound 1 − eps_low (docs/design.md §6)."""
-    eps_high: float = 0.005
-    """GSPO clip: execution ratio upper bound 1 + eps_high."""
-    cap: float = 5.0
-    """Token importance-weight cap C."""
     lr_decay_steps: int = 0
     """Linear learning-rate decay over this many optimizer steps, from `lr` down to
     `lr × min_lr_ratio` (then flat); 0 keeps `lr` constant. Counted in versions, so a resumed run

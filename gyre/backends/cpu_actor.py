@@ -5,12 +5,12 @@ gradients; `reduce_gradients(group)` sums them over the prefix group of the cell
 only the core (`is_core=True`) owns an optimizer and applies the one clipped AdamW update, then
 sends its parameters to the satellites (`gyre.backends.transfer`).
 
-    actor = CpuActor(build_model(model_config("tiny", 1024)), is_core=rank == 0)
+    actor = CpuActor(build_model(model_config("tiny", 1024)), is_core=rank == 0, loss=LossConfig())
     for ms in my_micro_steps:
         actor.forward_backward(ms)
     actor.reduce_gradients(prefix_group)          # None when the core trains alone
     if actor.is_core:
-        actor.optimizer_step(max_grad_norm=1.0)
+        actor.optimizer_step(max_grad_norm=1.0, grad_scale=1.0)   # grad_scale: |E| rescale, below
 
 With `CpuActorConfig.min_s_per_ktok` > 0 (emulated accelerator, benchmarks only) a micro-step's
 forward_backward lasts at least tokens/1000 × that: the actor sleeps the rest after computing.
@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from gyre.backends.config import CpuActorConfig
 from gyre.backends.models import packed_logits, save_checkpoint
+from gyre.loss.config import LossConfig
 from gyre.trajectory.microstep import MicroStep
 
 logger = logging.getLogger(__name__)
@@ -37,9 +38,11 @@ logger = logging.getLogger(__name__)
 class CpuActor:
     """TrainActor over a `transformers` causal LM (Qwen2ForCausalLM from `models.build_model`)."""
 
-    def __init__(self, model, *, is_core: bool, config: CpuActorConfig | None = None, version: int = 0):
+    def __init__(self, model, *, is_core: bool, config: CpuActorConfig | None = None, loss: LossConfig | None = None,
+                 version: int = 0):
         self.model = model
         self.config = config or CpuActorConfig()
+        self.loss = loss or LossConfig()
         self.is_core = is_core
         self.version = version  # optimizer steps applied (docs/design.md §2: versions count steps)
         self.model.train()
@@ -86,10 +89,10 @@ class CpuActor:
             raise ValueError(f"micro-step {ms.step}/{ms.index}: its execution table has {ms.advantages.numel()} entries, "
                              f"more than |E| = num_executions = {ms.num_executions}")
         lp = self._logprobs(ms)
-        c = self.config
+        lc = self.loss
         loss, metrics = gspo_loss(
             lp, ms.behavior_logprobs, ms.target_mask, ms.exec_index, ms.token_weight, ms.advantages, ms.exec_lengths,
-            exec_logratio_sum=exec_logratio_sum, eps_low=c.eps_low, eps_high=c.eps_high, cap=c.cap,
+            exec_logratio_sum=exec_logratio_sum, eps_low=lc.eps_low, eps_high=lc.eps_high, cap=lc.cap,
         )
         loss.backward()
         out = {k: float(v) for k, v in metrics.items()}
@@ -133,14 +136,18 @@ class CpuActor:
             p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
 
-    def optimizer_step(self, max_grad_norm: float | None = None) -> dict[str, float]:
-        """Clip the (reduced) gradients to `max_grad_norm` and apply AdamW. Core only."""
+    def optimizer_step(self, max_grad_norm: float | None = None, *, grad_scale: float = 1.0) -> dict[str, float]:
+        """Scale the (reduced) gradients by `grad_scale`, clip them to `max_grad_norm`, apply AdamW.
+        Core only. grad_scale is the step's |E| correction (`gyre.loss.LossConfig.grad_scale`):
+        it comes before the clip because the clip is not linear."""
         if self.optimizer is None:
             raise RuntimeError("optimizer_step on a satellite: only the core holds optimizer state")
         clip = self.config.max_grad_norm if max_grad_norm is None else max_grad_norm
         for p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            elif grad_scale != 1.0:
+                p.grad.mul_(grad_scale)
         grad_norm = torch.nn.utils.clip_grad_norm_(self._params, clip)
         lr = self.config.lr_at(self.version)
         for group in self.optimizer.param_groups:

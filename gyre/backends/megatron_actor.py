@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from gyre.backends.config import CpuActorConfig, MegatronConfig
 from gyre.backends.models import rope_theta
+from gyre.loss.config import LossConfig
 
 logger = logging.getLogger(__name__)
 
@@ -238,13 +239,15 @@ class MegatronActor:
     """TrainActor over a megatron GPTModel; same contract as `CpuActor` (see its docstring)."""
 
     def __init__(self, hf_config, hf_state_dict: dict[str, torch.Tensor], *, is_core: bool,
-                 config: MegatronConfig | None = None, optim: CpuActorConfig | None = None, version: int = 0):
+                 config: MegatronConfig | None = None, optim: CpuActorConfig | None = None,
+                 loss: LossConfig | None = None, version: int = 0):
         from megatron.core import parallel_state
 
         self.mc = config or MegatronConfig()
         if self.mc.context_parallel_size != 1:
             raise NotImplementedError("MegatronActor: context parallelism needs CP-split micro-steps (not built yet)")
-        self.optim = optim or CpuActorConfig()
+        self.optim = optim or CpuActorConfig()  # AdamW, clip and lr schedule, as the CPU actor's
+        self.loss = loss or LossConfig()
         self.hf_config, self.is_core, self.version = hf_config, is_core, version
         initialize_parallel_state(self.mc)
         self.model = build_gpt_model(hf_config, self.mc).cuda()
@@ -272,7 +275,7 @@ class MegatronActor:
 
         dev = torch.device("cuda")
         result: dict[str, Any] = {}
-        o = self.optim
+        lc = self.loss
 
         def loss_func(logits):
             lp = -vocab_parallel_cross_entropy(logits.float(), ms.targets.to(dev)[None])[0]
@@ -282,7 +285,7 @@ class MegatronActor:
             loss, metrics = gspo_loss(lp, ms.behavior_logprobs.to(dev), ms.target_mask.to(dev), ms.exec_index.to(dev),
                                       ms.token_weight.to(dev), ms.advantages.to(dev), ms.exec_lengths.to(dev),
                                       exec_logratio_sum=None if exec_logratio_sum is None else exec_logratio_sum.to(dev),
-                                      eps_low=o.eps_low, eps_high=o.eps_high, cap=o.cap)
+                                      eps_low=lc.eps_low, eps_high=lc.eps_high, cap=lc.cap)
             result.update(metrics)
             result["loss"] = float(loss.detach())
             return loss.float(), {}
@@ -309,6 +312,14 @@ class MegatronActor:
         with torch.no_grad():
             return self._run(micro_step, forward_only=True)["logprobs"].cpu()
 
+    def exec_logratio_partial_sums(self, micro_step) -> torch.Tensor:
+        """Forward-only pre-pass for a split execution (as `CpuActor`'s): Σ_{t here} δ_t, [E] float64."""
+        from gyre.loss import exec_logratio_partial_sums
+
+        ms = micro_step
+        return exec_logratio_partial_sums(self.forward_logprobs(ms), ms.behavior_logprobs, ms.target_mask,
+                                          ms.exec_index, ms.advantages.numel())
+
     def forward_backward(self, micro_step, exec_logratio_sum: torch.Tensor | None = None) -> dict[str, float]:
         res = self._run(micro_step, forward_only=False, exec_logratio_sum=exec_logratio_sum)
         return {k: float(v) for k, v in res.items() if k != "logprobs"}
@@ -329,7 +340,8 @@ class MegatronActor:
             p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
 
-    def optimizer_step(self, max_grad_norm: float | None = None) -> dict[str, float]:
+    def optimizer_step(self, max_grad_norm: float | None = None, *, grad_scale: float = 1.0) -> dict[str, float]:
+        """As `CpuActor.optimizer_step`: grads × grad_scale (the |E| correction), clip, AdamW."""
         from megatron.core import parallel_state
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
         from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
@@ -340,6 +352,8 @@ class MegatronActor:
         for p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            elif grad_scale != 1.0:
+                p.grad.mul_(grad_scale)
         # norm over TP × PP shards, TP-duplicated params (norm weights) counted once
         unique = [p.grad for p in self._params if param_is_not_tensor_parallel_duplicate(p)]
         norm = get_grad_norm_fp32(unique, grad_stats_parallel_group=parallel_state.get_model_parallel_group())

@@ -110,8 +110,10 @@ class TrainActor(Protocol):
         """Sum accumulated gradients over `group` (the prefix group of the cells in the step)."""
         ...
 
-    def optimizer_step(self, max_grad_norm: float) -> dict[str, float]:
-        """Clip and apply one optimizer update (core only). Returns grad norm etc."""
+    def optimizer_step(self, max_grad_norm: float | None = None, *, grad_scale: float = 1.0) -> dict[str, float]:
+        """Multiply the reduced gradients by `grad_scale` (the step's |E| correction,
+        `gyre.loss.LossConfig.grad_scale`), clip, apply one optimizer update (core only).
+        Returns grad norm etc."""
         ...
 
     def export_parameters(self) -> dict[str, torch.Tensor]: ...

@@ -9,6 +9,7 @@ Public API (all autograd-aware where a gradient exists):
     exec_logratio_partial_sums(logprobs, behavior_logprobs, target_mask, exec_index, num_exec) -> [E]
     allreduce_exec_logratio_sums(partial [E], group) -> [E]      (the pre-pass reduction)
     extension_available() -> bool
+    LossConfig                                                   (ε_low, ε_high, C, |E| convention)
 
 The fused C++/CUDA ops (gyre/csrc, `gyre._C`) are used when built; otherwise the pure-torch
 `gyre.loss.reference` runs, with one warning. Nothing is loaded at import time.
@@ -19,12 +20,14 @@ faster backward in steady state, but the first calls can stall on memory compact
 
 from gyre.loss import reference
 from gyre.loss._ext import load as extension_available
+from gyre.loss.config import LossConfig
 from gyre.loss.gspo import exec_logratio_partial_sums, gspo_loss, gspo_loss_for_microstep
 from gyre.loss.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs, token_logprobs_from_hidden
 from gyre.loss.prepass import allreduce_exec_logratio_sums, sum_partials
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "LossConfig",
     "allreduce_exec_logratio_sums",
     "exec_logratio_partial_sums",
     "extension_available",

@@ -6,7 +6,8 @@
 
 s_i needs Σδ over all of T_i at the step's parameters. Two paths:
   * one-pass: the execution sits in one micro-step → leave `exec_logratio_sum=None`, the local
-    sum over this micro-step is used;
+    sum over this micro-step is used (an execution with fewer than L_i targets here is then a
+    ValueError: its local sum is not its s_i);
   * pre-pass: the execution spans micro-steps or cells → run `exec_logratio_partial_sums` on each
     micro-step's forward-only log-probs, add them up, reduce over the cells' process group
     (`gyre.loss.prepass.allreduce_exec_logratio_sums`), and pass the result here.
@@ -65,7 +66,8 @@ def gspo_loss(
 
     Shapes: logprobs [N] (with grad), behavior_logprobs [N], target_mask [N] bool, exec_index [N]
     int64 (−1 off-target), token_weight [N] float (−A_i/(|E|·L_i) on targets), advantages [E],
-    exec_lengths [E] (L_i over the whole step), exec_logratio_sum [E] or None (see module doc).
+    exec_lengths [E] (L_i over the whole step), exec_logratio_sum [E] or None (see module doc;
+    None with an execution split off this batch raises ValueError).
     Metrics: see `gyre.loss.reference.loss_metrics` (clip fraction, s_i mean/min/max, fraction
     of ω capped, mean |δ|, and raw counts for summing over micro-steps).
     """
@@ -79,6 +81,8 @@ def gspo_loss(
         raise ValueError(f"exec_logratio_sum must be [E]={num_exec}, got {tuple(exec_logratio_sum.shape)}")
     if not (eps_low >= 0 and eps_high >= 0 and cap > 0):
         raise ValueError(f"need eps_low, eps_high >= 0 and cap > 0; got {eps_low}, {eps_high}, {cap}")
+    if exec_logratio_sum is None:  # the fused kernel would silently take the local sum as all of T_i
+        reference.check_whole_executions(target_mask, exec_index, exec_lengths)
     if not _ext.usable_for(logprobs):
         return reference.gspo_loss(
             logprobs, behavior_logprobs, target_mask, exec_index, token_weight, advantages, exec_lengths,

@@ -37,6 +37,7 @@ __all__ = [
     "gspo_loss",
     "gspo_loss_from_definition",
     "loss_metrics",
+    "check_whole_executions",
 ]
 
 
@@ -96,7 +97,8 @@ def gspo_terms(
     Returns delta [N] (0 off-target), omega [N] (0 off-target), ratio s [E], gate m [E] (float),
     count [E] (targets of each execution in this batch) and logratio_sum [E] (the Σδ used).
     When `exec_logratio_sum` is given it is the full Σ_{t∈T_i} δ_t (pre-pass) and replaces the
-    local sum; otherwise the local sum is taken to be all of T_i.
+    local sum; otherwise every execution with targets here must have all L_i of them here
+    (`check_whole_executions`).
     """
     num_exec = int(advantages.numel())
     check_packed(logprobs, behavior_logprobs, target_mask, exec_index, num_exec)
@@ -105,6 +107,7 @@ def gspo_terms(
     idx = torch.where(mask, exec_index.long(), 0)
     count = torch.zeros(num_exec, dtype=torch.float64, device=logprobs.device).index_add_(0, idx, mask.double())
     if exec_logratio_sum is None:
+        check_whole_executions(target_mask, exec_index, exec_lengths)
         sums = torch.zeros(num_exec, dtype=torch.float64, device=logprobs.device).index_add_(0, idx, delta)
     else:
         if exec_logratio_sum.shape != (num_exec,):
@@ -240,6 +243,27 @@ def check_packed(
     sel = exec_index[target_mask]
     if sel.numel() and (int(sel.min()) < 0 or int(sel.max()) >= num_exec):
         raise ValueError(f"exec_index out of range [0, {num_exec}) on a target position")
+
+
+def check_whole_executions(target_mask: torch.Tensor, exec_index: torch.Tensor, exec_lengths: torch.Tensor) -> None:
+    """Raise ValueError when an execution has targets here but fewer than its L_i.
+
+    Without a pre-pass sum s_i would come from this batch's part of T_i only, a different ratio
+    and possibly a different clip gate than the whole execution's (docs/design.md §6, "Split
+    executions"); that is silent and wrong, so it is refused. target_mask, exec_index [N];
+    exec_lengths [E]. Syncs once on CUDA.
+    """
+    num_exec = int(exec_lengths.numel())
+    idx = exec_index[target_mask.bool()].long()
+    count = torch.bincount(idx, minlength=num_exec) if idx.numel() else torch.zeros_like(exec_lengths, dtype=torch.long)
+    partial = (count > 0) & (count < exec_lengths.to(count.device))
+    if bool(partial.any()):
+        i = int(partial.nonzero()[0, 0])
+        raise ValueError(
+            f"execution {i} has {int(count[i])} of its L_i = {int(exec_lengths[i])} targets in this batch and no "
+            f"pre-pass sum was given ({int(partial.sum())} split execution(s) here): s_i needs Σδ over all of T_i. Sum "
+            f"exec_logratio_partial_sums over every micro-step holding it (gyre.loss.prepass across ranks) and pass "
+            f"exec_logratio_sum")
 
 
 def _check_logits_targets(logits: torch.Tensor, targets: torch.Tensor) -> None:

@@ -40,7 +40,7 @@ from gyre.executions.tasks import Dataset
 from gyre.metrics import MetricsWriter, plot_role_timeline, read_metrics, reward_trend
 from gyre.proxy import Proxy, StoreSink, start_proxy
 from gyre.proxy.engine_http import HttpEngine
-from gyre.runtime.samples import group_work, merge_metrics, summarize_metrics
+from gyre.runtime.samples import group_work, merge_metrics, step_denominator, summarize_metrics
 from gyre.scheduler.core import CellRole, ElasticScheduler
 from gyre.scheduler.events import Dispatch, OptimizerStep, Publish, SwitchToRollout, SwitchToTrain, WallClock, Work
 from gyre.topology import Topology
@@ -303,12 +303,18 @@ class Controller:
         if not set(d.cells) <= set(range(k)):
             raise RuntimeError(f"step {d.step}: cells {d.cells} are not within the training prefix 0..{k - 1}")
         groups = list(self.sched.step.assigned)
+        # The step's E is known only now (its groups were packed with |E| = B·N): the core
+        # rescales the summed gradient by B·N/valid, or skips the update when nothing is valid.
+        valid, grad_scale = step_denominator([self.group_rewards[g] for g in groups],
+                                             nominal=self._nominal_executions(), loss=self.cfg.loss)
         self.step_info[d.step] = {"k": k, "groups": groups, "final": d.final_in_burst,
-                                  "staleness": [d.step - self.group_version[g] for g in groups]}
+                                  "staleness": [d.step - self.group_version[g] for g in groups],
+                                  "valid": valid, "grad_scale": grad_scale}
         for c in range(k):
             self.pending.discard(c)
             self._send_cell(c, {"cmd": "reduce", "step": d.step, "k": k, "final": d.final_in_burst,
-                                "stay": self.cfg.scheduler.mode == "async"})
+                                "stay": self.cfg.scheduler.mode == "async",
+                                "valid_executions": valid, "grad_scale": grad_scale})
 
     def _serve_pending(self) -> None:
         for cell in sorted(self.pending):
@@ -365,6 +371,8 @@ class Controller:
         now = time.time()
         by_group = [[r for r in self.group_rewards.get(g, []) if r is not None] for g in info["groups"]]
         rewards = [r for g in by_group for r in g]
+        losses = summarize_metrics(self.step_acc.pop(step, {}))
+        losses["loss"] *= info["grad_scale"] or 0.0  # the micro-steps' sum used |E| = B·N
         row = {
             "step": step,
             "version": step + 1,
@@ -377,6 +385,7 @@ class Controller:
             "groups": len(info["groups"]),
             "reward_mean": float(np.mean(rewards)) if rewards else None,
             "reward_count": len(rewards),
+            "executions_valid": info["valid"],
             "rewards": rewards,
             "group_rewards": by_group,
             "staleness_mean": float(np.mean(info["staleness"])) if info["staleness"] else None,
@@ -388,7 +397,7 @@ class Controller:
             "switch_to_train_s": self.latencies["to_train"][-1] if self.latencies["to_train"] else None,
             "switch_to_rollout_s": self.latencies["to_rollout"][-1] if self.latencies["to_rollout"] else None,
             "cell_time_s": self._cell_times(now),
-            **summarize_metrics(self.step_acc.pop(step, {})),
+            **losses,
             **{k: float(v) for k, v in stats.items() if k != "version"},
         }
         self.metrics.write(row)
@@ -440,13 +449,17 @@ class Controller:
             logger.warning("execution %s: torn record at the end of its TITO file dropped", execution_id)
         return read.records
 
+    def _nominal_executions(self) -> int:
+        """B·N: the |E| every group is packed with (samples.py: streaming packs before E is known)."""
+        return self.cfg.scheduler.batch_groups * self.cfg.scheduler.n_per_group
+
     async def _make_work(self, g: int) -> None:
         results = sorted(self.evaluated.pop(g), key=lambda r: r.index)
         items = [(r.execution_id, _outcome(r.reward), self._records(r.execution_id)) for r in results]
-        sc, tc = self.cfg.scheduler, self.cfg.train
+        tc = self.cfg.train
         work = await asyncio.to_thread(
             group_work, self.group_name[g], self.group_version[g], items,
-            num_executions=sc.batch_groups * sc.n_per_group, max_tokens=tc.max_tokens, j_max=tc.j_max,
+            num_executions=self._nominal_executions(), max_tokens=tc.max_tokens, j_max=tc.j_max,
             normalize_std=tc.normalize_std, rng=np.random.default_rng([self.cfg.seed, g]),
         )
         self.work[g] = work.bundles

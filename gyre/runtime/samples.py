@@ -7,9 +7,12 @@ the cell that trains them runs the forward-only pre-pass for s_i first (`train_b
 keeps s_i exact without a cross-cell reduction in the middle of a step.
 
 Loss denominator. A step consumes B groups of N executions; with streaming, a group's
-micro-steps are made before the step knows its other groups, so |E| is the nominal B·N
-(executions excluded after failed evaluation contribute nothing). Then every token weight
-−A_i/(|E|·L_i) is final when the group is packed, and any cell can train any item.
+micro-steps are made before the step knows its other groups, so a group is packed with the
+nominal |E| = B·N. Then every token weight −A_i/(|E|·L_i) is final when the group is packed,
+and any cell can train any item. The spec's E is the step's executions with a valid reward
+(docs/design.md §6; excluded ones leave it, harness-failure placeholders stay): the loss is
+linear in 1/|E|, so `step_denominator` gives the one factor B·N/valid by which the core
+multiplies the summed gradient before clipping (`TrainActor.optimizer_step(grad_scale=...)`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from gyre.loss.config import LossConfig
 from gyre.trajectory.advantages import Outcome
 from gyre.trajectory.buffer import ExecutionResult, Group
 from gyre.trajectory.materialize import materialize_step
@@ -28,8 +32,20 @@ from gyre.trajectory.microstep import MicroStep
 @dataclass
 class GroupWork:
     bundles: list[list[MicroStep]]
-    rewards: list[float | None]  # per execution, None when excluded
+    rewards: list[float | None]  # per execution, None when excluded (not in E)
     stats: dict[str, Any] = field(default_factory=dict)
+
+
+def step_denominator(rewards_by_group: Sequence[Sequence[float | None]], *, nominal: int,
+                     loss: LossConfig) -> tuple[int, float | None]:
+    """(valid, grad_scale) of a step from its groups' `GroupWork.rewards`.
+
+    valid = executions with a reward (placeholders count, at 0.0; excluded ones are None);
+    grad_scale = `loss.grad_scale(nominal=B·N, valid=valid)`, None when valid is 0 (no update).
+    Example: two groups [1.0, None], [0.0, 0.5] with B·N = 4 → (3, 4/3) under 'valid'.
+    """
+    valid = sum(r is not None for rewards in rewards_by_group for r in rewards)
+    return valid, loss.grad_scale(nominal=nominal, valid=valid)
 
 
 def bundle_micro_steps(micro_steps: Sequence[MicroStep]) -> list[list[MicroStep]]:

@@ -9,9 +9,11 @@ transition is reported to the controller, which keeps the run's timeline.
                         rerouted its calls) → JOINING (actor ready; a satellite pulls the core's
                         current snapshot) ; then asks for work
     work                train one bundle of micro-steps (JOINING → TRAIN on the first); ask again
-    reduce(k, final)    sum gradients over the prefix group of cells 0..k−1; the core clips,
-                        steps and puts the new snapshot on the board; on a non-final step the
-                        new parameters are broadcast over the same group
+    reduce(k, final,    sum gradients over the prefix group of cells 0..k−1; the core scales
+      grad_scale)       them by grad_scale (|E| = valid, docs/design.md §6), clips, steps (no
+                        update when grad_scale is None: no valid execution) and puts the new
+                        snapshot on the board; on a non-final step the new parameters are
+                        broadcast over the same group
     to_rollout(v)       → RESUMING (engine resumes, loads published version v) → ROLLOUT
     load(v)             a rollout engine loads published version v between decode steps
     stop(failed)        report the timeline, save the core's checkpoint (not after a failure),
@@ -143,7 +145,7 @@ class CellWorker:
         stats: dict[str, float] = {}
         if self.topo.is_core:
             self._audit(f"before_{step:06d}")
-            stats = self.actor.optimizer_step()
+            stats = self._update(step, msg["grad_scale"])
             self._audit(f"after_{step:06d}")
             self.board.put(self.actor.version, self.actor.export_parameters(), published=final)
         else:
@@ -168,6 +170,20 @@ class CellWorker:
                 self._to(CellState.TRAIN, "publish done, training on")
         if keeps_training:
             self._report("request_work")
+
+    def _update(self, step: int, grad_scale: float | None) -> dict[str, float]:
+        """The core's optimizer step. grad_scale turns the gradient packed with |E| = B·N into the
+        one with the loss's |E| (`gyre.loss.LossConfig.grad_scale`); the actor applies it before
+        clipping. None: no execution of the step has a valid reward, so there is no loss; the
+        parameters stay as they are (an AdamW step on zero gradients would still move them) and
+        the version advances like any step's, so the schedule is unchanged."""
+        if grad_scale is None:
+            logger.warning("step %d: no execution has a valid reward (all excluded after failed evaluations); "
+                           "no update, version %d keeps the parameters of version %d", step, step + 1, step)
+            self.actor.zero_grad()
+            self.actor.version += 1  # what optimizer_step would do: the board gets version step + 1
+            return {"update_skipped": 1.0}
+        return self.actor.optimizer_step(grad_scale=grad_scale)
 
     def _on_to_rollout(self, msg: dict[str, Any]) -> None:
         self._to(CellState.RESUMING)

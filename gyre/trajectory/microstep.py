@@ -14,8 +14,9 @@ The loss (docs/design.md §6) per target position t of execution i = exec_index[
 so Σ over all micro-steps of a step of token_weight over execution i's targets is −A_i/|E|.
 `advantages` and `exec_lengths` (L_i) are the execution table, indexed by exec_index (the step's
 executions, or — when a streaming step packs group by group — the group's). `num_executions` is
-the loss denominator |E| of the step, already folded into `token_weight`; it is at least the
-table's size.
+the |E| folded into `token_weight`; it is at least the table's size. A streaming step packs
+with the nominal B·N, and the core rescales the summed gradient to the loss's |E| before its
+optimizer step (`gyre.loss.LossConfig.grad_scale`, gyre/runtime/samples.py).
 """
 
 from __future__ import annotations

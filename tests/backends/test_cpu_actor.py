@@ -9,6 +9,7 @@ from gyre.backends.config import CpuActorConfig
 from gyre.backends.cpu_actor import CpuActor
 from gyre.backends.models import packed_logits
 from gyre.backends.protocols import TrainActor
+from gyre.loss import LossConfig
 from tests.backends.helpers import finish_step, merge, random_step, tiny_model
 
 
@@ -40,7 +41,7 @@ def test_gradient_equals_hand_derived_surrogate(step):
     """With every execution inside its clip range and no ω capped, ∂loss/∂θ equals the gradient
     of Σ_t ω_t·token_weight_t·ℓ_t with ω_t = exp(ℓ_t − b_t) held constant (docs/design.md §6)."""
     actor = CpuActor(tiny_model(seed=0, dtype=torch.float64), is_core=True,
-                     config=CpuActorConfig(eps_low=10.0, eps_high=10.0, cap=1e9))
+                     loss=LossConfig(eps_low=10.0, eps_high=10.0, cap=1e9))
     sums = sum(actor.exec_logratio_partial_sums(ms) for ms in step)
     for ms in step:
         actor.forward_backward(ms, exec_logratio_sum=sums)
@@ -80,8 +81,9 @@ def test_only_the_core_steps_and_clipping_applies(step):
         sat.optimizer_step(1.0)
     assert not sat.has_optimizer_state
     core = CpuActor(tiny_model(seed=0, dtype=torch.float64), is_core=True, config=CpuActorConfig(lr=0.0))
+    sums = sum(core.exec_logratio_partial_sums(ms) for ms in step)  # executions span the micro-steps
     for ms in step:
-        core.forward_backward(ms)
+        core.forward_backward(ms, exec_logratio_sum=sums)
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in core.model.parameters() if p.grad is not None))
     clip = float(norm) / 4
     before = {n: p.grad.clone() for n, p in core.model.named_parameters() if p.grad is not None}
@@ -105,8 +107,9 @@ def test_linear_lr_decay_reaches_the_optimizer(step):
     for version, expected in ((0, 1e-3), (2, 0.4e-3)):
         actor = CpuActor(tiny_model(seed=0, dtype=torch.float64), is_core=True, config=cfg, version=version)
         before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+        sums = sum(actor.exec_logratio_partial_sums(ms) for ms in step)
         for ms in step:
-            actor.forward_backward(ms)
+            actor.forward_backward(ms, exec_logratio_sum=sums)
         out = actor.optimizer_step()
         moved = max(float((p.detach() - before[n]).abs().max()) for n, p in actor.model.named_parameters())
         assert out["lr"] == pytest.approx(expected) and moved == pytest.approx(expected, rel=1e-3)

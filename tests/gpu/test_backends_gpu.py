@@ -87,9 +87,10 @@ def test_megatron_step_matches_cpu_actor(tmp_path):
     mss = random_step(hf, seed=1, num_micro=2)
     actor = MegatronActor(hf.config, hf.state_dict(), is_core=True, config=MegatronConfig(params_dtype="float32"))
     cpu = CpuActor(tiny_model(seed=0), is_core=True)
+    sums = sum(actor.exec_logratio_partial_sums(ms) for ms in mss)  # executions span both micro-steps
     for ms in mss:
         assert (actor.forward_logprobs(ms) - cpu.forward_logprobs(ms)).abs()[ms.target_mask].max() < 1e-3
-        actor.forward_backward(ms)
+        actor.forward_backward(ms, exec_logratio_sum=sums)
     before = {k: v.clone() for k, v in actor.export_parameters().items()}
     stats = actor.optimizer_step(1.0)
     assert stats["grad_norm"] > 0 and actor.has_optimizer_state

@@ -121,7 +121,8 @@ def test_invariant1_one_pass_whole_executions(seed, micro):
 def test_split_execution_needs_the_prepass():
     """Exec with A < 0 and δ = (ln 6, −0.9, −0.9): whole, s = e^{−0.00824/3} ≥ 0.995 (trained).
     Cut as {ln 6} | {−0.9, −0.9}, the second micro-step alone has s = e^{−0.6} < 0.995 and would
-    be gated; with the pre-pass sum it is trained, as in the whole-execution loss."""
+    be gated, so without the pre-pass sum both paths refuse it; with it, it is trained, as in
+    the whole-execution loss."""
     lp = torch.tensor([-0.5, -1.5, -2.5], dtype=torch.float64)
     b = lp - torch.tensor([math.log(6.0), -0.9, -0.9], dtype=torch.float64)
     adv, lens = torch.tensor([-0.5], dtype=torch.float64), torch.tensor([3])
@@ -131,10 +132,12 @@ def test_split_execution_needs_the_prepass():
     sums = L.exec_logratio_partial_sums(lp[:1], b[:1], one[:1], torch.zeros(1, dtype=torch.long), 1) + \
         L.exec_logratio_partial_sums(lp[part], b[part], one, torch.zeros(2, dtype=torch.long), 1)
     assert float(sums) == pytest.approx(math.log(6.0) - 1.8, rel=1e-12)
-    _, local = L.gspo_loss(lp[part], b[part], one, torch.zeros(2, dtype=torch.long), tw[part], adv, lens)
+    for loss_fn in (L.gspo_loss, R.gspo_loss):  # the dispatcher (fused when built) and the reference
+        with pytest.raises(ValueError, match=r"execution 0 has 2 of its L_i = 3 targets .* exec_logratio_sum"):
+            loss_fn(lp[part], b[part], one, torch.zeros(2, dtype=torch.long), tw[part], adv, lens)
     _, pre = L.gspo_loss(lp[part], b[part], one, torch.zeros(2, dtype=torch.long), tw[part], adv, lens,
                          exec_logratio_sum=sums)
-    assert local["clip_frac"] == 1.0 and pre["clip_frac"] == 0.0
+    assert pre["clip_frac"] == 0.0
     assert pre["ratio_mean"] == pytest.approx(math.exp((math.log(6.0) - 1.8) / 3), rel=1e-12)
 
 

@@ -20,6 +20,9 @@ from tests.distributed import run_ranks
 pytestmark = pytest.mark.multirank
 
 VOCAB = 64
+# Every step's executions are scored (6 of B·N = 6), so the |E| rescale is 1: the replay below
+# calls optimizer_step() with its default.
+EVERY_EXECUTION_VALID = {"valid_executions": 6, "grad_scale": 1.0}
 
 
 def _config():
@@ -89,7 +92,7 @@ def _drive(cp: ControlPlane, steps: list[list], audit: dict) -> None:
             for i, b in enumerate(steps[step]):
                 grant(i % 2, step, i, b)
         for c in (0, 1):
-            cp.send(c, {"cmd": "reduce", "step": step, "k": 2, "final": final})
+            cp.send(c, {"cmd": "reduce", "step": step, "k": 2, "final": final, **EVERY_EXECUTION_VALID})
         expect("step_done", 0)
     # Burst end: both back to rollout; next burst both join again and train step 3 (final). The
     # satellite last trained at version 2 and must pull version 3 from the board, not reuse its own.
@@ -102,7 +105,7 @@ def _drive(cp: ControlPlane, steps: list[list], audit: dict) -> None:
     for i, b in enumerate(steps[3]):
         grant(1 - i % 2, 3, i, b)
     for c in (0, 1):
-        cp.send(c, {"cmd": "reduce", "step": 3, "k": 2, "final": True})
+        cp.send(c, {"cmd": "reduce", "step": 3, "k": 2, "final": True, **EVERY_EXECUTION_VALID})
     expect("step_done", 0)
     for r in range(dist.get_world_size()):
         cp.send(r, {"cmd": "stop"})
