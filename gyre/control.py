@@ -3,9 +3,9 @@
 Three small things travel here:
 
 * **Mailboxes.** `send(dst, msg)` / `recv()`: one FIFO queue per rank and one for the
-  controller (the store's queue_push / queue_pop), carrying commands from the controller
-  ("to_train", "work", "reduce", "to_rollout", "load", "stop") and reports back to it
-  ("transition", "joined", "request_work", "work_done", "step_done", "rolled_back").
+  controller (the store's queue_push / queue_pop), carrying commands from the controller and
+  reports back to it (`gyre.runtime.messages`). Any picklable message travels; this module does
+  not look inside.
 * **Blobs.** A granted micro-step bundle is put under a key and taken (read and deleted) by the
   cell it was granted to; the grant message on the same store connection comes after the put,
   so the taker always finds it.
@@ -46,17 +46,17 @@ class ControlPlane:
         self.progress_every = progress_every
 
     # ------------------------------------------------------------------ mailboxes
-    def send(self, dst: int | str, msg: dict[str, Any]) -> None:
+    def send(self, dst: int | str, msg: Any) -> None:
         """Queue `msg` for mailbox `dst` (a rank, or CONTROLLER)."""
         self.store.queue_push(f"mb/{dst}", pickle.dumps(msg))
 
-    def try_recv(self) -> dict[str, Any] | None:
+    def try_recv(self) -> Any | None:
         key = f"mb/{self.rank}"
         if self.store.queue_len(key) == 0:
             return None
         return pickle.loads(self.store.queue_pop(key))
 
-    def recv(self, timeout: float | None = None, what: str = "a command") -> dict[str, Any]:
+    def recv(self, timeout: float | None = None, what: str = "a command") -> Any:
         """Block until a message arrives (logging every `progress_every` s); TimeoutError after `timeout`."""
         return self._wait(self.try_recv, timeout, what)
 
@@ -100,8 +100,8 @@ class SnapshotBoard:
 
     Retention: the newest `keep` versions, plus the newest *published* one (a burst's last step),
     which stays until a newer version is published. A slow rank whose mailbox still holds
-    `load(v)` for a version evicted since can always load the newest published version instead
-    (`get_published`), which is what its later `load` commands ask for anyway; no rank fails for
+    `Load(v)` for a version evicted since can always load the newest published version instead
+    (`get_published`), which is what its later `Load` commands ask for anyway; no rank fails for
     being slow. Only the core puts, so the writer's own `_held` set is the board's contents.
     """
 

@@ -24,6 +24,7 @@ from gyre.backends.config import ModelConfig
 from gyre.control import CONTROLLER, ControlPlane, SnapshotBoard, default_store
 from gyre.executions.health import RunFailed
 from gyre.logging_utils import ONCE
+from gyre.runtime.messages import Failed
 from gyre.topology import Groups, Topology
 
 logger = logging.getLogger(__name__)
@@ -126,9 +127,9 @@ def train(cfg: Any, topo: Topology, groups: Groups) -> None:
         except Exception as e:
             # Log the traceback here, tell the controller (it stops the other ranks and states the
             # root cause once), give it a moment to do so before torchrun tears the job down.
-            logger.exception("rank %d failed while handling %r", topo.rank, msg.get("cmd"))
-            control.send(CONTROLLER, {"kind": "failed", "rank": topo.rank, "command": msg.get("cmd"),
-                                      "error": f"{type(e).__name__}: {e}"})
+            logger.exception("rank %d failed while handling %r", topo.rank, msg)
+            control.send(CONTROLLER, Failed(cell=topo.cell, rank=topo.rank, command=type(msg).__name__,
+                                            error=f"{type(e).__name__}: {e}"))
             if controller is not None:
                 controller.join()  # raises the RunFailed it built from the report
             time.sleep(3.0)

@@ -6,14 +6,16 @@ drives — by feeding it events and carrying out its decisions:
 
     Dispatch(groups)        start N harness executions per group (boundary dispatch)
     SwitchToTrain(cell)     drain the cell's engine in the proxy (its in-flight calls continue
-                            on retained engines), then tell the cell `to_train`
-    OptimizerStep(step)     tell cells 0..k−1 to reduce over their prefix group; the core steps
-    SwitchToRollout(cell)   tell the cell `to_rollout` with the published version
-    Publish(version)        tell every rollout engine to load the version
+                            on retained engines), then send the cell `ToTrain`
+    OptimizerStep(step)     send cells 0..k−1 `Reduce` over their prefix group; the core steps
+    SwitchToRollout(cell)   send the cell `ToRollout` with the published version
+    Publish(version)        send every rollout engine `Load` of the version
 
 Cells talk back through the controller's mailbox (`gyre.control.CONTROLLER`): state
-transitions, joined / rolled_back, work requests and results, step_done. Work requests the
-scheduler cannot serve yet are kept and retried after every event.
+transitions, joined / rolled back, work requests and results, step done; each report type has
+one handler (`HANDLERS`). The commands and reports, and a diagram of who waits for what, are in
+`gyre.runtime.messages`. Work requests the scheduler cannot serve yet are kept and retried after
+every event.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -40,6 +42,9 @@ from gyre.executions.tasks import Dataset
 from gyre.metrics import MetricsWriter, plot_role_timeline, read_metrics, reward_trend
 from gyre.proxy import Proxy, StoreSink, start_proxy
 from gyre.proxy.engine_http import HttpEngine
+from gyre.runtime.messages import (Command, Failed, Joined, Load, Loaded, Reduce, Report, RequestWork, RolledBack,
+                                   StepDone, Stop, Stopped, ToRollout, ToTrain, TrainWork, Transition, WorkDone,
+                                   handler_for)
 from gyre.runtime.samples import group_work, merge_metrics, step_denominator, summarize_metrics
 from gyre.scheduler.core import CellRole, ElasticScheduler
 from gyre.scheduler.events import Dispatch, OptimizerStep, Publish, SwitchToRollout, SwitchToTrain, WallClock, Work
@@ -138,7 +143,7 @@ class Controller:
             if not getattr(self, "stop_sent", False):
                 cp = ControlPlane(self.store.clone(), CONTROLLER)
                 for r in range(self.topo.world_size):
-                    cp.send(r, {"cmd": "stop", "failed": True})
+                    cp.send(r, Stop(failed=True))
         finally:
             _close_loop(loop, timeout=30.0)
 
@@ -146,7 +151,7 @@ class Controller:
     def _cell_ranks(self, cell: int) -> list[int]:
         return self.topo.cell_ranks(cell)
 
-    def _send_cell(self, cell: int, msg: dict[str, Any]) -> None:
+    def _send_cell(self, cell: int, msg: Command) -> None:
         for r in self._cell_ranks(cell):
             self.cp.send(r, msg)
 
@@ -220,7 +225,7 @@ class Controller:
         self.steps_done = self.start_version  # train.steps counts the whole run, across resumes
         self.stopping = False
         self.task_error: BaseException | None = None
-        self.stopped: dict[int, dict] = {}
+        self.stopped: dict[int, Stopped | Failed] = {}
         self.t_start = time.time()
         self.last_step_t = time.time()
         self.outcomes: dict[str, int] = defaultdict(int)
@@ -261,16 +266,16 @@ class Controller:
             elif isinstance(d, SwitchToRollout):
                 self.pending.discard(d.cell)  # no more work for it this burst
                 self.switch_sent[d.cell] = time.time()
-                self._send_cell(d.cell, {"cmd": "to_rollout", "version": self.sched.published})
+                self._send_cell(d.cell, ToRollout(version=self.sched.published))
             elif isinstance(d, OptimizerStep):
                 self._optimizer_step(d)
             elif isinstance(d, Publish):
                 for c in range(self.topo.num_cells):
                     if self.sched.roles[c] is CellRole.ROLLOUT:
-                        self._send_cell(c, {"cmd": "load", "version": d.version})
+                        self._send_cell(c, Load(version=d.version))
                 for e in range(self.topo.num_pool_engines):
                     for r in self.topo.pool_engine_ranks(e):
-                        self.cp.send(r, {"cmd": "load", "version": d.version})
+                        self.cp.send(r, Load(version=d.version))
             else:
                 raise TypeError(f"unknown scheduler decision {d!r}")
 
@@ -293,7 +298,7 @@ class Controller:
     async def _switch_to_train(self, cell: int) -> None:
         moved = await self.proxy.router.drain(f"cell{cell}")  # in-flight calls continue elsewhere
         logger.info("cell %d drained (%d calls rerouted); switching to train", cell, moved)
-        self._send_cell(cell, {"cmd": "to_train"})
+        self._send_cell(cell, ToTrain())
 
     def _optimizer_step(self, d: OptimizerStep) -> None:
         roles = self.sched.roles
@@ -312,9 +317,9 @@ class Controller:
                                   "valid": valid, "grad_scale": grad_scale}
         for c in range(k):
             self.pending.discard(c)
-            self._send_cell(c, {"cmd": "reduce", "step": d.step, "k": k, "final": d.final_in_burst,
-                                "stay": self.cfg.scheduler.mode == "async",
-                                "valid_executions": valid, "grad_scale": grad_scale})
+            self._send_cell(c, Reduce(step=d.step, k=k, final=d.final_in_burst,
+                                      stay=self.cfg.scheduler.mode == "async",
+                                      valid_executions=valid, grad_scale=grad_scale))
 
     def _serve_pending(self) -> None:
         for cell in sorted(self.pending):
@@ -331,40 +336,50 @@ class Controller:
             for r in self._cell_ranks(cell):
                 key = f"ms/{w.step}/{w.group}/{w.item}/{r}"
                 self.cp.put_blob(key, bundle)
-                self.cp.send(r, {"cmd": "work", "step": w.step, "group": w.group, "item": w.item, "key": key,
-                                 "version": w.step})
+                self.cp.send(r, TrainWork(step=w.step, group=w.group, item=w.item, key=key, version=w.step))
 
     # ------------------------------------------------------------------ messages from cells
-    def _on_message(self, msg: dict[str, Any]) -> None:
-        kind, cell = msg["kind"], msg.get("cell")
-        if kind == "transition":
-            self.timeline[cell].append((msg["dst"], msg["t"]))
-        elif kind == "joined":
-            if self.sched.roles[cell] is CellRole.TO_TRAIN:
-                self.latencies["to_train"].append(time.time() - self.switch_sent.pop(cell, time.time()))
-            self._apply(self.sched.on_switch_done(cell, "train"))  # superseded if the burst already ended
-        elif kind == "request_work":
-            self.pending.add(cell)
-        elif kind == "work_done":
-            merge_metrics(self.step_acc[msg["step"]], msg["metrics"])
-            self._apply(self.sched.on_work_done(cell, Work(msg["step"], msg["group"], msg["item"])))
-        elif kind == "step_done":
-            self._step_done(msg["step"], msg["stats"])
-        elif kind == "rolled_back":
-            self.latencies["to_rollout"].append(time.time() - self.switch_sent.pop(cell, time.time()))
-            self.proxy.router.resume(f"cell{cell}")
-            self._apply(self.sched.on_switch_done(cell, "rollout"))
-        elif kind in ("loaded", "stopped"):
-            if kind == "stopped":
-                self.stopped[msg["rank"]] = msg
-        elif kind == "failed":  # a worker raised; it exits after this report
-            self.stopped[msg["rank"]] = msg
-            if self.task_error is None:
-                self.task_error = RunFailed(f"rank {msg['rank']} failed while handling {msg['command']!r}: "
-                                            f"{msg['error']} (its traceback is in rank {msg['rank']}'s log)")
-            self.stopping = True
-        else:
-            raise ValueError(f"controller: unknown message kind {kind!r} from cell {cell}")
+    def _on_message(self, msg: Report) -> None:
+        """Handle one report; UnknownMessage for a type `HANDLERS` does not hold."""
+        handler_for(self.HANDLERS, msg, "controller")(self, msg)
+
+    def _on_transition(self, msg: Transition) -> None:
+        self.timeline[msg.cell].append((msg.dst, msg.t))
+
+    def _on_joined(self, msg: Joined) -> None:
+        cell = msg.cell
+        if self.sched.roles[cell] is CellRole.TO_TRAIN:
+            self.latencies["to_train"].append(time.time() - self.switch_sent.pop(cell, time.time()))
+        self._apply(self.sched.on_switch_done(cell, "train"))  # superseded if the burst already ended
+
+    def _on_request_work(self, msg: RequestWork) -> None:
+        self.pending.add(msg.cell)
+
+    def _on_work_done(self, msg: WorkDone) -> None:
+        merge_metrics(self.step_acc[msg.step], msg.metrics)
+        self._apply(self.sched.on_work_done(msg.cell, Work(msg.step, msg.group, msg.item)))
+
+    def _on_step_done(self, msg: StepDone) -> None:
+        self._step_done(msg.step, msg.stats)
+
+    def _on_rolled_back(self, msg: RolledBack) -> None:
+        cell = msg.cell
+        self.latencies["to_rollout"].append(time.time() - self.switch_sent.pop(cell, time.time()))
+        self.proxy.router.resume(f"cell{cell}")
+        self._apply(self.sched.on_switch_done(cell, "rollout"))
+
+    def _on_loaded(self, msg: Loaded) -> None:
+        pass  # nothing waits for it: an engine serves the old version until it has loaded the new
+
+    def _on_stopped(self, msg: Stopped) -> None:
+        self.stopped[msg.rank] = msg
+
+    def _on_failed(self, msg: Failed) -> None:  # a worker raised; it exits after this report
+        self.stopped[msg.rank] = msg
+        if self.task_error is None:
+            self.task_error = RunFailed(f"rank {msg.rank} failed while handling {msg.command!r}: "
+                                        f"{msg.error} (its traceback is in rank {msg.rank}'s log)")
+        self.stopping = True
 
     def _step_done(self, step: int, stats: dict[str, float]) -> None:
         info = self.step_info[step]
@@ -495,7 +510,7 @@ class Controller:
         cancelled = len(self.runner.in_flight())
         await self.runner.shutdown(evaluate=not failed)
         for r in range(self.topo.world_size):
-            self.cp.send(r, {"cmd": "stop", "failed": failed})
+            self.cp.send(r, Stop(failed=failed))
         self.stop_sent = True
         deadline = time.monotonic() + (15 if failed else 300)
         while len(self.stopped) < self.topo.world_size and time.monotonic() < deadline:
@@ -547,3 +562,16 @@ class Controller:
         await self.proxy.router.close()  # calls still waiting for an engine end now, not in engine_wait_s
         await self.proxy_handle.astop()
         logger.info("run summary: %s", {k: v for k, v in self.summary.items() if k != "error"})  # the error is logged as such
+
+    # One handler per report type (tests/runtime/test_messages.py checks the table is complete).
+    HANDLERS: dict[type[Report], Callable[[Controller, Any], None]] = {
+        Transition: _on_transition,
+        Joined: _on_joined,
+        RequestWork: _on_request_work,
+        WorkDone: _on_work_done,
+        StepDone: _on_step_done,
+        RolledBack: _on_rolled_back,
+        Loaded: _on_loaded,
+        Stopped: _on_stopped,
+        Failed: _on_failed,
+    }

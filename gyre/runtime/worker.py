@@ -2,21 +2,22 @@
 
 A worker owns its cell's state machine (`gyre.cell`), the rollout engine it serves (first rank
 of a cell or pool engine) and, once the cell has trained, its training actor (kept across
-bursts; only the core's holds optimizer state). Commands arrive in the rank's mailbox; every
-transition is reported to the controller, which keeps the run's timeline.
+bursts; only the core's holds optimizer state). Commands (`gyre.runtime.messages`, where the
+whole protocol is drawn) arrive in the rank's mailbox and go to one handler each (`HANDLERS`);
+every transition is reported to the controller, which keeps the run's timeline.
 
-    to_train            ROLLOUT → DRAINING (engine releases memory; the proxy has already
+    ToTrain             ROLLOUT → DRAINING (engine releases memory; the proxy has already
                         rerouted its calls) → JOINING (actor ready; a satellite pulls the core's
                         current snapshot) ; then asks for work
-    work                train one bundle of micro-steps (JOINING → TRAIN on the first); ask again
-    reduce(k, final,    sum gradients over the prefix group of cells 0..k−1; the core scales
+    TrainWork           train one bundle of micro-steps (JOINING → TRAIN on the first); ask again
+    Reduce(k, final,    sum gradients over the prefix group of cells 0..k−1; the core scales
       grad_scale)       them by grad_scale (|E| = valid, docs/design.md §6), clips, steps (no
                         update when grad_scale is None: no valid execution) and puts the new
                         snapshot on the board; on a non-final step the new parameters are
                         broadcast over the same group
-    to_rollout(v)       → RESUMING (engine resumes, loads published version v) → ROLLOUT
-    load(v)             a rollout engine loads published version v between decode steps
-    stop(failed)        report the timeline, save the core's checkpoint (not after a failure),
+    ToRollout(v)        → RESUMING (engine resumes, loads published version v) → ROLLOUT
+    Load(v)             a rollout engine loads published version v between decode steps
+    Stop(failed)        report the timeline, save the core's checkpoint (not after a failure),
                         stop the engine
 """
 
@@ -29,6 +30,8 @@ from typing import Any, Callable
 from gyre.backends.transfer import TorchDistTransport
 from gyre.cell import CellState, CellStateMachine
 from gyre.control import CONTROLLER, ControlPlane, SnapshotBoard
+from gyre.runtime.messages import (Command, Joined, Load, Loaded, Reduce, Report, RequestWork, RolledBack, StepDone,
+                                   Stop, Stopped, ToRollout, ToTrain, TrainWork, Transition, WorkDone, handler_for)
 from gyre.runtime.samples import train_bundle
 from gyre.topology import Groups, Topology
 
@@ -64,12 +67,12 @@ class CellWorker:
     # ------------------------------------------------------------------ helpers
     def _to(self, state: CellState, note: str = "") -> None:
         t = self.sm.to(state, note)
-        self._report("transition", src=t.src.value, dst=t.dst.value, t=t.time)
+        self._report(Transition(cell=self.cell, rank=self.topo.rank, src=t.src.value, dst=t.dst.value, t=t.time))
 
-    def _report(self, kind: str, **data: Any) -> None:
+    def _report(self, report: Report) -> None:
         """Cell-level reports come from the cell's first rank only (one per cell)."""
         if self.topo.position == 0:
-            self.cp.send(CONTROLLER, {"kind": kind, "cell": self.cell, "rank": self.topo.rank, **data})
+            self.cp.send(CONTROLLER, report)
 
     def _ensure_version(self, version: int) -> None:
         """A satellite trains at the step's version: pull it from the board when behind. (The core
@@ -95,15 +98,13 @@ class CellWorker:
                     "optimizer": a.optimizer.state_dict(), "version": a.version}, f"{self.audit_dir}/{name}.pt")
 
     # ------------------------------------------------------------------ commands
-    def handle(self, msg: dict[str, Any]) -> bool:
-        """Execute one command; False when the worker should exit."""
-        cmd = msg["cmd"]
-        handler = getattr(self, f"_on_{cmd}", None)
-        if handler is None:
-            raise ValueError(f"rank {self.topo.rank}: unknown command {cmd!r}")
-        return handler(msg) is not False
+    def handle(self, msg: Command) -> bool:
+        """Execute one command; False when the worker should exit. UnknownMessage for a type
+        `HANDLERS` does not hold."""
+        handler = handler_for(self.HANDLERS, msg, f"rank {self.topo.rank}'s worker")
+        return handler(self, msg) is not False
 
-    def _on_to_train(self, msg: dict[str, Any]) -> None:
+    def _on_to_train(self, msg: ToTrain) -> None:
         self._to(CellState.DRAINING)
         t = [time.perf_counter()]
         if self.engine is not None:
@@ -121,23 +122,24 @@ class CellWorker:
             logger.info("rank %d: switching to train took %.1fs (engine release %.1fs, actor %.1fs, snapshot %.1fs)",
                         self.topo.rank, t[-1] - t[0], t[1] - t[0], t[2] - t[1], t[3] - t[2])
         self._to(CellState.JOINING)
-        self._report("joined", version=self.actor.version)
-        self._report("request_work")
+        self._report(Joined(cell=self.cell, rank=self.topo.rank, version=self.actor.version))
+        self._report(RequestWork(cell=self.cell, rank=self.topo.rank))
 
-    def _on_work(self, msg: dict[str, Any]) -> None:
-        self._ensure_version(msg["version"])
-        bundle = self.cp.take_blob(msg["key"])
+    def _on_work(self, msg: TrainWork) -> None:
+        self._ensure_version(msg.version)
+        bundle = self.cp.take_blob(msg.key)
         if self.sm.state is CellState.JOINING:
-            self._to(CellState.TRAIN, f"step {msg['step']}")
+            self._to(CellState.TRAIN, f"step {msg.step}")
         t0 = time.perf_counter()
         metrics = train_bundle(self.actor, bundle)
         metrics["compute_s"] = time.perf_counter() - t0
-        self._report("work_done", step=msg["step"], group=msg["group"], item=msg["item"], metrics=metrics)
-        self._report("request_work")
+        self._report(WorkDone(cell=self.cell, rank=self.topo.rank, step=msg.step, group=msg.group, item=msg.item,
+                              metrics=metrics))
+        self._report(RequestWork(cell=self.cell, rank=self.topo.rank))
 
-    def _on_reduce(self, msg: dict[str, Any]) -> None:
-        step, k, final = msg["step"], msg["k"], msg["final"]
-        stay = msg.get("stay", False)  # async mode: training cells keep training after a publish
+    def _on_reduce(self, msg: Reduce) -> None:
+        step, k, final = msg.step, msg.k, msg.final
+        stay = msg.stay  # async mode: training cells keep training after a publish
         if self.sm.state is CellState.JOINING:  # joined, trained nothing: still in the step's group
             self._to(CellState.TRAIN, f"step {step} (no work)")
         group = self.groups.prefix(k)
@@ -145,7 +147,7 @@ class CellWorker:
         stats: dict[str, float] = {}
         if self.topo.is_core:
             self._audit(f"before_{step:06d}")
-            stats = self._update(step, msg["grad_scale"])
+            stats = self._update(step, msg.grad_scale)
             self._audit(f"after_{step:06d}")
             self.board.put(self.actor.version, self.actor.export_parameters(), published=final)
         else:
@@ -165,11 +167,11 @@ class CellWorker:
         if self.topo.is_core:
             if final:
                 self._to(CellState.PUBLISHING, f"version {step + 1}")
-            self._report("step_done", step=step, stats=stats)
+            self._report(StepDone(cell=self.cell, rank=self.topo.rank, step=step, stats=stats))
             if final and stay:
                 self._to(CellState.TRAIN, "publish done, training on")
         if keeps_training:
-            self._report("request_work")
+            self._report(RequestWork(cell=self.cell, rank=self.topo.rank))
 
     def _update(self, step: int, grad_scale: float | None) -> dict[str, float]:
         """The core's optimizer step. grad_scale turns the gradient packed with |E| = B·N into the
@@ -185,21 +187,21 @@ class CellWorker:
             return {"update_skipped": 1.0}
         return self.actor.optimizer_step(grad_scale=grad_scale)
 
-    def _on_to_rollout(self, msg: dict[str, Any]) -> None:
+    def _on_to_rollout(self, msg: ToRollout) -> None:
         self._to(CellState.RESUMING)
         if self.engine is not None:
             self.engine.resume()
-        self._load_published(msg["version"])
+        self._load_published(msg.version)
         self._to(CellState.ROLLOUT)
-        self._report("rolled_back", version=self.version)
+        self._report(RolledBack(cell=self.cell, rank=self.topo.rank, version=self.version))
 
-    def _on_load(self, msg: dict[str, Any]) -> None:
-        self._load_published(msg["version"])
-        self._report("loaded", version=self.version)
+    def _on_load(self, msg: Load) -> None:
+        self._load_published(msg.version)
+        self._report(Loaded(cell=self.cell, rank=self.topo.rank, version=self.version))
 
     def _load_published(self, version: int) -> None:
         """The engine loads published `version`, or a newer published one if this rank fell so far
-        behind that `version` left the board (its later `load` commands name that one anyway)."""
+        behind that `version` left the board (its later `Load` commands name that one anyway)."""
         if self.engine is not None:
             version, params = self.board.get_published(version)
             self.engine.update(params, version)
@@ -211,12 +213,22 @@ class CellWorker:
             self.actor.save_checkpoint(path)
             logger.info("checkpoint written to %s", path)
 
-    def _on_stop(self, msg: dict[str, Any]) -> bool:
-        self.stopped_by_failure = msg.get("failed", False)
+    def _on_stop(self, msg: Stop) -> bool:
+        self.stopped_by_failure = msg.failed
         if self.topo.is_core and self.actor is not None and not self.stopped_by_failure:
             self._checkpoint()
         if self.engine is not None:
             self.engine.stop()
-        self.cp.send(CONTROLLER, {"kind": "stopped", "cell": self.cell, "rank": self.topo.rank,
-                                  "time_in": self.sm.time_in(), "latencies": self.sm.switch_latencies()})
+        self.cp.send(CONTROLLER, Stopped(cell=self.cell, rank=self.topo.rank, time_in=self.sm.time_in(),
+                                         latencies=self.sm.switch_latencies()))  # every rank, not only the first
         return False
+
+    # One handler per command type (tests/runtime/test_messages.py checks the table is complete).
+    HANDLERS: dict[type[Command], Callable[[CellWorker, Any], bool | None]] = {
+        ToTrain: _on_to_train,
+        TrainWork: _on_work,
+        Reduce: _on_reduce,
+        ToRollout: _on_to_rollout,
+        Load: _on_load,
+        Stop: _on_stop,
+    }

@@ -3,7 +3,7 @@ board had already evicted died with KeyError at the end of the CPU demo).
 
 Retention rule under test: the newest `keep` versions plus the newest published one. A rank
 asked for a published version that was evicted meanwhile loads the newest published version and
-says so (its later `load` commands name that version anyway).
+says so (its later `Load` commands name that version anyway).
 """
 
 import torch
@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from gyre.cell import CellState
 from gyre.config import ParallelConfig
 from gyre.control import CONTROLLER, ControlPlane, SnapshotBoard
+from gyre.runtime.messages import Load, Loaded, ToRollout
 from gyre.runtime.worker import CellWorker
 from gyre.topology import Topology
 
@@ -51,14 +52,14 @@ def test_a_satellite_told_to_load_an_evicted_version_loads_the_newest_published(
     worker, engine = _slow_satellite(store)
     # Its mailbox still holds load(2) from long ago; version 2 is gone from the board.
     assert not core_board.has(2)
-    worker.handle({"cmd": "load", "version": 2})
+    worker.handle(Load(version=2))
     assert engine.loaded == [(18, 18.0)] and worker.version == 18
     report = ControlPlane(store, CONTROLLER).try_recv()
-    assert report["kind"] == "loaded" and report["version"] == 18
+    assert report == Loaded(cell=2, rank=2, version=18)
     # Back to rollout after a burst, with a version evicted meanwhile: the same rule.
     for state in (CellState.DRAINING, CellState.JOINING, CellState.TRAIN):
         worker.sm.to(state)
-    worker.handle({"cmd": "to_rollout", "version": 4})
+    worker.handle(ToRollout(version=4))
     assert engine.loaded[-1] == (18, 18.0) and worker.version == 18
 
 

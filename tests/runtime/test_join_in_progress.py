@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from gyre.control import CONTROLLER, ControlPlane, SnapshotBoard, default_store
+from gyre.runtime.messages import (Joined, Reduce, RequestWork, RolledBack, StepDone, Stop, ToRollout, ToTrain,
+                                   TrainWork, Transition, WorkDone)
 from tests.distributed import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -22,7 +24,7 @@ pytestmark = pytest.mark.multirank
 VOCAB = 64
 # Every step's executions are scored (6 of B·N = 6), so the |E| rescale is 1: the replay below
 # calls optimizer_step() with its default.
-EVERY_EXECUTION_VALID = {"valid_executions": 6, "grad_scale": 1.0}
+EVERY_EXECUTION_VALID = dict(valid_executions=6, grad_scale=1.0)
 
 
 def _config():
@@ -67,24 +69,24 @@ def _drive(cp: ControlPlane, steps: list[list], audit: dict) -> None:
     def expect(kind, cell=None):
         while True:
             m = cp.recv(timeout=120)
-            if m["kind"] == kind and (cell is None or m["cell"] == cell):
+            if type(m) is kind and (cell is None or m.cell == cell):
                 return m
-            if m["kind"] not in ("transition", "request_work", "work_done", "joined", "rolled_back"):
+            if type(m) not in (Transition, RequestWork, WorkDone, Joined, RolledBack):
                 raise AssertionError(f"unexpected {m}")
 
     def grant(cell, step, i, bundle):
         key = f"ms/{step}/{i}/{cell}"
         cp.put_blob(key, bundle)
-        cp.send(cell, {"cmd": "work", "step": step, "group": 0, "item": i, "key": key, "version": step})
+        cp.send(cell, TrainWork(step=step, group=0, item=i, key=key, version=step))
         audit.setdefault(step, []).append((cell, bundle))
-        expect("work_done", cell)
+        expect(WorkDone, cell)
 
-    cp.send(0, {"cmd": "to_train"})
-    expect("joined", 0)
+    cp.send(0, ToTrain())
+    expect(Joined, 0)
     bundles = steps[0]
     grant(0, 0, 0, bundles[0])  # the step is in progress on the core ...
-    cp.send(1, {"cmd": "to_train"})  # ... when the satellite switches and joins it
-    expect("joined", 1)
+    cp.send(1, ToTrain())  # ... when the satellite switches and joins it
+    expect(Joined, 1)
     for i, b in enumerate(bundles[1:], start=1):
         grant(1 if i % 2 else 0, 0, i, b)
     for step, final in ((0, False), (1, False), (2, True)):
@@ -92,23 +94,23 @@ def _drive(cp: ControlPlane, steps: list[list], audit: dict) -> None:
             for i, b in enumerate(steps[step]):
                 grant(i % 2, step, i, b)
         for c in (0, 1):
-            cp.send(c, {"cmd": "reduce", "step": step, "k": 2, "final": final, **EVERY_EXECUTION_VALID})
-        expect("step_done", 0)
+            cp.send(c, Reduce(step=step, k=2, final=final, **EVERY_EXECUTION_VALID))
+        expect(StepDone, 0)
     # Burst end: both back to rollout; next burst both join again and train step 3 (final). The
     # satellite last trained at version 2 and must pull version 3 from the board, not reuse its own.
     for c in (0, 1):
-        cp.send(c, {"cmd": "to_rollout", "version": 3})
-        expect("rolled_back", c)
+        cp.send(c, ToRollout(version=3))
+        expect(RolledBack, c)
     for c in (0, 1):
-        cp.send(c, {"cmd": "to_train"})
-        expect("joined", c)
+        cp.send(c, ToTrain())
+        expect(Joined, c)
     for i, b in enumerate(steps[3]):
         grant(1 - i % 2, 3, i, b)
     for c in (0, 1):
-        cp.send(c, {"cmd": "reduce", "step": 3, "k": 2, "final": True, **EVERY_EXECUTION_VALID})
-    expect("step_done", 0)
+        cp.send(c, Reduce(step=3, k=2, final=True, **EVERY_EXECUTION_VALID))
+    expect(StepDone, 0)
     for r in range(dist.get_world_size()):
-        cp.send(r, {"cmd": "stop"})
+        cp.send(r, Stop())
 
 
 def _rank(tmp: str):

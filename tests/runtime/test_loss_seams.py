@@ -26,6 +26,7 @@ from gyre.backends.config import CpuActorConfig
 from gyre.backends.cpu_actor import CpuActor
 from gyre.executions.evaluator import RewardResult, RewardStatus
 from gyre.loss import LossConfig
+from gyre.runtime.messages import Reduce, StepDone
 from gyre.runtime.samples import group_work, step_denominator, train_bundle
 from gyre.trajectory.advantages import Outcome
 from gyre.trajectory.record import CallRecord, Role
@@ -251,7 +252,7 @@ def test_a_step_with_no_valid_execution_makes_no_update(caplog):
     before = actor.export_parameters()
     worker, rec = _core_worker(actor)
     with caplog.at_level(logging.WARNING, logger="gyre.runtime.worker"):
-        worker.handle({"cmd": "reduce", "step": 4, "k": 1, "final": True, "valid_executions": 0, "grad_scale": None})
+        worker.handle(Reduce(step=4, k=1, final=True, valid_executions=0, grad_scale=None))
     assert "step 4: no execution has a valid reward" in caplog.text and "no update" in caplog.text
     assert actor.version == 5 and not actor.has_optimizer_state
     assert all(p.grad is None for p in actor.model.parameters())
@@ -259,8 +260,8 @@ def test_a_step_with_no_valid_execution_makes_no_update(caplog):
     assert version == 5 and published
     for n, v in before.items():
         assert torch.equal(params[n], v), n
-    done = [m for m in rec.sent if m.get("kind") == "step_done"]
-    assert done and done[0]["stats"] == {"update_skipped": 1.0}
+    done = [m for m in rec.sent if isinstance(m, StepDone)]
+    assert done and done[0].stats == {"update_skipped": 1.0}
 
 
 def test_reduce_passes_the_grad_scale_to_the_core_update():
@@ -268,5 +269,5 @@ def test_reduce_passes_the_grad_scale_to_the_core_update():
     calls = []
     actor.optimizer_step = lambda max_grad_norm=None, *, grad_scale=1.0: calls.append(grad_scale) or {"grad_norm": 0.0}
     worker, _ = _core_worker(actor)
-    worker.handle({"cmd": "reduce", "step": 0, "k": 1, "final": True, "valid_executions": 6, "grad_scale": 8 / 6})
+    worker.handle(Reduce(step=0, k=1, final=True, valid_executions=6, grad_scale=8 / 6))
     assert calls == [8 / 6]
