@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from gyre.config import ConfigError, GyreConfig, check_train_config, parse_config
+from gyre.errors import RunFailed, RunStopped
 from gyre.logging_utils import ONCE, setup_logging
 from gyre.topology import Groups, Topology, TopologyError
 
@@ -79,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         dist.init_process_group(choose_backend(cfg.parallel.backend))  # blocking: rendezvous
     rank, world = dist.get_rank(), dist.get_world_size()
-    from gyre.executions.health import RunFailed
     from gyre.rundir import RunDirError
 
     rc = 0
@@ -107,8 +107,6 @@ def main(argv: list[str] | None = None) -> int:
         rc = 2 if rank == 0 else 0  # one failure for torchrun to report: rank 0's
         _leave_together(rank, world)
     except RunFailed as e:
-        from gyre.train import RunStopped
-
         if isinstance(e, RunStopped):  # the run failed elsewhere and the controller said why
             logger.info("%s", e)
             rc = 0

@@ -22,21 +22,12 @@ import torch.distributed as dist
 
 from gyre.backends.config import ModelConfig
 from gyre.control import CONTROLLER, ControlPlane, SnapshotBoard, default_store
-from gyre.executions.health import RunFailed
+from gyre.errors import RunStopped, WorkerFailed
 from gyre.logging_utils import ONCE
 from gyre.runtime.messages import Failed
 from gyre.topology import Groups, Topology
 
 logger = logging.getLogger(__name__)
-
-
-class RunStopped(RunFailed):
-    """On a rank other than the controller's: the controller stopped the run after a failure it
-    reported itself."""
-
-
-class WorkerFailed(RunFailed):
-    """This rank raised while handling a command; it logged the traceback and told the controller."""
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -27,10 +27,6 @@ from typing import Any
 from gyre.executions.evaluator import Outcome, RewardStatus
 
 
-class RunFailed(RuntimeError):
-    """The run stopped early; the message is written for the user and says what to look at."""
-
-
 @dataclass(frozen=True)
 class Failure:
     execution_id: str

@@ -36,7 +36,8 @@ import torch
 from gyre.cell import CellState
 from gyre.control import CONTROLLER, ControlPlane
 from gyre.executions.evaluator import Evaluator, RewardStatus
-from gyre.executions.health import HealthMonitor, RunFailed
+from gyre.errors import RunFailed
+from gyre.executions.health import HealthMonitor
 from gyre.executions.runner import EventKind, ExecutionEvent, HarnessRunner
 from gyre.executions.tasks import Dataset
 from gyre.metrics import MetricsWriter, plot_role_timeline, read_metrics, reward_trend
@@ -116,6 +117,7 @@ class Controller:
         self.run_dir = Path(cfg.run_dir)
         self.error: BaseException | None = None
         self.summary: dict[str, Any] = {}
+        self.stop_sent = False  # every rank has been sent Stop (by _finish)
         self._thread = threading.Thread(target=self._main, name="gyre-controller", daemon=True)
 
     # ------------------------------------------------------------------ thread
@@ -140,7 +142,7 @@ class Controller:
             else:
                 logger.exception("the run failed: the controller raised; stopping every rank")
             self.error = e
-            if not getattr(self, "stop_sent", False):
+            if not self.stop_sent:
                 cp = ControlPlane(self.store.clone(), CONTROLLER)
                 for r in range(self.topo.world_size):
                     cp.send(r, Stop(failed=True))
@@ -204,7 +206,6 @@ class Controller:
         self.rng = np.random.default_rng(cfg.seed)
         hc = cfg.executions.health
         self.health = HealthMonitor(hc.window or sc.n_per_group * sc.batch_groups, hc.stop_fraction)
-        self.stop_sent = False
 
         # run state
         self.group_of_exec: dict[str, int] = {}
@@ -447,7 +448,7 @@ class Controller:
             self.outcomes[ev.result.outcome.value] += 1
             self._apply(self.sched.on_execution_finished(g, index))
         elif ev.kind is EventKind.EVALUATED:
-            problem = self.health.observe(ev.result, self.access.calls.get(ev.execution_id))
+            problem = self.health.observe(ev.result, self.access.calls.pop(ev.execution_id, None))
             if problem is not None and self.task_error is None:
                 self.task_error = RunFailed(problem)
                 self.stopping = True

@@ -80,8 +80,12 @@ class CellWorker:
         if self.actor.version != version:
             if self.topo.is_core:
                 raise RuntimeError(f"core actor is at version {self.actor.version}, step needs {version}")
-            self.actor.import_parameters(self.board.get(version))
-            self.actor.version = version
+            self._pull(version, self.board.get(version))
+
+    def _pull(self, version: int, params: dict[str, Any]) -> None:
+        """A satellite's actor takes the core's parameters of `version` from the board."""
+        self.actor.import_parameters(params)
+        self.actor.version = version
 
     def _audit(self, name: str) -> None:
         """Debug (train.audit_dir): the core's parameters, reduced gradients and optimizer state."""
@@ -114,9 +118,7 @@ class CellWorker:
             self.actor = self.make_actor(self.topo.is_core)
         t.append(time.perf_counter())
         if not self.topo.is_core and self.actor.version != self.board.latest():
-            version, params = self.board.get_latest()  # the core's *current* parameters (docs/design.md §3)
-            self.actor.import_parameters(params)
-            self.actor.version = version
+            self._pull(*self.board.get_latest())  # the core's *current* parameters (docs/design.md §3)
         t.append(time.perf_counter())
         if t[-1] - t[0] > 2.0:
             logger.info("rank %d: switching to train took %.1fs (engine release %.1fs, actor %.1fs, snapshot %.1fs)",
