@@ -19,7 +19,8 @@ from typing import Any, AsyncIterator
 from gyre.backends.protocols import SamplingParams, TokenEvent
 from gyre.backends.tokenizer import ENDOFTEXT, IM_END, load_tokenizer, token_bytes
 from gyre.proxy.config import ProxyConfig
-from gyre.proxy.keys import KeyInfo, KeyRegistry, RoleClassifier
+from gyre.proxy.keys import KeyInfo, KeyRegistry
+from gyre.proxy.roles import RoleClassifier
 from gyre.proxy.render import ChatRenderer, Rendered, StoredTurn, turn_fingerprint
 from gyre.proxy.router import NoEngineError, RouteInfo, Router
 from gyre.proxy.sink import MemorySink, RecordSink

@@ -1,4 +1,4 @@
-"""Per-execution API keys and role classification (docs/design.md §4).
+"""Per-execution API keys (docs/design.md §4).
 
 Each execution gets its own key; the key is the only thing that decides which execution a call
 belongs to, so one execution can never write into another's record. Keys can be revoked (the
@@ -12,30 +12,12 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from gyre.proxy.config import RoleRulesConfig
+from gyre.proxy.roles import parse_role
 from gyre.trajectory.record import Role
 
 logger = logging.getLogger(__name__)
 
 _EXEC_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")  # as gyre.trajectory.store
-
-ROLE_NAMES = {
-    "main": Role.MAIN,
-    "main_summary": Role.MAIN_SUMMARY,
-    "summary": Role.MAIN_SUMMARY,
-    "sub": Role.SUB,
-    "sub_agent": Role.SUB,
-    "subagent": Role.SUB,
-    "sub_summary": Role.SUB_SUMMARY,
-}
-
-
-def parse_role(value: str) -> Role:
-    try:
-        return ROLE_NAMES[value.strip().lower()]
-    except KeyError:
-        raise ValueError(f"unknown role {value!r}; expected one of {sorted(ROLE_NAMES)}") from None
-
 
 @dataclass(frozen=True)
 class KeyInfo:
@@ -84,37 +66,3 @@ class KeyRegistry:
             self._keys.pop(k, None)
             self._revoked.add(k)
         return len(keys)
-
-
-class RoleClassifier:
-    """Decides a call's role from the configured rules (see `RoleRulesConfig`)."""
-
-    def __init__(self, rules: RoleRulesConfig) -> None:
-        self.rules = rules
-        self._summary = tuple(m.lower() for m in rules.summary_markers if m)
-        self._sub = tuple(m.lower() for m in rules.sub_agent_markers if m)
-
-    def _key(self, system: str) -> str:
-        if self.rules.system_prompt_match == "prefix":
-            return system[: self.rules.system_prompt_prefix_chars]
-        return system
-
-    def classify(self, state, system: str, last_user: str, header_value: str | None, key: KeyInfo | None) -> Role:
-        """`state` is the execution's state (`main_system` is read and set here)."""
-        if header_value:
-            role = parse_role(header_value)  # ValueError -> 400 upstream
-        elif key is not None and key.role_hint is not None and self.rules.use_key_hint:
-            role = key.role_hint
-        else:
-            low = last_user.lower()
-            is_sub = any(m in low for m in self._sub)
-            if not is_sub and state.main_system is not None:
-                is_sub = self._key(system) != state.main_system
-            is_summary = any(m in low for m in self._summary)
-            if is_sub:
-                role = Role.SUB_SUMMARY if is_summary else Role.SUB
-            else:
-                role = Role.MAIN_SUMMARY if is_summary else Role.MAIN
-        if role is Role.MAIN and state.main_system is None:
-            state.main_system = self._key(system)
-        return role

@@ -1,0 +1,81 @@
+"""Role classification (gyre/proxy/roles.py, docs/design.md §4): which rule wins, case by case,
+and the order of the rules as an invariant over random calls."""
+
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gyre.proxy.config import RoleRulesConfig
+from gyre.proxy.keys import KeyInfo
+from gyre.proxy.roles import RoleClassifier, parse_role
+from gyre.trajectory.record import Role
+
+RULES = RoleRulesConfig(summary_markers=("summarize",), sub_agent_markers=("[sub]",), system_prompt_prefix_chars=8)
+
+
+def _state() -> SimpleNamespace:
+    return SimpleNamespace(main_system=None)
+
+
+def test_an_execution_told_apart_by_its_system_prompt_and_markers():
+    c, s = RoleClassifier(RULES), _state()
+    assert c.classify(s, "You are the main agent", "fix the bug", None, None) is Role.MAIN
+    assert s.main_system == "You are "  # the first 8 characters fix the main system prompt
+    assert c.classify(s, "You are the main agent (turn 2)", "go on", None, None) is Role.MAIN  # same prefix
+    assert c.classify(s, "You are the main agent", "Please SUMMARIZE so far", None, None) is Role.MAIN_SUMMARY
+    assert c.classify(s, "A helper for search", "find x", None, None) is Role.SUB
+    assert c.classify(s, "A helper for search", "summarize your findings", None, None) is Role.SUB_SUMMARY
+    assert c.classify(s, "You are the main agent", "[SUB] look this up", None, None) is Role.SUB  # marker
+
+
+def test_exact_matching_compares_the_whole_system_prompt():
+    c, s = RoleClassifier(RoleRulesConfig(system_prompt_match="exact")), _state()
+    assert c.classify(s, "You are the main agent", "hi", None, None) is Role.MAIN
+    assert c.classify(s, "You are the main agent, v2", "hi", None, None) is Role.SUB
+
+
+def test_a_summary_before_any_main_call_does_not_fix_the_main_system_prompt():
+    c, s = RoleClassifier(RULES), _state()
+    assert c.classify(s, "Compactor", "summarize", None, None) is Role.MAIN_SUMMARY
+    assert s.main_system is None
+    assert c.classify(s, "Main prompt", "go", None, None) is Role.MAIN and s.main_system == "Main pro"
+
+
+def test_header_then_key_hint_then_rules():
+    c, s = RoleClassifier(RULES), _state()
+    key = KeyInfo(key="k", execution_id="e", role_hint=Role.SUB)
+    assert c.classify(s, "x", "summarize", "main", key) is Role.MAIN  # the header wins over everything
+    assert c.classify(s, "x", "hello", None, key) is Role.SUB  # then the key's hint
+    no_hint = RoleClassifier(RoleRulesConfig(use_key_hint=False, summary_markers=("summarize",)))
+    assert no_hint.classify(_state(), "x", "hello", None, key) is Role.MAIN  # hint ignored when configured so
+    with pytest.raises(ValueError, match="unknown role"):
+        c.classify(s, "x", "hello", "boss", None)
+
+
+@pytest.mark.parametrize("name,role", [("main", Role.MAIN), (" Sub_Agent ", Role.SUB), ("summary", Role.MAIN_SUMMARY),
+                                       ("sub_summary", Role.SUB_SUMMARY)])
+def test_parse_role_accepts_the_documented_names(name, role):
+    assert parse_role(name) is role
+
+
+words = st.sampled_from(["go", "summarize", "[sub]", "fix", "SUMMARIZE now", "x"])
+systems = st.sampled_from(["System A: main", "System A: other", "System B", ""])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(systems, words), min_size=1, max_size=12))
+def test_rule_order_invariant(calls):
+    """With no header and no hint, a call is a summary iff its last user turn has a summary marker,
+    and a sub-agent call iff it has a sub-agent marker or a main system prompt was fixed and this
+    one differs from it in its first 8 characters."""
+    c, s = RoleClassifier(RULES), _state()
+    for system, user in calls:
+        before = s.main_system
+        role = c.classify(s, system, user, None, None)
+        summary = "summarize" in user.lower()
+        sub = "[sub]" in user.lower() or (before is not None and system[:8] != before)
+        assert role is {(False, False): Role.MAIN, (False, True): Role.MAIN_SUMMARY,
+                        (True, False): Role.SUB, (True, True): Role.SUB_SUMMARY}[(sub, summary)]
+        assert s.main_system == (before if before is not None or role is not Role.MAIN else system[:8])
