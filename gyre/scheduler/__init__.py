@@ -6,6 +6,13 @@ returns, in order. It never blocks, sleeps, or touches the network; time comes f
 (`SimClock` in the simulator and in tests, `WallClock` in the runtime). Every event and every
 decision is appended to an `EventLog` (kinds listed in `gyre.scheduler.events.EventLog`).
 
+Groups are integer indices here (0, 1, ... in dispatch order). A *group* is one query run N times
+(docs/design.md §2); each part of Gyre holds its own view of one, under its own name: the spec
+the runner launches is `gyre.executions.tasks.Group`, the scheduler counts its progress in a
+private `_GroupProgress` (v_d, executions ended, ready, step, work items), the runtime's record
+of it (executions, results, work, rewards) is `gyre.runtime.ledger.GroupRecord`, and the
+trajectory processor's input is `gyre.trajectory.materialize.ScoredGroup`.
+
 Protocol (each `on_*`/`tick`/`start` call returns a list of decisions to carry out in order)::
 
     sched = ElasticScheduler(cfg, num_cells=K, cell_concurrency=C_e, standalone_concurrency=C_s,
