@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 
 class CellState(enum.Enum):
@@ -55,6 +55,31 @@ TRAIN_STATES = frozenset({CellState.JOINING, CellState.TRAIN, CellState.PUBLISHI
 
 class IllegalTransition(RuntimeError):
     pass
+
+
+def timeline_intervals(transitions: Iterable[tuple[CellState | str, float]], start: float,
+                       end: float) -> list[tuple[CellState, float, float]]:
+    """A cell's timeline as (state, from, to) intervals: ROLLOUT from `start`, then each
+    (destination state, time) transition in order, the last state until `end`. The intervals
+    tile [start, end] (zero-length ones included, so every state visited appears).
+
+    Example: [("draining", 3.0), ("joining", 4.0)], 0.0, 10.0 →
+    [(ROLLOUT, 0.0, 3.0), (DRAINING, 3.0, 4.0), (JOINING, 4.0, 10.0)].
+    """
+    out, state, since = [], CellState.ROLLOUT, start
+    for dst, t in transitions:
+        out.append((state, since, t))
+        state, since = CellState(dst), t
+    out.append((state, since, end))
+    return out
+
+
+def time_per_state(intervals: Iterable[tuple[CellState, float, float]]) -> dict[str, float]:
+    """Seconds per state visited (keys: `CellState.value`, in order of first visit)."""
+    acc: dict[str, float] = {}
+    for s, a, b in intervals:
+        acc[s.value] = acc.get(s.value, 0.0) + (b - a)
+    return acc
 
 
 @dataclass
@@ -117,19 +142,12 @@ class CellStateMachine:
     def intervals(self, until: float | None = None) -> list[tuple[CellState, float, float]]:
         """(state, start, end) intervals from birth to `until` (default: now)."""
         end = self.clock() if until is None else until
-        out, state, start = [], CellState.ROLLOUT, self.born
-        for t in self.log:
-            out.append((state, start, t.time))
-            state, start = t.dst, t.time
-        out.append((state, start, end))
-        return [iv for iv in out if iv[2] > iv[1]]
+        ivs = timeline_intervals(((t.dst, t.time) for t in self.log), self.born, end)
+        return [iv for iv in ivs if iv[2] > iv[1]]
 
     def time_in(self, until: float | None = None) -> dict[str, float]:
-        """Seconds spent in each state."""
-        acc = {s.value: 0.0 for s in CellState}
-        for s, a, b in self.intervals(until):
-            acc[s.value] += b - a
-        return acc
+        """Seconds spent in each state (every state, 0.0 where never visited)."""
+        return {s.value: 0.0 for s in CellState} | time_per_state(self.intervals(until))
 
     def train_fraction(self, until: float | None = None) -> float:
         ivs = self.intervals(until)

@@ -48,16 +48,6 @@ class MetricsWriter:
         self._f.close()
 
 
-class NullMetrics:
-    """Stands in for MetricsWriter on ranks that write nothing."""
-
-    def write(self, record: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def read_metrics(path: str) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections import defaultdict
 import json
 import logging
 import os
@@ -95,17 +96,31 @@ class LocalKeys:
 class GyreProxyAccess:
     """`ProxyAccess` over Gyre's own proxy (`gyre.proxy.Proxy` + the handle `serve_proxy`
     returned): keys from `proxy.issue_key`, revoked (and the execution's store file closed)
-    by `proxy.close_execution` when the harness ends."""
+    by `proxy.close_execution` when the harness ends. It keeps what closing reports: `totals`,
+    the integer per-execution proxy stats summed over every closed execution (calls,
+    aborted_calls, spliced_turns, ...), and `calls`, each closed execution's model calls until
+    the health check takes them (`take_calls`)."""
 
     def __init__(self, proxy: Any, url: str) -> None:
         self.proxy = proxy
         self.url = url.rstrip("/")
+        self.totals: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = {}
 
     def open_execution(self, execution_id: str, group_id: str) -> str:
         return self.proxy.issue_key(execution_id)
 
     def close_execution(self, execution_id: str) -> None:
-        self.proxy.close_execution(execution_id)
+        stats = self.proxy.close_execution(execution_id) or {}
+        if "calls" in stats:
+            self.calls[execution_id] = stats["calls"]
+        for k, v in stats.items():
+            if isinstance(v, int):
+                self.totals[k] += v
+
+    def take_calls(self, execution_id: str) -> int | None:
+        """The execution's model calls (None when it was never closed here); forgotten after."""
+        return self.calls.pop(execution_id, None)
 
 
 class ExecutionState(enum.Enum):

@@ -7,7 +7,8 @@ drives — by feeding it events and carrying out its decisions:
     Dispatch(groups)        start N harness executions per group (boundary dispatch)
     SwitchToTrain(cell)     drain the cell's engine in the proxy (its in-flight calls continue
                             on retained engines), then send the cell `ToTrain`
-    OptimizerStep(step)     send cells 0..k−1 `Reduce` over their prefix group; the core steps
+    OptimizerStep(step)     send `Reduce` to the decision's cells (0..k−1, decided by the
+                            scheduler) over their prefix group; the core steps
     SwitchToRollout(cell)   send the cell `ToRollout` with the published version
     Publish(version)        send every rollout engine `Load` of the version
 
@@ -15,7 +16,8 @@ Cells talk back through the controller's mailbox (`gyre.control.CONTROLLER`): st
 transitions, joined / rolled back, work requests and results, step done; each report type has
 one handler (`HANDLERS`). The commands and reports, and a diagram of who waits for what, are in
 `gyre.runtime.messages`. Work requests the scheduler cannot serve yet are kept and retried after
-every event.
+every event. What happened to every group and step, and the cells' timeline, is written to the
+run's ledger (`gyre.runtime.ledger`), from which the metrics rows and the summary are read.
 """
 
 from __future__ import annotations
@@ -33,12 +35,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from gyre.cell import CellState
 from gyre.control import CONTROLLER, ControlPlane
 from gyre.executions.evaluator import Evaluator, RewardStatus
 from gyre.errors import RunFailed
 from gyre.executions.health import HealthMonitor
-from gyre.executions.runner import EventKind, ExecutionEvent, HarnessRunner
+from gyre.executions.runner import EventKind, ExecutionEvent, GyreProxyAccess, HarnessRunner
 from gyre.executions.tasks import Dataset
 from gyre.metrics import MetricsWriter, plot_role_timeline, read_metrics, reward_trend
 from gyre.proxy import Proxy, StoreSink, start_proxy
@@ -46,7 +47,8 @@ from gyre.proxy.engine_http import HttpEngine
 from gyre.runtime.messages import (Command, Failed, Joined, Load, Loaded, Reduce, Report, RequestWork, RolledBack,
                                    StepDone, Stop, Stopped, ToRollout, ToTrain, TrainWork, Transition, WorkDone,
                                    handler_for)
-from gyre.runtime.samples import group_work, merge_metrics, step_denominator, summarize_metrics
+from gyre.runtime.ledger import RunLedger
+from gyre.runtime.samples import group_work, step_denominator
 from gyre.scheduler.core import CellRole, ElasticScheduler
 from gyre.scheduler.events import Dispatch, OptimizerStep, Publish, SwitchToRollout, SwitchToTrain, WallClock, Work
 from gyre.topology import Topology
@@ -54,25 +56,6 @@ from gyre.trajectory.advantages import Outcome
 from gyre.trajectory.store import TitoStore
 
 logger = logging.getLogger(__name__)
-
-
-class _ProxyAccess:
-    """The runner's view of the proxy: its URL and per-execution keys."""
-
-    def __init__(self, proxy: Proxy, url: str) -> None:
-        self.proxy, self.url = proxy, url
-        self.totals: dict[str, int] = defaultdict(int)  # summed per-execution proxy stats
-        self.calls: dict[str, int] = {}  # model calls per closed execution (the health check)
-
-    def open_execution(self, execution_id: str, group_id: str) -> str:
-        return self.proxy.issue_key(execution_id)
-
-    def close_execution(self, execution_id: str) -> None:
-        stats = self.proxy.close_execution(execution_id)
-        self.calls[execution_id] = stats["calls"]
-        for k, v in stats.items():
-            if isinstance(v, int):
-                self.totals[k] += v
 
 
 def _close_loop(loop: asyncio.AbstractEventLoop, timeout: float) -> None:
@@ -112,13 +95,58 @@ class Controller:
     """
 
     def __init__(self, cfg: Any, topo: Topology, store: Any, start_version: int = 0) -> None:
+        """Build the run's state: everything that does not need the controller's loop."""
         self.cfg, self.topo, self.store = cfg, topo, store
+        sc, tc = cfg.scheduler, cfg.train
         self.start_version = start_version  # > 0 when resuming: steps and versions count on from it
         self.run_dir = Path(cfg.run_dir)
         self.error: BaseException | None = None
         self.summary: dict[str, Any] = {}
         self.stop_sent = False  # every rank has been sent Stop (by _finish)
         self._thread = threading.Thread(target=self._main, name="gyre-controller", daemon=True)
+
+        ds = cfg.executions.dataset
+        if not ds.path:
+            raise ValueError("executions.dataset.path is empty: give a JSONL of tasks (see examples/cpu_demo)")
+        self.dataset = Dataset.from_jsonl(ds.path)
+        if start_version:  # a resumed run: a fresh task order, and ids that cannot collide with the first run's
+            v = start_version
+            self.group_iter = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed + v,
+                                                       make_id=lambda task, k: f"{task.task_id}.r{v}.g{k}")
+        else:
+            self.group_iter = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed)
+        self.sched = ElasticScheduler(sc, topo.num_cells, tc.cell_concurrency,
+                                      topo.num_pool_engines * tc.cell_concurrency, clock=WallClock(),
+                                      start_version=start_version)
+        hc = cfg.executions.health
+        self.health = HealthMonitor(hc.window or sc.n_per_group * sc.batch_groups, hc.stop_fraction)
+        self.ledger = RunLedger(topo.num_cells)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not tc.resume:  # a fresh run replaces the run directory's metrics; a resumed one appends
+            (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        self.metrics = MetricsWriter(str(self.run_dir / "metrics.jsonl"))
+        self.tito = TitoStore(self.run_dir / "tito")
+        self.store_t = store.clone()  # the controller thread's own connection
+        self.cp = ControlPlane(self.store_t, CONTROLLER)
+
+        # What needs the running loop: started by _run.
+        self.proxy: Proxy | None = None
+        self.proxy_handle: Any = None
+        self.access: GyreProxyAccess | None = None
+        self.runner: HarnessRunner | None = None
+
+        # Run state.
+        self.pending: set[int] = set()  # cells that asked for work and got none yet
+        self.switch_sent: dict[int, float] = {}
+        self.latencies: dict[str, list[float]] = {"to_train": [], "to_rollout": []}
+        self.steps_done = start_version  # train.steps counts the whole run, across resumes
+        self.stopping = False
+        self.task_error: BaseException | None = None
+        self.stopped: dict[int, Stopped | Failed] = {}
+        self.last_step_t = 0.0  # set when the loop starts (the ledger's clock)
+        self.outcomes: dict[str, int] = defaultdict(int)
+        self._last_progress: tuple | None = None  # the last progress line's picture, and when it was logged
+        self._last_progress_t = 0.0
 
     # ------------------------------------------------------------------ thread
     def start(self) -> None:
@@ -168,11 +196,6 @@ class Controller:
 
     async def _run(self) -> None:
         cfg, topo = self.cfg, self.topo
-        sc, tc = cfg.scheduler, cfg.train
-        self.store_t = self.store.clone()
-        self.cp = ControlPlane(self.store_t, CONTROLLER)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.tito = TitoStore(self.run_dir / "tito")
         self.proxy = Proxy(cfg.proxy, sink=StoreSink(self.tito))
         self.proxy_handle = await start_proxy(self.proxy)
         logger.info("proxy listening at %s", self.proxy_handle.url)
@@ -182,54 +205,12 @@ class Controller:
         for e in range(topo.num_pool_engines):
             url = await self._engine_url(topo.pool_engine_ranks(e)[0])
             self.proxy.router.add_engine(HttpEngine(url, name=f"pool{e}"), kind="pool", index=e)
-
-        ds = cfg.executions.dataset
-        if not ds.path:
-            raise ValueError("executions.dataset.path is empty: give a JSONL of tasks (see examples/cpu_demo)")
-        self.dataset = Dataset.from_jsonl(ds.path)
-        if self.start_version:  # a resumed run: a fresh task order, and ids that cannot collide with the first run's
-            v = self.start_version
-            self.group_iter = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed + v,
-                                                       make_id=lambda task, k: f"{task.task_id}.r{v}.g{k}")
-        else:
-            self.group_iter = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed)
         runner_cfg = dataclasses.replace(cfg.executions.runner, run_dir=str(self.run_dir / "executions"))
-        self.access = _ProxyAccess(self.proxy, self.proxy_handle.url)
+        self.access = GyreProxyAccess(self.proxy, self.proxy_handle.url)
         self.runner = HarnessRunner(runner_cfg, Evaluator(cfg.executions.evaluator), proxy=self.access,
                                     on_event=self._on_exec_event)
-        self.sched = ElasticScheduler(sc, topo.num_cells, tc.cell_concurrency,
-                                      topo.num_pool_engines * tc.cell_concurrency, clock=WallClock(),
-                                      start_version=self.start_version)
-        if not tc.resume:  # a fresh run replaces the run directory's metrics; a resumed one appends
-            (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        self.metrics = MetricsWriter(str(self.run_dir / "metrics.jsonl"))
-        self.rng = np.random.default_rng(cfg.seed)
-        hc = cfg.executions.health
-        self.health = HealthMonitor(hc.window or sc.n_per_group * sc.batch_groups, hc.stop_fraction)
-
-        # run state
-        self.group_of_exec: dict[str, int] = {}
-        self.exec_index: dict[str, int] = {}
-        self.group_name: dict[int, str] = {}
-        self.group_version: dict[int, int] = {}
-        self.evaluated: dict[int, list] = defaultdict(list)
-        self.work: dict[int, list] = {}
-        self.group_rewards: dict[int, list] = {}
-        self.group_stats: dict[int, dict] = {}
-        self.pending: set[int] = set()
-        self.step_claims: dict[int, list[int]] = defaultdict(list)  # cells in claim order, per step
-        self.step_acc: dict[int, dict] = defaultdict(dict)
-        self.step_info: dict[int, dict] = {}
-        self.timeline: dict[int, list[tuple[str, float]]] = defaultdict(list)
-        self.switch_sent: dict[int, float] = {}
-        self.latencies: dict[str, list[float]] = {"to_train": [], "to_rollout": []}
-        self.steps_done = self.start_version  # train.steps counts the whole run, across resumes
-        self.stopping = False
-        self.task_error: BaseException | None = None
-        self.stopped: dict[int, Stopped | Failed] = {}
-        self.t_start = time.time()
-        self.last_step_t = time.time()
-        self.outcomes: dict[str, int] = defaultdict(int)
+        self.ledger.begin(time.time())
+        self.last_step_t = self.ledger.t_start
 
         self._apply(self.sched.start())
         next_tick = time.monotonic()
@@ -239,7 +220,7 @@ class Controller:
             if time.monotonic() >= next_tick:
                 self._apply(self.sched.tick())
                 self._progress()
-                next_tick = time.monotonic() + sc.tick_s
+                next_tick = time.monotonic() + cfg.scheduler.tick_s
             self._serve_pending()
             await asyncio.sleep(0.003)
         await self._finish(failed=self.task_error is not None)
@@ -286,12 +267,9 @@ class Controller:
             return
         for g in d.groups:
             group = next(self.group_iter)
-            self.group_name[g] = group.group_id
-            self.group_version[g] = d.version
             for spec in group.executions:
                 spec.dispatch_version = d.version
-                self.group_of_exec[spec.execution_id] = g
-                self.exec_index[spec.execution_id] = spec.index
+            self.ledger.add_group(g, group, d.version)
             self.runner.dispatch_group(group)
         logger.info("dispatched groups %d..%d at version %d (w=%d)", d.first_group, d.first_group + d.n_groups - 1,
                     d.version, self.sched.water_level)
@@ -302,23 +280,19 @@ class Controller:
         self._send_cell(cell, ToTrain())
 
     def _optimizer_step(self, d: OptimizerStep) -> None:
-        roles = self.sched.roles
-        k = 0
-        while k < len(roles) and roles[k] is CellRole.TRAIN:
-            k += 1
-        if not set(d.cells) <= set(range(k)):
-            raise RuntimeError(f"step {d.step}: cells {d.cells} are not within the training prefix 0..{k - 1}")
+        """Send `Reduce` to exactly the decision's cells: the scheduler decides the membership
+        (the TRAIN prefix 0..k−1 when the step was decided), the prefix group is k = len(cells)."""
+        if d.cells != tuple(range(len(d.cells))):
+            raise RuntimeError(f"step {d.step}: reduce cells {d.cells} are not a prefix 0..k−1")
         groups = list(self.sched.step.assigned)
         # The step's E is known only now (its groups were packed with |E| = B·N): the core
         # rescales the summed gradient by B·N/valid, or skips the update when nothing is valid.
-        valid, grad_scale = step_denominator([self.group_rewards[g] for g in groups],
+        valid, grad_scale = step_denominator([self.ledger.groups[g].rewards for g in groups],
                                              nominal=self._nominal_executions(), loss=self.cfg.loss)
-        self.step_info[d.step] = {"k": k, "groups": groups, "final": d.final_in_burst,
-                                  "staleness": [d.step - self.group_version[g] for g in groups],
-                                  "valid": valid, "grad_scale": grad_scale}
-        for c in range(k):
+        self.ledger.decide(d.step, d.cells, groups, d.final_in_burst, valid, grad_scale)
+        for c in d.cells:
             self.pending.discard(c)
-            self._send_cell(c, Reduce(step=d.step, k=k, final=d.final_in_burst,
+            self._send_cell(c, Reduce(step=d.step, k=len(d.cells), final=d.final_in_burst,
                                       stay=self.cfg.scheduler.mode == "async",
                                       valid_executions=valid, grad_scale=grad_scale))
 
@@ -328,8 +302,8 @@ class Controller:
             if w is None:
                 continue
             self.pending.discard(cell)
-            bundle = self.work[w.group][w.item]
-            self.step_claims[w.step].append(cell)
+            bundle = self.ledger.groups[w.group].work.bundles[w.item]
+            self.ledger.claim(w.step, cell)
             if self.cfg.train.audit_dir:
                 path = Path(self.cfg.train.audit_dir) / f"step_{w.step:06d}"
                 path.mkdir(parents=True, exist_ok=True)
@@ -345,7 +319,7 @@ class Controller:
         handler_for(self.HANDLERS, msg, "controller")(self, msg)
 
     def _on_transition(self, msg: Transition) -> None:
-        self.timeline[msg.cell].append((msg.dst, msg.t))
+        self.ledger.transition(msg.cell, msg.dst, msg.t)
 
     def _on_joined(self, msg: Joined) -> None:
         cell = msg.cell
@@ -357,7 +331,7 @@ class Controller:
         self.pending.add(msg.cell)
 
     def _on_work_done(self, msg: WorkDone) -> None:
-        merge_metrics(self.step_acc[msg.step], msg.metrics)
+        self.ledger.merge_metrics(msg.step, msg.metrics)
         self._apply(self.sched.on_work_done(msg.cell, Work(msg.step, msg.group, msg.item)))
 
     def _on_step_done(self, msg: StepDone) -> None:
@@ -383,37 +357,20 @@ class Controller:
         self.stopping = True
 
     def _step_done(self, step: int, stats: dict[str, float]) -> None:
-        info = self.step_info[step]
+        rec = self.ledger.close(step)
         now = time.time()
-        by_group = [[r for r in self.group_rewards.get(g, []) if r is not None] for g in info["groups"]]
-        rewards = [r for g in by_group for r in g]
-        losses = summarize_metrics(self.step_acc.pop(step, {}))
-        losses["loss"] *= info["grad_scale"] or 0.0  # the micro-steps' sum used |E| = B·N
         row = {
             "step": step,
             "version": step + 1,
-            "time_s": now - self.t_start,
+            "time_s": now - self.ledger.t_start,
             "step_time_s": now - self.last_step_t,
-            "cells_in_step": info["k"],
-            "claims_by_cell": {str(c): self.step_claims[step].count(c) for c in sorted(set(self.step_claims[step]))},
-            "claim_order": self.step_claims.pop(step, []),
-            "final_in_burst": info["final"],
-            "groups": len(info["groups"]),
-            "reward_mean": float(np.mean(rewards)) if rewards else None,
-            "reward_count": len(rewards),
-            "executions_valid": info["valid"],
-            "rewards": rewards,
-            "group_rewards": by_group,
-            "staleness_mean": float(np.mean(info["staleness"])) if info["staleness"] else None,
-            "staleness": info["staleness"],
             "water_level": self.sched.water_level,
             "dispatched": self.sched.dispatched,
             "finished": self.sched.finished,
             "reroutes": self.proxy.router.reroutes,
             "switch_to_train_s": self.latencies["to_train"][-1] if self.latencies["to_train"] else None,
             "switch_to_rollout_s": self.latencies["to_rollout"][-1] if self.latencies["to_rollout"] else None,
-            "cell_time_s": self._cell_times(now),
-            **losses,
+            **self.ledger.step_fields(step, now),
             **{k: float(v) for k, v in stats.items() if k != "version"},
         }
         self.metrics.write(row)
@@ -421,39 +378,27 @@ class Controller:
         self.steps_done += 1
         logger.info("step %d done: reward %.3f  loss %.4g  clip %.2f  d %.2f  cells %d  (%.1fs)", step,
                     row["reward_mean"] if row["reward_mean"] is not None else float("nan"), row["loss"],
-                    row["clip_frac"], row["staleness_mean"] or 0.0, info["k"], row["step_time_s"])
+                    row["clip_frac"], row["staleness_mean"] or 0.0, len(rec.cells), row["step_time_s"])
         self._apply(self.sched.on_step_done(step))
         if self.steps_done >= self.cfg.train.steps:
             self.stopping = True
 
-    def _cell_times(self, now: float) -> dict[str, dict[str, float]]:
-        out = {}
-        for c in range(self.topo.num_cells):
-            acc: dict[str, float] = defaultdict(float)
-            state, since = CellState.ROLLOUT.value, self.t_start
-            for dst, t in self.timeline.get(c, []):
-                acc[state] += t - since
-                state, since = dst, t
-            acc[state] += now - since
-            out[str(c)] = dict(acc)
-        return out
-
     # ------------------------------------------------------------------ executions
     def _on_exec_event(self, ev: ExecutionEvent) -> None:
-        g = self.group_of_exec[ev.execution_id]
-        index = self.exec_index[ev.execution_id]
+        rec, index = self.ledger.of_execution(ev.execution_id)
+        g = rec.index
         if ev.kind is EventKind.STARTED:
             self._apply(self.sched.on_execution_started(g, index))
         elif ev.kind is EventKind.FINISHED:
             self.outcomes[ev.result.outcome.value] += 1
             self._apply(self.sched.on_execution_finished(g, index))
         elif ev.kind is EventKind.EVALUATED:
-            problem = self.health.observe(ev.result, self.access.calls.pop(ev.execution_id, None))
+            problem = self.health.observe(ev.result, self.access.take_calls(ev.execution_id))
             if problem is not None and self.task_error is None:
                 self.task_error = RunFailed(problem)
                 self.stopping = True
-            self.evaluated[g].append(ev.result)
-            if len(self.evaluated[g]) == self.cfg.scheduler.n_per_group:
+            self.ledger.evaluated(ev.result)
+            if len(rec.evaluated) == self.cfg.scheduler.n_per_group:
                 self._spawn(self._make_work(g))
 
     def _records(self, execution_id: str) -> list:
@@ -470,17 +415,16 @@ class Controller:
         return self.cfg.scheduler.batch_groups * self.cfg.scheduler.n_per_group
 
     async def _make_work(self, g: int) -> None:
-        results = sorted(self.evaluated.pop(g), key=lambda r: r.index)
+        rec = self.ledger.groups[g]
+        results = sorted(rec.evaluated, key=lambda r: r.index)
         items = [(r.execution_id, _outcome(r.reward), self._records(r.execution_id)) for r in results]
         tc = self.cfg.train
         work = await asyncio.to_thread(
-            group_work, self.group_name[g], self.group_version[g], items,
+            group_work, rec.group_id, rec.version, items,
             num_executions=self._nominal_executions(), max_tokens=tc.max_tokens, j_max=tc.j_max,
             normalize_std=tc.normalize_std, rng=np.random.default_rng([self.cfg.seed, g]),
         )
-        self.work[g] = work.bundles
-        self.group_rewards[g] = work.rewards
-        self.group_stats[g] = work.stats
+        self.ledger.set_work(g, work)
         self._apply(self.sched.on_group_ready(g, len(work.bundles)))
 
     # ------------------------------------------------------------------ progress and the end
@@ -489,7 +433,7 @@ class Controller:
         s = self.sched
         state = (self.steps_done, s.ready_unassigned, s.water_level, s.cells_in_training, s.started, s.finished)
         now = time.monotonic()
-        if state == getattr(self, "_last_progress", None) and now - getattr(self, "_last_progress_t", 0.0) < 15.0:
+        if state == self._last_progress and now - self._last_progress_t < 15.0:
             return
         self._last_progress, self._last_progress_t = state, now
         logger.info("step %d/%d | groups ready %d | water level %d (C_R %d) | cells training %d | d/p/f %d/%d/%d",
@@ -519,20 +463,12 @@ class Controller:
                 self._on_message(msg)
             await asyncio.sleep(0.01)
         end = time.time()
-        intervals = {}
-        for c in range(self.topo.num_cells):
-            ivs, state, since = [], CellState.ROLLOUT, self.t_start
-            for dst, t in self.timeline.get(c, []):
-                ivs.append((state, since, t))
-                state, since = CellState(dst), t
-            ivs.append((state, since, end))
-            intervals[c] = ivs
-        fractions = plot_role_timeline(intervals, str(self.run_dir / "role_timeline.png"),
+        fractions = plot_role_timeline(self.ledger.intervals(end), str(self.run_dir / "role_timeline.png"),
                                        title=f"Gyre role timeline ({self.cfg.scheduler.mode})")
         stats = self.proxy.router.stats()
         self.summary = {
             "steps": self.steps_done,
-            "wall_s": end - self.t_start,
+            "wall_s": end - self.ledger.t_start,
             "mode": self.cfg.scheduler.mode,
             "train_fraction": {str(c): f for c, f in fractions.items()},
             "switch_latency_s": {k: (float(np.mean(v)) if v else None) for k, v in self.latencies.items()},
@@ -545,7 +481,7 @@ class Controller:
             "execution_outcomes": dict(self.outcomes),
             "cancelled_at_end": cancelled,
             "measured_staleness_mean": float(np.mean(self.sched.staleness)) if self.sched.staleness else None,
-            "staleness_by_step": {str(s): i["staleness"] for s, i in sorted(self.step_info.items())},
+            "staleness_by_step": self.ledger.staleness_by_step(),
             "expected_staleness": self.cfg.scheduler.expected_staleness,
             "failed_executions": dict(self.health.counts),
             "error": str(self.task_error) if self.task_error is not None else None,

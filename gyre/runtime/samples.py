@@ -24,8 +24,7 @@ import numpy as np
 
 from gyre.loss.config import LossConfig
 from gyre.trajectory.advantages import Outcome
-from gyre.trajectory.buffer import ExecutionResult, Group
-from gyre.trajectory.materialize import materialize_step
+from gyre.trajectory.materialize import ScoredExecution, ScoredGroup, materialize_step
 from gyre.trajectory.microstep import MicroStep
 
 
@@ -83,9 +82,8 @@ def group_work(
     rng: np.random.Generator,
 ) -> GroupWork:
     """results: (execution id, outcome, CallRecords) for each of the group's N executions."""
-    g = Group(group_id, dispatch_version, [eid for eid, _, _ in results])
-    for eid, outcome, records in results:
-        g.results[eid] = ExecutionResult(eid, outcome, records=list(records))
+    g = ScoredGroup(group_id, dispatch_version,
+                    [ScoredExecution(eid, outcome, records=list(records)) for eid, outcome, records in results])
     batch = materialize_step([g], max_tokens=max_tokens, rng=rng, j_max=j_max, normalize_std=normalize_std,
                              num_executions=num_executions)
     bundles = bundle_micro_steps(batch.micro_steps) or [[]]  # an empty item keeps the group countable

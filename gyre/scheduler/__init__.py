@@ -6,6 +6,13 @@ returns, in order. It never blocks, sleeps, or touches the network; time comes f
 (`SimClock` in the simulator and in tests, `WallClock` in the runtime). Every event and every
 decision is appended to an `EventLog` (kinds listed in `gyre.scheduler.events.EventLog`).
 
+Groups are integer indices here (0, 1, ... in dispatch order). A *group* is one query run N times
+(docs/design.md §2); each part of Gyre holds its own view of one, under its own name: the spec
+the runner launches is `gyre.executions.tasks.Group`, the scheduler counts its progress in a
+private `_GroupProgress` (v_d, executions ended, ready, step, work items), the runtime's record
+of it (executions, results, work, rewards) is `gyre.runtime.ledger.GroupRecord`, and the
+trajectory processor's input is `gyre.trajectory.materialize.ScoredGroup`.
+
 Protocol (each `on_*`/`tick`/`start` call returns a list of decisions to carry out in order)::
 
     sched = ElasticScheduler(cfg, num_cells=K, cell_concurrency=C_e, standalone_concurrency=C_s,
@@ -28,8 +35,9 @@ Decisions (gyre.scheduler.events):
     SwitchToTrain(cell)                       drain/reroute the cell's calls, build the actor;
                                               a satellite pulls the core's current snapshot
     SwitchToRollout(cell)                     burst end: back to serving rollouts
-    OptimizerStep(step, cells, final)         all work of the step is done: reduce over the
-                                              prefix group of `cells`, clip, step
+    OptimizerStep(step, cells, final)         all work of the step is done: `cells` (= 0..k−1,
+                                              the TRAIN prefix now) reduce over prefix group k,
+                                              the core clips and steps
     Publish(version)                          the core publishes the new policy
 
 Rules implemented (with the log entries that show them):
@@ -37,14 +45,19 @@ Rules implemented (with the log entries that show them):
 - Water level w = d − f, capacity C_R = C_s + (K − k)·C_e. In gyre mode the next cell in
   order (core first, a prefix always) moves to training when w ≤ C_R − C_e and the supply
   check (≥ ρ_min·B ready unassigned groups) has held for τ consecutive ticks (`switch_to_train`
-  carries w, C_R, k, ready, supply_ticks). With `serial_join`, one cell switches at a time.
+  carries w, C_R, k, ready, supply_ticks). With `serial_join`, one cell switches at a time; no
+  cell moves once the burst's last step has all its micro-steps claimed (it would train nothing).
 - Ready groups are assigned to the step in progress oldest dispatch version first (`assign`
   carries d = v_t − v_d); streaming assigns one group whenever a training cell runs out of
   micro-steps, non-streaming assigns all B at once when B are ready.
-- The join window of a step closes when its last micro-step is claimed (all B groups
-  assigned, nothing left to hand out: `close_join`), i.e. before the optimizer update; a cell
-  that asks for work after that and was not already in the step waits for the next step.
-- When all B groups are assigned and every micro-step is done: `OptimizerStep`. After μ steps
+- Only a cell inside the TRAIN prefix (cells 0..k−1 all in TRAIN, `train_prefix()`) gets work:
+  with roles [TRAIN, TO_TRAIN, TRAIN] cell 2 waits until cell 1 has switched, since it could
+  not take part in a reduce over prefix group 2. `all_claimed` marks the step's last claim (all
+  B groups assigned, nothing left to hand out); a cell that arrives later finds no work in it.
+- When all B groups are assigned and every micro-step is done: `OptimizerStep`, whose `cells`
+  are the reduce membership, decided there and only there: the TRAIN prefix at that moment. It
+  holds every cell that trained part of the step, and also a cell that switched in after the
+  last claim (it reduces zero gradients and receives the new parameters). After μ steps
   the burst ends: training cells `SwitchToRollout` (not in async mode), `Publish(v)`, then
   boundary `Dispatch(μ·B)` at the new version.
 - colocate: all cells switch at once when the burst's remaining μ·B groups are ready (training

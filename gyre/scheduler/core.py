@@ -59,7 +59,10 @@ class SchedulerError(RuntimeError):
 
 
 @dataclass
-class _Group:
+class _GroupProgress:
+    """What the scheduler counts of one dispatched group (the run's record of it, with its
+    executions and results, is the runtime's `gyre.runtime.ledger.GroupRecord`)."""
+
     version: int  # v_d: published version when dispatched
     finished: int = 0
     ready: bool = False
@@ -74,9 +77,7 @@ class _Step:
     queue: deque = field(default_factory=deque)  # (group, item) not yet claimed
     claimed: int = 0
     done: int = 0
-    joined: set[int] = field(default_factory=set)  # cells admitted to this step
     participants: set[int] = field(default_factory=set)  # cells that trained >= 1 item of it
-    join_closed: bool = False
     updating: bool = False
 
 
@@ -119,7 +120,7 @@ class ElasticScheduler:
         self.roles = [CellRole.ROLLOUT] * num_cells  # read-only for drivers
         self._k = 0  # cells not in ROLLOUT, kept in step with roles by _set_role
         self.dispatched = self.started = self.finished = 0  # d(t), p(t), f(t) in executions
-        self.groups: dict[int, _Group] = {}
+        self.groups: dict[int, _GroupProgress] = {}
         self._ready: list[tuple[int, int, int]] = []  # heap (v_d, ready seq, group)
         self._ready_seq = 0
         self.version = start_version  # optimizer steps done (a resumed run counts on from its checkpoint)
@@ -153,6 +154,19 @@ class ElasticScheduler:
     def burst_pos(self) -> int:
         """Steps already done in the current burst (0..μ−1)."""
         return self.version - self.published
+
+    def train_prefix(self) -> int:
+        """k such that cells 0..k−1 are in TRAIN and cell k is not: the cells that can take part in
+        a reduce over prefix group k (docs/design.md §1). Cells enter in order, but their switches
+        finish in any order: [TRAIN, TO_TRAIN, TRAIN] has prefix 1."""
+        k = 0
+        while k < self.K and self.roles[k] is CellRole.TRAIN:
+            k += 1
+        return k
+
+    def _all_claimed(self) -> bool:
+        """The step in progress has all B groups assigned and every micro-step claimed."""
+        return len(self.step.assigned) == self.cfg.batch_groups and not self.step.queue
 
     def _snapshot(self) -> dict:
         return dict(
@@ -190,13 +204,13 @@ class ElasticScheduler:
     def _dispatch(self, n_groups: int) -> Dispatch:
         first = len(self.groups)
         for g in range(first, first + n_groups):
-            self.groups[g] = _Group(version=self.published)
+            self.groups[g] = _GroupProgress(version=self.published)
         self.dispatched += n_groups * self.cfg.n_per_group
         self.log.add(self.clock(), "dispatch", first_group=first, n_groups=n_groups, version=self.published, w=self.water_level)
         return Dispatch(first, n_groups, self.published)
 
     # ------------------------------------------------------------------ execution events
-    def _group(self, g: int) -> _Group:
+    def _group(self, g: int) -> _GroupProgress:
         if g not in self.groups:
             raise SchedulerError(f"unknown group {g}")
         return self.groups[g]
@@ -275,19 +289,14 @@ class ElasticScheduler:
 
     def request_work(self, cell: int) -> Work | None:
         """A training cell asks for its next micro-step; None = nothing for it now (ask again
-        after the next event). Assigns ready groups to the step, oldest dispatch version first:
-        one at a time when streaming, all B at once otherwise."""
-        if self.roles[cell] is not CellRole.TRAIN or self.roles[0] is not CellRole.TRAIN:
+        after the next event). Only a cell inside the TRAIN prefix (`train_prefix`) gets work:
+        any other could not take part in the step's reduce. Assigns ready groups to the step,
+        oldest dispatch version first: one at a time when streaming, all B at once otherwise."""
+        if cell >= self.train_prefix():  # not TRAIN, the core not TRAIN, or a gap below it
             return None
         st, B = self.step, self.cfg.batch_groups
         if st.updating:
             return None
-        if cell not in st.joined:
-            if st.join_closed:
-                return None  # joined too late for this step: waits for the next one
-            # a satellite joining mid-step trains on the core's current snapshot (same version)
-            st.joined.add(cell)
-            self.log.add(self.clock(), "join", cell=cell, step=st.index)
         if not st.queue and len(st.assigned) < B:
             if self.cfg.streaming:
                 if self._ready:
@@ -301,11 +310,8 @@ class ElasticScheduler:
         st.claimed += 1
         st.participants.add(cell)
         self.log.add(self.clock(), "claim", cell=cell, step=st.index, group=g, item=i)
-        if len(st.assigned) == B and not st.queue:
-            # the step's last micro-step is claimed: the join window closes before the update;
-            # a cell that arrives now waits for the next step
-            st.join_closed = True
-            self.log.add(self.clock(), "close_join", step=st.index, cells=sorted(st.joined))
+        if self._all_claimed():
+            self.log.add(self.clock(), "all_claimed", step=st.index, cells=sorted(st.participants))
         return Work(st.index, g, i)
 
     def on_work_done(self, cell: int, work: Work) -> list[Decision]:
@@ -354,9 +360,16 @@ class ElasticScheduler:
             and st.done == st.claimed
         ):
             st.updating = True
-            cells = tuple(sorted(st.participants | {0}))
+            # The reduce membership, decided here and nowhere else: the TRAIN prefix now. A cell
+            # that switched in after the last claim is in it: it reduces zero gradients and gets
+            # the new parameters (docs/design.md §3).
+            cells = tuple(range(self.train_prefix()))
+            if not cells or not st.participants <= set(cells):
+                raise SchedulerError(f"step {st.index}: cells {sorted(st.participants)} trained it but the TRAIN "
+                                     f"prefix is {list(cells)}")
             final = self.burst_pos == self.cfg.mu - 1
-            self.log.add(self.clock(), "optimizer_step", step=st.index, cells=list(cells), final=final)
+            self.log.add(self.clock(), "optimizer_step", step=st.index, cells=list(cells),
+                         participants=sorted(st.participants), final=final)
             out.append(OptimizerStep(st.index, cells, final))
         if (
             self.cfg.mode == "colocate"
@@ -390,9 +403,8 @@ class ElasticScheduler:
             return []
         if any(r is CellRole.TO_ROLLOUT for r in self.roles):
             return []  # burst end still in progress
-        st = self.step
-        if st.join_closed and self.burst_pos == self.cfg.mu - 1:
-            return []  # last step's batch complete: a new cell could not train before burst end
+        if self._all_claimed() and self.burst_pos == self.cfg.mu - 1:
+            return []  # the burst's last micro-step is claimed: a new cell would train nothing before burst end
         k = self.cells_in_training
         if k >= self.K:
             return []

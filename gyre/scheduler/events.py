@@ -81,9 +81,11 @@ class SwitchToRollout:
 
 @dataclass(frozen=True)
 class OptimizerStep:
-    """All work of `step` is done: the core reduces over the prefix group of `cells`, clips and
-    steps. Report `on_step_done(step)` when the update (and, on a non-final step of a burst,
-    the parameter send to satellites) is finished."""
+    """All work of `step` is done: `cells` = (0, …, k−1), the cells in the TRAIN prefix when the
+    step was decided, reduce over prefix group k — the reduce membership, decided only here
+    (every cell that trained part of the step is in it; one that switched in after the last
+    claim joins with zero gradients). The core clips and steps. Report `on_step_done(step)` when
+    the update (and, on a non-final step of a burst, the parameter send to satellites) is finished."""
 
     step: int
     cells: tuple[int, ...]
@@ -128,8 +130,8 @@ class EventLog:
     tick(w, C_R, k, ready, supply_ticks)
     switch_to_train(cell, w, C_R, k, ready, supply_ticks)   switch_done(cell, role)
     switch_superseded(cell)   switch_to_rollout(cell)
-    assign(group, step, version, d)   join(cell, step)   claim(cell, step, group, item)
-    item_done(cell, step)   close_join(step, cells)   optimizer_step(step, cells, final)
+    assign(group, step, version, d)   claim(cell, step, group, item)
+    item_done(cell, step)   all_claimed(step, cells)   optimizer_step(step, cells, participants, final)
     step_done(step)   publish(version)
 
     w, C_R, k are the water level, the rollout capacity and the cells out of rollout *after*

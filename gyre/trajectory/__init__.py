@@ -9,7 +9,7 @@ explicit generator:
     groups    = compute_advantages([[Outcome, ...], ...]) # advantages.py
     micro     = pack_step([ExecutionSample(...)], max_tokens)  # packing.py  list[MicroStep]
 
-or all of it at once: `materialize_step(groups_from_buffer, max_tokens=..., rng=...)`.
+or all of it at once: `materialize_step([ScoredGroup(...)], max_tokens=..., rng=...)`.
 
 Public API (import from `gyre.trajectory.<module>`):
 
@@ -35,13 +35,11 @@ packing.py     `ExecutionSample(execution_id, tree, selection, advantage)`;
                context_parallel_size=1, pad_token_id=0) -> list[MicroStep]`;
                `cp_shard_index(cu_seqlens, cp, rank)` (zigzag CP shard of a micro-step);
                `TrajectoryTooLongError`; `plan_bins` (the pure bin plan).
-buffer.py      `GroupBuffer`: `dispatch(group_id, v_d, execution_ids)`, `finish(ExecutionResult)`,
-               `num_ready()`, `take(B)` (oldest dispatch version first), `release`, `consume(groups,
-               v_t) -> staleness`, `mean_staleness()`; `GroupState` lifecycle enum.
-materialize.py `materialize_step(groups, max_tokens, rng, j_max=5, normalize_std=True,
+materialize.py `ScoredGroup(group_id, v_d, [ScoredExecution(execution_id, outcome, tito_path |
+               records)])`; `materialize_step(groups, max_tokens, rng, j_max=5, normalize_std=True,
                skip_zero_advantage=False, step=0, train_version=None, num_executions=None,
-               context_parallel_size=1) -> StepBatch`.
-config.py      `TrajectoryConfig` (tyro dataclass).
+               context_parallel_size=1) -> StepBatch`. (Which ready group a step takes is the
+               scheduler's heap, oldest dispatch version first: `gyre.scheduler`.)
 __main__.py    `python -m gyre.trajectory FILE.tito ... [--j-max 5]`: store state, tree stats,
                selection and token budget as JSON lines.
 

@@ -1,20 +1,22 @@
-"""One call from ready groups to a step's micro-steps: load → tree → select → advantages → pack.
+"""One call from scored groups to micro-steps: load → tree → select → advantages → pack.
 
-`materialize_step(groups, ...)` is what a training step calls with the B groups the buffer
-handed out. Excluded executions (evaluation failed) are left out of E; all-equal groups are
-kept (zero advantage, zero weight) unless `skip_zero_advantage`, and reported either way.
+`materialize_step(groups, ...)` takes `ScoredGroup`s (a group's executions with their outcomes
+and TITO records); the runtime calls it once per finished group (`gyre.runtime.samples.group_work`),
+offline tools with a whole step's B groups. Excluded executions (evaluation failed) are left out
+of E; all-equal groups are kept (zero advantage, zero weight) unless `skip_zero_advantage`, and
+reported either way. (Which ready group a step takes is the scheduler's business: its heap hands
+them out oldest dispatch version first, docs/design.md §2.)
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from gyre.trajectory.advantages import group_advantages
-from gyre.trajectory.buffer import ExecutionResult, Group
+from gyre.trajectory.advantages import Outcome, group_advantages
 from gyre.trajectory.microstep import MicroStep
 from gyre.trajectory.packing import ExecutionSample, pack_step
 from gyre.trajectory.selection import Selection, select_trajectories
@@ -23,7 +25,31 @@ from gyre.trajectory.tree import PrefixTree, build_tree
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepBatch", "materialize_step"]
+__all__ = ["ScoredExecution", "ScoredGroup", "StepBatch", "materialize_step"]
+
+
+@dataclass
+class ScoredExecution:
+    """A finished execution as the trajectory processor sees it: its outcome and its TITO records
+    (given, or read from `tito_path`)."""
+
+    execution_id: str
+    outcome: Outcome
+    tito_path: str | None = None  # store file (gyre.trajectory.store)
+    records: list[Any] | None = None  # or the CallRecords themselves (the runtime, tests)
+
+
+@dataclass
+class ScoredGroup:
+    """One query's N scored executions, in execution order, with its dispatch version v_d."""
+
+    group_id: str
+    dispatch_version: int  # v_d
+    executions: list[ScoredExecution]
+
+    def staleness(self, train_version: int) -> int:
+        """d = v_t − v_d for a step at trainer version `train_version`."""
+        return int(train_version) - self.dispatch_version
 
 
 @dataclass
@@ -46,7 +72,7 @@ class StepBatch:
         return sum(m.num_targets for m in self.micro_steps)
 
 
-def _records(res: ExecutionResult):
+def _records(res: ScoredExecution):
     if res.records is not None:
         return res.records
     if res.tito_path is None:
@@ -55,7 +81,7 @@ def _records(res: ExecutionResult):
 
 
 def materialize_step(
-    groups: Sequence[Group],
+    groups: Sequence[ScoredGroup],
     *,
     max_tokens: int,
     rng: np.random.Generator,
@@ -67,7 +93,7 @@ def materialize_step(
     num_executions: int | None = None,
     context_parallel_size: int = 1,
 ) -> StepBatch:
-    """Materialize B ready groups into micro-steps of at most `max_tokens` tokens.
+    """Materialize scored groups into micro-steps of at most `max_tokens` tokens.
 
     |E| = number of executions in the execution table (valid executions, minus zero-advantage
     ones when `skip_zero_advantage`), unless the caller fixes it with `num_executions` (a
@@ -77,7 +103,7 @@ def materialize_step(
     """
     batch = StepBatch(micro_steps=[], samples=[])
     for g in groups:
-        results = g.ordered_results()
+        results = g.executions
         ga = group_advantages([r.outcome for r in results], normalize_std=normalize_std)
         if ga.all_equal:
             batch.all_equal_groups.append(g.group_id)

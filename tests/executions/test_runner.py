@@ -12,7 +12,7 @@ import pytest
 
 from gyre.executions.config import EvaluatorConfig, RunnerConfig
 from gyre.executions.evaluator import Evaluator, Outcome, RewardStatus
-from gyre.executions.runner import EventKind, ExecutionState, HarnessRunner, LocalKeys, _Live
+from gyre.executions.runner import EventKind, ExecutionState, GyreProxyAccess, HarnessRunner, LocalKeys, _Live
 from gyre.executions.tasks import EvaluatorSpec, Task
 
 from tests.executions.helpers import spec, wait_dead, write_script
@@ -303,3 +303,25 @@ def test_remote_mode_plumbing_with_local_shell(tmp_path):
         assert cwd == str(remote_root / r.execution_id / "workspace")
         assert key == "gyre-" and instr == "remote hello"
         assert (r.workspace / ".host").read_text().strip() == r.host
+
+
+def test_gyre_proxy_access_sums_closed_executions_and_hands_each_call_count_out_once():
+    """The controller's totals (summary.json: calls, aborted_calls, ...) and the health check's
+    per-execution call count come from what the proxy reports when an execution closes."""
+    closing = {"e0": {"calls": 3, "aborted_calls": 1, "spliced_turns": 2, "roles": {"main": 3}},
+               "e1": {"calls": 2, "aborted_calls": 0, "spliced_turns": 0, "roles": {}}}
+
+    class Proxy:
+        def issue_key(self, execution_id):
+            return f"key-{execution_id}"
+
+        def close_execution(self, execution_id):
+            return closing.pop(execution_id)
+
+    access = GyreProxyAccess(Proxy(), "http://127.0.0.1:9/")
+    assert access.url == "http://127.0.0.1:9" and access.open_execution("e0", "g") == "key-e0"
+    access.close_execution("e0")
+    access.close_execution("e1")
+    assert dict(access.totals) == {"calls": 5, "aborted_calls": 1, "spliced_turns": 2}
+    assert access.take_calls("e0") == 3 and access.take_calls("e0") is None
+    assert access.take_calls("never-closed") is None and access.calls == {"e1": 2}

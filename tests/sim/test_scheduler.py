@@ -106,7 +106,10 @@ def test_core_first_and_prefix_order_in_simulation():
     assert len(res.log.of("switch_to_train")) >= 2 * 2  # satellites joined in the bursts
 
 
-def test_join_window_late_cell_waits_for_next_step():
+def test_a_cell_switched_in_after_the_last_claim_is_in_the_reduce():
+    """OptimizerStep.cells is the TRAIN prefix when the step is decided: cell 1 finishes its
+    switch after step 0's last micro-step was claimed, trains nothing of it, and still reduces
+    (zero gradients) and receives the new parameters; it trains from step 1 on."""
     s, clock = make(K=3, C_e=8, phi=0, mu=2, tau=0, rho_min=0.0)
     s.start()  # μ·B = 4 groups, w = 8
     finish_group(s, 0)
@@ -116,19 +119,46 @@ def test_join_window_late_cell_waits_for_next_step():
     assert ticks(s, clock, 1) == [SwitchToTrain(1)]  # w = 4 ≤ C_R − C_e = 8
     got = [s.request_work(0) for _ in range(3)]  # group 0's two items, then group 1 is assigned
     assert [(w.group, w.item) for w in got] == [(0, 0), (0, 1), (1, 0)]
-    assert not s.log.of("close_join")  # one micro-step of the step is still unclaimed
+    assert not s.log.of("all_claimed")  # one micro-step of the step is still unclaimed
     got.append(s.request_work(0))
-    assert [e["step"] for e in s.log.of("close_join")] == [0]
-    s.on_switch_done(1, "train")  # cell 1 arrives after step 0's window closed
-    assert s.request_work(1) is None
+    assert [e["step"] for e in s.log.of("all_claimed")] == [0]
+    s.on_switch_done(1, "train")  # cell 1 arrives after step 0's last claim
+    assert s.request_work(1) is None  # nothing left to claim in step 0
     outs = [s.on_work_done(0, w) for w in got]
-    assert outs[-1] == [OptimizerStep(0, (0,), final_in_burst=False)]
+    assert outs[-1] == [OptimizerStep(0, (0, 1), final_in_burst=False)]
+    (ev,) = s.log.of("optimizer_step")
+    assert ev["cells"] == [0, 1] and ev["participants"] == [0]
     s.on_step_done(0)
-    assert s.request_work(1) is None  # joined step 1, nothing ready yet
+    assert s.request_work(1) is None  # step 1, nothing ready yet
     finish_group(s, 2)
     w = s.request_work(1)
     assert w is not None and w.step == 1 and w.group == 2
     assert {e["cell"] for e in s.log.of("claim") if e["step"] == 0} == {0}
+
+
+def test_a_train_cell_outside_the_train_prefix_gets_no_work():
+    """Roles [TRAIN, TO_TRAIN, TRAIN] (serial_join off, cell 2's switch finished first): cell 2
+    could not take part in a reduce over the prefix group, so it claims nothing until cell 1 is in
+    TRAIN; then the step's reduce is over all three."""
+    s, clock = make(K=3, C_e=8, C_s=8, phi=0, mu=1, tau=0, rho_min=0.0, serial_join=False)
+    s.start()  # μ·B = 2 groups, w = 4
+    finish_group(s, 0)
+    finish_group(s, 1)  # w = 0
+    assert ticks(s, clock, 1) == [SwitchToTrain(0)]
+    s.on_switch_done(0, "train")
+    assert ticks(s, clock, 2) == [SwitchToTrain(1), SwitchToTrain(2)]
+    s.on_switch_done(2, "train")
+    assert [r.value for r in s.roles] == ["train", "to_train", "train"]
+    assert s.request_work(2) is None
+    w0 = s.request_work(0)
+    assert w0 is not None and s.request_work(2) is None
+    s.on_switch_done(1, "train")
+    w2 = s.request_work(2)
+    assert w2 is not None
+    rest = [w for c in (1, 0, 1) if (w := s.request_work(c)) is not None]
+    assert len(rest) == 2 and s.log.of("all_claimed")
+    out = [s.on_work_done(0, w) for w in [w0, w2, *rest]]
+    assert out[-1] == [OptimizerStep(0, (0, 1, 2), final_in_burst=True)]
 
 
 def test_step_burst_publish_cycle_by_hand():

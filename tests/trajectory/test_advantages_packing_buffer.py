@@ -1,18 +1,17 @@
-"""Hand-computed advantages, a hand-packed micro-step, the buffer lifecycle, and the whole
-materialization path from store files."""
+"""Hand-computed advantages, a hand-packed micro-step, and the whole materialization path from
+store files. (The oldest-dispatch-version-first order of ready groups is the scheduler's heap,
+tested in tests/sim/test_scheduler.py.)"""
 
 from __future__ import annotations
 
 import math
-import threading
 
 import numpy as np
 import pytest
 import torch
 
 from gyre.trajectory.advantages import Outcome, compute_advantages, group_advantages
-from gyre.trajectory.buffer import ExecutionResult, GroupBuffer, GroupState, IllegalTransition
-from gyre.trajectory.materialize import materialize_step
+from gyre.trajectory.materialize import ScoredExecution, ScoredGroup, materialize_step
 from gyre.trajectory.packing import ExecutionSample, TrajectoryTooLongError, pack_step, plan_bins
 from gyre.trajectory.record import CallRecord, Role
 from gyre.trajectory.selection import select_trajectories
@@ -145,60 +144,11 @@ def test_plan_bins_first_fit_decreasing():
     assert bins == [[(0, 0), (0, 2)], [(0, 1)]] and split == [True]
 
 
-# ------------------------------------------------------------------------------ buffer
-
-
-def test_buffer_oldest_dispatch_version_first_and_staleness():
-    buf = GroupBuffer()
-    buf.dispatch("g-new", 3, ["a1", "a2"])
-    buf.dispatch("g-old", 1, ["b1"])
-    buf.dispatch("g-mid", 2, ["c1"])
-    buf.finish(ExecutionResult("a1", Outcome.scored(1)))
-    assert buf.num_ready() == 0 and buf.num_pending() == 3
-    buf.finish(ExecutionResult("a2", Outcome.scored(0)))  # g-new ready first
-    buf.finish(ExecutionResult("c1", Outcome.scored(0)))
-    buf.finish(ExecutionResult("b1", Outcome.eval_failed()))
-    assert buf.num_ready() == 3
-    taken = buf.take(2)
-    assert [g.group_id for g in taken] == ["g-old", "g-mid"]
-    assert all(g.state is GroupState.ASSIGNED for g in taken)
-    buf.release(taken[1:])
-    assert [g.group_id for g in buf.take(5)] == ["g-mid", "g-new"]
-    assert buf.consume(taken[:1], train_version=4) == [3]
-    with pytest.raises(IllegalTransition, match="CONSUMED -> READY"):
-        taken[0]._to(GroupState.READY)
-    assert buf.mean_staleness() == 3.0
-    with pytest.raises(KeyError):
-        buf.finish(ExecutionResult("zzz", Outcome.scored(0)))
-    with pytest.raises(ValueError, match="already dispatched"):
-        buf.dispatch("g-new", 5, ["x"])
-
-
-def test_buffer_thread_safety():
-    buf = GroupBuffer()
-    for g in range(50):
-        buf.dispatch(f"g{g}", g % 7, [f"g{g}-{k}" for k in range(4)])
-
-    def work(k):
-        for g in range(50):
-            buf.finish(ExecutionResult(f"g{g}-{k}", Outcome.scored(k)))
-
-    ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    [t.start() for t in ts]
-    [t.join() for t in ts]
-    assert buf.num_ready() == 50
-    got = buf.take(50)
-    assert [g.dispatch_version for g in got] == sorted(g % 7 for g in range(50))
-
-
 # ------------------------------------------------------------------------------ end to end
 
 
 def test_materialize_step_from_store(tmp_path):
     store = TitoStore(tmp_path)
-    buf = GroupBuffer()
-    buf.dispatch("q0", 2, ["x0", "x1", "x2"])
-    buf.dispatch("q1", 2, ["y0", "y1"])
     trees = {
         "x0": [rec(0, [1, 2], [3, 4], exec_id="x0"), rec(1, [1, 2, 3, 4, 5], [6], exec_id="x0")],
         "x1": [rec(0, [1, 2], [7], exec_id="x1")],
@@ -212,8 +162,8 @@ def test_materialize_step_from_store(tmp_path):
         with store.writer(eid) as w:
             for r in recs:
                 w.append(r)
-        buf.finish(ExecutionResult(eid, outcomes[eid], tito_path=str(store.path_for(eid))))
-    groups = buf.take(2)
+    groups = [ScoredGroup(q, 2, [ScoredExecution(e, outcomes[e], tito_path=str(store.path_for(e))) for e in eids])
+              for q, eids in (("q0", ["x0", "x1", "x2"]), ("q1", ["y0", "y1"]))]
     batch = materialize_step(groups, max_tokens=32, rng=np.random.default_rng(0), train_version=5)
     assert batch.excluded == ["x2"] and batch.all_equal_groups == ["q1"] and batch.staleness == [3, 3]
     assert [s.execution_id for s in batch.samples] == ["x0", "x1", "y0", "y1"]

@@ -1,0 +1,242 @@
+"""The run's ledger: one record per dispatched group, one per optimizer step, and the cell
+timeline (docs/design.md §2–3). The controller writes it as events arrive and reads its step
+rows and summary from it; nothing here does IO, waits, or talks to the scheduler.
+
+A group's record (`GroupRecord`) and its lifecycle:
+
+    RUNNING ──set_work()──► READY ──(its step's close())──► CONSUMED
+    (executions run and     (bundles made,           (the update is done; bundles and
+     are evaluated)          the scheduler has it)    results dropped, rewards kept)
+
+A step's record (`StepRecord`) and its lifecycle:
+
+    OPEN ──decide()──► REDUCING ──close()──► DONE
+    (cells claim its    (the reduce is sent:    (the core's update is done:
+     micro-steps, their  membership, groups,     its metrics row is written)
+     metrics merge in)   staleness, |E| fixed)
+
+Any other transition raises `LedgerError`. Cell time comes from the state transitions the cells
+report, through one function (`gyre.cell.timeline_intervals`): the per-step `cell_time_s`, the
+summary's training fractions and the role-timeline plot all read the same intervals.
+
+Example::
+
+    led = RunLedger(num_cells=2)
+    led.begin(t=100.0)
+    led.add_group(0, spec, version=0)          # spec: gyre.executions.tasks.Group
+    led.transition(1, "draining", 103.0)
+    led.cell_times(end=110.0)["1"]             # {"rollout": 3.0, "draining": 7.0}
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from gyre import dispatch as D
+from gyre.cell import CellState, time_per_state, timeline_intervals
+from gyre.executions.tasks import Group
+from gyre.runtime.samples import GroupWork, merge_metrics, summarize_metrics
+
+__all__ = ["GroupPhase", "GroupRecord", "LedgerError", "RunLedger", "StepPhase", "StepRecord"]
+
+
+class LedgerError(RuntimeError):
+    """An event that contradicts the ledger (unknown execution, a record in the wrong phase)."""
+
+
+class GroupPhase(enum.Enum):
+    RUNNING = "running"
+    READY = "ready"
+    CONSUMED = "consumed"
+
+
+class StepPhase(enum.Enum):
+    OPEN = "open"
+    REDUCING = "reducing"
+    DONE = "done"
+
+
+@dataclass
+class GroupRecord:
+    """One dispatched group: the spec the runner got, the scheduler's index for it, v_d, its
+    evaluated executions and, once ready, its work (bundles, per-execution rewards, stats)."""
+
+    index: int  # the scheduler's group index
+    spec: Group  # what was dispatched: N executions of one task
+    version: int  # v_d: the latest published version when dispatched
+    evaluated: list[Any] = field(default_factory=list)  # runner ExecutionResults, in evaluation order
+    work: GroupWork | None = None
+    phase: GroupPhase = GroupPhase.RUNNING
+
+    @property
+    def group_id(self) -> str:
+        return self.spec.group_id
+
+    @property
+    def rewards(self) -> list[float | None]:
+        """Per execution, None when excluded (not in E); [] before the work is made."""
+        return self.work.rewards if self.work is not None else []
+
+    def _to(self, phase: GroupPhase) -> None:
+        legal = {GroupPhase.RUNNING: GroupPhase.READY, GroupPhase.READY: GroupPhase.CONSUMED}
+        if legal.get(self.phase) is not phase:
+            raise LedgerError(f"group {self.index}: {self.phase.value} -> {phase.value} is not a legal change")
+        self.phase = phase
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step: claims and micro-step metrics while OPEN, then what `decide` fixes."""
+
+    step: int
+    claims: list[int] = field(default_factory=list)  # cells, in claim order
+    metrics: dict[str, float] = field(default_factory=dict)  # merged micro-step loss metrics
+    cells: tuple[int, ...] = ()  # the reduce membership (the scheduler's OptimizerStep.cells)
+    groups: list[int] = field(default_factory=list)
+    final_in_burst: bool = False
+    staleness: list[int] = field(default_factory=list)  # d = v_t − v_d per group, in assignment order
+    valid: int = 0  # executions with a valid reward: |E|
+    grad_scale: float | None = None  # B·N/valid; None: no valid execution, no update
+    phase: StepPhase = StepPhase.OPEN
+
+    def loss_metrics(self) -> dict[str, float]:
+        """Step-level loss metrics; the micro-steps' summed loss used |E| = B·N, rescaled here."""
+        out = summarize_metrics(self.metrics)
+        out["loss"] *= self.grad_scale or 0.0
+        return out
+
+
+class RunLedger:
+    """Every group and step of a run, and the cell timeline. Not thread-safe: the controller's
+    loop is its one writer."""
+
+    def __init__(self, num_cells: int) -> None:
+        self.num_cells = num_cells
+        self.groups: dict[int, GroupRecord] = {}
+        self.steps: dict[int, StepRecord] = {}
+        self.transitions: dict[int, list[tuple[str, float]]] = {c: [] for c in range(num_cells)}
+        self.t_start: float | None = None  # every cell is in ROLLOUT from here
+        self._by_execution: dict[str, tuple[int, int]] = {}  # execution id → (group index, index in group)
+
+    def begin(self, t: float) -> None:
+        """Start the run's clock: the timeline's origin."""
+        self.t_start = t
+
+    # ------------------------------------------------------------------ groups
+    def add_group(self, index: int, spec: Group, version: int) -> GroupRecord:
+        if index in self.groups:
+            raise LedgerError(f"group {index} dispatched twice")
+        rec = self.groups[index] = GroupRecord(index, spec, version)
+        for e in spec.executions:
+            if e.execution_id in self._by_execution:
+                raise LedgerError(f"execution {e.execution_id} dispatched twice")
+            self._by_execution[e.execution_id] = (index, e.index)
+        return rec
+
+    def of_execution(self, execution_id: str) -> tuple[GroupRecord, int]:
+        """(its group's record, its index within the group)."""
+        if execution_id not in self._by_execution:
+            raise LedgerError(f"unknown execution {execution_id}")
+        g, i = self._by_execution[execution_id]
+        return self.groups[g], i
+
+    def evaluated(self, result: Any) -> GroupRecord:
+        """Record an evaluated execution (a runner ExecutionResult); returns its group."""
+        rec, _ = self.of_execution(result.execution_id)
+        if rec.phase is not GroupPhase.RUNNING:
+            raise LedgerError(f"group {rec.index}: execution {result.execution_id} evaluated while {rec.phase.value}")
+        rec.evaluated.append(result)
+        return rec
+
+    def set_work(self, index: int, work: GroupWork) -> None:
+        rec = self.groups[index]
+        rec._to(GroupPhase.READY)
+        rec.work = work
+
+    # ------------------------------------------------------------------ steps
+    def step(self, step: int) -> StepRecord:
+        """The step's record, opened on first use (a claim or a micro-step's metrics)."""
+        if step not in self.steps:
+            self.steps[step] = StepRecord(step)
+        return self.steps[step]
+
+    def _open(self, step: int) -> StepRecord:
+        rec = self.step(step)
+        if rec.phase is not StepPhase.OPEN:
+            raise LedgerError(f"step {step} is {rec.phase.value}: no more claims or micro-steps")
+        return rec
+
+    def claim(self, step: int, cell: int) -> None:
+        self._open(step).claims.append(cell)
+
+    def merge_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        merge_metrics(self._open(step).metrics, metrics)
+
+    def decide(self, step: int, cells: Sequence[int], groups: Sequence[int], final_in_burst: bool,
+               valid: int, grad_scale: float | None) -> StepRecord:
+        """The reduce is sent: fix the step's membership, groups, staleness and |E|."""
+        rec = self._open(step)
+        rec.cells, rec.groups, rec.final_in_burst = tuple(cells), list(groups), final_in_burst
+        rec.staleness = [D.staleness(step, self.groups[g].version) for g in groups]
+        rec.valid, rec.grad_scale = valid, grad_scale
+        rec.phase = StepPhase.REDUCING
+        return rec
+
+    def close(self, step: int) -> StepRecord:
+        """The step's update is done: its groups are consumed (their bundles are dropped)."""
+        rec = self.step(step)
+        if rec.phase is not StepPhase.REDUCING:
+            raise LedgerError(f"step {step} closed while {rec.phase.value}")
+        rec.phase = StepPhase.DONE
+        for g in rec.groups:
+            grp = self.groups[g]
+            grp._to(GroupPhase.CONSUMED)
+            grp.work.bundles = []  # sent out as blobs long ago; rewards and stats stay
+            grp.evaluated = []
+        return rec
+
+    def step_fields(self, step: int, end: float) -> dict[str, Any]:
+        """The ledger's part of a closed step's metrics.jsonl row (docs/design.md §2: staleness)."""
+        rec = self.steps[step]
+        by_group = [[r for r in self.groups[g].rewards if r is not None] for g in rec.groups]
+        rewards = [r for g in by_group for r in g]
+        counts = Counter(rec.claims)
+        return {
+            "cells_in_step": len(rec.cells),
+            "claims_by_cell": {str(c): counts[c] for c in sorted(counts)},
+            "claim_order": list(rec.claims),
+            "final_in_burst": rec.final_in_burst,
+            "groups": len(rec.groups),
+            "reward_mean": float(np.mean(rewards)) if rewards else None,
+            "reward_count": len(rewards),
+            "executions_valid": rec.valid,
+            "rewards": rewards,
+            "group_rewards": by_group,
+            "staleness_mean": float(np.mean(rec.staleness)) if rec.staleness else None,
+            "staleness": list(rec.staleness),
+            "cell_time_s": self.cell_times(end),
+            **rec.loss_metrics(),
+        }
+
+    def staleness_by_step(self) -> dict[str, list[int]]:
+        """d of every group of every decided step (a step still reducing at the end included)."""
+        return {str(s): r.staleness for s, r in sorted(self.steps.items()) if r.phase is not StepPhase.OPEN}
+
+    # ------------------------------------------------------------------ timeline
+    def transition(self, cell: int, dst: str, t: float) -> None:
+        self.transitions[cell].append((dst, t))
+
+    def intervals(self, end: float) -> dict[int, list[tuple[CellState, float, float]]]:
+        """cell → [(state, start, end)] tiling [t_start, end], ROLLOUT first."""
+        if self.t_start is None:
+            raise LedgerError("the ledger's clock was never started (begin)")
+        return {c: timeline_intervals(self.transitions[c], self.t_start, end) for c in range(self.num_cells)}
+
+    def cell_times(self, end: float) -> dict[str, dict[str, float]]:
+        """cell → seconds per state visited (as metrics.jsonl's `cell_time_s`)."""
+        return {str(c): time_per_state(ivs) for c, ivs in self.intervals(end).items()}
