@@ -252,3 +252,39 @@ def test_tool_choice_none_and_auth(make_server):
     assert [o.type for o in r.output] == ["message"] and "<tool_call>" in r.output_text  # not parsed, shown as text
     with pytest.raises(openai.AuthenticationError):
         _client(h, "gyre-unknown").responses.create(model="m", input="x")
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_openai_agents_sdk_tool_turn(make_server, streamed):
+    """One Agent run with the SDK's default model class: two tool calls, then the answer."""
+    agents = pytest.importorskip("agents")
+    import asyncio
+
+    agents.set_tracing_disabled(True)  # no trace export to api.openai.com
+    proxy, h = make_server([(scripted_engine(), "cell", 0)])
+    ran = []
+
+    @agents.function_tool
+    def bash(cmd: str, timeout: int) -> str:
+        """Run a shell command."""
+        ran.append((cmd, timeout))
+        return "a.py\nb.py" if len(ran) == 1 else "print(1)"
+
+    client = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key=proxy.issue_key("ex-agents"), max_retries=0)
+    model = agents.OpenAIResponsesModel(model="gyre-policy", openai_client=client)
+    agent = agents.Agent(name="a", instructions=SYSTEM, tools=[bash], model=model)
+
+    async def run():
+        if not streamed:
+            return await agents.Runner.run(agent, "How many files?")
+        result = agents.Runner.run_streamed(agent, "How many files?")
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    result = asyncio.run(run())
+    assert result.final_output == "All done: found 2 files."
+    assert ran == [(a["cmd"], a["timeout"]) for a in TOOL_ARGS]
+    recs = proxy.sink.for_execution("ex-agents")
+    assert [r.payload_ref["spliced_turns"] for r in recs] == [0, 1, 2]
+    _assert_spliced(recs)
