@@ -64,12 +64,15 @@ _CALL_ITEMS = {"function_call", "custom_tool_call"}
 _OUTPUT_ITEMS = {"function_call_output", "custom_tool_call_output"}
 _REFUSED_FIELDS = ("conversation", "prompt")  # server-side state / templates the proxy does not have
 _LOGPROBS = "message.output_text.logprobs"
+# Run by OpenAI's servers, never by the client: nothing here could execute a call to them.
+_HOSTED_TOOLS = {"web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26", "file_search",
+                 "code_interpreter", "image_generation", "mcp", "tool_search"}
 
 
 @dataclass
 class ResponsesRequest:
     chat: ChatRequest
-    custom_tools: set[str] = field(default_factory=set)
+    tools: Tools
     store: bool = True
     previous_response_id: str | None = None
     instructions: str | None = None
@@ -164,20 +167,37 @@ def _custom_parameters(t: dict, where: str) -> dict:
     return {"type": "object", "properties": {"input": {"type": "string", "description": desc}}, "required": ["input"]}
 
 
-def parse_tools(raw: Any) -> tuple[list[dict] | None, set[str]]:
-    """Responses tools -> chat-template function tools, and the names of the custom ones."""
+@dataclass
+class Tools:
+    """The request's callable tools as chat-template functions, and how to name their calls."""
+
+    functions: list[dict] = field(default_factory=list)
+    custom: set[str] = field(default_factory=set)  # names of custom (freeform) tools
+    namespace: dict[str, str] = field(default_factory=dict)  # function name -> its namespace
+
+
+def parse_tools(raw: Any) -> Tools:
+    """Responses tools -> chat-template function tools. A `namespace` tool's functions are listed
+    flat (a call names the function; the output item carries its namespace). Hosted tools run on
+    OpenAI's servers, not by the client, so the policy cannot call them here: they are left out."""
+    tools = Tools()
     if raw is None:
-        return None, set()
+        return tools
     if not isinstance(raw, list):
         raise V.bad("tools", "must be an array")
-    out: list[dict] = []
-    custom: set[str] = set()
     names: set[str] = set()
-    for i, t in enumerate(raw):
-        where = f"tools[{i}]."
+
+    def add(t: Any, where: str, namespace: str | None) -> None:
         if not isinstance(t, dict):
-            raise V.bad(f"tools[{i}]", "must be an object")
+            raise V.bad(where.rstrip("."), "must be an object")
         kind = t.get("type")
+        if kind in _HOSTED_TOOLS and namespace is None:
+            return
+        if kind == "namespace" and namespace is None:
+            ns = V.req_str(t, "name", where)
+            for j, sub in enumerate(V.opt_list(t, "tools", where) or []):
+                add(sub, f"{where}tools[{j}].", ns)
+            return
         name = V.req_str(t, "name", where) if kind in ("function", "custom") else None
         if kind == "function":
             params = t.get("parameters")
@@ -187,14 +207,19 @@ def parse_tools(raw: Any) -> tuple[list[dict] | None, set[str]]:
             fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
         elif kind == "custom":
             fn = {"name": name, "description": V.opt_str(t, "description", where, ""), "parameters": _custom_parameters(t, where)}
-            custom.add(name)
+            tools.custom.add(name)
         else:
-            raise V.bad(where + "type", f"unsupported tool type {kind!r}: only 'function' and 'custom' tools can be called through this proxy")
+            raise V.bad(where + "type", f"unsupported tool type {kind!r}: only 'function', 'custom' and 'namespace' tools can be called through this proxy")
         if name in names:
             raise V.bad(where + "name", f"duplicate tool name {name!r}")
         names.add(name)
-        out.append({"type": "function", "function": fn})
-    return out or None, custom
+        if namespace is not None:
+            tools.namespace[name] = namespace
+        tools.functions.append({"type": "function", "function": fn})
+
+    for i, t in enumerate(raw):
+        add(t, f"tools[{i}].", None)
+    return tools
 
 
 def _tool_choice(v: Any) -> bool:
@@ -237,11 +262,12 @@ def parse_request(body: dict) -> ResponsesRequest:
         stream=V.opt_bool(body, "stream"),
         logprobs=_LOGPROBS in include,
     )
-    chat.tools, custom = parse_tools(body.get("tools"))
+    tools = parse_tools(body.get("tools"))
+    chat.tools = tools.functions or None
     chat.parse_tools = _tool_choice(body.get("tool_choice"))
     req = ResponsesRequest(
         chat=chat,
-        custom_tools=custom,
+        tools=tools,
         store=V.opt_bool(body, "store", True),
         previous_response_id=V.opt_str(body, "previous_response_id"),
         instructions=V.opt_str(body, "instructions"),
@@ -321,9 +347,9 @@ class _Output:
     """The Response's output items, built from a call's events alike for a stream and a body;
     each step returns the SSE bytes it would send (a body ignores them)."""
 
-    def __init__(self, call: Call, custom: set[str]) -> None:
+    def __init__(self, call: Call, tools: Tools) -> None:
         self.call = call
-        self.custom = custom
+        self.tools = tools
         self.items: list[dict] = []
         self.seq = itertools.count()
         self.msg: dict | None = None  # the open message item
@@ -374,12 +400,14 @@ class _Output:
     def tool(self, tc: ToolCall) -> bytes:
         out = self._close_message("completed")
         cid = _new_id("call_")
-        if tc.name in self.custom:
+        if tc.name in self.tools.custom:
             item = {"id": _new_id("ctc_"), "type": "custom_tool_call", "call_id": cid, "name": tc.name, "input": ""}  # no status field
             value, field_, delta, done = _custom_input(tc), "input", "response.custom_tool_call_input.delta", "response.custom_tool_call_input.done"
         else:
             item = {"id": _new_id("fc_"), "type": "function_call", "status": "in_progress", "call_id": cid, "name": tc.name, "arguments": ""}
             value, field_, delta, done = tc.arguments_json, "arguments", "response.function_call_arguments.delta", "response.function_call_arguments.done"
+        if tc.name in self.tools.namespace:
+            item["namespace"] = self.tools.namespace[tc.name]
         self.items.append(item)
         where = self._where(item)
         out += self.event("response.output_item.added", output_index=where["output_index"], item=dict(item))
@@ -427,7 +455,7 @@ async def create(request: web.Request, proxy: Proxy, key: KeyInfo, body: dict, m
     call = proxy.prepare(key, request.headers, req.chat)
     rid = _new_id("resp_")
     created = int(time.time())
-    out = _Output(call, req.custom_tools)
+    out = _Output(call, req.tools)
 
     def response(status: str, **extra: Any) -> dict:
         return {"id": rid, "object": "response", "created_at": created, "status": status, "error": None, "incomplete_details": None,

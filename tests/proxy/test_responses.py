@@ -224,7 +224,9 @@ def test_previous_response_id_store_and_retrieve(make_server):
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}}, "text.format"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tool_choice": {"type": "function", "name": "bash"}}, "tool_choice"),
-        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "web_search"}, {"type": "local_shell"}]}, "tools[1].type"),
+        ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "function"}]}]}, "tools[0].tools[0].name"),
+        ({"tools": [{"type": "custom", "name": "bash"}, {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "bash"}]}]}, "tools[1].tools[0].name"),
         ({"tools": [{"type": "function", "parameters": {}}]}, "tools[0].name"),
         ({"tools": [{"type": "custom", "name": "p", "format": {"type": "regexp"}}]}, "tools[0].format.type"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
@@ -243,6 +245,23 @@ def test_bad_requests_are_400_naming_the_field(make_server, extra, param):
     assert not proxy.sink.records
     ok = httpx.post(h.url + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2}, headers={"Authorization": "Bearer " + proxy.issue_key("ex-ok")})
     assert ok.status_code == 200 and ok.json()["object"] == "response"  # the server keeps serving
+
+
+def test_namespace_tools_and_hosted_tools(make_server):
+    """Codex sends its sub-agent tools in a `namespace` and a hosted `web_search` tool."""
+    proxy, h = make_server([(scripted_engine(), "cell", 0)])
+    c = _client(h, proxy.issue_key("ex-ns"))
+    tools = [{"type": "namespace", "name": "shell_ns", "description": "Shell tools", "tools": TOOLS}, {"type": "web_search", "external_web_access": True}]
+    r = c.responses.create(model="m", input="How many files?", tools=tools, include=["reasoning.encrypted_content"], reasoning={"summary": "auto"}, store=False)
+    fc = r.output[-1]
+    assert fc.type == "function_call" and fc.name == "bash" and fc.namespace == "shell_ns"
+    # the prompt lists the namespace's function as through chat, and no web_search
+    c.chat.completions.create(model="m", messages=[{"role": "user", "content": "How many files?"}], tools=TOOLS_OPENAI)
+    first, chat = proxy.sink.for_execution("ex-ns")
+    assert first.input_ids.tolist() == chat.input_ids.tolist()
+    again = [{"role": "user", "content": "How many files?"}, *[o.model_dump(exclude_none=True) for o in r.output], {"type": "function_call_output", "call_id": fc.call_id, "output": "a.py"}]
+    c.responses.create(model="m", input=again, tools=tools)
+    assert proxy.sink.records[-1].payload_ref["spliced_turns"] == 1
 
 
 def test_tool_choice_none_and_auth(make_server):
