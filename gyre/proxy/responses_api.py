@@ -21,7 +21,12 @@ functions; a `custom` (freeform) tool becomes a function taking one string, `{"i
 its description carrying the tool's grammar if it has one. A generated call to it comes back as
 a `custom_tool_call` item whose `input` is that string; re-sent, it is `{"input": input}` again,
 so it splices like any call (a call whose arguments were not exactly `{"input": str}` comes back
-with the arguments' JSON as `input` and, re-sent, stays unspliced context).
+with the arguments' JSON as `input` and, re-sent, stays unspliced context). A `namespace` tool's
+functions are listed flat and their calls carry `namespace`. Hosted tools (`web_search`,
+`file_search`, `code_interpreter`, `image_generation`, `mcp`, `tool_search`) run on OpenAI's
+servers, never in the client, so nothing here could execute a call: they are left out of the
+prompt (Codex sends `web_search` on every call). Other tool types (`local_shell`, `shell`,
+`apply_patch`, `computer_use_preview`) would need their own output items: refused with a 400.
 
 State: the proxy keeps nothing across calls except per execution. A response with `store` (the
 API's default, true) is kept in the execution's state — its new input messages and its output
@@ -32,11 +37,12 @@ a 400 `previous_response_not_found`. Clients that re-send the full history (Code
 by default) are stored as a delta against the execution's last kept response when it is a prefix.
 
 Refused with a 400 naming the field, never silently ignored: `tool_choice` `required` or a named
-tool (nothing forces a call), `text.format` other than text, hosted tools (web search, ...),
-`conversation`, `prompt`, `background`, `item_reference` and non-text input parts. Accepted and
-ignored: `metadata`, `user`, `reasoning` (effort/summary: the policy has no such knob),
-`parallel_tool_calls` (every call the model writes is returned), `truncation`, `prompt_cache_*`,
-`safety_identifier`, `service_tier`, `text.verbosity`. Streams follow OpenAI's event sequence,
+tool (nothing forces a call), `text.format` other than text, `conversation`, `prompt`,
+`background`, `item_reference` and non-text input parts. Accepted and ignored: `metadata`,
+`user`, `reasoning` (effort/summary: the policy has no such knob), `parallel_tool_calls` (every
+call the model writes is returned), `truncation`, `prompt_cache_*`, `client_metadata`,
+`safety_identifier`, `service_tier`, `text.verbosity`, `include` (except
+`message.output_text.logprobs`, which fills `output_text.logprobs` as the chat API does). Streams follow OpenAI's event sequence,
 each event with `sequence_number`; a response cut by `max_output_tokens` is `incomplete` with
 `incomplete_details.reason = "max_output_tokens"` and ends the stream with `response.incomplete`.
 """
@@ -472,8 +478,11 @@ async def create(request: web.Request, proxy: Proxy, key: KeyInfo, body: dict, m
 
     if not req.chat.stream:
         async with aclosing(call.events()) as events:
-            async for item in events:
-                out.tool(item) if isinstance(item, ToolCall) else out.text(item)
+            async for item in events:  # the SSE bytes are dropped: only the items are kept
+                if isinstance(item, ToolCall):
+                    out.tool(item)
+                else:
+                    out.text(item)
         status, body_ = final()
         out.finish(status)
         keep(body_)

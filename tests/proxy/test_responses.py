@@ -54,6 +54,11 @@ def test_plain_usage_and_incomplete(make_server):
     c.chat.completions.create(model="m", messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}], max_tokens=3)
     assert proxy.sink.records[-1].input_ids.tolist() == rec.input_ids.tolist()
 
+    lp = c.responses.create(model="m", input="hello", max_output_tokens=200, include=["message.output_text.logprobs"])
+    rec = proxy.sink.records[-1]
+    visible = [x for t, x in zip(rec.output_ids, rec.output_logprobs) if t not in (0, 2)]
+    assert [e.logprob for e in lp.output[0].content[0].logprobs] == pytest.approx(visible)
+
     cut = c.responses.create(model="m", input=[{"role": "user", "content": [{"type": "input_text", "text": "hello"}]}], max_output_tokens=2)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage.output_tokens == len(proxy.sink.records[-1].output_ids) == 2
@@ -126,6 +131,8 @@ def test_function_tools_multi_turn_splices_sampled_tokens(make_server, stream):
     third = ask(inp)
     assert third.output_text == "All done: found 2 files." and [o.type for o in third.output] == ["message"]
 
+    # kept (store defaults to true): the SDK's own items re-sent make call 3 a delta on call 2
+    assert proxy.executions["ex-tools"].responses[third.id].parent == second.id
     recs = proxy.sink.for_execution("ex-tools")
     assert [r.payload_ref["spliced_turns"] for r in recs] == [0, 1, 2]
     _assert_spliced(recs)
@@ -262,6 +269,23 @@ def test_namespace_tools_and_hosted_tools(make_server):
     again = [{"role": "user", "content": "How many files?"}, *[o.model_dump(exclude_none=True) for o in r.output], {"type": "function_call_output", "call_id": fc.call_id, "output": "a.py"}]
     c.responses.create(model="m", input=again, tools=tools)
     assert proxy.sink.records[-1].payload_ref["spliced_turns"] == 1
+
+
+class _Refusing(DeterministicEngine):
+    async def generate(self, request_id, input_ids, sampling):
+        raise ValueError("over this engine's limit")
+        yield  # an async generator
+
+
+def test_error_after_the_stream_started_is_an_error_event_then_failed(make_server):
+    proxy, h = make_server([(_Refusing("no"), "cell", 0)])
+    c = _client(h, proxy.issue_key("ex-fail"))
+    events = list(c.responses.create(model="m", input="hi", stream=True))
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "error", "response.failed"]
+    assert "limit" in events[2].message and events[3].response.status == "failed" and "limit" in events[3].response.error.message
+    with pytest.raises(openai.BadRequestError):  # not streamed: a plain 400
+        c.responses.create(model="m", input="hi")
+    assert not proxy.executions["ex-fail"].responses  # failed responses are not kept
 
 
 def test_tool_choice_none_and_auth(make_server):
