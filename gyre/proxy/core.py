@@ -76,6 +76,7 @@ class ExecutionState:
     reroutes: int = 0
     aborted_calls: int = 0
     roles: dict[str, int] = field(default_factory=dict)
+    responses: dict[str, Any] = field(default_factory=dict)  # kept /v1/responses (responses_api), dropped with the execution
 
 
 class Call:

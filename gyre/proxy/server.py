@@ -6,7 +6,7 @@
 `handle.port`, `handle.url` (base, without /v1), `handle.call(coro)` runs a coroutine on the
 server's loop (e.g. `handle.call(proxy.router.drain("cell1"))` from a test thread).
 Every failure a request can cause is a 4xx in the API's error body (OpenAI for /v1/chat/...,
-/v1/completions, /v1/models; Anthropic for /v1/messages...); an unexpected exception is logged
+/v1/completions, /v1/responses, /v1/models; Anthropic for /v1/messages...); an unexpected exception is logged
 and answered 500 in the same format, and the server keeps serving.
 """
 
@@ -17,7 +17,7 @@ import logging
 
 from aiohttp import web
 
-from gyre.proxy import anthropic_api, openai_api
+from gyre.proxy import anthropic_api, openai_api, responses_api
 from gyre.proxy.core import ApiError, Proxy
 from gyre.proxy.engine_http import ServerHandle, run_in_thread, start_app
 
@@ -98,6 +98,15 @@ def build_app(proxy: Proxy) -> web.Application:
         call = proxy.prepare(key, request.headers, req)
         return await openai_api.respond_completion(request, call, model_of(body))
 
+    async def responses(request: web.Request) -> web.StreamResponse:
+        key = proxy.authenticate(_key_of(request))
+        body = await body_of(request)
+        return await responses_api.create(request, proxy, key, body, model_of(body))
+
+    async def get_response(request: web.Request) -> web.Response:
+        key = proxy.authenticate(_key_of(request))
+        return web.json_response(responses_api.retrieve(proxy, key, request.match_info["response_id"]))
+
     async def models(request: web.Request) -> web.Response:
         proxy.authenticate(_key_of(request))
         return web.json_response(openai_api.models_body(proxy.config.model_name))
@@ -121,6 +130,8 @@ def build_app(proxy: Proxy) -> web.Application:
     app = web.Application(middlewares=[_errors], client_max_size=cap)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)

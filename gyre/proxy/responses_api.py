@@ -1,0 +1,509 @@
+"""OpenAI Responses adapter: `POST /v1/responses` (plain and streamed), `GET /v1/responses/{id}`.
+
+The OpenAI Agents SDK (`OpenAIResponsesModel`) and Codex CLI (`wire_api = "responses"`) speak
+this API. Input items map onto the same normalized chat messages the chat adapter produces, so
+the core renders, splices and records them unchanged (docs/design.md §4):
+
+    instructions                        -> a system message, first
+    message (system/developer/user)     -> that role's message (developer -> system)
+    message (assistant) + function_call / custom_tool_call items that follow it
+                                        -> ONE assistant turn {content, tool_calls}: the items one
+                                           response produced, re-sent, fingerprint like the stored
+                                           turn, so the core splices in the sampled ids
+    function_call_output / custom_tool_call_output -> a `tool` message
+    reasoning                           -> dropped: the proxy never emits reasoning items (the
+                                           policy's template has no reasoning channel), so one
+                                           re-sent came from elsewhere and is not context the
+                                           policy produced; encrypted content cannot be read anyway
+
+Tools: `function` tools (Responses shape, name/parameters at the top level) become chat-template
+functions; a `custom` (freeform) tool becomes a function taking one string, `{"input": str}`,
+its description carrying the tool's grammar if it has one. A generated call to it comes back as
+a `custom_tool_call` item whose `input` is that string; re-sent, it is `{"input": input}` again,
+so it splices like any call (a call whose arguments were not exactly `{"input": str}` comes back
+with the arguments' JSON as `input` and, re-sent, stays unspliced context). A `namespace` tool's
+functions are listed flat and their calls carry `namespace`. Hosted tools (`web_search`,
+`file_search`, `code_interpreter`, `image_generation`, `mcp`, `tool_search`) run on OpenAI's
+servers, never in the client, so nothing here could execute a call: they are left out of the
+prompt (Codex sends `web_search` on every call). Other tool types (`local_shell`, `shell`,
+`apply_patch`, `computer_use_preview`) would need their own output items: refused with a 400.
+
+State: the proxy keeps nothing across calls except per execution. A response with `store` (the
+API's default, true) is kept in the execution's state — its new input messages and its output
+turn, linked to its parent — until the execution closes; `previous_response_id` prepends that
+chain (the previous response's `instructions` are not carried over, as in OpenAI's API), and
+`GET /v1/responses/{id}` returns it. `store: false` keeps nothing, and a later reference to it is
+a 400 `previous_response_not_found`. Clients that re-send the full history (Codex, the Agents SDK
+by default) are stored as a delta against the execution's last kept response when it is a prefix.
+
+Refused with a 400 naming the field, never silently ignored: `tool_choice` `required` or a named
+tool (nothing forces a call), `text.format` other than text, `conversation`, `prompt`,
+`background`, `item_reference` and non-text input parts. Accepted and ignored: `metadata`,
+`user`, `reasoning` (effort/summary: the policy has no such knob), `parallel_tool_calls` (every
+call the model writes is returned), `truncation`, `prompt_cache_*`, `client_metadata`,
+`safety_identifier`, `service_tier`, `text.verbosity`, `include` (except
+`message.output_text.logprobs`, which fills `output_text.logprobs` as the chat API does). Streams follow OpenAI's event sequence,
+each event with `sequence_number`; a response cut by `max_output_tokens` is `incomplete` with
+`incomplete_details.reason = "max_output_tokens"` and ends the stream with `response.incomplete`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import secrets
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from gyre.proxy import validate as V
+from gyre.proxy.core import ApiError, Call, ChatRequest, ExecutionState, Proxy
+from gyre.proxy.keys import KeyInfo
+from gyre.proxy.openai_api import _lp_entries, _text_of, error_body
+from gyre.proxy.textstream import ToolCall
+
+_MESSAGE_ROLES = {"system", "developer", "user", "assistant"}
+_CALL_ITEMS = {"function_call", "custom_tool_call"}
+_OUTPUT_ITEMS = {"function_call_output", "custom_tool_call_output"}
+_REFUSED_FIELDS = ("conversation", "prompt")  # server-side state / templates the proxy does not have
+_LOGPROBS = "message.output_text.logprobs"
+# Run by OpenAI's servers, never by the client: nothing here could execute a call to them.
+_HOSTED_TOOLS = {"web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26", "file_search",
+                 "code_interpreter", "image_generation", "mcp", "tool_search"}
+
+
+@dataclass
+class ResponsesRequest:
+    chat: ChatRequest
+    tools: Tools
+    store: bool = True
+    previous_response_id: str | None = None
+    instructions: str | None = None
+    new_messages: list[dict] = field(default_factory=list)  # the input items, without instructions
+    echo: dict = field(default_factory=dict)  # request fields the Response object repeats
+
+
+@dataclass
+class KeptResponse:
+    """A stored response: the messages it added after its parent's history, and its body."""
+
+    parent: str | None
+    messages: list[dict]
+    body: dict
+
+
+# ---- request ------------------------------------------------------------------------------
+def _arguments(item: dict, where: str) -> Any:
+    raw = V.req_str(item, "arguments", where)
+    try:
+        return json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        return raw  # kept as the raw string, as the chat adapter does
+
+
+def parse_input(raw: Any) -> list[dict]:
+    """Input items -> normalized chat messages (see the module docstring for the mapping)."""
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    if not isinstance(raw, list):
+        raise V.bad("input", "must be a string or an array of input items")
+    msgs: list[dict] = []
+    turn: dict | None = None  # the assistant turn that following call items join
+
+    def assistant_turn(new: bool) -> dict:
+        nonlocal turn
+        if turn is None or new:
+            turn = {"role": "assistant", "content": ""}
+            msgs.append(turn)
+        return turn
+
+    for i, item in enumerate(raw):
+        f = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise V.bad(f, "must be an object")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in _MESSAGE_ROLES:
+                raise V.bad(f + ".role", f"must be one of {sorted(_MESSAGE_ROLES)}")
+            text = _text_of(item.get("content"), f + ".content")
+            if role == "assistant":
+                # A response's items come back as [message] [call]*; a second message with no
+                # call in between is another turn (text after a call still belongs to its turn).
+                t = assistant_turn(new=turn is not None and bool(turn["content"]) and "tool_calls" not in turn)
+                t["content"] += text
+            else:
+                turn = None
+                msgs.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind in _CALL_ITEMS:
+            V.req_str(item, "call_id", f + ".")
+            name = V.req_str(item, "name", f + ".")
+            args = _arguments(item, f + ".") if kind == "function_call" else {"input": V.req_str(item, "input", f + ".")}
+            assistant_turn(new=False).setdefault("tool_calls", []).append({"name": name, "arguments": args})
+        elif kind in _OUTPUT_ITEMS:
+            V.req_str(item, "call_id", f + ".")
+            if "output" not in item:
+                raise V.bad(f + ".output", "is required")
+            turn = None
+            msgs.append({"role": "tool", "content": _text_of(item["output"], f + ".output")})
+        elif kind == "reasoning":
+            continue  # see the module docstring; it does not end the assistant turn
+        elif kind == "item_reference":
+            raise V.bad(f + ".type", "item_reference is not supported: send the item itself, or use previous_response_id")
+        else:
+            raise V.bad(f + ".type", f"unsupported input item type {kind!r}")
+    return msgs
+
+
+def _custom_parameters(t: dict, where: str) -> dict:
+    fmt = t.get("format")
+    desc = "The tool's whole input, as one string."
+    if fmt is not None:
+        if not isinstance(fmt, dict):
+            raise V.bad(where + "format", "must be an object")
+        if fmt.get("type") == "grammar":
+            syntax = V.req_str(fmt, "syntax", where + "format.")
+            definition = V.req_str(fmt, "definition", where + "format.")
+            desc += f" It must match this {syntax} grammar:\n{definition}"
+        elif fmt.get("type") != "text":
+            raise V.bad(where + "format.type", "must be 'text' or 'grammar'")
+    return {"type": "object", "properties": {"input": {"type": "string", "description": desc}}, "required": ["input"]}
+
+
+@dataclass
+class Tools:
+    """The request's callable tools as chat-template functions, and how to name their calls."""
+
+    functions: list[dict] = field(default_factory=list)
+    custom: set[str] = field(default_factory=set)  # names of custom (freeform) tools
+    namespace: dict[str, str] = field(default_factory=dict)  # function name -> its namespace
+
+
+def parse_tools(raw: Any) -> Tools:
+    """Responses tools -> chat-template function tools. A `namespace` tool's functions are listed
+    flat (a call names the function; the output item carries its namespace). Hosted tools run on
+    OpenAI's servers, not by the client, so the policy cannot call them here: they are left out."""
+    tools = Tools()
+    if raw is None:
+        return tools
+    if not isinstance(raw, list):
+        raise V.bad("tools", "must be an array")
+    names: set[str] = set()
+
+    def add(t: Any, where: str, namespace: str | None) -> None:
+        if not isinstance(t, dict):
+            raise V.bad(where.rstrip("."), "must be an object")
+        kind = t.get("type")
+        if kind in _HOSTED_TOOLS and namespace is None:
+            return
+        if kind == "namespace" and namespace is None:
+            ns = V.req_str(t, "name", where)
+            for j, sub in enumerate(V.opt_list(t, "tools", where) or []):
+                add(sub, f"{where}tools[{j}].", ns)
+            return
+        name = V.req_str(t, "name", where) if kind in ("function", "custom") else None
+        if kind == "function":
+            params = t.get("parameters")
+            if params is not None and not isinstance(params, dict):
+                raise V.bad(where + "parameters", "must be an object")
+            # the same keys the chat adapter passes, so one tool renders alike through both APIs
+            fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
+        elif kind == "custom":
+            fn = {"name": name, "description": V.opt_str(t, "description", where, ""), "parameters": _custom_parameters(t, where)}
+            tools.custom.add(name)
+        else:
+            raise V.bad(where + "type", f"unsupported tool type {kind!r}: only 'function', 'custom' and 'namespace' tools can be called through this proxy")
+        if name in names:
+            raise V.bad(where + "name", f"duplicate tool name {name!r}")
+        names.add(name)
+        if namespace is not None:
+            tools.namespace[name] = namespace
+        tools.functions.append({"type": "function", "function": fn})
+
+    for i, t in enumerate(raw):
+        add(t, f"tools[{i}].", None)
+    return tools
+
+
+def _tool_choice(v: Any) -> bool:
+    """Whether tool calls are parsed. Forcing a call is not implemented, so it is refused."""
+    if v is None or v == "auto":
+        return True
+    if v == "none":
+        return False
+    what = repr(v) if isinstance(v, str) else f"{v.get('type')!r}" if isinstance(v, dict) else None
+    if what is None:
+        raise V.bad("tool_choice", "must be a string or an object")
+    raise V.bad("tool_choice", f"{what} is not supported: the proxy cannot force a tool call; use 'auto' or 'none'")
+
+
+def parse_request(body: dict) -> ResponsesRequest:
+    V.opt_str(body, "model")
+    for name in _REFUSED_FIELDS:
+        if body.get(name) is not None:
+            raise V.bad(name, "is not supported by this proxy (it keeps no server-side conversations or prompts)")
+    if V.opt_bool(body, "background"):
+        raise V.bad("background", "background responses are not supported")
+    text = body.get("text")
+    if text is not None:
+        if not isinstance(text, dict):
+            raise V.bad("text", "must be an object")
+        fmt = text.get("format")
+        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+            kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+            raise V.bad("text.format", f"{kind!r} is not supported: structured output is not enforced by this proxy; use {{'type': 'text'}}")
+    for name in ("metadata", "reasoning"):
+        if body.get(name) is not None and not isinstance(body[name], dict):
+            raise V.bad(name, "must be an object")
+    V.opt_str(body, "user")
+    include = V.opt_list(body, "include") or []
+    chat = ChatRequest(
+        api="responses",
+        max_tokens=V.opt_int(body, "max_output_tokens", None, lo=1),
+        temperature=V.opt_num(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=V.opt_num(body, "top_p", 1.0, 0.0, 1.0),
+        stream=V.opt_bool(body, "stream"),
+        logprobs=_LOGPROBS in include,
+    )
+    tools = parse_tools(body.get("tools"))
+    chat.tools = tools.functions or None
+    chat.parse_tools = _tool_choice(body.get("tool_choice"))
+    req = ResponsesRequest(
+        chat=chat,
+        tools=tools,
+        store=V.opt_bool(body, "store", True),
+        previous_response_id=V.opt_str(body, "previous_response_id"),
+        instructions=V.opt_str(body, "instructions"),
+    )
+    raw = body.get("input")
+    if raw is None and req.previous_response_id is None:
+        raise V.bad("input", "is required")
+    req.new_messages = parse_input(raw) if raw is not None else []
+    req.echo = {
+        "instructions": req.instructions,
+        "max_output_tokens": chat.max_tokens,
+        "metadata": body.get("metadata") or {},
+        "parallel_tool_calls": V.opt_bool(body, "parallel_tool_calls", True),
+        "previous_response_id": req.previous_response_id,
+        "reasoning": body.get("reasoning"),
+        "store": req.store,
+        "temperature": chat.temperature,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": body.get("tool_choice") or "auto",
+        "tools": body.get("tools") or [],
+        "top_p": chat.top_p,
+        "truncation": "disabled",
+        "user": body.get("user"),
+    }
+    return req
+
+
+# ---- kept responses -----------------------------------------------------------------------
+def history(state: ExecutionState, response_id: str) -> list[dict]:
+    """The messages a kept response's input and output add up to (its chain, oldest first)."""
+    chain: list[list[dict]] = []
+    rid: str | None = response_id
+    while rid is not None:
+        kept = state.responses[rid]
+        chain.append(kept.messages)
+        rid = kept.parent
+    return [m for msgs in reversed(chain) for m in msgs]
+
+
+def _keep(state: ExecutionState, rid: str, parent: str | None, messages: list[dict], body: dict) -> None:
+    if parent is None and state.responses:
+        # A client re-sending the whole history: store it as a delta on the last response.
+        last = next(reversed(state.responses))
+        prefix = history(state, last)
+        if len(messages) >= len(prefix) and messages[: len(prefix)] == prefix:
+            parent, messages = last, messages[len(prefix) :]
+    state.responses[rid] = KeptResponse(parent, messages, body)
+
+
+def _previous(proxy: Proxy, key: KeyInfo, rid: str) -> list[dict]:
+    state = proxy.executions.get(key.execution_id)
+    if state is None or rid not in state.responses:
+        raise ApiError(400, "invalid_request", f"previous_response_id: no stored response {rid!r} in this execution", param="previous_response_id", code="previous_response_not_found")
+    return history(state, rid)
+
+
+def retrieve(proxy: Proxy, key: KeyInfo, rid: str) -> dict:
+    state = proxy.executions.get(key.execution_id)
+    if state is None or rid not in state.responses:
+        raise ApiError(404, "not_found", f"no stored response {rid!r} in this execution", param="response_id")
+    return state.responses[rid].body
+
+
+# ---- response -----------------------------------------------------------------------------
+def _new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+def _custom_input(tc: ToolCall) -> str:
+    a = tc.arguments
+    if isinstance(a, dict) and set(a) == {"input"} and isinstance(a["input"], str):
+        return a["input"]
+    return tc.arguments_json
+
+
+class _Output:
+    """The Response's output items, built from a call's events alike for a stream and a body;
+    each step returns the SSE bytes it would send (a body ignores them)."""
+
+    def __init__(self, call: Call, tools: Tools) -> None:
+        self.call = call
+        self.tools = tools
+        self.items: list[dict] = []
+        self.seq = itertools.count()
+        self.msg: dict | None = None  # the open message item
+        self.lp_seen = 0
+
+    def event(self, kind: str, **data: Any) -> bytes:
+        data = {"type": kind, **data, "sequence_number": next(self.seq)}
+        return b"event: " + kind.encode() + b"\ndata: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+    def _where(self, item: dict) -> dict:
+        return {"item_id": item["id"], "output_index": self.items.index(item)}
+
+    def _logprobs(self) -> list[dict]:
+        if not self.call.req.logprobs:
+            return []
+        out = _lp_entries(self.call, self.lp_seen, len(self.call.tokens))
+        self.lp_seen = len(self.call.tokens)
+        return out
+
+    def text(self, piece: str) -> bytes:
+        out = b""
+        if self.msg is None:
+            self.msg = {"id": _new_id("msg_"), "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+            self.items.append(self.msg)
+            out += self.event("response.output_item.added", output_index=len(self.items) - 1, item=self.msg)
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            out += self.event("response.content_part.added", **self._where(self.msg), content_index=0, part=part)
+            self.msg["content"].append(dict(part, logprobs=[]))
+        part = self.msg["content"][0]
+        lps = self._logprobs()
+        part["text"] += piece
+        part["logprobs"] += lps
+        if piece or lps:
+            out += self.event("response.output_text.delta", **self._where(self.msg), content_index=0, delta=piece, logprobs=lps)
+        return out
+
+    def _close_message(self, status: str) -> bytes:
+        if self.msg is None:
+            return b""
+        m, self.msg = self.msg, None
+        part = m["content"][0]
+        where = self._where(m)
+        out = self.event("response.output_text.done", **where, content_index=0, text=part["text"], logprobs=part["logprobs"])
+        out += self.event("response.content_part.done", **where, content_index=0, part=part)
+        m["status"] = status
+        return out + self.event("response.output_item.done", output_index=where["output_index"], item=m)
+
+    def tool(self, tc: ToolCall) -> bytes:
+        out = self._close_message("completed")
+        cid = _new_id("call_")
+        if tc.name in self.tools.custom:
+            item = {"id": _new_id("ctc_"), "type": "custom_tool_call", "call_id": cid, "name": tc.name, "input": ""}  # no status field
+            value, field_, delta, done = _custom_input(tc), "input", "response.custom_tool_call_input.delta", "response.custom_tool_call_input.done"
+        else:
+            item = {"id": _new_id("fc_"), "type": "function_call", "status": "in_progress", "call_id": cid, "name": tc.name, "arguments": ""}
+            value, field_, delta, done = tc.arguments_json, "arguments", "response.function_call_arguments.delta", "response.function_call_arguments.done"
+        if tc.name in self.tools.namespace:
+            item["namespace"] = self.tools.namespace[tc.name]
+        self.items.append(item)
+        where = self._where(item)
+        out += self.event("response.output_item.added", output_index=where["output_index"], item=dict(item))
+        out += self.event(delta, **where, delta=value)
+        out += self.event(done, **where, **{field_: value})
+        item[field_] = value
+        if "status" in item:
+            item["status"] = "completed"
+        return out + self.event("response.output_item.done", output_index=where["output_index"], item=item)
+
+    def finish(self, status: str) -> bytes:
+        out = b""
+        if not self.items:  # nothing visible was generated: still one (empty) message, as OpenAI does
+            out += self.text("")
+        return out + self._close_message("incomplete" if status == "incomplete" else "completed")
+
+
+def _usage(call: Call) -> dict:
+    n_in, n_out = call.prompt_tokens, len(call.tokens)
+    return {
+        "input_tokens": n_in,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": n_out,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": n_in + n_out,
+    }
+
+
+def _turn(call: Call) -> dict:
+    """The output as the normalized assistant message the core stored (so it splices re-sent)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": call.content}
+    if call.tool_calls:
+        msg["tool_calls"] = [{"name": tc.name, "arguments": tc.arguments} for tc in call.tool_calls]
+    return msg
+
+
+async def create(request: web.Request, proxy: Proxy, key: KeyInfo, body: dict, model: str) -> web.StreamResponse:
+    """`POST /v1/responses`: parse, prepare the call (render + splice), answer, keep if stored."""
+    req = parse_request(body)
+    prior = _previous(proxy, key, req.previous_response_id) if req.previous_response_id else []
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    req.chat.messages = system + prior + req.new_messages
+    if not req.chat.messages:
+        raise V.bad("input", "must not be empty")
+    call = proxy.prepare(key, request.headers, req.chat)
+    rid = _new_id("resp_")
+    created = int(time.time())
+    out = _Output(call, req.tools)
+
+    def response(status: str, **extra: Any) -> dict:
+        return {"id": rid, "object": "response", "created_at": created, "status": status, "error": None, "incomplete_details": None,
+                "model": model, "output": out.items, "usage": None, **req.echo, **extra}
+
+    def final() -> tuple[str, dict]:
+        status = "incomplete" if call.finish == "length" else "completed"
+        details = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return status, response(status, incomplete_details=details, usage=_usage(call), completed_at=int(time.time()) if status == "completed" else None)
+
+    def keep(body_: dict) -> None:
+        if req.store:
+            _keep(call.state, rid, req.previous_response_id, req.new_messages + [_turn(call)], body_)
+
+    if not req.chat.stream:
+        async with aclosing(call.events()) as events:
+            async for item in events:  # the SSE bytes are dropped: only the items are kept
+                if isinstance(item, ToolCall):
+                    out.tool(item)
+                else:
+                    out.text(item)
+        status, body_ = final()
+        out.finish(status)
+        keep(body_)
+        return web.json_response(body_)
+
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    await resp.write(out.event("response.created", response=response("in_progress", output=[])) + out.event("response.in_progress", response=response("in_progress", output=[])))
+    try:
+        async with aclosing(call.events()) as events:
+            async for item in events:
+                await resp.write(out.tool(item) if isinstance(item, ToolCall) else out.text(item))
+    except ApiError as e:
+        err = error_body(e)["error"]
+        code = err["code"] or ("server_error" if e.status >= 500 else "invalid_request")
+        tail = out.event("error", code=code, message=e.message, param=e.param)
+        await resp.write(tail + out.event("response.failed", response=response("failed", error={"code": code, "message": e.message})))
+        return resp
+    status, body_ = final()
+    tail = out.finish(status)
+    keep(body_)
+    await resp.write(tail + out.event("response.completed" if status == "completed" else "response.incomplete", response=body_))
+    await resp.write_eof()
+    return resp
