@@ -38,7 +38,7 @@ def bench_engine(preset: str, requests: int, tokens: int, prompt_len: int) -> di
     from gyre.backends.protocols import SamplingParams
 
     model = build_model(model_config(preset, 1024), seed=0)
-    # engines run with CpuEngineConfig.threads (default 1 intra-op thread)
+    torch.set_num_threads(1)  # as a gyre.run rank does (--train.torch-threads 1): engines no longer set it
     rng = random.Random(0)
     prompts = [[rng.randrange(1024) for _ in range(prompt_len)] for _ in range(requests)]
 

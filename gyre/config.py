@@ -17,7 +17,7 @@ from typing import Callable, Literal
 
 import tyro
 
-from gyre.backends.config import CpuActorConfig, CpuEngineConfig, ModelConfig, TransferConfig
+from gyre.backends.config import BackendConfig, CpuActorConfig, CpuEngineConfig, ModelConfig, TransferConfig
 from gyre.executions.config import ExecutionsConfig
 from gyre.loss.config import LossConfig
 from gyre.proxy.config import ProxyConfig
@@ -66,7 +66,10 @@ class TrainConfig:
     the preset's latest run): weights, optimizer state and version (steps, versions and
     metrics.jsonl continue from it; the world size may differ)."""
     torch_threads: int = 1
-    """torch intra-op threads per rank (CPU: ranks share the cores)."""
+    """torch intra-op threads of every rank's process (engine and actor alike), set once before
+    either is built; 0 leaves torch's default. 1 by default: ranks share the cores, and OpenMP
+    oversubscription made a 2-thread CPU decode step ~10x slower than a 1-thread one (measured
+    on the 2-core dev machine)."""
     drain_at_end_s: float = 60.0
     """At the end, wait this long for executions still running before cancelling them."""
     prepare: str = ""
@@ -103,6 +106,7 @@ class GyreConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     executions: ExecutionsConfig = field(default_factory=ExecutionsConfig)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: CpuEngineConfig = field(default_factory=CpuEngineConfig)
     actor: CpuActorConfig = field(default_factory=CpuActorConfig)
@@ -128,6 +132,9 @@ def check_train_config(cfg: GyreConfig, num_cells: int) -> None:
         raise ConfigError(f"executions.health.stop_fraction must be > 0, got {hc.stop_fraction}")
     if cfg.train.steps < 1:
         raise ConfigError(f"train.steps must be >= 1, got {cfg.train.steps}")
+    from gyre.backends.factory import check_backends
+
+    check_backends(cfg)
 
 
 # ----------------------------------------------------------------------------- presets

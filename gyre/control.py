@@ -9,7 +9,9 @@ Three small things travel here:
 * **Blobs.** A granted micro-step bundle is put under a key and taken (read and deleted) by the
   cell it was granted to; the grant message on the same store connection comes after the put,
   so the taker always finds it.
-* **The snapshot board.** The core's parameters by version, readable one-sidedly.
+* **The snapshot board** (`--transfer.transport store`): the core's parameters by version,
+  readable one-sidedly. The other transports (`gyre.backends.weights`) keep only version
+  pointers and descriptors here.
 
 Polling with a short sleep keeps the store's own timeout machinery (and its socket warnings) out
 of the way; a wait that lasts longer than `progress_every` seconds is logged, so a hang is never
@@ -90,33 +92,38 @@ class ControlPlane:
 
 
 class SnapshotBoard:
-    """The core's parameter snapshots by version, readable one-sidedly by any rank.
+    """The `store` weight transport: the core's parameter snapshots by version in torchrun's store.
 
     A satellite joining a step in progress pulls the core's *current* snapshot, and engines load
-    the published version, without the core's training thread taking part (docs/design.md §3). On CPU
-    the flat buffer lives in torchrun's store; a GPU cluster uses Mooncake's one-sided read
-    (`gyre.backends.transfer.MooncakeTransport.serve/read`) behind the same calls. Integrity is
-    checked with the CRC32 of the flat buffer.
-
-    Retention: the newest `keep` versions, plus the newest *published* one (a burst's last step),
-    which stays until a newer version is published. A slow rank whose mailbox still holds
-    `Load(v)` for a version evicted since can always load the newest published version instead
-    (`get_published`), which is what its later `Load` commands ask for anyway; no rank fails for
-    being slow. Only the core puts, so the writer's own `_held` set is the board's contents.
+    the published version, without the core's training thread taking part (docs/design.md §3).
+    Here the flat buffer itself lives in the store, so every byte of every snapshot passes through
+    the one TCPStore server: fine for small CPU models, not for real ones (`--transfer.transport`
+    torch or mooncake keep the bytes out of the store). Integrity: the CRC32 of the flat buffer.
+    Retention: `gyre.backends.transfer.Retention`. Only the core posts, so the poster's own
+    `Retention` is the board's contents. The collective half (`broadcast`) is the flat buffer's
+    torch.distributed broadcast over the prefix group.
     """
 
-    def __init__(self, store: Any, keep: int = 2) -> None:
-        self.store = store
-        self.keep = keep
-        self._held: set[int] = set()
+    name = "store"
 
-    def put(self, version: int, params: dict[str, torch.Tensor], *, published: bool = False) -> None:
+    def __init__(self, store: Any, keep: int = 2, *, verify: bool = True) -> None:
+        from gyre.backends.transfer import Retention, TransferStats
+
+        self.store = store
+        self.verify = verify
+        self._kept = Retention(keep)
+        self.stats = TransferStats("store")
+
+    # ------------------------------------------------------------------ one-sided half
+    def post(self, version: int, params: dict[str, torch.Tensor], *, published: bool = False) -> None:
+        """Core only: put `version` up (published: a burst's last step) and drop what retention drops."""
         from gyre.backends.transfer import FlatLayout, checksum
 
         layout = FlatLayout.of(params)
         buf = layout.pack(params)
+        meta = pickle.dumps((layout, checksum(buf) if self.verify else None))
         self.store.set(f"snap/{version}/data", buf.numpy().tobytes())
-        self.store.set(f"snap/{version}/meta", pickle.dumps((layout, checksum(buf))))
+        self.store.set(f"snap/{version}/meta", meta)
         self.store.set("snap/latest", str(version))
         if published:
             self.store.set("snap/published", str(version))
@@ -124,13 +131,12 @@ class SnapshotBoard:
         # returns only after the server applied it, so a reader told "version v is there" (by a
         # collective or a message on another connection) really finds it.
         self.store.check(["snap/latest"])
-        self._held.add(version)
-        pinned = self.published()
-        for old in sorted(self._held):
-            if old <= version - self.keep and old != pinned:
-                for part in ("data", "meta"):
-                    self.store.delete_key(f"snap/{old}/{part}")
-                self._held.discard(old)
+        self.stats.count("posts")
+        self.stats.moved("store", layout.nbytes)
+        self.stats.moved("store", len(meta), control=True)
+        for old in self._kept.admit(version, published=published):
+            for part in ("data", "meta"):
+                self.store.delete_key(f"snap/{old}/{part}")
 
     def latest(self) -> int | None:
         return int(self.store.get("snap/latest")) if self.store.check(["snap/latest"]) else None
@@ -141,38 +147,53 @@ class SnapshotBoard:
     def has(self, version: int) -> bool:
         return bool(self.store.check([f"snap/{version}/meta"]))
 
-    def get(self, version: int) -> dict[str, torch.Tensor]:
+    def fetch(self, version: int) -> dict[str, torch.Tensor]:
+        """Snapshot `version` (views of one fresh buffer); KeyError when it is not on the board."""
         from gyre.backends.transfer import checksum
 
         if not self.has(version):
             raise KeyError(f"snapshot version {version} is not on the board (latest: {self.latest()}, "
                            f"published: {self.published()})")
-        layout, crc = pickle.loads(self.store.get(f"snap/{version}/meta"))
+        meta = self.store.get(f"snap/{version}/meta")
+        layout, crc = pickle.loads(meta)
         buf = torch.frombuffer(bytearray(self.store.get(f"snap/{version}/data")), dtype=torch.uint8)
-        if checksum(buf) != crc:
+        if crc is not None and checksum(buf) != crc:
             raise RuntimeError(f"snapshot version {version}: checksum mismatch")
+        self.stats.count("fetches")
+        self.stats.moved("store", layout.nbytes)
+        self.stats.moved("store", len(meta), control=True)
         return layout.unpack(buf, copy=False)
 
-    def get_latest(self) -> tuple[int, dict[str, torch.Tensor]]:
+    def fetch_latest(self) -> tuple[int, dict[str, torch.Tensor]]:
         """The core's current snapshot: (version, params). If the core put two newer versions
         between reading the pointer and the data (a very slow reader), read the pointer again."""
         for _ in range(5):
             version = self.latest()
             try:
-                return version, self.get(version)
+                return version, self.fetch(version)
             except KeyError:
                 continue
         raise KeyError(f"the board's latest snapshot kept moving past this rank (latest: {self.latest()})")
 
-    def get_published(self, version: int) -> tuple[int, dict[str, torch.Tensor]]:
+    def fetch_published(self, version: int) -> tuple[int, dict[str, torch.Tensor]]:
         """Published `version` for a rollout engine, or the newest published one when `version` was
         evicted because a newer one was published meanwhile. Returns (version loaded, params)."""
         if self.has(version):
-            return version, self.get(version)
+            return version, self.fetch(version)
         newest = self.published()
         if newest is None or newest < version:
             raise KeyError(f"snapshot version {version} is not on the board and none newer was published "
                            f"(latest: {self.latest()}, published: {newest})")
         logger.info("snapshot version %d was evicted (this rank fell behind); loading the newest published "
                     "version %d instead", version, newest)
-        return newest, self.get(newest)
+        return newest, self.fetch(newest)
+
+    # ------------------------------------------------------------------ collective half
+    def broadcast(self, group: Any, src: int, params: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Every member of `group` calls this; `src` (a global rank) passes its parameters."""
+        from gyre.backends.transfer import broadcast_counted
+
+        return broadcast_counted(group, src, params, verify=self.verify, stats=self.stats)
+
+    def close(self) -> None:
+        """Nothing to release: the snapshots live in the store, which outlives the workers."""

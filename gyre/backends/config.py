@@ -35,10 +35,6 @@ class CpuEngineConfig:
     1, no top-p) — the trainer's ℓ_t for the same weights, whatever temperature sampled it.
     'sampling': the log-prob under the distribution actually sampled from (logits / T,
     renormalised over the top-p nucleus)."""
-    threads: int = 1
-    """torch intra-op threads (process-wide) set when the engine starts; 0 leaves torch's
-    setting. 1 by default: with other ranks on the same cores, OpenMP oversubscription makes a
-    2-thread decode step ~10× slower than a 1-thread one (measured on the 2-core dev machine)."""
     min_decode_step_s: float = 0.0
     """Emulated accelerator (benchmarks on shared CPUs; 0 = off): every decode step lasts at least
     this long — the engine sleeps the rest of the floor after the step's compute, before its tokens
@@ -92,18 +88,53 @@ class CpuActorConfig:
 
 
 @dataclass(kw_only=True)
+class BackendConfig:
+    """Which rollout engine and training actor every rank builds (`gyre.backends.factory`)."""
+
+    engine: Literal["cpu", "sglang"] = "cpu"
+    """Rollout engine. cpu: the built-in torch engine (continuous batching over per-request KV
+    caches), options under --engine.*. sglang: embedded SGLang (GPU); its adapter is tested on its
+    own but not wired into gyre.run yet, so a train job refuses it before starting."""
+    actor: Literal["cpu", "megatron"] = "cpu"
+    """Training actor. cpu: the built-in torch actor (one whole model per rank, so
+    parallel.cell_size = 1), options under --actor.*. megatron: Megatron-core (GPU); tested on
+    its own but not wired into gyre.run yet, so a train job refuses it before starting."""
+
+
+@dataclass(kw_only=True)
 class TransferConfig:
-    transport: Literal["torch", "mooncake"] = "torch"
-    """How parameter snapshots move: torch.distributed broadcast over the group, or Mooncake
-    Transfer Engine (satellites read the core's registered buffer)."""
+    """How the core's parameter snapshots reach the other ranks (docs/design.md §3)."""
+
+    transport: Literal["store", "torch", "mooncake"] = "torch"
+    """store: snapshots (every byte) in torchrun's TCPStore; one server process carries all of
+    it, so only for tiny CPU models and tests. torch (default): the core keeps its snapshots in
+    memory and a server thread sends them to readers point-to-point over a gloo group of their
+    own; the store carries only version pointers and read requests; CPU clusters and any
+    model a rank can hold, bounded by the core's TCP bandwidth (one copy per reader). mooncake:
+    the core registers its snapshots with Mooncake Transfer Engine and readers pull them
+    one-sidedly (TCP, or RDMA on GPU clusters: the choice for large models); needs the
+    mooncake-transfer-engine package. Parameter broadcasts over a prefix group are gloo/NCCL
+    broadcasts for store and torch, Mooncake reads for mooncake."""
+    keep: int = 2
+    """Snapshot versions the core keeps readable: the newest `keep` plus the newest published one
+    (a rank asked for an evicted published version loads the newest published one)."""
+    timeout_s: float = 600.0
+    """torch: timeout of the transport's gloo group (a reader waiting for a core that stopped
+    answering fails after this long instead of hanging)."""
     mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
     """Mooncake transport protocol (TCP on CPU machines, RDMA on clusters)."""
     mooncake_device: str = ""
     """RDMA device names for Mooncake ('' lets it choose / TCP)."""
     host: str = "127.0.0.1"
-    """Address this rank's Mooncake engine advertises."""
+    """Address this rank's Mooncake engine advertises (it listens on every interface whatever
+    this says: on a shared machine run it inside a private network namespace)."""
     verify: bool = True
-    """Check a CRC32 of the received bytes against the sender's."""
+    """Check a CRC32 of the flat bytes of every snapshot read or broadcast against the sender's
+    (all transports); a mismatch stops the run."""
+
+    def __post_init__(self) -> None:
+        if self.keep < 1:
+            raise ValueError(f"transfer.keep must be >= 1, got {self.keep}")
 
 
 @dataclass(kw_only=True)

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 class CpuActor:
-    """TrainActor over a `transformers` causal LM (Qwen2ForCausalLM from `models.build_model`)."""
+    """Actor over a `transformers` causal LM (Qwen2ForCausalLM from `models.build_model`)."""
 
     def __init__(self, model, *, is_core: bool, config: CpuActorConfig | None = None, loss: LossConfig | None = None,
                  version: int = 0):
@@ -174,6 +174,13 @@ class CpuActor:
                 if src.shape != p.shape:
                     raise ValueError(f"import_parameters: {name} has shape {tuple(src.shape)}, expected {tuple(p.shape)}")
                 p.copy_(src)
+
+    def debug_state(self) -> dict[str, Any]:
+        """Parameters, accumulated gradients and optimizer state (debug: `--train.audit-dir`)."""
+        return {"params": self.export_parameters(),
+                "grads": {n: (p.grad.clone() if p.grad is not None else None) for n, p in self.model.named_parameters()},
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "version": self.version}
 
     def save_checkpoint(self, path: str) -> None:
         """HF checkpoint (config.json + model.safetensors) plus, on the core, optimizer state."""

@@ -143,8 +143,6 @@ class CpuEngine:
 
     async def start(self) -> None:
         self._move(EngineState.RUNNING, require=EngineState.CREATED)
-        if self.config.threads > 0:
-            torch.set_num_threads(self.config.threads)
         self._loop_task = asyncio.create_task(self._loop(), name="gyre-cpu-engine")
 
     async def stop(self) -> None:

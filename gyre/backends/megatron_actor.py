@@ -236,7 +236,7 @@ def build_gpt_model(hf_config, mc: MegatronConfig, *, use_cpu_initialization: bo
 
 
 class MegatronActor:
-    """TrainActor over a megatron GPTModel; same contract as `CpuActor` (see its docstring)."""
+    """Actor over a megatron GPTModel; same contract as `CpuActor` (see its docstring)."""
 
     def __init__(self, hf_config, hf_state_dict: dict[str, torch.Tensor], *, is_core: bool,
                  config: MegatronConfig | None = None, optim: CpuActorConfig | None = None,
@@ -422,3 +422,8 @@ class MegatronActor:
         from safetensors.torch import load_file
 
         self.import_parameters(load_file(os.path.join(path, "model.safetensors")))
+
+    def debug_state(self) -> dict:
+        """Not available: parameters and optimizer state are sharded over the cell (the audit
+        replay, `--train.audit-dir`, is a CPU debugging aid)."""
+        raise NotImplementedError("MegatronActor.debug_state: --train.audit-dir needs the CPU actor")

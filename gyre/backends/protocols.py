@@ -1,10 +1,13 @@
-"""Backend protocols (docs/design.md §1): what the proxy and scheduler need from a rollout engine and a
-training actor. Small on purpose; implementations do not inherit from each other.
+"""Backend protocols (docs/design.md §1, §3): what the proxy and the runtime need from a rollout engine,
+a training actor and a weight transport. Small on purpose; implementations do not inherit from
+each other. `gyre.backends.factory` builds them; tests/contracts/ holds the tests every
+implementation passes.
 
 Implementations: `gyre.backends.cpu_engine` (built-in torch engine), `gyre.backends.sglang_engine`
 (embedded SGLang, GPU), an HTTP client for an engine living in another process
 (`gyre.proxy.engine_http`), and a deterministic test engine. Actors: `gyre.backends.cpu_actor`,
-`gyre.backends.megatron_actor` (GPU).
+`gyre.backends.megatron_actor` (GPU). Weight transports: `gyre.control.SnapshotBoard`,
+`gyre.backends.weights`.
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ class RolloutEngine(Protocol):
 
     async def start(self) -> None: ...
 
+    # An engine served in-process (`gyre.runtime.engine_host.EngineHost`) may also have
+    # `async stop()`; clients of a remote engine (`HttpEngine`) have `close()` instead.
+
     def generate(self, request_id: str, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenEvent]:
         """Stream the sampled tokens of one request. Ends at EOS/stop/max_tokens or on abort."""
         ...
@@ -94,12 +100,23 @@ class RolloutEngine(Protocol):
 
 
 @runtime_checkable
-class TrainActor(Protocol):
-    """A training actor replica in one cell (docs/design.md §3). Only the core's actor holds optimizer
-    state; satellites compute gradients on the micro-steps they claim."""
+class Actor(Protocol):
+    """A training actor replica in one cell (docs/design.md §3): exactly what the cell worker
+    (`gyre.runtime.worker`) and `gyre.runtime.samples.train_bundle` call. Only the core's actor
+    holds optimizer state; satellites compute gradients on the micro-steps they claim.
+
+    `version` counts the optimizer steps behind the parameters it holds (docs/design.md §2); the
+    worker sets it when it imports a snapshot (-1: nothing imported yet)."""
+
+    version: int
 
     def forward_logprobs(self, micro_step: Any) -> torch.Tensor:
         """Per-token trainer log-probs ℓ_t [N] for a packed micro-step (no grad)."""
+        ...
+
+    def exec_logratio_partial_sums(self, micro_step: Any) -> torch.Tensor:
+        """Forward-only pre-pass of an execution split over micro-steps: Σ_{t here} (ℓ_t − b_t)
+        per execution, [E] float64 (`train_bundle` sums them before the backward passes)."""
         ...
 
     def forward_backward(self, micro_step: Any, exec_logratio_sum: torch.Tensor | None = None) -> dict[str, float]:
@@ -107,19 +124,89 @@ class TrainActor(Protocol):
         ...
 
     def reduce_gradients(self, group: Any) -> None:
-        """Sum accumulated gradients over `group` (the prefix group of the cells in the step)."""
+        """Sum accumulated gradients over `group` (the prefix group of the cells in the step; None:
+        the core alone)."""
+        ...
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (a satellite after the reduction; a step with no update)."""
         ...
 
     def optimizer_step(self, max_grad_norm: float | None = None, *, grad_scale: float = 1.0) -> dict[str, float]:
         """Multiply the reduced gradients by `grad_scale` (the step's |E| correction,
-        `gyre.loss.LossConfig.grad_scale`), clip, apply one optimizer update (core only).
-        Returns grad norm etc."""
+        `gyre.loss.LossConfig.grad_scale`), clip, apply one optimizer update, zero the gradients,
+        `version += 1` (core only). Returns grad norm etc."""
         ...
 
-    def export_parameters(self) -> dict[str, torch.Tensor]: ...
+    def export_parameters(self) -> dict[str, torch.Tensor]:
+        """A copy of every parameter by HF name (what engines and satellites load)."""
+        ...
 
-    def import_parameters(self, params: dict[str, torch.Tensor]) -> None: ...
+    def import_parameters(self, params: dict[str, torch.Tensor]) -> None:
+        """Overwrite every parameter (exactly the names `export_parameters` gives)."""
+        ...
 
-    def save_checkpoint(self, path: str) -> None: ...
+    def save_checkpoint(self, path: str) -> None:
+        """Weights, optimizer state (core) and version under directory `path`."""
+        ...
 
-    def load_checkpoint(self, path: str) -> None: ...
+    def load_checkpoint(self, path: str) -> None:
+        """The inverse of `save_checkpoint` (sets `version`)."""
+        ...
+
+    def debug_state(self) -> dict[str, Any]:
+        """Debug only (`--train.audit-dir`): {"params", "grads" (name → tensor or None), "optimizer"
+        (state dict), "version"}, for replaying a step on one rank. A backend whose state is
+        sharded may raise NotImplementedError."""
+        ...
+
+
+@runtime_checkable
+class WeightTransport(Protocol):
+    """How the core's parameter snapshots reach other ranks (docs/design.md §3). Two halves:
+
+    one-sided   the core `post`s every new version; any rank reads a version whenever it likes
+                (`fetch*`) without the core's training thread taking part. Retention
+                (`gyre.backends.transfer.Retention`): the newest `keep` versions plus the
+                newest published one; `fetch_published(v)` of an evicted v gives the newest
+                published version instead.
+    collective  `broadcast` over a prefix group: every member calls it at once, `src` (a global
+                rank) passes its parameters, every member gets them back.
+
+    Every read checks a CRC32 of the flat bytes against the poster's (`--transfer.verify`) and
+    raises RuntimeError on a mismatch; a version not held raises KeyError. Implementations
+    (`--transfer.transport`): `gyre.control.SnapshotBoard` (store), `gyre.backends.weights`
+    (`TorchWeights`, `MooncakeWeights`). `stats` (`transfer.TransferStats`) counts the bytes
+    this rank moved, by path.
+    """
+
+    name: str
+    stats: Any
+
+    def post(self, version: int, params: dict[str, torch.Tensor], *, published: bool = False) -> None:
+        """Core only: make `version` readable (published: a burst's last step)."""
+        ...
+
+    def latest(self) -> int | None:
+        """The newest posted version (None before the first post)."""
+        ...
+
+    def published(self) -> int | None:
+        """The newest published version."""
+        ...
+
+    def fetch(self, version: int) -> dict[str, torch.Tensor]: ...
+
+    def fetch_latest(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """(v, params) of the newest version held."""
+        ...
+
+    def fetch_published(self, version: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """(v loaded, params): `version`, or the newest published one if `version` was evicted."""
+        ...
+
+    def broadcast(self, group: Any, src: int, params: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]: ...
+
+    def close(self) -> None:
+        """Release what the transport holds (threads, registered memory); idempotent."""
+        ...

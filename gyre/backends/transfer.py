@@ -14,15 +14,17 @@ One interface, two transports. Every member of `group` calls `share` at once; th
   expose the one-sided half alone, for a reader that joins whenever it likes.
 
 Both move exact bytes: the receiver checks a CRC32 of the flat buffer against the source's
-(`verify=True`) and raises on a mismatch. Publishing weights to rollout engines uses the same
-call followed by `engine.update_weights(params, version)`.
+(`verify=True`) and raises on a mismatch. These are the collective halves; the run's
+`WeightTransport`s (`gyre.backends.weights`, `gyre.control.SnapshotBoard`) add the one-sided half
+on top, with the retention rule (`Retention`) and byte counts (`TransferStats`) defined here.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -86,6 +88,75 @@ def checksum(buf: torch.Tensor) -> int:
     return zlib.crc32(memoryview(buf.contiguous().numpy()))
 
 
+PATHS = ("store", "torch", "mooncake")  # where bytes can travel
+
+
+@dataclass
+class TransferStats:
+    """What one rank's weight transport moved, by path (`PATHS`). `payload` counts parameter bytes
+    this rank sent or received; `control` counts the small rest (pointers, layouts, descriptors,
+    requests). A run writes one per rank (run_dir/transport/rank_<r>.json)."""
+
+    transport: str
+    payload: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PATHS, 0))
+    control: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PATHS, 0))
+    posts: int = 0  # snapshots this rank (the core) put up
+    fetches: int = 0  # snapshots this rank read one-sidedly from another rank
+    served: int = 0  # one-sided reads this rank answered (torch transport: the core's server)
+    broadcasts: int = 0  # collective broadcasts this rank took part in
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def moved(self, path: str, nbytes: int, *, control: bool = False) -> None:
+        with self._lock:  # the torch transport's server thread counts too
+            (self.control if control else self.payload)[path] += int(nbytes)
+
+    def count(self, what: str) -> None:
+        """One more of `what`: 'posts', 'fetches', 'served' or 'broadcasts'."""
+        with self._lock:
+            setattr(self, what, getattr(self, what) + 1)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"transport": self.transport, "bytes_by_path": dict(self.payload),
+                "control_bytes_by_path": dict(self.control), "posts": self.posts, "fetches": self.fetches,
+                "served": self.served, "broadcasts": self.broadcasts}
+
+
+class Retention:
+    """Which snapshot versions a poster keeps: the newest `keep`, plus the newest *published* one
+    (a burst's last step), which stays until a newer version is published. A slow rank whose
+    `Load(v)` names a version evicted since loads the newest published one instead (its later
+    `Load` commands name that one anyway), so no rank fails for being slow.
+
+        r = Retention(keep=2); r.admit(0, published=True) → []; r.admit(1) → []; r.admit(2) → []
+        r.admit(3) → [1]   (0 stays: it is the newest published)
+    """
+
+    def __init__(self, keep: int) -> None:
+        if keep < 1:
+            raise ValueError(f"Retention: keep must be >= 1, got {keep}")
+        self.keep = keep
+        self.held: set[int] = set()
+        self.published: int | None = None
+
+    def admit(self, version: int, *, published: bool = False) -> list[int]:
+        """Hold `version`; return the versions to drop now (oldest first)."""
+        self.held.add(version)
+        if published:
+            self.published = version
+        evicted = [old for old in sorted(self.held) if old <= version - self.keep and old != self.published]
+        self.held.difference_update(evicted)
+        return evicted
+
+    def resolve_published(self, version: int) -> int | None:
+        """The version a reader asking for published `version` gets: itself while held, else the
+        newest published one if at least as new, else None."""
+        if version in self.held:
+            return version
+        if self.published is not None and self.published >= version:
+            return self.published
+        return None
+
+
 class ParameterTransport(Protocol):
     name: str
 
@@ -124,6 +195,16 @@ class TorchDistTransport:
         if crc is not None and checksum(buf) != crc:
             raise RuntimeError("TorchDistTransport: snapshot checksum mismatch")
         return layout.unpack(buf, copy=False)
+
+
+def broadcast_counted(group: Any, src: int, params: dict[str, torch.Tensor] | None, *, verify: bool,
+                      stats: TransferStats) -> dict[str, torch.Tensor]:
+    """`TorchDistTransport(group, src).share(params)`, counted in `stats` (the collective half of
+    the store and torch weight transports)."""
+    out = TorchDistTransport(group, src, verify=verify).share(params)
+    stats.count("broadcasts")
+    stats.moved("torch", sum(t.numel() * t.element_size() for t in out.values()))
+    return out
 
 
 @dataclass(frozen=True)
@@ -179,6 +260,24 @@ class MooncakeTransport:
                 raise RuntimeError(f"Mooncake register_memory of {nbytes} bytes failed: {rc}")
         return self._buf
 
+    @property
+    def session(self) -> str:
+        """"host:rpc_port" of this rank's engine (what a reader's transfer_sync_read names)."""
+        return f"{self.host}:{self._ensure_engine().get_rpc_port()}"
+
+    def register(self, nbytes: int) -> torch.Tensor:
+        """A new uint8 buffer [nbytes] registered with this rank's engine (a retained snapshot)."""
+        engine = self._ensure_engine()
+        buf = torch.zeros(nbytes, dtype=torch.uint8)
+        rc = engine.register_memory(buf.data_ptr(), nbytes)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake register_memory of {nbytes} bytes failed: {rc}")
+        return buf
+
+    def unregister(self, buf: torch.Tensor) -> None:
+        if self._engine is not None:
+            self._engine.unregister_memory(buf.data_ptr())
+
     def close(self) -> None:
         if self._engine is not None and self._buf is not None:
             self._engine.unregister_memory(self._buf.data_ptr())
@@ -205,12 +304,17 @@ class MooncakeTransport:
 
     # --------------------------------------------------------------- collective wrapper
     def share(self, params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        is_src = dist.get_rank() == self.src
+        return self.share_over(self.group, self.src, params)
+
+    def share_over(self, group: Any, src: int, params: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """`share` over any group and source: the engine (and its registered buffers) is per rank,
+        not per group."""
+        is_src = dist.get_rank() == src
         if is_src == (params is None):
-            raise ValueError(f"share: rank {dist.get_rank()} {'is' if is_src else 'is not'} the source (src={self.src}); pass params exactly there")
-        desc = _announce(self.serve(params) if is_src else None, self.src, self.group)
+            raise ValueError(f"share: rank {dist.get_rank()} {'is' if is_src else 'is not'} the source (src={src}); pass params exactly there")
+        desc = _announce(self.serve(params) if is_src else None, src, group)
         out = params if is_src else self.read(desc)
-        dist.barrier(group=self.group)  # the source keeps its buffer until every reader is done
+        dist.barrier(group=group)  # the source keeps its buffer until every reader is done
         return out
 
 

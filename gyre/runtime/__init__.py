@@ -7,6 +7,7 @@
     engine_host.py  a rollout engine served over HTTP from a background thread
     samples.py      a finished group → micro-step bundles (trees, selection, advantages, packing)
 
-Messages travel through `gyre.control` (torchrun's store); parameters through collectives over
-the prebuilt prefix groups and the one-sided `SnapshotBoard`.
+Messages travel through `gyre.control` (torchrun's store); parameters through the run's
+`WeightTransport` (`--transfer.transport`): one-sided reads of the core's snapshots and
+broadcasts over the prebuilt prefix groups.
 """

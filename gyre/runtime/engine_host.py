@@ -13,13 +13,14 @@ from typing import Any
 
 import torch
 
+from gyre.backends.protocols import RolloutEngine
 from gyre.proxy.engine_http import serve_engine
 
 logger = logging.getLogger(__name__)
 
 
 class EngineHost:
-    def __init__(self, engine: Any, *, host: str = "127.0.0.1", timeout: float = 600.0) -> None:
+    def __init__(self, engine: RolloutEngine, *, host: str = "127.0.0.1", timeout: float = 600.0) -> None:
         self.engine = engine
         self.timeout = timeout
         self.handle = serve_engine(engine, host=host, port=0)
@@ -43,7 +44,7 @@ class EngineHost:
         return self.handle.call(self.engine.health(), timeout=self.timeout)
 
     def stop(self) -> None:
-        stop = getattr(self.engine, "stop", None)
+        stop = getattr(self.engine, "stop", None)  # optional in RolloutEngine (see there)
         if stop is not None:
             try:
                 self.handle.call(stop(), timeout=self.timeout)

@@ -12,7 +12,7 @@ nominal |E| = B·N. Then every token weight −A_i/(|E|·L_i) is final when the 
 and any cell can train any item. The spec's E is the step's executions with a valid reward
 (docs/design.md §6; excluded ones leave it, harness-failure placeholders stay): the loss is
 linear in 1/|E|, so `step_denominator` gives the one factor B·N/valid by which the core
-multiplies the summed gradient before clipping (`TrainActor.optimizer_step(grad_scale=...)`).
+multiplies the summed gradient before clipping (`Actor.optimizer_step(grad_scale=...)`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A worker owns its cell's state machine (`gyre.cell`), the rollout engine it serves (first rank
 of a cell or pool engine) and, once the cell has trained, its training actor (kept across
-bursts; only the core's holds optimizer state). Commands (`gyre.runtime.messages`, where the
+bursts; only the core's holds optimizer state), all typed by `gyre.backends.protocols`. Commands (`gyre.runtime.messages`, where the
 whole protocol is drawn) arrive in the rank's mailbox and go to one handler each (`HANDLERS`);
 every transition is reported to the controller, which keeps the run's timeline.
 
@@ -12,9 +12,9 @@ every transition is reported to the controller, which keeps the run's timeline.
     TrainWork           train one bundle of micro-steps (JOINING → TRAIN on the first); ask again
     Reduce(k, final,    sum gradients over the prefix group of cells 0..k−1; the core scales
       grad_scale)       them by grad_scale (|E| = valid, docs/design.md §6), clips, steps (no
-                        update when grad_scale is None: no valid execution) and puts the new
-                        snapshot on the board; on a non-final step the new parameters are
-                        broadcast over the same group
+                        update when grad_scale is None: no valid execution) and posts the new
+                        snapshot (`WeightTransport.post`); on a non-final step the new
+                        parameters are broadcast over the same group (`WeightTransport.broadcast`)
     ToRollout(v)        → RESUMING (engine resumes, loads published version v) → ROLLOUT
     Load(v)             a rollout engine loads published version v between decode steps
     Stop(failed)        report the timeline, save the core's checkpoint (not after a failure),
@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from gyre.backends.transfer import TorchDistTransport
+from gyre.backends.protocols import Actor, WeightTransport
 from gyre.cell import CellState, CellStateMachine
-from gyre.control import CONTROLLER, ControlPlane, SnapshotBoard
+from gyre.control import CONTROLLER, ControlPlane
 from gyre.runtime.messages import (Command, Joined, Load, Loaded, Reduce, Report, RequestWork, RolledBack, StepDone,
                                    Stop, Stopped, ToRollout, ToTrain, TrainWork, Transition, WorkDone, handler_for)
 from gyre.runtime.samples import train_bundle
 from gyre.topology import Groups, Topology
+
+if TYPE_CHECKING:
+    from gyre.runtime.engine_host import EngineHost
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +47,9 @@ class CellWorker:
         topo: Topology,
         groups: Groups,
         control: ControlPlane,
-        board: SnapshotBoard,
-        engine_host: Any | None,
-        make_actor: Callable[[bool], Any],
+        weights: WeightTransport,
+        engine_host: EngineHost | None,
+        make_actor: Callable[[bool], Actor],
         *,
         checkpoint_dir: str | None = None,
         checkpoint_every: int = 0,
@@ -54,10 +57,10 @@ class CellWorker:
     ) -> None:
         self.audit_dir = audit_dir
         self.checkpoint_every = checkpoint_every
-        self.topo, self.groups, self.cp, self.board = topo, groups, control, board
+        self.topo, self.groups, self.cp, self.weights = topo, groups, control, weights
         self.engine = engine_host
         self.make_actor = make_actor
-        self.actor: Any | None = None
+        self.actor: Actor | None = None
         self.checkpoint_dir = checkpoint_dir
         self.cell = topo.cell  # None on a standalone-pool rank
         self.sm = CellStateMachine(self.cell if self.cell is not None else -1, clock=time.time)
@@ -75,20 +78,21 @@ class CellWorker:
             self.cp.send(CONTROLLER, report)
 
     def _ensure_version(self, version: int) -> None:
-        """A satellite trains at the step's version: pull it from the board when behind. (The core
-        cannot step past a version while a cell of the step still has work, so it is on the board.)"""
+        """A satellite trains at the step's version: fetch it from the core's snapshots when behind.
+        (The core cannot step past a version while a cell of the step still has work, so it is held.)"""
         if self.actor.version != version:
             if self.topo.is_core:
                 raise RuntimeError(f"core actor is at version {self.actor.version}, step needs {version}")
-            self._pull(version, self.board.get(version))
+            self._pull(version, self.weights.fetch(version))
 
     def _pull(self, version: int, params: dict[str, Any]) -> None:
-        """A satellite's actor takes the core's parameters of `version` from the board."""
+        """A satellite's actor takes the core's parameters of `version` (read one-sidedly)."""
         self.actor.import_parameters(params)
         self.actor.version = version
 
     def _audit(self, name: str) -> None:
-        """Debug (train.audit_dir): the core's parameters, reduced gradients and optimizer state."""
+        """Debug (train.audit_dir): the core's parameters, reduced gradients and optimizer state
+        (`Actor.debug_state`; the CPU actor has it, a sharded GPU actor raises)."""
         if not self.audit_dir:
             return
         import os
@@ -96,10 +100,7 @@ class CellWorker:
         import torch
 
         os.makedirs(self.audit_dir, exist_ok=True)
-        a = self.actor
-        torch.save({"params": a.export_parameters(),
-                    "grads": {n: (p.grad.clone() if p.grad is not None else None) for n, p in a.model.named_parameters()},
-                    "optimizer": a.optimizer.state_dict(), "version": a.version}, f"{self.audit_dir}/{name}.pt")
+        torch.save(self.actor.debug_state(), f"{self.audit_dir}/{name}.pt")
 
     # ------------------------------------------------------------------ commands
     def handle(self, msg: Command) -> bool:
@@ -117,8 +118,8 @@ class CellWorker:
         if self.actor is None:
             self.actor = self.make_actor(self.topo.is_core)
         t.append(time.perf_counter())
-        if not self.topo.is_core and self.actor.version != self.board.latest():
-            self._pull(*self.board.get_latest())  # the core's *current* parameters (docs/design.md §3)
+        if not self.topo.is_core and self.actor.version != self.weights.latest():
+            self._pull(*self.weights.fetch_latest())  # the core's *current* parameters (docs/design.md §3)
         t.append(time.perf_counter())
         if t[-1] - t[0] > 2.0:
             logger.info("rank %d: switching to train took %.1fs (engine release %.1fs, actor %.1fs, snapshot %.1fs)",
@@ -151,19 +152,19 @@ class CellWorker:
             self._audit(f"before_{step:06d}")
             stats = self._update(step, msg.grad_scale)
             self._audit(f"after_{step:06d}")
-            self.board.put(self.actor.version, self.actor.export_parameters(), published=final)
+            self.weights.post(self.actor.version, self.actor.export_parameters(), published=final)
         else:
             self.actor.zero_grad()
         keeps_training = not final or stay
         if keeps_training and k > 1:
             # New parameters to the satellites of the step (docs/design.md §3), over the same group.
-            params = TorchDistTransport(group, src=self.topo.cell_ranks(0)[self.topo.position]).share(
-                self.actor.export_parameters() if self.topo.is_core else None)
+            params = self.weights.broadcast(group, self.topo.cell_ranks(0)[self.topo.position],
+                                            self.actor.export_parameters() if self.topo.is_core else None)
             if not self.topo.is_core:
                 self.actor.import_parameters(params)
         if self.topo.is_core or keeps_training:
             self.actor.version = step + 1  # a satellite going back to rollout keeps its old version,
-            # so the next time it joins it pulls the core's snapshot from the board
+            # so the next time it joins it pulls the core's current snapshot
         if self.topo.is_core and self.checkpoint_every and (step + 1) % self.checkpoint_every == 0:
             self._checkpoint()
         if self.topo.is_core:
@@ -185,7 +186,7 @@ class CellWorker:
             logger.warning("step %d: no execution has a valid reward (all excluded after failed evaluations); "
                            "no update, version %d keeps the parameters of version %d", step, step + 1, step)
             self.actor.zero_grad()
-            self.actor.version += 1  # what optimizer_step would do: the board gets version step + 1
+            self.actor.version += 1  # what optimizer_step would do: the core posts version step + 1
             return {"update_skipped": 1.0}
         return self.actor.optimizer_step(grad_scale=grad_scale)
 
@@ -203,9 +204,9 @@ class CellWorker:
 
     def _load_published(self, version: int) -> None:
         """The engine loads published `version`, or a newer published one if this rank fell so far
-        behind that `version` left the board (its later `Load` commands name that one anyway)."""
+        behind that `version` was evicted (its later `Load` commands name that one anyway)."""
         if self.engine is not None:
-            version, params = self.board.get_published(version)
+            version, params = self.weights.fetch_published(version)
             self.engine.update(params, version)
         self.version = version
 

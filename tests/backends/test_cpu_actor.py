@@ -8,7 +8,7 @@ import torch
 from gyre.backends.config import CpuActorConfig
 from gyre.backends.cpu_actor import CpuActor
 from gyre.backends.models import packed_logits
-from gyre.backends.protocols import TrainActor
+from gyre.backends.protocols import Actor
 from gyre.loss import LossConfig
 from tests.backends.helpers import finish_step, merge, random_step, tiny_model
 
@@ -23,7 +23,7 @@ def grads(actor):
 
 
 def test_satisfies_protocol():
-    assert isinstance(CpuActor(tiny_model(), is_core=True), TrainActor)
+    assert isinstance(CpuActor(tiny_model(), is_core=True), Actor)
 
 
 def test_forward_logprobs_match_float64_log_softmax(step):

@@ -46,9 +46,9 @@ def _slow_satellite(store):
 def test_a_satellite_told_to_load_an_evicted_version_loads_the_newest_published():
     store = dist.HashStore()
     core_board = SnapshotBoard(store, keep=2)
-    core_board.put(0, _params(0), published=True)
+    core_board.post(0, _params(0), published=True)
     for v in range(1, 19):  # bursts of 2 steps: versions 2, 4, ..., 18 are published
-        core_board.put(v, _params(v), published=v % 2 == 0)
+        core_board.post(v, _params(v), published=v % 2 == 0)
     worker, engine = _slow_satellite(store)
     # Its mailbox still holds load(2) from long ago; version 2 is gone from the board.
     assert not core_board.has(2)
@@ -66,12 +66,12 @@ def test_a_satellite_told_to_load_an_evicted_version_loads_the_newest_published(
 def test_the_published_version_outlives_newer_unpublished_ones():
     store = dist.HashStore()
     board = SnapshotBoard(store, keep=2)
-    board.put(0, _params(0), published=True)
+    board.post(0, _params(0), published=True)
     for v in range(1, 6):  # a long burst: nothing published after 0
-        board.put(v, _params(v))
+        board.post(v, _params(v))
     assert board.has(0) and board.has(4) and board.has(5) and not board.has(3)
-    assert board.get_published(0)[0] == 0
-    v, p = board.get_latest()
+    assert board.fetch_published(0)[0] == 0
+    v, p = board.fetch_latest()
     assert v == 5 and float(p["w"][0, 0]) == 5.0
 
 
@@ -83,16 +83,16 @@ def test_retention_invariants(keep, published):
     resolves to a version at least as new."""
     store = dist.HashStore()
     board = SnapshotBoard(store, keep=keep)
-    board.put(0, _params(0), published=True)
+    board.post(0, _params(0), published=True)
     newest_published = 0
     for v, pub in enumerate(published, start=1):
-        board.put(v, _params(v), published=pub)
+        board.post(v, _params(v), published=pub)
         newest_published = v if pub else newest_published
         expected = set(range(max(0, v - keep + 1), v + 1)) | {newest_published}
         held = {u for u in range(v + 1) if board.has(u)}
         assert held == expected
         for u in held:
-            assert float(board.get(u)["w"][0, 0]) == float(u)
+            assert float(board.fetch(u)["w"][0, 0]) == float(u)
         for asked in range(newest_published + 1):
-            got, params = board.get_published(asked)
+            got, params = board.fetch_published(asked)
             assert got >= asked and float(params["w"][0, 0]) == float(got)

@@ -33,7 +33,7 @@ def _blobs_and_board():
     cp, board = ControlPlane(store, rank), SnapshotBoard(store)
     if rank == 0:
         params = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.tensor([1, 2, 3])}
-        board.put(0, params)
+        board.post(0, params)
         for r in (1, 2):
             cp.put_blob(f"x/{r}", {"r": r, "t": torch.full((2,), float(r))})
             cp.send(r, {"key": f"x/{r}"})
@@ -42,7 +42,7 @@ def _blobs_and_board():
     msg = cp.recv(timeout=60)
     blob = cp.take_blob(msg["key"])
     dist.barrier()  # after rank 0 put version 0 (put ends with a round trip, see SnapshotBoard)
-    snap = board.get(0)
+    snap = board.fetch(0)
     return blob["r"], blob["t"].tolist(), snap["w"].tolist(), snap["b"].tolist()
 
 

@@ -130,7 +130,7 @@ def _rank(tmp: str):
     core = None
     if rank == 0:
         core = CpuActor(build_model(_config(), seed=3), is_core=True)
-        board.put(0, core.export_parameters())
+        board.post(0, core.export_parameters())
     dist.barrier()
 
     def make_actor(is_core):

@@ -1,0 +1,169 @@
+"""The one place that turns the config into a rank's backends (docs/design.md §1, §3).
+
+`gyre/train.py` and the runtime never name a concrete engine, actor or transport; they call:
+
+    check_backends(cfg)                       every rank, before anything starts (ConfigError)
+    set_threads(cfg)                          once per process, before the engine or actor is built
+    actor, model_config = build_core_actor(cfg, vocab, checkpoint_dir)   the core only
+    transport = build_transport(cfg, topo, store)                        every rank, same point
+    engine = build_engine(cfg, model_config, params, version=, eos_token_ids=, name=)
+    actor = build_actor(cfg, model_config, is_core=False)
+
+`ENGINES` / `ACTORS` / `TRANSPORTS` map each `--backend.*` / `--transfer.transport` choice to
+whether `gyre.run` can build it on this build; tests/contracts/ runs its contract tests over the
+runnable ones (`runnable(...)`), so the GPU backends join when they are wired in.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gyre.backends.protocols import Actor, RolloutEngine, WeightTransport
+
+logger = logging.getLogger(__name__)
+
+# choice → None when gyre.run builds it, else why not (the ConfigError says so).
+_NOT_WIRED = "the GPU backends are not wired into gyre.run yet (their adapters are exercised by tests/gpu/)"
+ENGINES: dict[str, str | None] = {"cpu": None, "sglang": _NOT_WIRED}
+ACTORS: dict[str, str | None] = {"cpu": None, "megatron": _NOT_WIRED}
+TRANSPORTS: dict[str, str | None] = {"store": None, "torch": None, "mooncake": None}
+
+
+def runnable(kinds: dict[str, str | None]) -> list[str]:
+    """The choices of `kinds` (ENGINES, ACTORS, TRANSPORTS) that gyre.run can build."""
+    return [k for k, why in kinds.items() if why is None]
+
+
+def check_backends(cfg: Any) -> None:
+    """Refuse a backend choice that cannot run, before anything starts (gyre.config.ConfigError,
+    naming the flag)."""
+    from gyre.config import ConfigError
+
+    for flag, kinds, chosen in (("backend.engine", ENGINES, cfg.backend.engine),
+                                ("backend.actor", ACTORS, cfg.backend.actor),
+                                ("transfer.transport", TRANSPORTS, cfg.transfer.transport)):
+        if chosen not in kinds:
+            raise ConfigError(f"--{flag.replace('_', '-')} {chosen!r}: choose one of {sorted(kinds)}")
+        if kinds[chosen] is not None:
+            raise ConfigError(f"--{flag.replace('_', '-')} {chosen}: {kinds[chosen]}; use "
+                              f"--{flag.replace('_', '-')} {runnable(kinds)[0]}")
+    if cfg.parallel.cell_size != 1:
+        raise ConfigError(f"parallel.cell_size = {cfg.parallel.cell_size}: the built-in CPU engine and actor "
+                          f"(--backend.engine cpu, --backend.actor cpu) hold a whole model on one rank, so they "
+                          f"need parallel.cell_size = 1 (TP/PP/CP/EP are for the GPU backends)")
+    if cfg.transfer.transport == "mooncake":
+        try:
+            import mooncake.engine  # noqa: F401
+        except Exception as e:  # noqa: BLE001 — any import failure means: not usable here
+            raise ConfigError(f"--transfer.transport mooncake: the mooncake package is not importable ({e}); "
+                              f"pip install mooncake-transfer-engine-non-cuda (CPU, plus libibverbs1) or "
+                              f"mooncake-transfer-engine (CUDA), or use --transfer.transport torch") from None
+
+
+def set_threads(cfg: Any) -> None:
+    """torch intra-op threads for this process (`--train.torch-threads`; 0 leaves torch's)."""
+    if cfg.train.torch_threads > 0:
+        torch.set_num_threads(cfg.train.torch_threads)
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[name]
+
+
+# ----------------------------------------------------------------------------- models
+def model_config_of(cfg: Any, vocab: int) -> Any:
+    """The model architecture: from `--model.checkpoint` when given, else the preset."""
+    if cfg.model.checkpoint:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(cfg.model.checkpoint)
+    from gyre.backends.models import model_config
+
+    return model_config(cfg.model.preset, vocab)
+
+
+def _initial_model(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Any, Path | None]:
+    """The core's starting model: the newest checkpoint (resume), the given one, or a preset."""
+    from gyre.backends.models import build_model, load_model
+    from gyre.logging_utils import ONCE
+
+    mc, dtype = cfg.model, dtype_of(cfg.model.dtype)
+    if cfg.train.resume:
+        found = sorted(checkpoint_dir.glob("step_*"))
+        if not found:
+            raise FileNotFoundError(f"--train.resume: no checkpoint under {checkpoint_dir}")
+        logger.info("resuming from %s", found[-1], extra=ONCE)
+        return load_model(str(found[-1]), dtype=dtype), found[-1]
+    if mc.checkpoint:
+        return load_model(mc.checkpoint, dtype=dtype), None
+    return build_model(model_config_of(cfg, vocab), seed=mc.seed, dtype=dtype), None
+
+
+# ----------------------------------------------------------------------------- actors and engines
+def build_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Actor, Any]:
+    """The core's actor (authoritative weights and optimizer state, docs/design.md §1) and its
+    model config: the newest checkpoint with optimizer state and version (`--train.resume`),
+    `--model.checkpoint`, or the preset's seeded weights."""
+    from gyre.backends.cpu_actor import CpuActor
+
+    model, resumed = _initial_model(cfg, vocab, checkpoint_dir)
+    actor = CpuActor(model, is_core=True, config=cfg.actor, loss=cfg.loss)
+    if resumed is not None:
+        actor.load_checkpoint(str(resumed))  # weights, optimizer state and version
+        if actor.version >= cfg.train.steps:
+            raise ValueError(f"--train.resume: {resumed} is already at version {actor.version} >= "
+                             f"train.steps = {cfg.train.steps}; train.steps counts the whole run, raise it")
+    return actor, model.config
+
+
+def build_actor(cfg: Any, model_config: Any, *, is_core: bool) -> Actor:
+    """A fresh actor of `--backend.actor` for `model_config` (its weights come from a snapshot:
+    version -1 until the first import)."""
+    from gyre.backends.cpu_actor import CpuActor
+    from gyre.backends.models import build_model
+
+    actor = CpuActor(build_model(model_config, dtype=dtype_of(cfg.model.dtype)), is_core=is_core,
+                     config=cfg.actor, loss=cfg.loss)
+    actor.version = -1
+    return actor
+
+
+def build_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *, version: int,
+                 eos_token_ids: list[int], name: str) -> RolloutEngine:
+    """A rollout engine of `--backend.engine` serving `params` as `version` (not started)."""
+    from gyre.backends.cpu_engine import CpuEngine
+
+    engine = CpuEngine(model_config, params, version=version, config=cfg.engine, eos_token_ids=eos_token_ids)
+    engine.name = name
+    return engine
+
+
+# ----------------------------------------------------------------------------- weight transport
+def build_transport(cfg: Any, topo: Any, store: Any) -> WeightTransport:
+    """This rank's `--transfer.transport`. Collective for 'torch' (it creates the transport's gloo
+    group): every rank calls it at the same point of start-up. The core's rank at this rank's
+    position posts; with the CPU backends (cell_size 1) that is rank 0."""
+    tc = cfg.transfer
+    owner = topo.cell_ranks(0)[topo.position]
+    if tc.transport == "store":
+        from gyre.control import SnapshotBoard
+
+        return SnapshotBoard(store, keep=tc.keep, verify=tc.verify)
+    if tc.transport == "torch":
+        import torch.distributed as dist
+
+        from gyre.backends.weights import TorchWeights
+
+        group = dist.new_group(list(range(topo.world_size)), backend="gloo", timeout=timedelta(seconds=tc.timeout_s))
+        return TorchWeights(store, group, owner=owner, keep=tc.keep, verify=tc.verify)
+    if tc.transport == "mooncake":
+        from gyre.backends.weights import MooncakeWeights
+
+        return MooncakeWeights(store, owner=owner, keep=tc.keep, verify=tc.verify, host=tc.host,
+                               protocol=tc.mooncake_protocol, device=tc.mooncake_device)
+    raise ValueError(f"transfer.transport: unknown {tc.transport!r}")  # check_backends refused it already

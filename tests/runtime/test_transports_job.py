@@ -1,0 +1,106 @@
+"""A tiny training job per weight transport (`--transfer.transport`), for real: torchrun, 3 gloo
+ranks, tiny model, 2 steps in one burst of the Async baseline (cells 0 and 1 train, so a step
+they share ends with its new parameters broadcast to cell 1; cell 2 only rolls out and loads
+published versions). From the per-rank counts the
+job writes (run_dir/transport/rank_<r>.json):
+  * satellites read snapshots one-sidedly (their engines' first weights, the published version),
+    and a broadcast over a prefix group happened;
+  * torch and mooncake: not one parameter byte went through torchrun's store.
+Mooncake runs inside a private network namespace (it listens on every interface) or is skipped.
+Also: `python -m gyre.run --help` documents the transfer options and their choices.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.backends.test_transfer import _netns_problem
+
+ROOT = Path(__file__).resolve().parents[2]
+HARNESS = Path(__file__).resolve().with_name("tiny_harness.py")
+AWK_EVALUATOR = ["awk", "{n++; if (length($0) % 2 == 0) e++} END {print (n ? e / n : 0)}", "answer.txt"]
+STEPS = 2
+
+
+def _tasks(path: Path) -> Path:
+    with path.open("w") as f:
+        for i in range(4):
+            f.write(json.dumps({"task_id": f"t{i}", "instruction": "say words",
+                                "harness": [sys.executable, str(HARNESS), "1", "24"],
+                                "evaluator": {"command": AWK_EVALUATOR}}) + "\n")
+    return path
+
+
+def _command(run_dir: Path, tasks: Path, transport: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m", "gyre.run",
+            "--job", "train", "--run-dir", str(run_dir), "--model.preset", "tiny", "--seed", "1",
+            "--executions.dataset.path", str(tasks), "--executions.runner.timeout-s", "120",
+            "--scheduler.mode", "async", "--scheduler.async-train-cells", "2", "--scheduler.n-per-group", "2", "--scheduler.batch-groups", "2",
+            "--scheduler.mu", str(STEPS), "--scheduler.phi", "0.5", "--scheduler.tick-s", "0.1",
+            "--train.steps", str(STEPS), "--train.max-tokens", "512", "--train.drain-at-end-s", "5",
+            # A paced actor (~0.5 s a micro-step) keeps the core from claiming every item of a step
+            # before cell 1 (whose first actor build takes seconds) asks for work: cell 1 joins.
+            "--actor.min-s-per-ktok", "4",
+            "--transfer.transport", transport]
+
+
+def _run(tmp_path: Path, transport: str, prefix: list[str] = ()) -> dict:
+    run_dir = tmp_path / "run"
+    cmd = _command(run_dir, _tasks(tmp_path / "tasks.jsonl"), transport)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if prefix:  # inside a private network namespace: bring loopback up first
+        cmd = [*prefix, "sh", "-c", "ip link set lo up && exec " + " ".join(f"'{c}'" for c in cmd)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-5000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    stats = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in (run_dir / "transport").glob("rank_*.json")}
+    assert sorted(stats) == [0, 1, 2], stats
+    return stats
+
+
+def _check(stats: dict, transport: str) -> None:
+    assert all(s["transport"] == transport for s in stats.values())
+    assert stats[0]["posts"] == STEPS + 1  # version 0 and one per step
+    satellites = [stats[1], stats[2]]
+    assert all(s["fetches"] >= 1 for s in satellites)  # one-sided reads by the satellites
+    assert stats[0]["broadcasts"] >= 1 and any(s["broadcasts"] >= 1 for s in satellites)
+    path = {"store": "store", "torch": "torch", "mooncake": "mooncake"}[transport]
+    assert all(s["bytes_by_path"][path] > 0 for s in satellites)
+    if transport == "torch":
+        assert stats[0]["served"] >= 2  # the core's server answered the satellites' reads
+    if transport != "store":
+        for rank, s in stats.items():
+            assert s["bytes_by_path"]["store"] == 0, (rank, s)  # no parameter byte through the store
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("transport", ["store", "torch"])
+def test_a_tiny_job_per_transport(tmp_path, transport):
+    _check(_run(tmp_path, transport), transport)
+
+
+@pytest.mark.multirank
+def test_a_tiny_job_over_mooncake_inside_a_private_netns(tmp_path):
+    problem = _netns_problem()
+    if problem:
+        pytest.skip(problem)
+    prefix = ["unshare", "--net"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
+    _check(_run(tmp_path, "mooncake", prefix), "mooncake")
+
+
+def test_help_lists_the_transfer_options_and_their_choices():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "COLUMNS": "200"}
+    out = subprocess.run([sys.executable, "-m", "gyre.run", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env=env).stdout
+    for flag in ("--transfer.transport", "--transfer.keep", "--transfer.verify", "--transfer.timeout-s",
+                 "--backend.engine", "--backend.actor", "--train.torch-threads"):
+        assert flag in out, flag
+    assert "{store,torch,mooncake}" in out and "{cpu,sglang}" in out and "{cpu,megatron}" in out
+    assert "--engine.threads" not in out  # one owner of the thread count
