@@ -44,8 +44,8 @@ TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run",
 
 # ---- server processes ---------------------------------------------------------------------------
 def _engine_main(q, token_delay):
-    from gyre.proxy.det_engine import DeterministicEngine
-    from gyre.proxy.engine_http import serve_engine
+    from gyre.backends.det_engine import DeterministicEngine
+    from gyre.backends.engine_http import serve_engine
 
     h = serve_engine(DeterministicEngine("bench", token_delay=token_delay))
     q.put(h.port)
@@ -54,8 +54,8 @@ def _engine_main(q, token_delay):
 
 def _proxy_main(q, engine_url, n_keys, token_delay, store_dir, transport="ws"):
     from gyre.proxy import Proxy, ProxyConfig, StoreSink, serve_proxy
-    from gyre.proxy.det_engine import DeterministicEngine
-    from gyre.proxy.engine_http import HttpEngine
+    from gyre.backends.det_engine import DeterministicEngine
+    from gyre.backends.engine_http import HttpEngine
     from gyre.trajectory.store import TitoStore
 
     proxy = Proxy(ProxyConfig(), sink=StoreSink(TitoStore(store_dir)))

@@ -54,7 +54,7 @@ def _leave_together(rank: int, world: int, timeout: float = 20.0) -> None:
     """After a failure every rank has been told to stop; rank 0 (whose exit code carries the
     failure) leaves last, so torchrun does not SIGTERM ranks that were exiting cleanly and list
     them as failures beside the root cause."""
-    from gyre.control import default_store
+    from gyre.runtime.control import default_store
 
     store = default_store()
     if rank != 0:
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         dist.init_process_group(choose_backend(cfg.parallel.backend))  # blocking: rendezvous
     rank, world = dist.get_rank(), dist.get_world_size()
-    from gyre.rundir import RunDirError
+    from gyre.runtime.rundir import RunDirError
 
     rc = 0
     try:
@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.job == "smoke":
             smoke_check(topo, groups)
         else:
-            from gyre import rundir
-            from gyre.control import default_store
-            from gyre.train import train  # the full RL loop (scheduler, cells, proxy, actors)
+            from gyre.runtime import rundir
+            from gyre.runtime.control import default_store
+            from gyre.runtime.job import train  # the full RL loop (scheduler, cells, proxy, actors)
 
             path = rundir.resolve(cfg, rank, world, default_store())  # blocking: rank 0 decides
             logger.info("run directory: %s", path, extra=ONCE)

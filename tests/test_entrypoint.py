@@ -35,7 +35,7 @@ def test_help_documents_every_option():
 
 def test_preset_then_overrides():
     cfg = parse_config(["--preset", "cpu-demo", "--parallel.cell-size", "2", "--parallel.tp", "2", "--seed", "5"])
-    assert cfg.preset == "cpu-demo" and cfg.run_dir == ""  # a fresh runs/cpu-demo/<timestamp>/ (gyre.rundir)
+    assert cfg.preset == "cpu-demo" and cfg.run_dir == ""  # a fresh runs/cpu-demo/<timestamp>/ (gyre.runtime.rundir)
     assert cfg.parallel.cell_size == 2 and cfg.seed == 5
 
 

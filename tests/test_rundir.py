@@ -1,4 +1,4 @@
-"""gyre.rundir: one directory per run, decided on rank 0 and shared with every rank."""
+"""gyre.runtime.rundir: one directory per run, decided on rank 0 and shared with every rank."""
 
 import json
 import threading
@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from gyre import rundir
+from gyre.runtime import rundir
 from gyre.config import parse_config
 
 

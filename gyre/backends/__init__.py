@@ -1,18 +1,26 @@
-"""Backends: protocols, the built-in CPU engine and actor, SGLang / Megatron adapters, transfer.
+"""Backends (docs/design.md §1, §3): what the runtime plugs in, chosen in one place (`factory.py`).
 
-    protocols.py       RolloutEngine / Actor / WeightTransport contracts (shared)
-    models.py          Qwen2 decoders from size presets ('tiny', 'small'), packed forward, HF checkpoints
+    protocols.py       RolloutEngine / Actor / WeightTransport: what the runtime types against
+    factory.py         the one place that turns the config into a rank's engine, actor and transport
+    config.py          tyro dataclasses for all of the above (`--backend.*`, `--engine.*`, ...)
+  engines
+    cpu_engine.py      CpuEngine: asyncio front, continuous batching, weight updates between steps
     decoder.py         functional Qwen2 forward over per-request KV caches (the CPU engine's kernel)
     sampling.py        temperature / top-p sampling with explicit generators, reported log-probs
-    cpu_engine.py      CpuEngine: asyncio front, continuous batching, weight updates between steps
-    cpu_actor.py       CpuActor: GSPO forward/backward on packed micro-steps, core-only AdamW
-    transfer.py        flat snapshot layout + CRC, broadcast / Mooncake primitives, retention, byte counts
-    weights.py         WeightTransports keeping bytes out of the store: torch (gloo p2p server), mooncake
-    factory.py         the one place that turns the config into a rank's engine, actor and transport
     sglang_engine.py   SglangEngine (GPU): embedded sglang.Engine
+    det_engine.py      a deterministic engine (tokens from a hash) for tests and benchmarks
+  engine servers (an engine in one process, the proxy in another)
+    engine_host.py     a rank's engine served over HTTP from its own thread, driven by its worker
+    engine_http.py     serve_engine / HttpEngine: the engine protocol over HTTP + websocket
+    engine_mux.py      the multiplexed websocket framing of generate / abort traffic
+  actors
+    cpu_actor.py       CpuActor: GSPO forward/backward on packed micro-steps, core-only AdamW
     megatron_actor.py  MegatronActor (GPU): megatron-core GPTModel, HF ⇄ megatron weight mapping
+    models.py          Qwen2 decoders from size presets ('tiny', 'small'), packed forward, HF checkpoints
     tokenizer.py       the repo's byte-level BPE with a chat template
-    config.py          tyro dataclasses for all of the above
+  weight transports
+    transfer.py        flat snapshot layout + CRC, broadcast / Mooncake primitives, retention, byte counts
+    weights.py         the WeightTransports: SnapshotBoard (store), TorchWeights (gloo p2p), MooncakeWeights
 
 Nothing is imported here: GPU libraries load lazily inside the adapters.
 """

@@ -1,6 +1,6 @@
 """The one place that turns the config into a rank's backends (docs/design.md §1, §3).
 
-`gyre/train.py` and the runtime never name a concrete engine, actor or transport; they call:
+`gyre/runtime/job.py` and the runtime never name a concrete engine, actor or transport; they call:
 
     check_backends(cfg)                       every rank, before anything starts (ConfigError)
     set_threads(cfg)                          once per process, before the engine or actor is built
@@ -151,7 +151,7 @@ def build_transport(cfg: Any, topo: Any, store: Any) -> WeightTransport:
     tc = cfg.transfer
     owner = topo.cell_ranks(0)[topo.position]
     if tc.transport == "store":
-        from gyre.control import SnapshotBoard
+        from gyre.backends.weights import SnapshotBoard
 
         return SnapshotBoard(store, keep=tc.keep, verify=tc.verify)
     if tc.transport == "torch":

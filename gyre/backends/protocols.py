@@ -5,8 +5,8 @@ implementation passes.
 
 Implementations: `gyre.backends.cpu_engine` (built-in torch engine), `gyre.backends.sglang_engine`
 (embedded SGLang, GPU), an HTTP client for an engine living in another process
-(`gyre.proxy.engine_http`), and a deterministic test engine. Actors: `gyre.backends.cpu_actor`,
-`gyre.backends.megatron_actor` (GPU). Weight transports: `gyre.control.SnapshotBoard`,
+(`gyre.backends.engine_http`), and a deterministic test engine. Actors: `gyre.backends.cpu_actor`,
+`gyre.backends.megatron_actor` (GPU). Weight transports: `gyre.backends.weights.SnapshotBoard`,
 `gyre.backends.weights`.
 """
 
@@ -71,7 +71,7 @@ class RolloutEngine(Protocol):
 
     async def start(self) -> None: ...
 
-    # An engine served in-process (`gyre.runtime.engine_host.EngineHost`) may also have
+    # An engine served in-process (`gyre.backends.engine_host.EngineHost`) may also have
     # `async stop()`; clients of a remote engine (`HttpEngine`) have `close()` instead.
 
     def generate(self, request_id: str, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenEvent]:
@@ -175,7 +175,7 @@ class WeightTransport(Protocol):
 
     Every read checks a CRC32 of the flat bytes against the poster's (`--transfer.verify`) and
     raises RuntimeError on a mismatch; a version not held raises KeyError. Implementations
-    (`--transfer.transport`): `gyre.control.SnapshotBoard` (store), `gyre.backends.weights`
+    (`--transfer.transport`): `gyre.backends.weights.SnapshotBoard` (store), `gyre.backends.weights`
     (`TorchWeights`, `MooncakeWeights`). `stats` (`transfer.TransferStats`) counts the bytes
     this rank moved, by path.
     """

@@ -15,7 +15,7 @@ One interface, two transports. Every member of `group` calls `share` at once; th
 
 Both move exact bytes: the receiver checks a CRC32 of the flat buffer against the source's
 (`verify=True`) and raises on a mismatch. These are the collective halves; the run's
-`WeightTransport`s (`gyre.backends.weights`, `gyre.control.SnapshotBoard`) add the one-sided half
+`WeightTransport`s (`gyre.backends.weights`, `gyre.backends.weights.SnapshotBoard`) add the one-sided half
 on top, with the retention rule (`Retention`) and byte counts (`TransferStats`) defined here.
 """
 

@@ -1,4 +1,5 @@
-"""Weight transports that keep parameter bytes out of torchrun's store (docs/design.md §3).
+"""The weight transports (docs/design.md §3): the store board, and two that keep parameter bytes out
+of torchrun's store.
 
 A `WeightTransport` (`gyre.backends.protocols`) has two halves. The one-sided half: the core
 `post`s each new snapshot, and any rank `fetch`es a version whenever it likes, without the
@@ -7,7 +8,7 @@ published version). The collective half: `broadcast` over a prefix group (a non-
 parameters to the satellites of the step). Retention (`transfer.Retention`): the newest `keep`
 versions plus the newest published one. Every read is checked against the poster's CRC32.
 
-* `SnapshotBoard` (`gyre.control`, `--transfer.transport store`): the bytes live in the store.
+* `SnapshotBoard` (`--transfer.transport store`): the bytes live in torchrun's store.
 * `TorchWeights` (`torch`): the core keeps its retained snapshots in memory; a server thread on
   the core answers read requests with point-to-point sends over a gloo group of its own, created
   up front on every rank. A request is three integers (reader, mode, version) pushed on a store
@@ -316,3 +317,104 @@ class MooncakeWeights:
             self._mc.unregister(buf)
         self._bufs.clear()
         self._mc.close()
+
+
+class SnapshotBoard:
+    """The `store` weight transport: the core's parameter snapshots by version in torchrun's store.
+
+    A satellite joining a step in progress pulls the core's *current* snapshot, and engines load
+    the published version, without the core's training thread taking part (docs/design.md §3).
+    Here the flat buffer itself lives in the store, so every byte of every snapshot passes through
+    the one TCPStore server: fine for small CPU models, not for real ones (`--transfer.transport`
+    torch or mooncake keep the bytes out of the store). Integrity: the CRC32 of the flat buffer.
+    Retention: `gyre.backends.transfer.Retention`. Only the core posts, so the poster's own
+    `Retention` is the board's contents. The collective half (`broadcast`) is the flat buffer's
+    torch.distributed broadcast over the prefix group.
+    """
+
+    name = "store"
+
+    def __init__(self, store: Any, keep: int = 2, *, verify: bool = True) -> None:
+        self.store = store
+        self.verify = verify
+        self._kept = Retention(keep)
+        self.stats = TransferStats("store")
+
+    # ------------------------------------------------------------------ one-sided half
+    def post(self, version: int, params: dict[str, torch.Tensor], *, published: bool = False) -> None:
+        """Core only: put `version` up (published: a burst's last step) and drop what retention drops."""
+        layout = FlatLayout.of(params)
+        buf = layout.pack(params)
+        meta = pickle.dumps((layout, checksum(buf) if self.verify else None))
+        self.store.set(f"snap/{version}/data", buf.numpy().tobytes())
+        self.store.set(f"snap/{version}/meta", meta)
+        self.store.set("snap/latest", str(version))
+        if published:
+            self.store.set("snap/published", str(version))
+        # A store `set` is fire-and-forget on this connection; a round trip on the same connection
+        # returns only after the server applied it, so a reader told "version v is there" (by a
+        # collective or a message on another connection) really finds it.
+        self.store.check(["snap/latest"])
+        self.stats.count("posts")
+        self.stats.moved("store", layout.nbytes)
+        self.stats.moved("store", len(meta), control=True)
+        for old in self._kept.admit(version, published=published):
+            for part in ("data", "meta"):
+                self.store.delete_key(f"snap/{old}/{part}")
+
+    def latest(self) -> int | None:
+        return int(self.store.get("snap/latest")) if self.store.check(["snap/latest"]) else None
+
+    def published(self) -> int | None:
+        return int(self.store.get("snap/published")) if self.store.check(["snap/published"]) else None
+
+    def has(self, version: int) -> bool:
+        return bool(self.store.check([f"snap/{version}/meta"]))
+
+    def fetch(self, version: int) -> dict[str, torch.Tensor]:
+        """Snapshot `version` (views of one fresh buffer); KeyError when it is not on the board."""
+        if not self.has(version):
+            raise KeyError(f"snapshot version {version} is not on the board (latest: {self.latest()}, "
+                           f"published: {self.published()})")
+        meta = self.store.get(f"snap/{version}/meta")
+        layout, crc = pickle.loads(meta)
+        buf = torch.frombuffer(bytearray(self.store.get(f"snap/{version}/data")), dtype=torch.uint8)
+        if crc is not None and checksum(buf) != crc:
+            raise RuntimeError(f"snapshot version {version}: checksum mismatch")
+        self.stats.count("fetches")
+        self.stats.moved("store", layout.nbytes)
+        self.stats.moved("store", len(meta), control=True)
+        return layout.unpack(buf, copy=False)
+
+    def fetch_latest(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """The core's current snapshot: (version, params). If the core put two newer versions
+        between reading the pointer and the data (a very slow reader), read the pointer again."""
+        for _ in range(5):
+            version = self.latest()
+            try:
+                return version, self.fetch(version)
+            except KeyError:
+                continue
+        raise KeyError(f"the board's latest snapshot kept moving past this rank (latest: {self.latest()})")
+
+    def fetch_published(self, version: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """Published `version` for a rollout engine, or the newest published one when `version` was
+        evicted because a newer one was published meanwhile. Returns (version loaded, params)."""
+        if self.has(version):
+            return version, self.fetch(version)
+        newest = self.published()
+        if newest is None or newest < version:
+            raise KeyError(f"snapshot version {version} is not on the board and none newer was published "
+                           f"(latest: {self.latest()}, published: {newest})")
+        logger.info("snapshot version %d was evicted (this rank fell behind); loading the newest published "
+                    "version %d instead", version, newest)
+        return newest, self.fetch(newest)
+
+    # ------------------------------------------------------------------ collective half
+    def broadcast(self, group: Any, src: int, params: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Every member of `group` calls this; `src` (a global rank) passes its parameters."""
+
+        return broadcast_counted(group, src, params, verify=self.verify, stats=self.stats)
+
+    def close(self) -> None:
+        """Nothing to release: the snapshots live in the store, which outlives the workers."""

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg.proxy = dataclasses.replace(cfg.proxy, admin_token=os.environ["GYRE_PROXY_ADMIN_TOKEN"])
 
     from gyre.proxy.core import Proxy
-    from gyre.proxy.engine_http import HttpEngine
+    from gyre.backends.engine_http import HttpEngine
     from gyre.proxy.server import serve_proxy
     from gyre.proxy.sink import StoreSink
     from gyre.trajectory.store import TitoStore

@@ -1,13 +1,19 @@
-"""The run-time of a training job: the controller on rank 0 and a cell worker on every rank.
+"""The run time of a training job (docs/design.md §1–3): what every rank runs, how rank 0 drives it,
+what the run leaves behind.
 
-    controller.py   rank 0, own thread + asyncio loop: proxy, harness runner, scheduler
-                    (gyre.scheduler.ElasticScheduler), groups → micro-steps, commands to cells
-    worker.py       every rank: the cell state machine, its rollout engine and training actor,
-                    executing the controller's commands (the loop is in gyre.train)
-    engine_host.py  a rollout engine served over HTTP from a background thread
+    job.py          the per-rank job (`--job train`): build the parts through the backend
+                    factory, then follow the controller's commands
+    controller.py   rank 0, own thread + asyncio loop: proxy, harness runner, the scheduler's
+                    decisions (gyre.scheduler.ElasticScheduler) carried out as commands
+    worker.py       every rank: the cell's state machine, its rollout engine and training actor,
+                    one handler per command
+    messages.py     the typed controller ⇄ worker protocol (commands, reports), drawn once
+    control.py      mailboxes and blobs over torchrun's store
+    cell.py         the cell state machine and the one function that turns transitions into a timeline
+    ledger.py       one record per dispatched group and per optimizer step; the cell timeline
     samples.py      a finished group → micro-step bundles (trees, selection, advantages, packing)
+    outputs.py      metrics.jsonl, the role-timeline PNG, the reward trend
+    rundir.py       one directory per run: runs/<preset>/<timestamp>, latest, resume / overwrite
 
-Messages travel through `gyre.control` (torchrun's store); parameters through the run's
-`WeightTransport` (`--transfer.transport`): one-sided reads of the core's snapshots and
-broadcasts over the prebuilt prefix groups.
+Parameters move through the run's `WeightTransport` (`gyre.backends.factory`, `--transfer.*`).
 """

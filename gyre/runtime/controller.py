@@ -12,7 +12,7 @@ drives — by feeding it events and carrying out its decisions:
     SwitchToRollout(cell)   send the cell `ToRollout` with the published version
     Publish(version)        send every rollout engine `Load` of the version
 
-Cells talk back through the controller's mailbox (`gyre.control.CONTROLLER`): state
+Cells talk back through the controller's mailbox (`gyre.runtime.control.CONTROLLER`): state
 transitions, joined / rolled back, work requests and results, step done; each report type has
 one handler (`HANDLERS`). The commands and reports, and a diagram of who waits for what, are in
 `gyre.runtime.messages`. Work requests the scheduler cannot serve yet are kept and retried after
@@ -35,15 +35,15 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from gyre.control import CONTROLLER, ControlPlane
+from gyre.runtime.control import CONTROLLER, ControlPlane
 from gyre.executions.evaluator import Evaluator, RewardStatus
 from gyre.errors import RunFailed
 from gyre.executions.health import HealthMonitor
 from gyre.executions.runner import EventKind, ExecutionEvent, GyreProxyAccess, HarnessRunner
 from gyre.executions.tasks import Dataset
-from gyre.metrics import MetricsWriter, plot_role_timeline, read_metrics, reward_trend
+from gyre.runtime.outputs import MetricsWriter, plot_role_timeline, read_metrics, reward_trend
 from gyre.proxy import Proxy, StoreSink, start_proxy
-from gyre.proxy.engine_http import HttpEngine
+from gyre.backends.engine_http import HttpEngine
 from gyre.runtime.messages import (Command, Failed, Joined, Load, Loaded, Reduce, Report, RequestWork, RolledBack,
                                    StepDone, Stop, Stopped, ToRollout, ToTrain, TrainWork, Transition, WorkDone,
                                    handler_for)

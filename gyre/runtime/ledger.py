@@ -16,7 +16,7 @@ A step's record (`StepRecord`) and its lifecycle:
      metrics merge in)   staleness, |E| fixed)
 
 Any other transition raises `LedgerError`. Cell time comes from the state transitions the cells
-report, through one function (`gyre.cell.timeline_intervals`): the per-step `cell_time_s`, the
+report, through one function (`gyre.runtime.cell.timeline_intervals`): the per-step `cell_time_s`, the
 summary's training fractions and the role-timeline plot all read the same intervals.
 
 Example::
@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gyre import dispatch as D
-from gyre.cell import CellState, time_per_state, timeline_intervals
+from gyre.runtime.cell import CellState, time_per_state, timeline_intervals
 from gyre.executions.tasks import Group
 from gyre.runtime.samples import GroupWork, merge_metrics, summarize_metrics
 

@@ -2,14 +2,14 @@
 
 Every rank runs a `gyre.runtime.worker.CellWorker`; rank 0 also runs the controller
 (`gyre.runtime.controller.Controller`) in its own thread. They talk through the mailboxes of
-`gyre.control.ControlPlane`, which pickles whatever it is given: the messages below are frozen
+`gyre.runtime.control.ControlPlane`, which pickles whatever it is given: the messages below are frozen
 dataclasses, and each side dispatches them through one explicit table (`CellWorker.HANDLERS`,
 `Controller.HANDLERS`), so a grep for `Reduce` finds its sender and its handler
 `def _on_reduce(self, msg: Reduce)`. A message type without a handler raises `UnknownMessage`.
 
 The two loops and what each waits for:
 
-* The **worker** (`gyre.train`, every rank's main thread) blocks on `control.recv()` for the next
+* The **worker** (`gyre.runtime.job`, every rank's main thread) blocks on `control.recv()` for the next
   command; only the controller unblocks it. Inside a command it waits on other ranks only in two
   places: the blob of a `TrainWork` (put by the controller before the command is sent, so it is
   there), and the collectives of a `Reduce` (every rank of cells 0..k−1 at the same position
@@ -22,7 +22,7 @@ The two loops and what each waits for:
 
 Cell reports (`Transition`, `Joined`, `RequestWork`, `WorkDone`, `StepDone`, `RolledBack`,
 `Loaded`) come from a cell's first rank only, one per cell; `StepDone` from the core only;
-`Stopped` and `Failed` from every rank. A cell's states are `gyre.cell.CellState`.
+`Stopped` and `Failed` from every rank. A cell's states are `gyre.runtime.cell.CellState`.
 
     controller (rank 0 thread, polls)              worker (every rank, blocks on recv)
     ─────────────────────────────────              ───────────────────────────────────
@@ -136,7 +136,7 @@ class Stop(Command):
 # ----------------------------------------------------------------------------- reports
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Report:
-    """A rank → the controller's mailbox (`gyre.control.CONTROLLER`)."""
+    """A rank → the controller's mailbox (`gyre.runtime.control.CONTROLLER`)."""
 
     cell: int | None  # None on a standalone-pool rank
     rank: int
@@ -144,7 +144,7 @@ class Report:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Transition(Report):
-    """The cell's state machine moved (`gyre.cell.CellState` values); the controller's timeline."""
+    """The cell's state machine moved (`gyre.runtime.cell.CellState` values); the controller's timeline."""
 
     src: str
     dst: str

@@ -1,6 +1,6 @@
 """The cell worker: what every rank does with the controller's commands (docs/design.md §1, §3).
 
-A worker owns its cell's state machine (`gyre.cell`), the rollout engine it serves (first rank
+A worker owns its cell's state machine (`gyre.runtime.cell`), the rollout engine it serves (first rank
 of a cell or pool engine) and, once the cell has trained, its training actor (kept across
 bursts; only the core's holds optimizer state), all typed by `gyre.backends.protocols`. Commands (`gyre.runtime.messages`, where the
 whole protocol is drawn) arrive in the rank's mailbox and go to one handler each (`HANDLERS`);
@@ -28,15 +28,15 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from gyre.backends.protocols import Actor, WeightTransport
-from gyre.cell import CellState, CellStateMachine
-from gyre.control import CONTROLLER, ControlPlane
+from gyre.runtime.cell import CellState, CellStateMachine
+from gyre.runtime.control import CONTROLLER, ControlPlane
 from gyre.runtime.messages import (Command, Joined, Load, Loaded, Reduce, Report, RequestWork, RolledBack, StepDone,
                                    Stop, Stopped, ToRollout, ToTrain, TrainWork, Transition, WorkDone, handler_for)
 from gyre.runtime.samples import train_bundle
 from gyre.topology import Groups, Topology
 
 if TYPE_CHECKING:
-    from gyre.runtime.engine_host import EngineHost
+    from gyre.backends.engine_host import EngineHost
 
 logger = logging.getLogger(__name__)
 

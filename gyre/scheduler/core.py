@@ -1,7 +1,7 @@
 """The elastic scheduler's decision logic (docs/design.md §2–3): one object, driven by events, shared
 by the simulator (`gyre.sim`) and the runtime controller. No IO, no threads, no sleeps.
 
-Cell roles, as the scheduler sees them (the runtime's `gyre.cell` state machine refines them):
+Cell roles, as the scheduler sees them (the runtime's `gyre.runtime.cell` state machine refines them):
 
     ROLLOUT ──SwitchToTrain──► TO_TRAIN ──switch_done──► TRAIN
        ▲                          │                        │

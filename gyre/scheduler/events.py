@@ -2,7 +2,7 @@
 
 Clocks: `SimClock` is advanced explicitly (the simulator sets it to each event's time; tests
 advance it by hand, no sleeps); `WallClock` reads `time.monotonic()`. Both are callables
-returning seconds, so they also fit `gyre.cell.CellStateMachine(clock=...)`.
+returning seconds, so they also fit `gyre.runtime.cell.CellStateMachine(clock=...)`.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ TRANSPORTS = factory.runnable(factory.TRANSPORTS)
 
 def _build(kind: str):
     from gyre.config import GyreConfig, ParallelConfig
-    from gyre.control import default_store
+    from gyre.runtime.control import default_store
     from gyre.topology import Topology
 
     cfg = GyreConfig()
@@ -171,7 +171,7 @@ def test_mooncake_transport_contract_inside_a_private_netns():
 
 def _core_fails_mid_run():
     """The core fails right after serving a read; its transport is closed in a `finally`, as
-    gyre.train does. The process must exit promptly (no server thread keeps it alive)."""
+    gyre.runtime.job does. The process must exit promptly (no server thread keeps it alive)."""
     rank = dist.get_rank()
     w, _ = _build("torch")
     try:

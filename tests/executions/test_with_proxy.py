@@ -16,7 +16,7 @@ from gyre.executions.evaluator import Evaluator, Outcome, RewardStatus
 from gyre.executions.runner import GyreProxyAccess, HarnessRunner
 from gyre.executions.tasks import ExecutionSpec, Task
 from gyre.proxy import MemorySink, Proxy, ProxyConfig, serve_proxy
-from gyre.proxy.det_engine import DeterministicEngine
+from gyre.backends.det_engine import DeterministicEngine
 from gyre.trajectory.record import Role
 from gyre.trajectory.tree import build_tree
 

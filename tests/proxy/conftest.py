@@ -6,7 +6,7 @@ import pytest
 
 from gyre.backends.tokenizer import byte_token_ids, load_tokenizer
 from gyre.proxy import Proxy, ProxyConfig, serve_proxy
-from gyre.proxy.det_engine import DeterministicEngine
+from gyre.backends.det_engine import DeterministicEngine
 
 TOOLS_OPENAI = [
     {

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from gyre.backends.protocols import RolloutEngine, SamplingParams
-from gyre.proxy.det_engine import DeterministicEngine
-from gyre.proxy.engine_http import HttpEngine, serve_engine
+from gyre.backends.det_engine import DeterministicEngine
+from gyre.backends.engine_http import HttpEngine, serve_engine
 
 
 @pytest.mark.parametrize("transport", ["ws", "http"])

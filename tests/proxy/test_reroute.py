@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from gyre.backends.tokenizer import load_tokenizer
-from gyre.proxy.det_engine import DeterministicEngine
-from gyre.proxy.engine_http import HttpEngine, serve_engine
+from gyre.backends.det_engine import DeterministicEngine
+from gyre.backends.engine_http import HttpEngine, serve_engine
 
 from .conftest import reference_tokens
 

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from gyre.backends.tokenizer import byte_token_ids, load_tokenizer
-from gyre.proxy.det_engine import DeterministicEngine
+from gyre.backends.det_engine import DeterministicEngine
 
 from .conftest import TOOL_ARGS, TOOLS_OPENAI, scripted_engine
 

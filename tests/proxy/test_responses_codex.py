@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gyre.backends.tokenizer import byte_token_ids, load_tokenizer
-from gyre.proxy.det_engine import DeterministicEngine
+from gyre.backends.det_engine import DeterministicEngine
 
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "codex" / "config.toml"
 CODEX = os.environ.get("GYRE_CODEX_BIN") or shutil.which("codex")

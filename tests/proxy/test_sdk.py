@@ -10,7 +10,7 @@ import pytest
 
 from gyre.backends.tokenizer import load_tokenizer
 from gyre.proxy import ProxyConfig, StoreSink
-from gyre.proxy.det_engine import DeterministicEngine
+from gyre.backends.det_engine import DeterministicEngine
 from gyre.trajectory.record import Role
 
 from .conftest import TOOL_ARGS, TOOLS_ANTHROPIC, TOOLS_OPENAI, scripted_engine

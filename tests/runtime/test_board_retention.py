@@ -11,9 +11,10 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.cell import CellState
+from gyre.runtime.cell import CellState
 from gyre.config import ParallelConfig
-from gyre.control import CONTROLLER, ControlPlane, SnapshotBoard
+from gyre.backends.weights import SnapshotBoard
+from gyre.runtime.control import CONTROLLER, ControlPlane
 from gyre.runtime.messages import Load, Loaded, ToRollout
 from gyre.runtime.worker import CellWorker
 from gyre.topology import Topology

@@ -5,7 +5,7 @@ import itertools
 import pytest
 from hypothesis import given, strategies as st
 
-from gyre.cell import LEGAL, CellState, CellStateMachine, IllegalTransition
+from gyre.runtime.cell import LEGAL, CellState, CellStateMachine, IllegalTransition
 
 
 class FakeClock:

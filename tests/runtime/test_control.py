@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gyre.control import ControlPlane, SnapshotBoard, default_store
+from gyre.backends.weights import SnapshotBoard
+from gyre.runtime.control import ControlPlane, default_store
 from tests.distributed import run_ranks
 
 pytestmark = pytest.mark.multirank

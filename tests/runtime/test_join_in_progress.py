@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gyre.control import CONTROLLER, ControlPlane, SnapshotBoard, default_store
+from gyre.backends.weights import SnapshotBoard
+from gyre.runtime.control import CONTROLLER, ControlPlane, default_store
 from gyre.runtime.messages import (Joined, Reduce, RequestWork, RolledBack, StepDone, Stop, ToRollout, ToTrain,
                                    TrainWork, Transition, WorkDone)
 from tests.distributed import run_ranks

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.cell import CellState, LEGAL, time_per_state, timeline_intervals
+from gyre.runtime.cell import CellState, LEGAL, time_per_state, timeline_intervals
 from gyre.executions.tasks import ExecutionSpec, Group, Task
 from gyre.runtime.ledger import GroupPhase, LedgerError, RunLedger, StepPhase
 from gyre.runtime.samples import GroupWork
@@ -50,7 +50,7 @@ def test_ledger_timeline_feeds_cell_times_and_plot_intervals():
 
 
 def _walks():
-    """Legal state walks (as gyre.cell allows) with non-negative gaps between transitions."""
+    """Legal state walks (as gyre.runtime.cell allows) with non-negative gaps between transitions."""
     def walk(draw):
         state, out = R, []
         for _ in range(draw(st.integers(0, 12))):

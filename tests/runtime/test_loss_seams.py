@@ -233,7 +233,7 @@ class _Recorder:
 
 def _core_worker(actor):
     from gyre.runtime.worker import CellWorker
-    from gyre.cell import CellState
+    from gyre.runtime.cell import CellState
 
     rec = _Recorder()
     board = SimpleNamespace(put=lambda version, params, published=False: rec.put.append((version, params, published)))

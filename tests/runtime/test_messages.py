@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from gyre.control import CONTROLLER, ControlPlane
+from gyre.runtime.control import CONTROLLER, ControlPlane
 from gyre.runtime import messages
 from gyre.runtime.controller import Controller
 from gyre.runtime.messages import Command, Report, UnknownMessage

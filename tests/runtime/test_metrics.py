@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.cell import CellState
-from gyre.metrics import MetricsWriter, plot_role_timeline, read_metrics
+from gyre.runtime.cell import CellState
+from gyre.runtime.outputs import MetricsWriter, plot_role_timeline, read_metrics
 
 
 def test_metrics_jsonl_round_trip_and_nan(tmp_path):
@@ -35,7 +35,7 @@ def test_timeline_png_and_fractions(tmp_path):
 
 
 def test_reward_trend_hand_values():
-    from gyre.metrics import reward_trend
+    from gyre.runtime.outputs import reward_trend
 
     rows = [{"rewards": [0.0, 0.0]}, {"rewards": [0.0, 0.5]}, {"rewards": [0.5, 1.0]}, {"rewards": [1.0, 1.0]}]
     t = reward_trend(rows, 2, resamples=2000)
@@ -56,7 +56,7 @@ def test_reward_trend_resamples_whole_groups(group_means, n):
     executions were independent (about sqrt(N) wider)."""
     import numpy as np
 
-    from gyre.metrics import reward_trend
+    from gyre.runtime.outputs import reward_trend
 
     groups = [[m] * n for m in group_means]
     grouped = [{"rewards": sum(groups[4 * i:4 * i + 4], []), "group_rewards": groups[4 * i:4 * i + 4]} for i in range(4)]
@@ -73,7 +73,7 @@ def test_reward_trend_fitted_rise_matches_float64_least_squares():
     polyfit on the per-group means (equal group sizes), and its interval covers it."""
     import numpy as np
 
-    from gyre.metrics import reward_trend
+    from gyre.runtime.outputs import reward_trend
 
     rng = np.random.default_rng(3)
     rows = []

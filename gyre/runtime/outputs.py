@@ -9,7 +9,7 @@ import math
 import os
 from typing import Any, Iterable
 
-from gyre.cell import CellState
+from gyre.runtime.cell import CellState
 
 ROLE_COLOURS = {
     CellState.ROLLOUT: "#4c9be8",
@@ -67,7 +67,7 @@ def plot_role_timeline(
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from gyre.cell import TRAIN_STATES
+    from gyre.runtime.cell import TRAIN_STATES
 
     cells = sorted(intervals)
     ivs = {c: list(intervals[c]) for c in cells}

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from gyre.backends import factory
 from gyre.backends.protocols import WeightTransport
-from gyre.control import CONTROLLER, ControlPlane, default_store
+from gyre.runtime.control import CONTROLLER, ControlPlane, default_store
 from gyre.errors import RunStopped, WorkerFailed
 from gyre.runtime.messages import Failed
 from gyre.topology import Groups, Topology
@@ -46,7 +46,7 @@ def train(cfg: Any, topo: Topology, groups: Groups) -> None:
 def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: WeightTransport) -> None:
     from gyre.backends.tokenizer import ENDOFTEXT, IM_END, load_tokenizer
     from gyre.runtime.controller import Controller
-    from gyre.runtime.engine_host import EngineHost
+    from gyre.backends.engine_host import EngineHost
     from gyre.runtime.worker import CellWorker
 
     control = ControlPlane(store, topo.rank)

@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Literal
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
 from gyre.backends.protocols import EngineHealth, RolloutEngine, SamplingParams, TokenEvent
-from gyre.proxy.engine_mux import MuxClient, add_mux_route, sampling_to_json
+from gyre.backends.engine_mux import MuxClient, add_mux_route, sampling_to_json
 
 logger = logging.getLogger(__name__)
 
