@@ -236,7 +236,7 @@ def _core_worker(actor):
     from gyre.runtime.cell import CellState
 
     rec = _Recorder()
-    board = SimpleNamespace(put=lambda version, params, published=False: rec.put.append((version, params, published)))
+    board = SimpleNamespace(post=lambda version, params, published=False: rec.put.append((version, params, published)))
     topo = SimpleNamespace(cell=0, position=0, rank=0, is_core=True)
     worker = CellWorker(topo, rec, rec, board, None, lambda is_core: actor)
     worker.actor = actor
