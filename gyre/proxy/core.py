@@ -297,7 +297,7 @@ class Proxy:
                     last_user = m["content"]
                     break
         try:
-            role = self.classifier.classify(state, system, last_user, headers.get(c.roles.header), key)
+            role = self.classifier.classify(state, system, last_user, headers.get(c.roles.header), key, req.max_tokens)
         except ValueError as e:
             raise ApiError(400, "invalid_request", f"header {c.roles.header}: {e}", param=c.roles.header) from None
         if req.messages is not None:
