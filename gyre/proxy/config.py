@@ -96,4 +96,8 @@ class ProxyConfig:
     token; None disables it (in-process users call the Proxy object directly)."""
     encode_cache_chars: int = 64 << 20
     """Characters of rendered chat turns whose token ids are cached (long histories re-send them)."""
+    media: Literal["placeholder", "reject"] = "placeholder"
+    """Image, audio and file content for this text-only policy: `placeholder` renders each part as
+    a line of text (`[image: image/png, 48213 bytes]`, URLs by scheme and host, never fetched),
+    context and never a training target; `reject` answers 400 naming the field."""
     roles: RoleRulesConfig = field(default_factory=RoleRulesConfig)

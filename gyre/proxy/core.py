@@ -62,6 +62,7 @@ class ChatRequest:
     include_usage: bool = False  # OpenAI stream_options.include_usage
     logprobs: bool = False
     parse_tools: bool = True
+    media: list[str] = field(default_factory=list)  # fields of media parts rendered as text placeholders
 
 
 @dataclass
@@ -210,6 +211,7 @@ class Call:
                 "reroutes": self.route.reroutes,
                 "ttft_s": (self.first_token_time - self.start_time) if self.first_token_time else None,
                 "stop_string": stop_string,
+                "media_placeholders": list(self.req.media),  # injected text (context), see validate.media_text
             },
         )
         if completed and self.req.messages is not None:
@@ -285,6 +287,9 @@ class Proxy:
     def prepare(self, key: KeyInfo, headers, req: ChatRequest) -> Call:
         c = self.config
         start = time.time()
+        if req.media and c.media == "reject":
+            raise ApiError(400, "invalid_request", f"{req.media[0]}: this model reads text only; image, audio and file "
+                           "content is refused (proxy.media=reject; 'placeholder' turns it into a line of text)", param=req.media[0])
         state = self.executions.get(key.execution_id)
         if state is None:
             state = self.executions[key.execution_id] = ExecutionState(execution_id=key.execution_id)
