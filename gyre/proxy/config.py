@@ -96,6 +96,12 @@ class ProxyConfig:
     token; None disables it (in-process users call the Proxy object directly)."""
     encode_cache_chars: int = 64 << 20
     """Characters of rendered chat turns whose token ids are cached (long histories re-send them)."""
+    splice: Literal["exact", "tolerant"] = "tolerant"
+    """Re-sent assistant turns: `exact` splices the sampled ids only for a turn re-sent whole (text
+    and tool calls, re-serialized); `tolerant` also for a turn whose text the harness dropped or
+    whose text and tool calls it sent as separate messages, when its tool calls (and text, if
+    sent) match a stored turn exactly; it puts in that turn's sampled ids, never other tokens.
+    Unmatched turns are counted per execution and warned about once (gyre/proxy/render.py)."""
     media: Literal["placeholder", "reject"] = "placeholder"
     """Image, audio and file content for this text-only policy: `placeholder` renders each part as
     a line of text (`[image: image/png, 48213 bytes]`, URLs by scheme and host, never fetched),
