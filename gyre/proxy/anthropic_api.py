@@ -2,7 +2,24 @@
 
 Content blocks map onto the chat template: `text` -> message text, assistant `tool_use` ->
 tool_calls, user `tool_result` -> a `tool` message (rendered inside `<tool_response>`).
-`thinking` blocks are context the template has no place for and are left out. Streams follow
+`thinking` blocks are context the template has no place for and are left out.
+
+Media for a text-only policy: a user `image` or `document` block, also inside `tool_result`
+content, becomes a line of text in its place: `[image: image/png, 48213 bytes]` (media type and
+decoded size), `[image: https://example.com, not fetched]` (a URL source: scheme and host only),
+`[document: file_id file_abc]`; a `text` (or `content`) document is its text. The line is
+context injected by the harness, never a training target. With `--proxy.media reject` such a
+block is a 400 naming the field instead.
+
+Extended thinking: the `thinking` request field (`{"type": "enabled", "budget_tokens": N}`) is
+accepted and has no effect. The policy's chat template has no reasoning channel, so the proxy
+never returns `thinking` blocks: the answer's content is text and tool_use blocks only, and
+`budget_tokens` counts nothing (max_tokens bounds the whole answer). Harnesses that enable
+thinking (Claude Code with MAX_THINKING_TOKENS, "think hard") keep working; they just see no
+thinking, as with a model that chose not to think. Thinking blocks re-sent in the history are
+dropped (they came from elsewhere: the proxy never produced one).
+
+Streams follow
 Anthropic's event sequence: message_start, per block content_block_start / _delta / _stop
 (text_delta, input_json_delta), message_delta (stop_reason, usage), message_stop. Errors use
 Anthropic's body: {"type": "error", "error": {"type", "message"}}.
@@ -30,6 +47,7 @@ _ERROR_TYPES = {
     "internal": "api_error",
 }
 _IGNORED_BLOCKS = {"thinking", "redacted_thinking"}
+_MEDIA_BLOCKS = {"image", "document"}
 
 
 def error_body(e: ApiError) -> dict:
@@ -40,7 +58,33 @@ def error_status(e: ApiError) -> int:
     return 529 if e.kind == "overloaded" else e.status
 
 
-def _text_blocks(v: Any, field: str) -> str:
+def _media_block(b: dict, bf: str, media: list[str]) -> str:
+    """An `image` / `document` block as text: a text document is its text; anything else is a
+    placeholder (validate.media_text) and its field is noted in `media` (reject mode refuses it)."""
+    kind = b["type"]
+    src = b.get("source")
+    if not isinstance(src, dict):
+        raise V.bad(bf + ".source", "must be an object")
+    st, sf = src.get("type"), bf + ".source."
+    if kind == "document" and st == "text":
+        return V.req_str(src, "data", sf)
+    if kind == "document" and st == "content":
+        return _text_blocks(src.get("content"), sf + "content", media)
+    name = V.opt_str(b, "title", bf + ".") if kind == "document" else None
+    if st == "base64":
+        text = V.media_text(kind, media_type=V.opt_str(src, "media_type", sf), data=V.req_str(src, "data", sf), name=name)
+    elif st == "url":
+        text = V.media_text(kind, url=V.req_str(src, "url", sf), name=name)
+    elif st == "file":
+        text = V.media_text(kind, file_id=V.req_str(src, "file_id", sf), name=name)
+    else:
+        raise V.bad(sf + "type", f"unsupported {kind} source type {st!r}")
+    media.append(bf)
+    return text
+
+
+def _text_blocks(v: Any, field: str, media: list[str] | None = None) -> str:
+    """Text blocks joined by newlines; `image` / `document` blocks too where `media` is given."""
     if isinstance(v, str):
         return v
     if not isinstance(v, list):
@@ -49,13 +93,20 @@ def _text_blocks(v: Any, field: str) -> str:
     for i, b in enumerate(v):
         if not isinstance(b, dict):
             raise V.bad(f"{field}[{i}]", "must be an object")
-        if b.get("type") != "text":
-            raise V.bad(f"{field}[{i}].type", f"unsupported block type {b.get('type')!r} here (text only)")
+        kind = b.get("type")
+        if kind in _MEDIA_BLOCKS and media is not None:
+            out.append(_media_block(b, f"{field}[{i}]", media))
+            continue
+        if kind != "text":
+            raise V.bad(f"{field}[{i}].type", f"unsupported block type {kind!r} here ({'text, image, document' if media is not None else 'text only'})")
         out.append(V.req_str(b, "text", f"{field}[{i}]."))
     return "\n".join(out)
 
 
-def parse_messages(raw: Any, system: Any) -> list[dict]:
+def parse_messages(raw: Any, system: Any, media: list[str] | None = None) -> list[dict]:
+    """Messages -> normalized chat messages; the fields of media blocks turned into text are
+    appended to `media`."""
+    media = [] if media is None else media
     msgs: list[dict] = []
     if system is not None:
         sys_text = _text_blocks(system, "system")
@@ -87,6 +138,8 @@ def parse_messages(raw: Any, system: Any) -> list[dict]:
             kind = b.get("type")
             if kind == "text":
                 texts.append(V.req_str(b, "text", bf + "."))
+            elif kind in _MEDIA_BLOCKS and role == "user":
+                texts.append(_media_block(b, bf, media))
             elif kind == "tool_use" and role == "assistant":
                 V.req_str(b, "id", bf + ".")
                 name = V.req_str(b, "name", bf + ".")
@@ -100,7 +153,7 @@ def parse_messages(raw: Any, system: Any) -> list[dict]:
                     msgs.append({"role": "user", "content": "\n".join(texts)})
                     texts = []
                 res = b.get("content", "")
-                msgs.append({"role": "tool", "content": _text_blocks(res, bf + ".content") if res is not None else ""})
+                msgs.append({"role": "tool", "content": _text_blocks(res, bf + ".content", media) if res is not None else ""})
             elif kind in _IGNORED_BLOCKS:
                 continue
             else:
@@ -138,7 +191,7 @@ def parse_tools(raw: Any) -> list[dict] | None:
 def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
     V.req_str(body, "model")
     req = ChatRequest(api="anthropic")
-    req.messages = parse_messages(body.get("messages"), body.get("system"))
+    req.messages = parse_messages(body.get("messages"), body.get("system"), req.media)
     req.tools = parse_tools(body.get("tools"))
     if count_only:
         return req
@@ -159,6 +212,9 @@ def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
     md = body.get("metadata")
     if md is not None and not isinstance(md, dict):
         raise V.bad("metadata", "must be an object")
+    th = body.get("thinking")
+    if th is not None and not isinstance(th, dict):
+        raise V.bad("thinking", "must be an object")  # accepted, never acted on: see the module docstring
     return req
 
 

@@ -11,14 +11,33 @@ DEFAULT_SUMMARY_MARKERS = (
     "<gyre:summary>",
 )
 
+# A harness's background calls, recorded as Role.HELPER and never trained. Best known from
+# published captures of Claude Code's prompts (2025-2026; they change between versions, so these
+# are substrings of the stable opening sentences). Codex CLI makes no such calls that we know of
+# (its compaction is a summary call, matched by the summary markers); add a rule when one shows
+# up, see gyre/proxy/roles.py.
+DEFAULT_HELPER_SYSTEM_MARKERS = (
+    "Analyze if this message indicates a new conversation topic",  # Claude Code: topic / title detection
+    "Your task is to process Bash commands that an AI coding agent wants to run",  # Claude Code: bash prefix check
+    "Summarize this coding conversation in under 50 characters",  # Claude Code: terminal title (older versions)
+    "<gyre:helper>",
+)
+DEFAULT_HELPER_USER_MARKERS = (
+    "Bash command prefix detection",  # Claude Code: the <policy_spec> of the bash prefix check
+    "word title for the following conversation",  # Claude Code: "Please write a 5-10 word title for ..."
+    "<gyre:helper>",
+)
+
 
 @dataclass(kw_only=True)
 class RoleRulesConfig:
-    """How a call's role (main, main summary, sub-agent, sub-agent summary) is decided.
+    """How a call's role (main, main summary, sub-agent, sub-agent summary, helper) is decided.
 
-    Order: the request header, then the key's role hint, then the rules: the first main call of an
-    execution fixes its main system prompt; a later call whose system prompt does not match it is
-    a sub-agent call; a summary marker in the last user turn makes it the summary variant.
+    Order: the request header, then the helper rules (a helper marker in the system prompt or the
+    last user turn, or `max_tokens` at most `helper_max_tokens`), then the key's role hint, then
+    the rules: the first main call of an execution fixes its main system prompt; a later call
+    whose system prompt does not match it is a sub-agent call; a summary marker in the last user
+    turn makes it the summary variant. Helper calls are recorded but never trained.
     """
 
     header: str = "x-gyre-role"
@@ -33,6 +52,14 @@ class RoleRulesConfig:
     """Substrings (case-insensitive) of the last user turn that mark a context-compaction call."""
     sub_agent_markers: tuple[str, ...] = ()
     """Substrings (case-insensitive) of the last user turn that mark a sub-agent call."""
+    helper_system_markers: tuple[str, ...] = DEFAULT_HELPER_SYSTEM_MARKERS
+    """Substrings (case-insensitive) of the system prompt that mark a harness's background helper
+    call (title, topic, bash-prefix check): recorded as role helper, never trained."""
+    helper_user_markers: tuple[str, ...] = DEFAULT_HELPER_USER_MARKERS
+    """Substrings (case-insensitive) of the last user turn that mark a helper call."""
+    helper_max_tokens: int = 1
+    """A call asking for at most this many tokens is a helper (Claude Code's start-up quota probe
+    sends max_tokens=1); 0 turns the rule off."""
 
 
 @dataclass(kw_only=True)
@@ -69,4 +96,14 @@ class ProxyConfig:
     token; None disables it (in-process users call the Proxy object directly)."""
     encode_cache_chars: int = 64 << 20
     """Characters of rendered chat turns whose token ids are cached (long histories re-send them)."""
+    splice: Literal["exact", "tolerant"] = "tolerant"
+    """Re-sent assistant turns: `exact` splices the sampled ids only for a turn re-sent whole (text
+    and tool calls, re-serialized); `tolerant` also for a turn whose text the harness dropped or
+    whose text and tool calls it sent as separate messages, when its tool calls (and text, if
+    sent) match a stored turn exactly; it puts in that turn's sampled ids, never other tokens.
+    Unmatched turns are counted per execution and warned about once (gyre/proxy/render.py)."""
+    media: Literal["placeholder", "reject"] = "placeholder"
+    """Image, audio and file content for this text-only policy: `placeholder` renders each part as
+    a line of text (`[image: image/png, 48213 bytes]`, URLs by scheme and host, never fetched),
+    context and never a training target; `reject` answers 400 naming the field."""
     roles: RoleRulesConfig = field(default_factory=RoleRulesConfig)

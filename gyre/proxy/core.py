@@ -21,13 +21,20 @@ from gyre.backends.tokenizer import ENDOFTEXT, IM_END, load_tokenizer, token_byt
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.keys import KeyInfo, KeyRegistry
 from gyre.proxy.roles import RoleClassifier
-from gyre.proxy.render import ChatRenderer, Rendered, StoredTurn, turn_fingerprint
+from gyre.proxy.render import UNMATCHED_KINDS, ChatRenderer, Rendered, StoredTurn, TurnStore, turn_fingerprint
 from gyre.proxy.router import NoEngineError, RouteInfo, Router
 from gyre.proxy.sink import MemorySink, RecordSink
 from gyre.proxy.textstream import Detokenizer, StopMatcher, ToolCall, ToolCallParser
 from gyre.trajectory.record import CallRecord, Role
 
 logger = logging.getLogger(__name__)
+
+_UNMATCHED_WHY = {
+    "split": "the harness sends an assistant turn's text and its tool calls as separate messages",
+    "text_dropped": "the harness drops the assistant's text from turns that have tool calls",
+    "edited": "the harness edits the text of turns (same tool calls, other text)",
+    "unknown": "the harness edits turns' text or tool arguments, or sends turns this policy did not produce",
+}
 
 
 class ApiError(Exception):
@@ -62,17 +69,21 @@ class ChatRequest:
     include_usage: bool = False  # OpenAI stream_options.include_usage
     logprobs: bool = False
     parse_tools: bool = True
+    media: list[str] = field(default_factory=list)  # fields of media parts rendered as text placeholders
 
 
 @dataclass
 class ExecutionState:
     execution_id: str
     call_ids: itertools.count = field(default_factory=itertools.count)
-    turns: dict[tuple, list[StoredTurn]] = field(default_factory=dict)
+    turns: TurnStore = field(default_factory=TurnStore)
     main_system: str | None = None
     calls: int = 0
     spliced_turns: int = 0
     unmatched_turns: int = 0
+    tolerated_turns: int = 0  # spliced by the tolerant rules (counted in spliced_turns too)
+    unmatched_kinds: dict[str, int] = field(default_factory=dict)  # render.UNMATCHED_KINDS -> turns
+    warned_unmatched: bool = False
     reroutes: int = 0
     aborted_calls: int = 0
     roles: dict[str, int] = field(default_factory=dict)
@@ -181,6 +192,9 @@ class Call:
         st.calls += 1
         st.spliced_turns += self.rendered.spliced
         st.unmatched_turns += self.rendered.unmatched
+        st.tolerated_turns += self.rendered.tolerated
+        for k in self.rendered.unmatched_kinds:
+            st.unmatched_kinds[k] = st.unmatched_kinds.get(k, 0) + 1
         st.reroutes += self.route.reroutes
         st.roles[self.role.name] = st.roles.get(self.role.name, 0) + 1
         if not completed:
@@ -204,18 +218,21 @@ class Call:
                 "api": self.req.api,
                 "spliced_turns": self.rendered.spliced,
                 "unmatched_turns": self.rendered.unmatched,
+                "unmatched_kinds": list(self.rendered.unmatched_kinds),
+                "tolerated_turns": self.rendered.tolerated,
                 "spliced_spans": [list(s) for s in self.rendered.spliced_spans],
                 "spliced_calls": self.rendered.spliced_calls,
                 "engines": self.route.engines,
                 "reroutes": self.route.reroutes,
                 "ttft_s": (self.first_token_time - self.start_time) if self.first_token_time else None,
                 "stop_string": stop_string,
+                "media_placeholders": list(self.req.media),  # injected text (context), see validate.media_text
             },
         )
         if completed and self.req.messages is not None:
             calls = [{"name": tc.name, "arguments": tc.arguments} for tc in self.tool_calls]
             fp = turn_fingerprint(self.content, calls)
-            st.turns.setdefault(fp, []).append(StoredTurn.of(self.call_id, self.rendered.ids, out_ids, self.content, calls))
+            st.turns.add(fp, StoredTurn.of(self.call_id, self.rendered.ids, out_ids, self.content, calls))
         try:
             p.sink.on_record(self.record)
         except Exception:  # a failing sink must be loud, but the client already has its answer
@@ -230,7 +247,7 @@ class Proxy:
         self.config = config or ProxyConfig()
         c = self.config
         self.tokenizer = tokenizer or load_tokenizer(c.tokenizer_path)
-        self.renderer = ChatRenderer(self.tokenizer, cache_chars=c.encode_cache_chars)
+        self.renderer = ChatRenderer(self.tokenizer, cache_chars=c.encode_cache_chars, splice=c.splice)
         self.token_table = token_bytes(self.tokenizer)
         self.eos_ids = frozenset(self.tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT]))
         self.router = router or Router(affinity_slack=c.affinity_slack, max_reroutes=c.max_reroutes, engine_wait_s=c.engine_wait_s)
@@ -240,6 +257,7 @@ class Proxy:
         self.executions: dict[str, ExecutionState] = {}
         self.policy_version = 0  # reported for calls that produced no token
         self.sink_errors = 0
+        self.unmatched_executions: dict[str, dict[str, Any]] = {}  # closed executions with unmatched turns (worst kept)
         self._serial = itertools.count()
 
     # ---- executions -------------------------------------------------------------------------
@@ -252,11 +270,14 @@ class Proxy:
     def execution_stats(self, execution_id: str) -> dict[str, Any]:
         st = self.executions.get(execution_id)
         if st is None:
-            return {"calls": 0, "spliced_turns": 0, "unmatched_turns": 0, "reroutes": 0, "aborted_calls": 0, "roles": {}}
+            return {"calls": 0, "spliced_turns": 0, "unmatched_turns": 0, "tolerated_turns": 0, "reroutes": 0, "aborted_calls": 0,
+                    "roles": {}, "unmatched_kinds": {}}
         return {
             "calls": st.calls,
             "spliced_turns": st.spliced_turns,
             "unmatched_turns": st.unmatched_turns,
+            "tolerated_turns": st.tolerated_turns,
+            "unmatched_kinds": dict(st.unmatched_kinds),
             "reroutes": st.reroutes,
             "aborted_calls": st.aborted_calls,
             "roles": dict(st.roles),
@@ -265,6 +286,8 @@ class Proxy:
     def close_execution(self, execution_id: str) -> dict[str, Any]:
         """Revoke the execution's keys, drop its splice state, close its store file."""
         stats = self.execution_stats(execution_id)
+        if stats["unmatched_turns"]:
+            self._note_unmatched(execution_id, stats)
         self.keys.revoke_execution(execution_id)
         self.executions.pop(execution_id, None)
         self.router.forget(execution_id)
@@ -272,6 +295,31 @@ class Proxy:
         if close is not None:
             close(execution_id)
         return stats
+
+    KEEP_WORST = 100
+
+    def _note_unmatched(self, execution_id: str, stats: dict[str, Any]) -> None:
+        self.unmatched_executions[execution_id] = {k: stats[k] for k in ("unmatched_turns", "calls", "unmatched_kinds")}
+        if len(self.unmatched_executions) > 10 * self.KEEP_WORST:  # bounded over a long run
+            self.unmatched_executions = {e: v for e, v in self.worst_unmatched(self.KEEP_WORST, pairs=True)}
+
+    def worst_unmatched(self, n: int = 10, pairs: bool = False) -> list:
+        """Closed executions with the most unmatched turns: [{execution_id, unmatched_turns, calls,
+        unmatched_kinds}], worst first (for the run's summary.json)."""
+        top = sorted(self.unmatched_executions.items(), key=lambda kv: (-kv[1]["unmatched_turns"], kv[0]))[:n]
+        return top if pairs else [{"execution_id": e, **v} for e, v in top]
+
+    def _warn_unmatched(self, state: ExecutionState, rendered: Rendered) -> None:
+        if state.warned_unmatched:
+            return
+        state.warned_unmatched = True
+        kind = min(rendered.unmatched_kinds, key=UNMATCHED_KINDS.index)
+        hint = " (--proxy.splice tolerant splices this pattern)" if kind in ("split", "text_dropped") else ""
+        logger.warning("proxy: execution %s re-sent %d assistant turn(s) that match no turn the policy sampled (%s); they are "
+                       "tokenized from text, so their sampled ids are lost and the trajectory branches there. Likely: %s%s. "
+                       "Warned once per execution; counts in the execution's stats and summary.json.",
+                       state.execution_id, len(rendered.unmatched_kinds), ", ".join(sorted(set(rendered.unmatched_kinds))),
+                       _UNMATCHED_WHY[kind], hint)
 
     # ---- calls ------------------------------------------------------------------------------
     def authenticate(self, key: str | None) -> KeyInfo:
@@ -285,6 +333,9 @@ class Proxy:
     def prepare(self, key: KeyInfo, headers, req: ChatRequest) -> Call:
         c = self.config
         start = time.time()
+        if req.media and c.media == "reject":
+            raise ApiError(400, "invalid_request", f"{req.media[0]}: this model reads text only; image, audio and file "
+                           "content is refused (proxy.media=reject; 'placeholder' turns it into a line of text)", param=req.media[0])
         state = self.executions.get(key.execution_id)
         if state is None:
             state = self.executions[key.execution_id] = ExecutionState(execution_id=key.execution_id)
@@ -297,11 +348,13 @@ class Proxy:
                     last_user = m["content"]
                     break
         try:
-            role = self.classifier.classify(state, system, last_user, headers.get(c.roles.header), key)
+            role = self.classifier.classify(state, system, last_user, headers.get(c.roles.header), key, req.max_tokens)
         except ValueError as e:
             raise ApiError(400, "invalid_request", f"header {c.roles.header}: {e}", param=c.roles.header) from None
         if req.messages is not None:
             rendered = self.renderer.render(req.messages, req.tools, state.turns)
+            if rendered.unmatched_kinds:
+                self._warn_unmatched(state, rendered)
         elif req.prompt_ids is not None:
             rendered = Rendered(ids=list(req.prompt_ids))
         else:

@@ -4,6 +4,15 @@ Parses requests into `ChatRequest` (every known field type-checked; unknown fiel
 harnesses send vendor extras), and turns a `Call` into a JSON body or an SSE stream of
 `chat.completion.chunk`s (tool calls as `delta.tool_calls`, `stream_options.include_usage`,
 logprobs when asked). Errors use OpenAI's body: {"error": {"message", "type", "param", "code"}}.
+
+Media for a text-only policy: user and tool `image_url`, `input_audio` and `file` parts become a
+line of text (`[image: image/png, 48213 bytes]`, `[image: https://example.com, not fetched]`,
+`[file: report.pdf, application/pdf, 1024 bytes]`): context, never a training target;
+`--proxy.media reject` makes them a 400 naming the field.
+
+`top_logprobs` > 0 (and `logprobs` > 0 on /v1/completions) is a 400 naming the field: the engine
+protocol (`TokenEvent`) carries the sampled token's log-prob only, so alternatives cannot be
+returned; 0 or absent is served, with `top_logprobs: []` on every token.
 """
 
 from __future__ import annotations
@@ -31,6 +40,12 @@ _ERROR_TYPES = {
 }
 
 
+# The engine protocol (gyre.backends.protocols.TokenEvent) carries only the sampled token's
+# log-prob; asking engines for k alternatives per token would widen every engine and the HTTP
+# engine wire, so the field is refused rather than answered with a silent [].
+_NO_TOP_LOGPROBS = "alternatives are not available: this proxy's engines report the sampled token's log-prob only; use 0"
+
+
 def error_body(e: ApiError) -> dict:
     code = e.code
     if code is None and e.kind == "authentication":
@@ -38,7 +53,38 @@ def error_body(e: ApiError) -> dict:
     return {"error": {"message": e.message, "type": _ERROR_TYPES.get(e.kind, "invalid_request_error"), "param": e.param, "code": code}}
 
 
-def _text_of(content: Any, field: str) -> str:
+def _media_part(part: dict, kind: str, f: str) -> str:
+    """A chat `image_url` / `input_audio` / `file` part or a Responses `input_image` / `input_file`
+    part as its placeholder line (validate.media_text); nothing is fetched or decoded."""
+    if kind == "image_url":
+        img = V.get_obj(part, "image_url", f + ".")
+        return V.media_text("image", url=V.req_str(img, "url", f + ".image_url."))
+    if kind == "input_audio":
+        au = V.get_obj(part, "input_audio", f + ".")
+        fmt = V.opt_str(au, "format", f + ".input_audio.")
+        return V.media_text("audio", media_type=f"audio/{fmt}" if fmt else None, data=V.req_str(au, "data", f + ".input_audio."))
+    if kind == "input_image":
+        url, fid = V.opt_str(part, "image_url", f + "."), V.opt_str(part, "file_id", f + ".")
+        if url is None and fid is None:
+            raise V.bad(f + ".image_url", "is required (or file_id)")
+        return V.media_text("image", url=url, file_id=fid if url is None else None)
+    fobj, where = (V.get_obj(part, "file", f + "."), f + ".file.") if kind == "file" else (part, f + ".")
+    data, fid = V.opt_str(fobj, "file_data", where), V.opt_str(fobj, "file_id", where)
+    url = V.opt_str(fobj, "file_url", where) if kind == "input_file" else None
+    name = V.opt_str(fobj, "filename", where)
+    if data is not None and data.startswith("data:"):
+        data, url = None, data
+    if data is None and url is None and fid is None:
+        raise V.bad(where + "file_data", "is required (or file_id)")
+    return V.media_text("file", data=data, url=url, file_id=fid if data is None and url is None else None, name=name)
+
+
+_MEDIA_PARTS = {"image_url", "input_audio", "file", "input_image", "input_file"}
+
+
+def _text_of(content: Any, field: str, media: list[str] | None = None) -> str:
+    """Text of a message's content; media parts become placeholder lines, their fields noted in
+    `media` (None: media parts are refused here)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -53,8 +99,11 @@ def _text_of(content: Any, field: str) -> str:
                 out.append(V.req_str(part, "text", f"{field}[{i}]."))
             elif kind == "refusal":
                 out.append(V.req_str(part, "refusal", f"{field}[{i}]."))
+            elif kind in _MEDIA_PARTS and media is not None:
+                out.append(_media_part(part, kind, f"{field}[{i}]"))
+                media.append(f"{field}[{i}]")
             else:
-                raise V.bad(f"{field}[{i}].type", f"unsupported content part type {kind!r} (text only)")
+                raise V.bad(f"{field}[{i}].type", f"unsupported content part type {kind!r} here")
         return "".join(out)
     raise V.bad(field, "must be a string, an array of content parts, or null")
 
@@ -83,7 +132,8 @@ def _tool_calls(v: Any, field: str) -> list[dict]:
     return out
 
 
-def parse_messages(raw: Any) -> list[dict]:
+def parse_messages(raw: Any, media: list[str] | None = None) -> list[dict]:
+    media = [] if media is None else media
     if raw is None:
         raise V.bad("messages", "is required")
     if not isinstance(raw, list) or not raw:
@@ -96,7 +146,7 @@ def parse_messages(raw: Any) -> list[dict]:
         role = m.get("role")
         if role not in _ROLES:
             raise V.bad(f + ".role", f"must be one of {sorted(_ROLES)}")
-        content = _text_of(m.get("content"), f + ".content")
+        content = _text_of(m.get("content"), f + ".content", media if role in ("user", "tool") else None)
         if role == "developer":
             role = "system"
         msg: dict[str, Any] = {"role": role, "content": content}
@@ -154,14 +204,15 @@ def _common(body: dict, api: str) -> ChatRequest:
 
 def parse_chat(body: dict) -> ChatRequest:
     req = _common(body, "openai")
-    req.messages = parse_messages(body.get("messages"))
+    req.messages = parse_messages(body.get("messages"), req.media)
     req.tools = parse_tools(body.get("tools"))
     tc = body.get("tool_choice")
     if tc is not None and not isinstance(tc, (str, dict)):
         raise V.bad("tool_choice", "must be a string or an object")
     req.parse_tools = tc != "none"
     req.logprobs = V.opt_bool(body, "logprobs")
-    V.opt_int(body, "top_logprobs", 0, lo=0, hi=20)
+    if V.opt_int(body, "top_logprobs", 0, lo=0, hi=20):
+        raise V.bad("top_logprobs", _NO_TOP_LOGPROBS)
     return req
 
 
@@ -177,7 +228,10 @@ def parse_completion(body: dict) -> ChatRequest:
     else:
         raise V.bad("prompt", "must be a string, one string in an array, or an array of token ids")
     req.parse_tools = False
-    req.logprobs = V.opt_int(body, "logprobs", None, lo=0, hi=5) is not None
+    n_lp = V.opt_int(body, "logprobs", None, lo=0, hi=5)
+    if n_lp:
+        raise V.bad("logprobs", _NO_TOP_LOGPROBS + "; use logprobs=0 for the sampled tokens' log-probs")
+    req.logprobs = n_lp is not None
     return req
 
 

@@ -19,6 +19,19 @@ stopped otherwise, in which case the template's `<|im_end|>` follows them).
 
 Tokenization is cached per chat turn (text between `<|im_start|>` tokens), so a long history
 re-sent on every call is encoded once.
+
+Unmatched turns are diagnosed by comparing them with the stored turns (`Rendered.unmatched_kinds`):
+`split` (a run of consecutive assistant messages that together are one stored turn: the harness
+sent its text and its tool calls as separate messages), `text_dropped` (the tool calls of a
+stored turn, exactly, with no text: the harness dropped the text of a turn with tool calls),
+`edited` (a stored turn's exact tool calls with other text), `unknown` (matches nothing: edited
+text or arguments, or a turn this proxy did not produce). With `splice="tolerant"` the first two
+are spliced like a match: the run, or the message, is replaced by the stored turn's sampled ids,
+all of them, so the later prompt holds exactly what the model conditioned on and saw itself
+produce. It never invents a token: the stored turn's tool calls must match exactly (names and
+canonical arguments), a split run's text must match exactly too, and when several stored turns
+have those tool calls with different sampled ids, only the one sampled in exactly this context
+is used (none: the message stays unmatched). Edited and unknown turns stay text in both modes.
 """
 
 from __future__ import annotations
@@ -80,6 +93,33 @@ class StoredTurn:
         return cls(call_id, len(input_ids), ids_digest(input_ids), list(output_ids), content, list(tool_calls or []))
 
 
+class TurnStore(dict):
+    """An execution's stored turns: fingerprint -> [StoredTurn] (a plain dict works too), plus an
+    index by tool calls alone for diagnosing and tolerating re-sent turns that lost their text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_calls: dict[tuple, list[StoredTurn]] = {}
+
+    def add(self, fp: tuple, turn: StoredTurn) -> None:
+        self.setdefault(fp, []).append(turn)
+        if fp[1]:
+            self.by_calls.setdefault(fp[1], []).append(turn)
+
+
+def _calls_index(turns: dict) -> dict[tuple, list[StoredTurn]]:
+    by = getattr(turns, "by_calls", None)
+    if by is None:
+        by = {}
+        for fp, ts in turns.items():
+            if fp[1]:
+                by.setdefault(fp[1], []).extend(ts)
+    return by
+
+
+UNMATCHED_KINDS = ("split", "text_dropped", "edited", "unknown")  # most telling first
+
+
 @dataclass
 class Rendered:
     ids: list[int]
@@ -88,10 +128,22 @@ class Rendered:
     spliced_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) in ids
     spliced_calls: list[int] = field(default_factory=list)  # call ids whose outputs went in
     message_starts: list[int] = field(default_factory=list)
+    tolerated: int = 0  # of `spliced`: turns spliced by the tolerant rules (split / text dropped)
+    unmatched_kinds: list[str] = field(default_factory=list)  # one of UNMATCHED_KINDS per unmatched message
+
+
+class _Ambiguous(Exception):
+    """A tolerant splice found several stored turns and none sampled in this exact context."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
 
 
 class ChatRenderer:
-    def __init__(self, tokenizer, cache_chars: int = 64 << 20) -> None:
+    def __init__(self, tokenizer, cache_chars: int = 64 << 20, splice: str = "exact") -> None:
+        if splice not in ("exact", "tolerant"):
+            raise ValueError(f"splice must be 'exact' or 'tolerant', got {splice!r}")
+        self.splice = splice
         self.tokenizer = tokenizer
         self.backend = tokenizer.backend_tokenizer
         self.im_start_id = tokenizer.convert_tokens_to_ids(IM_START)
@@ -151,37 +203,83 @@ class ChatRenderer:
     def render(self, messages: list[dict], tools: list[dict] | None, turns: dict[tuple, list[StoredTurn]] | None) -> Rendered:
         """`messages` are normalized chat messages (role, content str, tool_calls [{name, arguments}]).
         `turns` maps a turn fingerprint to the stored turns of this execution (None: no splicing)."""
+        no_tolerate: set[int] = set()
+        while True:
+            try:
+                return self._render(messages, tools, turns, no_tolerate)
+            except _Ambiguous as e:  # rare: render again with that message as text
+                no_tolerate.add(e.index)
+
+    def _diagnose(self, messages: list[dict], i: int, turns: dict, by_calls: dict) -> tuple[str, int, list[StoredTurn] | None]:
+        """Why assistant message i matched nothing: (kind, messages it covers, stored turns it is)."""
+        j = i
+        while j < len(messages) and messages[j]["role"] == "assistant":
+            j += 1
+        for k in range(j, i + 1, -1):  # the longest run of 2+ messages that is one stored turn
+            run = messages[i:k]
+            text = "\n".join(t for t in ((m.get("content") or "").strip() for m in run) if t)
+            cands = turns.get(turn_fingerprint(text, [tc for m in run for tc in m.get("tool_calls") or ()]))
+            if cands:
+                return "split", k - i, cands
+        m = messages[i]
+        calls = turn_fingerprint("", m.get("tool_calls"))[1]
+        stored = by_calls.get(calls) if calls else None
+        if stored:
+            return ("edited", 1, None) if (m.get("content") or "").strip() else ("text_dropped", 1, stored)
+        return "unknown", 1, None
+
+    def _render(self, messages: list[dict], tools: list[dict] | None, turns: dict | None, no_tolerate: set[int]) -> Rendered:
         tmpl: list[dict] = []
-        splices: list[list[StoredTurn]] = []
-        unmatched = 0
-        for m in messages:
-            if m["role"] == "assistant":
-                cands = turns.get(turn_fingerprint(m.get("content"), m.get("tool_calls"))) if turns else None
-                if cands:
-                    tmpl.append({"role": "assistant", "content": f"\x00splice-{self._nonce}-{len(splices)}\x00"})
-                    splices.append(cands)
+        splices: list[tuple[list[StoredTurn], int]] = []  # (candidates, message index if tolerant else -1)
+        kinds: list[str] = []
+        by_calls = None
+        i = 0
+        while i < len(messages):
+            m = messages[i]
+            if m["role"] != "assistant":
+                tmpl.append(m)
+                i += 1
+                continue
+            cands = turns.get(turn_fingerprint(m.get("content"), m.get("tool_calls"))) if turns else None
+            span, tolerant = 1, False
+            if not cands:
+                if not turns:
+                    kind = "unknown"
+                else:
+                    by_calls = _calls_index(turns) if by_calls is None else by_calls
+                    kind, span, cands = self._diagnose(messages, i, turns, by_calls)
+                    tolerant = bool(cands) and self.splice == "tolerant" and i not in no_tolerate
+                if not tolerant:
+                    kinds += [kind] * span
+                    tmpl += messages[i : i + span]
+                    i += span
                     continue
-                unmatched += 1
-            tmpl.append(m)
+            tmpl.append({"role": "assistant", "content": f"\x00splice-{self._nonce}-{len(splices)}\x00"})
+            splices.append((cands, i if tolerant else -1))
+            i += span
         text = self._render_text(tmpl, tools)
         starts: list[int] = []
         if not splices:
             ids = self.encode(text, starts)
-            return Rendered(ids=ids, unmatched=unmatched, message_starts=starts)
+            return Rendered(ids=ids, unmatched=len(kinds), message_starts=starts, unmatched_kinds=kinds)
         parts = self._placeholder.split(text)  # [text, k, text, k, ..., text]
         ids = self.encode(parts[0], starts)
-        out = Rendered(ids=ids, unmatched=unmatched, message_starts=starts)
+        out = Rendered(ids=ids, unmatched=len(kinds), message_starts=starts, unmatched_kinds=kinds)
         for j in range(1, len(parts), 2):
-            cands = splices[int(parts[j])]
+            cands, tol_index = splices[int(parts[j])]
             turn = cands[-1]
             if len(cands) > 1:  # the same text was produced more than once: prefer the exact context
                 same_len = [c for c in cands if c.input_len == len(ids)]
-                if same_len:
-                    d = ids_digest(ids)
-                    turn = next((c for c in reversed(same_len) if c.input_digest == d), turn)
+                d = ids_digest(ids) if same_len else None
+                exact = next((c for c in reversed(same_len) if c.input_digest == d), None)
+                if exact is not None:
+                    turn = exact
+                elif tol_index >= 0 and any(c.output_ids != turn.output_ids for c in cands):
+                    raise _Ambiguous(tol_index)  # a tolerant splice never guesses between samples
             start = len(ids)
             ids.extend(turn.output_ids)
             out.spliced += 1
+            out.tolerated += tol_index >= 0
             out.spliced_spans.append((start, len(ids)))
             out.spliced_calls.append(turn.call_id)
             drop = 0

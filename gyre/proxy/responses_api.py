@@ -38,7 +38,10 @@ by default) are stored as a delta against the execution's last kept response whe
 
 Refused with a 400 naming the field, never silently ignored: `tool_choice` `required` or a named
 tool (nothing forces a call), `text.format` other than text, `conversation`, `prompt`,
-`background`, `item_reference` and non-text input parts. Accepted and ignored: `metadata`,
+`background`, `item_reference`, `top_logprobs` > 0 (engines report the sampled token's log-prob
+only). `input_image` / `input_file` parts of user messages and tool outputs become a line of
+text (`[image: image/png, 48213 bytes]`, URLs by scheme and host, never fetched), context and
+never a training target; `--proxy.media reject` makes them a 400 naming the field. Accepted and ignored: `metadata`,
 `user`, `reasoning` (effort/summary: the policy has no such knob), `parallel_tool_calls` (every
 call the model writes is returned), `truncation`, `prompt_cache_*`, `client_metadata`,
 `safety_identifier`, `service_tier`, `text.verbosity`, `include` (except
@@ -62,7 +65,7 @@ from aiohttp import web
 from gyre.proxy import validate as V
 from gyre.proxy.core import ApiError, Call, ChatRequest, ExecutionState, Proxy
 from gyre.proxy.keys import KeyInfo
-from gyre.proxy.openai_api import _lp_entries, _text_of, error_body
+from gyre.proxy.openai_api import _NO_TOP_LOGPROBS, _lp_entries, _text_of, error_body
 from gyre.proxy.textstream import ToolCall
 
 _MESSAGE_ROLES = {"system", "developer", "user", "assistant"}
@@ -104,8 +107,10 @@ def _arguments(item: dict, where: str) -> Any:
         return raw  # kept as the raw string, as the chat adapter does
 
 
-def parse_input(raw: Any) -> list[dict]:
-    """Input items -> normalized chat messages (see the module docstring for the mapping)."""
+def parse_input(raw: Any, media: list[str] | None = None) -> list[dict]:
+    """Input items -> normalized chat messages (see the module docstring for the mapping); fields of
+    media parts turned into placeholder text are appended to `media`."""
+    media = [] if media is None else media
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list):
@@ -129,7 +134,7 @@ def parse_input(raw: Any) -> list[dict]:
             role = item.get("role")
             if role not in _MESSAGE_ROLES:
                 raise V.bad(f + ".role", f"must be one of {sorted(_MESSAGE_ROLES)}")
-            text = _text_of(item.get("content"), f + ".content")
+            text = _text_of(item.get("content"), f + ".content", media if role == "user" else None)
             if role == "assistant":
                 # A response's items come back as [message] [call]*; a second message with no
                 # call in between is another turn (text after a call still belongs to its turn).
@@ -148,7 +153,7 @@ def parse_input(raw: Any) -> list[dict]:
             if "output" not in item:
                 raise V.bad(f + ".output", "is required")
             turn = None
-            msgs.append({"role": "tool", "content": _text_of(item["output"], f + ".output")})
+            msgs.append({"role": "tool", "content": _text_of(item["output"], f + ".output", media)})
         elif kind == "reasoning":
             continue  # see the module docstring; it does not end the assistant turn
         elif kind == "item_reference":
@@ -260,6 +265,8 @@ def parse_request(body: dict) -> ResponsesRequest:
             raise V.bad(name, "must be an object")
     V.opt_str(body, "user")
     include = V.opt_list(body, "include") or []
+    if V.opt_int(body, "top_logprobs", 0, lo=0, hi=20):
+        raise V.bad("top_logprobs", _NO_TOP_LOGPROBS)
     chat = ChatRequest(
         api="responses",
         max_tokens=V.opt_int(body, "max_output_tokens", None, lo=1),
@@ -281,7 +288,7 @@ def parse_request(body: dict) -> ResponsesRequest:
     raw = body.get("input")
     if raw is None and req.previous_response_id is None:
         raise V.bad("input", "is required")
-    req.new_messages = parse_input(raw) if raw is not None else []
+    req.new_messages = parse_input(raw, chat.media) if raw is not None else []
     req.echo = {
         "instructions": req.instructions,
         "max_output_tokens": chat.max_tokens,

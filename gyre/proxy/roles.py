@@ -1,11 +1,26 @@
 """Role classification (docs/design.md §4): which part of an execution a model call belongs to.
 
 A call is the main agent's turn, the main agent's context compaction (summary), a sub-agent's
-turn, or a sub-agent's compaction. The trajectory tree (docs/design.md §5) groups records by
-role, so a wrong role puts a sub-agent's tokens into the main agent's tree. Decided, first
-match wins, by: an explicit header (`proxy.roles.header`), the role hint the execution's key
-was issued with, then the configured markers in the last user message and whether the system
-prompt differs from the execution's first main-agent system prompt (`RoleRulesConfig`).
+turn, a sub-agent's compaction, or a harness's background *helper* call (Claude Code's title and
+topic detection, its bash-command prefix check, its start-up quota probe). The trajectory tree
+(docs/design.md §5) groups records by role, so a wrong role puts a sub-agent's tokens into the
+main agent's tree; helper calls are recorded but never trained (`build_tree` leaves them out).
+Decided, first match wins, by: an explicit header (`proxy.roles.header`), the helper rules
+(markers in the system prompt or the last user turn, a tiny `max_tokens`), the role hint the
+execution's key was issued with, then the configured markers in the last user message and
+whether the system prompt differs from the execution's first main-agent system prompt
+(`RoleRulesConfig`). A helper call never fixes the main system prompt, so a harness whose first
+call is a helper still gets its main agent right.
+
+Adding a rule for a new harness: capture one request of the background call (`python -m
+gyre.proxy` logs nothing of bodies; record with the harness's own debug log or a logging proxy),
+pick a substring of its system prompt (or last user turn) that is stable across versions and that
+no main-agent prompt contains, and append it, keeping the defaults:
+
+    --proxy.roles.helper-system-markers "Analyze if this message indicates" "Generate a title for"
+
+(or `RoleRulesConfig(helper_system_markers=DEFAULT_HELPER_SYSTEM_MARKERS + ("...",))`), then add
+a case to tests/proxy/test_roles.py. A harness you control can instead send `x-gyre-role: helper`.
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ ROLE_NAMES = {
     "sub_agent": Role.SUB,
     "subagent": Role.SUB,
     "sub_summary": Role.SUB_SUMMARY,
+    "helper": Role.HELPER,
 }
 
 
@@ -43,16 +59,28 @@ class RoleClassifier:
         self.rules = rules
         self._summary = tuple(m.lower() for m in rules.summary_markers if m)
         self._sub = tuple(m.lower() for m in rules.sub_agent_markers if m)
+        self._helper_system = tuple(m.lower() for m in rules.helper_system_markers if m)
+        self._helper_user = tuple(m.lower() for m in rules.helper_user_markers if m)
 
     def _key(self, system: str) -> str:
         if self.rules.system_prompt_match == "prefix":
             return system[: self.rules.system_prompt_prefix_chars]
         return system
 
-    def classify(self, state, system: str, last_user: str, header_value: str | None, key: KeyInfo | None) -> Role:
+    def is_helper(self, system: str, last_user: str, max_tokens: int | None = None) -> bool:
+        if max_tokens is not None and max_tokens <= self.rules.helper_max_tokens:
+            return True
+        if self._helper_system and any(m in system.lower() for m in self._helper_system):
+            return True
+        return bool(self._helper_user) and any(m in last_user.lower() for m in self._helper_user)
+
+    def classify(self, state, system: str, last_user: str, header_value: str | None, key: KeyInfo | None,
+                 max_tokens: int | None = None) -> Role:
         """`state` is the execution's state (`main_system` is read and set here)."""
         if header_value:
             role = parse_role(header_value)  # ValueError -> 400 upstream
+        elif self.is_helper(system, last_user, max_tokens):
+            role = Role.HELPER
         elif key is not None and key.role_hint is not None and self.rules.use_key_hint:
             role = key.role_hint
         else:

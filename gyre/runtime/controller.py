@@ -137,6 +137,7 @@ class Controller:
 
         # Run state.
         self.pending: set[int] = set()  # cells that asked for work and got none yet
+        self.unmatched_seen = 0  # proxy unmatched turns already reported in a metrics row
         self.switch_sent: dict[int, float] = {}
         self.latencies: dict[str, list[float]] = {"to_train": [], "to_rollout": []}
         self.steps_done = start_version  # train.steps counts the whole run, across resumes
@@ -356,6 +357,11 @@ class Controller:
                                         f"{msg.error} (its traceback is in rank {msg.rank}'s log)")
         self.stopping = True
 
+    def _take_unmatched(self) -> int:
+        total = self.access.totals["unmatched_turns"] if self.access is not None else 0
+        new, self.unmatched_seen = total - self.unmatched_seen, total
+        return new
+
     def _step_done(self, step: int, stats: dict[str, float]) -> None:
         rec = self.ledger.close(step)
         now = time.time()
@@ -368,6 +374,9 @@ class Controller:
             "dispatched": self.sched.dispatched,
             "finished": self.sched.finished,
             "reroutes": self.proxy.router.reroutes,
+            # re-sent assistant turns that matched no sampled turn (gyre/proxy/render.py), summed over
+            # the executions closed since the previous row
+            "unmatched_turns": self._take_unmatched(),
             "switch_to_train_s": self.latencies["to_train"][-1] if self.latencies["to_train"] else None,
             "switch_to_rollout_s": self.latencies["to_rollout"][-1] if self.latencies["to_rollout"] else None,
             **self.ledger.step_fields(step, now),
@@ -477,6 +486,8 @@ class Controller:
             "aborted_calls": self.access.totals["aborted_calls"],
             "spliced_turns": self.access.totals["spliced_turns"],
             "unmatched_turns": self.access.totals["unmatched_turns"],
+            "tolerated_turns": self.access.totals["tolerated_turns"],  # spliced by --proxy.splice tolerant
+            "worst_unmatched_executions": self.proxy.worst_unmatched(10),  # [{execution_id, unmatched_turns, calls, unmatched_kinds}]
             "engine_failures": stats["engine_failures"],
             "execution_outcomes": dict(self.outcomes),
             "cancelled_at_end": cancelled,

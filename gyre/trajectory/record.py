@@ -16,13 +16,20 @@ import numpy as np
 class Role(enum.IntEnum):
     """Role of a model call. The integer value is the selection priority (lower = chosen first).
 
-    docs/design.md §5: main > main summary > sub-agent > sub-agent summary.
+    docs/design.md §5: main > main summary > sub-agent > sub-agent summary. HELPER is a harness's
+    background call (a title, a topic check, a bash-prefix check: gyre/proxy/roles.py): recorded,
+    but never trained; `build_tree` leaves it out, so no trajectory can select it.
     """
 
     MAIN = 0
     MAIN_SUMMARY = 1
     SUB = 2
     SUB_SUMMARY = 3
+    HELPER = 4
+
+    @property
+    def trained(self) -> bool:
+        return self is not Role.HELPER
 
 
 @dataclass

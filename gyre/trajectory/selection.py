@@ -1,7 +1,7 @@
 """Selection of training trajectories from a prefix tree, without replacement (docs/design.md §5).
 
 Leaves are taken by role priority (main > main summary > sub-agent > sub-agent summary, i.e.
-ascending `Role` value), uniformly at random within a priority using the caller's generator.
+ascending `Role` value; HELPER leaves never), uniformly at random within a priority using the caller's generator.
 Each chosen trajectory's targets T_j are the target tokens on its root-to-leaf path not yet
 claimed; then its whole path is claimed. So the T_j are disjoint, a shared prefix is trained
 once, and L = Σ_j |T_j| = |T_i| is the execution's normalizer (docs/design.md §6).
@@ -71,6 +71,8 @@ def selection_order(tree: PrefixTree, rng: np.random.Generator) -> list[int]:
     """Leaves by ascending role value, shuffled uniformly within each role by `rng`."""
     order: list[int] = []
     for role in sorted(set(int(r) for r in tree.leaf_role)):
+        if not Role(role).trained:  # build_tree leaves helpers out; a hand-built tree is checked here too
+            continue
         leaves = np.flatnonzero(tree.leaf_role == role)
         order.extend(int(x) for x in leaves[rng.permutation(len(leaves))])
     return order

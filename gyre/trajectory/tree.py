@@ -96,6 +96,7 @@ class TreeStats:
     message_occurrences: int | None = None
     message_duplicates_saved: int | None = None
     leaves_by_role: dict[str, int] = field(default_factory=dict)
+    helper_calls: int = 0  # HELPER records left out of the tree (never trained)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -286,12 +287,23 @@ def _validate(rec: CallRecord, execution_id: str) -> None:
 def build_tree(records: Sequence[CallRecord]) -> PrefixTree:
     """Build the prefix tree of one execution's records (any order; processed by call_id).
 
+    HELPER calls (a harness's background calls, `Role.HELPER`) are left out: they are recorded but
+    never trained, so they own no position and no leaf. An execution with only helper calls gives
+    `PrefixTree.empty` (its stats count the helper calls).
+
     Raises ValueError on an empty list, mixed executions, duplicate call ids, empty inputs or
     malformed message_starts.
     """
     if not records:
         raise ValueError("build_tree: no records")
     exec_id = records[0].execution_id
+    helpers = sum(1 for r in records if not r.role.trained)
+    if helpers:
+        records = [r for r in records if r.role.trained]
+        if not records:
+            tree = PrefixTree.empty(exec_id)
+            tree.stats.helper_calls = helpers
+            return tree
     order = sorted(range(len(records)), key=lambda i: records[i].call_id)
     recs = [records[i] for i in order]
     for a, b in zip(recs, recs[1:]):
@@ -303,7 +315,9 @@ def build_tree(records: Sequence[CallRecord]) -> PrefixTree:
         _validate(rec, exec_id)
         has_marks |= len(rec.message_starts) > 0
         builder.insert(rec, ci)
-    return _freeze(builder, recs, has_marks)
+    tree = _freeze(builder, recs, has_marks)
+    tree.stats.helper_calls = helpers
+    return tree
 
 
 def _freeze(builder: _Builder, recs: list[CallRecord], has_marks: bool) -> PrefixTree:

@@ -55,7 +55,7 @@ def test_header_then_key_hint_then_rules():
 
 
 @pytest.mark.parametrize("name,role", [("main", Role.MAIN), (" Sub_Agent ", Role.SUB), ("summary", Role.MAIN_SUMMARY),
-                                       ("sub_summary", Role.SUB_SUMMARY)])
+                                       ("sub_summary", Role.SUB_SUMMARY), ("Helper", Role.HELPER)])
 def test_parse_role_accepts_the_documented_names(name, role):
     assert parse_role(name) is role
 
@@ -79,3 +79,36 @@ def test_rule_order_invariant(calls):
         assert role is {(False, False): Role.MAIN, (False, True): Role.MAIN_SUMMARY,
                         (True, False): Role.SUB, (True, True): Role.SUB_SUMMARY}[(sub, summary)]
         assert s.main_system == (before if before is not None or role is not Role.MAIN else system[:8])
+
+
+CC_MAIN = "You are Claude Code, Anthropic's official CLI for Claude.\nYou are an interactive CLI tool that helps users with software engineering tasks."
+CC_TOPIC = ("You are Claude Code, Anthropic's official CLI for Claude.\nAnalyze if this message indicates a new conversation topic. "
+            "If it does, extract a 2-3 word title that captures the new topic.")
+CC_PREFIX_SYS = "Your task is to process Bash commands that an AI coding agent wants to run.\n\nThis policy spec defines how to determine the prefix"
+CC_PREFIX_USER = "<policy_spec>\n# Claude Code Code Bash command prefix detection\n\nThis document defines risk levels...\nCommand: git status"
+
+
+def test_claude_code_helper_calls_are_helpers_and_never_fix_the_main_system_prompt():
+    """Defaults: Claude Code's topic/title detection, bash-prefix check and quota probe are HELPER
+    calls, whatever comes first; the main agent and its sub-agents are classified as before."""
+    c, s = RoleClassifier(RoleRulesConfig()), _state()
+    assert c.classify(s, CC_TOPIC, "fix the failing test in foo.py", None, None) is Role.HELPER  # often the first call
+    assert c.classify(s, "", "quota", None, None, max_tokens=1) is Role.HELPER  # the start-up probe
+    assert s.main_system is None
+    assert c.classify(s, CC_MAIN, "fix the failing test in foo.py", None, None) is Role.MAIN
+    assert c.classify(s, CC_PREFIX_SYS, CC_PREFIX_USER, None, None) is Role.HELPER
+    assert c.classify(s, "", "Please write a 5-10 word title for the following conversation:\n...", None, None) is Role.HELPER
+    assert c.classify(s, CC_MAIN, "go on", None, None, max_tokens=4096) is Role.MAIN
+    assert c.classify(s, "You are a search sub-agent", "find x", None, None) is Role.SUB
+    key = KeyInfo(key="k", execution_id="e", role_hint=Role.SUB)
+    assert c.classify(s, CC_TOPIC, "x", None, key) is Role.HELPER  # a helper rule beats the key's hint
+    assert c.classify(s, CC_TOPIC, "x", "main", key) is Role.MAIN  # the header beats everything
+
+
+def test_helper_rules_are_configurable_and_can_be_turned_off():
+    rules = RoleRulesConfig(helper_system_markers=("generate a title for",), helper_user_markers=("[bg]",), helper_max_tokens=0)
+    c, s = RoleClassifier(rules), _state()
+    assert c.classify(s, "Main agent", "hi", None, None, max_tokens=1) is Role.MAIN  # max-tokens rule off
+    assert c.classify(s, "Codex-like: Generate a TITLE for this thread", "hi", None, None) is Role.HELPER
+    assert c.classify(s, "Main agent", "[BG] check something", None, None) is Role.HELPER
+    assert c.classify(s, CC_TOPIC, "hi", None, None) is Role.SUB  # the defaults were replaced

@@ -150,3 +150,30 @@ def test_selection_j_max_seeded_and_seq_len():
         select_trajectories(tree, 1)
     with pytest.raises(ValueError, match="j_max"):
         select_trajectories(tree, 0, np.random.default_rng(0))
+
+
+def test_helper_calls_are_never_selected_nor_targets():
+    """A harness's background calls (Role.HELPER: titles, bash-prefix checks) are recorded but never
+    trained: not in the tree, no leaf, no selected trajectory, no micro-step target."""
+    from gyre.trajectory.packing import ExecutionSample, pack_step
+
+    helper_out = [70, 71, 72]
+    recs = [
+        rec(0, [1, 2, 3], [4, 5]),
+        rec(1, [1, 2, 9], helper_out, role=Role.HELPER, lp=[-9.5] * 3),  # shares the prefix [1, 2]
+        rec(2, [1, 2, 3, 4, 5, 6], [7]),
+        rec(3, [60, 61], [73], role=Role.HELPER, lp=[-9.5]),  # a helper's own tree
+    ]
+    tree = build_tree(recs)
+    assert tree.stats.helper_calls == 2 and tree.stats.calls == 2
+    assert tree.num_leaves == 1 and set(tree.call_roles.tolist()) == {int(Role.MAIN)}
+    assert not set(helper_out + [73]) & set(tree.tokens.tolist())
+    sel = select_trajectories(tree, None, np.random.default_rng(0))
+    assert [t.role for t in sel.trajectories] == [Role.MAIN] and sel.num_targets == 3
+    steps = pack_step([ExecutionSample("e", tree, sel, 1.0)], 64)
+    targets = {int(t) for ms in steps for t in ms.targets[ms.target_mask]}
+    assert targets == {4, 5, 7}
+    assert all(-9.5 not in ms.behavior_logprobs.tolist() for ms in steps)
+    only = build_tree([recs[3]])  # an execution of helper calls only: nothing to train
+    assert only.num_leaves == 0 and only.stats.helper_calls == 1
+    assert select_trajectories(only, 5, np.random.default_rng(0)).trajectories == []
