@@ -13,7 +13,7 @@ import pytest
 
 from gyre.backends.tokenizer import load_tokenizer
 from gyre.proxy import ProxyConfig
-from gyre.proxy.det_engine import DeterministicEngine
+from gyre.backends.det_engine import DeterministicEngine
 from gyre.trajectory.record import Role
 from gyre.trajectory.tree import build_tree
 
