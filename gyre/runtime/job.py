@@ -58,9 +58,9 @@ def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: Weight
     if topo.is_core:  # the authoritative weights and optimizer state live here (docs/design.md §1)
         core_actor, model_cfg = factory.build_core_actor(cfg, len(tokenizer), ckpt_dir)
         weights.post(core_actor.version, core_actor.export_parameters(), published=True)
-    else:
+    dist.barrier(group=groups.control)  # blocking: the prepared data and the starting snapshot are there
+    if core_actor is None:  # after the barrier: --model.checkpoint may be what rank 0 just prepared
         model_cfg = factory.model_config_of(cfg, len(tokenizer))
-    dist.barrier(group=groups.control)  # blocking: the starting snapshot is posted for every rank
 
     start_version = weights.latest()  # 0, or the resumed checkpoint's version
     engine_host = None

@@ -98,3 +98,20 @@ def test_an_explicit_run_dir_holding_a_run_is_refused_before_anything_starts(tmp
     assert log.count("already holds a run") == 1  # said once, by rank 0
     assert "dispatched" not in log and "proxy listening" not in log  # refused before anything started
     assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n'
+
+
+def test_the_smoke_preset_prepares_its_data_before_any_rank_reads_the_prepared_model(tmp_path):
+    """The newcomer's first run prepares its data (a warm-start checkpoint and tasks) on rank 0 while
+    the others wait; a rank that reads `--model.checkpoint` before that barrier finds nothing
+    there. (A refactor once moved that read before the barrier; only a fresh data dir shows it.)"""
+    data, run_dir = tmp_path / "data", tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gyre.run",
+           "--preset", "cpu-demo-smoke", "--run-dir", str(run_dir), "--train.prepare-dir", str(data),
+           "--model.checkpoint", f"{data}/warm_start", "--executions.dataset.path", f"{data}/tasks.jsonl",
+           "--train.steps", "1"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert (data / "warm_start" / "config.json").exists()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["error"] is None
