@@ -1,5 +1,5 @@
-"""Run unmodified Claude Code (`claude -p`) as a Gyre harness. A template: it needs the
-`claude` CLI (npm @anthropic-ai/claude-code) and cannot run on the CPU CI machines.
+"""Run unmodified Claude Code (`claude -p`) as a Gyre harness. It needs the `claude` CLI (npm
+@anthropic-ai/claude-code, or GYRE_CLAUDE_BIN); see README.md for what runs today.
 
 The runner starts this script in the execution's workspace with ANTHROPIC_BASE_URL (the proxy),
 ANTHROPIC_API_KEY (the execution's key, sent as X-Api-Key), GYRE_MODEL and
@@ -45,15 +45,19 @@ def claude_env(model: str, *, api_timeout_ms: int, bash_timeout_ms: int, max_out
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Each option also reads an environment variable: a `gyre.run` harness command cannot carry
+    # `--options`, while `--executions.runner.env GYRE_CLAUDE_MAX_TURNS 100` can set them.
+    env_ = os.environ.get
     p = argparse.ArgumentParser(description="run Claude Code against the Gyre proxy")
-    p.add_argument("--max-turns", type=int, default=500)
-    p.add_argument("--api-timeout-ms", type=int, default=3_600_000)
-    p.add_argument("--bash-timeout-ms", type=int, default=600_000)
-    p.add_argument("--max-output-tokens", type=int, default=32_000)
+    p.add_argument("--max-turns", type=int, default=int(env_("GYRE_CLAUDE_MAX_TURNS", "500")))
+    p.add_argument("--api-timeout-ms", type=int, default=int(env_("GYRE_CLAUDE_API_TIMEOUT_MS", "3600000")))
+    p.add_argument("--bash-timeout-ms", type=int, default=int(env_("GYRE_CLAUDE_BASH_TIMEOUT_MS", "600000")))
+    p.add_argument("--max-output-tokens", type=int, default=int(env_("GYRE_CLAUDE_MAX_OUTPUT_TOKENS", "32000")))
     a = p.parse_args(argv)
-    claude = shutil.which("claude")
+    claude = env_("GYRE_CLAUDE_BIN") or shutil.which("claude")  # GYRE_CLAUDE_BIN: a pinned binary
     if claude is None:
-        print("run_claude: the `claude` CLI is not installed (npm install -g @anthropic-ai/claude-code)", file=sys.stderr)
+        print("run_claude: the `claude` CLI is not installed (npm install -g @anthropic-ai/claude-code, "
+              "or set GYRE_CLAUDE_BIN)", file=sys.stderr)
         return 127
     model = os.environ.get("GYRE_MODEL", "gyre-policy")
     instruction = Path(os.environ["GYRE_INSTRUCTION_FILE"]).read_text()

@@ -11,6 +11,8 @@ runner supervises, times out and kills is mini-swe-agent itself:
 
 mini-swe-agent speaks OpenAI chat completions through litellm with one `bash` tool; the proxy
 records every call (TITO) under the execution's key. Requires `pip install mini-swe-agent`.
+Options: `--step-limit`, `--command-timeout`, `--temperature`, `--max-tokens`, or the environment
+variables GYRE_MINI_STEP_LIMIT, GYRE_MINI_COMMAND_TIMEOUT, GYRE_MINI_TEMPERATURE, GYRE_MINI_MAX_TOKENS.
 """
 
 from __future__ import annotations
@@ -45,11 +47,16 @@ def mini_argv(*, step_limit: int, command_timeout: int, temperature: float, max_
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Each option also reads an environment variable, because a `gyre.run` harness command cannot
+    # carry `--options` (a word starting with "-" ends tyro's list) while
+    # `--executions.runner.env GYRE_MINI_STEP_LIMIT 3` can set them for every execution.
+    env_ = os.environ.get
     p = argparse.ArgumentParser(description="run mini-swe-agent against the Gyre proxy")
-    p.add_argument("--step-limit", type=int, default=50)
-    p.add_argument("--command-timeout", type=int, default=60, help="seconds per bash command")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--step-limit", type=int, default=int(env_("GYRE_MINI_STEP_LIMIT", "50")), help="model calls per execution")
+    p.add_argument("--command-timeout", type=int, default=int(env_("GYRE_MINI_COMMAND_TIMEOUT", "60")),
+                   help="seconds per bash command")
+    p.add_argument("--temperature", type=float, default=float(env_("GYRE_MINI_TEMPERATURE", "1.0")))
+    p.add_argument("--max-tokens", type=int, default=int(env_("GYRE_MINI_MAX_TOKENS", "1024")), help="per model call")
     a = p.parse_args(argv)
     import importlib.util
 

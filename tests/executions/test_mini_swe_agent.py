@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,8 @@ from gyre.trajectory.record import Role
 pytest.importorskip("minisweagent")
 
 from examples.mini_swe_agent.task import make_tasks  # noqa: E402
+
+RUN_MINI = Path(__file__).resolve().parents[2] / "examples" / "mini_swe_agent" / "run_mini.py"
 
 
 def _call(command: str) -> str:
@@ -38,9 +41,9 @@ def test_mini_swe_agent_solves_a_short_task_through_the_proxy(tmp_path):
         prompts.append(prompt)
         done = prompt.count("<tool_response>")
         if done == 0:
-            return _call("printf 'print(\"hello gyre\")\\n' > hello.py")
+            return _call("echo apple > answer.txt")
         if done == 1:
-            return _call("python hello.py")
+            return _call("cat answer.txt")
         return _call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
 
     sink = MemorySink()
@@ -48,8 +51,8 @@ def test_mini_swe_agent_solves_a_short_task_through_the_proxy(tmp_path):
     proxy.router.add_engine(DeterministicEngine("det", script=script, byte_ids=byte_token_ids(tok)), kind="cell", index=0)
     handle = serve_proxy(proxy)
     try:
-        task = Task.from_json(make_tasks(step_limit=6)[0] | {"timeout_s": 240})
-        task.harness = task.harness + ["--max-tokens", "512"]
+        task = Task.from_json(make_tasks(1)[0] | {"timeout_s": 240, "harness": [
+            "{python}", str(RUN_MINI), "--step-limit", "6", "--max-tokens", "512"]})
         runner = HarnessRunner(RunnerConfig(run_dir=str(tmp_path / "runs"), timeout_s=240),
                                Evaluator(EvaluatorConfig()), GyreProxyAccess(proxy, handle.url))
 
@@ -64,6 +67,6 @@ def test_mini_swe_agent_solves_a_short_task_through_the_proxy(tmp_path):
     assert res.reward.status is RewardStatus.VALID and res.reward.reward == 1.0, logs
     recs = sink.for_execution("mini-0")
     assert len(recs) == 3 and all(r.role is Role.MAIN for r in recs)
-    assert "hello.py" in prompts[0] and "hello gyre" in prompts[2]  # the command output came back
+    assert "answer.txt" in prompts[0] and "apple" in prompts[2].split("<tool_response>")[-1]  # the command output came back
     traj = json.loads((res.exec_dir / "mini.traj.json").read_text())
     assert traj["info"]["exit_status"] == "Submitted"

@@ -1,0 +1,122 @@
+"""examples/claude_code: the evaluator's partial credit by hand; the README's CPU smoke command
+(the stand-in harness), read from the README itself and run for its 2 steps from a fresh
+directory (slow); and the real `claude` CLI through run_claude.py against the proxy with a
+scripted model, skipped unless a binary is found (GYRE_CLAUDE_BIN, or `claude` on PATH)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from examples.claude_code.task import evaluate, make_tasks
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "claude_code"
+CLAUDE = os.environ.get("GYRE_CLAUDE_BIN") or shutil.which("claude")
+
+
+def readme_commands(readme: Path, marker: str) -> list[list[str]]:
+    """The argv of each command in the README's ```bash block that contains `marker`: lines
+    joined at a trailing backslash, split as a shell would (quotes removed, `$PWD` kept)."""
+    blocks = re.findall(r"```bash\n(.*?)```", readme.read_text(), flags=re.S)
+    block = next(b for b in blocks if marker in b)
+    return [shlex.split(line) for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def test_evaluate_gives_half_for_the_file_plus_closeness_and_reads_the_final_answer_otherwise(tmp_path):
+    ws = tmp_path / "exec" / "workspace"
+    ws.mkdir(parents=True)
+    assert evaluate(ws, None, expected="apple")["reward"] == 0.0  # no file, no stdout.log
+    # The last stream-json result event counts; "appel" vs "apple": 3 in place, 5 shared, same
+    # length: 0.6·3/5 + 0.2·5/5 + 0.2 = 0.76, times 0.3 = 0.228.
+    (ws.parent / "stdout.log").write_text('{"type": "result", "result": "zzzzzz"}\nnot json\n'
+                                          '{"type": "result", "result": "I wrote: appel!"}\n')
+    got = evaluate(ws, None, expected="apple")
+    assert got["reward"] == pytest.approx(0.228) and got["closest_word"] == "appel"
+    (ws / "answer.txt").write_text("appel\n")
+    assert evaluate(ws, None, expected="apple") == {"reward": pytest.approx(0.5 + 0.5 * 0.76), "answer": "appel"}
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_the_readme_cpu_smoke_command_trains_two_steps_through_the_stand_in(tmp_path):
+    pytest.importorskip("anthropic")
+    make, train = readme_commands(EXAMPLE / "README.md", "standin_claude.py")
+    assert make[:3] == ["python", "-m", "examples.claude_code.task"] and train[0] == "torchrun", (make, train)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, *make[1:]], cwd=tmp_path, env=env, check=True, capture_output=True)
+
+    # Exactly as documented, from a fresh directory.
+    cmd = [sys.executable, "-m", "torch.distributed.run", *[a.replace("$PWD", str(ROOT)) for a in train[1:]]]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+
+    run = tmp_path / train[train.index("--run-dir") + 1]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["error"] is None, summary
+    outcomes = summary["execution_outcomes"]
+    assert outcomes.get("completed", 0) > 0, outcomes
+    assert not outcomes.get("crashed") and not outcomes.get("launch_failed"), outcomes
+    assert summary["failed_executions"] == {}, summary["failed_executions"]
+    results = [json.loads(p.read_text()) for p in (run / "executions").glob("*/result.json")]
+    completed = [r for r in results if r["outcome"] == "completed"]
+    for r in completed:
+        d = run / "executions" / r["execution_id"]
+        events = [json.loads(x) for x in (d / "stdout.log").read_text().splitlines()]
+        assert events[0]["type"] == "assistant" and events[-1]["type"] == "result", (d / "stderr.log").read_text()[-2000:]
+        assert r["reward"]["status"] == "valid" and 0.0 <= r["reward"]["reward"] <= 1.0
+        assert (run / "tito" / f"{r['execution_id']}.tito").stat().st_size > 0
+    assert summary["calls"] >= len(completed) > 0
+
+
+@pytest.mark.skipif(CLAUDE is None, reason="no claude binary (npm install -g @anthropic-ai/claude-code, or set GYRE_CLAUDE_BIN)")
+@pytest.mark.xfail(reason="Claude Code 2.1.332 sends a {'role': 'system'} entry in `messages`, which the proxy "
+                          "refuses with a 400 (examples/claude_code/README.md); remove this mark once the proxy accepts it",
+                   raises=AssertionError, strict=False)
+def test_real_claude_code_writes_the_answer_through_the_proxy(tmp_path):
+    from gyre.backends.det_engine import DeterministicEngine
+    from gyre.backends.tokenizer import byte_token_ids, load_tokenizer
+    from gyre.executions.config import EvaluatorConfig, RunnerConfig
+    from gyre.executions.evaluator import Evaluator, Outcome
+    from gyre.executions.runner import GyreProxyAccess, HarnessRunner
+    from gyre.executions.tasks import ExecutionSpec, Task
+    from gyre.proxy import MemorySink, Proxy, ProxyConfig, serve_proxy
+
+    tok = load_tokenizer()
+
+    def script(ids):
+        if "<tool_response>" not in tok.decode(ids):
+            call = {"name": "Bash", "arguments": {"command": "echo apple > answer.txt", "description": "write the answer"}}
+            return "I will write it.\n<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
+        return "Done: apple."
+
+    sink = MemorySink()
+    proxy = Proxy(ProxyConfig(max_context_tokens=65536), sink=sink)
+    proxy.router.add_engine(DeterministicEngine("det", script=script, byte_ids=byte_token_ids(tok)), kind="cell", index=0)
+    handle = serve_proxy(proxy)
+    try:
+        task = Task.from_json(make_tasks(1)[0] | {"timeout_s": 240, "harness": ["{python}", str(EXAMPLE / "run_claude.py"),
+                                                                                 "--max-turns", "4", "--max-output-tokens", "512"]})
+        runner = HarnessRunner(RunnerConfig(run_dir=str(tmp_path / "runs"), timeout_s=240, home="per_execution",
+                                            env={"GYRE_CLAUDE_BIN": CLAUDE}),
+                               Evaluator(EvaluatorConfig()), GyreProxyAccess(proxy, handle.url))
+
+        async def main():
+            return await runner.dispatch(ExecutionSpec("cc-0", task, "g"))
+
+        res = asyncio.run(main())
+    finally:
+        handle.stop()
+    logs = (res.exec_dir / "stdout.log").read_text()[-3000:] + (res.exec_dir / "stderr.log").read_text()[-2000:]
+    assert res.outcome is Outcome.COMPLETED, logs
+    assert res.reward.reward == 1.0, logs
+    assert len(sink.for_execution("cc-0")) >= 2, logs
