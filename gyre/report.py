@@ -25,7 +25,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import tyro
 
@@ -44,7 +44,7 @@ COLUMNS = ("step", "version", "reward_mean", "reward_count", "loss", "clip_frac"
 class ReportArgs:
     """Render a Gyre run directory (finished or still running) as figures and a static HTML page."""
 
-    run_dir: tyro.conf.Positional[str]
+    run_dir: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN_DIR")]
     """The run's directory (it holds run.json and metrics.jsonl), e.g. runs/cpu-demo/latest."""
     out: str = ""
     """Where to write metrics.png, role_timeline.png and report.html (empty: RUN_DIR/report/)."""
@@ -265,7 +265,7 @@ def render(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = tyro.cli(ReportArgs, args=argv, description=__doc__)
+    args = tyro.cli(ReportArgs, args=argv, prog="python -m gyre.report", description=__doc__)
     try:
         page = render(args.run_dir, args.out or None)
     except NoRunError as e:

@@ -218,3 +218,15 @@ def test_wandb_offline_history_equals_the_metrics_rows(tracked_run):
     assert config["train"]["steps"] == STEPS and config["tracking"]["wandb_mode"] == "offline"
     (exit_rec,) = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]
     assert exit_rec.exit_code == 0
+
+
+@pytest.mark.multirank
+def test_gyre_report_renders_the_real_run(tracked_run, tmp_path):
+    from gyre.report import render
+
+    page = render(tracked_run, tmp_path / "report")
+    text = page.read_text()
+    assert "finished: 2 steps" in text and "<th>tracking.tensorboard</th><td>true</td>" in text
+    for s in range(STEPS):
+        assert f"<tr><td>{s}</td><td>{s + 1}</td>" in text
+    assert text.count('src="data:image/png;base64,') == 2
