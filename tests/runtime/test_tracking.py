@@ -69,6 +69,41 @@ def test_trackers_fan_out_drop_a_failing_tracker_and_close_once():
     Trackers().log({"loss": 1.0}, 0)  # the null object
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_controller_closes_its_trackers_on_every_path(fails):
+    """Controller._main closes the trackers once, as failed when the run raised (the job test
+    cannot see this: TensorBoard is flushed every step, and wandb's atexit hook would finish it)."""
+    from gyre.runtime.controller import Controller
+
+    c = Controller.__new__(Controller)  # only what _main touches
+    c.error, c.stop_sent = None, True
+    rec = _Recorder()
+    c.trackers = Trackers([rec])
+
+    async def run():
+        if fails:
+            raise RuntimeError("the run broke")
+
+    c._run = run
+    c._main()
+    assert rec.calls == [("close", fails)]
+    assert isinstance(c.error, RuntimeError) == fails
+
+
+def test_wandb_close_records_the_exit_code(tmp_path, monkeypatch):
+    if not _have("wandb"):
+        pytest.skip("wandb is not installed (pip install -e '.[tracking]')")
+    from gyre.runtime.outputs import WandbTracker
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    t = WandbTracker(project="p", name="failing", group="g", run_dir=str(tmp_path), config={"a": 1}, mode="offline")
+    t.log({"step": 0, "loss": 2.5}, 0)
+    t.close(failed=True)
+    (log,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    (exit_rec,) = [r.exit for r in _wandb_records(log) if r.WhichOneof("record_type") == "exit"]
+    assert exit_rec.exit_code == 1
+
+
 @pytest.mark.parametrize("flag", ["tensorboard", "wandb"])
 def test_a_tracker_without_its_package_is_a_config_error(monkeypatch, flag):
     monkeypatch.setitem(sys.modules, flag, None)  # as if not installed: find_spec and import fail
