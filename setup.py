@@ -1,7 +1,8 @@
 """Gyre: elastic online RL for long-horizon LLM agents.
 
 Install (CPU):   pip install torch==2.13.0 && pip install --no-build-isolation -e .
-Extras:          .[test] for the test suite, .[gpu] for SGLang / Megatron-core / Mooncake.
+Extras:          .[test] for the test suite, .[gpu] for SGLang / Megatron-core / Mooncake,
+                 .[tracking] for TensorBoard and Weights & Biases (--tracking.*).
 
 The C++ extension `gyre._C` (gyre/csrc/*.cpp, plus gyre/csrc/cuda/*.cu where a CUDA torch is
 present) is built when torch is importable at build time. `--no-build-isolation` matters: with
@@ -88,7 +89,11 @@ setup(
             # Mooncake over TCP (the snapshot transport test; it also needs Debian's libibverbs1
             # and `unshare --net`, and skips with the reason where either is missing).
             "mooncake-transfer-engine-non-cuda",
+            # The tracking test reads TensorBoard's event files back (the wandb test skips without wandb).
+            "tensorboard",
         ],
+        # Experiment trackers beside metrics.jsonl: --tracking.tensorboard, --tracking.wandb.
+        "tracking": ["tensorboard", "wandb"],
         # GPU backends. Installed on GPU machines only; never imported by the CPU path.
         "gpu": [
             "sglang",

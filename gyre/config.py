@@ -10,6 +10,7 @@ overrides a field of it. `python -m gyre.run --help` lists every option with its
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -83,6 +84,28 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
+class TrackingConfig:
+    """Experiment trackers beside metrics.jsonl (which stays the record), off by default; rank 0
+    copies every step's row and, at the end, the role timeline to each one switched on. Install
+    them with `pip install -e '.[tracking]'`."""
+
+    tensorboard: bool = False
+    """Write every step's numeric metrics (nested fields as `cell_time_s/0/train`), the role
+    timeline image and each cell's training fraction to run_dir/tensorboard/ (needs
+    `tensorboard`; view with `tensorboard --logdir RUN_DIR/tensorboard`)."""
+    wandb: bool = False
+    """Log the config, every step's numeric metrics and the role timeline to a Weights & Biases
+    run under run_dir/wandb/ (needs `wandb`)."""
+    wandb_project: str = "gyre"
+    """The W&B project."""
+    wandb_name: str = ""
+    """The W&B run name (empty: the run directory's name); the run's group is the preset."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """offline: write only under run_dir/wandb/ (no network; upload later with `wandb sync`);
+    online: stream to the W&B server (needs `wandb login`)."""
+
+
+@dataclass(kw_only=True)
 class GyreConfig:
     """Gyre: elastic online RL for extra-long-horizon LLM agents."""
 
@@ -112,6 +135,7 @@ class GyreConfig:
     actor: CpuActorConfig = field(default_factory=CpuActorConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
 class ConfigError(ValueError):
@@ -132,9 +156,19 @@ def check_train_config(cfg: GyreConfig, num_cells: int) -> None:
         raise ConfigError(f"executions.health.stop_fraction must be > 0, got {hc.stop_fraction}")
     if cfg.train.steps < 1:
         raise ConfigError(f"train.steps must be >= 1, got {cfg.train.steps}")
+    check_tracking(cfg.tracking)
     from gyre.backends.factory import check_backends
 
     check_backends(cfg)
+
+
+def check_tracking(tc: TrackingConfig) -> None:
+    """A tracker switched on needs its package: say so before the run starts, not at its end.
+    (find_spec, not import: wandb takes a second to import, and every rank runs this check.)"""
+    for flag, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if getattr(tc, flag) and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"--tracking.{flag} needs the `{package}` package, which is not installed: "
+                              f"pip install {package} (or pip install -e '.[tracking]'), or drop --tracking.{flag}")
 
 
 # ----------------------------------------------------------------------------- presets

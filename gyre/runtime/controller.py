@@ -41,7 +41,7 @@ from gyre.errors import RunFailed
 from gyre.executions.health import HealthMonitor
 from gyre.executions.runner import EventKind, ExecutionEvent, GyreProxyAccess, HarnessRunner
 from gyre.executions.tasks import Dataset
-from gyre.runtime.outputs import MetricsWriter, plot_role_timeline, read_metrics, reward_trend
+from gyre.runtime.outputs import MetricsWriter, make_trackers, plot_role_timeline, read_metrics, reward_trend
 from gyre.proxy import Proxy, StoreSink, start_proxy
 from gyre.backends.engine_http import HttpEngine
 from gyre.runtime.messages import (Command, Failed, Joined, Load, Loaded, Reduce, Report, RequestWork, RolledBack,
@@ -125,6 +125,9 @@ class Controller:
         if not tc.resume:  # a fresh run replaces the run directory's metrics; a resumed one appends
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         self.metrics = MetricsWriter(str(self.run_dir / "metrics.jsonl"))
+        # Copies of the rows for TensorBoard / W&B (--tracking.*); closed by _main on every path.
+        self.trackers = make_trackers(cfg.tracking, str(self.run_dir), name=self.run_dir.name, group=cfg.preset,
+                                      config=dataclasses.asdict(cfg), fresh=not tc.resume)
         self.tito = TitoStore(self.run_dir / "tito")
         self.store_t = store.clone()  # the controller thread's own connection
         self.cp = ControlPlane(self.store_t, CONTROLLER)
@@ -176,6 +179,7 @@ class Controller:
                 for r in range(self.topo.world_size):
                     cp.send(r, Stop(failed=True))
         finally:
+            self.trackers.close(failed=self.error is not None)
             _close_loop(loop, timeout=30.0)
 
     # ------------------------------------------------------------------ set-up
@@ -383,6 +387,7 @@ class Controller:
             **{k: float(v) for k, v in stats.items() if k != "version"},
         }
         self.metrics.write(row)
+        self.trackers.log(row, step)
         self.last_step_t = now
         self.steps_done += 1
         logger.info("step %d done: reward %.3f  loss %.4g  clip %.2f  d %.2f  cells %d  (%.1fs)", step,
@@ -474,6 +479,8 @@ class Controller:
         end = time.time()
         fractions = plot_role_timeline(self.ledger.intervals(end), str(self.run_dir / "role_timeline.png"),
                                        title=f"Gyre role timeline ({self.cfg.scheduler.mode})")
+        self.trackers.log({"train_fraction": {str(c): f for c, f in fractions.items()}}, self.steps_done)
+        self.trackers.image("role_timeline", str(self.run_dir / "role_timeline.png"), self.steps_done)
         stats = self.proxy.router.stats()
         self.summary = {
             "steps": self.steps_done,

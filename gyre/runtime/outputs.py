@@ -1,15 +1,26 @@
-"""Run outputs: `metrics.jsonl` (one JSON object per optimizer step) and the role timeline PNG
+"""Run outputs: `metrics.jsonl` (one JSON object per optimizer step), the role timeline PNG
 (cells × time coloured by role, like the paper's Fig. 6a, next to each cell's training-time
-fraction, Fig. 6b)."""
+fraction, Fig. 6b), the reward trend, and the optional experiment trackers.
+
+metrics.jsonl is the record; the trackers (`--tracking.tensorboard`, `--tracking.wandb`) are
+copies of it for the tools users already watch, behind one fan-out (`Trackers`): the
+controller calls `log(row, step)` after writing a row, `image(name, png, step)` for the
+timeline at the end, and `close(failed)` once, whatever happened. With no tracker on, `Trackers`
+is the null object: every call does nothing.
+"""
 
 from __future__ import annotations
 
+import glob
 import json
+import logging
 import math
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 from gyre.runtime.cell import CellState
+
+logger = logging.getLogger(__name__)
 
 ROLE_COLOURS = {
     CellState.ROLLOUT: "#4c9be8",
@@ -158,3 +169,139 @@ def reward_trend(rows: list[dict[str, Any]], k: int, *, resamples: int = 10000, 
             "ci95_low": float(lo), "ci95_high": float(hi), "unit": "group" if by_group else "execution",
             "n_first": sum(map(len, first)), "n_last": sum(map(len, last)),
             "fitted_rise": rise, "fitted_rise_ci95_low": float(rise_lo), "fitted_rise_ci95_high": float(rise_hi)}
+
+
+# ----------------------------------------------------------------------------- trackers
+def flatten_numeric(row: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """The numeric fields of a metrics.jsonl row as flat tags, nested dicts joined with `/`.
+
+    Bools become 0/1. Skipped: lists (their summaries are fields of their own: `rewards` →
+    `reward_mean`, `staleness` → `staleness_mean`), nulls, non-finite floats (metrics.jsonl
+    writes them as null too), strings, and the top-level `step` (it is the x-axis).
+
+    Example: {"step": 3, "loss": 0.5, "cell_time_s": {"0": {"train": 1.5}}, "rewards": [1, 0]}
+             → {"loss": 0.5, "cell_time_s/0/train": 1.5}
+    """
+    out: dict[str, float] = {}
+    for k, v in row.items():
+        if not prefix and k == "step":
+            continue
+        tag = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten_numeric(v, tag + "/"))
+        elif isinstance(v, bool):
+            out[tag] = float(v)
+        elif isinstance(v, (int, float)) and math.isfinite(v):
+            out[tag] = float(v)
+    return out
+
+
+class Tracker(Protocol):
+    """One experiment tracker: a copy of the metrics rows and the run's figures."""
+
+    def log(self, row: dict[str, Any], step: int) -> None: ...
+
+    def image(self, name: str, png_path: str, step: int) -> None: ...
+
+    def close(self, failed: bool) -> None: ...
+
+
+class TensorBoardTracker:
+    """Scalars and images through `torch.utils.tensorboard.SummaryWriter` (needs `tensorboard`).
+
+    `fresh`: delete earlier event files in `log_dir` first, as a fresh run replaces
+    metrics.jsonl (a resumed run appends a new event file; its steps count on)."""
+
+    def __init__(self, log_dir: str, fresh: bool = True) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        if fresh:
+            for old in glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
+                os.remove(old)
+        self.log_dir = log_dir
+        self._w = SummaryWriter(log_dir=log_dir)
+
+    def log(self, row: dict[str, Any], step: int) -> None:
+        for tag, v in flatten_numeric(row).items():
+            self._w.add_scalar(tag, v, global_step=step)
+        self._w.flush()  # a running run is readable in TensorBoard step by step
+
+    def image(self, name: str, png_path: str, step: int) -> None:
+        import matplotlib.image as mpimg
+
+        img = mpimg.imread(png_path)  # [H, W, 4] float RGBA in [0, 1] for a PNG
+        self._w.add_image(name, img[..., :3], global_step=step, dataformats="HWC")
+        self._w.flush()
+
+    def close(self, failed: bool) -> None:
+        self._w.close()
+
+
+class WandbTracker:
+    """A Weights & Biases run (needs `wandb`): the config once, each row at `step=` the
+    optimizer step, images as `wandb.Image`. `mode="offline"` writes only under `dir`
+    (`wandb sync DIR/wandb/offline-run-*` uploads it later)."""
+
+    def __init__(self, *, project: str, name: str, group: str, run_dir: str, config: dict[str, Any],
+                 mode: str = "offline") -> None:
+        import wandb
+
+        self._wandb = wandb
+        self._run = wandb.init(project=project, name=name, group=group, dir=run_dir, config=config, mode=mode)
+
+    def log(self, row: dict[str, Any], step: int) -> None:
+        self._run.log(flatten_numeric(row), step=step)
+
+    def image(self, name: str, png_path: str, step: int) -> None:
+        self._run.log({name: self._wandb.Image(png_path)}, step=step)
+
+    def close(self, failed: bool) -> None:
+        self._run.finish(exit_code=1 if failed else 0)
+
+
+class Trackers:
+    """Fan-out to the run's trackers; with none, a null object.
+
+    A tracker that raises is logged once and dropped: metrics.jsonl already holds the row, and
+    a tracker's hiccup (a full disk under tensorboard/, wandb's service dying) must not end a
+    run of many hours. `close` is idempotent, so every exit path may call it."""
+
+    def __init__(self, trackers: Iterable[Tracker] = ()) -> None:
+        self._trackers = list(trackers)
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._trackers)
+
+    def _each(self, what: str, *args: Any) -> None:
+        for t in list(self._trackers):
+            try:
+                getattr(t, what)(*args)
+            except Exception:
+                logger.exception("tracker %s failed in %s; it is dropped for the rest of the run "
+                                 "(metrics.jsonl is unaffected)", type(t).__name__, what)
+                self._trackers.remove(t)
+
+    def log(self, row: dict[str, Any], step: int) -> None:
+        self._each("log", row, step)
+
+    def image(self, name: str, png_path: str, step: int) -> None:
+        self._each("image", name, png_path, step)
+
+    def close(self, failed: bool) -> None:
+        if not self._closed:
+            self._closed = True
+            self._each("close", failed)
+
+
+def make_trackers(tc: Any, run_dir: str, *, name: str, group: str, config: dict[str, Any],
+                  fresh: bool) -> Trackers:
+    """The trackers `tc` (a `gyre.config.TrackingConfig`) switches on, writing under `run_dir`.
+    The packages were checked at config time (`gyre.config.check_train_config`)."""
+    trackers: list[Tracker] = []
+    if tc.tensorboard:
+        trackers.append(TensorBoardTracker(os.path.join(run_dir, "tensorboard"), fresh=fresh))
+    if tc.wandb:
+        trackers.append(WandbTracker(project=tc.wandb_project, name=tc.wandb_name or name, group=group,
+                                     run_dir=run_dir, config=config, mode=tc.wandb_mode))
+    return Trackers(trackers)
