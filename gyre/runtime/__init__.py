@@ -12,8 +12,8 @@ what the run leaves behind.
     cell.py         the cell state machine and the one function that turns transitions into a timeline
     ledger.py       one record per dispatched group and per optimizer step; the cell timeline
     samples.py      a finished group → micro-step bundles (trees, selection, advantages, packing)
-    outputs.py      metrics.jsonl, the role-timeline PNG, the reward trend
+    outputs.py      metrics.jsonl, the role-timeline PNG, the reward trend, the TensorBoard / wandb trackers
     rundir.py       one directory per run: runs/<preset>/<timestamp>, latest, resume / overwrite
 
-Parameters move through the run's `WeightTransport` (`gyre.backends.factory`, `--transfer.*`).
+`gyre/report.py` (`python -m gyre.report RUN_DIR`) renders what a run wrote. Parameters move through the run's `WeightTransport` (`gyre.backends.factory`, `--transfer.*`).
 """

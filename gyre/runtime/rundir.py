@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 LATEST = "latest"
 # What a run leaves in its directory; any of these means the directory already holds a run.
 RUN_OUTPUTS = ("run.json", "metrics.jsonl", "summary.json", "events.jsonl", "role_timeline.png", "executions",
-               "checkpoints", "tito")
+               "checkpoints", "tito", "transport", "tensorboard", "wandb", "report")
 _KEY = "rundir/decision"
 
 
