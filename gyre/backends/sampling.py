@@ -41,10 +41,14 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
     """
     if k <= 0:
         return []
-    vals, ids = torch.topk(logprobs, min(k, logprobs.numel()), sorted=True)
-    pairs = [(int(i), float(v)) for v, i in zip(vals.tolist(), ids.tolist()) if v != float("-inf")]
-    pairs.sort(key=lambda p: (-p[1], p[0]))  # topk's order among equal values is unspecified
-    return pairs
+    k = min(k, logprobs.numel())
+    kth = torch.topk(logprobs, k, sorted=True).values[-1]
+    # topk's choice among values equal to the k-th is unspecified: take those by ascending id
+    above = (logprobs > kth).nonzero()[:, 0].tolist()
+    tied = (logprobs == kth).nonzero()[:, 0].tolist()[: k - len(above)]
+    pairs = [(i, float(logprobs[i])) for i in above + tied]
+    pairs.sort(key=lambda p: (-p[1], p[0]))
+    return [p for p in pairs if p[1] != float("-inf")]
 
 
 def sampling_logprobs(logits: torch.Tensor, *, temperature: float, top_p: float, banned: list[int] | None = None) -> torch.Tensor:
