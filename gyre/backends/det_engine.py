@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -114,8 +115,6 @@ class DeterministicEngine:
         """k (token_id, logprob) pairs, most likely first, for the event sampled at state `h` (pure):
         the sampled token with its log-prob p, and k-1 other ids (from the hash) sharing the rest
         of the mass, 1-e^p, as halves, quarters, ...: sums to at most 1, all distinct."""
-        import math
-
         rest = max(1.0 - math.exp(ev.logprob), 1e-12)
         pairs, seen = [(ev.token_id, ev.logprob)], {ev.token_id}
         r, i = h, 1
