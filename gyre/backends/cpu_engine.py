@@ -18,7 +18,10 @@ max_batch tokens per floor whatever else shares the CPU (`paced_s` sums the slee
 Log-probs. Each TokenEvent carries log-softmax of the raw logits at the sampled token (config
 `logprobs='policy'`, the default): exactly the trainer's ℓ_t for the same weights and tokens,
 whatever temperature / top-p sampled it. With `logprobs='sampling'` it is the log-prob under the
-tempered, top-p-renormalised distribution actually sampled from instead.
+tempered, top-p-renormalised distribution actually sampled from instead. With
+`SamplingParams.top_logprobs` = k, each event also carries the k most likely tokens of that same
+distribution (`TokenEvent.top`; the policy one: log-softmax of the raw logits), computed only
+for requests that ask.
 
 Weight updates. `update_weights` waits for the current step to finish, swaps the weights and,
 with `recompute_kv_on_update`, drops running requests' caches so the next step re-prefills
@@ -46,7 +49,7 @@ import torch
 from gyre.backends.config import CpuEngineConfig
 from gyre.backends.decoder import DecoderWeights, KVCache, extend
 from gyre.backends.protocols import EngineHealth, SamplingParams, TokenEvent
-from gyre.backends.sampling import sample_token
+from gyre.backends.sampling import sample_token, sampling_logprobs, top_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -325,11 +328,11 @@ class CpuEngine:
                             self._finish(req, "error")
                     continue
                 self.steps += 1
-                for req, (feed, _), (tok, lp) in zip(batch, feeds, results):
+                for req, (feed, _), (tok, lp, top) in zip(batch, feeds, results):
                     if req.finish is not None:  # aborted while the step ran: discard
                         continue
                     req.fed += len(feed)
-                    self._emit(req, TokenEvent(tok, lp, version))
+                    self._emit(req, TokenEvent(tok, lp, version, top=top))
             await asyncio.sleep(0)  # let aborts / updates / new requests in between steps
 
     async def _pace(self, compute_s: float) -> None:
@@ -347,8 +350,8 @@ class CpuEngine:
         self.paced_s += rest
         await asyncio.sleep(rest)
 
-    def _compute(self, weights: DecoderWeights, batch: list[_Request], caches: list[KVCache], feeds) -> list[tuple[int, float]]:
-        """Worker thread: one fused forward, then one sample per request."""
+    def _compute(self, weights: DecoderWeights, batch: list[_Request], caches: list[KVCache], feeds) -> list[tuple[int, float, list | None]]:
+        """Worker thread: one fused forward, then one sample (and top-k, if asked) per request."""
         ids = torch.tensor([t for f, _ in feeds for t in f], dtype=torch.long)
         pos = torch.cat([torch.arange(start, start + len(f)) for f, start in feeds])
         with torch.no_grad():
@@ -359,7 +362,12 @@ class CpuEngine:
             banned = [*sp.stop_token_ids, *self.eos_token_ids] if len(req.out) < sp.min_tokens else None
             tok, policy_lp, sampling_lp = sample_token(row, temperature=sp.temperature, top_p=sp.top_p, generator=req.generator,
                                                        banned=banned)
-            out.append((tok, policy_lp if self.config.logprobs == "policy" else sampling_lp))
+            top = None
+            if sp.top_logprobs > 0:  # the same distribution the reported log-prob comes from
+                dist = (torch.log_softmax(row.float(), dim=-1) if self.config.logprobs == "policy" else
+                        sampling_logprobs(row, temperature=sp.temperature, top_p=sp.top_p, banned=banned))
+                top = top_logprobs(dist, sp.top_logprobs)
+            out.append((tok, policy_lp if self.config.logprobs == "policy" else sampling_lp, top))
         return out
 
     def _emit(self, req: _Request, ev: TokenEvent) -> None:

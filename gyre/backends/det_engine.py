@@ -8,6 +8,8 @@ one uninterrupted generation, and engines with different salts make "A's tokens 
 continuation" visible. Optionally `script(input_ids) -> str | None` makes the engine answer with
 a given text, spelled one byte-token per byte (a valid but non-canonical tokenization: re-encoding
 the text gives other ids, which is what TITO splicing has to survive). `token_delay` makes it slow.
+With `SamplingParams.top_logprobs` = k, each event carries k plausible alternatives (`top_tokens`):
+a proper distribution's top k, the sampled token among them with its own log-prob.
 
 Used by tests and benchmarks; it implements the protocol for real (abort, versions, release).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -108,6 +111,23 @@ class DeterministicEngine:
         logprob = -0.01 - ((r >> 20) % 5000) / 1000.0
         return TokenEvent(token_id=tok, logprob=logprob, version=self.version)
 
+    def top_tokens(self, h: int, ev: TokenEvent, k: int) -> list[tuple[int, float]]:
+        """k (token_id, logprob) pairs, most likely first, for the event sampled at state `h` (pure):
+        the sampled token with its log-prob p, and k-1 other ids (from the hash) sharing the rest
+        of the mass, 1-e^p, as halves, quarters, ...: sums to at most 1, all distinct."""
+        rest = max(1.0 - math.exp(ev.logprob), 1e-12)
+        pairs, seen = [(ev.token_id, ev.logprob)], {ev.token_id}
+        r, i = h, 1
+        while len(pairs) < k and len(seen) < self.vocab_size:
+            r = _mix(r)
+            tok = r % self.vocab_size
+            if tok in seen:
+                continue
+            seen.add(tok)
+            pairs.append((tok, math.log(rest * 0.5**i)))
+            i += 1
+        return sorted(pairs, key=lambda p: (-p[1], p[0]))
+
     def _scripted(self, input_ids: list[int], max_tokens: int) -> list[int] | None:
         if self.script is None:
             return None
@@ -135,12 +155,15 @@ class DeterministicEngine:
                     await asyncio.sleep(self.token_delay)
                 if req.aborted:
                     return
+                h = _state(self.salt, n, seq)
                 if scripted is not None:
                     if k >= len(scripted):
                         return  # (only when max_tokens cut the script short, which the loop ends first)
                     ev = TokenEvent(token_id=scripted[k], logprob=-0.5, version=self.version)
                 else:
-                    ev = self.next_token(_state(self.salt, n, seq))
+                    ev = self.next_token(h)
+                if sampling.top_logprobs > 0:
+                    ev.top = self.top_tokens(h, ev, sampling.top_logprobs)
                 seq = [seq[-1], ev.token_id] if seq else [ev.token_id]
                 n += 1
                 req.generated.append(ev)

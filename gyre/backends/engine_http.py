@@ -4,10 +4,11 @@ Engines of other cells live in other processes (docs/design.md §1); the proxy r
 `HttpEngine(url)`, which implements `RolloutEngine`. Wire format (loopback by default):
 
     POST /generate       {"request_id", "input_ids", "sampling": {...SamplingParams}}
-                         -> 200, body streamed line by line: "<token_id> <logprob> <version>\\n"
-                            (logprob as Python repr: exact float round trip);
+                         -> 200, body streamed line by line: "<token_id> <logprob> <version>
+                            [finish_reason] [top=<id>:<lp>,...]\\n" (`engine_mux.event_text`;
+                            logprob as Python repr: exact float round trip; top only when asked);
                             a line "error <message>" reports a failure mid-stream.
-    POST /abort          {"request_id"} -> {"tokens": [[id, logprob, version, finish_reason], ...]}
+    POST /abort          {"request_id"} -> {"tokens": [[id, logprob, version, finish_reason(, top)], ...]}
     POST /update_weights?version=V   body: safetensors bytes -> {"ok": true}
     POST /release_memory, /resume, /start -> {"ok": true}
     GET  /health         -> EngineHealth as JSON;  GET /info -> {"name": ...}
@@ -29,7 +30,7 @@ from typing import Any, AsyncIterator, Literal
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
 from gyre.backends.protocols import EngineHealth, RolloutEngine, SamplingParams, TokenEvent
-from gyre.backends.engine_mux import MuxClient, add_mux_route, sampling_to_json
+from gyre.backends.engine_mux import MuxClient, parse_events, add_mux_route, event_row, event_text, parse_event, sampling_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +64,7 @@ def _engine_app(engine: RolloutEngine) -> web.Application:
             stream = engine.generate(rid, input_ids, sampling)
             try:
                 async for ev in stream:
-                    fin = f" {ev.finish_reason}" if ev.finish_reason else ""
-                    buf.append(f"{ev.token_id} {ev.logprob!r} {ev.version}{fin}\n")
+                    buf.append(event_text(ev) + "\n")
                     wake.set()
             except Exception as e:
                 box["error"] = e
@@ -103,7 +103,7 @@ def _engine_app(engine: RolloutEngine) -> web.Application:
     async def abort(request: web.Request) -> web.Response:
         body = await request.json()
         tokens = await engine.abort(str(body["request_id"]))
-        return web.json_response({"tokens": [[e.token_id, e.logprob, e.version, e.finish_reason] for e in tokens]})
+        return web.json_response({"tokens": [event_row(e) for e in tokens]})
 
     async def update_weights(request: web.Request) -> web.Response:
         from safetensors.torch import load as st_load
@@ -310,9 +310,7 @@ class HttpEngine:
                         if line.startswith(b"error "):
                             msg = line[6:].decode(errors="replace").strip()
                             raise (ValueError if msg.startswith("ValueError:") else RuntimeError)(f"engine {self.name}: {msg}")
-                        f = line.split()
-                        fin = f[3].decode() if len(f) > 3 else None
-                        yield TokenEvent(token_id=int(f[0]), logprob=float(f[1]), version=int(f[2]), finish_reason=fin)
+                        yield parse_event(line.decode().split())
         finally:
             self._inflight -= 1
 
@@ -322,7 +320,7 @@ class HttpEngine:
         async with self._sess().post(self.url + "/abort", json={"request_id": request_id}) as r:
             r.raise_for_status()
             data = await r.json()
-        return [TokenEvent(token_id=int(t[0]), logprob=float(t[1]), version=int(t[2]), finish_reason=t[3]) for t in data["tokens"]]
+        return parse_events(data["tokens"])
 
     async def update_weights(self, state_dict, version: int) -> None:
         from safetensors.torch import save as st_save

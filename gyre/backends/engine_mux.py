@@ -10,10 +10,14 @@ Client -> server, one JSON text frame each:
     (ids_b64: base64 of little-endian int32 token ids; prompts run to ~1M tokens, and a JSON list
     of ints costs ~10x more to write and read; "input_ids" as a JSON list is also accepted)
 Server -> client, text frames of newline-terminated lines:
-    t <rid> <token_id> <logprob repr> <version> [finish_reason]     a token
+    t <rid> <token_id> <logprob repr> <version> [finish_reason] [top=<id>:<lp>,...]   a token
     e <rid>                                                          the stream ended
     x <rid> <message>                                                the stream failed
-    a <rid> <json [[id, logprob, version, finish_reason], ...]>      reply to abort
+    a <rid> <json [[id, logprob, version, finish_reason(, top)], ...]>  reply to abort
+The `top=` field (`TokenEvent.top`, only when the request asked for `top_logprobs`) and the
+abort row's fifth element ([[id, logprob], ...]) are absent for events without alternatives, so
+such frames are byte for byte what they were before alternatives existed; `sampling` leaves out
+`top_logprobs` when it is 0 for the same reason (an older server refuses unknown fields).
 Request ids must not contain whitespace. A dropped connection fails every open stream (the
 router then continues those calls elsewhere) and makes the server abort their requests.
 """
@@ -42,12 +46,46 @@ _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def sampling_to_json(sp: SamplingParams) -> dict:
-    """`dataclasses.asdict` without its deep-copy machinery (hot path: once per call)."""
-    return {name: getattr(sp, name) for name in _SAMPLING_FIELDS}
+    """`dataclasses.asdict` without its deep-copy machinery (hot path: once per call). Fields
+    added later are left out at their default, so an older engine server still accepts it."""
+    d = {name: getattr(sp, name) for name in _SAMPLING_FIELDS}
+    if not d["top_logprobs"]:
+        del d["top_logprobs"]
+    return d
 
 
-def _parse_events(rows) -> list[TokenEvent]:
-    return [TokenEvent(token_id=int(t[0]), logprob=float(t[1]), version=int(t[2]), finish_reason=t[3]) for t in rows]
+def event_text(ev: TokenEvent) -> str:
+    """One event as the wire's fields: "<id> <logprob repr> <version>[ <finish>][ top=<id>:<lp>,...]"."""
+    line = f"{ev.token_id} {ev.logprob!r} {ev.version}"
+    if ev.finish_reason:
+        line += f" {ev.finish_reason}"
+    if ev.top is not None:
+        line += " top=" + ",".join(f"{t}:{lp!r}" for t, lp in ev.top)
+    return line
+
+
+def parse_event(f: list[str]) -> TokenEvent:
+    """The inverse of `event_text`, from its whitespace-split fields."""
+    fin, top = None, None
+    for extra in f[3:]:
+        if extra.startswith("top="):
+            top = [(int(t), float(lp)) for t, lp in (p.split(":") for p in extra[4:].split(",") if p)]
+        else:
+            fin = extra
+    return TokenEvent(int(f[0]), float(f[1]), int(f[2]), fin, top)
+
+
+def event_row(ev: TokenEvent) -> list:
+    """An event as a JSON row (abort replies): [id, logprob, version, finish_reason(, top)]."""
+    row = [ev.token_id, ev.logprob, ev.version, ev.finish_reason]
+    if ev.top is not None:
+        row.append([[t, lp] for t, lp in ev.top])
+    return row
+
+
+def parse_events(rows) -> list[TokenEvent]:
+    return [TokenEvent(token_id=int(t[0]), logprob=float(t[1]), version=int(t[2]), finish_reason=t[3],
+                       top=[(int(a), float(b)) for a, b in t[4]] if len(t) > 4 and t[4] is not None else None) for t in rows]
 
 
 def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_json) -> None:
@@ -82,8 +120,7 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
             stream = engine.generate(rid, ids, sp)
             try:
                 async for ev in stream:
-                    fin = f" {ev.finish_reason}" if ev.finish_reason else ""
-                    push(f"t {rid} {ev.token_id} {ev.logprob!r} {ev.version}{fin}\n")
+                    push(f"t {rid} {event_text(ev)}\n")
                 push(f"e {rid}\n")
             except asyncio.CancelledError:
                 raise
@@ -100,7 +137,7 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
             except Exception as e:  # unknown / finished request: nothing more to return
                 logger.debug("engine %s: abort %s: %r", engine.name, rid, e)
                 toks = []
-            push(f"a {rid} " + json.dumps([[e.token_id, e.logprob, e.version, e.finish_reason] for e in toks]) + "\n")
+            push(f"a {rid} " + json.dumps([event_row(e) for e in toks]) + "\n")
 
         flush_task = asyncio.create_task(flusher())
         try:
@@ -165,8 +202,7 @@ class MuxClient:
                         continue
                     kind, rid, rest = (line.split(" ", 2) + [""])[:3]
                     if kind == "t":
-                        f = rest.split()
-                        batch.setdefault(rid, []).append(TokenEvent(int(f[0]), float(f[1]), int(f[2]), f[3] if len(f) > 3 else None))
+                        batch.setdefault(rid, []).append(parse_event(rest.split()))
                     elif kind == "e":
                         batch.setdefault(rid, []).append(_END)
                     elif kind == "x":
@@ -175,7 +211,7 @@ class MuxClient:
                     elif kind == "a":
                         for fut in self.aborts.pop(rid, []):
                             if not fut.done():
-                                fut.set_result(_parse_events(json.loads(rest)))
+                                fut.set_result(parse_events(json.loads(rest)))
                 for rid, items in batch.items():
                     q = self.queues.get(rid)
                     if q is not None:

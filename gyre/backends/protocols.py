@@ -32,6 +32,9 @@ class SamplingParams:
     # EOS and stop_token_ids cannot be sampled before this many tokens (SGLang's min_new_tokens,
     # vLLM's min_tokens); policy log-probs are still those of the unmasked distribution.
     min_tokens: int = 0
+    # Also report the k most likely tokens at each position (`TokenEvent.top`), from the same
+    # distribution as `TokenEvent.logprob`. 0: not computed (no cost).
+    top_logprobs: int = 0
 
 
 @dataclass
@@ -46,6 +49,10 @@ class TokenEvent:
     # token included in the output) or 'length' (max_tokens / max_model_len). None otherwise; an
     # aborted stream simply ends.
     finish_reason: str | None = None
+    # With `SamplingParams.top_logprobs` = k > 0: the k most likely tokens at this position as
+    # (token_id, logprob), most likely first, from the distribution `logprob` is taken from
+    # (so the sampled token appears with `logprob` when it is among them). None otherwise.
+    top: list[tuple[int, float]] | None = None
 
 
 @dataclass

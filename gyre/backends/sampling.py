@@ -6,6 +6,11 @@
 `policy_lp` is log-softmax of the unmodified logits at the sampled token — the quantity a
 trainer computes for the same weights (docs/design.md §6's ℓ_t), independent of temperature and top-p.
 `sampling_lp` is the log-prob under the distribution actually sampled from.
+
+    >>> top_logprobs(torch.log_softmax(logits.float(), -1), k=5)   # [(id, lp), ...] most likely first
+
+`top_logprobs` is the k most likely tokens of a log-prob vector, for `TokenEvent.top`;
+`sampling_logprobs` is the log of the distribution `sample_token` draws from (-inf outside it).
 """
 
 from __future__ import annotations
@@ -25,6 +30,41 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     keep = torch.zeros_like(keep_sorted)
     keep[order] = keep_sorted
     return keep
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The k largest entries of a log-prob vector [V] as [(token_id, logprob)], largest first,
+    ties by ascending id; -inf entries (tokens outside a truncated distribution) are left out,
+    so fewer than k come back when fewer are possible.
+
+    >>> top_logprobs(torch.log(torch.tensor([0.1, 0.6, 0.3])), 2)   # [(1, log 0.6), (2, log 0.3)]
+    """
+    if k <= 0:
+        return []
+    k = min(k, logprobs.numel())
+    kth = torch.topk(logprobs, k, sorted=True).values[-1]
+    # topk's choice among values equal to the k-th is unspecified: take those by ascending id
+    above = (logprobs > kth).nonzero()[:, 0].tolist()
+    tied = (logprobs == kth).nonzero()[:, 0].tolist()[: k - len(above)]
+    pairs = [(i, float(logprobs[i])) for i in above + tied]
+    pairs.sort(key=lambda p: (-p[1], p[0]))
+    return [p for p in pairs if p[1] != float("-inf")]
+
+
+def sampling_logprobs(logits: torch.Tensor, *, temperature: float, top_p: float, banned: list[int] | None = None) -> torch.Tensor:
+    """Log of the distribution `sample_token` draws from, [V] float32: tempered, banned ids
+    removed, top-p truncated and renormalised (-inf outside). temperature 0: 0 at the argmax."""
+    logits = logits.float()
+    if banned:
+        logits = logits.clone()
+        logits[banned] = float("-inf")
+    if temperature == 0:
+        out = torch.full_like(logits, float("-inf"))
+        out[int(torch.argmax(logits))] = 0.0
+        return out
+    probs = torch.softmax(logits / temperature, dim=-1)
+    probs = torch.where(nucleus(probs, top_p), probs, torch.zeros_like(probs))
+    return torch.log(probs / probs.sum())
 
 
 def sample_token(logits: torch.Tensor, *, temperature: float, top_p: float,

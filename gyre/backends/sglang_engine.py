@@ -24,6 +24,13 @@ the engine starts, so SGLang reports log-softmax of the logits before temperatur
 quantity as the CPU engine and the trainer. Token-id stop sequences (SGLang's `stop` takes
 strings) are matched here: the request is aborted and its output cut right after the match.
 
+Alternatives (`SamplingParams.top_logprobs` = k): `async_generate(..., top_logprobs_num=k)`;
+meta_info['output_top_logprobs'] is, like 'output_token_logprobs', the request's cumulative list,
+one entry per output token, each a list of (logprob, token_id, text or None) most likely first
+(sglang tokenizer_manager `detokenize_top_logprobs_tokens`); `parse_top` maps the chunk's slice
+to `TokenEvent.top`. They come from the same log-prob tensor as the sampled token's, so with
+SGLANG_RETURN_ORIGINAL_LOGPROB they are policy log-probs too (read in SGLang's source, not run).
+
 Checked against the sglang 0.5.23 wheel's source (Engine, tokenizer_manager, io_struct msgspec
 request types, ServerArgs fields, SGLANG_RETURN_ORIGINAL_LOGPROB); not run here (no GPU).
 Nothing here imports sglang at module import; the pure translation functions are CPU-tested.
@@ -116,6 +123,17 @@ def parse_chunk(chunk: dict[str, Any], seen: int) -> tuple[list[tuple[int, float
     return pairs, kind, None if version is None else str(version)
 
 
+def parse_top(chunk: dict[str, Any], seen: int, n: int) -> list[list[tuple[int, float]] | None]:
+    """TokenEvent.top for the chunk's n new tokens (positions seen .. seen+n-1): SGLang's
+    (logprob, token_id, text) triples as (token_id, logprob); None where SGLang sent none."""
+    rows = chunk.get("meta_info", {}).get("output_top_logprobs") or []
+    out: list[list[tuple[int, float]] | None] = []
+    for i in range(seen, seen + n):
+        row = rows[i] if i < len(rows) else None
+        out.append(None if row is None else [(int(e[1]), float(e[0])) for e in row])
+    return out
+
+
 def match_stop(ids: list[int], stop_sequences: list[list[int]]) -> int | None:
     """Length of the output to keep if some stop sequence ends inside `ids`, else None."""
     best = None
@@ -178,16 +196,18 @@ class SglangEngine:
         req = self._requests[request_id] = _Req(request_id)
         seen, done = 0, False
         try:
+            extra = {"top_logprobs_num": sampling.top_logprobs} if sampling.top_logprobs > 0 else {}
             stream = await engine.async_generate(input_ids=list(input_ids), sampling_params=sampling_params(sampling),
-                                                 return_logprob=True, stream=True, rid=request_id)
+                                                 return_logprob=True, stream=True, rid=request_id, **extra)
             async for chunk in stream:
                 pairs, finish, chunk_version = parse_chunk(chunk, seen)
+                tops = parse_top(chunk, seen, len(pairs)) if extra else [None] * len(pairs)
                 seen += len(pairs)
                 version = int(chunk_version) if chunk_version is not None and chunk_version.isdigit() else self.version
                 for i, (tok, lp) in enumerate(pairs):
                     if req.aborted:  # abort() already returned the tokens; yield nothing past them
                         return
-                    ev = TokenEvent(tok, lp, version)
+                    ev = TokenEvent(tok, lp, version, top=tops[i])
                     req.out.append(ev)
                     if match_stop([e.token_id for e in req.out], sampling.stop_sequences) is not None:
                         ev.finish_reason = "stop"  # SGLang does not know token-id stop sequences

@@ -19,6 +19,9 @@ thinking (Claude Code with MAX_THINKING_TOKENS, "think hard") keep working; they
 thinking, as with a model that chose not to think. Thinking blocks re-sent in the history are
 dropped (they came from elsewhere: the proxy never produced one).
 
+`tool_choice` any / tool forces a tool call by a forced prefix (gyre.proxy.core); structured
+outputs (`output_format`, `output_config.format`) are a 400 naming the field.
+
 Streams follow
 Anthropic's event sequence: message_start, per block content_block_start / _delta / _stop
 (text_delta, input_json_delta), message_delta (stop_reason, usage), message_stop. Errors use
@@ -35,7 +38,7 @@ from typing import Any
 from aiohttp import web
 
 from gyre.proxy import validate as V
-from gyre.proxy.core import ApiError, Call, ChatRequest
+from gyre.proxy.core import ApiError, Call, ChatRequest, ToolForce
 from gyre.proxy.textstream import ToolCall
 
 _ERROR_TYPES = {
@@ -188,6 +191,31 @@ def parse_tools(raw: Any) -> list[dict] | None:
     return out or None
 
 
+def _tool_choice(tc: dict | None) -> ToolForce | None:
+    """`tool_choice` auto / none (None), any (any tool), tool + name (that one); forced by a
+    prefix (gyre.proxy.core)."""
+    kind = (tc or {}).get("type", "auto")
+    if kind in ("auto", "none"):
+        return None
+    if kind == "any":
+        return ToolForce()
+    if kind == "tool":
+        return ToolForce(V.req_str(tc, "name", "tool_choice."))
+    raise V.bad("tool_choice.type", f"must be 'auto', 'any', 'tool' or 'none', got {kind!r}")
+
+
+def _output_format(body: dict) -> None:
+    """Structured outputs (`output_format`, or `output_config.format`) are refused: no engine here
+    constrains decoding to a JSON schema. `output_config`'s other keys (effort) are accepted."""
+    if body.get("output_format") is not None:
+        raise V.bad("output_format", "is not supported: structured output (JSON schema) is not enforced by this proxy's engines")
+    oc = body.get("output_config")
+    if oc is not None and not isinstance(oc, dict):
+        raise V.bad("output_config", "must be an object")
+    if (oc or {}).get("format") is not None:
+        raise V.bad("output_config.format", "is not supported: structured output (JSON schema) is not enforced by this proxy's engines")
+
+
 def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
     V.req_str(body, "model")
     req = ChatRequest(api="anthropic")
@@ -209,6 +237,8 @@ def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
     if tc is not None and not isinstance(tc, dict):
         raise V.bad("tool_choice", "must be an object")
     req.parse_tools = not (tc and tc.get("type") == "none")
+    req.force = _tool_choice(tc)
+    _output_format(body)
     md = body.get("metadata")
     if md is not None and not isinstance(md, dict):
         raise V.bad("metadata", "must be an object")

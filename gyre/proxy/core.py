@@ -6,6 +6,17 @@ to a stream of text / tool calls for the client and one TITO record (docs/design
     (end of events)                          record -> sink; assistant turn kept for splicing
 
 The OpenAI and Anthropic adapters only translate formats around this.
+
+Forced tool calls (`tool_choice` required / a named function; Anthropic any / tool): the proxy
+appends the template's tool-call opening (`textstream.tool_call_opening`) to the rendered prompt
+and the engine continues from it, so any engine forces the call. The forced prefix is *input*:
+it is in the record's `input_ids` (context, never a target) and the sampled continuation is the
+output; the tool-call parser is fed the prefix first, so the client sees a proper tool call. The
+stored turn is the prefix + the sampled ids, in the context before the prefix, so a re-sent turn
+splices back to exactly what the model conditioned on. `required` with one tool forces that tool
+by name; with several, the model writes the name, and a name that is not one of the tools is
+returned as the model wrote it (a call the harness reports back as unknown, as with `auto`),
+logged and counted in the record's `payload_ref["forced_unknown_tool"]`.
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ from gyre.proxy.roles import RoleClassifier
 from gyre.proxy.render import UNMATCHED_KINDS, ChatRenderer, Rendered, StoredTurn, TurnStore, turn_fingerprint
 from gyre.proxy.router import NoEngineError, RouteInfo, Router
 from gyre.proxy.sink import MemorySink, RecordSink
-from gyre.proxy.textstream import Detokenizer, StopMatcher, ToolCall, ToolCallParser
+from gyre.proxy.textstream import Detokenizer, StopMatcher, ToolCall, ToolCallParser, tool_call_opening
 from gyre.trajectory.record import CallRecord, Role
 
 logger = logging.getLogger(__name__)
@@ -49,6 +60,13 @@ class ApiError(Exception):
         self.code = code
 
 
+@dataclass(frozen=True)
+class ToolForce:
+    """A forced tool call: `name` of the function, or None for any of the request's tools."""
+
+    name: str | None = None
+
+
 @dataclass
 class ChatRequest:
     """A parsed request, API-independent. `messages` are normalized: role in system / user /
@@ -68,7 +86,9 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False  # OpenAI stream_options.include_usage
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per token (TokenEvent.top), returned with the log-probs
     parse_tools: bool = True
+    force: ToolForce | None = None  # tool_choice required / named: see the module docstring
     media: list[str] = field(default_factory=list)  # fields of media parts rendered as text placeholders
 
 
@@ -93,7 +113,8 @@ class ExecutionState:
 class Call:
     """One model call in flight. Iterate `events()` once; afterwards the fields below are final."""
 
-    def __init__(self, proxy: "Proxy", state: ExecutionState, role: Role, req: ChatRequest, rendered: Rendered, sampling: SamplingParams, start: float) -> None:
+    def __init__(self, proxy: "Proxy", state: ExecutionState, role: Role, req: ChatRequest, rendered: Rendered, sampling: SamplingParams, start: float,
+                 forced_text: str = "", forced_ids: list[int] | None = None) -> None:
         self.proxy = proxy
         self.state = state
         self.role = role
@@ -110,6 +131,9 @@ class Call:
         self.first_token_time: float | None = None
         self.route = RouteInfo()
         self.record: CallRecord | None = None
+        # The forced tool-call opening: the last len(forced_ids) ids of rendered.ids (input).
+        self.forced_text = forced_text
+        self.forced_ids = list(forced_ids or [])
 
     @property
     def prompt_tokens(self) -> int:
@@ -132,6 +156,10 @@ class Call:
         per_token = self.req.stream or bool(stopper.stops)
         held: list[str] = []
         try:
+            # The forced prefix is the start of the turn's text: the parser begins in the state
+            # it leaves (inside a tool call); stop strings see only sampled text.
+            for item in parser.push(self.forced_text):
+                yield self._keep(item)
             async for ev in gen:
                 if self.first_token_time is None:
                     self.first_token_time = time.time()
@@ -167,6 +195,17 @@ class Call:
             await gen.aclose()
             self._finish(completed, stopper.matched)
 
+    def _unknown_forced_tools(self) -> list[str]:
+        """Names of calls a forced `required` turn made that are not among the request's tools."""
+        if self.req.force is None:
+            return []
+        names = {t["function"]["name"] for t in self.req.tools or ()}
+        unknown = [tc.name for tc in self.tool_calls if tc.name not in names]
+        if unknown:
+            logger.warning("proxy: %s/%d: tool_choice required, and the model called %s, not one of the request's tools; "
+                           "returned as written", self.state.execution_id, self.call_id, unknown)
+        return unknown
+
     def _keep(self, item: str | ToolCall) -> str | ToolCall:
         if isinstance(item, ToolCall):
             self.tool_calls.append(item)
@@ -200,6 +239,7 @@ class Call:
         if not completed:
             st.aborted_calls += 1
         out_ids = [e.token_id for e in self.tokens]
+        unknown = self._unknown_forced_tools()
         end = time.time()
         self.record = CallRecord(
             execution_id=st.execution_id,
@@ -227,12 +267,18 @@ class Call:
                 "ttft_s": (self.first_token_time - self.start_time) if self.first_token_time else None,
                 "stop_string": stop_string,
                 "media_placeholders": list(self.req.media),  # injected text (context), see validate.media_text
+                "forced_prefix": len(self.forced_ids),  # input_ids' last n ids: the forced tool-call opening (context)
+                "forced_tool": None if self.req.force is None else (self.req.force.name or "*"),
+                "forced_unknown_tool": unknown,
             },
         )
         if completed and self.req.messages is not None:
             calls = [{"name": tc.name, "arguments": tc.arguments} for tc in self.tool_calls]
             fp = turn_fingerprint(self.content, calls)
-            st.turns.add(fp, StoredTurn.of(self.call_id, self.rendered.ids, out_ids, self.content, calls))
+            # A forced turn is prefix + sampled ids, in the context before the prefix: re-sent,
+            # it splices back to exactly the tokens the model saw (the prefix stays input there).
+            n_ctx = len(self.rendered.ids) - len(self.forced_ids)
+            st.turns.add(fp, StoredTurn.of(self.call_id, self.rendered.ids[:n_ctx], self.forced_ids + out_ids, self.content, calls))
         try:
             p.sink.on_record(self.record)
         except Exception:  # a failing sink must be loud, but the client already has its answer
@@ -359,6 +405,9 @@ class Proxy:
             rendered = Rendered(ids=list(req.prompt_ids))
         else:
             rendered = Rendered(ids=self.renderer.encode(req.prompt_text or ""))
+        forced_text, forced_ids = self._forced_prefix(req)
+        if forced_ids:
+            rendered.ids = rendered.ids + forced_ids
         n = len(rendered.ids)
         if n == 0:
             raise ApiError(400, "invalid_request", "the prompt is empty", param="prompt")
@@ -381,8 +430,26 @@ class Proxy:
             stop_sequences=stop_seqs,
             seed=req.seed,
             min_tokens=min(req.min_tokens, max_tokens),
+            top_logprobs=req.top_logprobs,
         )
-        return Call(self, state, role, req, rendered, sampling, start)
+        return Call(self, state, role, req, rendered, sampling, start, forced_text, forced_ids)
+
+    def _forced_prefix(self, req: ChatRequest) -> tuple[str, list[int]]:
+        """(text, ids) of the forced tool-call opening to append to the prompt; ("", []) if none."""
+        if req.force is None or req.messages is None:
+            return "", []
+        names = [t["function"]["name"] for t in req.tools or ()]
+        if not names:
+            raise ApiError(400, "invalid_request", "tool_choice forces a tool call, but the request has no tools", param="tool_choice")
+        name = req.force.name
+        if name is None and len(names) == 1:
+            name = names[0]  # `required` with one tool: that tool, by name (fully enforced)
+        if name is not None and name not in names:
+            raise ApiError(400, "invalid_request", f"tool_choice names {name!r}, which is not one of the request's tools {names}", param="tool_choice")
+        if self.config.tool_parser != "hermes":
+            raise ApiError(400, "invalid_request", "tool_choice: forcing a tool call needs proxy.tool_parser=hermes", param="tool_choice")
+        text = tool_call_opening(name)
+        return text, self.renderer.encode(text)
 
     def count_tokens(self, key: KeyInfo, req: ChatRequest) -> int:
         state = self.executions.get(key.execution_id)

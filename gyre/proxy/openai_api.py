@@ -10,9 +10,13 @@ line of text (`[image: image/png, 48213 bytes]`, `[image: https://example.com, n
 `[file: report.pdf, application/pdf, 1024 bytes]`): context, never a training target;
 `--proxy.media reject` makes them a 400 naming the field.
 
-`top_logprobs` > 0 (and `logprobs` > 0 on /v1/completions) is a 400 naming the field: the engine
-protocol (`TokenEvent`) carries the sampled token's log-prob only, so alternatives cannot be
-returned; 0 or absent is served, with `top_logprobs: []` on every token.
+`tool_choice` "required" or a named function forces a tool call by a forced prefix (see
+gyre.proxy.core); `response_format` json_object / json_schema is a 400 naming the field (no
+engine here constrains decoding to a schema; silently returning free text would be worse).
+
+Log-probs are the engine's behaviour log-probs (`TokenEvent.logprob`); `top_logprobs` k (chat,
+with `logprobs: true`) and `logprobs` k (legacy completions) return the k most likely tokens at
+each position from the same distribution (`TokenEvent.top`), asked of the engine only then.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from gyre.proxy import validate as V
-from gyre.proxy.core import ApiError, Call, ChatRequest
+from gyre.proxy.core import ApiError, Call, ChatRequest, ToolForce
 from gyre.proxy.textstream import ToolCall
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -38,12 +42,6 @@ _ERROR_TYPES = {
     "overloaded": "server_error",
     "internal": "server_error",
 }
-
-
-# The engine protocol (gyre.backends.protocols.TokenEvent) carries only the sampled token's
-# log-prob; asking engines for k alternatives per token would widen every engine and the HTTP
-# engine wire, so the field is refused rather than answered with a silent [].
-_NO_TOP_LOGPROBS = "alternatives are not available: this proxy's engines report the sampled token's log-prob only; use 0"
 
 
 def error_body(e: ApiError) -> dict:
@@ -202,17 +200,48 @@ def _common(body: dict, api: str) -> ChatRequest:
     return req
 
 
+def _tool_choice(tc: Any) -> ToolForce | None:
+    """Chat `tool_choice`: "auto" / "none" (None), "required" (any tool), or
+    {"type": "function", "function": {"name"}} (that one); forced by prefix (gyre.proxy.core)."""
+    if tc is None or tc in ("auto", "none"):
+        return None
+    if tc == "required":
+        return ToolForce()
+    if isinstance(tc, str):
+        raise V.bad("tool_choice", "must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
+    if not isinstance(tc, dict):
+        raise V.bad("tool_choice", "must be a string or an object")
+    if tc.get("type") != "function":
+        raise V.bad("tool_choice.type", f"{tc.get('type')!r} is not supported: use 'function' (or 'required' / 'auto' / 'none')")
+    return ToolForce(V.req_str(V.get_obj(tc, "function", "tool_choice."), "name", "tool_choice.function."))
+
+
+# JSON-schema constrained decoding needs a grammar-constrained sampler, which the built-in engine
+# does not have; answering free text to a client that relies on the schema would break it later
+# and quietly, so the field is refused up front.
+_NO_STRUCTURED = "is not supported: structured output (JSON mode / JSON schema) is not enforced by this proxy's engines; use {'type': 'text'}"
+
+
+def _response_format(rf: Any) -> None:
+    if rf is None:
+        return
+    if not isinstance(rf, dict):
+        raise V.bad("response_format", "must be an object")
+    if rf.get("type") != "text":
+        raise V.bad("response_format", f"{rf.get('type')!r} " + _NO_STRUCTURED)
+
+
 def parse_chat(body: dict) -> ChatRequest:
     req = _common(body, "openai")
     req.messages = parse_messages(body.get("messages"), req.media)
     req.tools = parse_tools(body.get("tools"))
-    tc = body.get("tool_choice")
-    if tc is not None and not isinstance(tc, (str, dict)):
-        raise V.bad("tool_choice", "must be a string or an object")
-    req.parse_tools = tc != "none"
+    req.force = _tool_choice(body.get("tool_choice"))
+    req.parse_tools = body.get("tool_choice") != "none"
+    _response_format(body.get("response_format"))
     req.logprobs = V.opt_bool(body, "logprobs")
-    if V.opt_int(body, "top_logprobs", 0, lo=0, hi=20):
-        raise V.bad("top_logprobs", _NO_TOP_LOGPROBS)
+    req.top_logprobs = V.opt_int(body, "top_logprobs", 0, lo=0, hi=20) or 0
+    if req.top_logprobs and not req.logprobs:
+        raise V.bad("top_logprobs", "requires logprobs: true")
     return req
 
 
@@ -229,9 +258,8 @@ def parse_completion(body: dict) -> ChatRequest:
         raise V.bad("prompt", "must be a string, one string in an array, or an array of token ids")
     req.parse_tools = False
     n_lp = V.opt_int(body, "logprobs", None, lo=0, hi=5)
-    if n_lp:
-        raise V.bad("logprobs", _NO_TOP_LOGPROBS + "; use logprobs=0 for the sampled tokens' log-probs")
     req.logprobs = n_lp is not None
+    req.top_logprobs = n_lp or 0
     return req
 
 
@@ -255,14 +283,22 @@ def _tool_json(tc: ToolCall, ids: dict[int, str]) -> dict:
     return {"id": tid, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments_json}}
 
 
+def _token_entry(table: list[bytes], token_id: int, logprob: float) -> dict:
+    b = table[token_id]
+    return {"token": b.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(b)}
+
+
 def _lp_entries(call: Call, start: int, end: int) -> list[dict]:
-    table, hidden = call.proxy.token_table, call.proxy.eos_ids
+    """Chat / Responses log-prob entries of the visible tokens in call.tokens[start:end], with
+    the engine's alternatives (`TokenEvent.top`, k = the request's top_logprobs)."""
+    table, hidden, k = call.proxy.token_table, call.proxy.eos_ids, call.req.top_logprobs
     out = []
     for ev in call.tokens[start:end]:
         if ev.token_id in hidden:
             continue
-        b = table[ev.token_id]
-        out.append({"token": b.decode("utf-8", "replace"), "logprob": ev.logprob, "bytes": list(b), "top_logprobs": []})
+        e = _token_entry(table, ev.token_id, ev.logprob)
+        e["top_logprobs"] = [_token_entry(table, t, lp) for t, lp in (ev.top or ())[:k]] if k else []
+        out.append(e)
     return out
 
 
@@ -324,7 +360,11 @@ async def respond_completion(request: web.Request, call: Call, model: str) -> we
         if not want_lp:
             return None
         ents = _lp_entries(call, start, end)
-        return {"tokens": [e["token"] for e in ents], "token_logprobs": [e["logprob"] for e in ents], "top_logprobs": None, "text_offset": []}
+        top = None
+        if call.req.top_logprobs:  # legacy shape: {token: logprob} per position, the sampled token always in it
+            top = [{t["token"]: t["logprob"] for t in reversed(e["top_logprobs"] + [e])} for e in ents]
+            top = [dict(sorted(d.items(), key=lambda kv: -kv[1])) for d in top]
+        return {"tokens": [e["token"] for e in ents], "token_logprobs": [e["logprob"] for e in ents], "top_logprobs": top, "text_offset": []}
 
     if not call.req.stream:
         async with aclosing(call.events()) as events:

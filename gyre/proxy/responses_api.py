@@ -36,10 +36,11 @@ chain (the previous response's `instructions` are not carried over, as in OpenAI
 a 400 `previous_response_not_found`. Clients that re-send the full history (Codex, the Agents SDK
 by default) are stored as a delta against the execution's last kept response when it is a prefix.
 
-Refused with a 400 naming the field, never silently ignored: `tool_choice` `required` or a named
-tool (nothing forces a call), `text.format` other than text, `conversation`, `prompt`,
-`background`, `item_reference`, `top_logprobs` > 0 (engines report the sampled token's log-prob
-only). `input_image` / `input_file` parts of user messages and tool outputs become a line of
+`tool_choice` `required` or a named function / custom tool forces a call by a forced prefix
+(gyre.proxy.core); `top_logprobs` k returns k alternatives per token in `output_text.logprobs`
+(and turns the log-probs on). Refused with a 400 naming the field, never silently ignored:
+`text.format` other than text (no engine here constrains decoding to a schema), hosted-tool and
+`allowed_tools` tool choices, `conversation`, `prompt`, `background`, `item_reference`. `input_image` / `input_file` parts of user messages and tool outputs become a line of
 text (`[image: image/png, 48213 bytes]`, URLs by scheme and host, never fetched), context and
 never a training target; `--proxy.media reject` makes them a 400 naming the field. Accepted and ignored: `metadata`,
 `user`, `reasoning` (effort/summary: the policy has no such knob), `parallel_tool_calls` (every
@@ -63,9 +64,9 @@ from typing import Any
 from aiohttp import web
 
 from gyre.proxy import validate as V
-from gyre.proxy.core import ApiError, Call, ChatRequest, ExecutionState, Proxy
+from gyre.proxy.core import ApiError, Call, ChatRequest, ExecutionState, Proxy, ToolForce
 from gyre.proxy.keys import KeyInfo
-from gyre.proxy.openai_api import _NO_TOP_LOGPROBS, _lp_entries, _text_of, error_body
+from gyre.proxy.openai_api import _lp_entries, _text_of, error_body
 from gyre.proxy.textstream import ToolCall
 
 _MESSAGE_ROLES = {"system", "developer", "user", "assistant"}
@@ -233,16 +234,21 @@ def parse_tools(raw: Any) -> Tools:
     return tools
 
 
-def _tool_choice(v: Any) -> bool:
-    """Whether tool calls are parsed. Forcing a call is not implemented, so it is refused."""
-    if v is None or v == "auto":
-        return True
-    if v == "none":
-        return False
-    what = repr(v) if isinstance(v, str) else f"{v.get('type')!r}" if isinstance(v, dict) else None
-    if what is None:
+def _tool_choice(v: Any) -> ToolForce | None:
+    """`tool_choice` auto / none (None), required (any tool), or {"type": "function" | "custom",
+    "name"} (that one); forced by a prefix (gyre.proxy.core). Hosted-tool and allowed_tools
+    choices are refused."""
+    if v is None or v in ("auto", "none"):
+        return None
+    if v == "required":
+        return ToolForce()
+    if isinstance(v, str):
+        raise V.bad("tool_choice", "must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}")
+    if not isinstance(v, dict):
         raise V.bad("tool_choice", "must be a string or an object")
-    raise V.bad("tool_choice", f"{what} is not supported: the proxy cannot force a tool call; use 'auto' or 'none'")
+    if v.get("type") not in ("function", "custom"):
+        raise V.bad("tool_choice.type", f"{v.get('type')!r} is not supported: use 'function' or 'custom' with a name, or 'required' / 'auto' / 'none'")
+    return ToolForce(V.req_str(v, "name", "tool_choice."))
 
 
 def parse_request(body: dict) -> ResponsesRequest:
@@ -265,19 +271,20 @@ def parse_request(body: dict) -> ResponsesRequest:
             raise V.bad(name, "must be an object")
     V.opt_str(body, "user")
     include = V.opt_list(body, "include") or []
-    if V.opt_int(body, "top_logprobs", 0, lo=0, hi=20):
-        raise V.bad("top_logprobs", _NO_TOP_LOGPROBS)
+    top = V.opt_int(body, "top_logprobs", 0, lo=0, hi=20) or 0
     chat = ChatRequest(
         api="responses",
         max_tokens=V.opt_int(body, "max_output_tokens", None, lo=1),
         temperature=V.opt_num(body, "temperature", 1.0, 0.0, 2.0),
         top_p=V.opt_num(body, "top_p", 1.0, 0.0, 1.0),
         stream=V.opt_bool(body, "stream"),
-        logprobs=_LOGPROBS in include,
+        logprobs=_LOGPROBS in include or top > 0,
+        top_logprobs=top,
     )
     tools = parse_tools(body.get("tools"))
     chat.tools = tools.functions or None
-    chat.parse_tools = _tool_choice(body.get("tool_choice"))
+    chat.force = _tool_choice(body.get("tool_choice"))
+    chat.parse_tools = body.get("tool_choice") != "none"
     req = ResponsesRequest(
         chat=chat,
         tools=tools,
@@ -301,6 +308,7 @@ def parse_request(body: dict) -> ResponsesRequest:
         "text": {"format": {"type": "text"}},
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": body.get("tools") or [],
+        "top_logprobs": top,
         "top_p": chat.top_p,
         "truncation": "disabled",
         "user": body.get("user"),

@@ -18,6 +18,17 @@ TOOL_START = "<tool_call>"
 TOOL_END = "</tool_call>"
 
 
+def tool_call_opening(name: str | None) -> str:
+    """The text a forced tool call starts with: the template's `<tool_call>\\n{"name": "NAME",
+    "arguments":` for a named function, `<tool_call>\\n{"name": "` for any (the model writes the
+    name). It stops before the space that follows in the template's rendering: a BPE tokenizer
+    attaches that space to the next token (` {"`), so a prefix ending in it would leave the model
+    an unnatural tokenization to continue from."""
+    if name is None:
+        return TOOL_START + '\n{"name": "'
+    return TOOL_START + '\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments":'
+
+
 class Detokenizer:
     """Exact bytes of each token (`token_bytes` table), UTF-8 decoded incrementally."""
 

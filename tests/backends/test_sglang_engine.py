@@ -9,7 +9,7 @@ import pytest
 
 from gyre.backends.config import SglangConfig
 from gyre.backends.protocols import RolloutEngine, SamplingParams
-from gyre.backends.sglang_engine import SglangEngine, match_stop, parse_chunk, sampling_params, server_args
+from gyre.backends.sglang_engine import SglangEngine, match_stop, parse_chunk, parse_top, sampling_params, server_args
 
 
 def test_import_does_not_pull_sglang_or_cuda_libraries():
@@ -60,6 +60,16 @@ def test_parse_chunk_takes_this_chunks_slice_of_the_cumulative_list():
     assert parse_chunk(c3, 2) == ([(2, -0.25)], "stop", "3")
     legacy = {"meta_info": {"output_token_logprobs": [(-0.5, 7, None)], "finish_reason": {"type": "length"}}}
     assert parse_chunk(legacy, 0) == ([(7, -0.5)], "length", None)
+
+
+def test_parse_top_maps_sglang_triples_of_this_chunks_slice():
+    """meta_info['output_top_logprobs']: cumulative, one list of (logprob, token_id, text) per output
+    token, most likely first (sglang tokenizer_manager); TokenEvent.top wants (token_id, logprob)."""
+    shared = [[(-0.1, 7, None), (-2.5, 9, None)], [(-0.3, 8, None), (-1.5, 1, "x")]]
+    c = {"meta_info": {"output_token_logprobs": [(-0.1, 7, None), (-1.5, 1, None)], "output_top_logprobs": shared}}
+    assert parse_top(c, 0, 1) == [[(7, -0.1), (9, -2.5)]]
+    assert parse_top(c, 1, 1) == [[(8, -0.3), (1, -1.5)]]
+    assert parse_top({"meta_info": {}}, 0, 2) == [None, None]  # not asked / not sent
 
 
 def test_match_stop_finds_the_earliest_end():

@@ -1,7 +1,7 @@
 """Multimodal content for a text-only policy, through the official SDKs (gyre/proxy/validate.py
 `media_text`): images, documents, audio and files become a line of text in the recorded prompt,
 those tokens are never training targets, and `proxy.media = reject` answers a 400 naming the
-field. Also: Anthropic `thinking` is accepted and never returned, `top_logprobs` > 0 is refused,
+field. Also: Anthropic `thinking` is accepted and never returned, `top_logprobs` without `logprobs` is refused,
 and a Claude Code helper call is recorded as Role.HELPER."""
 
 import base64
@@ -131,18 +131,21 @@ def test_thinking_is_accepted_and_never_returned(make_server):
         a.messages.create(model="m", max_tokens=16, messages=[{"role": "user", "content": "x"}], extra_body={"thinking": "on"})
 
 
-def test_top_logprobs_above_zero_is_a_400_naming_the_field(make_server):
+def test_top_logprobs_without_logprobs_or_over_20_is_a_400_naming_the_field(make_server):
+    """(Alternatives themselves: tests/proxy/test_top_logprobs.py.)"""
     proxy, h = make_server(_engine())
     c = openai.OpenAI(base_url=h.url + "/v1", api_key=proxy.issue_key("ex-lp"), max_retries=0)
+    for extra in ({"top_logprobs": 3}, {"logprobs": True, "top_logprobs": 21}):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "x"}], **extra)
+        assert e.value.body["param"] == "top_logprobs"
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=3)
-    assert e.value.body["param"] == "top_logprobs"
-    with pytest.raises(openai.BadRequestError) as e:
-        c.completions.create(model="m", prompt="x", max_tokens=4, logprobs=2)
+        c.completions.create(model="m", prompt="x", max_tokens=4, logprobs=6)
     assert e.value.body["param"] == "logprobs"
     r = c.chat.completions.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=0)
     assert all(t.top_logprobs == [] for t in r.choices[0].logprobs.content)
-    assert c.completions.create(model="m", prompt="x", max_tokens=4, logprobs=0).choices[0].logprobs.token_logprobs
+    comp = c.completions.create(model="m", prompt="x", max_tokens=4, logprobs=0).choices[0].logprobs
+    assert comp.token_logprobs and comp.top_logprobs is None
 
 
 def test_a_claude_code_helper_call_is_recorded_as_helper(make_server):
