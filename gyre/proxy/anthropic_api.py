@@ -124,8 +124,13 @@ def parse_messages(raw: Any, system: Any, media: list[str] | None = None) -> lis
         if not isinstance(m, dict):
             raise V.bad(f, "must be an object")
         role = m.get("role")
+        if role == "system":
+            # Claude Code (2.1.x) sends its environment block as a system entry inside `messages`;
+            # it stays a system turn where it was sent, as the OpenAI adapter does with one.
+            msgs.append({"role": "system", "content": _text_blocks(m.get("content"), f + ".content")})
+            continue
         if role not in ("user", "assistant"):
-            raise V.bad(f + ".role", "must be 'user' or 'assistant'")
+            raise V.bad(f + ".role", "must be 'user', 'assistant' or 'system'")
         content = m.get("content")
         if isinstance(content, str):
             msgs.append({"role": role, "content": content})

@@ -79,9 +79,6 @@ def test_the_readme_cpu_smoke_command_trains_two_steps_through_the_stand_in(tmp_
 
 
 @pytest.mark.skipif(CLAUDE is None, reason="no claude binary (npm install -g @anthropic-ai/claude-code, or set GYRE_CLAUDE_BIN)")
-@pytest.mark.xfail(reason="Claude Code 2.1.332 sends a {'role': 'system'} entry in `messages`, which the proxy "
-                          "refuses with a 400 (examples/claude_code/README.md); remove this mark once the proxy accepts it",
-                   raises=AssertionError, strict=False)
 def test_real_claude_code_writes_the_answer_through_the_proxy(tmp_path):
     from gyre.backends.det_engine import DeterministicEngine
     from gyre.backends.tokenizer import byte_token_ids, load_tokenizer

@@ -163,6 +163,27 @@ def test_same_history_through_both_apis_renders_the_same_prompt(make_server):
     assert r1.input_ids.tolist() == r2.input_ids.tolist()
 
 
+def test_a_system_entry_inside_anthropic_messages_renders_as_in_the_openai_api(make_server):
+    """Claude Code 2.1.x sends its environment block as {"role": "system"} inside `messages` (the
+    real CLI's first request; tests/executions/test_claude_code_example.py runs it). It is a system
+    turn at that place, the same prompt as the OpenAI API renders for the same history."""
+    proxy, h = make_server([(DeterministicEngine("e", eos_prob=0.2), "cell", 0)])
+    key = proxy.issue_key("ex-sys")
+    openai.OpenAI(base_url=h.url + "/v1", api_key=key, max_retries=0).chat.completions.create(
+        model="m", max_tokens=5, messages=[{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+                                           {"role": "system", "content": "env: /repo"}, {"role": "user", "content": "go"}])
+    anthropic.Anthropic(base_url=h.url, api_key=key, max_retries=0).messages.create(
+        model="m", system="S", max_tokens=5,
+        messages=[{"role": "user", "content": "hi"}, {"role": "system", "content": [{"type": "text", "text": "env: /repo"}]},
+                  {"role": "user", "content": "go"}])
+    r1, r2 = proxy.sink.for_execution("ex-sys")
+    assert r1.input_ids.tolist() == r2.input_ids.tolist()
+    assert "<|im_start|>system\nenv: /repo<|im_end|>" in load_tokenizer().decode(r2.input_ids.tolist())
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[0\]\.role"):
+        anthropic.Anthropic(base_url=h.url, api_key=key, max_retries=0).messages.create(
+            model="m", max_tokens=5, messages=[{"role": "moderator", "content": "hi"}])
+
+
 def test_roles_by_system_prompt_marker_header_and_key_hint(make_server):
     proxy, h = make_server([(DeterministicEngine("e", eos_prob=0.3), "cell", 0)])
     key = proxy.issue_key("ex-roles")
