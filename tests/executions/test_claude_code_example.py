@@ -116,4 +116,6 @@ def test_real_claude_code_writes_the_answer_through_the_proxy(tmp_path):
     logs = (res.exec_dir / "stdout.log").read_text()[-3000:] + (res.exec_dir / "stderr.log").read_text()[-2000:]
     assert res.outcome is Outcome.COMPLETED, logs
     assert res.reward.reward == 1.0, logs
-    assert len(sink.for_execution("cc-0")) >= 2, logs
+    recs = sink.for_execution("cc-0")
+    assert len(recs) >= 2, logs
+    assert [r.role.name for r in recs] == ["MAIN"] * len(recs), logs  # both turns of the one agent
