@@ -42,7 +42,25 @@ _OK, _MISSING, _CLOSED = 0, 1, 2
 _NO_CRC = -1
 
 
-class TorchWeights:
+class _Pointers:
+    """The version pointers every transport keeps in the store: `<ns>/latest` and `<ns>/published`
+    (what the core posted last, and last published), tiny and read by any rank."""
+
+    store: Any
+    ns: str
+
+    def _pointer(self, name: str) -> int | None:
+        key = f"{self.ns}/{name}"
+        return int(self.store.get(key)) if self.store.check([key]) else None
+
+    def latest(self) -> int | None:
+        return self._pointer("latest")
+
+    def published(self) -> int | None:
+        return self._pointer("published")
+
+
+class TorchWeights(_Pointers):
     """`--transfer.transport torch`: one-sided reads served by the core over gloo point-to-point.
 
     Every rank builds one, at the same point of start-up, with the same `group` (a gloo group of
@@ -85,16 +103,6 @@ class TorchWeights:
             self.stats.moved("store", len(value), control=True)
         self.store.check([f"{self.ns}/latest"])  # a round trip: the pointers are applied (see SnapshotBoard.post)
         self.stats.count("posts")
-
-    def _pointer(self, name: str) -> int | None:
-        key = f"{self.ns}/{name}"
-        return int(self.store.get(key)) if self.store.check([key]) else None
-
-    def latest(self) -> int | None:
-        return self._pointer("latest")
-
-    def published(self) -> int | None:
-        return self._pointer("published")
 
     def fetch(self, version: int) -> dict[str, torch.Tensor]:
         return self._read(_EXACT, version)[1]
@@ -207,7 +215,7 @@ class TorchWeights:
             self._snaps.clear()
 
 
-class MooncakeWeights:
+class MooncakeWeights(_Pointers):
     """`--transfer.transport mooncake`: readers pull registered buffers with Mooncake Transfer Engine.
 
     The core registers each retained snapshot's flat buffer with its engine and writes a
@@ -247,16 +255,6 @@ class MooncakeWeights:
         for old in self._kept.admit(version, published=published):
             self.store.delete_key(f"{self.ns}/{old}/desc")  # readers stop finding it first
             self._mc.unregister(self._bufs.pop(old)[1])
-
-    def _pointer(self, name: str) -> int | None:
-        key = f"{self.ns}/{name}"
-        return int(self.store.get(key)) if self.store.check([key]) else None
-
-    def latest(self) -> int | None:
-        return self._pointer("latest")
-
-    def published(self) -> int | None:
-        return self._pointer("published")
 
     def _held(self, version: int) -> bool:
         return bool(self.store.check([f"{self.ns}/{version}/desc"]))
@@ -319,7 +317,7 @@ class MooncakeWeights:
         self._mc.close()
 
 
-class SnapshotBoard:
+class SnapshotBoard(_Pointers):
     """The `store` weight transport: the core's parameter snapshots by version in torchrun's store.
 
     A satellite joining a step in progress pulls the core's *current* snapshot, and engines load
@@ -335,7 +333,7 @@ class SnapshotBoard:
     name = "store"
 
     def __init__(self, store: Any, keep: int = 2, *, verify: bool = True) -> None:
-        self.store = store
+        self.store, self.ns = store, "snap"
         self.verify = verify
         self._kept = Retention(keep)
         self.stats = TransferStats("store")
@@ -361,12 +359,6 @@ class SnapshotBoard:
         for old in self._kept.admit(version, published=published):
             for part in ("data", "meta"):
                 self.store.delete_key(f"snap/{old}/{part}")
-
-    def latest(self) -> int | None:
-        return int(self.store.get("snap/latest")) if self.store.check(["snap/latest"]) else None
-
-    def published(self) -> int | None:
-        return int(self.store.get("snap/published")) if self.store.check(["snap/published"]) else None
 
     def has(self, version: int) -> bool:
         return bool(self.store.check([f"snap/{version}/meta"]))

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,9 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre.backends.transfer import FlatLayout, TorchDistTransport, checksum, make_transport
-from tests.distributed import run_ranks
+from tests.distributed import netns_problem, run_ranks, run_ranks_in_netns
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
 
 
@@ -115,34 +109,11 @@ def _mooncake_share():
     return all(ok)
 
 
-def _netns_problem() -> str | None:
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return "unshare/ip not installed"
-    cmd = ["unshare", "--net"] + ([] if os.geteuid() == 0 else ["--map-root-user"]) + ["sh", "-c", "ip link set lo up"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        return f"cannot create a private network namespace: {r.stderr.strip()[:200]}"
-    try:
-        import mooncake.engine  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 — any import failure means: not usable here
-        return f"mooncake not importable ({exc}); pip install mooncake-transfer-engine-non-cuda and apt-get install libibverbs1"
-    return None
-
-
 @pytest.mark.multirank
 def test_mooncake_transport_is_bit_exact_inside_a_private_netns():
     """Mooncake listens on all interfaces, so the ranks run in a network namespace that has
     only loopback (`unshare --net`, `ip link set lo up`)."""
-    problem = _netns_problem()
+    problem = netns_problem()
     if problem:
         pytest.skip(problem)
-    script = ("import json; from tests.distributed import run_ranks; "
-              "from tests.backends.test_transfer import _mooncake_share; "
-              "print('RESULT', json.dumps(run_ranks(_mooncake_share, 2)))")
-    prefix = ["unshare", "--net"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
-    r = subprocess.run(prefix + ["sh", "-c", f"ip link set lo up && exec {sys.executable} -c \"{script}\""],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-4000:]
-    assert json.loads(lines[-1][7:]) == [True, True]
+    assert run_ranks_in_netns("tests.backends.test_transfer:_mooncake_share", 2) == [True, True]

@@ -5,10 +5,6 @@ Mooncake runs inside a private network namespace (it listens on every interface)
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -16,12 +12,11 @@ import torch
 import torch.distributed as dist
 
 from gyre.backends import factory
-from tests.backends.test_transfer import _netns_problem, same_bits, snapshot
-from tests.distributed import run_ranks
+from tests.backends.test_transfer import same_bits, snapshot
+from tests.distributed import netns_problem, run_ranks, run_ranks_in_netns
 
 pytestmark = pytest.mark.multirank
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRANSPORTS = factory.runnable(factory.TRANSPORTS)
 
 
@@ -154,19 +149,10 @@ def test_transport_contract(kind):
 
 @pytest.mark.skipif("mooncake" not in TRANSPORTS, reason="the factory cannot build mooncake here")
 def test_mooncake_transport_contract_inside_a_private_netns():
-    problem = _netns_problem()
+    problem = netns_problem()
     if problem:
         pytest.skip(problem)
-    script = ("import json; from tests.distributed import run_ranks; "
-              "from tests.contracts.test_transport_contract import _contract; "
-              "print('RESULT', json.dumps(run_ranks(_contract, 3, 'mooncake')))")
-    prefix = ["unshare", "--net"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
-    r = subprocess.run(prefix + ["sh", "-c", f"ip link set lo up && exec {sys.executable} -c \"{script}\""],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-4000:]
-    _check("mooncake", json.loads(lines[-1][7:]))
+    _check("mooncake", run_ranks_in_netns("tests.contracts.test_transport_contract:_contract", 3, "mooncake"))
 
 
 def _core_fails_mid_run():

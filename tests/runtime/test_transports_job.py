@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.backends.test_transfer import _netns_problem
+from tests.distributed import netns_problem
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = Path(__file__).resolve().with_name("tiny_harness.py")
@@ -87,7 +87,7 @@ def test_a_tiny_job_per_transport(tmp_path, transport):
 
 @pytest.mark.multirank
 def test_a_tiny_job_over_mooncake_inside_a_private_netns(tmp_path):
-    problem = _netns_problem()
+    problem = netns_problem()
     if problem:
         pytest.skip(problem)
     prefix = ["unshare", "--net"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
