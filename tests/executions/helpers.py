@@ -61,3 +61,17 @@ def eval_flaky(workspace, task, counter: str):
 
 def eval_out_of_range(workspace, task):
     return 1.5
+
+
+def assert_trained(run_dir: Path, steps: int) -> dict:
+    """A finished run that trained `steps` steps on real executions: no error, some executions
+    completed, none crashed, failed to launch or was counted by the health check. Its summary."""
+    import json
+
+    summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["error"] is None, summary
+    outcomes = summary["execution_outcomes"]
+    assert outcomes.get("completed", 0) > 0, outcomes
+    assert not outcomes.get("crashed") and not outcomes.get("launch_failed"), outcomes
+    assert summary["failed_executions"] == {}, summary["failed_executions"]
+    return summary

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from examples.claude_code.task import evaluate, make_tasks
+from tests.executions.helpers import assert_trained
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "claude_code"
@@ -61,12 +62,7 @@ def test_the_readme_cpu_smoke_command_trains_two_steps_through_the_stand_in(tmp_
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
 
     run = tmp_path / train[train.index("--run-dir") + 1]
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["error"] is None, summary
-    outcomes = summary["execution_outcomes"]
-    assert outcomes.get("completed", 0) > 0, outcomes
-    assert not outcomes.get("crashed") and not outcomes.get("launch_failed"), outcomes
-    assert summary["failed_executions"] == {}, summary["failed_executions"]
+    summary = assert_trained(run, steps=2)
     results = [json.loads(p.read_text()) for p in (run / "executions").glob("*/result.json")]
     completed = [r for r in results if r["outcome"] == "completed"]
     for r in completed:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from examples.mini_swe_agent.task import evaluate, make_tasks
+from tests.executions.helpers import assert_trained
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "examples" / "mini_swe_agent" / "README.md"
@@ -82,12 +83,7 @@ def test_the_readme_command_trains_two_steps_through_mini_swe_agent(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
 
     run = tmp_path / train[train.index("--run-dir") + 1]
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["error"] is None, summary
-    outcomes = summary["execution_outcomes"]
-    assert outcomes.get("completed", 0) > 0, outcomes
-    assert not outcomes.get("crashed") and not outcomes.get("launch_failed"), outcomes
-    assert summary["failed_executions"] == {}, summary["failed_executions"]
+    summary = assert_trained(run, steps=2)
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
 
     # Every completed execution ran mini-swe-agent, which called the model (recorded in tito/),

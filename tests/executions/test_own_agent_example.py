@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from examples.own_agent.evaluate import evaluate, score
+from tests.executions.helpers import assert_trained
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "own_agent"
@@ -74,12 +75,7 @@ def test_the_documented_command_trains_two_steps_on_the_example(tmp_path):
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
 
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["error"] is None, summary
-    outcomes = summary["execution_outcomes"]
-    assert outcomes.get("completed", 0) > 0, outcomes
-    assert not outcomes.get("crashed") and not outcomes.get("launch_failed"), outcomes
-    assert summary["failed_executions"] == {}, summary["failed_executions"]
+    summary = assert_trained(run, steps=2)
     assert summary["calls"] > 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
