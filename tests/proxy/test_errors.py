@@ -108,7 +108,7 @@ def test_bad_inputs_anthropic(srv):
         err = _an_err(c.post("/v1/messages", json={k: v for k, v in MSG.items() if k != "max_tokens"}), 400, "invalid_request_error")
         assert "max_tokens" in err["message"]
         _an_err(c.post("/v1/messages", json={**MSG, "max_tokens": "ten"}), 400, "invalid_request_error")
-        _an_err(c.post("/v1/messages", json={**MSG, "messages": [{"role": "system", "content": "x"}]}), 400, "invalid_request_error")
+        _an_err(c.post("/v1/messages", json={**MSG, "messages": [{"role": "moderator", "content": "x"}]}), 400, "invalid_request_error")
         _an_err(c.post("/v1/messages", json={**MSG, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}), 400, "invalid_request_error")
         _an_err(c.post("/v1/messages", json={**MSG, "stop_sequences": "END"}), 400, "invalid_request_error")
         _an_err(c.post("/v1/messages", json={**MSG, "messages": [{"role": "user", "content": "word " * 400}]}), 400, "invalid_request_error")
