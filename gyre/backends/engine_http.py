@@ -15,14 +15,33 @@ Engines of other cells live in other processes (docs/design.md §1); the proxy r
     GET  /ws             websocket carrying many generate/abort streams (`engine_mux`)
 
 A client that goes away mid-stream makes the server abort the engine request.
+
+Authentication. Every route, the websocket upgrade included, needs `Authorization: Bearer
+<secret>` and answers 401 otherwise (compared in constant time, `hmac.compare_digest`). The secret
+is per run: rank 0 draws it (`new_secret`, 256 bits) before any engine starts and broadcasts it
+over the job's gloo control group (`engine_host.share_secret`), point-to-point TCP connections
+between the job's own processes. It is never written to torchrun's store, the environment, the
+command line or a file: the store is a plain TCP server with no authentication, so on a shared
+host any local process (a harness, same uid) that finds its port can read every key in it (the
+engine URLs included) and must not find the secret there. Harnesses talk to the proxy only; the
+proxy's router sends the secret (`HttpEngine(url, secret=...)`) and gives engines request ids
+with a 96-bit random part, so an id cannot be derived from an execution id. What the secret does
+not stop: a process that can read a rank's memory (ptrace under the same uid, root) - keeping
+harnesses out of that is the sandbox's job, not this one's.
+
+`serve_engine(engine)` draws a secret when none is given (`handle.secret`); an `HttpEngine` in the
+same process as the server finds it by URL (in-process tests, benchmarks), any other client must
+be given it (`python -m gyre.proxy` reads GYRE_ENGINE_SECRET; the admin API takes "secret").
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import logging
+import secrets
 import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
@@ -43,7 +62,32 @@ def _sampling_from_json(d: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**d)
 
 
-def _engine_app(engine: RolloutEngine) -> web.Application:
+def new_secret() -> str:
+    """A fresh engine secret: 256 random bits, URL-safe text."""
+    return secrets.token_urlsafe(32)
+
+
+# url -> secret of the engine servers started in this process: a client in the same process
+# finds the secret itself (it could read it from memory anyway); other processes must be given it.
+_served_here: dict[str, str] = {}
+
+
+def _auth(secret: str):
+    """Middleware: every route (the websocket upgrade included) needs `Authorization: Bearer <secret>`."""
+    want = f"Bearer {secret}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        got = request.headers.get("Authorization", "").encode("utf-8", "replace")
+        if not hmac.compare_digest(got, want):
+            return web.json_response({"error": "engine: missing or wrong secret"}, status=401,
+                                     headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return check
+
+
+def _engine_app(engine: RolloutEngine, secret: str) -> web.Application:
     async def generate(request: web.Request) -> web.StreamResponse:
         try:
             body = await request.json()
@@ -126,7 +170,9 @@ def _engine_app(engine: RolloutEngine) -> web.Application:
     async def info(request: web.Request) -> web.Response:
         return web.json_response({"name": engine.name, "load": engine.load()})
 
-    app = web.Application(client_max_size=1 << 34)
+    if not secret:
+        raise ValueError("engine server: an empty secret would let anyone in")
+    app = web.Application(client_max_size=1 << 34, middlewares=[_auth(secret)])
     add_mux_route(app, engine, _sampling_from_json)
     app.router.add_post("/generate", generate)
     app.router.add_post("/abort", abort)
@@ -140,13 +186,15 @@ def _engine_app(engine: RolloutEngine) -> web.Application:
 
 @dataclass
 class ServerHandle:
-    """A running aiohttp server: bound `host`/`port`, `url`, and `stop()` (sync or `astop()`)."""
+    """A running aiohttp server: bound `host`/`port`, `url`, and `stop()` (sync or `astop()`);
+    `secret` for an engine server (what its clients must send)."""
 
     host: str
     port: int
     runner: web.AppRunner
     loop: asyncio.AbstractEventLoop
     thread: threading.Thread | None = None
+    secret: str | None = None
 
     @property
     def url(self) -> str:
@@ -217,17 +265,30 @@ def run_in_thread(make_app, host: str, port: int, name: str = "gyre-http") -> Se
     return handle
 
 
-async def serve_engine_async(engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0) -> ServerHandle:
-    """Serve `engine` on the running loop (stop with `await handle.astop()`)."""
-    return await start_app(_engine_app(engine), host, port)
+async def serve_engine_async(engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0, *,
+                             secret: str | None = None) -> ServerHandle:
+    """Serve `engine` on the running loop (stop with `await handle.astop()`); a secret is drawn
+    when none is given (`handle.secret`)."""
+    secret = secret or new_secret()
+    handle = await start_app(_engine_app(engine, secret), host, port)
+    return _register(handle, secret)
 
 
-def serve_engine(engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0) -> ServerHandle:
+def serve_engine(engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0, *, secret: str | None = None) -> ServerHandle:
     """Serve `engine` over HTTP from a background thread with its own loop; `handle.stop()` ends it.
 
     The engine's coroutines then run on that thread's loop (use `handle.call(coro)` to reach it).
+    Clients must send `secret` (drawn when none is given; `handle.secret`).
     """
-    return run_in_thread(lambda: _engine_app(engine), host, port, name=f"gyre-engine-{engine.name}")
+    secret = secret or new_secret()
+    handle = run_in_thread(lambda: _engine_app(engine, secret), host, port, name=f"gyre-engine-{engine.name}")
+    return _register(handle, secret)
+
+
+def _register(handle: ServerHandle, secret: str) -> ServerHandle:
+    handle.secret = secret
+    _served_here[handle.url] = secret
+    return handle
 
 
 class HttpEngine:
@@ -235,13 +296,18 @@ class HttpEngine:
 
     transport="ws" (default): generate/abort multiplexed over one websocket (`engine_mux`);
     transport="http": one streamed POST /generate per call. Other methods are plain HTTP.
+    `secret`: the server's (see the module docstring); by default that of a server at `url` in
+    this process, if any - otherwise every call gets 401.
     """
 
-    def __init__(self, url: str, name: str | None = None, *, connect_timeout: float = 10.0, transport: Literal["ws", "http"] = "ws") -> None:
+    def __init__(self, url: str, name: str | None = None, *, secret: str | None = None, connect_timeout: float = 10.0,
+                 transport: Literal["ws", "http"] = "ws") -> None:
         if transport not in ("ws", "http"):
             raise ValueError(f"HttpEngine: transport must be 'ws' or 'http', got {transport!r}")
         self.url = url.rstrip("/")
         self.name = name or self.url
+        secret = secret or _served_here.get(self.url)
+        self._headers = {"Authorization": f"Bearer {secret}"} if secret else {}
         self.transport = transport
         self._session: ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
@@ -270,7 +336,8 @@ class HttpEngine:
     def _sess(self) -> ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session_loop is not loop or self._session.closed:
-            self._session = ClientSession(connector=TCPConnector(limit=0, force_close=False), timeout=self._timeout)
+            self._session = ClientSession(connector=TCPConnector(limit=0, force_close=False), timeout=self._timeout,
+                                          headers=self._headers)
             self._session_loop = loop
         return self._session
 

@@ -3,7 +3,9 @@
 Records go to the on-disk TITO store under `--store-dir`. The admin API is enabled with the token
 from `--proxy.admin-token` or the GYRE_PROXY_ADMIN_TOKEN environment variable (preferred: not
 visible in `ps`). Engines are added with `--engines name=url@kind:index ...` or later through
-the admin API. When serving, one JSON line {"url", "port"} is printed to stdout.
+the admin API; their servers' secret (`gyre.backends.engine_http`) comes from the
+GYRE_ENGINE_SECRET environment variable. When serving, one JSON line {"url", "port"} is printed
+to stdout.
 """
 
 from __future__ import annotations
@@ -49,11 +51,12 @@ def main(argv: list[str] | None = None) -> None:
     from gyre.trajectory.store import TitoStore
 
     proxy = Proxy(cfg.proxy, sink=StoreSink(TitoStore(cfg.store_dir)))
+    engine_secret = os.environ.get("GYRE_ENGINE_SECRET")
     for spec in cfg.engines:
         m = _ENGINE.match(spec)
         if m is None:
             raise SystemExit(f"--engines: {spec!r} is not name=url@kind:index")
-        proxy.router.add_engine(HttpEngine(m["url"], name=m["name"]), kind=m["kind"], index=int(m["index"]))
+        proxy.router.add_engine(HttpEngine(m["url"], name=m["name"], secret=engine_secret), kind=m["kind"], index=int(m["index"]))
     handle = serve_proxy(proxy)
     print(json.dumps({"url": handle.url, "port": handle.port}), flush=True)
     stop = threading.Event()

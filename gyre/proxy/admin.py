@@ -6,7 +6,7 @@ Enabled when `ProxyConfig.admin_token` is set; every route needs `Authorization:
     POST   /admin/keys                 {"execution_id", "role"?}     -> {"key"}
     DELETE /admin/executions/{id}      close: revoke keys, drop state -> stats
     GET    /admin/executions/{id}      -> stats (calls, spliced/unmatched turns, reroutes, roles)
-    POST   /admin/engines              {"url", "name", "kind", "index"} (an HttpEngine) -> {"ok"}
+    POST   /admin/engines              {"url", "name", "kind", "index", "secret"} (an HttpEngine) -> {"ok"}
     DELETE /admin/engines/{name}       drain + remove                -> {"moved"}
     POST   /admin/engines/{name}/drain                                -> {"moved"}
     POST   /admin/engines/{name}/resume                               -> {"ok"}
@@ -86,7 +86,7 @@ def add_admin_routes(app: web.Application, proxy: Proxy, token: str) -> None:
         d = await body(request)
         kind = field(d, "kind", str, "cell")
         try:
-            engine = HttpEngine(field(d, "url", str), name=field(d, "name", str))
+            engine = HttpEngine(field(d, "url", str), name=field(d, "name", str), secret=field(d, "secret", str, None))
             proxy.router.add_engine(engine, kind=kind, index=field(d, "index", int, 0))
         except ValueError as e:
             raise ApiError(400, "invalid_request", str(e)) from None
@@ -160,8 +160,12 @@ class AdminClient:
     def close_execution(self, execution_id: str) -> dict:
         return self._do("DELETE", f"/admin/executions/{execution_id}")
 
-    def add_engine(self, url: str, name: str, kind: str = "cell", index: int = 0) -> None:
-        self._do("POST", "/admin/engines", {"url": url, "name": name, "kind": kind, "index": index})
+    def add_engine(self, url: str, name: str, kind: str = "cell", index: int = 0, secret: str | None = None) -> None:
+        """`secret`: the engine server's (`serve_engine`'s `handle.secret`)."""
+        d = {"url": url, "name": name, "kind": kind, "index": index}
+        if secret is not None:
+            d["secret"] = secret
+        self._do("POST", "/admin/engines", d)
 
     def remove_engine(self, name: str) -> int:
         return self._do("DELETE", f"/admin/engines/{name}")["moved"]

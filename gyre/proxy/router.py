@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import secrets
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Literal
 
@@ -266,7 +267,9 @@ class Router:
         while True:
             slot = await self._acquire(execution_id, rerouting=attempt > 0)
             self._affinity[execution_id] = slot.name
-            running = _Running(request_id=f"{call_key}.{attempt}")
+            # The engine's id: the call key (names the execution in engine logs) plus 96 random bits,
+            # so an engine request cannot be aborted by one who knows only the execution id.
+            running = _Running(request_id=f"{call_key}.{attempt}.{secrets.token_hex(12)}")
             slot.inflight[running.request_id] = running
             slot.served += 1
             info.engines.append(slot.name)

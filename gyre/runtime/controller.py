@@ -94,9 +94,11 @@ class Controller:
     rank is told to stop, and the timeline and summary are written.
     """
 
-    def __init__(self, cfg: Any, topo: Topology, store: Any, start_version: int = 0) -> None:
-        """Build the run's state: everything that does not need the controller's loop."""
+    def __init__(self, cfg: Any, topo: Topology, store: Any, start_version: int = 0, engine_secret: str | None = None) -> None:
+        """Build the run's state: everything that does not need the controller's loop.
+        `engine_secret`: what the engines' servers want (`engine_host.share_secret`)."""
         self.cfg, self.topo, self.store = cfg, topo, store
+        self.engine_secret = engine_secret
         sc, tc = cfg.scheduler, cfg.train
         self.start_version = start_version  # > 0 when resuming: steps and versions count on from it
         self.run_dir = Path(cfg.run_dir)
@@ -206,10 +208,10 @@ class Controller:
         logger.info("proxy listening at %s", self.proxy_handle.url)
         for c in range(topo.num_cells):
             url = await self._engine_url(self._cell_ranks(c)[0])
-            self.proxy.router.add_engine(HttpEngine(url, name=f"cell{c}"), kind="cell", index=c)
+            self.proxy.router.add_engine(HttpEngine(url, name=f"cell{c}", secret=self.engine_secret), kind="cell", index=c)
         for e in range(topo.num_pool_engines):
             url = await self._engine_url(topo.pool_engine_ranks(e)[0])
-            self.proxy.router.add_engine(HttpEngine(url, name=f"pool{e}"), kind="pool", index=e)
+            self.proxy.router.add_engine(HttpEngine(url, name=f"pool{e}", secret=self.engine_secret), kind="pool", index=e)
         runner_cfg = dataclasses.replace(cfg.executions.runner, run_dir=str(self.run_dir / "executions"))
         self.access = GyreProxyAccess(self.proxy, self.proxy_handle.url)
         self.runner = HarnessRunner(runner_cfg, Evaluator(cfg.executions.evaluator), proxy=self.access,

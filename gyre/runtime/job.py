@@ -7,8 +7,8 @@
 The backends (engine, actor, weight transport) come from `gyre.backends.factory`; nothing here
 names a concrete one. The per-rank loop is the last few lines of `_train`: wait for a command,
 execute it. Every blocking wait of the job is one of: creating the weight transport (torch: its
-gloo group), the barrier after snapshot 0, `control.recv` for the next command, a collective
-inside a command (gradient reduction / parameter broadcast over a prefix group), or a one-sided
+gloo group), the barrier after snapshot 0 and the engine secret's broadcast after it,
+`control.recv` for the next command, a collective inside a command (gradient reduction / parameter broadcast over a prefix group), or a one-sided
 snapshot read (`weights.fetch*`, answered by the core's transport without its training thread).
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ def train(cfg: Any, topo: Topology, groups: Groups) -> None:
 def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: WeightTransport) -> None:
     from gyre.backends.tokenizer import ENDOFTEXT, IM_END, load_tokenizer
     from gyre.runtime.controller import Controller
-    from gyre.backends.engine_host import EngineHost
+    from gyre.backends.engine_host import EngineHost, bind_address, share_secret
     from gyre.runtime.worker import CellWorker
 
     control = ControlPlane(store, topo.rank)
@@ -59,6 +60,8 @@ def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: Weight
         core_actor, model_cfg = factory.build_core_actor(cfg, len(tokenizer), ckpt_dir)
         weights.post(core_actor.version, core_actor.export_parameters(), published=True)
     dist.barrier(group=groups.control)  # blocking: the prepared data and the starting snapshot are there
+    # blocking: rank 0 draws the run's engine secret and broadcasts it (over gloo, not the store)
+    engine_secret = share_secret(groups.control, src=0)
     if core_actor is None:  # after the barrier: --model.checkpoint may be what rank 0 just prepared
         model_cfg = factory.model_config_of(cfg, len(tokenizer))
 
@@ -68,7 +71,10 @@ def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: Weight
         engine = factory.build_engine(cfg, model_cfg, weights.fetch(start_version), version=start_version,
                                       eos_token_ids=tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT]),
                                       name=f"rank{topo.rank}")
-        engine_host = EngineHost(engine, host=cfg.proxy.host)
+        # torchrun runs the same number of ranks on every node: one node iff local == world.
+        single_node = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size)) == topo.world_size
+        bind, announce = bind_address(cfg.proxy.host, single_node=single_node, peer=os.environ.get("MASTER_ADDR"))
+        engine_host = EngineHost(engine, host=bind, announce=announce, secret=engine_secret)
         store.set(f"engine/{topo.rank}", engine_host.url)
 
     def make_actor(is_core: bool):
@@ -82,7 +88,7 @@ def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: Weight
     worker.actor = core_actor if core_actor is not None else make_actor(False)
     controller = None
     if topo.is_controller:
-        controller = Controller(cfg, topo, store, start_version=start_version)
+        controller = Controller(cfg, topo, store, start_version=start_version, engine_secret=engine_secret)
         controller.start()
 
     while True:

@@ -15,9 +15,9 @@ from gyre.trajectory.store import TitoStore
 
 
 def test_proxy_process_admin_api(tmp_path):
-    engine_a = serve_engine(DeterministicEngine("A", eos_prob=0.05))
-    engine_b = serve_engine(DeterministicEngine("B", eos_prob=0.05))
-    env = {**os.environ, "GYRE_PROXY_ADMIN_TOKEN": "s3cret"}
+    engine_a = serve_engine(DeterministicEngine("A", eos_prob=0.05))  # the engines' secrets: a
+    engine_b = serve_engine(DeterministicEngine("B", eos_prob=0.05))  # from the env, b by the admin API
+    env = {**os.environ, "GYRE_PROXY_ADMIN_TOKEN": "s3cret", "GYRE_ENGINE_SECRET": engine_a.secret}
     proc = subprocess.Popen(
         [sys.executable, "-m", "gyre.proxy", "--store-dir", str(tmp_path), "--engines", f"A={engine_a.url}@cell:1"],
         stdout=subprocess.PIPE, env=env, text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
@@ -29,7 +29,7 @@ def test_proxy_process_admin_api(tmp_path):
             AdminClient(ready["url"], "wrong").router_stats()
         assert e.value.status == 401
         key = admin.issue_key("ex-proc", role="main")
-        admin.add_engine(engine_b.url, name="B", kind="pool", index=0)
+        admin.add_engine(engine_b.url, name="B", kind="pool", index=0, secret=engine_b.secret)
         assert set(admin.router_stats()["engines"]) == {"A", "B"}
         c = openai.OpenAI(base_url=ready["url"] + "/v1", api_key=key, max_retries=0)
         for q in ("one", "two"):
