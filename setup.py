@@ -89,8 +89,11 @@ setup(
             # Mooncake over TCP (the snapshot transport test; it also needs Debian's libibverbs1
             # and `unshare --net`, and skips with the reason where either is missing).
             "mooncake-transfer-engine-non-cuda",
-            # The tracking test reads TensorBoard's event files back (the wandb test skips without wandb).
+            # The tracking tests read TensorBoard's event files and wandb's offline run back.
             "tensorboard",
+            "wandb",
+            # One tool-using Agent run against /v1/responses (tests/proxy/test_responses.py).
+            "openai-agents",
         ],
         # Experiment trackers beside metrics.jsonl: --tracking.tensorboard, --tracking.wandb.
         "tracking": ["tensorboard", "wandb"],
