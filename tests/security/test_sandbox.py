@@ -384,3 +384,43 @@ def test_result_json_replaces_a_planted_symlink(tmp_path):
     p = res.exec_dir / "result.json"
     assert not p.is_symlink() and json.loads(p.read_text())["execution_id"] == "sym"
     assert stat.S_ISREG(p.lstat().st_mode)
+
+
+def test_remote_mode_keeps_the_key_off_the_ssh_command_line(tmp_path):
+    """Remote hosts (bash stands in for ssh/rsync): the environment travels in a 0600 file that is
+    gone before the harness starts, so no command line on either side carries the key."""
+    from gyre.executions.runner import LocalKeys
+
+    remote_root = tmp_path / "remote"
+    probe = _script(tmp_path, """
+        import os, time
+        open("seen.txt", "w").write(os.environ["OPENAI_API_KEY"] + "|" + str(os.path.exists(".gyre-env")))
+        time.sleep(1.0)
+    """)
+    cfg = RunnerConfig(
+        run_dir=str(tmp_path / "runs"), sandbox_hosts=["hostA"], remote_shell=["bash", "-c"], remote_root=str(remote_root),
+        remote_push=["bash", "-c", "mkdir -p {remote} && cp -a {local}/. {remote}/ && stat -c %a {remote}/.gyre-env > {remote}/mode"],
+        remote_pull=["bash", "-c", "cp -a {remote}/. {local}/"],
+    )
+    keys = LocalKeys()
+    runner = HarnessRunner(cfg, None, keys)
+    issued: list[str] = []
+    orig = keys.open_execution
+    keys.open_execution = lambda e, g: issued.append(orig(e, g)) or issued[-1]
+    leaks: list[int] = []
+
+    async def main():
+        t = runner.dispatch(ExecutionSpec("r0", _task("t", probe), "g"))
+        while not t.done():
+            for k in issued:
+                leaks.extend(_pids_with(k))
+            await asyncio.sleep(0.05)
+        return await t
+
+    res = asyncio.run(main())
+    assert res.outcome is Outcome.COMPLETED, _stderr(res)
+    key, env_file_there = (res.workspace / "seen.txt").read_text().split("|")
+    assert key == issued[0] and env_file_there == "False"
+    assert (res.workspace / "mode").read_text().strip() == "600"
+    assert not leaks, leaks
+    assert not (res.workspace / ".gyre-env").exists()
