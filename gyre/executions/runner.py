@@ -7,18 +7,22 @@ For each dispatched execution the runner
   3. waits for a slot (`max_concurrency`), then starts the harness as the leader of a new
      session in the workspace, stdout/stderr to `<execution_id>/{stdout,stderr}.log`, with an
      environment that points it at the proxy (below) and withholds the controller's own
-     variables except `env_passthrough`;
+     variables except `env_passthrough`, inside the configured sandbox (`RunnerConfig.sandbox`,
+     `gyre.executions.sandbox`: bubblewrap, unshare or a container; `none`, the default,
+     logs "harness not isolated");
   4. enforces the hard wall-clock limit (SIGTERM → grace → SIGKILL to the whole process tree,
      see `gyre.executions.procs`); after any ending, stragglers of the tree are killed too;
   5. revokes the key, records exit status / outcome, runs the evaluator on the preserved
      workspace and writes `<execution_id>/result.json`.
 
-Harness environment:
+Harness environment (the only way the key reaches the harness: never on a command line):
     OPENAI_BASE_URL=<proxy>/v1      OPENAI_API_KEY=<execution key>
     ANTHROPIC_BASE_URL=<proxy>      ANTHROPIC_API_KEY=<execution key>
     GYRE_MODEL / OPENAI_MODEL / ANTHROPIC_MODEL=<model name>
     GYRE_EXECUTION_ID, GYRE_GROUP_ID, GYRE_TASK_ID, GYRE_WORKSPACE, GYRE_INSTRUCTION_FILE,
     GYRE_TIMEOUT_S, GYRE_PROXY_URL, GYRE_API_KEY
+In a sandbox with `sandbox_network proxy` the URLs point at 127.0.0.1:<port> inside the
+sandbox's own network namespace (a relay to the proxy), and HOME is `<execution_id>/home`.
 
 Counters for the scheduler (docs/design.md §3): d(t) dispatched (on `dispatch`), p(t) started (the
 harness process exists), f(t) finished (the harness ended for any reason, including a launch
@@ -393,6 +397,7 @@ class HarnessRunner:
                         self.counters.started += 1
                         self._emit(EventKind.STARTED, spec)
                         outcome, exit_code = await self._supervise(live, proc, timeout)
+                        exit_code = launch.exit_code(exit_code)
                         if live.host != "local":
                             await remote.pull(self.cfg, spec, live.host, ws)
         except asyncio.CancelledError:

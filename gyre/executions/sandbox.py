@@ -21,6 +21,7 @@ anything but the proxy. Backends:
     container  `docker run` / `podman run` (`container_cli`, `container_image`): the execution
                directory is mounted at the same path, `--network none`; for clusters.
     auto       bwrap when it works on this machine, else none with a warning.
+    (The default is none, logged as "harness not isolated"; see RunnerConfig.sandbox.)
 
 Network (`sandbox_network`): with `proxy` (the default) the harness gets its own network
 namespace, in which only loopback exists. The runner serves a Unix socket that forwards to
@@ -128,6 +129,14 @@ class Launch:
     env: dict[str, str]
     cwd: str
     cleanup: Callable[[], Awaitable[None]] = field(default=lambda: _nothing())
+    wrapped: bool = False  # a launcher stands between the runner and the harness
+
+    def exit_code(self, rc: int | None) -> int | None:
+        """The harness's exit status as the runner reports it (negative = killed by that signal).
+        Launchers (bwrap, unshare, the relay, docker) report a signal death as 128 + signal."""
+        if self.wrapped and rc is not None and 128 < rc < 128 + 65:
+            return -(rc - 128)
+        return rc
 
 
 async def _nothing() -> None:
@@ -328,6 +337,9 @@ async def prepare(kind: str, *, cfg, execution_id: str, exec_dir: Path, ws: Path
     RunnerConfig. Starts the execution's proxy relay when the network is restricted."""
     if kind == "none":
         return Launch(argv, env, str(ws))
+    if kind != "container" and shutil.which(argv[0], path=env.get("PATH", os.defpath)) is None:
+        # Found here, a missing program is a launch failure, as without a sandbox (not a crash).
+        raise FileNotFoundError(f"harness program {argv[0]!r} not found")
     net = cfg.sandbox_network == "proxy"
     relay: ProxyRelay | None = None
     env = dict(env)
@@ -350,13 +362,13 @@ async def prepare(kind: str, *, cfg, execution_id: str, exec_dir: Path, ws: Path
     if kind == "bwrap":
         out = bwrap_argv(exec_dir=exec_dir, ws=ws, inner=inner, ro_paths=ro, net=net,
                          socket=relay.path if relay else None)
-        return Launch(out, env, str(ws), stop_relay)
+        return Launch(out, env, str(ws), stop_relay, wrapped=True)
     if kind == "unshare":
         _warn_once("sandbox unshare: process and network isolation only; the filesystem is NOT isolated "
                    "(install bubblewrap, or use a container)")
         if relay is not None:
             inner[inner.index(SOCKET_IN_SANDBOX)] = relay.path  # same filesystem: no bind needed
-        return Launch(unshare_argv(inner=inner, net=net), env, str(ws), stop_relay)
+        return Launch(unshare_argv(inner=inner, net=net), env, str(ws), stop_relay, wrapped=True)
     if kind == "container":
         if not cfg.container_image:
             await stop_relay()
@@ -379,6 +391,6 @@ async def prepare(kind: str, *, cfg, execution_id: str, exec_dir: Path, ws: Path
                 await asyncio.wait_for(proc.wait(), 60)
             await stop_relay()
 
-        return Launch(out, client_env, str(ws), cleanup)
+        return Launch(out, client_env, str(ws), cleanup, wrapped=True)
     await stop_relay()
     raise ValueError(f"unknown sandbox {kind!r}")

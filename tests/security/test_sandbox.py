@@ -424,3 +424,13 @@ def test_remote_mode_keeps_the_key_off_the_ssh_command_line(tmp_path):
     assert (res.workspace / "mode").read_text().strip() == "600"
     assert not leaks, leaks
     assert not (res.workspace / ".gyre-env").exists()
+
+
+@needs_bwrap
+def test_sandboxed_launch_failure_and_signal_death_read_as_without_a_sandbox(tmp_path):
+    probe = _script(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    runner = HarnessRunner(RunnerConfig(run_dir=str(tmp_path / "runs"), sandbox="bwrap"))
+    missing = Task(task_id="m", instruction="x", harness=["/nonexistent/harness"], evaluator=EvaluatorSpec("python", lambda ws, t: 1.0))
+    crash, nolaunch = _run(runner, ExecutionSpec("sig", _task("t", probe), "g"), ExecutionSpec("missing", missing, "g"))
+    assert crash.outcome is Outcome.CRASHED and crash.exit_code == -11
+    assert nolaunch.outcome is Outcome.LAUNCH_FAILED and "not found" in nolaunch.error
