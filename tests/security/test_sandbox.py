@@ -398,7 +398,9 @@ def test_remote_mode_keeps_the_key_off_the_ssh_command_line(tmp_path):
         time.sleep(1.0)
     """)
     cfg = RunnerConfig(
-        run_dir=str(tmp_path / "runs"), sandbox_hosts=["hostA"], remote_shell=["bash", "-c"], remote_root=str(remote_root),
+        run_dir=str(tmp_path / "runs"), sandbox_hosts=["hostA"], remote_root=str(remote_root),
+        # Like ssh, the stand-in stays alive for the whole run with the remote command in its argv.
+        remote_shell=[sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.call(['bash', '-c', sys.argv[1]]))"],
         remote_push=["bash", "-c", "mkdir -p {remote} && cp -a {local}/. {remote}/ && stat -c %a {remote}/.gyre-env > {remote}/mode"],
         remote_pull=["bash", "-c", "cp -a {remote}/. {local}/"],
     )
