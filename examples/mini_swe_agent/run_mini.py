@@ -6,11 +6,13 @@ it turns them into `mini` options and replaces itself with `mini` (exec), so the
 runner supervises, times out and kills is mini-swe-agent itself:
 
     mini -y --exit-immediately -m openai/<model> -t <instruction> -o <exec dir>/mini.traj.json
-         -c mini.yaml -c model.model_kwargs.api_base=<proxy>/v1 -c model.model_kwargs.api_key=<key>
+         -c mini.yaml -c model.model_kwargs.api_base=<proxy>/v1
          -c model.cost_tracking=ignore_errors -c agent.step_limit=<N> -c environment.timeout=<s>
 
 mini-swe-agent speaks OpenAI chat completions through litellm with one `bash` tool; the proxy
-records every call (TITO) under the execution's key. Requires `pip install mini-swe-agent`.
+records every call (TITO) under the execution's key. The key stays in the environment
+(OPENAI_API_KEY, which litellm reads): never on a command line, where `ps` shows it to every
+user, nor in mini.traj.json, which records the config. Requires `pip install mini-swe-agent`.
 Options: `--step-limit`, `--command-timeout`, `--temperature`, `--max-tokens`, or the environment
 variables GYRE_MINI_STEP_LIMIT, GYRE_MINI_COMMAND_TIMEOUT, GYRE_MINI_TEMPERATURE, GYRE_MINI_MAX_TOKENS.
 """
@@ -25,7 +27,6 @@ from pathlib import Path
 
 def mini_argv(*, step_limit: int, command_timeout: int, temperature: float, max_tokens: int) -> list[str]:
     base = os.environ["OPENAI_BASE_URL"]
-    key = os.environ["OPENAI_API_KEY"]
     model = os.environ.get("GYRE_MODEL", "gyre-policy")
     instruction = Path(os.environ["GYRE_INSTRUCTION_FILE"]).read_text()
     traj = Path(os.environ["GYRE_INSTRUCTION_FILE"]).with_name("mini.traj.json")
@@ -35,7 +36,6 @@ def mini_argv(*, step_limit: int, command_timeout: int, temperature: float, max_
         "-y", "--exit-immediately", "-m", f"openai/{model}", "-t", instruction, "-o", str(traj),
         "-c", "mini.yaml",
         "-c", f"model.model_kwargs.api_base={base}",
-        "-c", f"model.model_kwargs.api_key={key}",
         "-c", f"model.model_kwargs.temperature={temperature}",
         "-c", f"model.model_kwargs.max_tokens={max_tokens}",
         "-c", "model.cost_tracking=ignore_errors",

@@ -69,6 +69,37 @@ class RunnerConfig:
     remote_root: str = "/tmp/gyre-sandbox"
     """Directory on each sandbox host holding the remote workspaces (remote mode only)."""
 
+    sandbox: Literal["auto", "none", "bwrap", "unshare", "container"] = "none"
+    """How each harness is isolated (gyre.executions.sandbox). `bwrap`: bubblewrap namespaces; the
+    harness sees its execution directory read-write, the system and Python read-only, nothing of
+    the repository or other executions, and only the proxy on the network; its processes die with
+    it. `unshare`: pid/net namespaces only, the filesystem is shared. `container`: `container_cli
+    run` of `container_image`. `none`: no isolation ("harness not isolated"). `auto`: bwrap when
+    it works here, else none with a warning. Ignored with `sandbox_hosts` (isolate those hosts).
+    The default stays `none` while the examples' harnesses read files beside their scripts (Claude
+    Code's settings.json, its stand-in binary): with bwrap they need `sandbox_ro_paths`."""
+
+    sandbox_network: Literal["proxy", "host"] = "proxy"
+    """`proxy`: the sandboxed harness has its own network namespace and reaches only the proxy
+    (through a relay on 127.0.0.1:<proxy port>). `host`: it shares the host network (it can reach
+    anything the controller can)."""
+
+    sandbox_ro_paths: list[str] = field(default_factory=list)
+    """Extra paths visible read-only inside the sandbox (a CLI installed outside /usr, a config file
+    next to a harness script). Files named in the harness argv are bound on their own."""
+
+    container_cli: str = "docker"
+    """Container engine for `sandbox container` (docker or podman)."""
+
+    container_image: str = ""
+    """Image the harness runs in (`sandbox container`); it needs python3 for the proxy relay."""
+
+    container_python: str = "python3"
+    """The image's Python: replaces `{python}` in the harness command and runs the relay."""
+
+    container_args: list[str] = field(default_factory=list)
+    """Extra `run` options (resource limits: --memory 8g --cpus 2 --pids-limit 512)."""
+
     proxy_url_for_harness: str = ""
     """Base URL of the proxy as the harness must reach it (e.g. the controller's routable address
     in remote mode). Empty = the proxy's own URL."""

@@ -6,8 +6,8 @@ A harness is started as the leader of a new session (and process group). Stoppin
      processes that are descendants by parent pid (found through /proc) are signalled too.
   2. after `grace_s`, SIGKILL to the same set, found again (new children may have appeared).
 A process that both calls setsid() and daemonizes (re-parents to init) escapes all three
-nets; running harnesses inside a cgroup / container (remote sandbox hosts) is the answer for
-hostile harnesses.
+nets; the sandbox's own pid namespace (`gyre.executions.sandbox`: bwrap, unshare, containers)
+is the answer for hostile harnesses: the kernel kills every process in it with the launcher.
 """
 
 from __future__ import annotations

@@ -3,7 +3,11 @@
 The workspace is prepared on the controller, pushed to `<remote_root>/<execution_id>/workspace`
 on the chosen host with `remote_push`, the harness runs there through `remote_shell` as
 
-    ssh -o BatchMode=yes HOST 'cd WS && exec env -i K=V ... timeout -k GRACE LIMIT ARGV'
+    ssh -o BatchMode=yes HOST 'cd WS && exec env -i sh -c ". ./.gyre-env && rm -f ./.gyre-env && exec timeout -k GRACE LIMIT ARGV"'
+
+The environment (the execution key included) travels in `.gyre-env`, a 0600 file pushed with
+the workspace and deleted before the harness starts: never on the ssh command line, where `ps`
+on either host shows it to every user.
 
 (the remote `timeout` enforces the wall-clock limit even if the link dies; killing the local
 ssh client ends the session), and after it ends the workspace is pulled back with
@@ -24,6 +28,8 @@ from gyre.executions.tasks import ExecutionSpec
 
 logger = logging.getLogger(__name__)
 
+ENV_FILE = ".gyre-env"
+
 
 def remote_workspace(cfg: RunnerConfig, spec: ExecutionSpec) -> str:
     return f"{cfg.remote_root.rstrip('/')}/{spec.execution_id}/workspace"
@@ -43,15 +49,21 @@ async def push_and_wrap(cfg: RunnerConfig, spec: ExecutionSpec, host: str, ws: P
                         env: dict[str, str], timeout: float) -> tuple[list[str], dict[str, str]]:
     """Ship the workspace to `host`; return the local argv/env that run the harness there."""
     remote = remote_workspace(cfg, spec)
-    await check_call(fill(cfg.remote_push, host=host, local=str(ws), remote=remote))
     env = {**env, "GYRE_WORKSPACE": remote}
     env.pop("GYRE_INSTRUCTION_FILE", None)  # a controller path; the text travels instead
     env["GYRE_INSTRUCTION"] = spec.task.instruction
+    env_file = ws / ENV_FILE
+    fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()))
+    try:
+        await check_call(fill(cfg.remote_push, host=host, local=str(ws), remote=remote))
+    finally:
+        env_file.unlink()  # not left for the evaluator (nor pulled back: the remote copy is removed too)
     argv = [a.replace(str(ws), remote) for a in argv]
     grace = max(1, int(cfg.kill_grace_s))
-    inner = (f"cd {shlex.quote(remote)} && exec env -i "
-             + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
-             + f" timeout -k {grace} {int(timeout) + 1} " + shlex.join(argv))
+    start = f". ./{ENV_FILE} && rm -f ./{ENV_FILE} && exec timeout -k {grace} {int(timeout) + 1} " + shlex.join(argv)
+    inner = f"cd {shlex.quote(remote)} && exec env -i sh -c {shlex.quote(start)}"
     local_env = {k: os.environ[k] for k in ("PATH", "HOME", "USER", "SSH_AUTH_SOCK") if k in os.environ}
     return fill(cfg.remote_shell, host=host) + [inner], local_env
 

@@ -7,18 +7,22 @@ For each dispatched execution the runner
   3. waits for a slot (`max_concurrency`), then starts the harness as the leader of a new
      session in the workspace, stdout/stderr to `<execution_id>/{stdout,stderr}.log`, with an
      environment that points it at the proxy (below) and withholds the controller's own
-     variables except `env_passthrough`;
+     variables except `env_passthrough`, inside the configured sandbox (`RunnerConfig.sandbox`,
+     `gyre.executions.sandbox`: bubblewrap, unshare or a container; `none`, the default,
+     logs "harness not isolated");
   4. enforces the hard wall-clock limit (SIGTERM → grace → SIGKILL to the whole process tree,
      see `gyre.executions.procs`); after any ending, stragglers of the tree are killed too;
   5. revokes the key, records exit status / outcome, runs the evaluator on the preserved
      workspace and writes `<execution_id>/result.json`.
 
-Harness environment:
+Harness environment (the only way the key reaches the harness: never on a command line):
     OPENAI_BASE_URL=<proxy>/v1      OPENAI_API_KEY=<execution key>
     ANTHROPIC_BASE_URL=<proxy>      ANTHROPIC_API_KEY=<execution key>
     GYRE_MODEL / OPENAI_MODEL / ANTHROPIC_MODEL=<model name>
     GYRE_EXECUTION_ID, GYRE_GROUP_ID, GYRE_TASK_ID, GYRE_WORKSPACE, GYRE_INSTRUCTION_FILE,
     GYRE_TIMEOUT_S, GYRE_PROXY_URL, GYRE_API_KEY
+In a sandbox with `sandbox_network proxy` the URLs point at 127.0.0.1:<port> inside the
+sandbox's own network namespace (a relay to the proxy), and HOME is `<execution_id>/home`.
 
 Counters for the scheduler (docs/design.md §3): d(t) dispatched (on `dispatch`), p(t) started (the
 harness process exists), f(t) finished (the harness ended for any reason, including a launch
@@ -54,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from gyre.executions import remote
+from gyre.executions import remote, sandbox
 from gyre.executions.config import RunnerConfig
 from gyre.executions.evaluator import Evaluator, Outcome, RewardResult
 from gyre.executions.procs import kill_tree, tree_pids
@@ -243,6 +247,7 @@ class HarnessRunner:
         self._tasks: dict[str, asyncio.Task] = {}
         self._host_load = {h: 0 for h in cfg.sandbox_hosts}
         self._evaluate_cancelled = True
+        self._sandbox: str | None = None  # resolved backend, decided at the first launch
 
     # ------------------------------------------------------------------ public API
     def dispatch(self, spec: ExecutionSpec) -> asyncio.Task:
@@ -330,13 +335,25 @@ class HarnessRunner:
         argv = spec.task.harness or self.cfg.harness_command
         if not argv:
             raise ValueError(f"task {spec.task.task_id}: no harness command (set runner.harness_command or the task's 'harness')")
-        subst = {"{python}": sys.executable, "{workspace}": str(ws), "{instruction_file}": str(exec_dir / "instruction.md")}
+        python = self.cfg.container_python if self.sandbox_kind() == "container" else sys.executable
+        subst = {"{python}": python, "{workspace}": str(ws), "{instruction_file}": str(exec_dir / "instruction.md")}
         out = []
         for a in argv:
             for k, v in subst.items():
                 a = a.replace(k, v)
             out.append(a)
         return out
+
+    def sandbox_kind(self) -> str:
+        """The sandbox backend harnesses run in here (`none` in remote mode: isolate the hosts)."""
+        if self._sandbox is None:
+            self._sandbox = "none" if self.cfg.sandbox_hosts else sandbox.resolve(self.cfg.sandbox)
+            if self._sandbox == "none" and not self.cfg.sandbox_hosts:
+                logger.warning("executions: harness not isolated (--executions.runner.sandbox none): harnesses run "
+                               "as this user with this filesystem, network and process table")
+            else:
+                logger.info("executions: harnesses run in sandbox %s", "ssh hosts" if self.cfg.sandbox_hosts else self._sandbox)
+        return self._sandbox
 
     async def _run(self, live: _Live) -> ExecutionResult:
         spec = live.spec
@@ -345,6 +362,7 @@ class HarnessRunner:
         timeout = spec.task.timeout_s or self.cfg.timeout_s
         outcome, exit_code, start, error = Outcome.LAUNCH_FAILED, None, None, ""
         key_opened = False
+        launch: sandbox.Launch | None = None
         assert self._sem is not None
         try:
             async with self._sem:
@@ -360,9 +378,13 @@ class HarnessRunner:
                         live.host = self._pick_host()
                         if live.host != "local":
                             argv, env = await remote.push_and_wrap(self.cfg, spec, live.host, ws, argv, env, timeout)
+                            launch = sandbox.Launch(argv, env, str(exec_dir))
+                        else:
+                            launch = await sandbox.prepare(self.sandbox_kind(), cfg=self.cfg, execution_id=spec.execution_id,
+                                                           exec_dir=exec_dir, ws=ws, argv=argv, env=env)
                         with open(exec_dir / "stdout.log", "wb") as out, open(exec_dir / "stderr.log", "wb") as err:
                             proc = await asyncio.create_subprocess_exec(
-                                *argv, cwd=str(ws) if live.host == "local" else str(exec_dir), env=env,
+                                *launch.argv, cwd=launch.cwd, env=launch.env,
                                 stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
                             )
                     except Exception as e:  # noqa: BLE001 - any launch problem is this execution's failure
@@ -375,6 +397,7 @@ class HarnessRunner:
                         self.counters.started += 1
                         self._emit(EventKind.STARTED, spec)
                         outcome, exit_code = await self._supervise(live, proc, timeout)
+                        exit_code = launch.exit_code(exit_code)
                         if live.host != "local":
                             await remote.pull(self.cfg, spec, live.host, ws)
         except asyncio.CancelledError:
@@ -385,13 +408,15 @@ class HarnessRunner:
         finally:
             if live.host != "local":
                 self._host_load[live.host] -= 1
+            if launch is not None:
+                await asyncio.shield(launch.cleanup())
         result = self._end(live, key_opened, outcome, exit_code, start, exec_dir, ws, error)
         skip = outcome is Outcome.CANCELLED and not self._evaluate_cancelled
         if self.evaluator is not None and exec_dir.exists() and not skip:
             result.reward = await self.evaluator.evaluate(spec.execution_id, spec.task, ws, outcome)
         live.move(ExecutionState.EVALUATED)
         if exec_dir.exists():
-            (exec_dir / "result.json").write_text(json.dumps(result.to_json(), indent=1))
+            _write_new(exec_dir / "result.json", json.dumps(result.to_json(), indent=1))
         self._emit(EventKind.EVALUATED, spec, result)
         return result
 
@@ -443,3 +468,15 @@ class HarnessRunner:
         host = min(self._host_load, key=lambda h: self._host_load[h])
         self._host_load[host] += 1
         return host
+
+
+def _write_new(path: Path, text: str) -> None:
+    """Write `path` in a directory the harness could write (its execution directory under a
+    sandbox): whatever it left there, a symlink included, is replaced, never followed."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)

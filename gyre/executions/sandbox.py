@@ -1,0 +1,396 @@
+"""Harness sandboxes: what a black-box harness can see and reach (`RunnerConfig.sandbox`).
+
+A harness is untrusted code: it must not write outside its execution, read or change the
+evaluator, see other executions, keep processes alive after its execution, or talk to
+anything but the proxy. Backends:
+
+    none       no isolation: same user, same filesystem, network and process table as the
+               controller ("harness not isolated" is logged). For trusted harnesses and
+               machines without namespaces.
+    bwrap      bubblewrap: a new mount, pid, ipc, uts, user (and by default network) namespace.
+               The harness sees its execution directory read-write (workspace, instruction,
+               home, logs), a read-only minimal system (/usr, the /lib links, a few /etc
+               files), the controller's Python prefix read-only (the harness needs the
+               openai/anthropic SDKs), the files its argv names read-only, and
+               `sandbox_ro_paths`; a private /tmp, /proc and /dev. Not the repository, not the
+               run directory, not other executions, not the controller's home.
+               `--die-with-parent` + its own pid namespace: when the harness's launcher ends,
+               every process it left (setsid daemons included) is killed by the kernel.
+    unshare    util-linux `unshare`: pid, ipc, uts and network namespaces, a private /proc.
+               The filesystem is NOT isolated (use bwrap or a container for that).
+    container  `docker run` / `podman run` (`container_cli`, `container_image`): the execution
+               directory is mounted at the same path, `--network none`; for clusters.
+    auto       bwrap when it works on this machine, else none with a warning.
+    (The default is none, logged as "harness not isolated"; see RunnerConfig.sandbox.)
+
+Network (`sandbox_network`): with `proxy` (the default) the harness gets its own network
+namespace, in which only loopback exists. The runner serves a Unix socket that forwards to
+the proxy (`ProxyRelay`) and binds it into the sandbox; inside, a tiny stdlib relay
+(`RELAY`) listens on 127.0.0.1:<proxy port> and forwards there, then runs the harness as its
+child. The harness's OPENAI_BASE_URL / ANTHROPIC_BASE_URL point at that loopback port. So the
+proxy is the one thing it can reach. `host` keeps the host network (the harness can reach
+anything the controller can; a documented gap, for harnesses that need to install packages).
+
+The execution key reaches the harness only through its environment (never a command line:
+every argv built here carries names, never values; `docker run -e NAME` takes the value from
+the client's environment). Inside bwrap/unshare the harness has its own /proc, so it cannot
+read other harnesses' environments; under `none` any process of the same user can read
+/proc/<pid>/environ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Awaitable, Callable
+from urllib.parse import urlsplit, urlunsplit
+
+logger = logging.getLogger(__name__)
+
+SOCKET_IN_SANDBOX = "/run/gyre/proxy.sock"
+SANDBOX_UID = 1000  # the harness's uid inside bwrap when the controller runs as root
+
+# Runs inside the sandbox with the sandbox's Python (`-I -S`: stdlib only, no site-packages, no
+# environment influence). argv: host port unix_socket -- harness argv...
+RELAY = r"""
+import os, signal, socket, struct, subprocess, sys, threading, fcntl
+host, port, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+argv = sys.argv[5:]
+def lo_up():  # a fresh network namespace (unshare, containers) may start with lo down
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        req = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s, 0x8913, req))[1]  # SIOCGIFFLAGS
+        fcntl.ioctl(s, 0x8914, struct.pack("16sH14x", b"lo", flags | 1))  # SIOCSIFFLAGS |= IFF_UP
+    except OSError:
+        pass
+    finally:
+        s.close()
+lo_up()  # 127.0.0.1 can be bound with lo down, but nothing connects then
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind((host, port))
+srv.listen(128)
+def pipe(a, b):
+    try:
+        while True:
+            d = a.recv(65536)
+            if not d:
+                break
+            b.sendall(d)
+    except OSError:
+        pass
+    for s, how in ((b, socket.SHUT_WR), (a, socket.SHUT_RD)):
+        try:
+            s.shutdown(how)
+        except OSError:
+            pass
+def serve():
+    while True:
+        c, _ = srv.accept()
+        u = socket.socket(socket.AF_UNIX)
+        try:
+            u.connect(path)
+        except OSError:
+            c.close(); u.close(); continue
+        threading.Thread(target=pipe, args=(c, u), daemon=True).start()
+        threading.Thread(target=pipe, args=(u, c), daemon=True).start()
+threading.Thread(target=serve, daemon=True).start()
+child = subprocess.Popen(argv)
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, lambda n, f: child.send_signal(n))
+rc = child.wait()
+sys.exit(rc if rc >= 0 else 128 - rc)
+"""
+
+# Read-only system view for bwrap: enough for Python, git, a shell, TLS and DNS lookups.
+_ETC = ["ssl", "ca-certificates", "pki", "resolv.conf", "hosts", "nsswitch.conf", "passwd", "group",
+        "localtime", "alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "gitconfig", "mime.types"]
+_TOP = ["bin", "sbin", "lib", "lib32", "lib64", "libx32"]
+# Controller variables that describe the controller's own install; meaningless (or leaking) in a
+# container, where the image's PATH and Python apply.
+_NOT_INTO_CONTAINER = {"PATH", "PYTHONPATH", "VIRTUAL_ENV", "PYENV_ROOT", "PYENV_VERSION", "TMPDIR"}
+
+
+@dataclass
+class Launch:
+    """What the runner starts: argv/env/cwd of the local process, and what to do after it ended."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    cleanup: Callable[[], Awaitable[None]] = field(default=lambda: _nothing())
+    wrapped: bool = False  # a launcher stands between the runner and the harness
+
+    def exit_code(self, rc: int | None) -> int | None:
+        """The harness's exit status as the runner reports it (negative = killed by that signal).
+        Launchers (bwrap, unshare, the relay, docker) report a signal death as 128 + signal."""
+        if self.wrapped and rc is not None and 128 < rc < 128 + 65:
+            return -(rc - 128)
+        return rc
+
+
+async def _nothing() -> None:
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def bwrap_works(bwrap: str = "bwrap") -> bool:
+    """Whether bubblewrap can build a sandbox here (user, pid and net namespaces, /proc)."""
+    exe = shutil.which(bwrap)
+    if exe is None:
+        return False
+    probe = [exe, *_bwrap_user_flags(), "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/", "--proc", "/proc",
+             "--dev", "/dev", "--die-with-parent", sys.executable, "-I", "-S", "-c", "import os; os.listdir('/proc')"]
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def resolve(kind: str) -> str:
+    """The backend that `kind` means on this machine (`auto` → bwrap or none)."""
+    if kind != "auto":
+        return kind
+    if bwrap_works():
+        return "bwrap"
+    _warn_once("sandbox auto: bubblewrap is not usable here (apt-get install bubblewrap); harness not isolated")
+    return "none"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(msg: str) -> None:
+    logger.warning(msg)
+
+
+def proxy_endpoint(url: str) -> tuple[str, int]:
+    """(host, port) the proxy URL points at."""
+    u = urlsplit(url)
+    if not u.hostname:
+        raise ValueError(f"proxy URL {url!r} has no host")
+    return u.hostname, u.port or (443 if u.scheme == "https" else 80)
+
+
+def inside_port(url: str) -> int:
+    """The relay's port inside the sandbox: the proxy's own, unless that is privileged (the
+    harness's uid may not bind it)."""
+    port = proxy_endpoint(url)[1]
+    return port if port >= 1024 else 18080
+
+
+def loopback_url(url: str) -> str:
+    """The proxy URL as the harness sees it inside its network namespace: 127.0.0.1, the relay's port."""
+    u = urlsplit(url)
+    return urlunsplit((u.scheme, f"127.0.0.1:{inside_port(url)}", u.path, u.query, u.fragment))
+
+
+class ProxyRelay:
+    """A Unix socket that forwards every connection to the proxy's TCP address. One per
+    sandboxed execution, bound into its sandbox only; closed when the execution ends."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self._dir = tempfile.mkdtemp(prefix="gyre-sb-")  # short: a socket path has ≤ 107 bytes
+        self.path = os.path.join(self._dir, "proxy.sock")
+        self._server: asyncio.AbstractServer | None = None
+        self._conns: set[asyncio.Task] = set()
+
+    async def start(self) -> "ProxyRelay":
+        self._server = await asyncio.start_unix_server(self._handle, self.path)
+        os.chmod(self.path, 0o777)  # the sandbox's uid may differ from ours
+        return self
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        try:
+            up_r, up_w = await asyncio.open_connection(self.host, self.port)
+        except OSError:
+            writer.close()
+            self._conns.discard(task)
+            return
+
+        async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+                if w.can_write_eof():
+                    w.write_eof()
+            except (OSError, asyncio.IncompleteReadError):
+                pass
+
+        try:
+            await asyncio.gather(pump(reader, up_w), pump(up_r, writer))
+        finally:
+            for w in (writer, up_w):
+                w.close()
+            self._conns.discard(task)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for t in list(self._conns):
+                t.cancel()
+            await asyncio.gather(*self._conns, return_exceptions=True)
+            self._server = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _bwrap_user_flags() -> list[str]:
+    # As root, bwrap would keep every capability inside (it could remount the read-only binds):
+    # give the harness an unprivileged uid in a user namespace instead.
+    if os.geteuid() == 0:
+        return ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--cap-drop", "ALL"]
+    return ["--unshare-user"]
+
+
+def python_paths() -> list[str]:
+    """The controller's interpreter and its prefixes (stdlib + site-packages), read-only."""
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+             str(Path(sys.executable).parent), str(Path(os.path.realpath(sys.executable)).parent)}
+    return sorted(p for p in paths if p and not _under_system(p))
+
+
+def _under_system(p: str) -> bool:
+    return any(p == d or p.startswith(d + "/") for d in ("/usr", "/bin", "/lib", "/lib64"))
+
+
+def bwrap_argv(*, exec_dir: Path, ws: Path, inner: list[str], ro_paths: list[str], net: bool,
+               socket: str | None, bwrap: str = "bwrap") -> list[str]:
+    """The bubblewrap command line (pure: no filesystem writes). `inner` runs in `ws`."""
+    a = [bwrap, *_bwrap_user_flags(), "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+         "--die-with-parent", "--new-session", "--hostname", "gyre-sandbox"]
+    if net:
+        a.append("--unshare-net")
+    a += ["--ro-bind", "/usr", "/usr"]
+    for top in _TOP:
+        p = Path("/") / top
+        if p.is_symlink():
+            a += ["--symlink", os.readlink(p), str(p)]
+        elif p.is_dir():
+            a += ["--ro-bind", str(p), str(p)]
+    for name in _ETC:
+        a += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    a += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
+    for p in [*python_paths(), *ro_paths]:
+        a += ["--ro-bind-try", p, p]
+    a += ["--bind", str(exec_dir), str(exec_dir)]
+    if socket is not None:
+        a += ["--bind", socket, SOCKET_IN_SANDBOX]
+    # The skeleton bwrap made for the mount points (/, /run/gyre, parents of binds) is read-only:
+    # the harness writes only its execution directory, /tmp and /run (private tmpfs).
+    a += ["--remount-ro", "/", "--chdir", str(ws), "--", *inner]
+    return a
+
+
+def unshare_argv(*, inner: list[str], net: bool, unshare: str = "unshare") -> list[str]:
+    """util-linux unshare: private pid/ipc/uts (and net) namespaces and /proc; the filesystem is
+    shared. `--kill-child` ends everything in the pid namespace with the launcher."""
+    a = [unshare, "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--ipc", "--uts"]
+    if os.geteuid() != 0:
+        a.append("--map-root-user")
+    if net:
+        a.append("--net")
+    return [*a, "--", *inner]
+
+
+def container_argv(*, cli: str, image: str, name: str, exec_dir: Path, ws: Path, env_names: list[str],
+                   inner: list[str], ro_paths: list[str], net: bool, socket: str | None,
+                   extra: list[str]) -> list[str]:
+    """`docker run` / `podman run`: environment by name only (values come from the client's
+    environment, so the key is on no command line)."""
+    a = [cli, "run", "--rm", "--init", "--name", name, "--network", "none" if net else "host",
+         "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+         "-v", f"{exec_dir}:{exec_dir}", "-w", str(ws)]
+    if socket is not None:
+        a += ["-v", f"{socket}:{SOCKET_IN_SANDBOX}"]
+    for p in ro_paths:
+        a += ["-v", f"{p}:{p}:ro"]
+    for n in env_names:
+        a += ["-e", n]
+    return [*a, *extra, image, *inner]
+
+
+def argv_files(argv: list[str]) -> list[str]:
+    """The harness's program and script: argv[0] and argv[1] when they are absolute paths of files
+    (`{python} examples/x/run.py`, `/opt/agent/run.sh`). Bound read-only one file each, so the
+    harness runs its script from the repository without seeing the directory around it (nor the
+    evaluator next to it). Other arguments are data, never bound: a path the harness needs goes
+    in `sandbox_ro_paths`."""
+    return [x for x in argv[:2] if os.path.isabs(x) and not _under_system(x) and os.path.isfile(x)]
+
+
+async def prepare(kind: str, *, cfg, execution_id: str, exec_dir: Path, ws: Path, argv: list[str],
+                  env: dict[str, str]) -> Launch:
+    """Wrap the harness `argv`/`env` for backend `kind` (already resolved). `cfg` is the
+    RunnerConfig. Starts the execution's proxy relay when the network is restricted."""
+    if kind == "none":
+        return Launch(argv, env, str(ws))
+    if kind != "container" and shutil.which(argv[0], path=env.get("PATH", os.defpath)) is None:
+        # Found here, a missing program is a launch failure, as without a sandbox (not a crash).
+        raise FileNotFoundError(f"harness program {argv[0]!r} not found")
+    net = cfg.sandbox_network == "proxy"
+    relay: ProxyRelay | None = None
+    env = dict(env)
+    env["HOME"] = str(exec_dir / "home")  # the controller's home is not in the sandbox
+    (exec_dir / "home").mkdir(exist_ok=True)
+    inner = list(argv)
+    if net:
+        url = env["GYRE_PROXY_URL"]
+        relay = await ProxyRelay(*proxy_endpoint(url)).start()
+        inside = loopback_url(url)
+        env.update(GYRE_PROXY_URL=inside, OPENAI_BASE_URL=f"{inside}/v1", ANTHROPIC_BASE_URL=inside)
+        py = cfg.container_python if kind == "container" else sys.executable
+        inner = [py, "-I", "-S", "-c", RELAY, "127.0.0.1", str(inside_port(url)), SOCKET_IN_SANDBOX, "--", *argv]
+    ro = [*argv_files(argv), *cfg.sandbox_ro_paths]
+
+    async def stop_relay() -> None:
+        if relay is not None:
+            await relay.stop()
+
+    if kind == "bwrap":
+        out = bwrap_argv(exec_dir=exec_dir, ws=ws, inner=inner, ro_paths=ro, net=net,
+                         socket=relay.path if relay else None)
+        return Launch(out, env, str(ws), stop_relay, wrapped=True)
+    if kind == "unshare":
+        _warn_once("sandbox unshare: process and network isolation only; the filesystem is NOT isolated "
+                   "(install bubblewrap, or use a container)")
+        if relay is not None:
+            inner[inner.index(SOCKET_IN_SANDBOX)] = relay.path  # same filesystem: no bind needed
+        return Launch(unshare_argv(inner=inner, net=net), env, str(ws), stop_relay, wrapped=True)
+    if kind == "container":
+        if not cfg.container_image:
+            await stop_relay()
+            raise ValueError("sandbox container needs --executions.runner.container-image")
+        name = f"gyre-{execution_id}"
+        env_names = sorted(k for k in env if k not in _NOT_INTO_CONTAINER)
+        out = container_argv(cli=cfg.container_cli, image=cfg.container_image, name=name, exec_dir=exec_dir, ws=ws,
+                             env_names=env_names, inner=inner, ro_paths=ro, net=net,
+                             socket=relay.path if relay else None, extra=cfg.container_args)
+        client_env = {k: os.environ[k] for k in ("PATH", "HOME", "DOCKER_HOST", "DOCKER_CONFIG", "XDG_RUNTIME_DIR",
+                                                 "CONTAINER_HOST") if k in os.environ}
+        client_env.update({k: env[k] for k in env_names})
+
+        async def cleanup() -> None:
+            # Killing the client does not stop the container: remove it by name.
+            with contextlib.suppress(Exception):
+                proc = await asyncio.create_subprocess_exec(cfg.container_cli, "rm", "-f", name,
+                                                            stdout=asyncio.subprocess.DEVNULL,
+                                                            stderr=asyncio.subprocess.DEVNULL, env=client_env)
+                await asyncio.wait_for(proc.wait(), 60)
+            await stop_relay()
+
+        return Launch(out, client_env, str(ws), cleanup, wrapped=True)
+    await stop_relay()
+    raise ValueError(f"unknown sandbox {kind!r}")
