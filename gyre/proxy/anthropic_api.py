@@ -38,7 +38,7 @@ from typing import Any
 from aiohttp import web
 
 from gyre.proxy import validate as V
-from gyre.proxy.core import ApiError, Call, ChatRequest, ToolForce
+from gyre.proxy.core import ApiError, Call, ChatRequest, ToolForce, abort_on_disconnect, object_arguments
 from gyre.proxy.textstream import ToolCall
 
 _ERROR_TYPES = {
@@ -46,6 +46,7 @@ _ERROR_TYPES = {
     "authentication": "authentication_error",
     "not_found": "not_found_error",
     "too_large": "request_too_large",
+    "rate_limit": "rate_limit_error",
     "overloaded": "overloaded_error",
     "internal": "api_error",
 }
@@ -256,12 +257,13 @@ def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
 def _stop_reason(call: Call) -> str:
     if call.stop_string is not None:
         return "stop_sequence"
-    return {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}[call.finish]
+    return {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn", "error": "end_turn"}[call.finish]
 
 
 def _tool_block(tc: ToolCall) -> dict:
-    args = tc.arguments if isinstance(tc.arguments, dict) else {"value": tc.arguments}
-    return {"type": "tool_use", "id": "toolu_" + secrets.token_hex(12), "name": tc.name, "input": args}
+    # `input` must be an object; a non-object is wrapped, and the stored turn is keyed by the
+    # wrapped form, so the re-sent turn splices like the OpenAI path's (core.object_arguments).
+    return {"type": "tool_use", "id": "toolu_" + secrets.token_hex(12), "name": tc.name, "input": object_arguments(tc.arguments)}
 
 
 def _event(name: str, data: dict) -> bytes:
@@ -271,9 +273,10 @@ def _event(name: str, data: dict) -> bytes:
 async def respond(request: web.Request, call: Call, model: str) -> web.StreamResponse:
     mid = "msg_" + secrets.token_hex(12)
     if not call.req.stream:
-        async with aclosing(call.events()) as events:
-            async for _ in events:
-                pass
+        with abort_on_disconnect(request):
+            async with aclosing(call.events()) as events:
+                async for _ in events:
+                    pass
         content: list[dict] = []
         if call.content:
             content.append({"type": "text", "text": call.content})

@@ -106,4 +106,21 @@ class ProxyConfig:
     """Image, audio and file content for this text-only policy: `placeholder` renders each part as
     a line of text (`[image: image/png, 48213 bytes]`, URLs by scheme and host, never fetched),
     context and never a training target; `reject` answers 400 naming the field."""
+    max_calls_per_key: int = 32
+    """Calls one execution (all its keys) may have in flight at once; more get a 429 at once
+    (a harness with many parallel sub-agents stays far below it). 0 = unlimited."""
+    calls_per_second_per_key: float = 50.0
+    """Sustained calls per second one execution may start (a token bucket holding
+    `2 x` this many, so bursts pass); more get a 429 with Retry-After. No harness reaches it
+    against a real model; it bounds what a looping harness costs everyone else. 0 = unlimited."""
+    render_threads: int = 4
+    """Threads that parse large bodies, render the template and tokenize, off the event loop, so
+    a huge prompt from one execution never stalls the calls of the others. Each execution renders
+    one request at a time (its others queue without holding a thread)."""
+    inline_render_chars: int = 16384
+    """Requests with less text than this are rendered on the event loop (sub-millisecond work;
+    a thread hand-off would cost more than it saves)."""
+    close_wait_s: float = 2.0
+    """`aclose_execution` (the admin DELETE) lets in-flight calls finish this long, then aborts
+    them (recorded `abort`) before sealing the execution's record."""
     roles: RoleRulesConfig = field(default_factory=RoleRulesConfig)

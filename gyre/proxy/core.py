@@ -7,6 +7,23 @@ to a stream of text / tool calls for the client and one TITO record (docs/design
 
 The OpenAI and Anthropic adapters only translate formats around this.
 
+Fair sharing (issue 20: a hostile harness cannot hurt the run). One execution (all its keys) may
+have `max_calls_per_key` calls in flight and start `calls_per_second_per_key` calls a second
+(token bucket, burst 2x); past either it gets a 429 before its body is read (`Proxy.admit`). Text
+that cannot fit in the context (characters / the longest token > max_context_tokens) is refused
+before it is tokenized. Rendering and tokenizing run on a thread pool (`Proxy.aprepare`), one
+request per execution at a time, so a huge prompt never stalls another execution's call; small
+requests are rendered inline (cheaper than a thread hand-off).
+
+Record lifecycle. A call whose client goes away is cancelled, stream or not (`abort_on_disconnect`):
+the engine request is aborted and the record says `abort`. `close_execution` revokes the keys,
+cancels the execution's calls in flight and seals its record: nothing is appended after it (a
+late record is dropped and counted in `late_records`), and its stats are exactly what the record
+holds; `aclose_execution` first lets in-flight calls finish for `close_wait_s`, and records those
+it aborts. A closed execution id cannot be issued again (its call ids would restart). Finish
+reasons are what happened: stop, length, tool_calls, abort (client gone, closed), error (the
+engine ended the stream without a reason, or failed and no other engine could continue).
+
 Forced tool calls (`tool_choice` required / a named function; Anthropic any / tool): the proxy
 appends the template's tool-call opening (`textstream.tool_call_opening`) to the rendered prompt
 and the engine continues from it, so any engine forces the call. The forced prefix is *input*:
@@ -21,18 +38,22 @@ logged and counted in the record's `payload_ref["forced_unknown_tool"]`.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
+import math
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from gyre.backends.protocols import SamplingParams, TokenEvent
 from gyre.backends.tokenizer import ENDOFTEXT, IM_END, load_tokenizer, token_bytes
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.keys import KeyInfo, KeyRegistry
 from gyre.proxy.roles import RoleClassifier
-from gyre.proxy.render import UNMATCHED_KINDS, ChatRenderer, Rendered, StoredTurn, TurnStore, turn_fingerprint
+from gyre.proxy.render import UNMATCHED_KINDS, ChatRenderer, PromptTooLong, Rendered, StoredTurn, TurnStore, turn_fingerprint
 from gyre.proxy.router import NoEngineError, RouteInfo, Router
 from gyre.proxy.sink import MemorySink, RecordSink
 from gyre.proxy.textstream import Detokenizer, StopMatcher, ToolCall, ToolCallParser, tool_call_opening
@@ -51,13 +72,61 @@ _UNMATCHED_WHY = {
 class ApiError(Exception):
     """A client-visible error; adapters format it in their API's own error body."""
 
-    def __init__(self, status: int, kind: str, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.kind = kind  # invalid_request | authentication | not_found | too_large | overloaded | internal
+        self.kind = kind  # invalid_request | authentication | not_found | too_large | rate_limit | overloaded | internal
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after = retry_after  # seconds, sent as Retry-After (429)
+
+
+def object_arguments(args: Any) -> dict:
+    """Tool-call arguments as an object, as APIs that need one (Anthropic `tool_use.input`) return
+    them: a non-object (`[1, 2]`, `null`, an unparsable string) is wrapped as {"value": ...}. The
+    stored turn is keyed by this form too, so the re-sent turn splices (`Call._finish`)."""
+    return args if isinstance(args, dict) else {"value": args}
+
+
+class ClientGone(ConnectionResetError):
+    """The client closed the connection while its call ran; the call was aborted."""
+
+
+class abort_on_disconnect:
+    """`with abort_on_disconnect(request): ...` cancels the current task when the client goes away
+    (the connection's transport closes), polled every `poll_s`; the cancellation reaches the call
+    (engine request aborted, record `abort`) and leaves as `ClientGone`. For non-streamed answers:
+    a streamed one notices on its next write."""
+
+    def __init__(self, request: Any, poll_s: float = 0.05) -> None:
+        self.request = request
+        self.poll_s = poll_s
+        self.fired = False
+
+    def _gone(self) -> bool:
+        t = self.request.transport
+        return t is None or t.is_closing()
+
+    def _check(self) -> None:
+        if self._gone():
+            self.fired = True
+            self.task.cancel()
+        else:
+            self.handle = self.loop.call_later(self.poll_s, self._check)
+
+    def __enter__(self) -> "abort_on_disconnect":
+        self.task = asyncio.current_task()
+        self.loop = asyncio.get_running_loop()
+        self.handle = self.loop.call_later(self.poll_s, self._check)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.handle.cancel()
+        if self.fired and exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
+            self.task.uncancel()
+            raise ClientGone("client disconnected; call aborted") from None
 
 
 @dataclass(frozen=True)
@@ -108,6 +177,12 @@ class ExecutionState:
     aborted_calls: int = 0
     roles: dict[str, int] = field(default_factory=dict)
     responses: dict[str, Any] = field(default_factory=dict)  # kept /v1/responses (responses_api), dropped with the execution
+    # Admission (Proxy.admit): handler tasks in flight, the rate bucket, one render at a time.
+    tasks: set = field(default_factory=set)
+    bucket: float = -1.0  # tokens left; -1: full (set on first use)
+    bucket_t: float = 0.0
+    render_lock: asyncio.Lock | None = None
+    closed: bool = False  # close_execution ran: records are no longer written
 
 
 class Call:
@@ -127,7 +202,7 @@ class Call:
         self.content_parts: list[str] = []
         self.tool_calls: list[ToolCall] = []
         self.stop_string: str | None = None
-        self.finish: str = "stop"  # stop | length | tool_calls | abort
+        self.finish: str = "error"  # stop | length | tool_calls | abort | error (set by _finish)
         self.first_token_time: float | None = None
         self.route = RouteInfo()
         self.record: CallRecord | None = None
@@ -150,7 +225,7 @@ class Call:
         parser = ToolCallParser(enabled=self.req.parse_tools and p.config.tool_parser == "hermes")
         key = f"{self.state.execution_id}/{self.call_id}/{next(p._serial)}"
         gen = p.router.generate(key, self.state.execution_id, self.rendered.ids, self.sampling, self.route, p.eos_ids)
-        completed = False
+        completed = engine_failed = False
         # Text is needed token by token only to stream it or to catch a stop string; otherwise
         # the whole output is decoded once at the end (same result, a fraction of the work).
         per_token = self.req.stream or bool(stopper.stops)
@@ -188,12 +263,13 @@ class Call:
                 yield self._keep(item)
             completed = True
         except NoEngineError as e:
+            engine_failed = True
             raise ApiError(503, "overloaded", f"no rollout engine: {e}") from None
         except ValueError as e:  # the engine refused the request (e.g. over its own length limit)
             raise ApiError(400, "invalid_request", f"the engine rejected the request: {e}") from None
         finally:
             await gen.aclose()
-            self._finish(completed, stopper.matched)
+            self._finish(completed, stopper.matched, engine_error=engine_failed)
 
     def _unknown_forced_tools(self) -> list[str]:
         """Names of calls a forced `required` turn made that are not among the request's tools."""
@@ -213,11 +289,17 @@ class Call:
             self.content_parts.append(item)
         return item
 
-    def _finish(self, completed: bool, stop_string: str | None) -> None:
+    def _ended_on_stop_sequence(self) -> bool:
+        out = [e.token_id for e in self.tokens]
+        return any(seq and out[-len(seq):] == list(seq) for seq in self.sampling.stop_sequences)
+
+    def _finish(self, completed: bool, stop_string: str | None, engine_error: bool = False) -> None:
         p = self.proxy
         self.stop_string = stop_string
         last = self.tokens[-1] if self.tokens else None
-        if not completed:
+        if engine_error:
+            self.finish = "error"
+        elif not completed:
             self.finish = "abort"
         elif stop_string is not None:
             self.finish = "stop"
@@ -225,9 +307,21 @@ class Call:
             self.finish = "stop"
         elif len(self.tokens) >= self.sampling.max_tokens or (last is not None and last.finish_reason == "length"):
             self.finish = "length"
+        elif last is not None and last.finish_reason in ("abort", "error"):
+            self.finish = last.finish_reason
+        elif self._ended_on_stop_sequence():
+            self.finish = "stop"
+        else:  # the engine's stream ended early and said nothing: never pass that off as `stop`
+            self.finish = "error"
+            logger.warning("proxy: %s/%d: the engine's stream ended after %d tokens without a finish reason; recorded as 'error'",
+                           self.state.execution_id, self.call_id, len(self.tokens))
         if self.finish == "stop" and self.tool_calls:
             self.finish = "tool_calls"
         st = self.state
+        if st.closed:  # the execution was closed (and its record sealed) while this call ran
+            p.late_records += 1
+            logger.warning("proxy: %s/%d finished after its execution was closed; not recorded", st.execution_id, self.call_id)
+            return
         st.calls += 1
         st.spliced_turns += self.rendered.spliced
         st.unmatched_turns += self.rendered.unmatched
@@ -273,7 +367,9 @@ class Call:
             },
         )
         if completed and self.req.messages is not None:
-            calls = [{"name": tc.name, "arguments": tc.arguments} for tc in self.tool_calls]
+            # Keyed by the arguments as the client got them (Anthropic: always an object).
+            wrap = object_arguments if self.req.api == "anthropic" else (lambda a: a)
+            calls = [{"name": tc.name, "arguments": wrap(tc.arguments)} for tc in self.tool_calls]
             fp = turn_fingerprint(self.content, calls)
             # A forced turn is prefix + sampled ids, in the context before the prefix: re-sent,
             # it splices back to exactly the tokens the model saw (the prefix stays input there).
@@ -303,11 +399,18 @@ class Proxy:
         self.executions: dict[str, ExecutionState] = {}
         self.policy_version = 0  # reported for calls that produced no token
         self.sink_errors = 0
+        self.late_records = 0  # calls that ended after their execution was closed (not recorded)
+        self.closed_executions: set[str] = set()  # their ids cannot be issued again
+        self._pool: ThreadPoolExecutor | None = None
         self.unmatched_executions: dict[str, dict[str, Any]] = {}  # closed executions with unmatched turns (worst kept)
         self._serial = itertools.count()
 
     # ---- executions -------------------------------------------------------------------------
     def issue_key(self, execution_id: str, role_hint: Role | str | None = None, key: str | None = None) -> str:
+        """A key for `execution_id`. A closed execution's id is refused (ValueError): its record is
+        sealed, and a second life would restart its call ids."""
+        if execution_id in self.closed_executions:
+            raise ValueError(f"issue: execution {execution_id!r} was closed and its record sealed; use a new execution id")
         return self.keys.issue(execution_id, role_hint, key)
 
     def revoke_execution(self, execution_id: str) -> int:
@@ -316,9 +419,10 @@ class Proxy:
     def execution_stats(self, execution_id: str) -> dict[str, Any]:
         st = self.executions.get(execution_id)
         if st is None:
-            return {"calls": 0, "spliced_turns": 0, "unmatched_turns": 0, "tolerated_turns": 0, "reroutes": 0, "aborted_calls": 0,
+            return {"inflight": 0, "calls": 0, "spliced_turns": 0, "unmatched_turns": 0, "tolerated_turns": 0, "reroutes": 0, "aborted_calls": 0,
                     "roles": {}, "unmatched_kinds": {}}
         return {
+            "inflight": len(st.tasks),
             "calls": st.calls,
             "spliced_turns": st.spliced_turns,
             "unmatched_turns": st.unmatched_turns,
@@ -330,17 +434,39 @@ class Proxy:
         }
 
     def close_execution(self, execution_id: str) -> dict[str, Any]:
-        """Revoke the execution's keys, drop its splice state, close its store file."""
+        """Revoke the execution's keys, abort its calls in flight (their records are not written:
+        `inflight` in the stats counts them), drop its splice state and seal its store file. The
+        stats are exactly the calls its record holds. Callable from any thread."""
+        self.keys.revoke_execution(execution_id)
+        self.closed_executions.add(execution_id)
+        st = self.executions.get(execution_id)
+        if st is not None:
+            st.closed = True  # from here on its calls are not recorded
+            for task in list(st.tasks):
+                task.get_loop().call_soon_threadsafe(task.cancel)
         stats = self.execution_stats(execution_id)
+        self.executions.pop(execution_id, None)
         if stats["unmatched_turns"]:
             self._note_unmatched(execution_id, stats)
-        self.keys.revoke_execution(execution_id)
-        self.executions.pop(execution_id, None)
         self.router.forget(execution_id)
         close = getattr(self.sink, "close_execution", None)
         if close is not None:
             close(execution_id)
         return stats
+
+    async def aclose_execution(self, execution_id: str, wait_s: float | None = None) -> dict[str, Any]:
+        """`close_execution`, but first lets in-flight calls finish for `wait_s` (default
+        `close_wait_s`), then aborts the rest and waits for their `abort` records."""
+        self.keys.revoke_execution(execution_id)  # no new calls while we wait
+        st = self.executions.get(execution_id)
+        if st is not None and st.tasks:
+            wait_s = self.config.close_wait_s if wait_s is None else wait_s
+            _, rest = await asyncio.wait(list(st.tasks), timeout=wait_s)
+            for task in rest:
+                task.cancel()
+            if rest:
+                await asyncio.wait(rest, timeout=5.0)
+        return self.close_execution(execution_id)
 
     KEEP_WORST = 100
 
@@ -367,6 +493,78 @@ class Proxy:
                        state.execution_id, len(rendered.unmatched_kinds), ", ".join(sorted(set(rendered.unmatched_kinds))),
                        _UNMATCHED_WHY[kind], hint)
 
+    # ---- admission ----------------------------------------------------------------------------
+    def _state(self, execution_id: str) -> ExecutionState:
+        state = self.executions.get(execution_id)
+        if state is None:
+            state = self.executions[execution_id] = ExecutionState(execution_id=execution_id)
+        return state
+
+    @contextmanager
+    def admit(self, key: KeyInfo) -> Iterator[ExecutionState]:
+        """Hold one of the execution's call slots for the body of the `with` (the whole request,
+        from before its body is read): 429 past `max_calls_per_key` in flight or
+        `calls_per_second_per_key`. Registers the current task so `close_execution` can abort it."""
+        c = self.config
+        state = self._state(key.execution_id)
+        if c.max_calls_per_key and len(state.tasks) >= c.max_calls_per_key:
+            raise ApiError(429, "rate_limit", f"this execution has {len(state.tasks)} calls in flight; the limit is "
+                           f"{c.max_calls_per_key} (proxy.max_calls_per_key)", retry_after=1.0)
+        rate = c.calls_per_second_per_key
+        if rate > 0:
+            now = time.monotonic()
+            burst = 2.0 * rate
+            state.bucket = burst if state.bucket < 0 else min(burst, state.bucket + (now - state.bucket_t) * rate)
+            state.bucket_t = now
+            if state.bucket < 1.0:
+                raise ApiError(429, "rate_limit", f"more than {rate:g} calls per second from this execution "
+                               "(proxy.calls_per_second_per_key)", retry_after=math.ceil((1.0 - state.bucket) / rate * 10) / 10)
+            state.bucket -= 1.0
+        task = asyncio.current_task()
+        state.tasks.add(task)
+        try:
+            yield state
+        finally:
+            state.tasks.discard(task)
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max(1, self.config.render_threads), thread_name_prefix="gyre-render")
+        return self._pool
+
+    def text_chars(self, req: ChatRequest) -> int:
+        """Characters of the request's message text (a cheap lower bound on what it renders to)."""
+        if req.messages is not None:
+            return sum(len(m["content"]) for m in req.messages if isinstance(m.get("content"), str))
+        return len(req.prompt_text or "") + len(req.prompt_ids or ())
+
+    def _check_size(self, chars: int) -> None:
+        """400 at once when the text alone cannot fit in the context (before any tokenizing)."""
+        c = self.config
+        if chars > c.max_context_tokens * self.renderer.max_token_chars:
+            self._too_long(-(-chars // self.renderer.max_token_chars), at_least=True)
+
+    def _too_long(self, n: int, at_least: bool = False) -> None:
+        c = self.config
+        raise ApiError(400, "invalid_request", f"prompt is {'at least ' if at_least else ''}{n} tokens; this model's context limit "
+                       f"is {c.max_context_tokens} tokens", param="messages", code="context_length_exceeded")
+
+    async def aprepare(self, key: KeyInfo, headers, req: ChatRequest) -> Call:
+        """`prepare` for the server: the size check first, then rendering and tokenizing on the
+        thread pool (one request per execution at a time) unless the request is small."""
+        chars = self.text_chars(req)
+        self._check_size(chars)
+        if chars + len(req.tools or ()) * 512 < self.config.inline_render_chars:
+            return self.prepare(key, headers, req)
+        start = time.time()
+        state, role = self._classify(key, headers, req)
+        if state.render_lock is None:
+            state.render_lock = asyncio.Lock()
+        async with state.render_lock:
+            built = await asyncio.get_running_loop().run_in_executor(self.pool, self._build, req, state)
+        return self._call(state, role, req, start, built)
+
     # ---- calls ------------------------------------------------------------------------------
     def authenticate(self, key: str | None) -> KeyInfo:
         info = self.keys.lookup(key)
@@ -377,14 +575,18 @@ class Proxy:
         return info
 
     def prepare(self, key: KeyInfo, headers, req: ChatRequest) -> Call:
-        c = self.config
+        """Role, render with splicing, limits; all on the calling thread (see `aprepare`)."""
         start = time.time()
+        self._check_size(self.text_chars(req))
+        state, role = self._classify(key, headers, req)
+        return self._call(state, role, req, start, self._build(req, state))
+
+    def _classify(self, key: KeyInfo, headers, req: ChatRequest) -> tuple[ExecutionState, Role]:
+        c = self.config
         if req.media and c.media == "reject":
             raise ApiError(400, "invalid_request", f"{req.media[0]}: this model reads text only; image, audio and file "
                            "content is refused (proxy.media=reject; 'placeholder' turns it into a line of text)", param=req.media[0])
-        state = self.executions.get(key.execution_id)
-        if state is None:
-            state = self.executions[key.execution_id] = ExecutionState(execution_id=key.execution_id)
+        state = self._state(key.execution_id)
         system, last_user = "", ""
         if req.messages:
             if req.messages[0]["role"] == "system":
@@ -397,10 +599,23 @@ class Proxy:
             role = self.classifier.classify(state, system, last_user, headers.get(c.roles.header), key, req.max_tokens)
         except ValueError as e:
             raise ApiError(400, "invalid_request", f"header {c.roles.header}: {e}", param=c.roles.header) from None
+        return state, role
+
+    def _call(self, state: ExecutionState, role: Role, req: ChatRequest, start: float, built: tuple) -> Call:
+        rendered, sampling, forced_text, forced_ids = built
+        if rendered.unmatched_kinds:
+            self._warn_unmatched(state, rendered)
+        return Call(self, state, role, req, rendered, sampling, start, forced_text, forced_ids)
+
+    def _build(self, req: ChatRequest, state: ExecutionState) -> tuple[Rendered, SamplingParams, str, list[int]]:
+        """Render + tokenize + sampling parameters: no shared state but the renderer's (locked)
+        cache and reads of the execution's stored turns, so it may run on the thread pool."""
+        c = self.config
         if req.messages is not None:
-            rendered = self.renderer.render(req.messages, req.tools, state.turns)
-            if rendered.unmatched_kinds:
-                self._warn_unmatched(state, rendered)
+            try:
+                rendered = self.renderer.render(req.messages, req.tools, state.turns, max_tokens=c.max_context_tokens)
+            except PromptTooLong as e:
+                self._too_long(e.min_tokens, at_least=True)
         elif req.prompt_ids is not None:
             rendered = Rendered(ids=list(req.prompt_ids))
         else:
@@ -412,13 +627,7 @@ class Proxy:
         if n == 0:
             raise ApiError(400, "invalid_request", "the prompt is empty", param="prompt")
         if n >= c.max_context_tokens:
-            raise ApiError(
-                400,
-                "invalid_request",
-                f"prompt is {n} tokens; this model's context limit is {c.max_context_tokens} tokens",
-                param="messages",
-                code="context_length_exceeded",
-            )
+            self._too_long(n)
         max_tokens = req.max_tokens if req.max_tokens is not None else c.default_max_tokens
         max_tokens = min(max_tokens, c.max_context_tokens - n)
         stop_seqs = [ids for ids in (self.renderer.backend.encode(s, add_special_tokens=False).ids for s in req.stop) if ids]
@@ -432,7 +641,7 @@ class Proxy:
             min_tokens=min(req.min_tokens, max_tokens),
             top_logprobs=req.top_logprobs,
         )
-        return Call(self, state, role, req, rendered, sampling, start, forced_text, forced_ids)
+        return rendered, sampling, forced_text, forced_ids
 
     def _forced_prefix(self, req: ChatRequest) -> tuple[str, list[int]]:
         """(text, ids) of the forced tool-call opening to append to the prompt; ("", []) if none."""
@@ -449,8 +658,12 @@ class Proxy:
         if self.config.tool_parser != "hermes":
             raise ApiError(400, "invalid_request", "tool_choice: forcing a tool call needs proxy.tool_parser=hermes", param="tool_choice")
         text = tool_call_opening(name)
-        return text, self.renderer.encode(text)
+        return text, self.renderer.encode(tool_call_opening(self.renderer.escape(name)) if name else text)
 
     def count_tokens(self, key: KeyInfo, req: ChatRequest) -> int:
+        self._check_size(self.text_chars(req))
         state = self.executions.get(key.execution_id)
-        return len(self.renderer.render(req.messages or [], req.tools, state.turns if state else None).ids)
+        try:
+            return len(self.renderer.render(req.messages or [], req.tools, state.turns if state else None, max_tokens=self.config.max_context_tokens).ids)
+        except PromptTooLong as e:
+            self._too_long(e.min_tokens, at_least=True)

@@ -30,7 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from gyre.proxy import validate as V
-from gyre.proxy.core import ApiError, Call, ChatRequest, ToolForce
+from gyre.proxy.core import ApiError, Call, ChatRequest, ToolForce, abort_on_disconnect
 from gyre.proxy.textstream import ToolCall
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -39,6 +39,7 @@ _ERROR_TYPES = {
     "authentication": "authentication_error",
     "not_found": "invalid_request_error",
     "too_large": "invalid_request_error",
+    "rate_limit": "rate_limit_exceeded",
     "overloaded": "server_error",
     "internal": "server_error",
 }
@@ -48,6 +49,8 @@ def error_body(e: ApiError) -> dict:
     code = e.code
     if code is None and e.kind == "authentication":
         code = "invalid_api_key"
+    if code is None and e.kind == "rate_limit":
+        code = "rate_limit_exceeded"
     return {"error": {"message": e.message, "type": _ERROR_TYPES.get(e.kind, "invalid_request_error"), "param": e.param, "code": code}}
 
 
@@ -275,7 +278,8 @@ def _usage(call: Call) -> dict:
 
 
 def _finish(call: Call) -> str:
-    return {"abort": "stop"}.get(call.finish, call.finish)
+    # The record keeps the truth (abort / error); OpenAI clients know no such finish reasons.
+    return {"abort": "stop", "error": "stop"}.get(call.finish, call.finish)
 
 
 def _tool_json(tc: ToolCall, ids: dict[int, str]) -> dict:
@@ -307,9 +311,10 @@ async def respond_chat(request: web.Request, call: Call, model: str) -> web.Stre
     created = int(time.time())
     want_lp = call.req.logprobs
     if not call.req.stream:
-        async with aclosing(call.events()) as events:
-            async for _ in events:
-                pass
+        with abort_on_disconnect(request):
+            async with aclosing(call.events()) as events:
+                async for _ in events:
+                    pass
         ids: dict[int, str] = {}
         msg: dict[str, Any] = {"role": "assistant", "content": call.content or (None if call.tool_calls else "")}
         if call.tool_calls:
@@ -367,9 +372,10 @@ async def respond_completion(request: web.Request, call: Call, model: str) -> we
         return {"tokens": [e["token"] for e in ents], "token_logprobs": [e["logprob"] for e in ents], "top_logprobs": top, "text_offset": []}
 
     if not call.req.stream:
-        async with aclosing(call.events()) as events:
-            async for _ in events:
-                pass
+        with abort_on_disconnect(request):
+            async with aclosing(call.events()) as events:
+                async for _ in events:
+                    pass
         choice = {"index": 0, "text": call.content, "logprobs": lp_block(0, len(call.tokens)), "finish_reason": _finish(call)}
         return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice], "usage": _usage(call)})
     resp = await _sse_start(request)

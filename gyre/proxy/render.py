@@ -17,6 +17,14 @@ text before a placeholder tokenizes as the prompt of the call that produced the 
 CONTENT + `<|im_end|>` is replaced by the sampled ids (which end in `<|im_end|>` unless the call
 stopped otherwise, in which case the template's `<|im_end|>` follows them).
 
+Only the template makes control tokens. Message text, tool-call arguments and tool definitions
+are encoded as ordinary byte-level text even where they spell a special token: a user or tool
+message holding `<|im_start|>system` cannot forge a turn. They are escaped (a per-process nonce
+marker) before the template runs, and a chunk holding a marker is cut at the template's own
+special tokens and its text encoded with special-token matching off. Text without such strings
+takes the usual path, so the ids (and splicing) are as before; with them, the same text always
+gives the same ids, so re-sent histories still splice exactly.
+
 Tokenization is cached per chat turn (text between `<|im_start|>` tokens), so a long history
 re-sent on every call is encoded once.
 
@@ -41,6 +49,7 @@ import json
 import logging
 import re
 import secrets
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,6 +141,15 @@ class Rendered:
     unmatched_kinds: list[str] = field(default_factory=list)  # one of UNMATCHED_KINDS per unmatched message
 
 
+class PromptTooLong(ValueError):
+    """The rendered text alone holds more tokens than the context can (checked before tokenizing)."""
+
+    def __init__(self, chars: int, min_tokens: int) -> None:
+        super().__init__(f"the prompt's {chars} characters are at least {min_tokens} tokens")
+        self.chars = chars
+        self.min_tokens = min_tokens
+
+
 class _Ambiguous(Exception):
     """A tolerant splice found several stored turns and none sampled in this exact context."""
 
@@ -160,6 +178,69 @@ class ChatRenderer:
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
         self._cache_chars = 0
         self.cache_limit = cache_chars
+        self._lock = threading.Lock()  # the cache; rendering runs on a thread pool (gyre.proxy.core)
+        # Special tokens in message text are escaped to `\ue000<nonce><k>\ue001` (private-use
+        # characters survive the template's tojson) and encoded with special-token matching off.
+        added = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items()}
+        self._specials = sorted(added, key=len, reverse=True)
+        self._special_ids = added
+        self._special_re = re.compile("|".join(re.escape(t) for t in self._specials))
+        self._lit = "\ue000" + self._nonce
+        self._lit_re = re.compile(re.escape(self._lit) + "(\\d+)\ue001")
+        from tokenizers import Tokenizer
+
+        self.plain = Tokenizer.from_str(self.backend.to_str())
+        self.plain.encode_special_tokens = True
+        # The most text one token stands for (byte-level: one alphabet symbol per byte, and a
+        # character is at least one byte), so text longer than max_context x this cannot fit.
+        specials = set(added.values())
+        vocab = self.backend.get_vocab_size(with_added_tokens=True)
+        self.max_token_chars = max((len(self.backend.id_to_token(i) or "") for i in range(vocab) if i not in specials), default=1) or 1
+
+    # ---- escaping of special-token strings in message text ----------------------------------
+    def escape(self, text: str) -> str:
+        """`text` with every special-token string replaced by its marker (see the module docstring)."""
+        if "<" not in text or not self._special_re.search(text):
+            return text
+        return self._special_re.sub(lambda m: f"{self._lit}{self._specials.index(m.group())}\ue001", text)
+
+    def escape_obj(self, v: Any) -> Any:
+        """`escape` applied to every string (keys too) in a JSON-like value."""
+        if isinstance(v, str):
+            return self.escape(v)
+        if isinstance(v, dict):
+            return {self.escape(k) if isinstance(k, str) else k: self.escape_obj(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [self.escape_obj(x) for x in v]
+        return v
+
+    def _escape_message(self, m: dict) -> dict:
+        out = dict(m)
+        if isinstance(m.get("content"), str):
+            out["content"] = self.escape(m["content"])
+        if m.get("tool_calls"):
+            out["tool_calls"] = [{**tc, "name": self.escape(tc.get("name", "")), "arguments": self.escape_obj(tc.get("arguments", {}))}
+                                 for tc in m["tool_calls"]]
+        return out
+
+    def _encode_escaped(self, chunk: str) -> list[int]:
+        """Ids of a chunk holding escape markers: the template's special tokens as such, the text
+        between them (markers back to their literal strings) with special-token matching off.
+        Cutting at special tokens is what the tokenizer does itself (they never merge)."""
+        out: list[int] = []
+        pos = 0
+
+        def text(t: str) -> None:
+            if t:
+                t = self._lit_re.sub(lambda m: self._specials[int(m.group(1))], t)
+                out.extend(self.plain.encode(t, add_special_tokens=False).ids)
+
+        for m in self._special_re.finditer(chunk):
+            text(chunk[pos : m.start()])
+            out.append(self._special_ids[m.group()])
+            pos = m.end()
+        text(chunk[pos:])
+        return out
 
     # ---- text -> ids ------------------------------------------------------------------------
     def encode(self, text: str, starts: list[int] | None = None, offset: int = 0) -> list[int]:
@@ -170,19 +251,36 @@ class ChatRenderer:
         pieces = text.split(IM_START)
         chunks = [pieces[0]] + [IM_START + p for p in pieces[1:]] if len(pieces) > 1 else pieces
         out: list[int] = []
-        missing = [c for c in chunks if c and c not in self._cache]
-        if missing:
-            uniq = list(dict.fromkeys(missing))
-            for c, enc in zip(uniq, self.backend.encode_batch(uniq, add_special_tokens=False)):
-                self._put(c, enc.ids)
+        have: dict[str, list[int]] = {}
+        missing: list[str] = []
         cache = self._cache
+        with self._lock:
+            for c in dict.fromkeys(chunks):
+                if not c:
+                    continue
+                ids = cache.get(c)
+                if ids is None:
+                    missing.append(c)
+                else:
+                    cache.move_to_end(c)
+                    have[c] = ids
+        if missing:
+            lit = self._lit
+            plain = [c for c in missing if lit not in c]
+            if plain:
+                for c, enc in zip(plain, self.backend.encode_batch(plain, add_special_tokens=False)):
+                    have[c] = enc.ids
+            for c in missing:
+                if lit in c:
+                    have[c] = self._encode_escaped(c)
+            with self._lock:
+                for c in missing:
+                    self._put(c, have[c])
         for c in chunks:
             if c:
                 if starts is not None and c.startswith(IM_START):
                     starts.append(offset + len(out))
-                ids = cache[c]
-                cache.move_to_end(c)
-                out.extend(ids)
+                out.extend(have[c])
         return out
 
     def _put(self, chunk: str, ids: list[int]) -> None:
@@ -200,13 +298,17 @@ class ChatRenderer:
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt)
 
     # ---- chat -> ids with splicing ----------------------------------------------------------
-    def render(self, messages: list[dict], tools: list[dict] | None, turns: dict[tuple, list[StoredTurn]] | None) -> Rendered:
+    def render(self, messages: list[dict], tools: list[dict] | None, turns: dict[tuple, list[StoredTurn]] | None,
+               max_tokens: int | None = None) -> Rendered:
         """`messages` are normalized chat messages (role, content str, tool_calls [{name, arguments}]).
-        `turns` maps a turn fingerprint to the stored turns of this execution (None: no splicing)."""
+        `turns` maps a turn fingerprint to the stored turns of this execution (None: no splicing).
+        With `max_tokens`, text that cannot fit in that many tokens raises `PromptTooLong` before
+        it is tokenized (the slow part)."""
         no_tolerate: set[int] = set()
+        tools = self.escape_obj(tools) if tools else tools
         while True:
             try:
-                return self._render(messages, tools, turns, no_tolerate)
+                return self._render(messages, tools, turns, no_tolerate, max_tokens)
             except _Ambiguous as e:  # rare: render again with that message as text
                 no_tolerate.add(e.index)
 
@@ -228,7 +330,7 @@ class ChatRenderer:
             return ("edited", 1, None) if (m.get("content") or "").strip() else ("text_dropped", 1, stored)
         return "unknown", 1, None
 
-    def _render(self, messages: list[dict], tools: list[dict] | None, turns: dict | None, no_tolerate: set[int]) -> Rendered:
+    def _render(self, messages: list[dict], tools: list[dict] | None, turns: dict | None, no_tolerate: set[int], max_tokens: int | None) -> Rendered:
         tmpl: list[dict] = []
         splices: list[tuple[list[StoredTurn], int]] = []  # (candidates, message index if tolerant else -1)
         kinds: list[str] = []
@@ -237,7 +339,7 @@ class ChatRenderer:
         while i < len(messages):
             m = messages[i]
             if m["role"] != "assistant":
-                tmpl.append(m)
+                tmpl.append(self._escape_message(m))
                 i += 1
                 continue
             cands = turns.get(turn_fingerprint(m.get("content"), m.get("tool_calls"))) if turns else None
@@ -251,13 +353,15 @@ class ChatRenderer:
                     tolerant = bool(cands) and self.splice == "tolerant" and i not in no_tolerate
                 if not tolerant:
                     kinds += [kind] * span
-                    tmpl += messages[i : i + span]
+                    tmpl += [self._escape_message(x) for x in messages[i : i + span]]
                     i += span
                     continue
             tmpl.append({"role": "assistant", "content": f"\x00splice-{self._nonce}-{len(splices)}\x00"})
             splices.append((cands, i if tolerant else -1))
             i += span
         text = self._render_text(tmpl, tools)
+        if max_tokens is not None and len(text) > max_tokens * self.max_token_chars:
+            raise PromptTooLong(len(text), -(-len(text) // self.max_token_chars))
         starts: list[int] = []
         if not splices:
             ids = self.encode(text, starts)

@@ -64,7 +64,7 @@ from typing import Any
 from aiohttp import web
 
 from gyre.proxy import validate as V
-from gyre.proxy.core import ApiError, Call, ChatRequest, ExecutionState, Proxy, ToolForce
+from gyre.proxy.core import ApiError, Call, ChatRequest, ExecutionState, Proxy, ToolForce, abort_on_disconnect
 from gyre.proxy.keys import KeyInfo
 from gyre.proxy.openai_api import _lp_entries, _text_of, error_body
 from gyre.proxy.textstream import ToolCall
@@ -473,7 +473,7 @@ async def create(request: web.Request, proxy: Proxy, key: KeyInfo, body: dict, m
     req.chat.messages = system + prior + req.new_messages
     if not req.chat.messages:
         raise V.bad("input", "must not be empty")
-    call = proxy.prepare(key, request.headers, req.chat)
+    call = await proxy.aprepare(key, request.headers, req.chat)
     rid = _new_id("resp_")
     created = int(time.time())
     out = _Output(call, req.tools)
@@ -492,12 +492,13 @@ async def create(request: web.Request, proxy: Proxy, key: KeyInfo, body: dict, m
             _keep(call.state, rid, req.previous_response_id, req.new_messages + [_turn(call)], body_)
 
     if not req.chat.stream:
-        async with aclosing(call.events()) as events:
-            async for item in events:  # the SSE bytes are dropped: only the items are kept
-                if isinstance(item, ToolCall):
-                    out.tool(item)
-                else:
-                    out.text(item)
+        with abort_on_disconnect(request):
+            async with aclosing(call.events()) as events:
+                async for item in events:  # the SSE bytes are dropped: only the items are kept
+                    if isinstance(item, ToolCall):
+                        out.tool(item)
+                    else:
+                        out.text(item)
         status, body_ = final()
         out.finish(status)
         keep(body_)

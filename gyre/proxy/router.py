@@ -9,7 +9,12 @@ there (the protocol's `abort` returns every token generated so far) and continue
 engine — standalone pool first (least loaded), then cells by descending index — from input +
 tokens already generated, with `max_tokens` reduced by what was generated. The caller of
 `Router.generate` sees one stream of `TokenEvent`s; `drain` returns once the engine has no calls.
-An engine that fails mid-call is treated the same way (the call continues elsewhere).
+An engine that fails mid-call is treated the same way (the call continues elsewhere), after a
+backoff (`failure_backoff_s`, doubling per failure in a row, at most 2 s); the failed engine is
+passed over for `failure_cooldown_s` while another is in rollout, and a call whose engines fail
+`max_failures` times in a row without producing a token gives up (`NoEngineError`: 503/529, one
+record with finish `error`), so a dead engine costs each call a few quick tries, not
+`max_reroutes` of them.
 
 Engine slot lifecycle (`SlotState`):
     ACTIVE   --drain()-->   DRAINING  (no new calls; in-flight calls being moved)
@@ -71,6 +76,7 @@ class EngineSlot:
     state: SlotState = SlotState.ACTIVE
     inflight: dict[str, _Running] = field(default_factory=dict)
     served: int = 0
+    failed_at: float = float("-inf")  # loop time of the engine's last failure (see the cooldown)
 
     def set_state(self, new: SlotState) -> None:
         if (self.state, new) not in _TRANSITIONS:
@@ -108,10 +114,14 @@ def call_finished(events: list[TokenEvent], sampling: SamplingParams, eos_ids: f
 
 
 class Router:
-    def __init__(self, *, affinity_slack: int = 2, max_reroutes: int = 16, engine_wait_s: float = 600.0) -> None:
+    def __init__(self, *, affinity_slack: int = 2, max_reroutes: int = 16, engine_wait_s: float = 600.0,
+                 failure_backoff_s: float = 0.05, failure_cooldown_s: float = 5.0, max_failures: int = 3) -> None:
         self.affinity_slack = affinity_slack
         self.max_reroutes = max_reroutes
         self.engine_wait_s = engine_wait_s
+        self.failure_backoff_s = failure_backoff_s
+        self.failure_cooldown_s = failure_cooldown_s
+        self.max_failures = max_failures
         self.slots: dict[str, EngineSlot] = {}
         self._affinity: dict[str, str] = {}
         self._changed: asyncio.Condition | None = None
@@ -213,6 +223,10 @@ class Router:
         active = [s for s in self.slots.values() if s.state is SlotState.ACTIVE]
         if not active:
             return None
+        if any(s.failed_at > float("-inf") for s in active):  # pass over engines that just failed
+            now = asyncio.get_running_loop().time()
+            healthy = [s for s in active if now - s.failed_at >= self.failure_cooldown_s]
+            active = healthy or active
         if rerouting:
             pool = [s for s in active if s.kind == "pool"]
             if pool:
@@ -264,6 +278,7 @@ class Router:
         info = info if info is not None else RouteInfo()
         events: list[TokenEvent] = []
         attempt = 0
+        failures = 0  # engine failures in a row without a new token
         while True:
             slot = await self._acquire(execution_id, rerouting=attempt > 0)
             self._affinity[execution_id] = slot.name
@@ -306,6 +321,7 @@ class Router:
             except Exception as e:
                 failed = True
                 self.engine_failures += 1
+                slot.failed_at = asyncio.get_running_loop().time()
                 logger.warning("router: engine %s failed on %s after %d tokens: %r", slot.name, call_key, len(events), e)
             finally:
                 slot.inflight.pop(running.request_id, None)
@@ -321,6 +337,11 @@ class Router:
                 return
             if not running.drained and not failed:
                 return  # the engine ended the request on its own terms
+            if failed:
+                failures = failures + 1 if consumed == 0 else 1
+                if failures >= self.max_failures:
+                    raise NoEngineError(f"call {call_key}: engines failed {failures} times in a row, giving up")
+                await asyncio.sleep(min(self.failure_backoff_s * 2 ** (failures - 1), 2.0))
             attempt += 1
             info.reroutes += 1
             self.reroutes += 1

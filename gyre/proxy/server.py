@@ -5,6 +5,9 @@
 
 `handle.port`, `handle.url` (base, without /v1), `handle.call(coro)` runs a coroutine on the
 server's loop (e.g. `handle.call(proxy.router.drain("cell1"))` from a test thread).
+Each call is admitted (`Proxy.admit`: per-execution concurrency and rate, 429) before its body
+is read, and a client that disconnects aborts its call. `GET /health` answers `{"ok": true}` to
+anyone; the router's engines and counts only to the admin token or a valid execution key.
 Every failure a request can cause is a 4xx in the API's error body (OpenAI for /v1/chat/...,
 /v1/completions, /v1/responses, /v1/models; Anthropic for /v1/messages...); an unexpected exception is logged
 and answered 500 in the same format, and the server keeps serving.
@@ -12,6 +15,8 @@ and answered 500 in the same format, and the server keeps serving.
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 import logging
 
@@ -29,9 +34,10 @@ def _is_anthropic(path: str) -> bool:
 
 
 def _error_response(path: str, e: ApiError) -> web.Response:
+    headers = {"Retry-After": f"{e.retry_after:g}"} if e.retry_after is not None else None
     if _is_anthropic(path):
-        return web.json_response(anthropic_api.error_body(e), status=anthropic_api.error_status(e))
-    return web.json_response(openai_api.error_body(e), status=e.status)
+        return web.json_response(anthropic_api.error_body(e), status=anthropic_api.error_status(e), headers=headers)
+    return web.json_response(openai_api.error_body(e), status=e.status, headers=headers)
 
 
 def _key_of(request: web.Request) -> str | None:
@@ -59,6 +65,8 @@ async def _errors(request: web.Request, handler):
         return _error_response(request.path, ApiError(e.status, "invalid_request", e.reason or "bad request"))
     except (ConnectionResetError, ConnectionError):
         raise
+    except RecursionError:  # JSON nested past Python's limit, in the body or in tool schemas
+        return _error_response(request.path, ApiError(400, "invalid_request", "the JSON body is nested too deeply"))
     except Exception as e:
         logger.exception("proxy: unexpected error on %s %s", request.method, request.path)
         return _error_response(request.path, ApiError(500, "internal", f"internal error: {type(e).__name__}"))
@@ -75,6 +83,8 @@ def build_app(proxy: Proxy) -> web.Application:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, "invalid_request", f"malformed JSON body: {e}") from None
+        except RecursionError:
+            raise ApiError(400, "invalid_request", "malformed JSON body: nested too deeply") from None
         if not isinstance(body, dict):
             raise ApiError(400, "invalid_request", "the JSON body must be an object")
         return body
@@ -85,23 +95,26 @@ def build_app(proxy: Proxy) -> web.Application:
 
     async def chat(request: web.Request) -> web.StreamResponse:
         key = proxy.authenticate(_key_of(request))
-        body = await body_of(request)
-        req = openai_api.parse_chat(body)
-        call = proxy.prepare(key, request.headers, req)
-        return await openai_api.respond_chat(request, call, model_of(body))
+        with proxy.admit(key):
+            body = await body_of(request)
+            req = openai_api.parse_chat(body)
+            call = await proxy.aprepare(key, request.headers, req)
+            return await openai_api.respond_chat(request, call, model_of(body))
 
     async def completions(request: web.Request) -> web.StreamResponse:
         key = proxy.authenticate(_key_of(request))
-        body = await body_of(request)
-        req = openai_api.parse_completion(body)
-        openai_api.validate_prompt_ids(req, len(proxy.token_table))
-        call = proxy.prepare(key, request.headers, req)
-        return await openai_api.respond_completion(request, call, model_of(body))
+        with proxy.admit(key):
+            body = await body_of(request)
+            req = openai_api.parse_completion(body)
+            openai_api.validate_prompt_ids(req, len(proxy.token_table))
+            call = await proxy.aprepare(key, request.headers, req)
+            return await openai_api.respond_completion(request, call, model_of(body))
 
     async def responses(request: web.Request) -> web.StreamResponse:
         key = proxy.authenticate(_key_of(request))
-        body = await body_of(request)
-        return await responses_api.create(request, proxy, key, body, model_of(body))
+        with proxy.admit(key):
+            body = await body_of(request)
+            return await responses_api.create(request, proxy, key, body, model_of(body))
 
     async def get_response(request: web.Request) -> web.Response:
         key = proxy.authenticate(_key_of(request))
@@ -113,19 +126,30 @@ def build_app(proxy: Proxy) -> web.Application:
 
     async def messages(request: web.Request) -> web.StreamResponse:
         key = proxy.authenticate(_key_of(request))
-        body = await body_of(request)
-        req = anthropic_api.parse_request(body)
-        call = proxy.prepare(key, request.headers, req)
-        return await anthropic_api.respond(request, call, model_of(body))
+        with proxy.admit(key):
+            body = await body_of(request)
+            req = anthropic_api.parse_request(body)
+            call = await proxy.aprepare(key, request.headers, req)
+            return await anthropic_api.respond(request, call, model_of(body))
 
     async def count_tokens(request: web.Request) -> web.Response:
         key = proxy.authenticate(_key_of(request))
-        body = await body_of(request)
-        req = anthropic_api.parse_request(body, count_only=True)
-        return web.json_response({"input_tokens": proxy.count_tokens(key, req)})
+        with proxy.admit(key):
+            body = await body_of(request)
+            req = anthropic_api.parse_request(body, count_only=True)
+            if proxy.text_chars(req) < proxy.config.inline_render_chars:
+                return web.json_response({"input_tokens": proxy.count_tokens(key, req)})
+            n = await asyncio.get_running_loop().run_in_executor(proxy.pool, proxy.count_tokens, key, req)
+            return web.json_response({"input_tokens": n})
+
+    admin_want = f"Bearer {proxy.config.admin_token}".encode() if proxy.config.admin_token else None
 
     async def health(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True, **proxy.router.stats()})
+        # Liveness for anyone; the engine list and counts only for the operator or a harness of
+        # this run (an unauthenticated caller learns nothing about the deployment).
+        auth = request.headers.get("Authorization", "").encode()
+        trusted = (admin_want is not None and hmac.compare_digest(auth, admin_want)) or proxy.keys.lookup(_key_of(request)) is not None
+        return web.json_response({"ok": True, **proxy.router.stats()} if trusted else {"ok": True})
 
     app = web.Application(middlewares=[_errors], client_max_size=cap)
     app.router.add_post("/v1/chat/completions", chat)

@@ -10,6 +10,7 @@ import logging
 from typing import Protocol, runtime_checkable
 
 from gyre.trajectory.record import CallRecord
+from gyre.trajectory.store import SealedError
 
 logger = logging.getLogger(__name__)
 
@@ -31,26 +32,34 @@ class MemorySink:
 
 
 class StoreSink:
-    """Appends to a `TitoStore` directory; one writer per execution, closed by `close_execution`."""
+    """Appends to a `TitoStore` directory; one writer per execution, sealed by `close_execution`
+    (the file becomes read-only; a record for a sealed execution raises `SealedError` and opens
+    nothing, so no descriptor is left behind)."""
 
     def __init__(self, store) -> None:
         self.store = store
         self._writers: dict = {}
+        self._sealed: set[str] = set()
 
     def on_record(self, record: CallRecord) -> None:
         w = self._writers.get(record.execution_id)
         if w is None:
+            if record.execution_id in self._sealed:
+                raise SealedError(f"execution {record.execution_id!r} was closed; its record is sealed")
             w = self._writers[record.execution_id] = self.store.writer(record.execution_id)
         w.append(record)
 
     def close_execution(self, execution_id: str) -> None:
+        """Seal the execution's file (an execution that never wrote one gets none)."""
+        self._sealed.add(execution_id)
         w = self._writers.pop(execution_id, None)
         if w is not None:
-            w.close()
+            w.seal()
 
     def close(self) -> None:
+        """Close the open files (not sealed: their executions were not closed)."""
         for eid in list(self._writers):
-            self.close_execution(eid)
+            self._writers.pop(eid).close()
 
 
 class FanoutSink:
@@ -60,3 +69,9 @@ class FanoutSink:
     def on_record(self, record: CallRecord) -> None:
         for s in self.sinks:
             s.on_record(record)
+
+    def close_execution(self, execution_id: str) -> None:
+        for s in self.sinks:
+            close = getattr(s, "close_execution", None)
+            if close is not None:
+                close(execution_id)

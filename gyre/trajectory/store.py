@@ -22,6 +22,10 @@ written) is a *torn tail*: it is dropped and reported (`StoreReadResult.torn_tai
 `TitoWriter` truncates it before appending again. Any other damage (a bad frame followed by more
 data) raises `StoreCorruptError` naming the file and offset: nothing is silently lost.
 
+Sealing: `TitoWriter.seal()` closes the file and makes it read-only (mode 0444); a sealed file is
+complete (its execution was closed) and `TitoWriter` refuses to open it again (`SealedError`),
+in this process or a later one, so no record is ever appended after the close.
+
 Concurrency: `TitoWriter.append` is thread-safe (a lock serializes frames). Use one writer per
 execution file per process; two processes appending to one file is not supported.
 """
@@ -32,6 +36,7 @@ import json
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 import zlib
@@ -48,6 +53,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "FORMAT_VERSION",
     "StoreCorruptError",
+    "SealedError",
     "StoreReadResult",
     "TitoStore",
     "TitoWriter",
@@ -69,6 +75,18 @@ _EXEC_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 class StoreCorruptError(RuntimeError):
     """A store file is damaged somewhere other than its last frame (not a torn tail)."""
+
+
+class SealedError(ValueError):
+    """The execution's file was sealed (closed for good): nothing may be appended."""
+
+
+def is_sealed(path: str | os.PathLike) -> bool:
+    """Was this store file sealed (`TitoWriter.seal`: no write permission left)?"""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode) & 0o222 == 0
+    except FileNotFoundError:
+        return False
 
 
 @dataclass
@@ -255,6 +273,8 @@ class TitoWriter:
         self._recent: deque[tuple[int, np.ndarray]] = deque(maxlen=max(delta_window, 1))
         self._lock = threading.Lock()
         self.num_records = 0  # records in the file
+        if is_sealed(self.path):
+            raise SealedError(f"{self.path}: sealed (its execution was closed); nothing can be appended")
         if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
             with open(self.path, "rb") as f:
                 res = _scan(f.read(), self.path, decode=False)
@@ -305,6 +325,17 @@ class TitoWriter:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+            self._recent.clear()
+
+    def seal(self) -> None:
+        """Close for good: the file becomes read-only and no writer opens it again."""
+        with self._lock:
+            if self._fd >= 0:
+                os.fchmod(self._fd, 0o444)
+                os.close(self._fd)
+                self._fd = -1
+            elif os.path.exists(self.path):
+                os.chmod(self.path, 0o444)
             self._recent.clear()
 
     def __enter__(self) -> "TitoWriter":
