@@ -79,7 +79,7 @@ def add_admin_routes(app: web.Application, proxy: Proxy, token: str) -> None:
 
     async def close(request: web.Request) -> web.Response:
         check(request)
-        return web.json_response(proxy.close_execution(request.match_info["eid"]))
+        return web.json_response(await proxy.aclose_execution(request.match_info["eid"]))
 
     async def add_engine(request: web.Request) -> web.Response:
         check(request)
