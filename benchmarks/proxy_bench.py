@@ -54,11 +54,11 @@ def _engine_main(q, token_delay):
     from gyre.backends.engine_http import serve_engine
 
     h = serve_engine(DeterministicEngine("bench", token_delay=token_delay))
-    q.put(h.port)
+    q.put((h.port, h.secret))  # engines answer only with the run's secret (engine_http)
     h.thread.join()
 
 
-def _proxy_main(q, engine_url, n_keys, token_delay, store_dir, transport="ws", limits=False):
+def _proxy_main(q, engine_url, n_keys, token_delay, store_dir, transport="ws", limits=False, engine_secret=None):
     from gyre.proxy import Proxy, ProxyConfig, StoreSink, serve_proxy
     from gyre.backends.det_engine import DeterministicEngine
     from gyre.backends.engine_http import HttpEngine
@@ -66,7 +66,8 @@ def _proxy_main(q, engine_url, n_keys, token_delay, store_dir, transport="ws", l
 
     proxy = Proxy(ProxyConfig() if limits else ProxyConfig(calls_per_second_per_key=0), sink=StoreSink(TitoStore(store_dir)))
     if engine_url:
-        proxy.router.add_engine(HttpEngine(engine_url, name="bench", transport=transport), kind="cell", index=0)
+        proxy.router.add_engine(HttpEngine(engine_url, name="bench", transport=transport, secret=engine_secret),
+                                kind="cell", index=0)
     else:
         proxy.router.add_engine(DeterministicEngine("bench", token_delay=token_delay), kind="cell", index=0)
     keys = [proxy.issue_key(f"exec-{i}") for i in range(n_keys)]
@@ -119,7 +120,7 @@ async def _run_load(kind, url, keys, n, concurrency, max_tokens, prompt_ids):
         t0 = time.perf_counter()
         if kind == "direct":
             body = {"request_id": f"r{i}", "input_ids": prompt_ids + [i % 900 + 7], "sampling": {"max_tokens": max_tokens}}
-            async with session.post(url + "/generate", json=body) as r:
+            async with session.post(url + "/generate", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
                 data = await r.read()
                 ok = r.status == 200 and data.count(b"\n") == max_tokens
         else:
@@ -209,9 +210,13 @@ async def _fairness(url, keys, n, body_mb, max_tokens):
     async def attacker(session, stop):
         while not stop.is_set():
             t0 = time.perf_counter()
-            async with session.post(url + "/v1/chat/completions", data=big, headers={"Authorization": f"Bearer {keys[0]}", "Content-Type": "application/json"}) as r:
-                await r.read()
-                hostile["codes"][r.status] = hostile["codes"].get(r.status, 0) + 1
+            try:
+                async with session.post(url + "/v1/chat/completions", data=big, headers={"Authorization": f"Bearer {keys[0]}", "Content-Type": "application/json"}) as r:
+                    await r.read()
+                    status = r.status
+            except aiohttp.ClientError:  # refused before its body was read: the proxy closed the connection
+                status = "closed"
+            hostile["codes"][status] = hostile["codes"].get(status, 0) + 1
             hostile["s"].append(time.perf_counter() - t0)
             hostile["sent"] += 1
 
@@ -255,14 +260,14 @@ def main() -> None:
     procs = []
     store = tempfile.mkdtemp(prefix="proxy-bench-")
     try:
-        p, eport = _start(_engine_main, 0.0)
+        p, (eport, esecret) = _start(_engine_main, 0.0)
         procs.append(p)
         engine_url = f"http://127.0.0.1:{eport}"
-        p, (pport, keys) = _start(_proxy_main, engine_url, args.concurrency, 0.0, store + "/a")
+        p, (pport, keys) = _start(_proxy_main, engine_url, args.concurrency, 0.0, store + "/a", "ws", False, esecret)
         procs.append(p)
         p, (xport, xkeys) = _start(_proxy_main, "", args.concurrency, 0.0, store + "/b")
         procs.append(p)
-        p, (hport, hkeys) = _start(_proxy_main, engine_url, args.concurrency, 0.0, store + "/d", "http")
+        p, (hport, hkeys) = _start(_proxy_main, engine_url, args.concurrency, 0.0, store + "/d", "http", False, esecret)
         procs.append(p)
         proxy_url, embed_url, phttp_url = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{xport}", f"http://127.0.0.1:{hport}"
 
@@ -270,7 +275,7 @@ def main() -> None:
         print(f"machine load check: {calib:.0f} ns per empty loop iteration (idle core: ~15-30), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         engine_pid, proxy_pid, embed_pid, phttp_pid = (p.pid for p in procs)
         variants = [
-            ("direct", engine_url, None, "direct", [engine_pid]),
+            ("direct", engine_url, [esecret] * args.concurrency, "direct", [engine_pid]),
             ("proxy", proxy_url, keys, "proxy", [proxy_pid, engine_pid]),
             ("proxy_embed", embed_url, xkeys, "proxy", [embed_pid]),
             ("proxy_http", phttp_url, hkeys, "proxy", [phttp_pid, engine_pid]),

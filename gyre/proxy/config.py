@@ -113,6 +113,13 @@ class ProxyConfig:
     """Sustained calls per second one execution may start (a token bucket holding
     `2 x` this many, so bursts pass); more get a 429 with Retry-After. No harness reaches it
     against a real model; it bounds what a looping harness costs everyone else. 0 = unlimited."""
+    body_bytes_per_call: int = 131072
+    """A call costs one unit of the per-execution rate budget (`calls_per_second_per_key`) plus one
+    per whole multiple of this many bytes in its body (capped at the bucket, so any body under the size limit can
+    pass when the bucket is full): reading and parsing a huge body costs the event loop time every
+    execution shares, so an execution sending them is slowed, not the others. At the defaults a
+    200k-token prompt (~1 MB) costs 8 units; 16 MB bodies pass at most one per two seconds.
+    0 = bytes are free."""
     render_threads: int = 4
     """Threads that parse large bodies, render the template and tokenize, off the event loop, so
     a huge prompt from one execution never stalls the calls of the others. Each execution renders

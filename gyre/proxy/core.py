@@ -179,7 +179,7 @@ class ExecutionState:
     responses: dict[str, Any] = field(default_factory=dict)  # kept /v1/responses (responses_api), dropped with the execution
     # Admission (Proxy.admit): handler tasks in flight, the rate bucket, one render at a time.
     tasks: set = field(default_factory=set)
-    bucket: float = -1.0  # tokens left; -1: full (set on first use)
+    bucket: float | None = None  # units left (negative: owed); None: full (set on first use)
     bucket_t: float = 0.0
     render_lock: asyncio.Lock | None = None
     closed: bool = False  # close_execution ran: records are no longer written
@@ -501,10 +501,11 @@ class Proxy:
         return state
 
     @contextmanager
-    def admit(self, key: KeyInfo) -> Iterator[ExecutionState]:
+    def admit(self, key: KeyInfo, body_bytes: int = 0) -> Iterator[ExecutionState]:
         """Hold one of the execution's call slots for the body of the `with` (the whole request,
         from before its body is read): 429 past `max_calls_per_key` in flight or
-        `calls_per_second_per_key`. Registers the current task so `close_execution` can abort it."""
+        `calls_per_second_per_key`, where a call costs 1 + ⌊body_bytes / `body_bytes_per_call`⌋
+        units (at most the bucket). Registers the current task so `close_execution` can abort it."""
         c = self.config
         state = self._state(key.execution_id)
         if c.max_calls_per_key and len(state.tasks) >= c.max_calls_per_key:
@@ -514,18 +515,30 @@ class Proxy:
         if rate > 0:
             now = time.monotonic()
             burst = 2.0 * rate
-            state.bucket = burst if state.bucket < 0 else min(burst, state.bucket + (now - state.bucket_t) * rate)
+            state.bucket = burst if state.bucket is None else min(burst, state.bucket + (now - state.bucket_t) * rate)
             state.bucket_t = now
-            if state.bucket < 1.0:
-                raise ApiError(429, "rate_limit", f"more than {rate:g} calls per second from this execution "
-                               "(proxy.calls_per_second_per_key)", retry_after=math.ceil((1.0 - state.bucket) / rate * 10) / 10)
-            state.bucket -= 1.0
+            cost = 1.0 + (body_bytes // c.body_bytes_per_call if c.body_bytes_per_call else 0)
+            cost = min(cost, burst)
+            if state.bucket < cost:
+                raise ApiError(429, "rate_limit", f"more than {rate:g} calls per second from this execution, a call "
+                               f"costing one more per {c.body_bytes_per_call} body bytes (proxy.calls_per_second_per_key, "
+                               "proxy.body_bytes_per_call)", retry_after=math.ceil((cost - state.bucket) / rate * 10) / 10)
+            state.bucket -= cost
         task = asyncio.current_task()
         state.tasks.add(task)
         try:
             yield state
         finally:
             state.tasks.discard(task)
+
+    def charge_body(self, key: KeyInfo, body_bytes: int) -> None:
+        """Debit a body whose size was not known at admission (chunked, no Content-Length) from
+        the execution's rate budget after it was read: its next calls wait for it."""
+        c = self.config
+        state = self.executions.get(key.execution_id)
+        if state is None or state.bucket is None or c.calls_per_second_per_key <= 0 or not c.body_bytes_per_call:
+            return
+        state.bucket -= body_bytes // c.body_bytes_per_call
 
     @property
     def pool(self) -> ThreadPoolExecutor:

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from gyre.proxy import anthropic_api, openai_api, responses_api
 from gyre.proxy.core import ApiError, Proxy
+from gyre.proxy.keys import KeyInfo
 from gyre.backends.engine_http import ServerHandle, run_in_thread, start_app
 
 logger = logging.getLogger(__name__)
@@ -49,12 +50,24 @@ def _key_of(request: web.Request) -> str | None:
     return request.headers.get("x-api-key") or request.headers.get("api-key")
 
 
+# A refused request whose unread body is larger than this closes its connection instead of
+# letting the server read the rest of the body to keep the connection alive: a client looping on
+# huge refused bodies would otherwise cost the event loop every execution shares a full read each.
+_DRAIN_LIMIT = 1 << 20
+
+
+def _refuse(request: web.Request, e: ApiError) -> web.Response:
+    if (request.content_length or 0) > _DRAIN_LIMIT and not request.content.is_eof():
+        request.protocol.force_close()  # no lingering read of the rest; the client sees a closed connection
+    return _error_response(request.path, e)
+
+
 @web.middleware
 async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as e:
-        return _error_response(request.path, e)
+        return _refuse(request, e)
     except web.HTTPRequestEntityTooLarge as e:
         return _error_response(request.path, ApiError(413, "too_large", f"request body too large: {e.text}"))
     except web.HTTPNotFound:
@@ -75,10 +88,12 @@ async def _errors(request: web.Request, handler):
 def build_app(proxy: Proxy) -> web.Application:
     cap = proxy.config.max_body_bytes
 
-    async def body_of(request: web.Request) -> dict:
+    async def body_of(request: web.Request, key: KeyInfo) -> dict:
         if request.content_length is not None and request.content_length > cap:
             raise ApiError(413, "too_large", f"request body is {request.content_length} bytes; the limit is {cap}")
         raw = await request.read()
+        if request.content_length is None:  # chunked: admission charged it as empty (Proxy.admit)
+            proxy.charge_body(key, len(raw))
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
@@ -95,16 +110,16 @@ def build_app(proxy: Proxy) -> web.Application:
 
     async def chat(request: web.Request) -> web.StreamResponse:
         key = proxy.authenticate(_key_of(request))
-        with proxy.admit(key):
-            body = await body_of(request)
+        with proxy.admit(key, request.content_length or 0):
+            body = await body_of(request, key)
             req = openai_api.parse_chat(body)
             call = await proxy.aprepare(key, request.headers, req)
             return await openai_api.respond_chat(request, call, model_of(body))
 
     async def completions(request: web.Request) -> web.StreamResponse:
         key = proxy.authenticate(_key_of(request))
-        with proxy.admit(key):
-            body = await body_of(request)
+        with proxy.admit(key, request.content_length or 0):
+            body = await body_of(request, key)
             req = openai_api.parse_completion(body)
             openai_api.validate_prompt_ids(req, len(proxy.token_table))
             call = await proxy.aprepare(key, request.headers, req)
@@ -112,8 +127,8 @@ def build_app(proxy: Proxy) -> web.Application:
 
     async def responses(request: web.Request) -> web.StreamResponse:
         key = proxy.authenticate(_key_of(request))
-        with proxy.admit(key):
-            body = await body_of(request)
+        with proxy.admit(key, request.content_length or 0):
+            body = await body_of(request, key)
             return await responses_api.create(request, proxy, key, body, model_of(body))
 
     async def get_response(request: web.Request) -> web.Response:
@@ -126,16 +141,16 @@ def build_app(proxy: Proxy) -> web.Application:
 
     async def messages(request: web.Request) -> web.StreamResponse:
         key = proxy.authenticate(_key_of(request))
-        with proxy.admit(key):
-            body = await body_of(request)
+        with proxy.admit(key, request.content_length or 0):
+            body = await body_of(request, key)
             req = anthropic_api.parse_request(body)
             call = await proxy.aprepare(key, request.headers, req)
             return await anthropic_api.respond(request, call, model_of(body))
 
     async def count_tokens(request: web.Request) -> web.Response:
         key = proxy.authenticate(_key_of(request))
-        with proxy.admit(key):
-            body = await body_of(request)
+        with proxy.admit(key, request.content_length or 0):
+            body = await body_of(request, key)
             req = anthropic_api.parse_request(body, count_only=True)
             if proxy.text_chars(req) < proxy.config.inline_render_chars:
                 return web.json_response({"input_tokens": proxy.count_tokens(key, req)})
