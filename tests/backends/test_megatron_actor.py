@@ -245,6 +245,10 @@ def _layouts_and_actor():
     mc = MegatronConfig(tensor_model_parallel_size=2, params_dtype="bfloat16")
     initialize_parallel_state(mc, seed=0)
     out["tp_is_cell"] = _ranks_of(ps.get_tensor_model_parallel_group()) == topo.cell_ranks(topo.cell)
+    from megatron.core import tensor_parallel
+
+    with tensor_parallel.get_cuda_rng_tracker().fork():  # unseeded: "cuda rng state model-parallel-rng is not added"
+        out["rng_seeded"] = True
     hf = tiny_model(seed=0)
     actor = MegatronActor(hf.config, hf.state_dict(), is_core=topo.is_core, config=mc)
     hf_names = dict(hf.named_parameters())
@@ -284,7 +288,7 @@ def _layouts_and_actor():
 def test_every_rank_initialises_megatron_with_cells_contiguous_and_the_actor_trains_on_gloo():
     pytest.importorskip("megatron.core")
     out = run_ranks(_layouts_and_actor, 4, timeout=600)
-    common = dict(tp_is_cell=True, hf_names=True, hf_values=True, export_dtype={"torch.bfloat16"},
+    common = dict(tp_is_cell=True, rng_seeded=True, hf_names=True, hf_values=True, export_dtype={"torch.bfloat16"},
                   main_grads={("torch.float32", 3.0)}, pp_is_cell=True, first_stage=True)
     for r in range(4):
         assert {k: out[r][k] for k in common} == common, (r, out[r])
