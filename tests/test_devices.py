@@ -104,3 +104,54 @@ def test_cpu_tensors_cross_groups_of_a_multibackend_default():
     move their CPU tensors over it (on CUDA the same string adds ',cuda:nccl' for CUDA tensors)."""
     out = run_ranks(_cpu_tensors_over_multibackend_groups, 4, init=False, timeout=180)
     assert out == [(["cpu:gloo"], True, 6.0, True, True)] * 4
+
+
+# ---------------------------------------------------------------------------- setup.py: CUDA build or not
+def _setup_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "setup.py"
+    spec = importlib.util.spec_from_file_location("gyre_setup_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # not __main__: defines the functions, runs no setup()
+    return module
+
+
+def test_setup_builds_cuda_only_with_a_cuda_torch_and_a_toolkit():
+    plan = _setup_module().cuda_build_plan
+    assert plan(True, "13.0", "/usr/local/cuda", {}) is None
+    assert plan(True, None, "/usr/local/cuda", {}) == "torch is a CPU build"
+    assert plan(True, "13.0", None, {}) == "no CUDA toolkit found (CUDA_HOME)"
+    assert plan(True, "13.0", "/usr/local/cuda", {"GYRE_NO_CUDA": "1"}) == "GYRE_NO_CUDA=1"
+    assert plan(False, "13.0", "/usr/local/cuda", {}) == "no CUDA sources"
+
+
+def test_a_failed_cuda_build_falls_back_to_the_cpu_extension_with_a_warning():
+    fallback = _setup_module().build_with_fallback
+    built, warned = [], []
+
+    def build(exts):
+        if "cuda" in exts:
+            raise RuntimeError("The detected CUDA version (12.8) mismatches the version that was used to compile PyTorch (13.0)")
+        built.append(exts)
+
+    assert fallback(build, ["cuda"], ["cpu"], warned.append) == ["cpu"]
+    assert built == [["cpu"]] and "CUDA build of gyre._C failed" in warned[0] and "mismatches" in warned[0]
+    assert fallback(build, ["cpu"], None, warned.append) == ["cpu"] and len(warned) == 1  # no failure, no warning
+    with pytest.raises(RuntimeError, match="mismatches"):  # a CPU-only build that fails still fails
+        fallback(build, ["cuda"], None, warned.append)
+
+
+def test_setup_pins_the_gpu_stack_and_leaves_torch_to_the_machine():
+    import ast
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    module = _setup_module()
+    assert module.TORCH == "torch>=2.6"
+    gpu = next(n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Dict)
+               and any(isinstance(k, ast.Constant) and k.value == "gpu" for k in n.keys))
+    extras = ast.literal_eval(gpu)
+    assert extras["gpu"] == ["sglang==0.5.23", "megatron-core==0.16.1", "mooncake-transfer-engine-non-cuda==0.3.13.post1"]
+    assert "torch==" not in text.split("install_requires", 1)[1].split("]", 1)[0]
