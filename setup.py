@@ -91,6 +91,11 @@ def extension_modules():
 
     class BuildExt(cpp_extension.BuildExtension):
         def build_extensions(self):
+            if fallback is not None:  # setuptools' per-extension bookkeeping (_full_name, _needs_stub, ...)
+                for k, v in vars(ext).items():
+                    if k.startswith("_") and not hasattr(fallback, k):
+                        setattr(fallback, k, v)
+
             def build(exts):
                 self.extensions = exts
                 super(BuildExt, self).build_extensions()

@@ -69,6 +69,11 @@ def check_backends(cfg: Any) -> None:
                           f"(--backend.actor cpu) holds a whole model on one rank, so it needs "
                           f"parallel.cell_size = 1 (TP/PP/CP/EP are for --backend.actor megatron)")
     if cfg.backend.actor == "megatron":
+        import importlib.util
+
+        if importlib.util.find_spec("megatron") is None:  # find_spec: importing megatron costs seconds
+            raise ConfigError("--backend.actor megatron: megatron-core is not installed; "
+                              "pip install --no-build-isolation -e '.[gpu]' (or megatron-core==0.16.1)")
         if cfg.model.dtype == "float64":
             raise ConfigError("--model.dtype float64: --backend.actor megatron trains in float32 or bfloat16")
         if cfg.train.resume:

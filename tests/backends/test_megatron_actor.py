@@ -213,6 +213,12 @@ def test_megatron_with_cuda_takes_cells_laid_out_by_the_parallel_flags(monkeypat
         factory.check_backends(_cfg("--parallel.cell-size", "2", "--parallel.tp", "2"))
     with pytest.raises(ConfigError, match="--model.dtype float64"):
         factory.check_backends(_cfg("--backend.actor", "megatron", "--model.dtype", "float64"))
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "megatron" else real(name, *a))
+    with pytest.raises(ConfigError, match="--backend.actor megatron: megatron-core is not installed"):
+        factory.check_backends(cfg)
 
 
 # ---------------------------------------------------------------------------- on gloo, every rank
