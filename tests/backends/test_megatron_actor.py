@@ -300,3 +300,47 @@ def test_every_rank_initialises_megatron_with_cells_contiguous_and_the_actor_tra
         assert {k: out[r][k] for k in common} == common, (r, out[r])
     for r in (0, 1):
         assert (out[r]["norm_ok"], out[r]["moved"], out[r]["version"]) == (True, True, 1), out[r]
+
+
+def _forward_backward_matches_hf():
+    """TP=2 on 2 gloo ranks: Megatron's GPTModel, built by MegatronActor from HF weights, gives
+    the HF model's logits (its vocab shard) and, through vocab_parallel_cross_entropy, the HF
+    gradients mapped by hf_to_mcore/shard_for_tp. Two CPU shims stand in for hard CUDA calls
+    megatron 0.16.1 makes in the forward (rotary: torch.cuda.current_device(); the default causal
+    mask: device='cuda'), which is why this calls the model directly instead of the actor's
+    forward_backward (its pipeline schedule allocates on 'cuda' too)."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from gyre.backends.megatron_actor import MegatronActor
+
+    torch.cuda.current_device = lambda: "cpu"  # shim (this spawned rank only)
+    mc = MegatronConfig(tensor_model_parallel_size=2, params_dtype="float32")
+    hf = tiny_model(seed=0)
+    actor = MegatronActor(hf.config, hf.state_dict(), is_core=True, config=mc)
+    tp = ps.get_tensor_model_parallel_rank()
+    g = torch.Generator().manual_seed(5)
+    n = 12
+    ids = torch.randint(0, hf.config.vocab_size, (1, n), generator=g)
+    target = torch.randint(0, hf.config.vocab_size, (1, n), generator=g)
+    mask = torch.triu(torch.ones(n, n), diagonal=1).bool()[None, None]
+    logits = actor.model(ids, torch.arange(n)[None], mask)  # [1, n, V/2]
+    ref = hf(ids).logits
+    logits_err = float((logits - ref.chunk(2, dim=-1)[tp]).abs().max())  # before the CE: it works in place
+    (-vocab_parallel_cross_entropy(logits.float(), target)).sum().backward()
+    torch.log_softmax(ref.float(), -1).gather(-1, target[..., None]).sum().backward()
+    want = shard_for_tp(hf_to_mcore({k: p.grad for k, p in hf.named_parameters()}, hf.config), tp, 2)
+    got = {k: p.grad for k, p in actor.model.named_parameters()}
+    grad_err = max(float((got[k] - want[k]).abs().max()) for k in got)
+    ps.destroy_model_parallel()
+    return logits_err < 1e-4, grad_err < 1e-4, sorted(got) == sorted(want)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_megatron_forward_and_backward_match_hf_on_cpu_with_tp2():
+    pytest.importorskip("megatron.core")
+    assert run_ranks(_forward_backward_matches_hf, 2, timeout=300) == [(True, True, True)] * 2
