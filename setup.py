@@ -1,13 +1,19 @@
 """Gyre: elastic online RL for long-horizon LLM agents.
 
 Install (CPU):   pip install torch==2.13.0 && pip install --no-build-isolation -e .
+Install (GPU):   pip install --no-build-isolation -e '.[gpu]'   (next to the machine's CUDA torch)
 Extras:          .[test] for the test suite, .[gpu] for SGLang / Megatron-core / Mooncake,
                  .[tracking] for TensorBoard and Weights & Biases (--tracking.*).
 
-The C++ extension `gyre._C` (gyre/csrc/*.cpp, plus gyre/csrc/cuda/*.cu where a CUDA torch is
-present) is built when torch is importable at build time. `--no-build-isolation` matters: with
-isolation pip would build against a fresh torch from the index, which is a multi-GB CUDA wheel.
-If the build is unavailable, gyre.loss falls back to the pure-torch reference with a warning.
+torch is only a floor here (`torch>=2.6`): the CPU pin lives in the CPU install command, so a GPU
+machine keeps its CUDA torch and `.[gpu]` resolves next to SGLang's own torch pin.
+
+The C++ extension `gyre._C` (gyre/csrc/*.cpp, plus gyre/csrc/cuda/*.cu where a CUDA torch and a
+CUDA toolkit are present; GYRE_NO_CUDA=1 skips them) is built when torch is importable at build
+time. A failed CUDA build (e.g. nvcc's CUDA major differs from torch.version.cuda) falls back to
+the CPU extension with a warning. `--no-build-isolation` matters: with isolation pip would build
+against a fresh torch from the index, which is a multi-GB CUDA wheel. If the build is
+unavailable, gyre.loss falls back to the pure-torch reference with a warning.
 """
 
 import glob
@@ -17,6 +23,35 @@ import sys
 from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def cuda_build_plan(has_cuda_sources: bool, torch_cuda: str | None, cuda_home: str | None, env: dict) -> str | None:
+    """Why the CUDA kernels are not compiled (None: compile them). Pure."""
+    if env.get("GYRE_NO_CUDA") == "1":
+        return "GYRE_NO_CUDA=1"
+    if not has_cuda_sources:
+        return "no CUDA sources"
+    if torch_cuda is None:
+        return "torch is a CPU build"
+    if cuda_home is None:
+        return "no CUDA toolkit found (CUDA_HOME)"
+    return None
+
+
+def build_with_fallback(build, extensions: list, fallback: list | None, warn) -> list:
+    """`build(extensions)`; if that raises and a CPU `fallback` exists, warn and build that
+    instead. Returns what was built. (The CUDA kernels accelerate the CPU ops' CUDA inputs and
+    are never required: a broken toolkit must not abort the install.)"""
+    try:
+        build(extensions)
+        return extensions
+    except Exception as e:  # noqa: BLE001 — any CUDA build failure: the CPU extension still works
+        if fallback is None:
+            raise
+        warn(f"gyre setup: the CUDA build of gyre._C failed ({type(e).__name__}: {e}); "
+             f"building the CPU extension only")
+        build(fallback)
+        return fallback
 
 
 def extension_modules():
@@ -37,78 +72,111 @@ def extension_modules():
         cxx_flags.append("-mavx2")
         cxx_flags.append("-mfma")
     cuda_sources = sorted(glob.glob(os.path.join("gyre", "csrc", "cuda", "*.cu")))
-    use_cuda = bool(cuda_sources) and torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-    kwargs = dict(extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])
-    if use_cuda:
-        kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-std=c++20", "-DGYRE_WITH_CUDA"]
-        kwargs["define_macros"] = [("GYRE_WITH_CUDA", "1")]
-        ext = cpp_extension.CUDAExtension("gyre._C", sources + cuda_sources, **kwargs)
+
+    def cpu_ext():
+        return cpp_extension.CppExtension("gyre._C", sources, extra_compile_args={"cxx": list(cxx_flags)},
+                                          extra_link_args=["-fopenmp"])
+
+    why_not = cuda_build_plan(bool(cuda_sources), torch.version.cuda, cpp_extension.CUDA_HOME, os.environ)
+    if why_not is not None:
+        if cuda_sources:
+            print(f"gyre setup: CPU extension only ({why_not})", file=sys.stderr)
+        ext, fallback = cpu_ext(), None
     else:
-        ext = cpp_extension.CppExtension("gyre._C", sources, **kwargs)
-    return [ext], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
+        ext = cpp_extension.CUDAExtension(
+            "gyre._C", sources + cuda_sources,
+            extra_compile_args={"cxx": list(cxx_flags), "nvcc": ["-O3", "-std=c++20", "-DGYRE_WITH_CUDA"]},
+            extra_link_args=["-fopenmp"], define_macros=[("GYRE_WITH_CUDA", "1")])
+        fallback = cpu_ext()
+
+    class BuildExt(cpp_extension.BuildExtension):
+        def build_extensions(self):
+            if fallback is not None:  # setuptools' per-extension bookkeeping (_full_name, _needs_stub, ...)
+                for k, v in vars(ext).items():
+                    if k.startswith("_") and not hasattr(fallback, k):
+                        setattr(fallback, k, v)
+
+            def build(exts):
+                self.extensions = exts
+                super(BuildExt, self).build_extensions()
+
+            self.extensions = build_with_fallback(build, [ext], None if fallback is None else [fallback],
+                                                  lambda msg: print(msg, file=sys.stderr))
+
+    return [ext], {"build_ext": BuildExt.with_options(use_ninja=True)}
 
 
-ext_modules, cmdclass = extension_modules()
+# A floor, not a pin: the CPU install command pins torch==2.13.0 first (a bare `torch` would pull a
+# multi-GB CUDA build, shared/DEPS-NOTES.md); a GPU machine keeps its CUDA torch, and `.[gpu]`
+# resolves next to sglang's own torch pin. (megatron-core 0.16.1 needs torch>=2.6 too.)
+TORCH = "torch>=2.6"
 
-# The CPU install path pins torch to the wheel these machines carry (shared/DEPS-NOTES.md):
-# a bare `torch` requirement would pull a CUDA build of several GB.
-TORCH = "torch==2.13.0"
 
-setup(
-    name="gyre",
-    version="0.1.0",
-    description="Elastic online RL for extra-long-horizon LLM agents (QwenGyre)",
-    long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists(os.path.join(HERE, "README.md")) else "",
-    long_description_content_type="text/markdown",
-    python_requires=">=3.10",
-    packages=find_packages(include=["gyre", "gyre.*"]),
-    package_data={"gyre": ["csrc/*.cpp", "csrc/*.h", "csrc/cuda/*.cu", "assets/*", "assets/**/*"]},
-    install_requires=[
-        TORCH,
-        "numpy",
-        "safetensors",
-        "aiohttp>=3.9",
-        "tyro>=0.8",
-        "transformers>=4.45",
-        "tokenizers>=0.20",
-        "jinja2",
-        "ninja",
-        "matplotlib",
-        "tqdm",
-        # The example harnesses (cpu_demo, longtail) are real black-box clients of the proxy
-        # through the official SDK: the main job needs it, not just the tests.
-        "openai>=1.40",
-    ],
-    extras_require={
-        "test": [
-            "pytest>=8",
-            "pytest-timeout",
-            "hypothesis>=6",
-            "anthropic>=0.40",
-            "mini-swe-agent",
-            # Mooncake over TCP (the snapshot transport test; it also needs Debian's libibverbs1
-            # and `unshare --net`, and skips with the reason where either is missing).
-            "mooncake-transfer-engine-non-cuda",
-            # The tracking tests read TensorBoard's event files and wandb's offline run back.
-            "tensorboard",
-            "wandb",
-            # One tool-using Agent run against /v1/responses (tests/proxy/test_responses.py).
-            "openai-agents",
+def main() -> None:
+    ext_modules, cmdclass = extension_modules()
+    setup(
+        name="gyre",
+        version="0.1.0",
+        description="Elastic online RL for extra-long-horizon LLM agents (QwenGyre)",
+        long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists(os.path.join(HERE, "README.md")) else "",
+        long_description_content_type="text/markdown",
+        python_requires=">=3.10",
+        packages=find_packages(include=["gyre", "gyre.*"]),
+        package_data={"gyre": ["csrc/*.cpp", "csrc/*.h", "csrc/cuda/*.cu", "assets/*", "assets/**/*"]},
+        install_requires=[
+            TORCH,
+            "numpy",
+            "safetensors",
+            "aiohttp>=3.9",
+            "tyro>=0.8",
+            "transformers>=4.45",
+            "tokenizers>=0.20",
+            "jinja2",
+            "ninja",
+            "matplotlib",
+            "tqdm",
+            # The example harnesses (cpu_demo, longtail) are real black-box clients of the proxy
+            # through the official SDK: the main job needs it, not just the tests.
+            "openai>=1.40",
         ],
-        # Experiment trackers beside metrics.jsonl: --tracking.tensorboard, --tracking.wandb.
-        "tracking": ["tensorboard", "wandb"],
-        # GPU backends. Installed on GPU machines only; never imported by the CPU path.
-        "gpu": [
-            "sglang",
-            "megatron-core",
-            "mooncake-transfer-engine",
-        ],
-        # The mini-swe-agent example's harness (examples/mini_swe_agent).
-        "mini-swe-agent": ["mini-swe-agent"],
-        # Mooncake over TCP on machines without CUDA (same `mooncake` module).
-        "mooncake-cpu": ["mooncake-transfer-engine-non-cuda"],
-    },
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-    entry_points={"console_scripts": ["gyre-sim=gyre.sim.__main__:main"]},
-)
+        extras_require={
+            "test": [
+                "pytest>=8",
+                "pytest-timeout",
+                "hypothesis>=6",
+                "anthropic>=0.40",
+                "mini-swe-agent",
+                # Mooncake over TCP (the snapshot transport test; it also needs Debian's libibverbs1
+                # and `unshare --net`, and skips with the reason where either is missing).
+                "mooncake-transfer-engine-non-cuda",
+                # The tracking tests read TensorBoard's event files and wandb's offline run back.
+                "tensorboard",
+                "wandb",
+                # One tool-using Agent run against /v1/responses (tests/proxy/test_responses.py).
+                "openai-agents",
+            ],
+            # Experiment trackers beside metrics.jsonl: --tracking.tensorboard, --tracking.wandb.
+            "tracking": ["tensorboard", "wandb"],
+            # GPU backends. Installed on GPU machines only; never imported by the CPU path.
+            "gpu": [
+                # Versions that resolve together (sglang pins its own torch, 2.14.1, and CUDA-13 kernels).
+                # megatron-core 0.16.1: the newest for Python 3.11 (0.19.x needs 3.12, same APIs).
+                # Mooncake: the CUDA wheel links libcudart.so.12, which a CUDA-13 stack lacks; the
+                # snapshots are host memory, so the non-CUDA build (TCP, RDMA via libibverbs) serves.
+                "sglang==0.5.23",
+                "megatron-core==0.16.1",
+                "mooncake-transfer-engine-non-cuda==0.3.13.post1",
+            ],
+            # The mini-swe-agent example's harness (examples/mini_swe_agent).
+            "mini-swe-agent": ["mini-swe-agent"],
+            # Mooncake over TCP on machines without CUDA (same `mooncake` module).
+            "mooncake-cpu": ["mooncake-transfer-engine-non-cuda"],
+        },
+        ext_modules=ext_modules,
+        cmdclass=cmdclass,
+        entry_points={"console_scripts": ["gyre-sim=gyre.sim.__main__:main"]},
+    )
+
+
+if __name__ == "__main__":  # pip runs setup.py as __main__; tests import its functions
+    main()

@@ -23,11 +23,44 @@ from gyre.topology import Groups, Topology, TopologyError
 logger = logging.getLogger("gyre.run")
 
 
-def choose_backend(requested: str) -> str:
-    """auto → nccl with CUDA, gloo otherwise."""
-    if requested != "auto":
-        return requested
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def device_and_backend(cuda_available: bool, device_count: int, local_rank: int, requested: str) -> tuple[torch.device, str]:
+    """This rank's device and the torch.distributed backend string (pure: no CUDA call).
+
+    With CUDA every rank binds the GPU of its LOCAL_RANK (NCCL will not put two ranks on one
+    GPU), and the default backend is torch's multi-backend string "cpu:gloo,cuda:nccl": CPU
+    tensors (control, smoke check, CPU snapshots, the CPU actor's gradients) go over gloo, CUDA
+    tensors (Megatron's gradients and TP/PP traffic) over NCCL, on the same groups. Plain
+    "nccl" would fail on the first CPU tensor ("No backend type associated with device type cpu").
+
+        requested   no CUDA               CUDA
+        auto        cpu,  "gloo"          cuda:LOCAL_RANK, "cpu:gloo,cuda:nccl"
+        gloo        cpu,  "gloo"          cuda:LOCAL_RANK, "gloo" (a control run: NCCL off)
+        nccl        refused               cuda:LOCAL_RANK, "cpu:gloo,cuda:nccl"
+
+    >>> device_and_backend(True, 8, 3, "auto")
+    (device(type='cuda', index=3), 'cpu:gloo,cuda:nccl')
+    """
+    if requested not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"--parallel.backend {requested!r}: choose one of auto, gloo, nccl")
+    if not cuda_available:
+        if requested == "nccl":
+            raise ConfigError("--parallel.backend nccl: CUDA is not available on this machine; "
+                              "use --parallel.backend auto (gloo here)")
+        return torch.device("cpu"), "gloo"
+    if not 0 <= local_rank < device_count:
+        raise ConfigError(f"LOCAL_RANK {local_rank}: only {device_count} CUDA devices are visible and each rank "
+                          f"needs its own GPU; start at most {device_count} ranks per node (--nproc-per-node)")
+    return torch.device("cuda", local_rank), "gloo" if requested == "gloo" else "cpu:gloo,cuda:nccl"
+
+
+def bind_device(requested: str) -> str:
+    """Choose this rank's device and backend (`device_and_backend`), bind the GPU, return the
+    backend string for `init_process_group`."""
+    device, backend = device_and_backend(torch.cuda.is_available(), torch.cuda.device_count(),
+                                         int(os.environ.get("LOCAL_RANK", "0")), requested)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any CUDA work: the caching allocator, NCCL, Megatron
+    return backend
 
 
 def smoke_check(topo: Topology, groups: Groups) -> None:
@@ -70,15 +103,22 @@ def main(argv: list[str] | None = None) -> int:
     that stopped early (RunFailed), else by the rank that raised, with its traceback."""
     cfg: GyreConfig = parse_config(argv)
     setup_logging(cfg.log_level)
-    if "RANK" not in os.environ:
+    alone = "RANK" not in os.environ
+    if alone:
         # Plain `python -m gyre.run`: a world of one, as torchrun would set it up.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    try:
+        backend = bind_device(cfg.parallel.backend)
+    except ConfigError as e:  # before the rendezvous: every rank has it, rank 0 says it
+        logger.error("%s", e, extra=ONCE)
+        return 2 if os.environ["RANK"] == "0" else 0
+    if alone:
         from torch.distributed import TCPStore
 
         store = TCPStore("127.0.0.1", 0, 1, is_master=True)
-        dist.init_process_group(choose_backend(cfg.parallel.backend), store=store, rank=0, world_size=1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
     else:
-        dist.init_process_group(choose_backend(cfg.parallel.backend))  # blocking: rendezvous
+        dist.init_process_group(backend)  # blocking: rendezvous
     rank, world = dist.get_rank(), dist.get_world_size()
     from gyre.runtime.rundir import RunDirError
 
@@ -91,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("created all process groups in %.2fs", time.perf_counter() - t0, extra=ONCE)
         if cfg.job == "train":
             check_train_config(cfg, topo.num_cells)
+            if cfg.backend.actor == "megatron":
+                from gyre.backends.factory import megatron_config_of
+                from gyre.backends.megatron_actor import initialize_parallel_state
+
+                # blocking: Megatron's groups are world-collective: every rank, pool ranks too
+                initialize_parallel_state(megatron_config_of(cfg), seed=cfg.model.seed)
         if cfg.job == "smoke":
             smoke_check(topo, groups)
         else:

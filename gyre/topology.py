@@ -162,17 +162,19 @@ class Topology:
                 f"topology was built for rank {self.rank}/{self.world_size}, "
                 f"process group is rank {dist.get_rank()}/{dist.get_world_size()}"
             )
+        # Every group takes the default group's backend string: with CUDA "cpu:gloo,cuda:nccl"
+        # (gyre.run.device_and_backend), so CPU tensors go over gloo and CUDA tensors over NCCL.
+        backend = dist.get_backend()
         # 1. CPU control group: gloo over every rank, whatever the default backend.
-        default_backend = dist.get_backend()
-        control = dist.new_group(list(range(self.world_size)), backend="gloo") if default_backend != "gloo" else dist.group.WORLD
+        control = dist.group.WORLD if backend in ("gloo", "cpu:gloo") else dist.new_group(list(range(self.world_size)), backend="gloo")
         # 2. One group per cell and per pool engine (the cell's own model-parallel world).
-        cells = [dist.new_group(self.cell_ranks(c)) for c in range(self.num_cells)]
-        pool = [dist.new_group(self.pool_engine_ranks(e)) for e in range(self.num_pool_engines)]
+        cells = [dist.new_group(self.cell_ranks(c), backend=backend) for c in range(self.num_cells)]
+        pool = [dist.new_group(self.pool_engine_ranks(e), backend=backend) for e in range(self.num_pool_engines)]
         # 3. Prefix groups, k = 2..K, every position p.
         prefix: dict[tuple[int, int], Any] = {}
         for k in range(2, self.num_cells + 1):
             for p in range(self.cell_size):
-                prefix[(k, p)] = dist.new_group(self.prefix_ranks(k, p))
+                prefix[(k, p)] = dist.new_group(self.prefix_ranks(k, p), backend=backend)
         return Groups(self, control, cells, pool, prefix)
 
 

@@ -97,8 +97,9 @@ class BackendConfig:
     own but not wired into gyre.run yet, so a train job refuses it before starting."""
     actor: Literal["cpu", "megatron"] = "cpu"
     """Training actor. cpu: the built-in torch actor (one whole model per rank, so
-    parallel.cell_size = 1), options under --actor.*. megatron: Megatron-core (GPU); tested on
-    its own but not wired into gyre.run yet, so a train job refuses it before starting."""
+    parallel.cell_size = 1), options under --actor.*. megatron: Megatron-core on the rank's GPU
+    (needs CUDA; refused up front without it), cells laid out by --parallel.tp/pp/cp/ep, the
+    optimizer options under --actor.* as for cpu."""
 
 
 @dataclass(kw_only=True)
@@ -166,6 +167,5 @@ class MegatronConfig:
     expert_model_parallel_size: int = 1
     """EP inside a cell (MoE models)."""
     params_dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    """Parameter dtype of the GPTModel."""
-    use_distributed_optimizer: bool = False
-    """Shard optimizer state over the data-parallel group (the core's ranks only)."""
+    """Parameter dtype of the GPTModel (gyre.run takes it from --model.dtype). bfloat16 trains
+    with fp32 main gradients and an fp32 master copy on the core (`megatron_actor.Fp32Master`)."""

@@ -27,16 +27,26 @@ from gyre.backends.protocols import Actor, RolloutEngine, WeightTransport
 
 logger = logging.getLogger(__name__)
 
-# choice → None when gyre.run builds it, else why not (the ConfigError says so).
-_NOT_WIRED = "the GPU backends are not wired into gyre.run yet (their adapters are exercised by tests/gpu/)"
+# choice → None when gyre.run builds it, NEEDS_CUDA when it does so on a CUDA machine only,
+# else why not (the ConfigError says so).
+_NOT_WIRED = "the SGLang engine is not wired into gyre.run yet (its adapter is exercised by tests/gpu/)"
+NEEDS_CUDA = "needs CUDA, and torch.cuda.is_available() is False on this machine"
 ENGINES: dict[str, str | None] = {"cpu": None, "sglang": _NOT_WIRED}
-ACTORS: dict[str, str | None] = {"cpu": None, "megatron": _NOT_WIRED}
+ACTORS: dict[str, str | None] = {"cpu": None, "megatron": NEEDS_CUDA}
 TRANSPORTS: dict[str, str | None] = {"store": None, "torch": None, "mooncake": None}
 
 
-def runnable(kinds: dict[str, str | None]) -> list[str]:
-    """The choices of `kinds` (ENGINES, ACTORS, TRANSPORTS) that gyre.run can build."""
-    return [k for k, why in kinds.items() if why is None]
+def why_not(kinds: dict[str, str | None], chosen: str, *, cuda: bool) -> str | None:
+    """Why `chosen` of `kinds` cannot run here (None: it can). A NEEDS_CUDA choice runs where
+    `cuda` (torch.cuda.is_available(), asked by the caller, never at import time)."""
+    why = kinds[chosen]
+    return None if why is NEEDS_CUDA and cuda else why
+
+
+def runnable(kinds: dict[str, str | None], *, cuda: bool = False) -> list[str]:
+    """The choices of `kinds` (ENGINES, ACTORS, TRANSPORTS) that gyre.run can build (on a CUDA
+    machine too when `cuda`)."""
+    return [k for k in kinds if why_not(kinds, k, cuda=cuda) is None]
 
 
 def check_backends(cfg: Any) -> None:
@@ -44,18 +54,31 @@ def check_backends(cfg: Any) -> None:
     naming the flag)."""
     from gyre.config import ConfigError
 
+    cuda = torch.cuda.is_available()
     for flag, kinds, chosen in (("backend.engine", ENGINES, cfg.backend.engine),
                                 ("backend.actor", ACTORS, cfg.backend.actor),
                                 ("transfer.transport", TRANSPORTS, cfg.transfer.transport)):
         if chosen not in kinds:
             raise ConfigError(f"--{flag.replace('_', '-')} {chosen!r}: choose one of {sorted(kinds)}")
-        if kinds[chosen] is not None:
-            raise ConfigError(f"--{flag.replace('_', '-')} {chosen}: {kinds[chosen]}; use "
-                              f"--{flag.replace('_', '-')} {runnable(kinds)[0]}")
-    if cfg.parallel.cell_size != 1:
-        raise ConfigError(f"parallel.cell_size = {cfg.parallel.cell_size}: the built-in CPU engine and actor "
-                          f"(--backend.engine cpu, --backend.actor cpu) hold a whole model on one rank, so they "
-                          f"need parallel.cell_size = 1 (TP/PP/CP/EP are for the GPU backends)")
+        why = why_not(kinds, chosen, cuda=cuda)
+        if why is not None:
+            raise ConfigError(f"--{flag.replace('_', '-')} {chosen}: {why}; use "
+                              f"--{flag.replace('_', '-')} {runnable(kinds, cuda=cuda)[0]}")
+    if cfg.parallel.cell_size != 1 and cfg.backend.actor == "cpu":
+        raise ConfigError(f"parallel.cell_size = {cfg.parallel.cell_size}: the built-in CPU actor "
+                          f"(--backend.actor cpu) holds a whole model on one rank, so it needs "
+                          f"parallel.cell_size = 1 (TP/PP/CP/EP are for --backend.actor megatron)")
+    if cfg.backend.actor == "megatron":
+        import importlib.util
+
+        if importlib.util.find_spec("megatron") is None:  # find_spec: importing megatron costs seconds
+            raise ConfigError("--backend.actor megatron: megatron-core is not installed; "
+                              "pip install --no-build-isolation -e '.[gpu]' (or megatron-core==0.16.1)")
+        if cfg.model.dtype == "float64":
+            raise ConfigError("--model.dtype float64: --backend.actor megatron trains in float32 or bfloat16")
+        if cfg.train.resume:
+            raise ConfigError("--train.resume: --backend.actor megatron does not save optimizer state yet "
+                              "(its checkpoints are weights only); resume needs --backend.actor cpu")
     if cfg.transfer.transport == "mooncake":
         try:
             import mooncake.engine  # noqa: F401
@@ -109,9 +132,11 @@ def build_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Actor,
     """The core's actor (authoritative weights and optimizer state, docs/design.md §1) and its
     model config: the newest checkpoint with optimizer state and version (`--train.resume`),
     `--model.checkpoint`, or the preset's seeded weights."""
+    model, resumed = _initial_model(cfg, vocab, checkpoint_dir)
+    if cfg.backend.actor == "megatron":  # check_backends refused resume for it
+        return _megatron_actor(cfg, model, is_core=True), model.config
     from gyre.backends.cpu_actor import CpuActor
 
-    model, resumed = _initial_model(cfg, vocab, checkpoint_dir)
     actor = CpuActor(model, is_core=True, config=cfg.actor, loss=cfg.loss)
     if resumed is not None:
         actor.load_checkpoint(str(resumed))  # weights, optimizer state and version
@@ -124,13 +149,35 @@ def build_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Actor,
 def build_actor(cfg: Any, model_config: Any, *, is_core: bool) -> Actor:
     """A fresh actor of `--backend.actor` for `model_config` (its weights come from a snapshot:
     version -1 until the first import)."""
-    from gyre.backends.cpu_actor import CpuActor
     from gyre.backends.models import build_model
 
-    actor = CpuActor(build_model(model_config, dtype=dtype_of(cfg.model.dtype)), is_core=is_core,
-                     config=cfg.actor, loss=cfg.loss)
+    model = build_model(model_config, dtype=dtype_of(cfg.model.dtype))
+    if cfg.backend.actor == "megatron":
+        actor = _megatron_actor(cfg, model, is_core=is_core)
+    else:
+        from gyre.backends.cpu_actor import CpuActor
+
+        actor = CpuActor(model, is_core=is_core, config=cfg.actor, loss=cfg.loss)
     actor.version = -1
     return actor
+
+
+def megatron_config_of(cfg: Any) -> Any:
+    """The Megatron layout of a cell: `--parallel.tp/pp/cp/ep` (one fact, one place), parameter
+    dtype `--model.dtype`."""
+    from gyre.backends.config import MegatronConfig
+
+    p = cfg.parallel
+    return MegatronConfig(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+                          context_parallel_size=p.cp, expert_model_parallel_size=p.ep, params_dtype=cfg.model.dtype)
+
+
+def _megatron_actor(cfg: Any, model: Any, *, is_core: bool) -> Actor:
+    """A MegatronActor (imported here: megatron is a GPU extra) holding `model`'s HF weights."""
+    from gyre.backends.megatron_actor import MegatronActor
+
+    return MegatronActor(model.config, model.state_dict(), is_core=is_core, config=megatron_config_of(cfg),
+                         optim=cfg.actor, loss=cfg.loss, seed=cfg.model.seed)
 
 
 def build_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *, version: int,

@@ -7,18 +7,23 @@ groups are not used; gradients are summed over the Gyre prefix group of this int
 
 Real megatron-core APIs used (checked against megatron-core 0.16.1):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=..., pipeline_...,
-        context_parallel_size=..., expert_model_parallel_size=...)
+        context_parallel_size=..., expert_model_parallel_size=..., order="tp-cp-ep-pp-dp"),
+        called by every rank of the world (gyre.run), standalone-pool ranks too
+    tensor_parallel.model_parallel_cuda_manual_seed(seed) (the RNG tracker GPTModel forks)
     TransformerConfig(...) + GPTModel(config, transformer_layer_spec, vocab_size,
         max_sequence_length, position_embedding_type='rope', rotary_base=..., ...)
     gpt_layer_specs.get_gpt_layer_local_spec(normalization='RMSNorm') (TE spec where installed)
     pipeline_parallel.get_forward_backward_func() for the micro-step (any PP)
     tensor_parallel.vocab_parallel_cross_entropy(logits, target) = −ℓ over the TP vocab shards
-    optimizer.clip_grads.get_grad_norm_fp32 / clip_grad_by_total_norm_fp32 (norm over TP×PP)
+    tensor_parallel.layers.param_is_not_tensor_parallel_duplicate (norm over TP × PP, own code:
+        megatron's clip_grads allocates on 'cuda' and asserts fp32 CUDA grads)
 
-The weight mapping HF Qwen2 ⇄ megatron (`hf_to_mcore`, `mcore_to_hf`, `shard_for_tp`) and the
-config translation (`transformer_config_kwargs`, `gpt_model_kwargs`) are pure and CPU-tested;
-construction on gloo is CPU-tested (slow: importing megatron takes ~15 s on 2 cores); a
-training step needs CUDA (megatron's RNG tracker, rotary and buffers call torch.cuda).
+The weight mapping HF Qwen2 ⇄ megatron (`hf_to_mcore`, `mcore_to_hf`, `shard_for_tp`), the
+config translation (`transformer_config_kwargs`, `gpt_model_kwargs`) and the fp32 main-grad
+arithmetic (`main_grads_fp32`, `grad_norm_fp32`, `clip_by_total_norm_`, `Fp32Master`) are pure
+and CPU-tested; parallel state, the rank layout and building the actor (weights in, HF names
+out) are CPU-tested on gloo (slow: importing megatron takes ~15 s on 2 cores); a training step
+needs CUDA (megatron's rotary embedding and buffers call torch.cuda).
 """
 
 from __future__ import annotations
@@ -190,8 +195,18 @@ def unshard_tp(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
 
 
 # ---------------------------------------------------------------------------- the actor
-def initialize_parallel_state(mc: MegatronConfig) -> None:
-    """megatron parallel_state for the cell layout (torch.distributed already initialised)."""
+# Megatron's default order "tp-cp-ep-dp-pp" strides pipeline stages across the world (8 ranks,
+# cells of 2, PP 2: stages [0, 4], [1, 5], ...); with "pp" before "dp" a cell's ranks are one
+# contiguous block, Topology.cell_ranks, and each cell / pool engine is one Megatron DP replica.
+MEGATRON_ORDER = "tp-cp-ep-pp-dp"
+
+
+def initialize_parallel_state(mc: MegatronConfig, *, seed: int = 0) -> None:
+    """Megatron parallel_state for the cell layout, then its seeded RNG tracker.
+
+    Collective over the whole world: every `new_group` inside is world-collective, so every
+    rank calls it together, standalone-pool ranks too (gyre.run does, right after
+    `Topology.create_groups`); data-parallel size = world / cell size (pool engines count)."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
@@ -201,7 +216,20 @@ def initialize_parallel_state(mc: MegatronConfig) -> None:
         pipeline_model_parallel_size=mc.pipeline_model_parallel_size,
         context_parallel_size=mc.context_parallel_size,
         expert_model_parallel_size=mc.expert_model_parallel_size,
+        order=MEGATRON_ORDER,
     )
+    seed_rng(seed)
+
+
+def seed_rng(seed: int) -> None:
+    """Megatron's model-parallel RNG states (without them, building the model raises "cuda rng
+    state model-parallel-rng is not added"). On CPU (tests) megatron's CUDA tracker cannot read a
+    CUDA RNG state, so its no-op inference tracker stands in: dropout is 0 and CPU-initialised
+    weights draw from torch's CPU generator, so nothing forks the tracker's states there."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available(),
+                                                    force_reset_rng=True)
 
 
 def has_transformer_engine() -> bool:
@@ -235,12 +263,86 @@ def build_gpt_model(hf_config, mc: MegatronConfig, *, use_cpu_initialization: bo
                     post_process=parallel_state.is_pipeline_last_stage(), **gpt_model_kwargs(hf_config))
 
 
+# ---------------------------------------------------------------------------- fp32 main grads
+# bf16 parameters train with fp32 *main* gradients and an fp32 master copy held by the actor
+# (not Megatron's DDP + mixed-precision optimizer: Gyre reduces gradients over its own prefix
+# groups and only the core owns an optimizer, neither of which Megatron's optimizer models).
+# Reduced gradients are summed in fp32 (`reduce_gradients` stores them as `p.main_grad`, the
+# name Megatron uses); the norm, clip and AdamW run on fp32; the bf16 parameters are rounded
+# from the fp32 masters after every step. Megatron's clip_grads helpers allocate on 'cuda' and
+# assert fp32 CUDA grads, so the norm and clip are these few lines instead.
+def main_grads_fp32(params: list[torch.Tensor], grad_scale: float = 1.0) -> list[torch.Tensor]:
+    """fp32 gradient of each parameter × grad_scale: `main_grad` when reduced, else `.grad`
+    (zeros when it got none). New tensors; the parameters are untouched."""
+    out = []
+    for p in params:
+        g = getattr(p, "main_grad", None)
+        g = p.grad if g is None else g
+        g = torch.zeros(p.shape, dtype=torch.float32, device=p.device) if g is None else g.float().clone()
+        out.append(g.mul_(grad_scale) if grad_scale != 1.0 else g)
+    return out
+
+
+def grad_norm_fp32(grads: list[torch.Tensor], group: Any = None) -> float:
+    """Global L2 norm of fp32 `grads` whose squares are summed over `group` (the model-parallel
+    group: each rank passes only the grads it owns, TP-duplicated ones once). e.g. [3], [4] on
+    two ranks → 5."""
+    device = grads[0].device if grads else torch.device("cpu")
+    sq = torch.zeros(1, dtype=torch.float32, device=device)
+    for g in grads:
+        sq += g.float().pow(2).sum()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sq, group=group)
+    return float(sq.sqrt())
+
+
+def clip_by_total_norm_(grads: list[torch.Tensor], max_norm: float, total_norm: float) -> None:
+    """Scale `grads` in place by max_norm / (total_norm + 1e-6) when that is below 1 (as
+    torch.nn.utils.clip_grad_norm_ and Megatron's clip_grad_by_total_norm_fp32)."""
+    coeff = max_norm / (total_norm + 1e-6)
+    if coeff < 1.0:
+        torch._foreach_mul_(grads, coeff)
+
+
+class Fp32Master:
+    """fp32 master copies of (possibly bf16) parameters and AdamW over them (the core only).
+    For fp32 parameters the masters are the parameters themselves."""
+
+    def __init__(self, params: list[torch.Tensor], optim: CpuActorConfig):
+        self.params = params
+        self.separate = any(p.dtype != torch.float32 for p in params)
+        self.masters = [p.detach().float().clone() for p in params] if self.separate else params
+        self.optimizer = torch.optim.AdamW(self.masters, lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                           weight_decay=optim.weight_decay)
+
+    def step(self, grads: list[torch.Tensor], lr: float) -> None:
+        """One AdamW step with fp32 `grads`, then the parameters take the (rounded) masters."""
+        for m, g in zip(self.masters, grads):
+            m.grad = g
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        with torch.no_grad():
+            self.optimizer.step()
+            for m in self.masters:
+                m.grad = None
+            if self.separate:
+                for p, m in zip(self.params, self.masters):
+                    p.copy_(m)
+
+    def reload(self) -> None:
+        """The parameters were overwritten (import): the masters follow."""
+        if self.separate:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.masters):
+                    m.copy_(p)
+
+
 class MegatronActor:
     """Actor over a megatron GPTModel; same contract as `CpuActor` (see its docstring)."""
 
     def __init__(self, hf_config, hf_state_dict: dict[str, torch.Tensor], *, is_core: bool,
                  config: MegatronConfig | None = None, optim: CpuActorConfig | None = None,
-                 loss: LossConfig | None = None, version: int = 0):
+                 loss: LossConfig | None = None, version: int = 0, seed: int = 0):
         from megatron.core import parallel_state
 
         self.mc = config or MegatronConfig()
@@ -249,8 +351,13 @@ class MegatronActor:
         self.optim = optim or CpuActorConfig()  # AdamW, clip and lr schedule, as the CPU actor's
         self.loss = loss or LossConfig()
         self.hf_config, self.is_core, self.version = hf_config, is_core, version
-        initialize_parallel_state(self.mc)
-        self.model = build_gpt_model(hf_config, self.mc).cuda()
+        initialize_parallel_state(self.mc, seed=seed)  # no-op when gyre.run did it (every rank, at start-up)
+        # the GPU gyre.run bound (torch.cuda.set_device(LOCAL_RANK)); CPU only in CPU tests
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        # every floating tensor in params_dtype, as Megatron's Float16Module casts the model (the
+        # local spec's norms are built in fp32 whatever params_dtype says)
+        dtype = transformer_config_kwargs(hf_config, self.mc)["params_dtype"]
+        self.model = build_gpt_model(hf_config, self.mc, use_cpu_initialization=self.device.type == "cpu").to(self.device, dtype)
         # packed 'thd' attention needs TE; the local spec runs the pack one sequence at a time
         self.packed = has_transformer_engine()
         if not self.packed and self.mc.pipeline_model_parallel_size > 1:
@@ -258,10 +365,11 @@ class MegatronActor:
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.import_parameters(hf_state_dict)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = None
-        if is_core:
-            o = self.optim
-            self.optimizer = torch.optim.AdamW(self._params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        self.master = Fp32Master(self._params, self.optim) if is_core else None
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return None if self.master is None else self.master.optimizer
 
     @property
     def has_optimizer_state(self) -> bool:
@@ -273,7 +381,7 @@ class MegatronActor:
 
         from gyre.loss import gspo_loss
 
-        dev = torch.device("cuda")
+        dev = self.device
         result: dict[str, Any] = {}
         lc = self.loss
 
@@ -327,48 +435,48 @@ class MegatronActor:
     def zero_grad(self) -> None:
         for p in self._params:
             p.grad = None
+            p.main_grad = None
 
     def reduce_gradients(self, group: Any) -> None:
-        """Sum grads over Gyre's prefix group for this intra-cell position (None: alone)."""
+        """Sum grads over Gyre's prefix group for this intra-cell position (None: alone), in
+        fp32 whatever the parameter dtype: the sums land in `p.main_grad` (fp32)."""
         if group is None:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
+        flat = torch.cat([g.reshape(-1) for g in main_grads_fp32(self._params)])
+        dist.all_reduce(flat, group=group)  # CUDA tensor: the NCCL side of "cpu:gloo,cuda:nccl"
         offset = 0
         for p in self._params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            p.grad = None
+            p.main_grad = flat[offset : offset + p.numel()].view(p.shape)
             offset += p.numel()
 
     def optimizer_step(self, max_grad_norm: float | None = None, *, grad_scale: float = 1.0) -> dict[str, float]:
-        """As `CpuActor.optimizer_step`: grads × grad_scale (the |E| correction), clip, AdamW."""
+        """As `CpuActor.optimizer_step`: grads × grad_scale (the |E| correction), clip, AdamW,
+        all in fp32 (see `Fp32Master`); the norm is over the TP × PP shards."""
         from megatron.core import parallel_state
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
         from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 
-        if self.optimizer is None:
+        if self.master is None:
             raise RuntimeError("optimizer_step on a satellite: only the core holds optimizer state")
         clip = self.optim.max_grad_norm if max_grad_norm is None else max_grad_norm
-        for p in self._params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            elif grad_scale != 1.0:
-                p.grad.mul_(grad_scale)
-        # norm over TP × PP shards, TP-duplicated params (norm weights) counted once
-        unique = [p.grad for p in self._params if param_is_not_tensor_parallel_duplicate(p)]
-        norm = get_grad_norm_fp32(unique, grad_stats_parallel_group=parallel_state.get_model_parallel_group())
-        clip_grad_by_total_norm_fp32(self._params, clip, norm)
+        grads = main_grads_fp32(self._params, grad_scale)
+        # TP-duplicated params (norm weights) counted once
+        owned = [g for p, g in zip(self._params, grads) if param_is_not_tensor_parallel_duplicate(p)]
+        norm = grad_norm_fp32(owned, parallel_state.get_model_parallel_group())
+        clip_by_total_norm_(grads, clip, norm)
         lr = self.optim.lr_at(self.version)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        self.master.step(grads, lr)
         self.zero_grad()
         self.version += 1
-        return {"grad_norm": float(norm), "lr": lr, "version": float(self.version)}
+        return {"grad_norm": norm, "lr": lr, "version": float(self.version)}
 
     def export_parameters(self) -> dict[str, torch.Tensor]:
-        """This rank's megatron shards (megatron names), on CPU: what satellites in the same
-        intra-cell position import. `export_hf` gathers full HF tensors for engines."""
+        """Every parameter by HF name, full tensors on CPU (the `Actor` contract: what engines and
+        satellites load) = `export_hf()`. Collective over this rank's TP group."""
+        return self.export_hf()
+
+    def export_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's megatron shards (megatron names), on CPU."""
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
 
     def import_parameters(self, params: dict[str, torch.Tensor]) -> None:
@@ -384,6 +492,8 @@ class MegatronActor:
                 if params[k].shape != t.shape:
                     raise ValueError(f"MegatronActor.import_parameters: {k} is {tuple(params[k].shape)}, expected {tuple(t.shape)}")
                 t.copy_(params[k])
+        if getattr(self, "master", None) is not None:
+            self.master.reload()
 
     def export_hf(self) -> dict[str, torch.Tensor]:
         """Full HF-named tensors (what SGLang engines and checkpoints take): the TP slices are
@@ -393,12 +503,15 @@ class MegatronActor:
 
         if self.mc.pipeline_model_parallel_size > 1:
             raise NotImplementedError("MegatronActor.export_hf: gathering pipeline stages is not built yet")
-        mine = self.export_parameters()
+        mine = self.export_shards()
         shards = [mine]
         if self.mc.tensor_model_parallel_size > 1:
             shards = [None] * self.mc.tensor_model_parallel_size
             dist.all_gather_object(shards, mine, group=parallel_state.get_tensor_model_parallel_group())
-        return mcore_to_hf(unshard_tp(shards), self.hf_config)
+        full = mcore_to_hf(unshard_tp(shards), self.hf_config)
+        if self.hf_config.tie_word_embeddings:  # one tensor, as the HF model's named_parameters()
+            full.pop("lm_head.weight", None)
+        return full
 
     def save_checkpoint(self, path: str) -> None:
         """HF checkpoint (config.json + model.safetensors) written by TP rank 0; collective."""
@@ -410,8 +523,6 @@ class MegatronActor:
 
             os.makedirs(path, exist_ok=True)
             self.hf_config.save_pretrained(path)
-            if self.hf_config.tie_word_embeddings:
-                full.pop("lm_head.weight", None)
             save_file({k: v.contiguous() for k, v in full.items()}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
             if self.optimizer is not None:
                 logger.warning("MegatronActor.save_checkpoint: optimizer state is not saved (weights only)")

@@ -123,3 +123,224 @@ def test_parallel_state_and_gpt_model_on_gloo_take_the_mapped_weights():
     the HF weights bit for bit (importing megatron costs ~15 s)."""
     pytest.importorskip("megatron.core")
     assert run_ranks(_construct, 2, 2, timeout=300) == [(2, 0, True, True), (2, 1, True, True)]
+
+
+# ---------------------------------------------------------------------------- fp32 main grads (pure)
+def test_main_grads_are_fp32_for_bf16_params_and_prefer_the_reduced_ones():
+    from gyre.backends.megatron_actor import main_grads_fp32
+
+    a, b, c = (torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16)) for _ in range(3))
+    a.grad = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
+    b.grad = torch.full((3,), 9.0, dtype=torch.bfloat16)
+    b.main_grad = torch.tensor([0.5, 0.25, 1 / 3], dtype=torch.float32)  # reduced in fp32: wins
+    g = main_grads_fp32([a, b, c], grad_scale=2.0)
+    assert all(x.dtype == torch.float32 for x in g)
+    assert g[0].tolist() == [2.0, 4.0, 6.0] and torch.equal(g[1], b.main_grad * 2) and g[2].tolist() == [0.0] * 3
+    assert a.grad.tolist() == [1.0, 2.0, 3.0]  # untouched
+
+
+def test_grad_norm_and_clip_by_hand():
+    from gyre.backends.megatron_actor import clip_by_total_norm_, grad_norm_fp32
+
+    g = [torch.tensor([3.0]), torch.tensor([0.0, 4.0])]
+    assert grad_norm_fp32(g) == 5.0
+    clip_by_total_norm_(g, 1.0, 5.0)
+    assert torch.allclose(g[0], torch.tensor([0.6]), atol=1e-6) and torch.allclose(g[1], torch.tensor([0.0, 0.8]), atol=1e-6)
+    clip_by_total_norm_(g, 10.0, 1.0)  # under the limit: unchanged
+    assert torch.allclose(g[0], torch.tensor([0.6]), atol=1e-6)
+
+
+def test_fp32_master_keeps_updates_that_bf16_rounds_away():
+    """lr 1e-4 on weights near 1: one AdamW step moves a weight by ~1e-4, below bf16's resolution
+    there (2^-7). The fp32 master steps exactly like fp32 AdamW; the bf16 params are its rounding."""
+    from gyre.backends.config import CpuActorConfig
+    from gyre.backends.megatron_actor import Fp32Master
+
+    opt = CpuActorConfig(lr=1e-4)
+    init = torch.linspace(0.9, 1.1, 8)
+    p = torch.nn.Parameter(init.to(torch.bfloat16))
+    ref = torch.nn.Parameter(init.to(torch.bfloat16).float())
+    ref_opt = torch.optim.AdamW([ref], lr=1e-4, betas=opt.betas, eps=opt.eps, weight_decay=0.0)
+    master = Fp32Master([p], opt)
+    assert master.separate and master.masters[0].dtype == torch.float32
+    for i in range(10):
+        grad = torch.linspace(-1, 1, 8) + i
+        master.step([grad.clone()], 1e-4)
+        ref.grad = grad.clone()
+        ref_opt.step()
+    assert torch.equal(master.masters[0], ref.detach())
+    assert torch.equal(p.detach(), ref.detach().to(torch.bfloat16))
+    moved = (master.masters[0] - init.to(torch.bfloat16).float()).abs()
+    assert moved.max() > 5e-4  # ten steps of ~1e-4 each, kept in fp32
+    # fp32 params: no copy, the optimizer runs on the parameters themselves
+    q = torch.nn.Parameter(torch.ones(2))
+    assert Fp32Master([q], opt).masters[0] is q
+
+
+# ---------------------------------------------------------------------------- the factory
+def _cfg(*flags: str):
+    from gyre.config import parse_config
+
+    return parse_config(list(flags))
+
+
+def test_megatron_is_refused_without_cuda_naming_the_flag(monkeypatch):
+    from gyre.backends import factory
+    from gyre.config import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="--backend.actor megatron: needs CUDA.*use --backend.actor cpu"):
+        factory.check_backends(_cfg("--backend.actor", "megatron"))
+    with pytest.raises(ConfigError, match="--backend.engine sglang: the SGLang engine is not wired"):
+        factory.check_backends(_cfg("--backend.engine", "sglang"))
+    assert factory.runnable(factory.ACTORS) == ["cpu"]
+
+
+def test_megatron_with_cuda_takes_cells_laid_out_by_the_parallel_flags(monkeypatch):
+    from gyre.backends import factory
+    from gyre.config import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = _cfg("--backend.actor", "megatron", "--parallel.cell-size", "4", "--parallel.tp", "2", "--parallel.pp", "2",
+               "--model.dtype", "bfloat16")
+    factory.check_backends(cfg)  # cell_size > 1 is fine with megatron
+    assert factory.megatron_config_of(cfg) == MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                                             params_dtype="bfloat16")
+    assert factory.runnable(factory.ACTORS, cuda=True) == ["cpu", "megatron"]
+    with pytest.raises(ConfigError, match="--backend.engine sglang: the SGLang engine is not wired"):
+        factory.check_backends(_cfg("--backend.engine", "sglang"))
+    with pytest.raises(ConfigError, match="parallel.cell_size = 2: the built-in CPU actor"):
+        factory.check_backends(_cfg("--parallel.cell-size", "2", "--parallel.tp", "2"))
+    with pytest.raises(ConfigError, match="--model.dtype float64"):
+        factory.check_backends(_cfg("--backend.actor", "megatron", "--model.dtype", "float64"))
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "megatron" else real(name, *a))
+    with pytest.raises(ConfigError, match="--backend.actor megatron: megatron-core is not installed"):
+        factory.check_backends(cfg)
+
+
+# ---------------------------------------------------------------------------- on gloo, every rank
+def _ranks_of(group) -> list[int]:
+    import torch.distributed as dist
+
+    return dist.get_process_group_ranks(group)
+
+
+def _layouts_and_actor():
+    """4 gloo ranks. (a) 2 cells of 2, TP 2, bf16: Megatron's TP groups are the cells; every rank
+    builds a MegatronActor on CPU; its export is the HF model by HF name; bf16 grads reduce over
+    the prefix group in fp32; the core's step takes the norm over the TP group, each
+    TP-duplicated weight once. (b) 1 cell of 2 + a pool engine of 2, PP 2: every rank (pool too)
+    initialises parallel state; the pipeline groups are the cell and the pool engine."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from gyre.backends.megatron_actor import MegatronActor, initialize_parallel_state
+    from gyre.config import ParallelConfig
+    from gyre.topology import Topology
+
+    rank = dist.get_rank()
+    out = {}
+    topo = Topology.from_config(ParallelConfig(cell_size=2, tp=2), 4, rank)
+    groups = topo.create_groups()
+    mc = MegatronConfig(tensor_model_parallel_size=2, params_dtype="bfloat16")
+    initialize_parallel_state(mc, seed=0)
+    out["tp_is_cell"] = _ranks_of(ps.get_tensor_model_parallel_group()) == topo.cell_ranks(topo.cell)
+    from megatron.core import tensor_parallel
+
+    with tensor_parallel.get_cuda_rng_tracker().fork():  # unseeded: "cuda rng state model-parallel-rng is not added"
+        out["rng_seeded"] = True
+    hf = tiny_model(seed=0)
+    actor = MegatronActor(hf.config, hf.state_dict(), is_core=topo.is_core, config=mc)
+    hf_names = dict(hf.named_parameters())
+    exported = actor.export_parameters()
+    out["hf_names"] = set(exported) == set(hf_names) == set(hf.state_dict())
+    out["hf_values"] = all(torch.equal(exported[k], v.detach().to(torch.bfloat16)) for k, v in hf_names.items())
+    out["export_dtype"] = {str(v.dtype) for v in exported.values()}
+    for p in actor._params:
+        p.grad = torch.full_like(p, float(topo.cell + 1))  # bf16 grads: cell 0 → 1, cell 1 → 2
+    actor.reduce_gradients(groups.prefix(2))
+    out["main_grads"] = {(str(p.main_grad.dtype), float(p.main_grad.unique()[0])) for p in actor._params}
+    if topo.is_core:
+        before = [p.detach().float().clone() for p in actor._params]
+        stats = actor.optimizer_step(max_grad_norm=1e9)
+        numel = sum(v.numel() for v in hf_names.values())
+        out["norm_ok"] = abs(stats["grad_norm"] - 3.0 * numel ** 0.5) < 1e-3 * stats["grad_norm"]
+        # a first AdamW step moves each weight by lr = 1e-4: the fp32 masters keep it, and the
+        # bf16 parameters are the masters rounded (mostly unchanged at this step size)
+        masters = actor.master.masters
+        out["moved"] = (all(not torch.equal(m, b) for m, b in zip(masters, before))
+                        and all(torch.equal(p.detach(), m.to(p.dtype)) for p, m in zip(actor._params, masters)))
+        out["version"] = actor.version
+    ps.destroy_model_parallel()
+
+    topo = Topology.from_config(ParallelConfig(cell_size=2, pp=2, standalone_ranks=2), 4, rank)
+    topo.create_groups()
+    initialize_parallel_state(MegatronConfig(pipeline_model_parallel_size=2), seed=0)
+    mine = topo.cell_ranks(topo.cell) if not topo.is_pool else topo.pool_engine_ranks(0)
+    out["pp_is_cell"] = _ranks_of(ps.get_pipeline_model_parallel_group()) == mine
+    out["first_stage"] = ps.is_pipeline_first_stage() == (topo.position == 0)
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_every_rank_initialises_megatron_with_cells_contiguous_and_the_actor_trains_on_gloo():
+    pytest.importorskip("megatron.core")
+    out = run_ranks(_layouts_and_actor, 4, timeout=600)
+    common = dict(tp_is_cell=True, rng_seeded=True, hf_names=True, hf_values=True, export_dtype={"torch.bfloat16"},
+                  main_grads={("torch.float32", 3.0)}, pp_is_cell=True, first_stage=True)
+    for r in range(4):
+        assert {k: out[r][k] for k in common} == common, (r, out[r])
+    for r in (0, 1):
+        assert (out[r]["norm_ok"], out[r]["moved"], out[r]["version"]) == (True, True, 1), out[r]
+
+
+def _forward_backward_matches_hf():
+    """TP=2 on 2 gloo ranks: Megatron's GPTModel, built by MegatronActor from HF weights, gives
+    the HF model's logits (its vocab shard) and, through vocab_parallel_cross_entropy, the HF
+    gradients mapped by hf_to_mcore/shard_for_tp. Two CPU shims stand in for hard CUDA calls
+    megatron 0.16.1 makes in the forward (rotary: torch.cuda.current_device(); the default causal
+    mask: device='cuda'), which is why this calls the model directly instead of the actor's
+    forward_backward (its pipeline schedule allocates on 'cuda' too)."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from gyre.backends.megatron_actor import MegatronActor
+
+    torch.cuda.current_device = lambda: "cpu"  # shim (this spawned rank only)
+    mc = MegatronConfig(tensor_model_parallel_size=2, params_dtype="float32")
+    hf = tiny_model(seed=0)
+    actor = MegatronActor(hf.config, hf.state_dict(), is_core=True, config=mc)
+    tp = ps.get_tensor_model_parallel_rank()
+    g = torch.Generator().manual_seed(5)
+    n = 12
+    ids = torch.randint(0, hf.config.vocab_size, (1, n), generator=g)
+    target = torch.randint(0, hf.config.vocab_size, (1, n), generator=g)
+    mask = torch.triu(torch.ones(n, n), diagonal=1).bool()[None, None]
+    logits = actor.model(ids, torch.arange(n)[None], mask)  # [1, n, V/2]
+    ref = hf(ids).logits
+    logits_err = float((logits - ref.chunk(2, dim=-1)[tp]).abs().max())  # before the CE: it works in place
+    (-vocab_parallel_cross_entropy(logits.float(), target)).sum().backward()
+    torch.log_softmax(ref.float(), -1).gather(-1, target[..., None]).sum().backward()
+    want = shard_for_tp(hf_to_mcore({k: p.grad for k, p in hf.named_parameters()}, hf.config), tp, 2)
+    got = {k: p.grad for k, p in actor.model.named_parameters()}
+    grad_err = max(float((got[k] - want[k]).abs().max()) for k in got)
+    ps.destroy_model_parallel()
+    return logits_err < 1e-4, grad_err < 1e-4, sorted(got) == sorted(want)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_megatron_forward_and_backward_match_hf_on_cpu_with_tp2():
+    pytest.importorskip("megatron.core")
+    assert run_ranks(_forward_backward_matches_hf, 2, timeout=300) == [(True, True, True)] * 2

@@ -1,0 +1,157 @@
+"""Each rank's device and torch.distributed backend (gyre.run.device_and_backend, bind_device).
+
+With CUDA: the rank's own GPU (LOCAL_RANK) and "cpu:gloo,cuda:nccl", so CPU tensors keep going
+over gloo. Checked here on CPU: the pure decision for a CUDA-visible machine, the binding with
+torch.cuda monkeypatched, and real gloo ranks on a multi-backend string ("cpu:gloo": a CPU torch
+has no NCCL, so "cpu:gloo,cuda:nccl" itself only initialises on a CUDA build) through every code
+path that moves CPU tensors over the topology's groups.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gyre.config import ConfigError
+from gyre.run import bind_device, device_and_backend
+from tests.distributed import run_ranks
+
+MULTI = "cpu:gloo,cuda:nccl"
+
+
+@pytest.mark.parametrize("requested, local_rank, expected", [
+    ("auto", 0, (torch.device("cuda", 0), MULTI)),
+    ("auto", 7, (torch.device("cuda", 7), MULTI)),
+    ("nccl", 3, (torch.device("cuda", 3), MULTI)),  # never plain nccl: CPU tensors cross every group
+    ("gloo", 5, (torch.device("cuda", 5), "gloo")),  # the override: gloo for everything, GPU still bound
+])
+def test_cuda_machine_binds_local_rank_and_splits_backends(requested, local_rank, expected):
+    assert device_and_backend(True, 8, local_rank, requested) == expected
+
+
+@pytest.mark.parametrize("requested", ["auto", "gloo"])
+def test_cpu_machine_is_gloo_on_cpu(requested):
+    assert device_and_backend(False, 0, 3, requested) == (torch.device("cpu"), "gloo")
+
+
+def test_refusals_name_the_flag_or_the_launcher_setting():
+    with pytest.raises(ConfigError, match="--parallel.backend nccl: CUDA is not available"):
+        device_and_backend(False, 0, 0, "nccl")
+    with pytest.raises(ConfigError, match="LOCAL_RANK 2: only 2 CUDA devices.*--nproc-per-node"):
+        device_and_backend(True, 2, 2, "auto")
+    with pytest.raises(ConfigError, match="--parallel.backend 'mpi'"):
+        device_and_backend(True, 2, 0, "mpi")
+
+
+def test_bind_device_sets_the_local_gpu(monkeypatch):
+    bound = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert bind_device("auto") == MULTI
+    assert bound == [torch.device("cuda", 2)]
+
+
+def test_bind_device_on_cpu_binds_nothing(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail(f"set_device({d}) on a CPU machine"))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert bind_device("auto") == "gloo"
+
+
+def _cpu_tensors_over_multibackend_groups():
+    """4 ranks, cell_size 1: init on a multi-backend string, then every code path of gyre that
+    moves CPU tensors over the topology's groups."""
+    import logging
+
+    import torch.distributed as dist
+
+    from gyre.backends.cpu_actor import CpuActor
+    from gyre.backends.transfer import TorchDistTransport
+    from gyre.config import ParallelConfig
+    from gyre.loss.prepass import allreduce_exec_logratio_sums
+    from gyre.run import smoke_check
+    from gyre.topology import Topology
+    from tests.backends.helpers import tiny_model
+
+    logging.disable(logging.WARNING)
+    dist.init_process_group("cpu:gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topo = Topology.from_config(ParallelConfig(cell_size=1), world, rank)
+    groups = topo.create_groups()
+    backends = {dist.get_backend(), dist.get_backend(groups.prefix(4)), dist.get_backend(groups.cells[rank])}
+    control_is_world = groups.control is dist.group.WORLD
+    smoke_check(topo, groups)  # raises on a wrong sum
+    g = groups.prefix(4)
+    sums = allreduce_exec_logratio_sums(torch.tensor([float(rank)], dtype=torch.float64), g)
+    actor = CpuActor(tiny_model(seed=0), is_core=rank == 0)
+    for p in actor.model.parameters():
+        p.grad = torch.full_like(p, float(rank + 1))
+    actor.reduce_gradients(g)
+    grads_ok = all(torch.equal(p.grad, torch.full_like(p, 10.0)) for p in actor.model.parameters())
+    params = TorchDistTransport(g, src=0).share(actor.export_parameters() if rank == 0 else None)
+    same = all(torch.equal(params[k], v) for k, v in CpuActor(tiny_model(seed=0), is_core=False).export_parameters().items())
+    dist.barrier(group=groups.control)
+    dist.destroy_process_group()
+    return sorted(backends), control_is_world, float(sums[0]), grads_ok, same
+
+
+@pytest.mark.multirank
+def test_cpu_tensors_cross_groups_of_a_multibackend_default():
+    """The default group and every prefix group carry the default's backend string, and the
+    smoke check, the loss pre-pass all-reduce, CpuActor.reduce_gradients and TorchDistTransport
+    move their CPU tensors over it (on CUDA the same string adds ',cuda:nccl' for CUDA tensors)."""
+    out = run_ranks(_cpu_tensors_over_multibackend_groups, 4, init=False, timeout=180)
+    assert out == [(["cpu:gloo"], True, 6.0, True, True)] * 4
+
+
+# ---------------------------------------------------------------------------- setup.py: CUDA build or not
+def _setup_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "setup.py"
+    spec = importlib.util.spec_from_file_location("gyre_setup_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # not __main__: defines the functions, runs no setup()
+    return module
+
+
+def test_setup_builds_cuda_only_with_a_cuda_torch_and_a_toolkit():
+    plan = _setup_module().cuda_build_plan
+    assert plan(True, "13.0", "/usr/local/cuda", {}) is None
+    assert plan(True, None, "/usr/local/cuda", {}) == "torch is a CPU build"
+    assert plan(True, "13.0", None, {}) == "no CUDA toolkit found (CUDA_HOME)"
+    assert plan(True, "13.0", "/usr/local/cuda", {"GYRE_NO_CUDA": "1"}) == "GYRE_NO_CUDA=1"
+    assert plan(False, "13.0", "/usr/local/cuda", {}) == "no CUDA sources"
+
+
+def test_a_failed_cuda_build_falls_back_to_the_cpu_extension_with_a_warning():
+    fallback = _setup_module().build_with_fallback
+    built, warned = [], []
+
+    def build(exts):
+        if "cuda" in exts:
+            raise RuntimeError("The detected CUDA version (12.8) mismatches the version that was used to compile PyTorch (13.0)")
+        built.append(exts)
+
+    assert fallback(build, ["cuda"], ["cpu"], warned.append) == ["cpu"]
+    assert built == [["cpu"]] and "CUDA build of gyre._C failed" in warned[0] and "mismatches" in warned[0]
+    assert fallback(build, ["cpu"], None, warned.append) == ["cpu"] and len(warned) == 1  # no failure, no warning
+    with pytest.raises(RuntimeError, match="mismatches"):  # a CPU-only build that fails still fails
+        fallback(build, ["cuda"], None, warned.append)
+
+
+def test_setup_pins_the_gpu_stack_and_leaves_torch_to_the_machine():
+    import ast
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    module = _setup_module()
+    assert module.TORCH == "torch>=2.6"
+    gpu = next(n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Dict)
+               and any(isinstance(k, ast.Constant) and k.value == "gpu" for k in n.keys))
+    extras = ast.literal_eval(gpu)
+    assert extras["gpu"] == ["sglang==0.5.23", "megatron-core==0.16.1", "mooncake-transfer-engine-non-cuda==0.3.13.post1"]
+    assert "torch==" not in text.split("install_requires", 1)[1].split("]", 1)[0]
