@@ -128,3 +128,31 @@ def test_health_without_auth_says_only_ok(make_server):
     k = proxy.issue_key("a")
     assert "secret-engine" in httpx.get(h.url + "/health", headers={"Authorization": f"Bearer {k}"}).json()["engines"]
     assert "secret-engine" in httpx.get(h.url + "/health", headers={"Authorization": "Bearer adm"}).json()["engines"]
+
+
+def test_a_call_costs_one_more_rate_unit_per_body_bytes_per_call():
+    """Admission charges 1 + ⌊bytes / body_bytes_per_call⌋ units of the execution's bucket (2 × rate),
+    capped at the bucket, so huge bodies are slowed per execution and never starve the others."""
+    import asyncio
+
+    import pytest
+
+    from gyre.proxy import Proxy
+    from gyre.proxy.core import ApiError
+
+    proxy = Proxy(ProxyConfig(calls_per_second_per_key=1.0, max_calls_per_key=0, body_bytes_per_call=1000))
+    a, b = (proxy.keys.lookup(proxy.issue_key(e)) for e in ("a", "b"))
+
+    async def admit(key, nbytes):
+        with proxy.admit(key, nbytes):
+            pass
+
+    asyncio.run(admit(a, 999))  # 1 unit of 2
+    with pytest.raises(ApiError) as e:
+        asyncio.run(admit(a, 1000))  # 2 units, 1 left
+    assert e.value.status == 429 and e.value.retry_after >= 1.0
+    asyncio.run(admit(b, 10**9))  # another execution: its own bucket; a body past the bucket costs the whole bucket
+    with pytest.raises(ApiError):
+        asyncio.run(admit(b, 0))
+    proxy.executions["b"].bucket_t -= 2.0  # two seconds later the bucket is full again
+    asyncio.run(admit(b, 10**9))
