@@ -42,7 +42,9 @@ class ParallelConfig:
     standalone_ranks: int = 0
     """R: the last R ranks form a standalone rollout pool that never trains (multiple of cell_size)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend: auto = nccl when CUDA is available, else gloo."""
+    """torch.distributed backend. auto: with CUDA, each rank binds cuda:LOCAL_RANK and uses
+    'cpu:gloo,cuda:nccl' (CPU tensors over gloo, CUDA tensors over NCCL), else gloo; nccl: the same
+    multi-backend string, refused without CUDA; gloo: gloo for everything (a control run)."""
 
 
 @dataclass(kw_only=True)
