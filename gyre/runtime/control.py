@@ -19,6 +19,8 @@ silent.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import io
 import logging
 import pickle
@@ -37,6 +39,71 @@ def default_store() -> Any:
     import torch.distributed as dist
 
     return dist.PrefixStore("gyre/", dist.distributed_c10d._get_default_store())
+
+
+class TamperedStore(RuntimeError):
+    """A store value that is not signed with this run's secret: another process wrote into the run's
+    store (torchrun's TCPStore has no authentication). The run stops rather than trust it."""
+
+
+class SignedStore:
+    """torchrun's store with every value Gyre writes signed and every value it reads checked.
+
+    torchrun's rendezvous store has no authentication: a process on the same host that finds its
+    port (in a rank's environment) can read and write any key. Gyre's control traffic lives there:
+    mailboxes and blobs are unpickled (a forged one would run code in the trainer), engine URLs
+    tell the proxy where to send model calls, version pointers tell ranks which weights to load.
+    So each value carries HMAC-SHA256(secret, key ∥ value), with the run's secret broadcast over
+    the job's gloo group (`gyre.backends.engine_host.share_secret`), never through the store; a read
+    whose tag does not match raises `TamperedStore` before anything is unpickled or trusted. What
+    this does not stop: replaying a value captured from the same key earlier in the run, and
+    deleting keys or queue entries (a denial of service) — keep harnesses off the store's port
+    (`--executions.runner.sandbox bwrap`, network only to the proxy) for that.
+    """
+
+    _TAG = 32  # bytes of HMAC-SHA256
+
+    def __init__(self, store: Any, secret: str | bytes) -> None:
+        self.inner = store
+        self._secret = secret.encode() if isinstance(secret, str) else bytes(secret)
+
+    def _tag(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self._secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def _seal(self, key: str, value: str | bytes) -> bytes:
+        v = value.encode() if isinstance(value, str) else bytes(value)
+        return self._tag(key, v) + v
+
+    def _open(self, key: str, data: bytes) -> bytes:
+        tag, value = data[: self._TAG], data[self._TAG :]
+        if len(data) < self._TAG or not hmac.compare_digest(tag, self._tag(key, value)):
+            raise TamperedStore(f"store value {key!r} is not signed with this run's secret: another process wrote "
+                                f"into the run's store (run harnesses with --executions.runner.sandbox bwrap)")
+        return value
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.inner.set(key, self._seal(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._open(key, self.inner.get(key))
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        self.inner.queue_push(key, self._seal(key, value))
+
+    def queue_pop(self, key: str) -> bytes:
+        return self._open(key, self.inner.queue_pop(key))
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def queue_len(self, key: str) -> int:
+        return self.inner.queue_len(key)
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def clone(self) -> "SignedStore":
+        return SignedStore(self.inner.clone(), self._secret)
 
 
 class ControlPlane:

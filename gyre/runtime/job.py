@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from gyre.backends import factory
 from gyre.backends.protocols import WeightTransport
-from gyre.runtime.control import CONTROLLER, ControlPlane, default_store
+from gyre.runtime.control import CONTROLLER, ControlPlane, SignedStore, default_store
 from gyre.errors import RunStopped, WorkerFailed
 from gyre.runtime.messages import Failed
 from gyre.topology import Groups, Topology
@@ -34,20 +34,25 @@ logger = logging.getLogger(__name__)
 
 
 def train(cfg: Any, topo: Topology, groups: Groups) -> None:
+    from gyre.backends.engine_host import share_secret
+
     factory.set_threads(cfg)  # once per process, before the engine or actor is built
-    store = default_store()
+    # blocking: rank 0 draws the run's secret and broadcasts it (over gloo, never the store); it
+    # signs every store value (SignedStore) and authenticates the engines (engine_http)
+    secret = share_secret(groups.control, src=0)
+    store = SignedStore(default_store(), secret)
     weights = factory.build_transport(cfg, topo, store)  # blocking (torch): every rank creates its group
     try:
-        _train(cfg, topo, groups, store, weights)
+        _train(cfg, topo, groups, store, weights, secret)
     finally:
         weights.close()  # the torch transport's server thread stops here, on success and failure alike
         _write_transport_stats(Path(cfg.run_dir), topo.rank, weights)
 
 
-def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: WeightTransport) -> None:
+def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: WeightTransport, engine_secret: str) -> None:
     from gyre.backends.tokenizer import ENDOFTEXT, IM_END, load_tokenizer
     from gyre.runtime.controller import Controller
-    from gyre.backends.engine_host import EngineHost, bind_address, share_secret
+    from gyre.backends.engine_host import EngineHost, bind_address
     from gyre.runtime.worker import CellWorker
 
     control = ControlPlane(store, topo.rank)
@@ -60,8 +65,6 @@ def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: Weight
         core_actor, model_cfg = factory.build_core_actor(cfg, len(tokenizer), ckpt_dir)
         weights.post(core_actor.version, core_actor.export_parameters(), published=True)
     dist.barrier(group=groups.control)  # blocking: the prepared data and the starting snapshot are there
-    # blocking: rank 0 draws the run's engine secret and broadcasts it (over gloo, not the store)
-    engine_secret = share_secret(groups.control, src=0)
     if core_actor is None:  # after the barrier: --model.checkpoint may be what rank 0 just prepared
         model_cfg = factory.model_config_of(cfg, len(tokenizer))
 
