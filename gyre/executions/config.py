@@ -69,15 +69,15 @@ class RunnerConfig:
     remote_root: str = "/tmp/gyre-sandbox"
     """Directory on each sandbox host holding the remote workspaces (remote mode only)."""
 
-    sandbox: Literal["auto", "none", "bwrap", "unshare", "container"] = "none"
+    sandbox: Literal["auto", "none", "bwrap", "unshare", "container"] = "auto"
     """How each harness is isolated (gyre.executions.sandbox). `bwrap`: bubblewrap namespaces; the
     harness sees its execution directory read-write, the system and Python read-only, nothing of
     the repository or other executions, and only the proxy on the network; its processes die with
     it. `unshare`: pid/net namespaces only, the filesystem is shared. `container`: `container_cli
     run` of `container_image`. `none`: no isolation ("harness not isolated"). `auto`: bwrap when
     it works here, else none with a warning. Ignored with `sandbox_hosts` (isolate those hosts).
-    The default stays `none` while the examples' harnesses read files beside their scripts (Claude
-    Code's settings.json, its stand-in binary): with bwrap they need `sandbox_ro_paths`."""
+    A harness that reads files beside its script, or a CLI installed outside /usr, names them in
+    `sandbox_ro_paths` (examples/claude_code does)."""
 
     sandbox_network: Literal["proxy", "host"] = "proxy"
     """`proxy`: the sandboxed harness has its own network namespace and reaches only the proxy

@@ -99,8 +99,10 @@ def test_real_claude_code_writes_the_answer_through_the_proxy(tmp_path):
     try:
         task = Task.from_json(make_tasks(1)[0] | {"timeout_s": 240, "harness": ["{python}", str(EXAMPLE / "run_claude.py"),
                                                                                  "--max-turns", "4", "--max-output-tokens", "512"]})
+        cli_dir = str(Path(CLAUDE).resolve().parent)  # outside /usr: the sandbox must be told about it
         runner = HarnessRunner(RunnerConfig(run_dir=str(tmp_path / "runs"), timeout_s=240, home="per_execution",
-                                            env={"GYRE_CLAUDE_BIN": CLAUDE}),
+                                            env={"GYRE_CLAUDE_BIN": CLAUDE},
+                                            sandbox_ro_paths=[str(EXAMPLE / "settings.json"), cli_dir]),
                                Evaluator(EvaluatorConfig()), GyreProxyAccess(proxy, handle.url))
 
         async def main():

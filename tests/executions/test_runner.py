@@ -24,6 +24,9 @@ def run(coro):
 
 def make_runner(tmp_path: Path, **kw) -> HarnessRunner:
     ev_kw = kw.pop("evaluator_cfg", {})
+    # These tests watch the harness from outside (pid files and stamps beside its workspace), which a
+    # sandbox forbids on purpose; the unisolated path is what they test (isolation: tests/security).
+    kw.setdefault("sandbox", "none")
     cfg = RunnerConfig(run_dir=str(tmp_path / "runs"), kill_grace_s=kw.pop("kill_grace_s", 0.5), **kw)
     return HarnessRunner(cfg, Evaluator(EvaluatorConfig(retry_backoff_s=0.0, timeout_s=10, **ev_kw)))
 
@@ -189,7 +192,7 @@ def test_counters_under_concurrency(tmp_path):
     stamps = tmp_path / "stamps"
     stamps.mkdir()
     events = []
-    cfg = RunnerConfig(run_dir=str(tmp_path / "runs"), max_concurrency=3)
+    cfg = RunnerConfig(run_dir=str(tmp_path / "runs"), max_concurrency=3, sandbox="none")  # stamps outside the workspace
     runner = HarnessRunner(cfg, Evaluator(EvaluatorConfig(retry_backoff_s=0)), on_event=events.append)
     durations = [0.05, 0.4, 0.1, 0.3, 0.05, 0.2, 0.15, 0.05, 0.35, 0.1, 0.25, 0.05]
 

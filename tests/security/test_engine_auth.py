@@ -240,7 +240,10 @@ def test_a_job_trains_with_auth_on_and_a_hostile_harness_is_refused(tmp_path):
            "--scheduler.mode", "async", "--scheduler.async-train-cells", "1", "--scheduler.n-per-group", "2",
            "--scheduler.batch-groups", "2", "--scheduler.mu", str(steps), "--scheduler.phi", "0.5",
            "--scheduler.tick-s", "0.1", "--train.steps", str(steps), "--train.max-tokens", "512",
-           "--train.drain-at-end-s", "5", "--proxy.host", "0.0.0.0"]  # one node: engines bind loopback anyway
+           "--train.drain-at-end-s", "5", "--proxy.host", "0.0.0.0",  # one node: engines bind loopback anyway
+           # the worst case for the engines: a harness outside any sandbox (a sandboxed one cannot
+           # even reach them: tests/security/test_sandbox.py)
+           "--executions.runner.sandbox", "none"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     log, urls = [], []
