@@ -283,8 +283,14 @@ def bwrap_argv(*, exec_dir: Path, ws: Path, inner: list[str], ro_paths: list[str
     for name in _ETC:
         a += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
     a += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
+    bound: list[str] = []
     for p in [*python_paths(), *ro_paths]:
+        # a path inside a directory bound already is visible: binding it again would need a mount
+        # point inside a read-only bind (a virtualenv's bin/python under the bound venv/bin)
+        if any(p == d or p.startswith(d.rstrip("/") + "/") for d in bound):
+            continue
         a += ["--ro-bind-try", p, p]
+        bound.append(p)
     a += ["--bind", str(exec_dir), str(exec_dir)]
     if socket is not None:
         a += ["--bind", socket, SOCKET_IN_SANDBOX]

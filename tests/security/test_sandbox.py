@@ -436,3 +436,37 @@ def test_sandboxed_launch_failure_and_signal_death_read_as_without_a_sandbox(tmp
     crash, nolaunch = _run(runner, ExecutionSpec("sig", _task("t", probe), "g"), ExecutionSpec("missing", missing, "g"))
     assert crash.outcome is Outcome.CRASHED and crash.exit_code == -11
     assert nolaunch.outcome is Outcome.LAUNCH_FAILED and "not found" in nolaunch.error
+
+
+VENV_RUN = """
+import asyncio, sys
+from pathlib import Path
+from gyre.executions.config import EvaluatorConfig, RunnerConfig
+from gyre.executions.evaluator import Evaluator
+from gyre.executions.runner import HarnessRunner
+from gyre.executions.tasks import ExecutionSpec, Task
+tmp = Path(sys.argv[1])
+(tmp / "h.py").write_text("open('answer.txt', 'w').write('ok')\\n")
+task = Task.from_json({"task_id": "t", "instruction": "x", "harness": ["{python}", str(tmp / "h.py")],
+                       "evaluator": {"command": ["grep", "-c", "ok", "answer.txt"]}})
+runner = HarnessRunner(RunnerConfig(run_dir=str(tmp / "runs"), sandbox="bwrap"), Evaluator(EvaluatorConfig()))
+async def main():
+    return await runner.dispatch(ExecutionSpec("e0", task, "g"))
+res = asyncio.run(main())
+print("OUTCOME", res.outcome.value, (res.exec_dir / "stderr.log").read_text()[-300:])
+"""
+
+
+@needs_bwrap
+def test_a_harness_runs_sandboxed_from_a_virtualenv_under_tmp(tmp_path):
+    """README command 1 in a fresh virtualenv (what CI does): `{python}` is the venv's bin/python, a
+    symlink under /tmp, inside a directory the sandbox binds already. Binding the file again needed
+    a mount point inside a read-only bind, and every harness crashed at launch."""
+    import subprocess
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    root = str(Path(__file__).resolve().parents[2])
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", VENV_RUN, str(tmp_path)], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert "OUTCOME completed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
