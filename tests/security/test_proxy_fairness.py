@@ -5,7 +5,6 @@ decoded and tokenized on the event loop (30.9 s to refuse, other executions wait
 per-key limits; deeply nested JSON gave a 500; /health listed the engines to anyone.
 """
 
-import json
 import threading
 import time
 
@@ -32,22 +31,28 @@ def _small_latencies(url, key, stop: threading.Event, out: list):
         time.sleep(0.01)
 
 
-def test_huge_prompt_refused_at_once_while_others_are_served(make_server):
-    proxy, h = make_server([(DeterministicEngine("e"), "cell", 0)], ProxyConfig(calls_per_second_per_key=0))
-    ka, kb = proxy.issue_key("hostile"), proxy.issue_key("victim")
-    big = {**SMALL, "messages": [{"role": "user", "content": "word " * ((8 << 20) // 5)}]}  # 8 MB of text
+def _while_another_calls(url, key, call):
+    """Run `call()` while another execution (`key`) makes small calls in a loop: (its result, its
+    seconds, the other's (latency, status) list)."""
     lat: list = []
     stop = threading.Event()
-    t = threading.Thread(target=_small_latencies, args=(h.url, kb, stop, lat))
+    t = threading.Thread(target=_small_latencies, args=(url, key, stop, lat))
     t.start()
     try:
         time.sleep(0.2)
         t0 = time.perf_counter()
-        r = _post(h.url, ka, big)
-        refused_s = time.perf_counter() - t0
+        r = call()
+        return r, time.perf_counter() - t0, lat
     finally:
         stop.set()
         t.join()
+
+
+def test_huge_prompt_refused_at_once_while_others_are_served(make_server):
+    proxy, h = make_server([(DeterministicEngine("e"), "cell", 0)], ProxyConfig(calls_per_second_per_key=0))
+    ka, kb = proxy.issue_key("hostile"), proxy.issue_key("victim")
+    big = {**SMALL, "messages": [{"role": "user", "content": "word " * ((8 << 20) // 5)}]}  # 8 MB of text
+    r, refused_s, lat = _while_another_calls(h.url, kb, lambda: _post(h.url, ka, big))
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
     assert refused_s < 1.0, refused_s
     assert lat and all(s == 200 for _, s in lat)
@@ -61,18 +66,7 @@ def test_tokenizing_runs_off_the_event_loop(make_server):
     ka, kb = proxy.issue_key("hostile"), proxy.issue_key("victim")
     n_chars = proxy.config.max_context_tokens * proxy.renderer.max_token_chars - 1000
     text = "".join(f"{i:x} " for i in range(n_chars // 6))[:n_chars]
-    lat: list = []
-    stop = threading.Event()
-    t = threading.Thread(target=_small_latencies, args=(h.url, kb, stop, lat))
-    t.start()
-    try:
-        time.sleep(0.2)
-        t0 = time.perf_counter()
-        r = _post(h.url, ka, {**SMALL, "messages": [{"role": "user", "content": text}]})
-        slow_s = time.perf_counter() - t0
-    finally:
-        stop.set()
-        t.join()
+    r, slow_s, lat = _while_another_calls(h.url, kb, lambda: _post(h.url, ka, {**SMALL, "messages": [{"role": "user", "content": text}]}))
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     during = [x for x, _ in lat]
     assert len(during) >= 3, (slow_s, during)  # the victim kept being served while A was tokenized
