@@ -130,4 +130,9 @@ class ProxyConfig:
     close_wait_s: float = 2.0
     """`aclose_execution` (the admin DELETE) lets in-flight calls finish this long, then aborts
     them (recorded `abort`) before sealing the execution's record."""
+    engine_progress_timeout_s: float = 300.0
+    """A call whose engine sends no token for this long (a frozen rank, a hung driver) continues on
+    another engine from the tokens it has, as after a drain, and the silent engine gets no new
+    calls until it answers a health check; 0 waits forever. Longer than the slowest honest first
+    token (a long prompt's prefill on a busy engine, a weight load)."""
     roles: RoleRulesConfig = field(default_factory=RoleRulesConfig)

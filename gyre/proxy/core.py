@@ -392,7 +392,8 @@ class Proxy:
         self.renderer = ChatRenderer(self.tokenizer, cache_chars=c.encode_cache_chars, splice=c.splice)
         self.token_table = token_bytes(self.tokenizer)
         self.eos_ids = frozenset(self.tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT]))
-        self.router = router or Router(affinity_slack=c.affinity_slack, max_reroutes=c.max_reroutes, engine_wait_s=c.engine_wait_s)
+        self.router = router or Router(affinity_slack=c.affinity_slack, max_reroutes=c.max_reroutes, engine_wait_s=c.engine_wait_s,
+                                       progress_timeout_s=c.engine_progress_timeout_s)
         self.sink = sink if sink is not None else MemorySink()
         self.keys = KeyRegistry()
         self.classifier = RoleClassifier(c.roles)

@@ -16,6 +16,14 @@ passed over for `failure_cooldown_s` while another is in rollout, and a call who
 record with finish `error`), so a dead engine costs each call a few quick tries, not
 `max_reroutes` of them.
 
+Gray failures (a frozen rank: SIGSTOP, a hung driver; its socket still accepts): a call whose
+engine sends no token for `progress_timeout_s` is treated like a drained one, it continues
+elsewhere from the tokens it has. The silent engine is marked *stalled*: it gets no new calls
+while a health check (`RolloutEngine.health`, every `health_interval_s`, each under the same
+limit) goes unanswered, and is used again as soon as one is answered. Each of its calls moves
+on within `progress_timeout_s` of its last token, so a frozen engine costs a call at most that
+long, never the harness's own timeout.
+
 Engine slot lifecycle (`SlotState`):
     ACTIVE   --drain()-->   DRAINING  (no new calls; in-flight calls being moved)
     DRAINING --(empty)-->   DRAINED
@@ -58,6 +66,10 @@ class NoEngineError(RuntimeError):
     """No engine in rollout within the wait limit."""
 
 
+class EngineStalled(RuntimeError):
+    """The engine sent no token for the progress limit (a frozen rank)."""
+
+
 @dataclass(eq=False)
 class _Running:
     """One engine request of a routed call (a call has one per engine it ran on)."""
@@ -77,6 +89,7 @@ class EngineSlot:
     inflight: dict[str, _Running] = field(default_factory=dict)
     served: int = 0
     failed_at: float = float("-inf")  # loop time of the engine's last failure (see the cooldown)
+    stalled: bool = False  # sent no token for the progress limit; no new calls until a health check answers
 
     def set_state(self, new: SlotState) -> None:
         if (self.state, new) not in _TRANSITIONS:
@@ -115,19 +128,23 @@ def call_finished(events: list[TokenEvent], sampling: SamplingParams, eos_ids: f
 
 class Router:
     def __init__(self, *, affinity_slack: int = 2, max_reroutes: int = 16, engine_wait_s: float = 600.0,
-                 failure_backoff_s: float = 0.05, failure_cooldown_s: float = 5.0, max_failures: int = 3) -> None:
+                 failure_backoff_s: float = 0.05, failure_cooldown_s: float = 5.0, max_failures: int = 3,
+                 progress_timeout_s: float = 0.0, health_interval_s: float = 5.0) -> None:
         self.affinity_slack = affinity_slack
         self.max_reroutes = max_reroutes
         self.engine_wait_s = engine_wait_s
         self.failure_backoff_s = failure_backoff_s
         self.failure_cooldown_s = failure_cooldown_s
         self.max_failures = max_failures
+        self.progress_timeout_s = progress_timeout_s  # 0: no limit
+        self.health_interval_s = health_interval_s
         self.slots: dict[str, EngineSlot] = {}
         self._affinity: dict[str, str] = {}
         self._changed: asyncio.Condition | None = None
         self._background: set[asyncio.Task] = set()
         self.reroutes = 0
         self.engine_failures = 0
+        self.stalls = 0  # calls moved off an engine that sent no token for progress_timeout_s
         self.closed = False
 
     async def close(self) -> None:
@@ -220,7 +237,7 @@ class Router:
 
     # ---- selection --------------------------------------------------------------------------
     def _pick(self, execution_id: str, rerouting: bool) -> EngineSlot | None:
-        active = [s for s in self.slots.values() if s.state is SlotState.ACTIVE]
+        active = [s for s in self.slots.values() if s.state is SlotState.ACTIVE and not s.stalled]
         if not active:
             return None
         if any(s.failed_at > float("-inf") for s in active):  # pass over engines that just failed
@@ -298,7 +315,12 @@ class Router:
                 stream = slot.engine.generate(running.request_id, prompt, sp)
                 try:
                     finished = False
-                    async for ev in stream:
+                    while True:
+                        try:
+                            ev = await self._next_token(stream, slot, call_key, len(events))
+                        except StopAsyncIteration:
+                            done = True
+                            break
                         if finished:
                             break  # the engine went past the end of the call: stop it (below)
                         events.append(ev)
@@ -307,8 +329,6 @@ class Router:
                         # Keep reading to the stream's own end rather than breaking here: an HTTP
                         # engine's connection can then be reused instead of being torn down.
                         finished = call_finished(events, sampling, eos_ids)
-                    else:
-                        done = True
                 finally:
                     if not done and not running.drained:
                         # The consumer went away (client disconnect, stop string): free the engine.
@@ -349,6 +369,38 @@ class Router:
                 raise NoEngineError(f"call {call_key}: rerouted {attempt} times, giving up")
             logger.info("router: call %s continues after %d tokens (attempt %d)", call_key, len(events), attempt)
 
+    # ---- gray failures ----------------------------------------------------------------------
+    async def _next_token(self, stream: AsyncIterator[TokenEvent], slot: EngineSlot, call_key: str,
+                          have: int) -> TokenEvent:
+        """The stream's next event within the progress limit; EngineStalled (and the engine marked
+        stalled, a health check started) when none comes."""
+        if not self.progress_timeout_s:
+            return await anext(stream)
+        try:
+            return await asyncio.wait_for(anext(stream), self.progress_timeout_s)
+        except asyncio.TimeoutError:
+            self.stalls += 1
+            if not slot.stalled:
+                slot.stalled = True
+                logger.warning("router: engine %s sent no token for %.1fs (call %s, %d tokens so far): marked "
+                               "stalled, its calls continue elsewhere; no new calls until it answers a health check",
+                               slot.name, self.progress_timeout_s, call_key, have)
+                self._spawn(asyncio.get_running_loop(), self._watch_stalled(slot))
+            raise EngineStalled(f"engine {slot.name} sent no token for {self.progress_timeout_s:.1f}s") from None
+
+    async def _watch_stalled(self, slot: EngineSlot) -> None:
+        """Health-check a stalled engine until it answers, then route to it again."""
+        while slot.stalled and not self.closed and self.slots.get(slot.name) is slot:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await asyncio.wait_for(slot.engine.health(), max(self.progress_timeout_s, 1.0))
+            except Exception as e:  # noqa: BLE001 - no answer (timeout, refused, 5xx) is the news
+                logger.info("router: stalled engine %s: health check got no answer (%r)", slot.name, e)
+                continue
+            slot.stalled = False
+            logger.warning("router: engine %s answers its health check again; routing to it", slot.name)
+            await self._notify()
+
     async def _quiet_abort(self, slot: EngineSlot, request_id: str) -> None:
         try:
             await slot.engine.abort(request_id)
@@ -359,8 +411,10 @@ class Router:
         return {
             "reroutes": self.reroutes,
             "engine_failures": self.engine_failures,
+            "engine_stalls": self.stalls,
             "engines": {
-                n: {"kind": s.kind, "index": s.index, "state": s.state.value, "inflight": s.load, "served": s.served}
+                n: {"kind": s.kind, "index": s.index, "state": s.state.value, "inflight": s.load, "served": s.served,
+                    "stalled": s.stalled}
                 for n, s in self.slots.items()
             },
         }
