@@ -128,9 +128,10 @@ class Load(Command):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Stop(Command):
-    """Report, checkpoint (the core, unless `failed`), stop the engine, leave the loop."""
+    """Report, checkpoint (the core, unless `failed` and not `checkpoint`), stop the engine, leave the loop."""
 
     failed: bool = False  # the controller stopped the run early (it reports why)
+    checkpoint: bool = False  # checkpoint even though failed (an interrupt: the weights are sound)
 
 
 # ----------------------------------------------------------------------------- reports
@@ -211,6 +212,15 @@ class Failed(Report):
     error: str  # "ExceptionType: message"
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Interrupted(Report):
+    """The rank got SIGINT/SIGTERM (Ctrl-C, scancel, torchrun forwarding one): the controller runs
+    the graceful stop (harnesses killed, ranks stopped, checkpoint, summary) and the run exits
+    non-zero. The rank keeps serving commands until its `Stop`."""
+
+    signal: str  # "SIGINT" / "SIGTERM"
+
+
 COMMANDS: tuple[type[Command], ...] = (ToTrain, TrainWork, Reduce, ToRollout, Load, Stop)
 REPORTS: tuple[type[Report], ...] = (Transition, Joined, RequestWork, WorkDone, StepDone, RolledBack, Loaded,
-                                     Stopped, Failed)
+                                     Stopped, Failed, Interrupted)

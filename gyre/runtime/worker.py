@@ -17,8 +17,8 @@ every transition is reported to the controller, which keeps the run's timeline.
                         parameters are broadcast over the same group (`WeightTransport.broadcast`)
     ToRollout(v)        → RESUMING (engine resumes, loads published version v) → ROLLOUT
     Load(v)             a rollout engine loads published version v between decode steps
-    Stop(failed)        report the timeline, save the core's checkpoint (not after a failure),
-                        stop the engine
+    Stop(failed,        report the timeline, save the core's checkpoint (not after a failure,
+      checkpoint)       unless `checkpoint`: an interrupt), stop the engine
 """
 
 from __future__ import annotations
@@ -198,9 +198,28 @@ class CellWorker:
         self._to(CellState.ROLLOUT)
         self._report(RolledBack(cell=self.cell, rank=self.topo.rank, version=self.version))
 
-    def _on_load(self, msg: Load) -> None:
-        self._load_published(msg.version)
-        self._report(Loaded(cell=self.cell, rank=self.topo.rank, version=self.version))
+    def _on_load(self, msg: Load) -> bool | None:
+        """Load the newest published version queued. A rank that fell behind (frozen, swapped
+        out) finds several `Load`s in its mailbox: it loads only the newest (the older ones may
+        have left the board), and none when a `Stop` is queued behind them (the job is over and
+        the core's snapshots with it). Each `Load` taken is answered with a `Loaded`."""
+        loads, after = [msg], None
+        while (nxt := self.cp.try_recv()) is not None:
+            if not isinstance(nxt, Load):
+                after = nxt
+                break
+            loads.append(nxt)
+        newest = max(m.version for m in loads)
+        if isinstance(after, Stop):
+            logger.info("rank %d: %d queued loads (up to version %d) skipped: a Stop follows them",
+                        self.topo.rank, len(loads), newest)
+        else:
+            if len(loads) > 1:
+                logger.info("rank %d: %d queued loads coalesced to version %d", self.topo.rank, len(loads), newest)
+            self._load_published(newest)
+        for _ in loads:
+            self._report(Loaded(cell=self.cell, rank=self.topo.rank, version=self.version))
+        return self.handle(after) if after is not None else None
 
     def _load_published(self, version: int) -> None:
         """The engine loads published `version`, or a newer published one if this rank fell so far
@@ -218,8 +237,8 @@ class CellWorker:
 
     def _on_stop(self, msg: Stop) -> bool:
         self.stopped_by_failure = msg.failed
-        if self.topo.is_core and self.actor is not None and not self.stopped_by_failure:
-            self._checkpoint()
+        if self.topo.is_core and self.actor is not None and (not msg.failed or msg.checkpoint):
+            self._checkpoint()  # between commands: the weights and optimizer state of actor.version
         if self.engine is not None:
             self.engine.stop()
         self.cp.send(CONTROLLER, Stopped(cell=self.cell, rank=self.topo.rank, time_in=self.sm.time_in(),
