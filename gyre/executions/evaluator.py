@@ -39,6 +39,7 @@ from typing import Any
 
 from gyre.executions.config import EvaluatorConfig
 from gyre.executions.procs import kill_tree
+from gyre.executions.sandbox import die_with_runner
 from gyre.executions.tasks import EvaluatorSpec, Task
 
 logger = logging.getLogger(__name__)
@@ -194,6 +195,7 @@ async def run_with_timeout(argv: list[str], *, cwd: str, env: dict[str, str], ti
     proc = await asyncio.create_subprocess_exec(
         *argv, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+        preexec_fn=die_with_runner(),  # killed with the rank, however it ends
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout_s)

@@ -386,6 +386,7 @@ class HarnessRunner:
                             proc = await asyncio.create_subprocess_exec(
                                 *launch.argv, cwd=launch.cwd, env=launch.env,
                                 stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+                                preexec_fn=sandbox.die_with_runner(),  # killed with this rank, however it ends
                             )
                     except Exception as e:  # noqa: BLE001 - any launch problem is this execution's failure
                         error = f"{type(e).__name__}: {e}"

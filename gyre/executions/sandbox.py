@@ -36,6 +36,14 @@ every argv built here carries names, never values; `docker run -e NAME` takes th
 the client's environment). Inside bwrap/unshare the harness has its own /proc, so it cannot
 read other harnesses' environments; under `none` any process of the same user can read
 /proc/<pid>/environ.
+
+Dying with the runner. Every process the runner starts (launcher, harness, evaluator) gets
+PR_SET_PDEATHSIG (`die_with_runner`): when the rank dies (SIGKILL, OOM, a forced stop after
+Ctrl-C) the kernel kills it. bwrap (`--die-with-parent`, its pid namespace) and unshare
+(`--kill-child`, its pid namespace) then take the whole tree with them. Under `none` the harness
+runs under `REAPER`, a stdlib shim that leads the harness's session: it gets SIGTERM when the
+runner dies and SIGKILLs the session (and descendants that left it) before it goes. A container
+outlives its CLI: `cleanup` removes it by name on every ending the runner lives to see.
 """
 
 from __future__ import annotations
@@ -57,6 +65,66 @@ from urllib.parse import urlsplit, urlunsplit
 logger = logging.getLogger(__name__)
 
 SOCKET_IN_SANDBOX = "/run/gyre/proxy.sock"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+# Leads a `none` harness's session (the runner starts it with start_new_session): runs argv as its
+# child, exits with its status (128 + signal for a signal death, like the other launchers). Its
+# parent-death signal is SIGTERM, which it can catch: when the runner is gone (getppid changed) it
+# SIGKILLs its session, its process group and their descendants by /proc, then itself. A SIGTERM
+# while the runner lives is the runner's own tree kill, which reaches the harness directly.
+REAPER = r"""
+import ctypes, os, signal, subprocess, sys
+runner = os.getppid()
+def tree():
+    me, table = os.getpid(), {}
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                rest = f.read().decode("utf-8", "replace").rsplit(")", 1)[1].split()
+            table[int(name)] = (int(rest[1]), int(rest[2]), int(rest[3]))
+        except (ValueError, OSError, IndexError):
+            pass
+    found = {p for p, (_, pgid, sid) in table.items() if sid == me or pgid == me}
+    grew = True
+    while grew:
+        grew = False
+        for p, (ppid, _, _) in table.items():
+            if ppid in found and p not in found:
+                found.add(p); grew = True
+    found.discard(me)
+    return found
+def orphaned(*_):
+    if os.getppid() == runner:
+        return
+    for p in tree():
+        try: os.kill(p, signal.SIGKILL)
+        except OSError: pass
+    os._exit(128 + signal.SIGKILL)
+signal.signal(signal.SIGTERM, orphaned)
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+orphaned()
+rc = subprocess.call(sys.argv[1:])
+sys.exit(rc if rc >= 0 else 128 - rc)
+"""
+
+
+def die_with_runner() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the child get SIGKILL when the process that starts it dies
+    (PR_SET_PDEATHSIG; Linux only, else None). Exits the child at once if that already happened."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import signal
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: nothing is loaded after fork
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
 SANDBOX_UID = 1000  # the harness's uid inside bwrap when the controller runs as root
 
 # Runs inside the sandbox with the sandbox's Python (`-I -S`: stdlib only, no site-packages, no
@@ -342,7 +410,11 @@ async def prepare(kind: str, *, cfg, execution_id: str, exec_dir: Path, ws: Path
     """Wrap the harness `argv`/`env` for backend `kind` (already resolved). `cfg` is the
     RunnerConfig. Starts the execution's proxy relay when the network is restricted."""
     if kind == "none":
-        return Launch(argv, env, str(ws))
+        if not sys.platform.startswith("linux"):
+            return Launch(argv, env, str(ws))
+        if shutil.which(argv[0], path=env.get("PATH", os.defpath)) is None:
+            raise FileNotFoundError(f"harness program {argv[0]!r} not found")  # a launch failure, as without the shim
+        return Launch([sys.executable, "-I", "-S", "-c", REAPER, *argv], env, str(ws), wrapped=True)
     if kind != "container" and shutil.which(argv[0], path=env.get("PATH", os.defpath)) is None:
         # Found here, a missing program is a launch failure, as without a sandbox (not a crash).
         raise FileNotFoundError(f"harness program {argv[0]!r} not found")
