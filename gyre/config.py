@@ -83,6 +83,14 @@ class TrainConfig:
     audit_dir: str = ""
     """Debug: save every granted micro-step bundle and the core's parameters + optimizer state
     around every step here, so a step can be replayed on one rank (the equivalence tests)."""
+    shutdown_timeout_s: float = 25.0
+    """On SIGINT/SIGTERM: the bound on the graceful stop (harness trees killed, ranks stopped, the
+    core's checkpoint, summary, events and plot); a second signal, or this limit, forces the exit.
+    Keep it under torchrun's own `--shutdown_timeout` (30 s by default), after which torchrun
+    SIGKILLs the ranks; raise both together for a large checkpoint."""
+    control_timeout_s: float = 600.0
+    """A rank that has not answered a command for this long (frozen: SIGSTOP, a hung driver, a
+    swapped-out node) fails the run with an error naming it; 0 waits forever."""
 
 
 @dataclass(kw_only=True)

@@ -123,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     from gyre.runtime.rundir import RunDirError
 
     rc = 0
+    # SIGINT/SIGTERM (Ctrl-C, scancel, Slurm preemption, torchrun forwarding either) stop a train
+    # job gracefully: the controller runs its failure path and the run exits non-zero.
+    from gyre.runtime.control import Interrupts
+
+    interrupts = Interrupts(rank, cfg.train.shutdown_timeout_s)
+    if cfg.job == "train":
+        interrupts.install()
     try:
         topo = Topology.from_config(cfg.parallel, world, rank)
         logger.info("topology (%s backend):\n%s", dist.get_backend(), topo.describe(), extra=ONCE)
@@ -146,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
             path = rundir.resolve(cfg, rank, world, default_store())  # blocking: rank 0 decides
             logger.info("run directory: %s", path, extra=ONCE)
-            train(cfg, topo, groups)
+            train(cfg, topo, groups, interrupts)
         dist.barrier(group=groups.control)  # blocking: everyone done
     except (ConfigError, RunDirError, TopologyError) as e:  # a refused config: every rank has it, rank 0 says it
         logger.error("%s", e, extra=ONCE)
@@ -158,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             rc = 0
         else:  # the controller already logged the diagnosis
             rc = 1
+        if interrupts.first is not None:
+            rc = interrupts.code  # 128 + the signal, as a shell reports it
         _leave_together(rank, world)
     except Exception:
         logger.exception("rank %d failed", rank)

@@ -275,14 +275,24 @@ class HarnessRunner:
         results = await asyncio.gather(*self._tasks.values())
         return list(results)
 
-    async def shutdown(self, evaluate: bool = True) -> None:
+    async def shutdown(self, evaluate: bool = True, timeout: float | None = None) -> None:
         """Stop every in-flight execution (outcome CANCELLED) and wait for all of them. Their
-        workspaces are still evaluated unless `evaluate` is False (a run stopping on an error)."""
+        workspaces are still evaluated unless `evaluate` is False (a run stopping on an error).
+        With `timeout` (an interrupted run), what has not ended by then (evaluations in flight)
+        is cancelled: evaluator processes killed, their temporary directories removed."""
         self._evaluate_cancelled = evaluate
         for live in self._live.values():
             live.stop.set()
-        if self._tasks:
-            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        pending = [t for t in self._tasks.values() if not t.done()]
+        if not pending:
+            return
+        _, rest = await asyncio.wait(pending, timeout=timeout)
+        if rest:
+            logger.warning("executions: %d did not end within %.0fs (evaluations in flight); cancelling them",
+                           len(rest), timeout)
+            for t in rest:
+                t.cancel()
+            await asyncio.wait(rest, timeout=max(5.0, 2 * self.cfg.kill_grace_s))
 
     # ------------------------------------------------------------------ internals
     def _emit(self, kind: EventKind, spec: ExecutionSpec, result: ExecutionResult | None = None) -> None:

@@ -23,10 +23,13 @@ import hashlib
 import hmac
 import io
 import logging
+import os
 import pickle
+import signal
+import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -208,3 +211,58 @@ class ReplyWatch:
             if quiet > timeout and (worst is None or quiet > worst[2]):
                 worst = (rank, command, quiet)
         return worst
+
+
+class Interrupts:
+    """SIGINT / SIGTERM on a rank → one report to the controller, which stops the run gracefully
+    (harness trees killed, ranks stopped, the core's checkpoint, summary, events, plot) and exits
+    non-zero. Slurm preemption and `scancel` send SIGTERM; torchrun forwards the signal it gets to
+    every rank; Ctrl-C reaches every rank twice (from the terminal and from torchrun), so a repeat
+    within `repeat_s` is the same interrupt. A second signal after that, or `timeout_s` after the
+    first, forces the exit: `force(code)` (os._exit; PR_SET_PDEATHSIG takes the harnesses along).
+
+    `install()` in the main thread; `notify` is set once the control plane exists (until then a
+    signal raises KeyboardInterrupt, Python's default). The handler only sends a message: the
+    main thread may be anywhere (a collective, a snapshot read), the controller thread acts.
+    """
+
+    def __init__(self, rank: int, timeout_s: float, *, repeat_s: float = 2.0,
+                 force: Callable[[int], None] = os._exit) -> None:
+        self.rank, self.timeout_s, self.repeat_s, self.force = rank, timeout_s, repeat_s, force
+        self.notify: Callable[[str], None] | None = None
+        self.first: tuple[str, float] | None = None  # (signal name, monotonic time)
+        self.code = 0  # the exit status of a forced exit: 128 + the first signal
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum: int, frame: Any = None) -> None:
+        name, now = signal.Signals(signum).name, time.monotonic()
+        if self.first is None:
+            if self.notify is None:
+                raise KeyboardInterrupt(name)  # nothing to stop gracefully yet
+            self.first, self.code = (name, now), 128 + signum
+            logger.warning("rank %d: %s: stopping the run gracefully (at most %.0fs; send it again to force)",
+                           self.rank, name, self.timeout_s)
+            timer = threading.Timer(self.timeout_s, self._expire)
+            timer.daemon = True
+            timer.start()
+            try:
+                self.notify(name)
+            except Exception:  # noqa: BLE001 - the store may be gone; the timer still bounds the stop
+                logger.exception("rank %d: could not tell the controller about %s", self.rank, name)
+            return
+        if now - self.first[1] < self.repeat_s:
+            return  # the same interrupt delivered twice (terminal + torchrun)
+        self._exit(f"second signal ({name})")
+
+    def _expire(self) -> None:
+        self._exit(f"the graceful stop took longer than {self.timeout_s:.0f}s (--train.shutdown-timeout-s)")
+
+    def _exit(self, why: str) -> None:
+        logger.error("rank %d: %s: exiting now (status %d), without the rest of the graceful stop", self.rank, why,
+                     self.code)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        self.force(self.code)

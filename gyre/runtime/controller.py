@@ -35,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from gyre.runtime.control import CONTROLLER, ControlPlane
+from gyre.runtime.control import CONTROLLER, ControlPlane, ReplyWatch
 from gyre.executions.evaluator import Evaluator, RewardStatus
 from gyre.errors import RunFailed
 from gyre.executions.health import HealthMonitor
@@ -44,9 +44,9 @@ from gyre.executions.tasks import Dataset
 from gyre.runtime.outputs import MetricsWriter, make_trackers, plot_role_timeline, read_metrics, reward_trend
 from gyre.proxy import Proxy, StoreSink, start_proxy
 from gyre.backends.engine_http import HttpEngine
-from gyre.runtime.messages import (Command, Failed, Joined, Load, Loaded, Reduce, Report, RequestWork, RolledBack,
-                                   StepDone, Stop, Stopped, ToRollout, ToTrain, TrainWork, Transition, WorkDone,
-                                   handler_for)
+from gyre.runtime.messages import (Command, Failed, Interrupted, Joined, Load, Loaded, Reduce, Report, RequestWork,
+                                   RolledBack, StepDone, Stop, Stopped, ToRollout, ToTrain, TrainWork, Transition,
+                                   WorkDone, handler_for)
 from gyre.runtime.ledger import RunLedger
 from gyre.runtime.samples import group_work, step_denominator
 from gyre.scheduler.core import CellRole, ElasticScheduler
@@ -56,6 +56,10 @@ from gyre.trajectory.advantages import Outcome
 from gyre.trajectory.store import TitoStore
 
 logger = logging.getLogger(__name__)
+
+# The report that answers a command, from the first rank of the cell (or pool engine) it went to;
+# `Reduce` is answered by the core alone (StepDone), `Stop` by every rank (Stopped).
+_REPLY: dict[type[Command], str] = {ToTrain: "Joined", TrainWork: "WorkDone", ToRollout: "RolledBack", Load: "Loaded"}
 
 
 def _close_loop(loop: asyncio.AbstractEventLoop, timeout: float) -> None:
@@ -151,6 +155,13 @@ class Controller:
         self.stopped: dict[int, Stopped | Failed] = {}
         self.last_step_t = 0.0  # set when the loop starts (the ledger's clock)
         self.outcomes: dict[str, int] = defaultdict(int)
+        # Failure path (docs/design.md §1): who owes a report, and whether a signal stopped the run.
+        self.watch = ReplyWatch()
+        self._reporters = {topo.cell_ranks(c)[0] for c in range(topo.num_cells)} | {
+            topo.pool_engine_ranks(e)[0] for e in range(topo.num_pool_engines)}
+        self.interrupted: str | None = None  # "SIGTERM" once a rank reported one
+        self._interrupt_t = 0.0
+        self.silent_rank: int | None = None
         self._last_progress: tuple | None = None  # the last progress line's picture, and when it was logged
         self._last_progress_t = 0.0
 
@@ -179,10 +190,10 @@ class Controller:
             if not self.stop_sent:
                 cp = ControlPlane(self.store.clone(), CONTROLLER)
                 for r in range(self.topo.world_size):
-                    cp.send(r, Stop(failed=True))
+                    cp.send(r, Stop(failed=True, checkpoint=self.interrupted is not None))
         finally:
             self.trackers.close(failed=self.error is not None)
-            _close_loop(loop, timeout=30.0)
+            _close_loop(loop, timeout=3.0 if self.interrupted else 30.0)  # an interrupt's stop is bounded
 
     # ------------------------------------------------------------------ set-up
     def _cell_ranks(self, cell: int) -> list[int]:
@@ -190,7 +201,36 @@ class Controller:
 
     def _send_cell(self, cell: int, msg: Command) -> None:
         for r in self._cell_ranks(cell):
-            self.cp.send(r, msg)
+            self._command(r, msg)
+
+    def _command(self, rank: int, msg: Command) -> None:
+        """Send `msg` to `rank`, noting the report it owes (`ReplyWatch`: a silent rank fails the run)."""
+        self.cp.send(rank, msg)
+        if isinstance(msg, Stop):
+            reply = "Stopped"
+        elif isinstance(msg, Reduce):
+            reply = "StepDone" if rank == self._cell_ranks(0)[0] else None
+        else:
+            reply = _REPLY.get(type(msg)) if rank in self._reporters else None
+        if reply is not None:
+            self.watch.expect(rank, type(msg).__name__, reply, time.monotonic())
+
+    def _check_silent(self) -> None:
+        """Fail the run, naming the rank, when one owes a report and has said nothing for
+        `train.control_timeout_s` (a frozen rank: its engine's calls are rerouted by the router)."""
+        limit = self.cfg.train.control_timeout_s
+        silent = self.watch.silent(time.monotonic(), limit) if limit > 0 else None
+        if silent is None or self.silent_rank is not None:
+            return
+        rank, command, quiet = silent
+        self.silent_rank = rank
+        msg = (f"rank {rank} has sent nothing for {quiet:.0f}s while it owes an answer to {command} "
+               f"(--train.control-timeout-s {limit:g}): it is frozen or gone (SIGSTOP, a hung collective or "
+               f"driver, a lost node); stopping the run")
+        logger.error("%s", msg)
+        if self.task_error is None:
+            self.task_error = RunFailed(msg)
+        self.stopping = True
 
     async def _engine_url(self, rank: int) -> str:
         key = f"engine/{rank}"
@@ -227,6 +267,7 @@ class Controller:
             if time.monotonic() >= next_tick:
                 self._apply(self.sched.tick())
                 self._progress()
+                self._check_silent()
                 next_tick = time.monotonic() + cfg.scheduler.tick_s
             self._serve_pending()
             await asyncio.sleep(0.003)
@@ -264,7 +305,7 @@ class Controller:
                         self._send_cell(c, Load(version=d.version))
                 for e in range(self.topo.num_pool_engines):
                     for r in self.topo.pool_engine_ranks(e):
-                        self.cp.send(r, Load(version=d.version))
+                        self._command(r, Load(version=d.version))
             else:
                 raise TypeError(f"unknown scheduler decision {d!r}")
 
@@ -318,12 +359,14 @@ class Controller:
             for r in self._cell_ranks(cell):
                 key = f"ms/{w.step}/{w.group}/{w.item}/{r}"
                 self.cp.put_blob(key, bundle)
-                self.cp.send(r, TrainWork(step=w.step, group=w.group, item=w.item, key=key, version=w.step))
+                self._command(r, TrainWork(step=w.step, group=w.group, item=w.item, key=key, version=w.step))
 
     # ------------------------------------------------------------------ messages from cells
     def _on_message(self, msg: Report) -> None:
         """Handle one report; UnknownMessage for a type `HANDLERS` does not hold."""
-        handler_for(self.HANDLERS, msg, "controller")(self, msg)
+        handler = handler_for(self.HANDLERS, msg, "controller")
+        self.watch.heard(msg.rank, type(msg).__name__, time.monotonic())  # any report: the rank is alive
+        handler(self, msg)
 
     def _on_transition(self, msg: Transition) -> None:
         self.ledger.transition(msg.cell, msg.dst, msg.t)
@@ -358,9 +401,24 @@ class Controller:
 
     def _on_failed(self, msg: Failed) -> None:  # a worker raised; it exits after this report
         self.stopped[msg.rank] = msg
+        self.watch.forget(msg.rank)
         if self.task_error is None:
             self.task_error = RunFailed(f"rank {msg.rank} failed while handling {msg.command!r}: "
                                         f"{msg.error} (its traceback is in rank {msg.rank}'s log)")
+        self.stopping = True
+
+    def _on_interrupted(self, msg: Interrupted) -> None:
+        """SIGINT/SIGTERM on a rank (every rank gets torchrun's; the first report counts): stop
+        gracefully within `train.shutdown_timeout_s`: harnesses killed, ranks stopped, the core's
+        checkpoint, summary, events and plot; the run fails with "interrupted by SIG…"."""
+        if self.interrupted is not None:
+            return
+        self.interrupted, self._interrupt_t = msg.signal, time.monotonic()
+        logger.warning("interrupted by %s (rank %d): stopping the run (at most %.0fs)", msg.signal, msg.rank,
+                       self.cfg.train.shutdown_timeout_s)
+        if self.task_error is None:
+            self.task_error = RunFailed(f"interrupted by {msg.signal} (received by rank {msg.rank}); stopped "
+                                        f"gracefully after {self.steps_done} steps")
         self.stopping = True
 
     def _take_unmatched(self) -> int:
@@ -460,6 +518,9 @@ class Controller:
         """Stop the executions and every rank, then write the timeline, summary and event log.
         After a failure nothing is waited for beyond a few seconds: the error is the news."""
         tc = self.cfg.train
+        # An interrupt bounds the whole stop (the rank's own timer forces the exit at the limit):
+        # most of it for the harnesses and the ranks, the rest for writing the outputs.
+        deadline = self._interrupt_t + 0.75 * tc.shutdown_timeout_s if self.interrupted else None
         in_flight = self.runner.in_flight()
         if in_flight and not failed:
             logger.info("run complete; waiting up to %.0fs for %d executions still running", tc.drain_at_end_s, len(in_flight))
@@ -469,15 +530,29 @@ class Controller:
                     self._on_message(msg)
                 await asyncio.sleep(0.05)
         cancelled = len(self.runner.in_flight())
-        await self.runner.shutdown(evaluate=not failed)
+        # After an interrupt nothing will train on a reward: evaluations in flight are cancelled once
+        # the harness trees have had their grace to die.
+        grace = min(self.cfg.executions.runner.kill_grace_s + 2.0, 0.5 * (deadline - time.monotonic())) if deadline else None
+        await self.runner.shutdown(evaluate=not failed, timeout=None if grace is None else max(1.0, grace))
+        # The core checkpoints after an interrupt or a silent rank too: its weights and optimizer
+        # state are sound (not after a worker failed: its state may not be).
+        checkpoint = not any(isinstance(m, Failed) for m in self.stopped.values())
         for r in range(self.topo.world_size):
-            self.cp.send(r, Stop(failed=failed))
+            self._command(r, Stop(failed=failed, checkpoint=checkpoint))
         self.stop_sent = True
-        deadline = time.monotonic() + (15 if failed else 300)
-        while len(self.stopped) < self.topo.world_size and time.monotonic() < deadline:
+        wait_until = time.monotonic() + (15 if failed else 300)
+        if deadline is not None:
+            wait_until = min(wait_until, deadline)
+        while len(self.stopped) < self.topo.world_size and time.monotonic() < wait_until:
             while (msg := self.cp.try_recv()) is not None:
                 self._on_message(msg)
+            self._check_silent()
+            if self.silent_rank is not None and self.silent_rank not in self.stopped:
+                break  # named in the error; the others' reports are not worth waiting for
             await asyncio.sleep(0.01)
+        missing = sorted(set(range(self.topo.world_size)) - set(self.stopped))
+        if missing:
+            logger.warning("ranks %s did not report stopping", missing)
         end = time.time()
         fractions = plot_role_timeline(self.ledger.intervals(end), str(self.run_dir / "role_timeline.png"),
                                        title=f"Gyre role timeline ({self.cfg.scheduler.mode})")
@@ -505,6 +580,10 @@ class Controller:
             "expected_staleness": self.cfg.scheduler.expected_staleness,
             "failed_executions": dict(self.health.counts),
             "error": str(self.task_error) if self.task_error is not None else None,
+            "interrupted": self.interrupted,  # "SIGINT" / "SIGTERM": a signal stopped the run
+            "silent_rank": self.silent_rank,  # a rank that stopped answering (--train.control-timeout-s)
+            "ranks_not_stopped": missing,
+            "engine_stalls": stats["engine_stalls"],  # calls moved off an engine that sent no token in time
         }
         rows = read_metrics(str(self.run_dir / "metrics.jsonl"))
         if len(rows) >= 2:
@@ -531,4 +610,5 @@ class Controller:
         Loaded: _on_loaded,
         Stopped: _on_stopped,
         Failed: _on_failed,
+        Interrupted: _on_interrupted,
     }

@@ -27,13 +27,14 @@ from gyre.backends import factory
 from gyre.backends.protocols import WeightTransport
 from gyre.runtime.control import CONTROLLER, ControlPlane, SignedStore, default_store
 from gyre.errors import RunStopped, WorkerFailed
-from gyre.runtime.messages import Failed
+from gyre.runtime.messages import Failed, Interrupted
 from gyre.topology import Groups, Topology
 
 logger = logging.getLogger(__name__)
 
 
-def train(cfg: Any, topo: Topology, groups: Groups) -> None:
+def train(cfg: Any, topo: Topology, groups: Groups, interrupts: Any = None) -> None:
+    """`interrupts` (`gyre.runtime.control.Interrupts`): told how to reach the controller here."""
     from gyre.backends.engine_host import share_secret
 
     factory.set_threads(cfg)  # once per process, before the engine or actor is built
@@ -43,19 +44,23 @@ def train(cfg: Any, topo: Topology, groups: Groups) -> None:
     store = SignedStore(default_store(), secret)
     weights = factory.build_transport(cfg, topo, store)  # blocking (torch): every rank creates its group
     try:
-        _train(cfg, topo, groups, store, weights, secret)
+        _train(cfg, topo, groups, store, weights, secret, interrupts)
     finally:
         weights.close()  # the torch transport's server thread stops here, on success and failure alike
         _write_transport_stats(Path(cfg.run_dir), topo.rank, weights)
 
 
-def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: WeightTransport, engine_secret: str) -> None:
+def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: WeightTransport, engine_secret: str,
+           interrupts: Any = None) -> None:
     from gyre.backends.tokenizer import ENDOFTEXT, IM_END, load_tokenizer
     from gyre.runtime.controller import Controller
     from gyre.backends.engine_host import EngineHost, bind_address
     from gyre.runtime.worker import CellWorker
 
     control = ControlPlane(store, topo.rank)
+    if interrupts is not None:  # a signal handler's own connection: the main thread may be mid-call on `store`
+        notice = ControlPlane(store.clone(), topo.rank)
+        interrupts.notify = lambda name: notice.send(CONTROLLER, Interrupted(cell=topo.cell, rank=topo.rank, signal=name))
     tokenizer = load_tokenizer(cfg.proxy.tokenizer_path)
     ckpt_dir = Path(cfg.run_dir) / "checkpoints"
     if topo.is_controller and cfg.train.prepare:
