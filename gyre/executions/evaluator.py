@@ -2,7 +2,8 @@
 
 Runs after an execution ends for any reason. Outcomes and what they get:
 
-    COMPLETED, TIMED_OUT, CANCELLED  → evaluate the workspace (partial progress counts)
+    COMPLETED, TIMED_OUT, CANCELLED,
+    KILLED                           → evaluate the workspace (partial progress counts)
     CRASHED                          → zero-reward placeholder (`on_crash="placeholder"`, the
                                        default) or evaluate (`on_crash="evaluate"`)
     LAUNCH_FAILED                    → zero-reward placeholder
@@ -52,7 +53,9 @@ class Outcome(enum.Enum):
 
     COMPLETED = "completed"  # exited with status 0
     TIMED_OUT = "timed_out"  # killed by the runner's wall-clock limit
-    CRASHED = "crashed"  # non-zero exit, or killed by a signal the runner did not send
+    CRASHED = "crashed"  # non-zero exit, or a crash signal (SIGSEGV, SIGABRT, ...)
+    KILLED = "killed"  # SIGKILL / SIGTERM from outside the runner (OOM killer, an operator): not the
+    # harness's failure, so never a zero placeholder in its group; its workspace is evaluated as after a timeout
     LAUNCH_FAILED = "launch_failed"  # never started (bad argv, workspace could not be prepared)
     CANCELLED = "cancelled"  # stopped by the controller (shutdown)
 

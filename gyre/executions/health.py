@@ -3,7 +3,9 @@
 Every evaluated execution is either *useful* (it made model calls and has a valid reward or a
 timeout's partial reward) or *failed*, for one of four reasons:
 
-    crashed            the harness exited non-zero or was killed by a signal Gyre did not send
+    crashed            the harness exited non-zero or died of a crash signal (SIGSEGV, ...); a
+                       harness SIGKILLed / SIGTERMed from outside (outcome `killed`) is not a
+                       failure by itself: its workspace is evaluated
     launch_failed      the harness never started (bad argv, workspace could not be prepared)
     evaluator_failed   no valid reward within the evaluator's attempt budget (the execution
                        is excluded from its group)

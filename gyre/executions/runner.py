@@ -52,6 +52,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -65,6 +66,10 @@ from gyre.executions.procs import kill_tree, tree_pids
 from gyre.executions.tasks import ExecutionSpec, Group
 
 logger = logging.getLogger(__name__)
+
+# Exit statuses of a harness killed by a signal the runner did not send (its own kills end as
+# TIMED_OUT / CANCELLED): not a harness failure (docs/design.md §5). SIGSEGV, SIGABRT stay crashes.
+_EXTERNAL_KILLS = (-signal.SIGKILL, -signal.SIGTERM)
 
 
 class ProxyAccess(Protocol):
@@ -110,6 +115,7 @@ class GyreProxyAccess:
         self.url = url.rstrip("/")
         self.totals: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = {}
+        self.recorded: dict[str, tuple[int, int]] = {}  # execution -> (calls, records the sink failed to write)
 
     def open_execution(self, execution_id: str, group_id: str) -> str:
         return self.proxy.issue_key(execution_id)
@@ -118,9 +124,14 @@ class GyreProxyAccess:
         stats = self.proxy.close_execution(execution_id) or {}
         if "calls" in stats:
             self.calls[execution_id] = stats["calls"]
+            self.recorded[execution_id] = (stats["calls"], stats.get("sink_errors", 0))
         for k, v in stats.items():
             if isinstance(v, int):
                 self.totals[k] += v
+
+    def take_recorded(self, execution_id: str) -> tuple[int, int] | None:
+        """(calls, sink errors) of a closed execution, to check its TITO file against; forgotten after."""
+        return self.recorded.pop(execution_id, None)
 
     def take_calls(self, execution_id: str) -> int | None:
         """The execution's model calls (None when it was never closed here); forgotten after."""
@@ -409,6 +420,10 @@ class HarnessRunner:
                         self._emit(EventKind.STARTED, spec)
                         outcome, exit_code = await self._supervise(live, proc, timeout)
                         exit_code = launch.exit_code(exit_code)
+                        if outcome is Outcome.CRASHED and exit_code in _EXTERNAL_KILLS:
+                            outcome = Outcome.KILLED  # the runner sent nothing: the OOM killer, an operator
+                            logger.warning("execution %s: harness killed from outside (signal %d); its workspace is "
+                                           "evaluated, as after a timeout", spec.execution_id, -exit_code)
                         if live.host != "local":
                             await remote.pull(self.cfg, spec, live.host, ws)
         except asyncio.CancelledError:

@@ -175,6 +175,7 @@ class ExecutionState:
     warned_unmatched: bool = False
     reroutes: int = 0
     aborted_calls: int = 0
+    sink_errors: int = 0  # calls whose record the sink failed to write: its TITO is incomplete
     roles: dict[str, int] = field(default_factory=dict)
     responses: dict[str, Any] = field(default_factory=dict)  # kept /v1/responses (responses_api), dropped with the execution
     # Admission (Proxy.admit): handler tasks in flight, the rate bucket, one render at a time.
@@ -380,6 +381,7 @@ class Call:
         except Exception:  # a failing sink must be loud, but the client already has its answer
             logger.exception("proxy: sink failed on %s/%d", st.execution_id, self.call_id)
             p.sink_errors += 1
+            st.sink_errors += 1
 
 
 class Proxy:
@@ -421,7 +423,7 @@ class Proxy:
         st = self.executions.get(execution_id)
         if st is None:
             return {"inflight": 0, "calls": 0, "spliced_turns": 0, "unmatched_turns": 0, "tolerated_turns": 0, "reroutes": 0, "aborted_calls": 0,
-                    "roles": {}, "unmatched_kinds": {}}
+                    "sink_errors": 0, "roles": {}, "unmatched_kinds": {}}
         return {
             "inflight": len(st.tasks),
             "calls": st.calls,
@@ -431,6 +433,7 @@ class Proxy:
             "unmatched_kinds": dict(st.unmatched_kinds),
             "reroutes": st.reroutes,
             "aborted_calls": st.aborted_calls,
+            "sink_errors": st.sink_errors,
             "roles": dict(st.roles),
         }
 

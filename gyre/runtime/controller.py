@@ -162,6 +162,10 @@ class Controller:
         self.interrupted: str | None = None  # "SIGTERM" once a rank reported one
         self._interrupt_t = 0.0
         self.silent_rank: int | None = None
+        # Honest accounting (docs/design.md §5): an execution whose TITO record is incomplete (the
+        # sink failed, a torn tail, fewer records than calls) has no trajectory to train: excluded.
+        self.expected_records: dict[str, tuple[int, int]] = {}  # execution -> (calls, sink errors)
+        self.incomplete_tito: dict[str, str] = {}  # execution -> what is missing
         self._last_progress: tuple | None = None  # the last progress line's picture, and when it was logged
         self._last_progress_t = 0.0
 
@@ -441,6 +445,8 @@ class Controller:
             # re-sent assistant turns that matched no sampled turn (gyre/proxy/render.py), summed over
             # the executions closed since the previous row
             "unmatched_turns": self._take_unmatched(),
+            "sink_errors": self.proxy.sink_errors,  # TITO records the proxy failed to write, so far
+            "incomplete_tito": len(self.incomplete_tito),  # executions excluded for it, so far
             "switch_to_train_s": self.latencies["to_train"][-1] if self.latencies["to_train"] else None,
             "switch_to_rollout_s": self.latencies["to_rollout"][-1] if self.latencies["to_rollout"] else None,
             **self.ledger.step_fields(step, now),
@@ -471,18 +477,38 @@ class Controller:
             if problem is not None and self.task_error is None:
                 self.task_error = RunFailed(problem)
                 self.stopping = True
+            recorded = self.access.take_recorded(ev.execution_id)
+            if recorded is not None:
+                self.expected_records[ev.execution_id] = recorded
             self.ledger.evaluated(ev.result)
             if len(rec.evaluated) == self.cfg.scheduler.n_per_group:
                 self._spawn(self._make_work(g))
 
-    def _records(self, execution_id: str) -> list:
-        """The execution's TITO records (none when its harness never made a call)."""
-        if not self.tito.path_for(execution_id).exists():
-            return []
-        read = self.tito.read(execution_id)
-        if read.torn:
-            logger.warning("execution %s: torn record at the end of its TITO file dropped", execution_id)
-        return read.records
+    def _records(self, execution_id: str) -> tuple[list, str | None]:
+        """The execution's TITO records (none when its harness never made a call), and what is
+        missing from them when they are not all its calls (then it must not be trained)."""
+        calls, sink_errors = self.expected_records.pop(execution_id, (None, 0))
+        records, torn = [], False
+        if self.tito.path_for(execution_id).is_file():
+            read = self.tito.read(execution_id)
+            records, torn = read.records, read.torn
+        if sink_errors:
+            return records, f"the proxy could not write {sink_errors} of its {calls} call records"
+        if torn:
+            return records, "a torn record at the end of its TITO file"
+        if calls is not None and len(records) != calls:
+            return records, f"{len(records)} TITO records for its {calls} calls"
+        return records, None
+
+    def _scored(self, result: Any) -> tuple[str, Outcome, list]:
+        """(id, outcome, records) for the trajectory processor: excluded when its TITO is incomplete."""
+        records, missing = self._records(result.execution_id)
+        if missing is None:
+            return result.execution_id, _outcome(result.reward), records
+        self.incomplete_tito[result.execution_id] = missing
+        logger.warning("execution %s: %s; excluded from training and from its group's baseline (counted in "
+                       "summary.json incomplete_tito)", result.execution_id, missing)
+        return result.execution_id, Outcome.eval_failed(), []
 
     def _nominal_executions(self) -> int:
         """B·N: the |E| every group is packed with (samples.py: streaming packs before E is known)."""
@@ -491,7 +517,7 @@ class Controller:
     async def _make_work(self, g: int) -> None:
         rec = self.ledger.groups[g]
         results = sorted(rec.evaluated, key=lambda r: r.index)
-        items = [(r.execution_id, _outcome(r.reward), self._records(r.execution_id)) for r in results]
+        items = [self._scored(r) for r in results]
         tc = self.cfg.train
         work = await asyncio.to_thread(
             group_work, rec.group_id, rec.version, items,
@@ -583,7 +609,9 @@ class Controller:
             "interrupted": self.interrupted,  # "SIGINT" / "SIGTERM": a signal stopped the run
             "silent_rank": self.silent_rank,  # a rank that stopped answering (--train.control-timeout-s)
             "ranks_not_stopped": missing,
-            "engine_stalls": stats["engine_stalls"],  # calls moved off an engine that sent no token in time
+            "engine_stalls": stats["engine_stalls"],
+            "sink_errors": self.proxy.sink_errors,
+            "incomplete_tito": dict(self.incomplete_tito),  # execution -> what is missing; excluded from training  # calls moved off an engine that sent no token in time
         }
         rows = read_metrics(str(self.run_dir / "metrics.jsonl"))
         if len(rows) >= 2:

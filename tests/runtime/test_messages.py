@@ -59,6 +59,7 @@ def _samples() -> list:
         m.Loaded(cell=None, rank=6, version=4),
         m.Stopped(**me, time_in={"rollout": 3.0}, latencies={"to_train": [0.5], "to_rollout": []}),
         m.Failed(**me, command="Reduce", error="RuntimeError: boom"),
+        m.Interrupted(**me, signal="SIGTERM"),
     ]
 
 
