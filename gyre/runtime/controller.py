@@ -574,7 +574,10 @@ class Controller:
                 self._on_message(msg)
             self._check_silent()
             if self.silent_rank is not None and self.silent_rank not in self.stopped:
-                break  # named in the error; the others' reports are not worth waiting for
+                # Named in the error; not waited for. Should it thaw, its queue says the run failed
+                # (its first Stop may have said otherwise: the run had ended well until now).
+                self.cp.send(self.silent_rank, Stop(failed=True, checkpoint=checkpoint))
+                break
             await asyncio.sleep(0.01)
         missing = sorted(set(range(self.topo.world_size)) - set(self.stopped))
         if missing:

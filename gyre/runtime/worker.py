@@ -236,6 +236,11 @@ class CellWorker:
             logger.info("checkpoint written to %s", path)
 
     def _on_stop(self, msg: Stop) -> bool:
+        # A later Stop(failed) behind this one: the controller found this rank silent (frozen) after
+        # it had ended the run well; the run failed, and this rank leaves as a stopped one.
+        while (later := self.cp.try_recv()) is not None:
+            if isinstance(later, Stop) and later.failed:
+                msg = later
         self.stopped_by_failure = msg.failed
         if self.topo.is_core and self.actor is not None and (not msg.failed or msg.checkpoint):
             self._checkpoint()  # between commands: the weights and optimizer state of actor.version

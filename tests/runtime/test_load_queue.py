@@ -82,3 +82,10 @@ def test_one_load_alone_loads_it():
     w, cp, board, engine = _worker([], kept={1})
     w.handle(Load(version=1))
     assert engine.updates == [1] and [m.version for m in cp.sent] == [1]
+
+
+def test_a_later_failed_stop_overrides_the_first():
+    """A rank found silent after the run ended well is sent Stop(failed): thawed, it leaves as stopped by a failure."""
+    w, cp, board, engine = _worker([Load(version=2), Stop(failed=False), Stop(failed=True)], kept=set())
+    assert w.handle(Load(version=1)) is False
+    assert w.stopped_by_failure and cp.queue == []
