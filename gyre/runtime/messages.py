@@ -22,7 +22,9 @@ The two loops and what each waits for:
 
 Cell reports (`Transition`, `Joined`, `RequestWork`, `WorkDone`, `StepDone`, `RolledBack`,
 `Loaded`) come from a cell's first rank only, one per cell; `StepDone` from the core only;
-`Stopped` and `Failed` from every rank. A cell's states are `gyre.runtime.cell.CellState`.
+`Stopped`, `Failed` and `Interrupted` from every rank. A cell's states are `gyre.runtime.cell.CellState`.
+Every command that is answered is watched (`gyre.runtime.control.ReplyWatch`): a rank that owes
+a report and sends nothing for `--train.control-timeout-s` (frozen) fails the run, named.
 
     controller (rank 0 thread, polls)              worker (every rank, blocks on recv)
     ─────────────────────────────────              ───────────────────────────────────
@@ -52,11 +54,14 @@ Cell reports (`Transition`, `Joined`, `RequestWork`, `WorkDone`, `StepDone`, `Ro
         ── Load(version) ────────────────────────▶  the engine loads it between decode steps
         ◀── Loaded(version)
     the run's end, or a failure: every rank
-        ── Stop(failed) ─────────────────────────▶  checkpoint (core, not after a failure),
-                                                  stop the engine, leave the loop
+        ── Stop(failed, checkpoint) ─────────────▶  checkpoint (core, not after a failure unless
+                                                  `checkpoint`), stop the engine, leave the loop
         ◀── Stopped(time_in, latencies)
     a handler raised on some rank                 that rank reports, then exits
         ◀── Failed(command, error)                (the controller stops every other rank)
+    SIGINT/SIGTERM on some rank                   its handler reports; it serves on until Stop
+        ◀── Interrupted(signal)                   (the controller stops the run gracefully,
+                                                  Stop(failed, checkpoint=True), summary says so)
 """
 
 from __future__ import annotations
