@@ -31,8 +31,23 @@ pytestmark = pytest.mark.multirank
 SHUTDOWN_S = 25.0
 
 
-@pytest.mark.parametrize("sig, sandbox", [(signal.SIGINT, "none"), (signal.SIGTERM, "auto")])
+def _rank_pid(torchrun: int, rank: int) -> int | None:
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                ppid = int(open(f"/proc/{name}/stat").read().rsplit(")", 1)[1].split()[1])
+                env = open(f"/proc/{name}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if ppid == torchrun and f"RANK={rank}".encode() in env:
+                return int(name)
+    return None
+
+
+@pytest.mark.parametrize("sig, sandbox", [(signal.SIGINT, "none"), (signal.SIGTERM, "auto"), ("rank-death", "none")])
 def test_a_signal_mid_run_stops_it_gracefully_and_leaves_no_process(tmp_path, sig, sandbox):
+    """rank-death: rank 1 is SIGKILLed; torchrun then SIGTERMs the others, which stop gracefully
+    (rank 1 never reports stopping, and is named)."""
     marker = str(uuid.uuid4().int % 10**10).rjust(10, "1")  # digits: also a valid `sleep` argument
     slow_eval = ["sh", "-c", f"sleep 300 # {marker}\necho 0.5"]
     tasks = write_tasks(tmp_path / "tasks.jsonl", [
@@ -55,7 +70,9 @@ def test_a_signal_mid_run_stops_it_gracefully_and_leaves_no_process(tmp_path, si
             return len(rows) >= 1 and len(children) >= 2 and len(evals) >= 2  # the sleepers' children, 2 evaluators
         wait_for(mid_run, 150, proc, "a step done, sleepers running, evaluations in flight")
         t0 = time.monotonic()
-        if sig == signal.SIGINT:
+        if sig == "rank-death":
+            os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)  # the OOM killer, a segfault in a library
+        elif sig == signal.SIGINT:
             os.killpg(proc.pid, sig)  # Ctrl-C: the terminal signals the foreground process group
         else:
             proc.send_signal(sig)  # scancel / preemption: torchrun, which forwards it to the ranks
@@ -66,7 +83,7 @@ def test_a_signal_mid_run_stops_it_gracefully_and_leaves_no_process(tmp_path, si
     finally:
         reap(proc, marker)
 
-    name = signal.Signals(sig).name
+    name = "SIGTERM" if sig == "rank-death" else signal.Signals(sig).name  # torchrun's, after the death
     assert rc != 0, log()
     assert took < SHUTDOWN_S + 5, (took, log())
     assert left == [], f"{len(left)} processes of the run survived: {left}\n{log()}"
@@ -74,7 +91,7 @@ def test_a_signal_mid_run_stops_it_gracefully_and_leaves_no_process(tmp_path, si
 
     summary = json.loads((run / "summary.json").read_text())
     assert summary["interrupted"] == name and f"interrupted by {name}" in summary["error"], summary["error"]
-    assert summary["ranks_not_stopped"] == []
+    assert summary["ranks_not_stopped"] == ([1] if sig == "rank-death" else [])
     assert summary["execution_outcomes"].get("cancelled", 0) >= 2  # the sleepers
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == len(rows) >= 1
