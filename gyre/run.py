@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             rc = 1
         if interrupts.first is not None:
             rc = interrupts.code  # 128 + the signal, as a shell reports it
-        _leave_together(rank, world)
+        # After a signal, within the shutdown bound: a rank that died (the cause) never reports leaving.
+        _leave_together(rank, world, timeout=3.0 if interrupts.first is not None else 20.0)
     except Exception:
         logger.exception("rank %d failed", rank)
         rc = 1

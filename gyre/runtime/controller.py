@@ -569,9 +569,15 @@ class Controller:
         wait_until = time.monotonic() + (15 if failed else 300)
         if deadline is not None:
             wait_until = min(wait_until, deadline)
+        core = set(self._cell_ranks(0))
         while len(self.stopped) < self.topo.world_size and time.monotonic() < wait_until:
             while (msg := self.cp.try_recv()) is not None:
                 self._on_message(msg)
+            if deadline is not None and core <= set(self.stopped):
+                # Interrupted: the core's checkpoint is what must not be lost; the others have a moment
+                # more (one that died is why torchrun sent the signal, and will never answer).
+                wait_until = min(wait_until, time.monotonic() + 3.0)
+                core = set()
             self._check_silent()
             if self.silent_rank is not None and self.silent_rank not in self.stopped:
                 # Named in the error; not waited for. Should it thaw, its queue says the run failed

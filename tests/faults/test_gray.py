@@ -79,6 +79,7 @@ def test_a_frozen_engine_rank_loses_its_calls_in_time_and_is_named(tmp_path):
     assert f"engine cell1 sent no token for {PROGRESS_S:.1f}s" in text
     assert summary["aborted_calls"] == 0 and "timed_out" not in summary["execution_outcomes"]
     assert summary["execution_outcomes"].get("crashed", 0) == 0
+    assert summary["incomplete_tito"] == {} and summary["sink_errors"] == 0  # every record of every call written
     # The core checkpointed at the last step's version; the thawed rank stopped without touching evicted snapshots.
     rows = (run / "metrics.jsonl").read_text().splitlines()
     assert (run / "checkpoints" / f"step_{len(rows):06d}" / "gyre_actor.json").exists()

@@ -85,7 +85,8 @@ def test_a_signal_mid_run_stops_it_gracefully_and_leaves_no_process(tmp_path, si
 
     name = "SIGTERM" if sig == "rank-death" else signal.Signals(sig).name  # torchrun's, after the death
     assert rc != 0, log()
-    assert took < SHUTDOWN_S + 5, (took, log())
+    # torchrun notices a dead rank within its monitor interval, then signals the others
+    assert took < SHUTDOWN_S + (15 if sig == "rank-death" else 5), (took, log())
     assert left == [], f"{len(left)} processes of the run survived: {left}\n{log()}"
     assert [p.name for p in tmpdir.iterdir() if p.name.startswith("gyre-eval-")] == []
 
