@@ -18,6 +18,13 @@ one handler (`HANDLERS`). The commands and reports, and a diagram of who waits f
 `gyre.runtime.messages`. Work requests the scheduler cannot serve yet are kept and retried after
 every event. What happened to every group and step, and the cells' timeline, is written to the
 run's ledger (`gyre.runtime.ledger`), from which the metrics rows and the summary are read.
+
+The failure path (`_finish(failed=True)`) is the same for every early end: a worker's `Failed`,
+a health stop, a rank silent past `train.control_timeout_s` (`ReplyWatch`), or a signal
+(`Interrupted`: SIGINT/SIGTERM on any rank, within `train.shutdown_timeout_s`): harness trees
+killed, every rank sent `Stop`, the core's checkpoint (unless a worker failed), the timeline,
+summary and event log written, and the error raised for `gyre.run` to exit non-zero. An
+execution whose TITO record is incomplete is excluded from training (`incomplete_tito`).
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def _rank_pid(torchrun: int, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("sig, sandbox", [(signal.SIGINT, "none"), (signal.SIGTERM, "auto"), ("rank-death", "none")])
+@pytest.mark.parametrize("sig, sandbox", [(signal.SIGINT, "none"), (signal.SIGTERM, "auto"), ("rank-death", "none")],
+                         ids=["sigint-group-unsandboxed", "sigterm-torchrun-sandboxed", "rank-death"])
 def test_a_signal_mid_run_stops_it_gracefully_and_leaves_no_process(tmp_path, sig, sandbox):
     """rank-death: rank 1 is SIGKILLed; torchrun then SIGTERMs the others, which stop gracefully
     (rank 1 never reports stopping, and is named)."""
