@@ -412,8 +412,10 @@ async def prepare(kind: str, *, cfg, execution_id: str, exec_dir: Path, ws: Path
     if kind == "none":
         if not sys.platform.startswith("linux"):
             return Launch(argv, env, str(ws))
-        if shutil.which(argv[0], path=env.get("PATH", os.defpath)) is None:
-            raise FileNotFoundError(f"harness program {argv[0]!r} not found")  # a launch failure, as without the shim
+        prog = argv[0]  # a path is relative to the workspace, where the harness starts
+        found = os.access(os.path.join(ws, prog), os.X_OK) if os.sep in prog else shutil.which(prog, path=env.get("PATH", os.defpath))
+        if not found:
+            raise FileNotFoundError(f"harness program {prog!r} not found")  # a launch failure, as without the shim
         return Launch([sys.executable, "-I", "-S", "-c", REAPER, *argv], env, str(ws), wrapped=True)
     if kind != "container" and shutil.which(argv[0], path=env.get("PATH", os.defpath)) is None:
         # Found here, a missing program is a launch failure, as without a sandbox (not a crash).

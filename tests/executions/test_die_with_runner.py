@@ -76,3 +76,23 @@ def test_a_killed_runner_takes_every_harness_process_with_it(tmp_path, sandbox):
     for pid in left:  # do not leave them to the next test
         os.kill(pid, signal.SIGKILL)
     assert left == [], f"{len(left)} harness processes outlived the killed runner"
+
+
+def test_the_reaper_runs_a_harness_named_relative_to_its_workspace_and_passes_its_status_on(tmp_path):
+    import asyncio
+
+    from gyre.executions import sandbox
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "run.sh").write_text("#!/bin/sh\nexit 3\n")
+    (ws / "run.sh").chmod(0o755)
+    prep = lambda argv: asyncio.run(sandbox.prepare("none", cfg=None, execution_id="e", exec_dir=tmp_path,  # noqa: E731
+                                                    ws=ws, argv=argv, env={"PATH": os.defpath}))
+    launch = prep(["./run.sh"])
+    rc = subprocess.run(launch.argv, cwd=launch.cwd, env=launch.env).returncode
+    assert launch.exit_code(rc) == 3
+    killed = prep(["/bin/sh", "-c", "kill -9 $$"])
+    assert killed.exit_code(subprocess.run(killed.argv, cwd=killed.cwd, env=killed.env).returncode) == -9
+    with pytest.raises(FileNotFoundError, match="nope.sh"):
+        prep(["./nope.sh"])  # a launch failure, as without the reaper
