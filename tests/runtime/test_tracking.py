@@ -76,7 +76,7 @@ def test_the_controller_closes_its_trackers_on_every_path(fails):
     from gyre.runtime.controller import Controller
 
     c = Controller.__new__(Controller)  # only what _main touches
-    c.error, c.stop_sent = None, True
+    c.error, c.stop_sent, c.interrupted = None, True, None
     rec = _Recorder()
     c.trackers = Trackers([rec])
 
