@@ -163,10 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, RunStopped):  # the run failed elsewhere and the controller said why
             logger.info("%s", e)
             rc = 0
-        else:  # the controller already logged the diagnosis
-            rc = 1
-        if interrupts.first is not None:
-            rc = interrupts.code  # 128 + the signal, as a shell reports it
+        else:  # the controller already logged the diagnosis; after a signal, 128 + it, as a shell says
+            rc = interrupts.code if interrupts.first is not None else 1
         # After a signal, within the shutdown bound: a rank that died (the cause) never reports leaving.
         _leave_together(rank, world, timeout=3.0 if interrupts.first is not None else 20.0)
     except Exception:
