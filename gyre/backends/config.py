@@ -100,6 +100,15 @@ class BackendConfig:
     parallel.cell_size = 1), options under --actor.*. megatron: Megatron-core on the rank's GPU
     (needs CUDA; refused up front without it), cells laid out by --parallel.tp/pp/cp/ep, the
     optimizer options under --actor.* as for cpu."""
+    offload_actor: bool = True
+    """Memory hand-over in a cell (docs/design.md §3): entering rollout the actor's parameters,
+    gradients and optimizer state move to host memory (pinned on CUDA) and the device's cached
+    blocks are freed for the engine; entering training they move back. --backend.no-offload-actor
+    keeps the actor resident when the device holds both actor and engine (no copy, no latency)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of the built-in engine (--backend.engine cpu) and actor (--backend.actor cpu). auto:
+    this rank's GPU (cuda:LOCAL_RANK, bound by gyre.run) when CUDA is available, else cpu. cuda
+    without CUDA is refused up front."""
 
 
 @dataclass(kw_only=True)

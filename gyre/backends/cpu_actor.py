@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from gyre.backends.config import CpuActorConfig
+from gyre.backends.memory import ActorMemory
 from gyre.backends.models import packed_logits, save_checkpoint
 from gyre.loss.config import LossConfig
 from gyre.trajectory.microstep import MicroStep
@@ -53,6 +54,7 @@ class CpuActor:
         if is_core:
             c = self.config
             self.optimizer = torch.optim.AdamW(self._params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+        self.memory = ActorMemory.of([*model.parameters(), *model.buffers()], optimizers=[self.optimizer])
 
     @property
     def has_optimizer_state(self) -> bool:
@@ -156,6 +158,15 @@ class CpuActor:
         self.zero_grad()
         self.version += 1
         return {"grad_norm": float(grad_norm), "lr": lr, "version": float(self.version)}
+
+    # ------------------------------------------------------------------ memory hand-over
+    def offload(self) -> int:
+        """Parameters, grads and AdamW state to host memory (`gyre.backends.memory`); bytes moved."""
+        return self.memory.offload()
+
+    def restore(self) -> int:
+        """Back on the model's device; bytes moved."""
+        return self.memory.restore()
 
     # ------------------------------------------------------------------ parameters
     def export_parameters(self) -> dict[str, torch.Tensor]:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from gyre.backends.config import CpuActorConfig, MegatronConfig
+from gyre.backends.memory import ActorMemory
 from gyre.backends.models import rope_theta
 from gyre.loss.config import LossConfig
 
@@ -366,6 +367,9 @@ class MegatronActor:
         self.import_parameters(hf_state_dict)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.master = Fp32Master(self._params, self.optim) if is_core else None
+        masters = self.master.masters if self.master is not None else []
+        self.memory = ActorMemory.of([*self.model.parameters(), *self.model.buffers(), *masters],
+                                     optimizers=[self.optimizer])
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -469,6 +473,16 @@ class MegatronActor:
         self.zero_grad()
         self.version += 1
         return {"grad_norm": norm, "lr": lr, "version": float(self.version)}
+
+    def offload(self) -> int:
+        """Entering rollout: bf16/fp32 parameters, grads and fp32 main grads, the fp32 masters and
+        their AdamW state to pinned host memory, then `torch.cuda.empty_cache()`
+        (`gyre.backends.memory`); bytes moved."""
+        return self.memory.offload()
+
+    def restore(self) -> int:
+        """Entering training: everything back on this rank's GPU; bytes moved."""
+        return self.memory.restore()
 
     def export_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter by HF name, full tensors on CPU (the `Actor` contract: what engines and

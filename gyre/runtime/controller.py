@@ -330,6 +330,7 @@ class Controller:
 
     def _on_joined(self, msg: Joined) -> None:
         cell = msg.cell
+        self.ledger.handover(msg.handover_s)
         if self.sched.roles[cell] is CellRole.TO_TRAIN:
             self.latencies["to_train"].append(time.time() - self.switch_sent.pop(cell, time.time()))
         self._apply(self.sched.on_switch_done(cell, "train"))  # superseded if the burst already ended
@@ -346,6 +347,7 @@ class Controller:
 
     def _on_rolled_back(self, msg: RolledBack) -> None:
         cell = msg.cell
+        self.ledger.handover(msg.handover_s)
         self.latencies["to_rollout"].append(time.time() - self.switch_sent.pop(cell, time.time()))
         self.proxy.router.resume(f"cell{cell}")
         self._apply(self.sched.on_switch_done(cell, "rollout"))
@@ -490,6 +492,7 @@ class Controller:
             "mode": self.cfg.scheduler.mode,
             "train_fraction": {str(c): f for c, f in fractions.items()},
             "switch_latency_s": {k: (float(np.mean(v)) if v else None) for k, v in self.latencies.items()},
+            "handover_s": self.ledger.handover_summary(),  # the switches' parts: actor offload / restore, ...
             "reroutes": stats["reroutes"],
             "calls": self.access.totals["calls"],
             "aborted_calls": self.access.totals["aborted_calls"],

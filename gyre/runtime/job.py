@@ -84,7 +84,8 @@ def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: Weight
         return factory.build_actor(cfg, model_cfg, is_core=is_core)
 
     worker = CellWorker(topo, groups, control, weights, engine_host, make_actor, checkpoint_dir=str(ckpt_dir),
-                        checkpoint_every=cfg.train.checkpoint_every, audit_dir=cfg.train.audit_dir)
+                        checkpoint_every=cfg.train.checkpoint_every, audit_dir=cfg.train.audit_dir,
+                        offload_actor=cfg.backend.offload_actor)
     # A satellite's actor is built now, not at its first switch: the first model build in a
     # process costs seconds (library imports, 5-7 s measured under load), which used to keep
     # every satellite out of the first step it was switched in for.
