@@ -60,6 +60,42 @@ def test_bind_device_on_cpu_binds_nothing(monkeypatch):
     assert bind_device("auto") == "gloo"
 
 
+# ---------------------------------------------------------------------------- the device of a collective
+from gyre.backends.devices import device_for_backend  # noqa: E402
+
+
+@pytest.mark.parametrize("backend, cuda, expected", [
+    (MULTI, torch.device("cuda", 3), torch.device("cuda", 3)),  # GPU ranks: parameters and grads over NCCL
+    (MULTI, None, torch.device("cpu")),
+    ("gloo", torch.device("cuda", 3), torch.device("cpu")),  # the torch transport's own group; --parallel.backend gloo
+    ("cpu:gloo", torch.device("cuda", 1), torch.device("cpu")),
+    ("nccl", torch.device("cuda", 2), torch.device("cuda", 2)),
+])
+def test_collective_tensors_ride_the_device_the_group_backend_takes(backend, cuda, expected):
+    assert device_for_backend(backend, cuda) == expected
+
+
+def test_a_cuda_only_group_without_a_gpu_and_an_unknown_backend_are_errors():
+    with pytest.raises(RuntimeError, match="'nccl' takes CUDA tensors only"):
+        device_for_backend("nccl", None)
+    with pytest.raises(ValueError, match="'ucc': unknown"):
+        device_for_backend("ucc", torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("requested, expected_type", [("auto", "cuda"), ("nccl", "cuda"), ("gloo", "cpu")])
+def test_a_cuda_visible_config_sends_weights_and_grads_over_nccl(monkeypatch, requested, expected_type):
+    """The chain gyre.run → groups → collectives, with CUDA monkeypatched visible: the backend
+    string bind_device picks makes every prefix-group collective use the rank's GPU (NCCL), except
+    under the gloo override."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    backend = bind_device(requested)
+    device = device_for_backend(backend, torch.device("cuda", 1))
+    assert device.type == expected_type and (expected_type == "cpu" or device.index == 1)
+
+
 def _cpu_tensors_over_multibackend_groups():
     """4 ranks, cell_size 1: init on a multi-backend string, then every code path of gyre that
     moves CPU tensors over the topology's groups."""
@@ -92,9 +128,14 @@ def _cpu_tensors_over_multibackend_groups():
     grads_ok = all(torch.equal(p.grad, torch.full_like(p, 10.0)) for p in actor.model.parameters())
     params = TorchDistTransport(g, src=0).share(actor.export_parameters() if rank == 0 else None)
     same = all(torch.equal(params[k], v) for k, v in CpuActor(tiny_model(seed=0), is_core=False).export_parameters().items())
+    from gyre.backends.devices import collective_device
+
+    # a gloo-only group stays on CPU even where a GPU is visible (here: pretended)
+    torch.cuda.is_available, torch.cuda.current_device = (lambda: True), (lambda: 0)
+    on_cpu = collective_device(g) == torch.device("cpu")
     dist.barrier(group=groups.control)
     dist.destroy_process_group()
-    return sorted(backends), control_is_world, float(sums[0]), grads_ok, same
+    return sorted(backends), control_is_world, float(sums[0]), grads_ok, same and on_cpu
 
 
 @pytest.mark.multirank

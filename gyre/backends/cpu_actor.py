@@ -130,8 +130,13 @@ class CpuActor:
         """Sum accumulated gradients over `group` (every member calls this); None: alone."""
         if group is None:
             return
+        from gyre.backends.devices import collective_device
+
         flat = self._flat_grads()
+        home = flat.device
+        flat = flat.to(collective_device(group))  # the device the group's backend takes (no copy when same)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat = flat.to(home)
         offset = 0
         for p in self._params:
             n = p.numel()

@@ -293,6 +293,9 @@ def grad_norm_fp32(grads: list[torch.Tensor], group: Any = None) -> float:
     for g in grads:
         sq += g.float().pow(2).sum()
     if group is not None and dist.get_world_size(group) > 1:
+        from gyre.backends.devices import collective_device
+
+        sq = sq.to(collective_device(group))
         dist.all_reduce(sq, group=group)
     return float(sq.sqrt())
 
@@ -446,8 +449,13 @@ class MegatronActor:
         fp32 whatever the parameter dtype: the sums land in `p.main_grad` (fp32)."""
         if group is None:
             return
+        from gyre.backends.devices import collective_device
+
         flat = torch.cat([g.reshape(-1) for g in main_grads_fp32(self._params)])
-        dist.all_reduce(flat, group=group)  # CUDA tensor: the NCCL side of "cpu:gloo,cuda:nccl"
+        # CUDA tensor on "cpu:gloo,cuda:nccl" (NCCL); a gloo-only group (--parallel.backend gloo) gets a host copy
+        flat = flat.to(collective_device(group))
+        dist.all_reduce(flat, group=group)
+        flat = flat.to(self.device)
         offset = 0
         for p in self._params:
             p.grad = None
