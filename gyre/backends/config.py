@@ -106,9 +106,10 @@ class BackendConfig:
     blocks are freed for the engine; entering training they move back. --backend.no-offload-actor
     keeps the actor resident when the device holds both actor and engine (no copy, no latency)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device of the built-in engine (--backend.engine cpu) and actor (--backend.actor cpu). auto:
-    this rank's GPU (cuda:LOCAL_RANK, bound by gyre.run) when CUDA is available, else cpu. cuda
-    without CUDA is refused up front."""
+    """Device of the built-in engine (--backend.engine cpu: weights, KV caches, the forward). auto:
+    this rank's GPU (cuda:LOCAL_RANK, bound by gyre.run) when CUDA is available, else cpu; cuda
+    without CUDA is refused up front. So a GPU machine without SGLang runs the whole loop, cells
+    flipping between this engine and --backend.actor megatron. (The built-in actor stays on CPU.)"""
 
 
 @dataclass(kw_only=True)

@@ -86,15 +86,20 @@ class _Request:
 
 
 class CpuEngine:
-    """RolloutEngine on CPU. `model_config` is the Qwen2Config, `state_dict` its HF weights."""
+    """The built-in RolloutEngine. `model_config` is the Qwen2Config, `state_dict` its HF weights.
+    `device`: where weights, KV caches and the forward live (`--backend.device`, resolved by
+    `gyre.backends.devices.engine_device`: cpu, or the rank's GPU); sampling reads the step's
+    logits on CPU, so seeded requests sample alike on either."""
 
     name = "cpu"
 
     def __init__(self, model_config, state_dict: dict[str, torch.Tensor], *, version: int = 0,
-                 config: CpuEngineConfig | None = None, eos_token_ids: list[int] | None = None):
+                 config: CpuEngineConfig | None = None, eos_token_ids: list[int] | None = None,
+                 device: torch.device | str = "cpu"):
         self.config = config or CpuEngineConfig()
         self.model_config = model_config
-        self._weights = DecoderWeights.from_state_dict(state_dict, model_config)
+        self.device = torch.device(device)
+        self._weights = DecoderWeights.from_state_dict(state_dict, model_config, device=self.device)
         self.version = version
         self.eos_token_ids = list(eos_token_ids or [])
         self.state = EngineState.CREATED
@@ -172,6 +177,8 @@ class CpuEngine:
                                f"{len(self._waiting)} waiting requests; drain first")
         async with self._step_lock:
             self._move(EngineState.RELEASED)
+        if self.device.type == "cuda":  # the finished requests' KV blocks go back to the driver, for the actor
+            torch.cuda.empty_cache()
 
     async def resume(self) -> None:
         async with self._step_lock:
@@ -197,7 +204,8 @@ class CpuEngine:
         """Swap in new weights between decode steps; running requests continue under them."""
         if self.state is EngineState.STOPPED:
             raise RuntimeError("CpuEngine.update_weights: engine is stopped")
-        weights = await asyncio.to_thread(DecoderWeights.from_state_dict, state_dict, self.model_config)
+        weights = await asyncio.to_thread(DecoderWeights.from_state_dict, state_dict, self.model_config,
+                                          device=self.device)
         async with self._step_lock:
             self._weights = weights
             self.version = int(version)
@@ -355,7 +363,7 @@ class CpuEngine:
         ids = torch.tensor([t for f, _ in feeds for t in f], dtype=torch.long)
         pos = torch.cat([torch.arange(start, start + len(f)) for f, start in feeds])
         with torch.no_grad():
-            logits = extend(weights, ids, pos, [len(f) for f, _ in feeds], caches)
+            logits = extend(weights, ids, pos, [len(f) for f, _ in feeds], caches).cpu()  # [B, V]: sampled on CPU
         out = []
         for req, row in zip(batch, logits):
             sp = req.sampling

@@ -64,6 +64,9 @@ def check_backends(cfg: Any) -> None:
         if why is not None:
             raise ConfigError(f"--{flag.replace('_', '-')} {chosen}: {why}; use "
                               f"--{flag.replace('_', '-')} {runnable(kinds, cuda=cuda)[0]}")
+    if cfg.backend.device == "cuda" and not cuda:
+        raise ConfigError("--backend.device cuda: CUDA is not available on this machine; "
+                          "use --backend.device auto (cpu here)")
     if cfg.parallel.cell_size != 1 and cfg.backend.actor == "cpu":
         raise ConfigError(f"parallel.cell_size = {cfg.parallel.cell_size}: the built-in CPU actor "
                           f"(--backend.actor cpu) holds a whole model on one rank, so it needs "
@@ -184,8 +187,10 @@ def build_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *
                  eos_token_ids: list[int], name: str) -> RolloutEngine:
     """A rollout engine of `--backend.engine` serving `params` as `version` (not started)."""
     from gyre.backends.cpu_engine import CpuEngine
+    from gyre.backends.devices import this_engine_device
 
-    engine = CpuEngine(model_config, params, version=version, config=cfg.engine, eos_token_ids=eos_token_ids)
+    engine = CpuEngine(model_config, params, version=version, config=cfg.engine, eos_token_ids=eos_token_ids,
+                       device=this_engine_device(cfg.backend.device))
     engine.name = name
     return engine
 
