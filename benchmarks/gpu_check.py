@@ -53,6 +53,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 WHEEL_CAP_MIB = 64
+MANIFEST = ROOT / "benchmarks" / "gpu_check_wheels.json"  # what --fetch-wheels got: file, bytes, sha256
 CUDA_ARCH = "9.0"  # H200 (sm_90)
 BUDGET_S = 470  # the whole check: 8 minutes less the machine's start and the copies
 
@@ -145,13 +146,35 @@ def check_wheels(directory: Path, specs: list[str], cap_mib: float = WHEEL_CAP_M
     return problems, {"wheels": len(files), "total_mib": round(total, 2), "cap_mib": cap_mib}
 
 
+def check_manifest(manifest: Path, specs: list[str], cap_mib: float = WHEEL_CAP_MIB) -> tuple[list[str], dict]:
+    """Problems with the committed record of the fetched wheels (`MANIFEST`, written by
+    --fetch-wheels): every spec recorded, total under the cap. Checkable without the wheels."""
+    if not manifest.exists():
+        return [f"{manifest}: missing (run --fetch-wheels)"], {}
+    rec = json.loads(manifest.read_text())
+    problems = [f"{spec}: not in {manifest.name} (fetch again)" for spec in specs if spec not in rec]
+    total = sum(rec[s]["bytes"] for s in specs if s in rec) / MiB
+    if total >= cap_mib:
+        problems.append(f"the wheels total {total:.1f} MiB, over the {cap_mib} MiB a device run can carry")
+    return problems, {"wheels": sum(s in rec for s in specs), "total_mib": round(total, 2), "cap_mib": cap_mib}
+
+
 def fetch_wheels(directory: Path) -> int:
-    """pip download every pinned wheel for CPython 3.12 (no dependencies: `WHEELS` is the closure)."""
+    """pip download every pinned wheel for CPython 3.12 (no dependencies: `WHEELS` is the closure),
+    then record file, size and sha256 of each in `MANIFEST`."""
+    import hashlib
+
     directory.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--python-version", "3.12", "--only-binary", ":all:",
            "--no-deps", "-d", str(directory), *WHEELS]
     rc = subprocess.call(cmd)
     problems, figures = check_wheels(directory, WHEELS)
+    if not problems:
+        rec = {}
+        for spec in WHEELS:
+            f = next(p for p in directory.glob("*.whl") if p.name.lower().startswith(f"{wheel_name(spec)}-{spec.split('==')[1]}-"))
+            rec[spec] = {"file": f.name, "bytes": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+        MANIFEST.write_text(json.dumps(rec, indent=1) + "\n")
     print(json.dumps({"problems": problems, **figures}))
     return rc or (1 if problems else 0)
 
@@ -249,7 +272,8 @@ def _pytest(paths: list[str], timeout: float, figures_file: Path | None = None) 
     env = _env()
     if figures_file is not None:
         env["GYRE_GPU_CHECK_FIGURES"] = str(figures_file)
-    rc, out = _sh([sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu or not gpu", "-p", "no:cacheprovider", *paths],
+    rc, out = _sh([sys.executable, "-m", "pytest", "-q", "-rs", "-o", "addopts=", "-m", "gpu or not gpu", "-p",
+                   "no:cacheprovider", *paths],
                   timeout, env=env)
     last = out.strip().splitlines()[-1] if out.strip() else ""
     figures: dict[str, Any] = {"summary": last}
@@ -358,19 +382,23 @@ def stage_loss_bench(timeout: float) -> Stage:
 
 # ---------------------------------------------------------------------------- dry run (CPU)
 def dry_run(wheels: Path | None, *, nvcc: bool = True, kernel_tests: list[str] | None = None,
-            megatron_tests: list[str] | None = None, run_args: list[str] | None = None) -> dict[str, Stage]:
+            megatron_tests: list[str] | None = None, run_args: list[str] | None = None,
+            wheel_specs: list[str] | None = None, manifest: Path = MANIFEST) -> dict[str, Stage]:
     """What can be checked without a GPU: the wheel set, the build plan, the test selection, the
     run's config, and (when nvcc is here) a compile-only check of the CUDA sources."""
     out: dict[str, Stage] = {}
     kernel_tests = KERNEL_TESTS if kernel_tests is None else kernel_tests
     megatron_tests = MEGATRON_TESTS if megatron_tests is None else megatron_tests
     run_args = RUN_ARGS if run_args is None else run_args
-    # wheels
-    if wheels is None:
-        out["wheels"] = Stage("skip", "no --wheels directory given (fetch with --fetch-wheels DIR)")
+    # wheels: the committed manifest always; the files themselves when fetched here
+    problems, figures = check_manifest(manifest, WHEELS if wheel_specs is None else wheel_specs)
+    if wheels is not None:
+        more, on_disk = check_wheels(wheels, WHEELS if wheel_specs is None else wheel_specs)
+        problems += more
+        figures["on_disk"] = on_disk
     else:
-        problems, figures = check_wheels(wheels, WHEELS)
-        out["wheels"] = Stage("fail" if problems else "pass", "; ".join(problems), figures=figures)
+        figures["on_disk"] = "not fetched here (the manifest is checked)"
+    out["wheels"] = Stage("fail" if problems else "pass", "; ".join(problems), figures=figures)
     # build plan: setup.py would compile the CUDA kernels on the box, for sm_90
     sys.path.insert(0, str(ROOT))
     import importlib.util
@@ -390,7 +418,7 @@ def dry_run(wheels: Path | None, *, nvcc: bool = True, kernel_tests: list[str] |
     if missing:
         sel.status, sel.reason = "fail", f"missing test files: {missing}"
     else:
-        rc, text = _sh([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu or not gpu",
+        rc, text = _sh([sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=", "-m", "gpu or not gpu",
                         "-p", "no:cacheprovider", *kernel_tests, *megatron_tests], 180)
         ids = [ln for ln in text.splitlines() if "::" in ln]
         per = {p: sum(1 for i in ids if i.startswith(p.split("::")[0]) and (("::" not in p) or i.startswith(p)))
