@@ -4,6 +4,9 @@
     bash benchmarks/gpu_check.sh                                         # on the GPU box (≤ 8 min)
     python benchmarks/gpu_check.py --dry-run                             # on CPU: everything it can check
 
+The wheels directory is gitignored: a device run carries it (the device tool's `carry`:
+["benchmarks/wheels"]). `--only STAGE ...` reruns some stages; `--budget-s` bounds the whole.
+
 The box: Python 3.12, torch 2.11 (CUDA 13), nvcc 13, transformers, safetensors, aiohttp, numpy,
 tensorboard; no SGLang, Mooncake, Transformer Engine, tyro, megatron-core. What gyre's runtime and
 the tests import beyond that travels as pinned wheels (`WHEELS`, < 64 MiB in all), installed with
@@ -256,10 +259,10 @@ def stage_build(timeout: float) -> Stage:
                   env={**_env(), "MAX_JOBS": str(os.cpu_count() or 8)})
     if rc != 0:
         return Stage("fail", f"setup.py build_ext exited {rc}", log_tail=_tail(out))
-    probe = ("import torch, gyre.loss as L; L.extension_available(); "
-             "print(torch._C._dispatch_has_kernel_for_dispatch_key('gyre::logprobs_fwd', 'CUDA'))")
+    probe = ("import torch, gyre.loss as L; L.extension_available(); print('CUDA_DISPATCH', "
+             "torch._C._dispatch_has_kernel_for_dispatch_key('gyre::logprobs_fwd', 'CUDA'))")
     rc2, out2 = _sh([sys.executable, "-c", probe], 60)
-    cuda = rc2 == 0 and out2.strip().splitlines()[-1:] == ["True"]
+    cuda = rc2 == 0 and "CUDA_DISPATCH True" in out2
     fell_back = "CUDA build of gyre._C failed" in out
     figures = {"arch_list": CUDA_ARCH, "cuda_dispatch_registered": cuda, "fell_back_to_cpu": fell_back}
     if not cuda:
@@ -413,7 +416,7 @@ def dry_run(wheels: Path | None, *, nvcc: bool = True, kernel_tests: list[str] |
                                        "command": f"TORCH_CUDA_ARCH_LIST={CUDA_ARCH} python setup.py build_ext --inplace"})
     out["nvcc_compile_only"] = nvcc_compile_only() if nvcc else Stage("skip", "not asked (--no-nvcc)")
     # test selection: every file exists and collects at least one test
-    sel = Stage()
+    sel, t0 = Stage(), time.perf_counter()
     missing = [p for p in kernel_tests + megatron_tests if not (ROOT / p.split("::")[0]).exists()]
     if missing:
         sel.status, sel.reason = "fail", f"missing test files: {missing}"
@@ -430,6 +433,7 @@ def dry_run(wheels: Path | None, *, nvcc: bool = True, kernel_tests: list[str] |
             sel.log_tail = _tail(text)
         else:
             sel.status = "pass"
+    sel.seconds = time.perf_counter() - t0
     out["test_selection"] = sel
     # the run's config: parses, and passes the up-front check as it would on a CUDA box
     cfg_stage = Stage()
