@@ -224,6 +224,16 @@ def nvcc_compile_only(timeout: float = 120) -> Stage:
 
 
 # ---------------------------------------------------------------------------- device stages
+def _older(have: str, pin: str) -> bool:
+    """Is installed version `have` older than `pin`? ('4.10.0' < '4.16.0'; unparsable: no)."""
+    try:
+        from packaging.version import Version
+
+        return Version(have) < Version(pin)
+    except Exception:  # noqa: BLE001 — a version we cannot read is left alone
+        return False
+
+
 def stage_install(wheels: Path | None, timeout: float) -> Stage:
     from importlib import metadata
 
@@ -234,11 +244,17 @@ def stage_install(wheels: Path | None, timeout: float) -> Stage:
         if problems:
             return Stage("fail", "; ".join(problems), figures=st.figures)
         need = []
-        for spec in WHEELS:
+        for spec in WHEELS:  # the box's own version is kept unless it is older than the pin
+            name, pin = spec.split("==")
             try:
-                kept.append(f"{spec.split('==')[0]}=={metadata.version(spec.split('==')[0])}")
+                have = metadata.version(name)
             except metadata.PackageNotFoundError:
                 need.append(spec)
+                continue
+            if _older(have, pin):
+                need.append(spec)
+            else:
+                kept.append(f"{name}=={have}")
         if need:
             rc, out = _sh([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--find-links",
                            str(wheels), *need], timeout)

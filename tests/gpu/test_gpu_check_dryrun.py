@@ -91,3 +91,8 @@ def test_the_device_stages_are_budgeted_within_eight_minutes(gc):
     assert gc.BUDGET_S <= 8 * 60 - 10
     assert set(gc.STAGES) == {"install", "build", "kernel_tests", "megatron_step", "run", "loss_bench"}
     assert gc.CUDA_ARCH == "9.0" and gc.BENCH_SHAPE == (16384, 151936)
+
+
+def test_the_box_keeps_its_packages_unless_older_than_the_pin(gc):
+    assert gc._older("4.10.0", "4.16.0") and not gc._older("4.16.0", "4.16.0") and not gc._older("5.0", "4.16.0")
+    assert not gc._older("not-a-version", "1.0")
