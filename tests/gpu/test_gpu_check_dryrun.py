@@ -96,3 +96,10 @@ def test_the_device_stages_are_budgeted_within_eight_minutes(gc):
 def test_the_box_keeps_its_packages_unless_older_than_the_pin(gc):
     assert gc._older("4.10.0", "4.16.0") and not gc._older("4.16.0", "4.16.0") and not gc._older("5.0", "4.16.0")
     assert not gc._older("not-a-version", "1.0")
+
+
+def test_the_cpu_tests_named_for_what_one_gpu_cannot_try_exist(gc):
+    import re
+
+    named = {p for v in gc.ONE_GPU_LIMITS.values() for p in re.findall(r"tests/[\w/]+\.py", v)}
+    assert len(named) >= 5 and all((ROOT / p).exists() for p in named), sorted(p for p in named if not (ROOT / p).exists())
