@@ -271,3 +271,15 @@ def test_the_factory_builds_the_engine_on_the_chosen_device(monkeypatch):
     engine = factory.build_engine(parse_config(["--backend.device", "cuda"]), model.config, model.state_dict(),
                                   version=0, eos_token_ids=[1], name="e")
     assert chosen == ["cuda"] and engine.device.type == "meta" and engine._weights.device.type == "meta"
+
+
+def test_the_torch_transport_refuses_a_point_to_point_group_without_gloo(monkeypatch):
+    import torch.distributed as dist
+
+    from gyre.backends.weights import TorchWeights
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ValueError, match="must be a gloo group"):
+        TorchWeights(None, object(), owner=0)
