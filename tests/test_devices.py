@@ -283,3 +283,16 @@ def test_the_torch_transport_refuses_a_point_to_point_group_without_gloo(monkeyp
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     with pytest.raises(ValueError, match="must be a gloo group"):
         TorchWeights(None, object(), owner=0)
+
+
+def test_decoder_weights_move_between_devices_unchanged():
+    from gyre.backends.decoder import DecoderWeights
+    from tests.backends.helpers import tiny_model
+
+    model = tiny_model(seed=0)
+    w = DecoderWeights.from_state_dict(model.state_dict(), model.config)
+    meta = w.to("meta")
+    assert meta.device.type == "meta" and meta.inv_freq.device.type == "meta" and w.device.type == "cpu"
+    back = w.to("cpu")
+    assert back.tensors.keys() == w.tensors.keys() and all(torch.equal(back.tensors[k], t) for k, t in w.tensors.items())
+    assert (back.num_layers, back.head_dim, back.tied) == (w.num_layers, w.head_dim, w.tied)

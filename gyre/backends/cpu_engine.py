@@ -171,18 +171,24 @@ class CpuEngine:
                 pass
 
     async def release_memory(self) -> None:
-        """Free every KV cache (the cell is switching to training). Nothing may be in flight."""
+        """Free every KV cache (the cell is switching to training). Nothing may be in flight. On
+        CUDA the weights also wait in pinned host memory and the cached blocks are freed, so the
+        actor has the GPU; `resume` brings them back."""
         if self._running or self._waiting:
             raise RuntimeError(f"CpuEngine.release_memory: {len(self._running)} running and "
                                f"{len(self._waiting)} waiting requests; drain first")
         async with self._step_lock:
             self._move(EngineState.RELEASED)
-        if self.device.type == "cuda":  # the finished requests' KV blocks go back to the driver, for the actor
-            torch.cuda.empty_cache()
+            if self.device.type == "cuda":  # the cell trains: weights to pinned host memory, blocks to the driver
+                self._weights = self._weights.to("cpu", pin=True)
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
 
     async def resume(self) -> None:
         async with self._step_lock:
             self._move(EngineState.RUNNING, require=EngineState.RELEASED)
+            if self._weights.device != self.device:  # released on CUDA (unless an update came meanwhile)
+                self._weights = self._weights.to(self.device)
         self._wake.set()
 
     async def health(self) -> EngineHealth:

@@ -14,6 +14,7 @@ Shapes: H hidden, nh query heads, nkv key/value heads, hd head dim, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +96,14 @@ class DecoderWeights:
     @property
     def device(self) -> torch.device:
         return self.tensors["model.embed_tokens.weight"].device
+
+    def to(self, device: torch.device | str, *, pin: bool = False) -> "DecoderWeights":
+        """The same weights on `device` (host: page-locked when `pin`, for a fast copy back)."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True).pin_memory() if pin else t.to(device, non_blocking=True)
+
+        return dataclasses.replace(self, tensors={k: move(t) for k, t in self.tensors.items()},
+                                   inv_freq=self.inv_freq.to(device))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())

@@ -58,9 +58,16 @@ def test_engine_on_cuda_samples_what_the_cpu_engine_samples():
         eng = CpuEngine(model.config, model.state_dict(), device=dev)
         await eng.start()
         events = [e async for e in eng.generate("r", [1, 2, 3], SamplingParams(max_tokens=16, seed=7))]
+        held = torch.cuda.memory_allocated() if dev == "cuda" else 0
         await eng.release_memory()
+        if dev == "cuda":  # the weights wait in pinned host memory while the cell trains
+            assert eng._weights.device.type == "cpu" and eng._weights.lm_head.is_pinned()
+            assert torch.cuda.memory_allocated() < held
         await eng.resume()
+        assert eng._weights.device.type == dev
+        again = [e async for e in eng.generate("s", [1, 2, 3], SamplingParams(max_tokens=16, seed=7))]
         await eng.stop()
+        assert [e.token_id for e in again] == [e.token_id for e in events]
         return [e.token_id for e in events], torch.tensor([e.logprob for e in events])
 
     cpu_tokens, cpu_lp = asyncio.run(run("cpu"))
