@@ -205,8 +205,8 @@ def test_abort_then_release_waits_for_the_extra_decode_step(ckpt):
         stream = eng.generate("c", PROMPT, SamplingParams(max_tokens=500))
         seen = [await stream.__anext__() for _ in range(3)]
         aborted = await eng.abort("c")
+        await eng.release_memory()  # the consumer still holds the suspended stream
         rest = [ev async for ev in stream]
-        await eng.release_memory()
         tm = eng._engine.tokenizer_manager
         after_release = (dict(tm.rid_to_state), tm.scheduler.dead, (await eng.health()).released)
         await eng.resume()
