@@ -346,3 +346,25 @@ def test_drain_reroutes_calls_in_flight_none_aborted_at_the_harness(ckpt):
 
 async def _collect(stream):
     return [ev async for ev in stream]
+
+
+def test_factory_builds_the_adapter_behind_the_engine_contract(monkeypatch):
+    """With the test-only GYRE_SGLANG_API hook naming the fake, `--backend.engine sglang` is
+    runnable and the factory's engine passes the same contract as the CPU engine; without it,
+    and without CUDA + sglang, it is refused up front."""
+    from gyre.backends import factory
+    from gyre.config import ConfigError, GyreConfig
+    from tests.contracts.test_engine_contract import test_engine_contract
+
+    cfg = GyreConfig()
+    cfg.backend.engine = "sglang"
+    monkeypatch.delenv(factory.SGLANG_API_ENV, raising=False)
+    with pytest.raises(ConfigError, match="--backend.engine sglang: needs CUDA and the sglang package"):
+        factory.check_backends(cfg)
+    monkeypatch.setenv(factory.SGLANG_API_ENV, "tests.backends.sglang_fake:API")
+    factory.check_backends(cfg)
+    assert factory.runnable(factory.ENGINES) == ["cpu", "sglang"]
+    engine = factory.build_engine(cfg, tiny_model().config, tiny_model().state_dict(), version=0, eos_token_ids=[],
+                                  name="x")
+    assert isinstance(engine, SglangEngine) and engine._api is sglang_fake.API
+    test_engine_contract("sglang", (tiny_model(seed=0), tiny_model(seed=7)))
