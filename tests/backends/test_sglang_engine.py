@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -368,3 +369,77 @@ def test_factory_builds_the_adapter_behind_the_engine_contract(monkeypatch):
                                   name="x")
     assert isinstance(engine, SglangEngine) and engine._api is sglang_fake.API
     test_engine_contract("sglang", (tiny_model(seed=0), tiny_model(seed=7)))
+
+
+RESTART_SCRIPT = r"""
+import asyncio, subprocess, sys
+from gyre.backends.config import SglangConfig
+from gyre.backends.protocols import SamplingParams
+from gyre.backends.sglang_engine import SglangEngine
+from tests.backends import sglang_fake
+
+sglang_fake.FakeEngine.spawn_scheduler_process = True
+harness = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=False)  # rank 0's harness
+
+async def go():
+    for _ in range(2):  # start, serve, stop, and again
+        eng = SglangEngine(SglangConfig(model_path=sys.argv[1], dtype="float32"), api=sglang_fake.API)
+        await eng.start()
+        scheduler = eng._engine.process
+        out = [ev async for ev in eng.generate("a", [1, 2], SamplingParams(max_tokens=3))]
+        await eng.stop()
+        print("served", len(out), "scheduler ended", scheduler.poll() is not None, "harness alive", harness.poll() is None)
+
+asyncio.run(go())
+print("harness", harness.pid)
+"""
+
+
+def test_a_harness_started_on_rank_0_survives_engine_restarts_and_exit(ckpt, tmp_path):
+    """SGLang's Engine.shutdown kills every child of the rank and runs at exit (engine.py:1491,
+    326); the fake does the same. The adapter ends only the engine's own processes."""
+    import os
+    import signal
+
+    path, _ = ckpt
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", RESTART_SCRIPT, path], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == ["served 3 scheduler ended True harness alive True"] * 2, proc.stdout
+    pid = int(lines[2].split()[1])
+    try:
+        os.kill(pid, 0)  # still alive after the engine's process exited (no atexit shutdown)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_start_under_torchrun_keeps_gyres_logging_and_environment(ckpt, monkeypatch):
+    """torchrun sets TORCHELASTIC_USE_AGENT_STORE (the scheduler would hang: the fake raises);
+    SGLang's configure_logger replaces the root handlers (engine.py:1152)."""
+    import logging
+
+    path, _ = ckpt
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    root = logging.getLogger()
+    mine = logging.NullHandler()
+    before = list(root.handlers)
+    root.addHandler(mine)
+    try:
+        async def go():
+            eng = _engine(path, version=4)
+            await eng.start()
+            args = eng._engine.server_args
+            await eng.stop()
+            return args
+
+        args = asyncio.run(go())
+        assert mine in root.handlers and os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        assert args["weight_version"] == "4" and args["skip_tokenizer_init"] is True
+    finally:
+        root.handlers[:] = before
