@@ -527,26 +527,33 @@ class WeightBroadcaster:
     the order of `names` (model_runner_components/weight_updater.py:260-298).
 
     The group is a ProcessGroup object of its own, never registered with torch.distributed's
-    world, so it cannot collide with Gyre's groups. Construct it at the same time as the engines
-    call `init_weights_update_group` (each side waits for the other)."""
+    world, so it cannot collide with Gyre's groups. `__init__` hosts the rendezvous store
+    (master_port 0: a free port, then `port`); `connect()` blocks until every engine rank joined
+    (the engines call `init_weights_update_group` at the same time)."""
 
     def __init__(self, master_address: str, master_port: int, world_size: int, *, group_name: str = "gyre_weights",
                  backend: str = "nccl", timeout_s: float = 600.0):
         import torch.distributed as dist
 
-        timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout,
-                                   wait_for_workers=False)
-        store = dist.PrefixStore(group_name, self.store)
-        if backend == "gloo":
-            self.group = dist.ProcessGroupGloo(store, 0, world_size, timeout)
-        elif backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self.group = dist.ProcessGroupNCCL(store, 0, world_size, opts)
-        else:
+        if backend not in ("nccl", "gloo"):
             raise ValueError(f"WeightBroadcaster: backend must be 'nccl' or 'gloo', got {backend!r}")
-        self.backend = backend
+        self.timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=self.timeout,
+                                   wait_for_workers=False)
+        self.port = self.store.port
+        self.world_size, self.group_name, self.backend = world_size, group_name, backend
+        self.group = None
+
+    def connect(self) -> None:
+        import torch.distributed as dist
+
+        store = dist.PrefixStore(self.group_name, self.store)
+        if self.backend == "gloo":
+            self.group = dist.ProcessGroupGloo(store, 0, self.world_size, self.timeout)
+        else:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            self.group = dist.ProcessGroupNCCL(store, 0, self.world_size, opts)
 
     @staticmethod
     def describe(params: dict[str, torch.Tensor]) -> tuple[list[str], list[str], list[list[int]]]:
@@ -558,6 +565,8 @@ class WeightBroadcaster:
         """Broadcast every tensor from rank 0 (blocks until every receiver got it)."""
         import torch.distributed as dist
 
+        if self.group is None:
+            raise RuntimeError("WeightBroadcaster.send: connect() first")
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0

@@ -443,3 +443,39 @@ def test_start_under_torchrun_keeps_gyres_logging_and_environment(ckpt, monkeypa
         assert args["weight_version"] == "4" and args["skip_tokenizer_init"] is True
     finally:
         root.handlers[:] = before
+
+
+def test_update_from_the_core_over_a_weight_update_group(ckpt):
+    """The core hosts the group (WeightBroadcaster, gloo here, NCCL on GPUs), the engine joins it
+    as SGLang's scheduler does and receives a broadcast mid-stream inside a session; later tokens
+    carry the new weights' log-probs and version."""
+    from gyre.backends.sglang_engine import WeightBroadcaster
+
+    path, model = ckpt
+    new = tiny_model(seed=2)
+    params = {k: v for k, v in new.state_dict().items() if k != "lm_head.weight" or not new.config.tie_word_embeddings}
+
+    async def go():
+        eng = _engine(path)
+        await eng.start()
+        core = WeightBroadcaster("127.0.0.1", 0, 2, backend="gloo", timeout_s=60)
+        await asyncio.gather(asyncio.to_thread(core.connect),
+                             eng.init_weights_update_group("127.0.0.1", core.port, rank_offset=1, world_size=2, backend="gloo"))
+        out = []
+        async for ev in eng.generate("g", PROMPT, SamplingParams(max_tokens=16)):
+            out.append(ev)
+            if len(out) == 5:
+                names, dtypes, shapes = WeightBroadcaster.describe(params)
+                await asyncio.gather(asyncio.to_thread(core.send, params),
+                                     eng.update_weights_from_distributed(names, dtypes, shapes, version=1))
+        calls = list(_calls(eng))
+        await eng.stop()
+        return out, calls
+
+    out, calls = asyncio.run(go())
+    assert calls[1:6] == ["PauseGenerationReqInput", "BeginWeightUpdateReqInput", "UpdateWeightsFromDistributedReqInput",
+                          "EndWeightUpdateReqInput", "ContinueGenerationReqInput"]
+    k = [e.version for e in out].index(1)
+    lp = torch.tensor([e.logprob for e in out])
+    assert k >= 5 and (lp[:k] - _ref(model, PROMPT, out)[:k]).abs().max() < 1e-4
+    assert (lp[k:] - _ref(new, PROMPT, out)[k:]).abs().max() < 1e-4
