@@ -209,10 +209,12 @@ def _sglang_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor],
     """An embedded SGLang engine for this cell (its first rank): SGLang loads a checkpoint at start,
     so `params` are written to RUN_DIR/sglang/<name>/ (with the run's EOS ids); tp = the cell
     size, its first GPU this rank's."""
+    import copy
     import os
 
+    from safetensors.torch import save_file
+
     from gyre.backends.config import SglangConfig
-    from gyre.backends.models import build_model, save_checkpoint
     from gyre.backends.sglang_engine import SglangApi, SglangEngine
 
     if cfg.run_dir:
@@ -221,10 +223,15 @@ def _sglang_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor],
         import tempfile
 
         path = Path(tempfile.mkdtemp(prefix=f"gyre-sglang-{name}-"))
-    model = build_model(model_config, dtype=dtype_of(cfg.model.dtype))
-    model.load_state_dict(params, strict=False)  # a tied lm_head is not in params
-    model.config.eos_token_id = list(eos_token_ids)
-    save_checkpoint(model, str(path))
+    # Written directly: transformers' save_pretrained writes nothing on ranks other than 0 of a
+    # torch.distributed job, and every cell's first rank needs its own copy.
+    path.mkdir(parents=True, exist_ok=True)
+    hf_config = copy.deepcopy(model_config)
+    hf_config.eos_token_id = list(eos_token_ids)
+    hf_config.to_json_file(str(path / "config.json"))
+    tensors = {k: v.detach().to(dtype_of(cfg.model.dtype)).contiguous() for k, v in params.items()
+               if not (k == "lm_head.weight" and hf_config.tie_word_embeddings)}
+    save_file(tensors, str(path / "model.safetensors"))
     base = getattr(cfg, "sglang", None) or SglangConfig()
     sc = SglangConfig(**{**vars(base), "model_path": str(path), "tp_size": cfg.parallel.cell_size,
                          "dtype": cfg.model.dtype,

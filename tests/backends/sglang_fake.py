@@ -489,7 +489,25 @@ class FakeTokenizerManager:
         self.calls.append(type(msg).__name__)
         fut = asyncio.get_running_loop().create_future()
         self.scheduler.inbox.put_nowait((msg, fut))
-        return await fut
+        try:
+            result = await fut
+        except BaseException as e:
+            self._trace(msg, repr(e))
+            raise
+        self._trace(msg, result)
+        return result
+
+    def _trace(self, msg: Any, result: Any) -> None:
+        """GYRE_FAKE_SGLANG_TRACE=file: one JSON line per control call (for the multi-rank test)."""
+        path = os.environ.get("GYRE_FAKE_SGLANG_TRACE")
+        if path:
+            import json
+
+            line = {"pid": os.getpid(), "engine": id(self.engine), "call": type(msg).__name__,
+                    "weight_version": self.engine.weight_version, "result": result if result is None else str(result),
+                    "released": sorted(self.scheduler.released), "paused": self.scheduler.paused}
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
 
     def _send(self, msg: Any) -> None:
         self.auto_create_handle_loop()
@@ -675,6 +693,7 @@ class FakeEngine:
         logging.basicConfig(level=getattr(logging, str(kwargs.get("log_level", "error")).upper()), force=True,
                             format="[sglang-fake] %(message)s")  # configure_logger, engine.py:1152
         self.server_args = kwargs
+        self.step_s = float(os.environ.get("GYRE_FAKE_SGLANG_STEP_S", type(self).step_s))
         self.tp_size = int(kwargs.get("tp_size", 1))
         self.weight_version = str(kwargs.get("weight_version", "default"))  # fields/serving.py:172
         self.enable_deterministic_inference = bool(kwargs.get("enable_deterministic_inference", False))
