@@ -425,7 +425,7 @@ class FakeScheduler:
     def _emit(self, req: _SReq, token: tuple | None) -> None:
         spans = None
         if req.finished_reason is not None:  # utils/weight_versions.py compute_weight_version_spans
-            spans, start = [], 0
+            spans = []
             for version, end in [*req.version_events, (self.engine.weight_version, len(req.output_ids))]:
                 end = min(end, len(req.output_ids))
                 if spans and end <= spans[-1]["end"]:

@@ -479,3 +479,19 @@ def test_update_from_the_core_over_a_weight_update_group(ckpt):
     lp = torch.tensor([e.logprob for e in out])
     assert k >= 5 and (lp[:k] - _ref(model, PROMPT, out)[:k]).abs().max() < 1e-4
     assert (lp[k:] - _ref(new, PROMPT, out)[k:]).abs().max() < 1e-4
+
+
+def test_the_gpu_check_script_passes_against_the_fake(tmp_path):
+    """tests/gpu/sglang_check.py (the first command on a GPU box) is itself exercised here, with
+    the fake standing in for sglang: its checks hold where SGLang follows the fake's semantics."""
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.sglang_check", "--api", "tests.backends.sglang_fake:API",
+                           "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    checks = {c["check"]: c["ok"] for c in json.loads(out.read_text())["checks"]}
+    assert checks == {"generate": True, "update": True, "abort+release": True, "prefix rids": True,
+                      "distributed": None, "harness": True}
