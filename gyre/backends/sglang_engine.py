@@ -284,6 +284,13 @@ class SglangEngine:
         if self.logprobs == "policy":
             os.environ.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")  # read by the scheduler at import
         api = self._api = self._api or SglangApi.real()
+        if torch.cuda.is_available():  # SGLang sizes its KV cache from the memory free right now
+            free, total = torch.cuda.mem_get_info(self.config.base_gpu_id)
+            if free < self.config.mem_fraction_static * total:
+                logger.warning("sglang start: %.1f GiB free on cuda:%d, less than mem_fraction_static %.2f of %.1f GiB "
+                               "(this rank's actor is already resident): the KV cache will be smaller, or the start "
+                               "fails (SglangConfig.mem_fraction_static; the job builds the core's actor first)",
+                               free / 2**30, self.config.base_gpu_id, self.config.mem_fraction_static, total / 2**30)
         root = logging.getLogger()
         handlers, level = list(root.handlers), root.level
         before = _children(os.getpid())
