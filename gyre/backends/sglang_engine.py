@@ -447,7 +447,7 @@ class SglangEngine:
 
     async def _in_session(self, load: Callable[[], Any], what: str) -> None:
         """pause(retract) → begin_weight_update → load() → end_weight_update → continue_generation;
-        end and continue run whatever happened (weight_updater.py:232-239, 303-330)."""
+        end and continue run whatever happened (weight_updater.py:232-239, 309-335)."""
         io, tm = self._io, self._tm
         async with self._weights_lock:
             await tm.pause_generation(io.PauseGenerationReqInput(mode="retract"))

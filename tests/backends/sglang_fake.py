@@ -8,9 +8,9 @@ sglang/srt/, lines of that wheel):
 
   weight-update session   an update outside begin/end fails with SGLang's message; begin twice,
                           end without begin fail (scheduler_components/weight_updater.py:187-197,
-                          232-239, 303-330)
+                          232-239, 309-335)
   flush after an update   fails the update while requests run and the engine is not paused
-                          (weight_updater.py:118-131, scheduler.py:5518-5545)
+                          (weight_updater.py:120-131, scheduler.py:5518-5545)
   release idle assertion  release_memory_occupation asserts `is_fully_idle(ignore_waiting=paused)`
                           (weight_updater.py:337-341, scheduler.py:5337-5370): last_batch still
                           holds a request that finished in the step before. A failed assert
@@ -33,7 +33,7 @@ sglang/srt/, lines of that wheel):
                           arrives (tokenizer_manager.py:2511); the finishing chunk has the exact
                           per-token spans (scheduler.py:5636-5652, utils/weight_versions.py,
                           output_streamer.py:541-549); an update's weight_version becomes current
-                          (tokenizer_control_mixin.py:588-590)
+                          (tokenizer_control_mixin.py:592-593)
   log-probs               with SGLANG_RETURN_ORIGINAL_LOGPROB=1, log-softmax of the logits after
                           penalizers (the min_new_tokens stop mask) and before temperature
                           (layers/sampler.py:82, 230-236; model_runner.py:2093)
@@ -306,7 +306,7 @@ class FakeScheduler:
                     req.version_events.append((eng.weight_version, len(req.output_ids)))
             eng.weight_version = m.weight_version
         if m.flush_cache:
-            if not self.is_fully_idle(ignore_waiting=self.paused):  # weight_updater.py:118-131
+            if not self.is_fully_idle(ignore_waiting=self.paused):  # weight_updater.py:120-131
                 return False, ("Weights were updated, but the cache was not flushed because requests are still "
                                "running or queued. Retract or finish them, then call /flush_cache.")
             for req in self.waiting:
