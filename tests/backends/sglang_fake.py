@@ -147,9 +147,12 @@ class ResumeMemoryOccupationReqInput:
 
 
 @dataclass(kw_only=True)
-class AbortReq:  # io_struct.py:2285
-    rid: str = ""
+class AbortReq:  # io_struct.py:2285-2291 (rid from BaseReq, io_struct.py:89)
+    rid: str | None = None
     abort_all: bool = False
+    finished_reason: dict | None = None
+    abort_message: str | None = None
+    weight_versions: list | None = None
 
 
 io_struct = types.SimpleNamespace(**{c.__name__: c for c in (

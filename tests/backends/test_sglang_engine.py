@@ -495,3 +495,27 @@ def test_the_gpu_check_script_passes_against_the_fake(tmp_path):
     checks = {c["check"]: c["ok"] for c in json.loads(out.read_text())["checks"]}
     assert checks == {"generate": True, "update": True, "abort+release": True, "prefix rids": True,
                       "distributed": None, "harness": True}
+
+
+@pytest.mark.skipif(not os.environ.get("GYRE_SGLANG_SRC"), reason="set GYRE_SGLANG_SRC to an unpacked sglang 0.5.23 wheel")
+def test_fake_request_fields_match_sglang_source():
+    """The fake's io_struct copies have the fields (and literal defaults) of the real classes
+    (sglang/srt/managers/io_struct.py), read with `ast`: io_struct cannot be imported on CPU."""
+    import ast
+    import dataclasses
+
+    src = os.path.join(os.environ["GYRE_SGLANG_SRC"], "sglang", "srt", "managers", "io_struct.py")
+    tree = ast.parse(open(src).read())
+    real = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            real[node.name] = {s.target.id: (ast.literal_eval(s.value) if s.value is not None and
+                                             isinstance(s.value, ast.Constant) else "?")
+                               for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    for name, cls in vars(sglang_fake.io_struct).items():
+        ours = {f.name: (f.default if f.default is not dataclasses.MISSING else "?") for f in dataclasses.fields(cls)}
+        theirs = {**real["BaseReq"], **real[name]}  # every request class derives from BaseReq (rid, ...)
+        assert set(real[name]) <= set(ours) <= set(theirs), (name, sorted(ours), sorted(theirs))
+        for field_name, default in theirs.items():
+            if field_name in ours and default != "?":
+                assert ours[field_name] == default, (name, field_name, ours[field_name], default)
