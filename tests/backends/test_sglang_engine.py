@@ -1,4 +1,5 @@
-"""SGLang adapter on CPU: import guard, server-args / sampling translation, chunk parsing."""
+"""SGLang adapter on CPU: import guard, translation and chunk parsing, and the lifecycle against the
+conformance fake of SGLang 0.5.23 (tests/backends/sglang_fake.py)."""
 
 from __future__ import annotations
 
@@ -519,3 +520,29 @@ def test_fake_request_fields_match_sglang_source():
         for field_name, default in theirs.items():
             if field_name in ours and default != "?":
                 assert ours[field_name] == default, (name, field_name, ours[field_name], default)
+
+
+def test_min_tokens_logprobs_are_sglangs_masked_ones_and_a_warning_says_so(ckpt, caplog):
+    """SGLang applies the min_new_tokens stop mask before SGLANG_RETURN_ORIGINAL_LOGPROB's
+    log-softmax (model_runner.py:2093, layers/sampler.py:230-236): the first min_tokens
+    log-probs exceed the trainer's (the stop ids' mass is renormalised away), later ones match."""
+    import logging
+
+    path, model = ckpt
+
+    async def go():
+        eng = _engine(path)
+        await eng.start()
+        sp = SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=list(range(40, 200)))
+        out = []
+        async for ev in eng.generate("m", PROMPT, sp):
+            out.append(ev)
+        await eng.stop()
+        return out
+
+    with caplog.at_level(logging.WARNING, logger="gyre.backends.sglang_engine"):
+        out = asyncio.run(go())
+    lp, ref = torch.tensor([e.logprob for e in out]), _ref(model, PROMPT, out)
+    assert (lp[:3] - ref[:3] > 1e-3).all()
+    assert (lp[3:] - ref[3:]).abs().max() < 1e-4
+    assert any("min_tokens > 0" in r.getMessage() for r in caplog.records)
