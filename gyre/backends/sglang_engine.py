@@ -42,7 +42,8 @@ level are put back. torchrun's TORCHELASTIC_USE_AGENT_STORE would make the sched
 NCCL_NVLS_ENABLE / CUDA_DEVICE_MAX_CONNECTIONS (engine.py:1885-1921) stay as SGLang sets them.
 `Engine.shutdown` kills every child of the rank (engine.py:1491; it is also registered with
 atexit), harness subprocesses included: the adapter never calls it and unregisters it; `stop()`
-ends only the processes the engine started.
+stops the tokenizer manager's subprocess watchdog (else it SIGQUITs the rank) and ends only the
+processes the engine started.
 
 Log-probs: with `logprobs='policy'` SGLANG_RETURN_ORIGINAL_LOGPROB=1 makes SGLang report
 log-softmax of the logits before temperature / top-p (layers/sampler.py:82, 230-236), the
@@ -318,6 +319,11 @@ class SglangEngine:
         if self.state is EngineState.STOPPED:
             return
         self._move(EngineState.STOPPED)
+        # The tokenizer manager's watchdog SIGQUITs this rank when an engine process dies; stop it
+        # first, as Engine.shutdown does (engine.py:1473-1476; utils/watchdog.py:166-225).
+        watchdog = getattr(getattr(self._engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()
         pids = _descendants(self._engine_pids)
         self._engine, self._engine_pids = None, set()
         await asyncio.to_thread(_terminate, pids, 30.0)

@@ -42,7 +42,10 @@ sglang/srt/, lines of that wheel):
   Engine side effects     configure_logger's basicConfig(force=True) (engine.py:1152); the
                           scheduler inherits TORCHELASTIC_USE_AGENT_STORE and would hang
                           (raises here); shutdown() kills every child of the process
-                          (engine.py:1491) and is registered with atexit (engine.py:326)
+                          (engine.py:1491) and is registered with atexit (engine.py:326); with
+                          `spawn_scheduler_process`, a child process stands for the scheduler and
+                          the TM's subprocess watchdog SIGQUITs this process if it dies while the
+                          watchdog runs (utils/watchdog.py:166-225)
   init_weights_update_group  joins a TCP rendezvous + PrefixStore(group_name) group as rank
                           rank_offset (utils/common.py:2859, model_runner_components/
                           weight_updater.py:100-144) and receives one broadcast(src=0) per name
@@ -472,6 +475,7 @@ class FakeTokenizerManager:
         self._task: asyncio.Task | None = None
         self._unpaused: asyncio.Event | None = None
         self.calls: list[str] = []  # control calls in order, for tests
+        self._subprocess_watchdog: _Watchdog | None = None  # tokenizer_manager.py:726
 
     def auto_create_handle_loop(self) -> None:
         if self._task is None:
@@ -705,6 +709,7 @@ class FakeEngine:
         self.process: subprocess.Popen | None = None
         if self.spawn_scheduler_process:
             self.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+            self.tokenizer_manager._subprocess_watchdog = _Watchdog(self.process)
         self.shutdown_called = False
         atexit.register(self.shutdown)  # engine.py:326
         FakeEngine.instances.append(self)
@@ -724,6 +729,27 @@ class FakeEngine:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+class _Watchdog:
+    """SubprocessWatchdog (utils/watchdog.py:166-225): polls the engine's processes from a daemon
+    thread and sends SIGQUIT to this process when one died, unless stopped first (Engine.shutdown
+    stops it, engine.py:1473-1476)."""
+
+    def __init__(self, process: subprocess.Popen):
+        import threading
+
+        self.process, self.stopped = process, threading.Event()
+        threading.Thread(target=self._loop, daemon=True, name="fake-subprocess-watchdog").start()
+
+    def _loop(self) -> None:
+        while not self.stopped.wait(0.05):
+            if self.process.poll() is not None:
+                os.kill(os.getpid(), signal.SIGQUIT)
+                return
+
+    def stop(self) -> None:
+        self.stopped.set()
 
 
 def _children(pid: int) -> set[int]:
