@@ -3,9 +3,9 @@
 #
 #   sbatch --nodes=4 launch.sh --preset cpu-demo
 #
-# (Today gyre.run serves the built-in CPU engine and actor only, one whole model per rank, so
-# --parallel.cell-size stays 1; the SGLang / Megatron cells with TP inside a cell are not yet
-# reachable from gyre.run.)
+# (--backend.engine sglang and --backend.actor megatron run cells with TP inside a cell; see
+# docs/gpu-sglang.md. The built-in CPU engine and actor hold a whole model per rank:
+# --parallel.cell-size 1.)
 #
 # The node count is given once (sbatch --nodes or #SBATCH --nodes); everything else is derived
 # from $SLURM_*: nnodes, this node's rank, and the rendezvous endpoint (the first host).

@@ -93,8 +93,9 @@ class BackendConfig:
 
     engine: Literal["cpu", "sglang"] = "cpu"
     """Rollout engine. cpu: the built-in torch engine (continuous batching over per-request KV
-    caches), options under --engine.*. sglang: embedded SGLang (GPU); its adapter is tested on its
-    own but not wired into gyre.run yet, so a train job refuses it before starting."""
+    caches), options under --engine.*. sglang: embedded SGLang (GPU, needs CUDA and sglang 0.5.23;
+    refused up front without them), one engine per cell on its first rank, tp = the cell size
+    (docs/gpu-sglang.md)."""
     actor: Literal["cpu", "megatron"] = "cpu"
     """Training actor. cpu: the built-in torch actor (one whole model per rank, so
     parallel.cell_size = 1), options under --actor.*. megatron: Megatron-core on the rank's GPU

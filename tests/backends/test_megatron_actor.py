@@ -191,7 +191,7 @@ def test_megatron_is_refused_without_cuda_naming_the_flag(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="--backend.actor megatron: needs CUDA.*use --backend.actor cpu"):
         factory.check_backends(_cfg("--backend.actor", "megatron"))
-    with pytest.raises(ConfigError, match="--backend.engine sglang: the SGLang engine is not wired"):
+    with pytest.raises(ConfigError, match="--backend.engine sglang: needs CUDA and the sglang package"):
         factory.check_backends(_cfg("--backend.engine", "sglang"))
     assert factory.runnable(factory.ACTORS) == ["cpu"]
 
@@ -207,7 +207,7 @@ def test_megatron_with_cuda_takes_cells_laid_out_by_the_parallel_flags(monkeypat
     assert factory.megatron_config_of(cfg) == MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                                              params_dtype="bfloat16")
     assert factory.runnable(factory.ACTORS, cuda=True) == ["cpu", "megatron"]
-    with pytest.raises(ConfigError, match="--backend.engine sglang: the SGLang engine is not wired"):
+    with pytest.raises(ConfigError, match="--backend.engine sglang: needs CUDA and the sglang package"):
         factory.check_backends(_cfg("--backend.engine", "sglang"))
     with pytest.raises(ConfigError, match="parallel.cell_size = 2: the built-in CPU actor"):
         factory.check_backends(_cfg("--parallel.cell-size", "2", "--parallel.tp", "2"))

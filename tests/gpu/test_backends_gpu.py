@@ -1,12 +1,10 @@
-"""GPU backends: SGLang generate + weight update, a Megatron-core training step.
+"""GPU backends: a Megatron-core training step (the SGLang engine: tests/gpu/test_sglang_gpu.py).
 
-Skipped without CUDA (and without sglang / megatron-core). Run on a GPU machine:
+Skipped without CUDA (and without megatron-core). Run on a GPU machine:
     pytest -m gpu tests/gpu/test_backends_gpu.py
 """
 
 from __future__ import annotations
-
-import asyncio
 
 import pytest
 import torch
@@ -14,54 +12,6 @@ import torch
 pytestmark = pytest.mark.gpu
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def _checkpoint(tmp_path, seed=0):
-    from gyre.backends.models import build_model, model_config, save_checkpoint
-
-    model = build_model(model_config("small", 1024, eos_token_id=1, bos_token_id=0), seed=seed)
-    save_checkpoint(model, str(tmp_path))
-    return model
-
-
-@needs_cuda
-def test_sglang_generate_logprobs_and_weight_update(tmp_path):
-    """SGLang serves the actor's checkpoint: its log-probs match the trainer's, a weight update
-    mid-stream keeps the request and later tokens carry the new version."""
-    pytest.importorskip("sglang")
-    from gyre.backends.config import SglangConfig
-    from gyre.backends.models import build_model, model_config
-    from gyre.backends.protocols import SamplingParams
-    from gyre.backends.sglang_engine import SglangEngine
-
-    model = _checkpoint(tmp_path)
-    new = build_model(model_config("small", 1024), seed=1)
-
-    async def go():
-        eng = SglangEngine(SglangConfig(model_path=str(tmp_path), dtype="float32", mem_fraction_static=0.3))
-        await eng.start()
-        out = [ev async for ev in eng.generate("a", [5, 6, 7], SamplingParams(max_tokens=32, seed=0))]
-        later = []
-        async for ev in eng.generate("b", [5, 6, 7], SamplingParams(max_tokens=64, seed=1)):
-            later.append(ev)
-            if len(later) == 8:
-                await eng.update_weights(new.state_dict(), version=1)
-        partial_stream = eng.generate("c", [1, 2], SamplingParams(max_tokens=500, seed=2))
-        first = await partial_stream.__anext__()
-        aborted = await eng.abort("c")
-        await eng.release_memory()
-        await eng.resume()
-        await eng.stop()
-        return out, later, first, aborted
-
-    out, later, first, aborted = asyncio.run(go())
-    assert len(out) == 32
-    from tests.backends.test_cpu_engine import actor_logprobs
-
-    ref = actor_logprobs(model, [5, 6, 7], [e.token_id for e in out])
-    assert (torch.tensor([e.logprob for e in out]) - ref).abs().max() < 2e-3  # fp32 GPU kernels
-    assert later[0].version == 0 and later[-1].version == 1 and len(later) == 64
-    assert aborted[0] == first and len(aborted) < 500
 
 
 def _record(name: str, figures: dict) -> None:
