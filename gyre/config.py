@@ -62,12 +62,23 @@ class TrainConfig:
     """Group-relative advantages divided by the group's reward std (off: mean-centred only)."""
     cell_concurrency: int = 8
     """C_e: concurrent executions one rollout cell is counted for in the water level."""
-    checkpoint_every: int = 0
-    """Save a checkpoint every this many steps (0: only at the end)."""
+    checkpoint_every: int = 8
+    """Save a checkpoint every this many steps, and always at the end (0: only at the end). 8 by
+    default: a crash or a restart (torchrun --max-restarts, a Slurm requeue) loses at most 8
+    steps; each checkpoint is written atomically (gyre/runtime/checkpoint.py), so a crash while
+    writing one costs that one only."""
     resume: bool = False
-    """Resume from the newest checkpoint in the run directory's checkpoints/ (--run-dir; with none,
-    the preset's latest run): weights, optimizer state and version (steps, versions and
-    metrics.jsonl continue from it; the world size may differ)."""
+    """Resume from the newest complete checkpoint in the run directory's checkpoints/ (--run-dir;
+    with none, the preset's latest run): weights, optimizer state and version (steps, versions
+    continue from it; metrics.jsonl is cut back to it; the world size may differ). Newer
+    checkpoints that are incomplete (interrupted, truncated, a file missing) are skipped, each
+    named in the log. A restarted job (torchrun --max-restarts, Slurm requeue) resumes by itself."""
+    resume_weights_only: bool = False
+    """Allow resuming from a checkpoint without optimizer state (a fresh AdamW) or without its
+    version file (the version is read from the directory's name); refused otherwise."""
+    resume_from: str = ""
+    """Resume from this checkpoint directory instead of the newest complete one (implies
+    --train.resume)."""
     torch_threads: int = 1
     """torch intra-op threads of every rank's process (engine and actor alike), set once before
     either is built; 0 leaves torch's default. 1 by default: ranks share the cores, and OpenMP
