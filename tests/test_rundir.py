@@ -2,6 +2,7 @@
 
 import json
 import threading
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -60,7 +61,7 @@ def test_every_rank_gets_rank_0s_decision_or_its_refusal(in_tmp):
 
     def rank(r):
         try:
-            got[r] = rundir.resolve(cfgs[r], r, 3, store)
+            got[r] = rundir.resolve(cfgs[r], r, 3, store).path
         except rundir.RunDirError as e:
             got[r] = e
 
@@ -72,7 +73,7 @@ def test_every_rank_gets_rank_0s_decision_or_its_refusal(in_tmp):
         t.join(10)
     assert got[0] == got[1] == got[2] and all(c.run_dir == str(got[0]) for c in cfgs)
     manifest = json.loads((got[0] / "run.json").read_text())
-    assert manifest["world_size"] == 3 and manifest["config"]["seed"] == 3
+    assert manifest["attempts"][0]["world_size"] == 3 and manifest["config"]["seed"] == 3
 
     # A refusal reaches every rank as the same error.
     store2 = dist.HashStore()
@@ -92,3 +93,65 @@ def test_every_rank_gets_rank_0s_decision_or_its_refusal(in_tmp):
     rank2(0)
     t.join(10)
     assert errors[0] == errors[1] and "already holds a run" in errors[0]
+
+
+def _complete_checkpoint(run, version):
+    from gyre.runtime import checkpoint
+
+    def save(path):
+        for name in ("config.json", "model.safetensors", "optimizer.pt"):
+            (Path(path) / name).write_text("x")
+        (Path(path) / "gyre_actor.json").write_text(json.dumps({"version": version}))
+    return checkpoint.write(run / "checkpoints", version, save)
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_each_resume_is_a_new_attempt_and_cuts_metrics_and_events_back_to_its_checkpoint(in_tmp):
+    run = in_tmp / "run"
+    first = rundir.resolve(_cfg("--run-dir", str(run), "--train.steps", "9"), 0, 1, dist.HashStore())
+    assert (first.attempt, first.start_version, first.checkpoint) == (0, 0, "")
+    _complete_checkpoint(run, 4)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "version": s + 1}) + "\n" for s in range(6))
+                                       + '{"step": 6, "ver')  # torn: the crash came while writing it
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in [
+        {"t": 0, "kind": "dispatch"}, {"t": 1, "kind": "step_done", "step": 3},
+        {"t": 2, "kind": "claim", "step": 4}, {"t": 3, "kind": "step_done", "step": 4}]))
+    for attempt in (1, 2):  # resuming twice from the same checkpoint: two attempts, the same cut
+        cfg = _cfg("--run-dir", str(run), "--train.resume", "--train.steps", "9")
+        got = rundir.resolve(cfg, 0, 2, dist.HashStore())
+        assert (got.attempt, got.start_version) == (attempt, 4)
+        assert got.checkpoint == str(run / "checkpoints" / "step_000004") == cfg.train.resume_from
+        assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [0, 1, 2, 3]
+        assert [e["kind"] for e in _rows(run / "events.jsonl")] == ["dispatch", "step_done"]
+    attempts = json.loads((run / "run.json").read_text())["attempts"]
+    assert [(a["attempt"], a["start_version"], a["world_size"]) for a in attempts] == [(0, 0, 1), (1, 4, 2), (2, 4, 2)]
+
+
+def test_a_resume_at_or_past_train_steps_or_without_a_checkpoint_is_refused_up_front(in_tmp):
+    run = in_tmp / "run"
+    rundir.resolve(_cfg("--run-dir", str(run)), 0, 1, dist.HashStore())
+    with pytest.raises(rundir.RunDirError, match="no complete checkpoint"):
+        rundir.resolve(_cfg("--run-dir", str(run), "--train.resume"), 0, 1, dist.HashStore())
+    _complete_checkpoint(run, 6)
+    with pytest.raises(rundir.RunDirError, match="already at version 6 >= --train.steps 6"):
+        rundir.resolve(_cfg("--run-dir", str(run), "--train.resume", "--train.steps", "6"), 0, 1, dist.HashStore())
+
+
+def test_a_restarted_job_finds_the_directory_its_first_attempt_chose(in_tmp):
+    elastic = dist.HashStore()  # torchrun's agent store: it outlives the workers
+    first = rundir.resolve(_cfg("--train.steps", "9"), 0, 2, dist.HashStore(), elastic=elastic)
+    assert first.path.parent == (in_tmp / "runs" / "train").resolve()
+    # Restart 1 comes before any checkpoint: the same directory, from version 0, a new attempt.
+    (first.path / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+    again = rundir.resolve(_cfg("--train.steps", "9"), 0, 2, dist.HashStore(), restart=1, elastic=elastic)
+    assert (again.path, again.attempt, again.start_version) == (first.path, 1, 0)
+    assert (first.path / "metrics.jsonl").read_text() == ""
+    # Restart 2 after a checkpoint: resumes from it.
+    _complete_checkpoint(first.path, 2)
+    cfg = _cfg("--train.steps", "9")
+    third = rundir.resolve(cfg, 0, 2, dist.HashStore(), restart=2, elastic=elastic)
+    assert (third.path, third.attempt, third.start_version) == (first.path, 2, 2) and cfg.train.resume
+    assert len([p for p in (in_tmp / "runs" / "train").iterdir() if p.name != "latest"]) == 1

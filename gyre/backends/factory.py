@@ -120,10 +120,12 @@ def _initial_model(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Any, Pat
     if cfg.train.resume:
         from gyre.runtime import checkpoint
 
-        found = checkpoint.select(checkpoint_dir, weights_only=cfg.train.resume_weights_only)  # logs what it skipped
-        logger.info("resuming from %s%s", found.path,
-                    f" (skipped newer: {found.describe_skipped()})" if found.skipped else "", extra=ONCE)
-        return load_model(str(found.path), dtype=dtype), found.path
+        if cfg.train.resume_from:  # rank 0 chose it before anything started (gyre.runtime.rundir)
+            path = Path(cfg.train.resume_from)
+        else:
+            path = checkpoint.select(checkpoint_dir, weights_only=cfg.train.resume_weights_only).path
+        logger.info("resuming from %s", path, extra=ONCE)
+        return load_model(str(path), dtype=dtype), path
     if mc.checkpoint:
         return load_model(mc.checkpoint, dtype=dtype), None
     return build_model(model_config_of(cfg, vocab), seed=mc.seed, dtype=dtype), None

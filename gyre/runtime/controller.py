@@ -41,7 +41,7 @@ from gyre.errors import RunFailed
 from gyre.executions.health import HealthMonitor
 from gyre.executions.runner import EventKind, ExecutionEvent, GyreProxyAccess, HarnessRunner
 from gyre.executions.tasks import Dataset
-from gyre.runtime.outputs import MetricsWriter, make_trackers, plot_role_timeline, read_metrics, reward_trend
+from gyre.runtime.outputs import MetricsWriter, append_events, make_trackers, plot_role_timeline, read_metrics, reward_trend
 from gyre.proxy import Proxy, StoreSink, start_proxy
 from gyre.backends.engine_http import HttpEngine
 from gyre.runtime.messages import (Command, Failed, Joined, Load, Loaded, Reduce, Report, RequestWork, RolledBack,
@@ -94,9 +94,11 @@ class Controller:
     rank is told to stop, and the timeline and summary are written.
     """
 
-    def __init__(self, cfg: Any, topo: Topology, store: Any, start_version: int = 0, engine_secret: str | None = None) -> None:
+    def __init__(self, cfg: Any, topo: Topology, store: Any, start_version: int = 0, engine_secret: str | None = None,
+                 attempt: int = 0) -> None:
         """Build the run's state: everything that does not need the controller's loop.
-        `engine_secret`: what the engines' servers want (`engine_host.share_secret`)."""
+        `engine_secret`: what the engines' servers want (`engine_host.share_secret`); `attempt`:
+        this launch's number in the run directory (`gyre.runtime.rundir`), part of every execution id."""
         self.cfg, self.topo, self.store = cfg, topo, store
         self.engine_secret = engine_secret
         sc, tc = cfg.scheduler, cfg.train
@@ -111,12 +113,12 @@ class Controller:
         if not ds.path:
             raise ValueError("executions.dataset.path is empty: give a JSONL of tasks (see examples/cpu_demo)")
         self.dataset = Dataset.from_jsonl(ds.path)
-        if start_version:  # a resumed run: a fresh task order, and ids that cannot collide with the first run's
-            v = start_version
-            self.group_iter = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed + v,
-                                                       make_id=lambda task, k: f"{task.task_id}.r{v}.g{k}")
-        else:
-            self.group_iter = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed)
+        # Execution ids are <task>.a<attempt>.g<group>.<index>: unique over every launch into the run
+        # directory (a resume, a second resume from the same checkpoint, a restart), whose executions/
+        # and tito/ they name. A resumed run also draws a fresh task order (seeded by its version).
+        self.attempt = attempt
+        self.group_iter = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed + start_version,
+                                                   make_id=lambda task, k: f"{task.task_id}.a{attempt}.g{k}")
         self.sched = ElasticScheduler(sc, topo.num_cells, tc.cell_concurrency,
                                       topo.num_pool_engines * tc.cell_concurrency, clock=WallClock(),
                                       start_version=start_version)
@@ -514,7 +516,8 @@ class Controller:
                 logger.warning("reward trend not computed: %s", e)
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
         # The scheduler's event log: replayable by `python -m gyre.sim --durations.source run-dir`.
-        self.sched.log.write_jsonl(str(self.run_dir / "events.jsonl"))
+        append_events(self.sched.log, str(self.run_dir / "events.jsonl"), attempt=self.attempt,
+                      start_version=self.start_version)  # after earlier attempts' (cut back to the resumed version)
         self.metrics.close()
         await self.proxy.router.close()  # calls still waiting for an engine end now, not in engine_wait_s
         await self.proxy_handle.astop()

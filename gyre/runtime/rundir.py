@@ -8,6 +8,18 @@
                                   --train.resume (continue it) or --overwrite (replace it)
     --train.resume                continue DIR, or the run `runs/<preset>/latest` points at
 
+A directory's lineage is in `run.json`: `attempts` lists every launch into it (the first run,
+each resume, each restart of the job by torchrun `--max-restarts` or a Slurm requeue) with the
+checkpoint and version it started from. Attempt numbers go into execution ids, so no launch
+ever reuses an earlier one's ids. A resume (or restart) from the checkpoint of version V cuts
+`metrics.jsonl` and `events.jsonl` back to steps before V: no step has two rows.
+
+A restarted job finds its directory again: rank 0 records the decision in torchrun's agent
+store, which outlives the workers (`gyre.run` keeps every attempt's own keys under a prefix of
+its own), and a restart resumes from the newest complete checkpoint there (or from version 0 when
+the job died before its first checkpoint). A Slurm requeue is a new torchrun: `launch.sh` gives
+it `--run-dir runs/slurm-<job id>` and `--train.resume` on a requeue.
+
 Data a preset prepares (the cpu-demo's tasks and warm start) lives beside the runs, in
 `runs/<preset>/data`, and is reused by every run. Rank 0 decides and creates the directory and
 writes `run.json` (the config and command line); the other ranks read the decision from the
@@ -24,8 +36,12 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from gyre.runtime import checkpoint
+from gyre.runtime.outputs import events_until, metrics_until, truncate_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +50,17 @@ LATEST = "latest"
 RUN_OUTPUTS = ("run.json", "metrics.jsonl", "summary.json", "events.jsonl", "role_timeline.png", "executions",
                "checkpoints", "tito", "transport", "tensorboard", "wandb", "report")
 _KEY = "rundir/decision"
+ELASTIC_KEY = "gyre/elastic/run_dir"  # in the store that outlives a restart of the workers
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Rank 0's decision, the same on every rank."""
+
+    path: Path
+    attempt: int  # 0: the first launch into this directory; then one more per resume or restart
+    start_version: int  # the version training starts from: the checkpoint's, 0 without one
+    checkpoint: str  # the checkpoint resumed from ("" when none)
 
 
 class RunDirError(ValueError):
@@ -107,28 +134,95 @@ def decide(cfg: Any, *, now: float | None = None) -> Path:
     return path.resolve()
 
 
-def write_manifest(path: Path, cfg: Any, world_size: int) -> None:
-    """`run.json`: what was run, so a directory explains itself (resumes add `resumes`)."""
+def write_manifest(path: Path, cfg: Any, world_size: int, *, start_version: int = 0, resumed_from: str = "",
+                   restart: int = 0) -> int:
+    """`run.json`: what was run, so a directory explains itself; every launch into the directory
+    appends to `attempts`. Returns this launch's attempt number."""
     manifest = path / "run.json"
-    entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv, "world_size": world_size}
+    entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv, "world_size": world_size,
+             "resumed_from": resumed_from, "start_version": start_version, "elastic_restart": restart,
+             "elastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID", "")}
     if manifest.exists():
         data = json.loads(manifest.read_text())
-        data.setdefault("resumes", []).append(entry)
+        if "attempts" not in data:  # written before attempts were recorded: the first run and its resumes
+            first = {k: data[k] for k in ("started", "argv", "world_size") if k in data}
+            data["attempts"] = [{"attempt": 0, **first}] + [{"attempt": i + 1, **r} for i, r in
+                                                            enumerate(data.pop("resumes", []))]
     else:
-        data = {**entry, "config": dataclasses.asdict(cfg)}
-    manifest.write_text(json.dumps(data, indent=1, default=str))
+        data = {"config": dataclasses.asdict(cfg), "attempts": []}
+    attempt = len(data["attempts"])
+    data["attempts"].append({"attempt": attempt, **entry})
+    tmp = manifest.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, manifest)
+    return attempt
 
 
-def resolve(cfg: Any, rank: int, world_size: int, store: Any) -> Path:
-    """Every rank: the run's directory, decided by rank 0 and shared through `store`.
+def _resume_point(cfg: Any, path: Path, *, restart: bool) -> tuple[str, int]:
+    """The checkpoint a resume starts from and its version; ("", 0) for a restart that died
+    before its first checkpoint. Raises RunDirError with what was found."""
+    tc = cfg.train
+    if tc.resume_from:
+        ck = Path(tc.resume_from)
+        why = checkpoint.check(ck) if ck.is_dir() else "not a directory"
+        if why is not None and not (tc.resume_weights_only and ck.is_dir()):
+            raise RunDirError(f"--train.resume-from {ck}: {why}")
+    else:
+        try:
+            ck = checkpoint.select(path / "checkpoints", weights_only=tc.resume_weights_only).path
+        except checkpoint.CheckpointError as e:
+            if restart and not checkpoint.candidates(path / "checkpoints"):
+                logger.warning("restart: no checkpoint in %s yet; starting again from version 0", path)
+                return "", 0
+            raise RunDirError(str(e)) from None
+    try:
+        version = checkpoint.version_of(ck)
+    except checkpoint.CheckpointError as e:
+        raise RunDirError(str(e)) from None
+    if version >= tc.steps:
+        raise RunDirError(f"--train.resume: {ck} is already at version {version} >= --train.steps {tc.steps}; "
+                          f"train.steps counts the whole run, raise it")
+    return str(ck.resolve()), version
 
-    Sets `cfg.run_dir` to the decided path. Raises RunDirError on every rank when refused.
+
+def _decide_all(cfg: Any, world_size: int, restart: int, elastic: Any) -> RunDir:
+    """Rank 0: the directory, the resume point, the cut-back outputs, the manifest."""
+    if restart and elastic is not None and elastic.check([ELASTIC_KEY]):
+        cfg.run_dir = elastic.get(ELASTIC_KEY).decode()  # the directory the job's first attempt chose
+        cfg.train.resume = True
+        logger.warning("elastic restart %d: resuming the run in %s", restart, cfg.run_dir)
+    elif restart and cfg.run_dir and previous_outputs(Path(cfg.run_dir)):  # a store of its own per attempt
+        cfg.train.resume = True
+        logger.warning("elastic restart %d: resuming the run in --run-dir %s", restart, cfg.run_dir)
+    if cfg.train.resume_from:
+        cfg.train.resume = True
+    path = decide(cfg)
+    ck, version = _resume_point(cfg, path, restart=restart > 0) if cfg.train.resume else ("", 0)
+    if cfg.train.resume:
+        dropped = truncate_jsonl(path / "metrics.jsonl", metrics_until(version))
+        truncate_jsonl(path / "events.jsonl", events_until(version))
+        if dropped:
+            logger.warning("metrics.jsonl: dropped %d rows of steps >= %d (after the checkpoint resumed from)",
+                           dropped, version)
+    attempt = write_manifest(path, cfg, world_size, start_version=version, resumed_from=ck, restart=restart)
+    if elastic is not None:
+        elastic.set(ELASTIC_KEY, str(path))
+    return RunDir(path, attempt, version, ck)
+
+
+def resolve(cfg: Any, rank: int, world_size: int, store: Any, *, restart: int = 0, elastic: Any = None) -> RunDir:
+    """Every rank: the run's directory, attempt and resume point, decided by rank 0 and shared
+    through `store`. `restart` counts torchrun's restarts of this job (TORCHELASTIC_RESTART_COUNT);
+    `elastic` is a store that outlives them (where rank 0 finds the directory it chose before).
+
+    Sets `cfg.run_dir` (and on a resume `cfg.train.resume`, `cfg.train.resume_from`) to the
+    decision. Raises RunDirError on every rank when refused.
     """
     if rank == 0:
         try:
-            path = decide(cfg)
-            write_manifest(path, cfg, world_size)
-            store.set(_KEY, json.dumps({"path": str(path)}))
+            run = _decide_all(cfg, world_size, restart, elastic)
+            store.set(_KEY, json.dumps({"path": str(run.path), "attempt": run.attempt,
+                                        "start_version": run.start_version, "checkpoint": run.checkpoint}))
         except RunDirError as e:
             store.set(_KEY, json.dumps({"error": str(e)}))
             raise
@@ -138,4 +232,6 @@ def resolve(cfg: Any, rank: int, world_size: int, store: Any) -> Path:
     if "error" in decision:
         raise RunDirError(decision["error"])
     cfg.run_dir = decision["path"]
-    return Path(cfg.run_dir)
+    cfg.train.resume = bool(decision["checkpoint"])
+    cfg.train.resume_from = decision["checkpoint"]
+    return RunDir(Path(cfg.run_dir), decision["attempt"], decision["start_version"], decision["checkpoint"])
