@@ -67,7 +67,7 @@ def test_writing_a_version_again_replaces_it_whole(tmp_path):
 DAMAGE = {
     "none": (lambda p: None, None),
     "no marker": (lambda p: (p / MARKER).unlink(), "no COMPLETE marker"),
-    "truncated model": (lambda p: os.truncate(p / "model.safetensors", 10), "model.safetensors is 10 bytes, 101"),
+    "truncated model": (lambda p: os.truncate(p / "model.safetensors", 10), "model.safetensors is 10 bytes, "),
     "model deleted": (lambda p: (p / "model.safetensors").unlink(), "model.safetensors is missing"),
     "optimizer deleted": (lambda p: (p / "optimizer.pt").unlink(), "optimizer.pt is missing"),
     "version deleted": (lambda p: (p / "gyre_actor.json").unlink(), "gyre_actor.json is missing"),
@@ -145,3 +145,68 @@ def test_the_cpu_actor_refuses_a_checkpoint_without_its_optimizer_or_version(tmp
     assert b.version != 5
     b.load_checkpoint(str(path), weights_only=True)  # the version from the file, else the name
     assert b.version == 5
+
+
+# ----------------------------------------------------------------------------- real runs
+# One 2-step run with a checkpoint after every step; each case damages a copy of it and resumes.
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    from tests.faults.jobs import gyre, log_of, write_tasks
+
+    base = tmp_path_factory.mktemp("ck_run")
+    tasks = write_tasks(base / "tasks.jsonl")
+    proc = gyre(base, tasks, "--run-dir", str(base / "run"), "--train.checkpoint-every", "1", steps=2)
+    assert proc.returncode == 0, log_of(proc)[-4000:]
+    assert sorted(p.name for p in (base / "run" / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    return base, tasks
+
+
+def _damaged_copy(two_checkpoints, tmp_path, hurt):
+    import shutil
+
+    base, tasks = two_checkpoints
+    run = tmp_path / "run"
+    shutil.copytree(base / "run", run, symlinks=True)
+    hurt(run / "checkpoints")
+    return run, tasks
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("damage", ["truncated model", "model deleted", "optimizer deleted", "version deleted"])
+def test_a_damaged_newest_checkpoint_is_skipped_by_name_and_the_older_one_resumed(two_checkpoints, tmp_path, damage):
+    from tests.faults.jobs import gyre, log_of, rows
+
+    run, tasks = _damaged_copy(two_checkpoints, tmp_path, lambda ck: DAMAGE[damage][0](ck / "step_000002"))
+    proc = gyre(tmp_path, tasks, "--run-dir", str(run), "--train.resume", steps=3)
+    log = log_of(proc)
+    assert proc.returncode == 0, log[-4000:]
+    assert f"step_000002 skipped: {DAMAGE[damage][1]}" in log, log[-4000:]
+    assert "SafetensorError" not in log
+    attempt = json.loads((run / "run.json").read_text())["attempts"][-1]
+    assert attempt["start_version"] == 1 and attempt["resumed_from"].endswith("step_000001")
+    assert [r["step"] for r in rows(run / "metrics.jsonl")] == [0, 1, 2]  # step 1 again: its old row cut
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
+
+
+@pytest.mark.multirank
+def test_without_any_complete_checkpoint_the_resume_is_refused_before_anything_starts(two_checkpoints, tmp_path):
+    from tests.faults.jobs import gyre, log_of, rows
+
+    def drop_every_optimizer(ck):
+        for step in ck.iterdir():
+            (step / "optimizer.pt").unlink()
+
+    run, tasks = _damaged_copy(two_checkpoints, tmp_path, drop_every_optimizer)
+    metrics_before = (run / "metrics.jsonl").read_text()
+    proc = gyre(tmp_path, tasks, "--run-dir", str(run), "--train.resume", steps=3, timeout=120)
+    log = log_of(proc)
+    assert proc.returncode != 0 and "exitcode  : 2" in log, log[-3000:]
+    assert "no complete checkpoint" in log and "step_000002: optimizer.pt is missing" in log
+    assert "--train.resume-weights-only" in log and "proxy listening" not in log
+    assert (run / "metrics.jsonl").read_text() == metrics_before  # refused: nothing touched
+    # The flag accepts the newest readable weights, with a fresh optimizer.
+    proc = gyre(tmp_path, tasks, "--run-dir", str(run), "--train.resume", "--train.resume-weights-only", steps=3)
+    assert proc.returncode == 0, log_of(proc)[-4000:]
+    assert "optimizer.pt (optimizer state) is missing; --train.resume-weights-only" in log_of(proc)
+    assert [r["step"] for r in rows(run / "metrics.jsonl")] == [0, 1, 2]
