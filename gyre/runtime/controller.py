@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import threading
@@ -40,14 +41,15 @@ from gyre.executions.evaluator import Evaluator, RewardStatus
 from gyre.errors import RunFailed
 from gyre.executions.health import HealthMonitor
 from gyre.executions.runner import EventKind, ExecutionEvent, GyreProxyAccess, HarnessRunner
-from gyre.executions.tasks import Dataset
+from gyre.executions.tasks import Dataset, ExecutionSpec, Group
 from gyre.runtime.outputs import MetricsWriter, append_events, make_trackers, plot_role_timeline, read_metrics, reward_trend
 from gyre.proxy import Proxy, StoreSink, start_proxy
 from gyre.backends.engine_http import HttpEngine
 from gyre.runtime.messages import (Command, Failed, Joined, Load, Loaded, Reduce, Report, RequestWork, RolledBack,
                                    StepDone, Stop, Stopped, ToRollout, ToTrain, TrainWork, Transition, WorkDone,
                                    handler_for)
-from gyre.runtime.ledger import RunLedger
+from gyre.runtime.ledger import GroupPhase, RunLedger
+from gyre.runtime.rundir import GroupJournal, RunDir
 from gyre.runtime.samples import group_work, step_denominator
 from gyre.scheduler.core import CellRole, ElasticScheduler
 from gyre.scheduler.events import Dispatch, OptimizerStep, Publish, SwitchToRollout, SwitchToTrain, WallClock, Work
@@ -86,6 +88,19 @@ def _outcome(reward: Any) -> Outcome:
     return Outcome.scored(reward.reward)
 
 
+def _groups_of(dataset: Dataset, task_ids: tuple[str, ...], n: int, attempt: int) -> list[Group]:
+    """Groups of `n` executions of the given tasks (those earlier attempts lost), ids g0, g1, ..."""
+    by_id = {t.task_id: t for t in dataset.tasks}
+    groups = []
+    for task_id in task_ids:
+        if task_id not in by_id:
+            logger.warning("task %s of a lost group is no longer in the dataset; not dispatched again", task_id)
+            continue
+        gid = f"{task_id}.a{attempt}.g{len(groups)}"
+        groups.append(Group(gid, by_id[task_id], [ExecutionSpec(f"{gid}.{i}", by_id[task_id], gid, i) for i in range(n)]))
+    return groups
+
+
 class Controller:
     """Start with `start()` on rank 0 after the workers' engines are announced; `join()` waits.
 
@@ -95,10 +110,10 @@ class Controller:
     """
 
     def __init__(self, cfg: Any, topo: Topology, store: Any, start_version: int = 0, engine_secret: str | None = None,
-                 attempt: int = 0) -> None:
+                 run: RunDir | None = None) -> None:
         """Build the run's state: everything that does not need the controller's loop.
-        `engine_secret`: what the engines' servers want (`engine_host.share_secret`); `attempt`:
-        this launch's number in the run directory (`gyre.runtime.rundir`), part of every execution id."""
+        `engine_secret`: what the engines' servers want (`engine_host.share_secret`); `run`: this
+        launch's attempt in the run directory and what earlier attempts lost (`gyre.runtime.rundir`)."""
         self.cfg, self.topo, self.store = cfg, topo, store
         self.engine_secret = engine_secret
         sc, tc = cfg.scheduler, cfg.train
@@ -115,10 +130,14 @@ class Controller:
         self.dataset = Dataset.from_jsonl(ds.path)
         # Execution ids are <task>.a<attempt>.g<group>.<index>: unique over every launch into the run
         # directory (a resume, a second resume from the same checkpoint, a restart), whose executions/
-        # and tito/ they name. A resumed run also draws a fresh task order (seeded by its version).
-        self.attempt = attempt
-        self.group_iter = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed + start_version,
-                                                   make_id=lambda task, k: f"{task.task_id}.a{attempt}.g{k}")
+        # and tito/ they name. The tasks of groups earlier attempts lost come first; then a fresh task
+        # order (seeded by the start version).
+        self.run = run or RunDir(self.run_dir, attempt=0, start_version=start_version)
+        self.attempt = attempt = self.run.attempt
+        redo = _groups_of(self.dataset, self.run.redo_tasks, sc.n_per_group, attempt)
+        fresh = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed + start_version,
+                                         make_id=lambda task, k: f"{task.task_id}.a{attempt}.g{k + len(redo)}")
+        self.group_iter = itertools.chain(redo, fresh)
         self.sched = ElasticScheduler(sc, topo.num_cells, tc.cell_concurrency,
                                       topo.num_pool_engines * tc.cell_concurrency, clock=WallClock(),
                                       start_version=start_version)
@@ -126,6 +145,7 @@ class Controller:
         self.health = HealthMonitor(hc.window or sc.n_per_group * sc.batch_groups, hc.stop_fraction)
         self.ledger = RunLedger(topo.num_cells)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.journal = GroupJournal(self.run_dir, self.attempt)  # what becomes of every group, for a later attempt
         if not tc.resume:  # a fresh run replaces the run directory's metrics; a resumed one appends
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         self.metrics = MetricsWriter(str(self.run_dir / "metrics.jsonl"))
@@ -279,6 +299,8 @@ class Controller:
             for spec in group.executions:
                 spec.dispatch_version = d.version
             self.ledger.add_group(g, group, d.version)
+            self.journal.dispatched(group.group_id, group.task.task_id, d.version,
+                                    [e.execution_id for e in group.executions])
             self.runner.dispatch_group(group)
         logger.info("dispatched groups %d..%d at version %d (w=%d)", d.first_group, d.first_group + d.n_groups - 1,
                     d.version, self.sched.water_level)
@@ -372,6 +394,7 @@ class Controller:
 
     def _step_done(self, step: int, stats: dict[str, float]) -> None:
         rec = self.ledger.close(step)
+        self.journal.trained([self.ledger.groups[g].group_id for g in rec.groups], step)
         now = time.time()
         row = {
             "step": step,
@@ -472,6 +495,9 @@ class Controller:
                 await asyncio.sleep(0.05)
         cancelled = len(self.runner.in_flight())
         await self.runner.shutdown(evaluate=not failed)
+        if not failed:  # a clean end: what was not trained is cancelled here, not lost for a later attempt
+            self.journal.closed([r.group_id for r in self.ledger.groups.values() if r.phase is not GroupPhase.CONSUMED])
+        self.journal.close()
         for r in range(self.topo.world_size):
             self.cp.send(r, Stop(failed=failed))
         self.stop_sent = True
@@ -502,6 +528,12 @@ class Controller:
             "engine_failures": stats["engine_failures"],
             "execution_outcomes": dict(self.outcomes),
             "cancelled_at_end": cancelled,
+            # executions of earlier attempts in this run directory that were running, or evaluated and
+            # not yet trained into the checkpoint resumed from, when their attempt ended (their tasks
+            # ran again first in this one); see run.json's attempts and groups.jsonl
+            "attempt": self.attempt,
+            "lost_in_flight": self.run.lost_in_flight,
+            "redispatched_groups": len(self.run.redo_tasks),
             "measured_staleness_mean": float(np.mean(self.sched.staleness)) if self.sched.staleness else None,
             "staleness_by_step": self.ledger.staleness_by_step(),
             "expected_staleness": self.cfg.scheduler.expected_staleness,

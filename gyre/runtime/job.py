@@ -95,7 +95,7 @@ def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: Weight
     controller = None
     if topo.is_controller:
         controller = Controller(cfg, topo, store, start_version=start_version, engine_secret=engine_secret,
-                                attempt=run.attempt)
+                                run=run)
         controller.start()
 
     while True:

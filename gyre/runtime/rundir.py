@@ -47,10 +47,13 @@ logger = logging.getLogger(__name__)
 
 LATEST = "latest"
 # What a run leaves in its directory; any of these means the directory already holds a run.
-RUN_OUTPUTS = ("run.json", "metrics.jsonl", "summary.json", "events.jsonl", "role_timeline.png", "executions",
-               "checkpoints", "tito", "transport", "tensorboard", "wandb", "report")
+RUN_OUTPUTS = ("run.json", "metrics.jsonl", "groups.jsonl", "summary.json", "events.jsonl", "role_timeline.png",
+               "executions", "checkpoints", "tito", "transport", "tensorboard", "wandb", "report")
 _KEY = "rundir/decision"
 ELASTIC_KEY = "gyre/elastic/run_dir"  # in the store that outlives a restart of the workers
+
+
+JOURNAL = "groups.jsonl"
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,68 @@ class RunDir:
     path: Path
     attempt: int  # 0: the first launch into this directory; then one more per resume or restart
     start_version: int  # the version training starts from: the checkpoint's, 0 without one
-    checkpoint: str  # the checkpoint resumed from ("" when none)
+    checkpoint: str = ""  # the checkpoint resumed from ("" when none)
+    redo_tasks: tuple[str, ...] = ()  # task ids of earlier attempts' groups lost (see `lost_groups`), dispatched first
+    lost_in_flight: int = 0  # their executions
+
+
+class GroupJournal:
+    """`run_dir/groups.jsonl`: what became of every dispatched group, across attempts, one line per
+    fact, flushed as it happens (a crash loses at most the line being written):
+
+        {"kind": "dispatched", "attempt", "group_id", "task_id", "version", "executions": [...]}
+        {"kind": "trained", "group_id", "step"}      the step's update is done (the core holds it)
+        {"kind": "closed", "group_id"}               the run ended cleanly without training it
+        {"kind": "lost", "group_id", "attempt"}      a later attempt found it lost and re-runs its task
+
+    A resume from the checkpoint of version V reads it (`lost_groups`): a group dispatched before
+    and neither trained by a step < V nor closed nor already counted lost was in flight (running,
+    or evaluated and waiting for a step) when its attempt ended, and is lost with that attempt.
+    """
+
+    def __init__(self, run_dir: str | Path, attempt: int) -> None:
+        self.attempt = attempt
+        self._f = open(Path(run_dir) / JOURNAL, "a", encoding="utf-8")
+
+    def _write(self, **row: Any) -> None:
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+
+    def dispatched(self, group_id: str, task_id: str, version: int, executions: list[str]) -> None:
+        self._write(kind="dispatched", attempt=self.attempt, group_id=group_id, task_id=task_id, version=version,
+                    executions=executions)
+
+    def trained(self, group_ids: list[str], step: int) -> None:
+        for g in group_ids:
+            self._write(kind="trained", group_id=g, step=step)
+
+    def closed(self, group_ids: list[str]) -> None:
+        for g in group_ids:
+            self._write(kind="closed", group_id=g)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def lost_groups(run_dir: Path, version: int) -> list[dict[str, Any]]:
+    """The dispatched rows of the groups lost when earlier attempts ended (see `GroupJournal`),
+    in dispatch order, for a resume from `version`."""
+    path = run_dir / JOURNAL
+    if not path.exists():
+        return []
+    dispatched: dict[str, dict[str, Any]] = {}
+    done: set[str] = set()
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # torn last line
+        kind, g = row.get("kind"), row.get("group_id")
+        if kind == "dispatched":
+            dispatched[g] = row
+        elif kind in ("closed", "lost") or (kind == "trained" and row["step"] < version):
+            done.add(g)
+    return [row for g, row in dispatched.items() if g not in done]
 
 
 class RunDirError(ValueError):
@@ -135,13 +199,13 @@ def decide(cfg: Any, *, now: float | None = None) -> Path:
 
 
 def write_manifest(path: Path, cfg: Any, world_size: int, *, start_version: int = 0, resumed_from: str = "",
-                   restart: int = 0) -> int:
+                   restart: int = 0, lost_in_flight: int = 0) -> int:
     """`run.json`: what was run, so a directory explains itself; every launch into the directory
     appends to `attempts`. Returns this launch's attempt number."""
     manifest = path / "run.json"
     entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv, "world_size": world_size,
              "resumed_from": resumed_from, "start_version": start_version, "elastic_restart": restart,
-             "elastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID", "")}
+             "elastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""), "lost_in_flight": lost_in_flight}
     if manifest.exists():
         data = json.loads(manifest.read_text())
         if "attempts" not in data:  # written before attempts were recorded: the first run and its resumes
@@ -204,10 +268,20 @@ def _decide_all(cfg: Any, world_size: int, restart: int, elastic: Any) -> RunDir
         if dropped:
             logger.warning("metrics.jsonl: dropped %d rows of steps >= %d (after the checkpoint resumed from)",
                            dropped, version)
-    attempt = write_manifest(path, cfg, world_size, start_version=version, resumed_from=ck, restart=restart)
+    lost = lost_groups(path, version) if cfg.train.resume or restart else []
+    lost_in_flight = sum(len(row["executions"]) for row in lost)
+    attempt = write_manifest(path, cfg, world_size, start_version=version, resumed_from=ck, restart=restart,
+                             lost_in_flight=lost_in_flight)
+    if lost:
+        journal = GroupJournal(path, attempt)
+        for row in lost:
+            journal._write(kind="lost", group_id=row["group_id"], attempt=attempt)
+        journal.close()
+        logger.warning("%d executions (%d groups) of earlier attempts were in flight or not yet trained into "
+                       "version %d; their tasks are dispatched again first", lost_in_flight, len(lost), version)
     if elastic is not None:
         elastic.set(ELASTIC_KEY, str(path))
-    return RunDir(path, attempt, version, ck)
+    return RunDir(path, attempt, version, ck, tuple(row["task_id"] for row in lost), lost_in_flight)
 
 
 def resolve(cfg: Any, rank: int, world_size: int, store: Any, *, restart: int = 0, elastic: Any = None) -> RunDir:
@@ -221,8 +295,7 @@ def resolve(cfg: Any, rank: int, world_size: int, store: Any, *, restart: int = 
     if rank == 0:
         try:
             run = _decide_all(cfg, world_size, restart, elastic)
-            store.set(_KEY, json.dumps({"path": str(run.path), "attempt": run.attempt,
-                                        "start_version": run.start_version, "checkpoint": run.checkpoint}))
+            store.set(_KEY, json.dumps(dataclasses.asdict(run), default=str))
         except RunDirError as e:
             store.set(_KEY, json.dumps({"error": str(e)}))
             raise
@@ -234,4 +307,4 @@ def resolve(cfg: Any, rank: int, world_size: int, store: Any, *, restart: int = 
     cfg.run_dir = decision["path"]
     cfg.train.resume = bool(decision["checkpoint"])
     cfg.train.resume_from = decision["checkpoint"]
-    return RunDir(Path(cfg.run_dir), decision["attempt"], decision["start_version"], decision["checkpoint"])
+    return RunDir(**{**decision, "path": Path(cfg.run_dir), "redo_tasks": tuple(decision["redo_tasks"])})
