@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from gyre.runtime.control import CONTROLLER, ControlPlane
-from gyre.executions.evaluator import Evaluator, RewardStatus
+from gyre.executions.evaluator import Evaluator, RewardResult, RewardStatus
 from gyre.errors import RunFailed
 from gyre.executions.health import HealthMonitor
 from gyre.executions.runner import EventKind, ExecutionEvent, GyreProxyAccess, HarnessRunner
@@ -86,6 +86,15 @@ def _outcome(reward: Any) -> Outcome:
     if reward.status is RewardStatus.PLACEHOLDER:
         return Outcome.harness_failed()
     return Outcome.scored(reward.reward)
+
+
+@dataclasses.dataclass(frozen=True)
+class CarriedResult:
+    """What `_make_work` reads of an execution evaluated in an earlier attempt (its result.json)."""
+
+    execution_id: str
+    index: int
+    reward: RewardResult
 
 
 def _groups_of(dataset: Dataset, task_ids: tuple[str, ...], n: int, attempt: int) -> list[Group]:
@@ -138,6 +147,12 @@ class Controller:
         fresh = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed + start_version,
                                          make_id=lambda task, k: f"{task.task_id}.a{attempt}.g{k + len(redo)}")
         self.group_iter = itertools.chain(redo, fresh)
+        # Earlier attempts' evaluated groups take the first dispatch slots (same N, task still there).
+        known = {t.task_id for t in self.dataset.tasks}
+        self.carried = [r for r in self.run.carried if r["task_id"] in known and len(r["executions"]) == sc.n_per_group]
+        if len(self.carried) < len(self.run.carried):
+            logger.warning("%d groups of earlier attempts cannot be carried over (their task left the dataset, or "
+                           "--scheduler.n-per-group changed); they are not trained", len(self.run.carried) - len(self.carried))
         self.sched = ElasticScheduler(sc, topo.num_cells, tc.cell_concurrency,
                                       topo.num_pool_engines * tc.cell_concurrency, clock=WallClock(),
                                       start_version=start_version)
@@ -173,6 +188,7 @@ class Controller:
         self.stopped: dict[int, Stopped | Failed] = {}
         self.last_step_t = 0.0  # set when the loop starts (the ledger's clock)
         self.outcomes: dict[str, int] = defaultdict(int)
+        self.carried_over = 0  # groups of earlier attempts trained in this one
         self._last_progress: tuple | None = None  # the last progress line's picture, and when it was logged
         self._last_progress_t = 0.0
 
@@ -295,6 +311,9 @@ class Controller:
             logger.info("not dispatching %d groups: the run has done its %d steps", d.n_groups, self.steps_done)
             return
         for g in d.groups:
+            if self.carried:  # evaluated in an earlier attempt: train it, do not run it again
+                self._carry_over(g, self.carried.pop(0))
+                continue
             group = next(self.group_iter)
             for spec in group.executions:
                 spec.dispatch_version = d.version
@@ -304,6 +323,27 @@ class Controller:
             self.runner.dispatch_group(group)
         logger.info("dispatched groups %d..%d at version %d (w=%d)", d.first_group, d.first_group + d.n_groups - 1,
                     d.version, self.sched.water_level)
+
+    def _carry_over(self, g: int, row: dict[str, Any]) -> None:
+        """Take an earlier attempt's evaluated group (a `groups.jsonl` row) as dispatch slot `g`:
+        its executions start and finish at once for the scheduler, their results and TITO come
+        from the run directory, and it becomes work like any group. Its v_d stays the version it
+        was sampled at (the ledger's staleness; the scheduler counts it from now)."""
+        task = next(t for t in self.dataset.tasks if t.task_id == row["task_id"])
+        specs = [ExecutionSpec(e, task, row["group_id"], i, dispatch_version=row["version"])
+                 for i, e in enumerate(row["executions"])]
+        rec = self.ledger.add_group(g, Group(row["group_id"], task, specs), row["version"])
+        self.journal.dispatched(row["group_id"], row["task_id"], row["version"], row["executions"])
+        for spec in specs:
+            self._apply(self.sched.on_execution_started(g, spec.index))
+            self._apply(self.sched.on_execution_finished(g, spec.index))
+            saved = json.loads((self.run_dir / "executions" / spec.execution_id / "result.json").read_text())["reward"]
+            reward = RewardResult(spec.execution_id, RewardStatus(saved["status"]), saved["reward"])
+            self.ledger.evaluated(CarriedResult(spec.execution_id, spec.index, reward))
+        self.carried_over += 1
+        logger.info("group %s (dispatched at version %d in an earlier attempt) carried over as group %d",
+                    rec.group_id, row["version"], g)
+        self._spawn(self._make_work(g))
 
     async def _switch_to_train(self, cell: int) -> None:
         moved = await self.proxy.router.drain(f"cell{cell}")  # in-flight calls continue elsewhere
@@ -534,6 +574,7 @@ class Controller:
             "attempt": self.attempt,
             "lost_in_flight": self.run.lost_in_flight,
             "redispatched_groups": len(self.run.redo_tasks),
+            "carried_over_groups": self.carried_over,  # evaluated in an earlier attempt, trained in this one
             "measured_staleness_mean": float(np.mean(self.sched.staleness)) if self.sched.staleness else None,
             "staleness_by_step": self.ledger.staleness_by_step(),
             "expected_staleness": self.cfg.scheduler.expected_staleness,

@@ -66,6 +66,7 @@ class RunDir:
     checkpoint: str = ""  # the checkpoint resumed from ("" when none)
     redo_tasks: tuple[str, ...] = ()  # task ids of earlier attempts' groups lost (see `lost_groups`), dispatched first
     lost_in_flight: int = 0  # their executions
+    carried: tuple[dict[str, Any], ...] = ()  # earlier attempts' evaluated, untrained groups (journal rows): trained first
 
 
 class GroupJournal:
@@ -78,8 +79,11 @@ class GroupJournal:
         {"kind": "lost", "group_id", "attempt"}      a later attempt found it lost and re-runs its task
 
     A resume from the checkpoint of version V reads it (`lost_groups`): a group dispatched before
-    and neither trained by a step < V nor closed nor already counted lost was in flight (running,
-    or evaluated and waiting for a step) when its attempt ended, and is lost with that attempt.
+    and neither trained by a step < V nor closed nor already counted lost was in flight when its
+    attempt ended. If it had been evaluated (`evaluated`: results, rewards and TITO on disk) the
+    new attempt carries it over and trains it first (a "dispatched" row again, its own ids);
+    otherwise it is lost (a "lost" row, its executions counted in `lost_in_flight`) and its task
+    is dispatched again first.
     """
 
     def __init__(self, run_dir: str | Path, attempt: int) -> None:
@@ -120,8 +124,9 @@ def lost_groups(run_dir: Path, version: int) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue  # torn last line
         kind, g = row.get("kind"), row.get("group_id")
-        if kind == "dispatched":
+        if kind == "dispatched":  # again when a later attempt carries it over: it is in flight again
             dispatched[g] = row
+            done.discard(g)
         elif kind in ("closed", "lost") or (kind == "trained" and row["step"] < version):
             done.add(g)
     return [row for g, row in dispatched.items() if g not in done]
@@ -199,13 +204,14 @@ def decide(cfg: Any, *, now: float | None = None) -> Path:
 
 
 def write_manifest(path: Path, cfg: Any, world_size: int, *, start_version: int = 0, resumed_from: str = "",
-                   restart: int = 0, lost_in_flight: int = 0) -> int:
+                   restart: int = 0, lost_in_flight: int = 0, carried: list[str] | None = None) -> int:
     """`run.json`: what was run, so a directory explains itself; every launch into the directory
     appends to `attempts`. Returns this launch's attempt number."""
     manifest = path / "run.json"
     entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv, "world_size": world_size,
              "resumed_from": resumed_from, "start_version": start_version, "elastic_restart": restart,
-             "elastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""), "lost_in_flight": lost_in_flight}
+             "elastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""), "lost_in_flight": lost_in_flight,
+             "carried_groups": carried or []}
     if manifest.exists():
         data = json.loads(manifest.read_text())
         if "attempts" not in data:  # written before attempts were recorded: the first run and its resumes
@@ -220,6 +226,23 @@ def write_manifest(path: Path, cfg: Any, world_size: int, *, start_version: int 
     tmp.write_text(json.dumps(data, indent=1, default=str))
     os.replace(tmp, manifest)
     return attempt
+
+
+def evaluated(run_dir: Path, row: dict[str, Any], version: int) -> bool:
+    """Whether a lost group can be carried over into a resume from `version` and trained there:
+    every execution has its result and reward on disk (executions/<id>/result.json; its TITO
+    records are in tito/), and it was dispatched at a version this resume's lineage holds (a group
+    sampled by a policy newer than the checkpoint is from a branch the resume discards)."""
+    if row["version"] > version:
+        return False
+    for execution_id in row["executions"]:
+        try:
+            result = json.loads((run_dir / "executions" / execution_id / "result.json").read_text())
+        except (OSError, ValueError):
+            return False
+        if result.get("reward") is None:
+            return False
+    return True
 
 
 def _resume_point(cfg: Any, path: Path, *, restart: bool) -> tuple[str, int]:
@@ -268,10 +291,15 @@ def _decide_all(cfg: Any, world_size: int, restart: int, elastic: Any) -> RunDir
         if dropped:
             logger.warning("metrics.jsonl: dropped %d rows of steps >= %d (after the checkpoint resumed from)",
                            dropped, version)
-    lost = lost_groups(path, version) if cfg.train.resume or restart else []
+    lost, carried = [], []
+    for row in lost_groups(path, version) if cfg.train.resume or restart else []:
+        (carried if evaluated(path, row, version) else lost).append(row)
     lost_in_flight = sum(len(row["executions"]) for row in lost)
+    if carried:
+        logger.warning("%d groups of earlier attempts were evaluated but not trained into version %d; they are "
+                       "trained first (%s)", len(carried), version, ", ".join(r["group_id"] for r in carried))
     attempt = write_manifest(path, cfg, world_size, start_version=version, resumed_from=ck, restart=restart,
-                             lost_in_flight=lost_in_flight)
+                             lost_in_flight=lost_in_flight, carried=[r["group_id"] for r in carried])
     if lost:
         journal = GroupJournal(path, attempt)
         for row in lost:
@@ -281,7 +309,7 @@ def _decide_all(cfg: Any, world_size: int, restart: int, elastic: Any) -> RunDir
                        "version %d; their tasks are dispatched again first", lost_in_flight, len(lost), version)
     if elastic is not None:
         elastic.set(ELASTIC_KEY, str(path))
-    return RunDir(path, attempt, version, ck, tuple(row["task_id"] for row in lost), lost_in_flight)
+    return RunDir(path, attempt, version, ck, tuple(row["task_id"] for row in lost), lost_in_flight, tuple(carried))
 
 
 def resolve(cfg: Any, rank: int, world_size: int, store: Any, *, restart: int = 0, elastic: Any = None) -> RunDir:
@@ -307,4 +335,5 @@ def resolve(cfg: Any, rank: int, world_size: int, store: Any, *, restart: int = 
     cfg.run_dir = decision["path"]
     cfg.train.resume = bool(decision["checkpoint"])
     cfg.train.resume_from = decision["checkpoint"]
-    return RunDir(**{**decision, "path": Path(cfg.run_dir), "redo_tasks": tuple(decision["redo_tasks"])})
+    return RunDir(**{**decision, "path": Path(cfg.run_dir), "redo_tasks": tuple(decision["redo_tasks"]),
+                     "carried": tuple(decision["carried"])})
