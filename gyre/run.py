@@ -106,18 +106,21 @@ def init_distributed(backend: str) -> tuple[int, object | None]:
     under the same keys and fail at the first rendezvous ("Gloo connectFullMesh failed ...
     Connection refused"). So every attempt gets its own prefix in that store
     (`gyre/attempt_<TORCHELASTIC_RESTART_COUNT>/`), and every Gyre key (`default_store()`) lives
-    under it. Returns the restart count and the unprefixed store, which outlives the attempt
-    (where rank 0 records the run directory for the next one; `gyre.runtime.rundir`).
+    under it. Returns the restart count (torchrun's plus Slurm's requeues) and the unprefixed
+    store, which outlives the attempt (where rank 0 records the run directory for the next one;
+    `gyre.runtime.rundir`).
     """
     from torch.distributed import PrefixStore, TCPStore
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it, as env:// does
     raw = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=not agent and rank == 0,
                    timeout=dist.default_pg_timeout, multi_tenant=not agent)
-    dist.init_process_group(backend, store=PrefixStore(f"gyre/attempt_{restart}/", raw), rank=rank, world_size=world)
-    return restart, raw
+    dist.init_process_group(backend, store=PrefixStore(f"gyre/attempt_{attempt}/", raw), rank=rank, world_size=world)
+    # A restart is torchrun's (this job's store outlives it) or Slurm's (a requeued job: a new
+    # torchrun; launch.sh gives it the same --run-dir).
+    return attempt + int(os.environ.get("SLURM_RESTART_COUNT", "0")), raw
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -155,3 +155,48 @@ def test_a_restarted_job_finds_the_directory_its_first_attempt_chose(in_tmp):
     third = rundir.resolve(cfg, 0, 2, dist.HashStore(), restart=2, elastic=elastic)
     assert (third.path, third.attempt, third.start_version) == (first.path, 2, 2) and cfg.train.resume
     assert len([p for p in (in_tmp / "runs" / "train").iterdir() if p.name != "latest"]) == 1
+
+
+def test_a_requeued_slurm_job_resumes_its_run_dir_from_its_newest_checkpoint(in_tmp):
+    run = in_tmp / "runs" / "slurm" / "77"  # what launch.sh gives every requeue of job 77
+    rundir.resolve(_cfg("--run-dir", str(run), "--train.steps", "9"), 0, 2, dist.HashStore())
+    _complete_checkpoint(run, 3)
+    cfg = _cfg("--run-dir", str(run), "--train.steps", "9")  # no --train.resume: the restart implies it
+    got = rundir.resolve(cfg, 0, 2, dist.HashStore(), restart=1)  # a new torchrun: a store of its own
+    assert (got.path, got.attempt, got.start_version) == (run.resolve(), 1, 3) and cfg.train.resume
+
+
+def _journal(run, *rows_):
+    (run / "groups.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_))
+
+
+def _result(run, execution_id, reward):
+    (run / "executions" / execution_id).mkdir(parents=True)
+    (run / "executions" / execution_id / "result.json").write_text(json.dumps({"reward": reward}))
+
+
+def test_groups_in_flight_are_lost_or_carried_over_and_counted_once(in_tmp):
+    run = in_tmp / "run"
+    rundir.resolve(_cfg("--run-dir", str(run), "--train.steps", "9"), 0, 1, dist.HashStore())
+    _complete_checkpoint(run, 2)
+    d = lambda g, v: {"kind": "dispatched", "attempt": 0, "group_id": g, "task_id": g.split(".")[0], "version": v,
+                      "executions": [f"{g}.0", f"{g}.1"]}
+    _journal(run, d("t0.a0.g0", 0), d("t1.a0.g1", 1), d("t2.a0.g2", 2), d("t3.a0.g3", 2), d("t4.a0.g4", 3),
+             {"kind": "trained", "group_id": "t0.a0.g0", "step": 0},  # in the checkpoint
+             {"kind": "trained", "group_id": "t1.a0.g1", "step": 2},  # trained after it: not in it
+             d("t5.a0.g5", 1), {"kind": "closed", "group_id": "t5.a0.g5"})  # ended cleanly untrained
+    for g in ("t1.a0.g1", "t2.a0.g2", "t4.a0.g4"):  # evaluated: results with rewards on disk
+        for i in (0, 1):
+            _result(run, f"{g}.{i}", {"status": "valid", "reward": 1.0})
+    _result(run, "t3.a0.g3.0", {"status": "valid", "reward": 0.0})  # one of two evaluated: not whole
+    got = rundir.resolve(_cfg("--run-dir", str(run), "--train.resume", "--train.steps", "9"), 0, 1, dist.HashStore())
+    # g1, g2: evaluated at versions the checkpoint holds → carried; g3 half-run → lost;
+    # g4 sampled at version 3 > 2 (a discarded branch) → lost, its task run again.
+    assert [r["group_id"] for r in got.carried] == ["t1.a0.g1", "t2.a0.g2"]
+    assert got.redo_tasks == ("t3", "t4") and got.lost_in_flight == 4
+    # The next resume does not count the lost ones again; the carried ones are lost again only if
+    # that attempt never dispatched them (here it did not: nothing ran).
+    again = rundir.resolve(_cfg("--run-dir", str(run), "--train.resume", "--train.steps", "9"), 0, 1,
+                           dist.HashStore())
+    assert again.redo_tasks == () and again.lost_in_flight == 0
+    assert [r["group_id"] for r in again.carried] == ["t1.a0.g1", "t2.a0.g2"]

@@ -209,7 +209,9 @@ def write_manifest(path: Path, cfg: Any, world_size: int, *, start_version: int 
     appends to `attempts`. Returns this launch's attempt number."""
     manifest = path / "run.json"
     entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv, "world_size": world_size,
-             "resumed_from": resumed_from, "start_version": start_version, "elastic_restart": restart,
+             "resumed_from": resumed_from, "start_version": start_version, "restart": restart,
+             "elastic_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+             "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
              "elastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""), "lost_in_flight": lost_in_flight,
              "carried_groups": carried or []}
     if manifest.exists():
