@@ -181,12 +181,12 @@ def check_train_config(cfg: GyreConfig, num_cells: int) -> None:
         raise ConfigError(f"--train.drain-at-end-s must be >= 0, got {tc.drain_at_end_s}")
     if tc.resume_from and not Path(tc.resume_from).is_dir():
         raise ConfigError(f"--train.resume-from {tc.resume_from}: no such checkpoint directory")
-    check_dataset(cfg)
-    check_run_dir(cfg)
     check_tracking(cfg.tracking)
     from gyre.backends.factory import check_backends
 
     check_backends(cfg)
+    check_dataset(cfg)  # the files last: a wrong setting above is the message even when files are missing too
+    check_run_dir(cfg)
 
 
 def check_dataset(cfg: GyreConfig) -> None:
