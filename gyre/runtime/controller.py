@@ -42,7 +42,8 @@ from gyre.errors import RunFailed
 from gyre.executions.health import HealthMonitor
 from gyre.executions.runner import EventKind, ExecutionEvent, GyreProxyAccess, HarnessRunner
 from gyre.executions.tasks import Dataset, ExecutionSpec, Group
-from gyre.runtime.outputs import MetricsWriter, append_events, make_trackers, plot_role_timeline, read_metrics, reward_trend
+from gyre.runtime.outputs import (MetricsWriter, append_events, make_trackers, plot_role_timeline, read_metrics,
+                                  reward_trend)
 from gyre.proxy import Proxy, StoreSink, start_proxy
 from gyre.backends.engine_http import HttpEngine
 from gyre.runtime.messages import (Command, Failed, Joined, Load, Loaded, Reduce, Report, RequestWork, RolledBack,
@@ -106,7 +107,8 @@ def _groups_of(dataset: Dataset, task_ids: tuple[str, ...], n: int, attempt: int
             logger.warning("task %s of a lost group is no longer in the dataset; not dispatched again", task_id)
             continue
         gid = f"{task_id}.a{attempt}.g{len(groups)}"
-        groups.append(Group(gid, by_id[task_id], [ExecutionSpec(f"{gid}.{i}", by_id[task_id], gid, i) for i in range(n)]))
+        task = by_id[task_id]
+        groups.append(Group(gid, task, [ExecutionSpec(f"{gid}.{i}", task, gid, i) for i in range(n)]))
     return groups
 
 
@@ -152,7 +154,8 @@ class Controller:
         self.carried = [r for r in self.run.carried if r["task_id"] in known and len(r["executions"]) == sc.n_per_group]
         if len(self.carried) < len(self.run.carried):
             logger.warning("%d groups of earlier attempts cannot be carried over (their task left the dataset, or "
-                           "--scheduler.n-per-group changed); they are not trained", len(self.run.carried) - len(self.carried))
+                           "--scheduler.n-per-group changed); they are not trained",
+                           len(self.run.carried) - len(self.carried))
         self.sched = ElasticScheduler(sc, topo.num_cells, tc.cell_concurrency,
                                       topo.num_pool_engines * tc.cell_concurrency, clock=WallClock(),
                                       start_version=start_version)
@@ -536,7 +539,8 @@ class Controller:
         cancelled = len(self.runner.in_flight())
         await self.runner.shutdown(evaluate=not failed)
         if not failed:  # a clean end: what was not trained is cancelled here, not lost for a later attempt
-            self.journal.closed([r.group_id for r in self.ledger.groups.values() if r.phase is not GroupPhase.CONSUMED])
+            self.journal.closed([r.group_id for r in self.ledger.groups.values()
+                                 if r.phase is not GroupPhase.CONSUMED])
         self.journal.close()
         for r in range(self.topo.world_size):
             self.cp.send(r, Stop(failed=failed))
@@ -568,9 +572,10 @@ class Controller:
             "engine_failures": stats["engine_failures"],
             "execution_outcomes": dict(self.outcomes),
             "cancelled_at_end": cancelled,
-            # executions of earlier attempts in this run directory that were running, or evaluated and
-            # not yet trained into the checkpoint resumed from, when their attempt ended (their tasks
-            # ran again first in this one); see run.json's attempts and groups.jsonl
+            # executions of earlier attempts in this run directory that were still running (or not all
+            # evaluated) when their attempt ended, so not trained into the checkpoint resumed from: their
+            # tasks ran again first in this one. Evaluated groups were carried over instead. See run.json's
+            # attempts and groups.jsonl.
             "attempt": self.attempt,
             "lost_in_flight": self.run.lost_in_flight,
             "redispatched_groups": len(self.run.redo_tasks),

@@ -66,7 +66,8 @@ class RunDir:
     checkpoint: str = ""  # the checkpoint resumed from ("" when none)
     redo_tasks: tuple[str, ...] = ()  # task ids of earlier attempts' groups lost (see `lost_groups`), dispatched first
     lost_in_flight: int = 0  # their executions
-    carried: tuple[dict[str, Any], ...] = ()  # earlier attempts' evaluated, untrained groups (journal rows): trained first
+    # earlier attempts' groups evaluated but not trained into the checkpoint (journal rows): trained first
+    carried: tuple[dict[str, Any], ...] = ()
 
 
 class GroupJournal:
@@ -105,6 +106,10 @@ class GroupJournal:
     def closed(self, group_ids: list[str]) -> None:
         for g in group_ids:
             self._write(kind="closed", group_id=g)
+
+    def lost(self, group_ids: list[str]) -> None:
+        for g in group_ids:
+            self._write(kind="lost", group_id=g, attempt=self.attempt)
 
     def close(self) -> None:
         self._f.close()
@@ -304,8 +309,7 @@ def _decide_all(cfg: Any, world_size: int, restart: int, elastic: Any) -> RunDir
                              lost_in_flight=lost_in_flight, carried=[r["group_id"] for r in carried])
     if lost:
         journal = GroupJournal(path, attempt)
-        for row in lost:
-            journal._write(kind="lost", group_id=row["group_id"], attempt=attempt)
+        journal.lost([row["group_id"] for row in lost])
         journal.close()
         logger.warning("%d executions (%d groups) of earlier attempts were in flight or not yet trained into "
                        "version %d; their tasks are dispatched again first", lost_in_flight, len(lost), version)
