@@ -215,8 +215,10 @@ class CellWorker:
     def _checkpoint(self) -> None:
         """The core's checkpoint of its current version, written atomically (`gyre.runtime.checkpoint`:
         a crash leaves the previous checkpoints intact and no half-written one to resume from).
-        A version already written (the end right after a periodic checkpoint) is not written twice."""
-        if not self.checkpoint_dir or self.actor.version == self._checkpointed:
+        A version already written (the end right after a periodic checkpoint) is not written twice,
+        and version 0 not at all (the starting weights: a run stopped before its first step used to
+        leave a step_000000 behind)."""
+        if not self.checkpoint_dir or self.actor.version in (0, self._checkpointed):
             return
         path = checkpoint.write(self.checkpoint_dir, self.actor.version, self.actor.save_checkpoint,
                                 finalize=self.topo.position == 0)  # a sharded cell's first rank writes the files
