@@ -209,12 +209,14 @@ def decide(cfg: Any, *, now: float | None = None) -> Path:
 
 
 def write_manifest(path: Path, cfg: Any, world_size: int, *, start_version: int = 0, resumed_from: str = "",
-                   restart: int = 0, lost_in_flight: int = 0, carried: list[str] | None = None) -> int:
+                   restart: int = 0, lost_in_flight: int = 0, carried: list[str] | None = None,
+                   skipped: list[str] | None = None) -> int:
     """`run.json`: what was run, so a directory explains itself; every launch into the directory
     appends to `attempts`. Returns this launch's attempt number."""
     manifest = path / "run.json"
     entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv, "world_size": world_size,
-             "resumed_from": resumed_from, "start_version": start_version, "restart": restart,
+             "resumed_from": resumed_from, "start_version": start_version, "skipped_checkpoints": skipped or [],
+             "restart": restart,
              "elastic_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
              "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
              "elastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""), "lost_in_flight": lost_in_flight,
@@ -252,10 +254,11 @@ def evaluated(run_dir: Path, row: dict[str, Any], version: int) -> bool:
     return True
 
 
-def _resume_point(cfg: Any, path: Path, *, restart: bool) -> tuple[str, int]:
-    """The checkpoint a resume starts from and its version; ("", 0) for a restart that died
-    before its first checkpoint. Raises RunDirError with what was found."""
-    tc = cfg.train
+def _resume_point(cfg: Any, path: Path, *, restart: bool) -> tuple[str, int, list[str]]:
+    """The checkpoint a resume starts from, its version and the newer ones skipped (with why);
+    ("", 0, []) for a restart that died before its first checkpoint. Raises RunDirError with
+    what was found."""
+    tc, skipped = cfg.train, []
     if tc.resume_from:
         ck = Path(tc.resume_from)
         why = checkpoint.check(ck) if ck.is_dir() else "not a directory"
@@ -263,11 +266,12 @@ def _resume_point(cfg: Any, path: Path, *, restart: bool) -> tuple[str, int]:
             raise RunDirError(f"--train.resume-from {ck}: {why}")
     else:
         try:
-            ck = checkpoint.select(path / "checkpoints", weights_only=tc.resume_weights_only).path
+            found = checkpoint.select(path / "checkpoints", weights_only=tc.resume_weights_only)
+            ck, skipped = found.path, [f"{p.name}: {why}" for p, why in found.skipped]
         except checkpoint.CheckpointError as e:
             if restart and not checkpoint.candidates(path / "checkpoints"):
                 logger.warning("restart: no checkpoint in %s yet; starting again from version 0", path)
-                return "", 0
+                return "", 0, []
             raise RunDirError(str(e)) from None
     try:
         version = checkpoint.version_of(ck)
@@ -276,7 +280,7 @@ def _resume_point(cfg: Any, path: Path, *, restart: bool) -> tuple[str, int]:
     if version >= tc.steps:
         raise RunDirError(f"--train.resume: {ck} is already at version {version} >= --train.steps {tc.steps}; "
                           f"train.steps counts the whole run, raise it")
-    return str(ck.resolve()), version
+    return str(ck.resolve()), version, skipped
 
 
 def _decide_all(cfg: Any, world_size: int, restart: int, elastic: Any) -> RunDir:
@@ -291,7 +295,7 @@ def _decide_all(cfg: Any, world_size: int, restart: int, elastic: Any) -> RunDir
     if cfg.train.resume_from:
         cfg.train.resume = True
     path = decide(cfg)
-    ck, version = _resume_point(cfg, path, restart=restart > 0) if cfg.train.resume else ("", 0)
+    ck, version, skipped = _resume_point(cfg, path, restart=restart > 0) if cfg.train.resume else ("", 0, [])
     if cfg.train.resume:
         dropped = truncate_jsonl(path / "metrics.jsonl", metrics_until(version))
         truncate_jsonl(path / "events.jsonl", events_until(version))
@@ -306,7 +310,8 @@ def _decide_all(cfg: Any, world_size: int, restart: int, elastic: Any) -> RunDir
         logger.warning("%d groups of earlier attempts were evaluated but not trained into version %d; they are "
                        "trained first (%s)", len(carried), version, ", ".join(r["group_id"] for r in carried))
     attempt = write_manifest(path, cfg, world_size, start_version=version, resumed_from=ck, restart=restart,
-                             lost_in_flight=lost_in_flight, carried=[r["group_id"] for r in carried])
+                             lost_in_flight=lost_in_flight, carried=[r["group_id"] for r in carried],
+                             skipped=skipped)
     if lost:
         journal = GroupJournal(path, attempt)
         journal.lost([row["group_id"] for row in lost])

@@ -185,6 +185,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_name_and_the_older_one_resume
     assert "SafetensorError" not in log
     attempt = json.loads((run / "run.json").read_text())["attempts"][-1]
     assert attempt["start_version"] == 1 and attempt["resumed_from"].endswith("step_000001")
+    assert [why.split(":")[0] for why in attempt["skipped_checkpoints"]] == ["step_000002"]  # the lineage says so too
     assert [r["step"] for r in rows(run / "metrics.jsonl")] == [0, 1, 2]  # step 1 again: its old row cut
     assert json.loads((run / "summary.json").read_text())["steps"] == 3
 
