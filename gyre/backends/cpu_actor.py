@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -206,16 +207,30 @@ class CpuActor:
         with open(os.path.join(path, "gyre_actor.json"), "w") as f:
             json.dump({"version": self.version, "is_core": self.is_core}, f)
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str, *, weights_only: bool = False) -> None:
+        """The inverse of `save_checkpoint`. The core needs optimizer.pt and gyre_actor.json (a
+        missing one is an error, never a silent fresh optimizer or version 0) unless
+        `weights_only` (`--train.resume-weights-only`): then a missing optimizer state starts a
+        fresh optimizer, and a missing version is read from the checkpoint's marker or name."""
         from safetensors.torch import load_file
 
+        from gyre.runtime import checkpoint
+
+        opt, meta = os.path.join(path, "optimizer.pt"), os.path.join(path, "gyre_actor.json")
+        for name, p, needed in (("optimizer state", opt, self.optimizer is not None), ("version", meta, True)):
+            if needed and not os.path.exists(p):
+                if not weights_only:
+                    raise FileNotFoundError(f"{path}: {os.path.basename(p)} ({name}) is missing; pass "
+                                            f"--train.resume-weights-only to resume from the weights alone")
+                logger.warning("%s: %s (%s) is missing; --train.resume-weights-only: going on without it",
+                               path, os.path.basename(p), name)
         state = load_file(os.path.join(path, "model.safetensors"))
         own = dict(self.model.named_parameters())
         self.import_parameters({k: v for k, v in state.items() if k in own})
-        opt = os.path.join(path, "optimizer.pt")
         if self.optimizer is not None and os.path.exists(opt):
             self.optimizer.load_state_dict(torch.load(opt, weights_only=True))
-        meta = os.path.join(path, "gyre_actor.json")
         if os.path.exists(meta):
             with open(meta) as f:
                 self.version = int(json.load(f)["version"])
+        else:
+            self.version = checkpoint.version_of(Path(path))

@@ -89,9 +89,10 @@ def check_backends(cfg: Any) -> None:
                               "pip install --no-build-isolation -e '.[gpu]' (or megatron-core==0.16.1)")
         if cfg.model.dtype == "float64":
             raise ConfigError("--model.dtype float64: --backend.actor megatron trains in float32 or bfloat16")
-        if cfg.train.resume:
+        if cfg.train.resume and not cfg.train.resume_weights_only:
             raise ConfigError("--train.resume: --backend.actor megatron does not save optimizer state yet "
-                              "(its checkpoints are weights only); resume needs --backend.actor cpu")
+                              "(its checkpoints are weights only); resume needs --backend.actor cpu, or "
+                              "--train.resume-weights-only for a fresh optimizer")
     if cfg.transfer.transport == "mooncake":
         try:
             import mooncake.engine  # noqa: F401
@@ -130,11 +131,14 @@ def _initial_model(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Any, Pat
 
     mc, dtype = cfg.model, dtype_of(cfg.model.dtype)
     if cfg.train.resume:
-        found = sorted(checkpoint_dir.glob("step_*"))
-        if not found:
-            raise FileNotFoundError(f"--train.resume: no checkpoint under {checkpoint_dir}")
-        logger.info("resuming from %s", found[-1], extra=ONCE)
-        return load_model(str(found[-1]), dtype=dtype), found[-1]
+        from gyre.runtime import checkpoint
+
+        if cfg.train.resume_from:  # rank 0 chose it before anything started (gyre.runtime.rundir)
+            path = Path(cfg.train.resume_from)
+        else:
+            path = checkpoint.select(checkpoint_dir, weights_only=cfg.train.resume_weights_only).path
+        logger.info("resuming from %s", path, extra=ONCE)
+        return load_model(str(path), dtype=dtype), path
     if mc.checkpoint:
         return load_model(mc.checkpoint, dtype=dtype), None
     return build_model(model_config_of(cfg, vocab), seed=mc.seed, dtype=dtype), None
@@ -146,13 +150,16 @@ def build_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Actor,
     model config: the newest checkpoint with optimizer state and version (`--train.resume`),
     `--model.checkpoint`, or the preset's seeded weights."""
     model, resumed = _initial_model(cfg, vocab, checkpoint_dir)
-    if cfg.backend.actor == "megatron":  # check_backends refused resume for it
-        return _megatron_actor(cfg, model, is_core=True), model.config
+    if cfg.backend.actor == "megatron":  # check_backends refused resume without --train.resume-weights-only
+        actor = _megatron_actor(cfg, model, is_core=True)
+        if resumed is not None:
+            actor.load_checkpoint(str(resumed), weights_only=True)  # the version; the weights are loaded
+        return actor, model.config
     from gyre.backends.cpu_actor import CpuActor
 
     actor = CpuActor(model, is_core=True, config=cfg.actor, loss=cfg.loss)
     if resumed is not None:
-        actor.load_checkpoint(str(resumed))  # weights, optimizer state and version
+        actor.load_checkpoint(str(resumed), weights_only=cfg.train.resume_weights_only)  # weights, optimizer, version
         if actor.version >= cfg.train.steps:
             raise ValueError(f"--train.resume: {resumed} is already at version {actor.version} >= "
                              f"train.steps = {cfg.train.steps}; train.steps counts the whole run, raise it")

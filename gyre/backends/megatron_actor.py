@@ -546,15 +546,28 @@ class MegatronActor:
             os.makedirs(path, exist_ok=True)
             self.hf_config.save_pretrained(path)
             save_file({k: v.contiguous() for k, v in full.items()}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+            import json
+
+            with open(os.path.join(path, "gyre_actor.json"), "w") as f:  # the version: checked on resume
+                json.dump({"version": self.version, "is_core": self.optimizer is not None}, f)
             if self.optimizer is not None:
                 logger.warning("MegatronActor.save_checkpoint: optimizer state is not saved (weights only)")
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str, *, weights_only: bool = False) -> None:
+        """Weights only (optimizer state is not saved yet): refused unless `weights_only`
+        (`--train.resume-weights-only`); the version comes from the checkpoint's marker or name."""
         import os
+        from pathlib import Path
 
         from safetensors.torch import load_file
 
+        from gyre.runtime import checkpoint
+
+        if self.optimizer is not None and not weights_only:
+            raise FileNotFoundError(f"{path}: the Megatron actor's checkpoints hold no optimizer state; pass "
+                                    f"--train.resume-weights-only to resume from the weights alone")
         self.import_parameters(load_file(os.path.join(path, "model.safetensors")))
+        self.version = checkpoint.version_of(Path(path))
 
     def debug_state(self) -> dict:
         """Not available: parameters and optimizer state are sharded over the cell (the audit

@@ -28,12 +28,14 @@ from gyre.backends.protocols import WeightTransport
 from gyre.runtime.control import CONTROLLER, ControlPlane, SignedStore, default_store
 from gyre.errors import RunStopped, WorkerFailed
 from gyre.runtime.messages import Failed
+from gyre.runtime.rundir import RunDir
 from gyre.topology import Groups, Topology
 
 logger = logging.getLogger(__name__)
 
 
-def train(cfg: Any, topo: Topology, groups: Groups) -> None:
+def train(cfg: Any, topo: Topology, groups: Groups, run: RunDir) -> None:
+    """`run`: rank 0's decision of the directory, the attempt and the resume point (`gyre.runtime.rundir`)."""
     from gyre.backends.engine_host import share_secret
 
     factory.set_threads(cfg)  # once per process, before the engine or actor is built
@@ -43,13 +45,14 @@ def train(cfg: Any, topo: Topology, groups: Groups) -> None:
     store = SignedStore(default_store(), secret)
     weights = factory.build_transport(cfg, topo, store)  # blocking (torch): every rank creates its group
     try:
-        _train(cfg, topo, groups, store, weights, secret)
+        _train(cfg, topo, groups, store, weights, secret, run)
     finally:
         weights.close()  # the torch transport's server thread stops here, on success and failure alike
         _write_transport_stats(Path(cfg.run_dir), topo.rank, weights)
 
 
-def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: WeightTransport, engine_secret: str) -> None:
+def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: WeightTransport, engine_secret: str,
+           run: RunDir) -> None:
     from gyre.backends.tokenizer import ENDOFTEXT, IM_END, load_tokenizer
     from gyre.runtime.controller import Controller
     from gyre.backends.engine_host import EngineHost, bind_address
@@ -92,7 +95,8 @@ def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: Weight
     worker.actor = core_actor if core_actor is not None else make_actor(False)
     controller = None
     if topo.is_controller:
-        controller = Controller(cfg, topo, store, start_version=start_version, engine_secret=engine_secret)
+        controller = Controller(cfg, topo, store, start_version=start_version, engine_secret=engine_secret,
+                                run=run)
         controller.start()
 
     while True:

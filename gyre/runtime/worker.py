@@ -30,6 +30,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from gyre.backends.protocols import Actor, WeightTransport
+from gyre.runtime import checkpoint
 from gyre.runtime.cell import CellState, CellStateMachine
 from gyre.runtime.control import CONTROLLER, ControlPlane
 from gyre.runtime.messages import (Command, Joined, Load, Loaded, Reduce, Report, RequestWork, RolledBack, StepDone,
@@ -66,6 +67,7 @@ class CellWorker:
         self.make_actor = make_actor
         self._actor: Actor | None = None
         self.checkpoint_dir = checkpoint_dir
+        self._checkpointed: int | None = None  # the version of the last checkpoint written
         self.cell = topo.cell  # None on a standalone-pool rank
         self.sm = CellStateMachine(self.cell if self.cell is not None else -1, clock=time.time)
         self.version = 0  # policy version of the weights this rank holds (engine or actor)
@@ -255,10 +257,17 @@ class CellWorker:
         self.version = version
 
     def _checkpoint(self) -> None:
-        if self.checkpoint_dir:
-            path = f"{self.checkpoint_dir}/step_{self.actor.version:06d}"
-            self.actor.save_checkpoint(path)
-            logger.info("checkpoint written to %s", path)
+        """The core's checkpoint of its current version, written atomically (`gyre.runtime.checkpoint`:
+        a crash leaves the previous checkpoints intact and no half-written one to resume from).
+        A version already written (the end right after a periodic checkpoint) is not written twice,
+        and version 0 not at all (the starting weights: a run stopped before its first step used to
+        leave a step_000000 behind)."""
+        if not self.checkpoint_dir or self.actor.version in (0, self._checkpointed):
+            return
+        path = checkpoint.write(self.checkpoint_dir, self.actor.version, self.actor.save_checkpoint,
+                                finalize=self.topo.position == 0)  # a sharded cell's first rank writes the files
+        self._checkpointed = self.actor.version
+        logger.info("checkpoint written to %s", path)
 
     def _on_stop(self, msg: Stop) -> bool:
         self.stopped_by_failure = msg.failed
