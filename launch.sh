@@ -3,17 +3,23 @@
 #
 #   sbatch --nodes=4 launch.sh --preset cpu-demo
 #
-# (Today gyre.run serves the built-in CPU engine and actor only, one whole model per rank, so
-# --parallel.cell-size stays 1; the SGLang / Megatron cells with TP inside a cell are not yet
-# reachable from gyre.run.)
+# (--backend.engine sglang and --backend.actor megatron run cells with TP inside a cell; see
+# docs/gpu-sglang.md. The built-in CPU engine and actor hold a whole model per rank:
+# --parallel.cell-size 1.)
 #
 # The node count is given once (sbatch --nodes or #SBATCH --nodes); everything else is derived
 # from $SLURM_*: nnodes, this node's rank, and the rendezvous endpoint (the first host).
 # Extra arguments go to gyre.run unchanged.
 #
 # Knobs (environment): GYRE_NPROC_PER_NODE (default: GPUs on the node, else 1),
-# GYRE_MASTER_PORT (default 29500), GYRE_DRY_RUN=1 prints the torchrun command instead of
-# running it (used by the tests).
+# GYRE_MASTER_PORT (default 29500), GYRE_MAX_RESTARTS (default 0: torchrun restarts the job
+# this many times after a rank dies; each restart resumes from the newest complete checkpoint),
+# GYRE_DRY_RUN=1 prints the torchrun command instead of running it (used by the tests).
+#
+# Requeue (sbatch --requeue, or a preemption): the run directory must be the same every time, so
+# without --run-dir the job writes to runs/slurm/<job id>; on a requeue (SLURM_RESTART_COUNT > 0)
+# gyre.run resumes the run there from its newest complete checkpoint (from the start when it had
+# none yet), as after a torchrun restart.
 #SBATCH --job-name=gyre
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
@@ -43,13 +49,23 @@ else
   NPROC=1
 fi
 
+args=("$@")
+has_run_dir=0
+for a in "${args[@]}"; do
+  [[ "$a" == --run-dir || "$a" == --run-dir=* ]] && has_run_dir=1
+done
+if [[ $has_run_dir == 0 ]]; then
+  args+=(--run-dir "runs/slurm/${SLURM_JOB_ID:?launch.sh runs under Slurm (SLURM_JOB_ID unset)}")
+fi
+
 cmd=(torchrun
   --nnodes "$SLURM_NNODES"
   --node-rank "$SLURM_NODEID"
   --nproc-per-node "$NPROC"
   --master-addr "$MASTER_ADDR"
   --master-port "$MASTER_PORT"
-  -m gyre.run "$@")
+  --max-restarts "${GYRE_MAX_RESTARTS:-0}"
+  -m gyre.run "${args[@]}")
 
 if [[ -n "${GYRE_DRY_RUN:-}" ]]; then
   printf '%q ' "${cmd[@]}"

@@ -62,12 +62,23 @@ class TrainConfig:
     """Group-relative advantages divided by the group's reward std (off: mean-centred only)."""
     cell_concurrency: int = 8
     """C_e: concurrent executions one rollout cell is counted for in the water level."""
-    checkpoint_every: int = 0
-    """Save a checkpoint every this many steps (0: only at the end)."""
+    checkpoint_every: int = 8
+    """Save a checkpoint every this many steps, and always at the end (0: only at the end). 8 by
+    default: a crash or a restart (torchrun --max-restarts, a Slurm requeue) loses at most 8
+    steps; each checkpoint is written atomically (gyre/runtime/checkpoint.py), so a crash while
+    writing one costs that one only."""
     resume: bool = False
-    """Resume from the newest checkpoint in the run directory's checkpoints/ (--run-dir; with none,
-    the preset's latest run): weights, optimizer state and version (steps, versions and
-    metrics.jsonl continue from it; the world size may differ)."""
+    """Resume from the newest complete checkpoint in the run directory's checkpoints/ (--run-dir;
+    with none, the preset's latest run): weights, optimizer state and version (steps, versions
+    continue from it; metrics.jsonl is cut back to it; the world size may differ). Newer
+    checkpoints that are incomplete (interrupted, truncated, a file missing) are skipped, each
+    named in the log. A restarted job (torchrun --max-restarts, Slurm requeue) resumes by itself."""
+    resume_weights_only: bool = False
+    """Allow resuming from a checkpoint without optimizer state (a fresh AdamW) or without its
+    version file (the version is read from the directory's name); refused otherwise."""
+    resume_from: str = ""
+    """Resume from this checkpoint directory instead of the newest complete one (implies
+    --train.resume)."""
     torch_threads: int = 1
     """torch intra-op threads of every rank's process (engine and actor alike), set once before
     either is built; 0 leaves torch's default. 1 by default: ranks share the cores, and OpenMP
@@ -157,19 +168,75 @@ def check_train_config(cfg: GyreConfig, num_cells: int) -> None:
     starts, so a bad value is one clear message instead of a failure minutes into the run."""
     try:
         cfg.scheduler.validate(num_cells)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    except ValueError as e:  # "scheduler.n_per_group must be ..." → the flag: "--scheduler.n-per-group must be ..."
+        field_name, _, rest = str(e).partition(" ")
+        raise ConfigError(f"--{field_name.replace('_', '-')} {rest}" if field_name.startswith("scheduler.")
+                          else str(e)) from None
     hc = cfg.executions.health
     if hc.window < 0:
         raise ConfigError(f"executions.health.window must be >= 0 (0 = one step's executions), got {hc.window}")
     if not hc.stop_fraction > 0:
         raise ConfigError(f"executions.health.stop_fraction must be > 0, got {hc.stop_fraction}")
-    if cfg.train.steps < 1:
-        raise ConfigError(f"train.steps must be >= 1, got {cfg.train.steps}")
+    tc = cfg.train
+    for flag, value, low in (("train.steps", tc.steps, 1), ("train.max-tokens", tc.max_tokens, 1),
+                             ("train.j-max", tc.j_max, 1), ("train.cell-concurrency", tc.cell_concurrency, 1),
+                             ("train.checkpoint-every", tc.checkpoint_every, 0),
+                             ("executions.runner.max-concurrency", cfg.executions.runner.max_concurrency, 1)):
+        if value < low:
+            raise ConfigError(f"--{flag} must be >= {low}, got {value}"
+                              + (" (a run of no steps trains nothing)" if flag == "train.steps" else ""))
+    if tc.drain_at_end_s < 0:
+        raise ConfigError(f"--train.drain-at-end-s must be >= 0, got {tc.drain_at_end_s}")
+    if tc.resume_from and not Path(tc.resume_from).is_dir():
+        raise ConfigError(f"--train.resume-from {tc.resume_from}: no such checkpoint directory")
     check_tracking(cfg.tracking)
     from gyre.backends.factory import check_backends
 
     check_backends(cfg)
+    check_dataset(cfg)  # the files last: a wrong setting above is the message even when files are missing too
+    check_run_dir(cfg)
+
+
+def check_dataset(cfg: GyreConfig) -> None:
+    """The tasks file exists and parses (every task's fields are checked), or `--train.prepare`
+    will write it: then it must lie under `--train.prepare-dir`."""
+    path = cfg.executions.dataset.path
+    if not path:
+        raise ConfigError("--executions.dataset.path is empty: give a JSONL file of tasks (see examples/cpu_demo)")
+    p = Path(path)
+    if not p.exists():
+        prepared = cfg.train.prepare and cfg.train.prepare_dir and \
+            Path(cfg.train.prepare_dir).resolve() in p.resolve().parents
+        if not prepared:
+            raise ConfigError(f"--executions.dataset.path {path}: no such file"
+                              + (f" (and --train.prepare writes into {cfg.train.prepare_dir}, not there)"
+                                 if cfg.train.prepare else ""))
+        return
+    if not p.is_file():
+        raise ConfigError(f"--executions.dataset.path {path}: not a file")
+    from gyre.executions.tasks import Dataset
+
+    try:
+        Dataset.from_jsonl(p)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--executions.dataset.path {path}: {e}") from None
+
+
+def check_run_dir(cfg: GyreConfig) -> None:
+    """Where the run directory goes can be written (the nearest existing directory above it)."""
+    import os
+
+    from gyre.runtime.rundir import runs_root
+
+    target = Path(cfg.run_dir) if cfg.run_dir else runs_root(cfg.preset)
+    flag = f"--run-dir {cfg.run_dir}" if cfg.run_dir else f"the default run directory {target}/ (--run-dir)"
+    probe = target.absolute()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{flag}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag}: {probe} is not writable")
 
 
 def check_tracking(tc: TrackingConfig) -> None:

@@ -98,6 +98,31 @@ def _leave_together(rank: int, world: int, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
+def init_distributed(backend: str) -> tuple[int, object | None]:
+    """`init_process_group` that also works when torchrun restarts the job (`--max-restarts`).
+
+    torchrun's agent keeps one store for the whole job, and its workers' env:// store has no
+    per-restart prefix: after a restart, the new ranks read the dead ranks' gloo addresses
+    under the same keys and fail at the first rendezvous ("Gloo connectFullMesh failed ...
+    Connection refused"). So every attempt gets its own prefix in that store
+    (`gyre/attempt_<TORCHELASTIC_RESTART_COUNT>/`), and every Gyre key (`default_store()`) lives
+    under it. Returns the restart count (torchrun's plus Slurm's requeues) and the unprefixed
+    store, which outlives the attempt (where rank 0 records the run directory for the next one;
+    `gyre.runtime.rundir`).
+    """
+    from torch.distributed import PrefixStore, TCPStore
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it, as env:// does
+    raw = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=not agent and rank == 0,
+                   timeout=dist.default_pg_timeout, multi_tenant=not agent)
+    dist.init_process_group(backend, store=PrefixStore(f"gyre/attempt_{attempt}/", raw), rank=rank, world_size=world)
+    # A restart is torchrun's (this job's store outlives it) or Slurm's (a requeued job: a new
+    # torchrun; launch.sh gives it the same --run-dir).
+    return attempt + int(os.environ.get("SLURM_RESTART_COUNT", "0")), raw
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the job; 0 when it succeeded. A failure is stated once: by the controller for a run
     that stopped early (RunFailed), else by the rank that raised, with its traceback."""
@@ -117,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
 
         store = TCPStore("127.0.0.1", 0, 1, is_master=True)
         dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        restart, elastic = 0, None
     else:
-        dist.init_process_group(backend)  # blocking: rendezvous
+        restart, elastic = init_distributed(backend)  # blocking: rendezvous
     rank, world = dist.get_rank(), dist.get_world_size()
     from gyre.runtime.rundir import RunDirError
 
@@ -151,9 +177,12 @@ def main(argv: list[str] | None = None) -> int:
             from gyre.runtime.control import default_store
             from gyre.runtime.job import train  # the full RL loop (scheduler, cells, proxy, actors)
 
-            path = rundir.resolve(cfg, rank, world, default_store())  # blocking: rank 0 decides
-            logger.info("run directory: %s", path, extra=ONCE)
-            train(cfg, topo, groups, interrupts)
+            # blocking: rank 0 decides the directory, the attempt and the checkpoint to resume from
+            run = rundir.resolve(cfg, rank, world, default_store(), restart=restart, elastic=elastic)
+            logger.info("run directory: %s (attempt %d%s)", run.path, run.attempt,
+                        f", resuming version {run.start_version} from {run.checkpoint}" if run.checkpoint else "",
+                        extra=ONCE)
+            train(cfg, topo, groups, run, interrupts)
         dist.barrier(group=groups.control)  # blocking: everyone done
     except (ConfigError, RunDirError, TopologyError) as e:  # a refused config: every rank has it, rank 0 says it
         logger.error("%s", e, extra=ONCE)

@@ -60,6 +60,42 @@ def test_bind_device_on_cpu_binds_nothing(monkeypatch):
     assert bind_device("auto") == "gloo"
 
 
+# ---------------------------------------------------------------------------- the device of a collective
+from gyre.backends.devices import device_for_backend  # noqa: E402
+
+
+@pytest.mark.parametrize("backend, cuda, expected", [
+    (MULTI, torch.device("cuda", 3), torch.device("cuda", 3)),  # GPU ranks: parameters and grads over NCCL
+    (MULTI, None, torch.device("cpu")),
+    ("gloo", torch.device("cuda", 3), torch.device("cpu")),  # the torch transport's own group; --parallel.backend gloo
+    ("cpu:gloo", torch.device("cuda", 1), torch.device("cpu")),
+    ("nccl", torch.device("cuda", 2), torch.device("cuda", 2)),
+])
+def test_collective_tensors_ride_the_device_the_group_backend_takes(backend, cuda, expected):
+    assert device_for_backend(backend, cuda) == expected
+
+
+def test_a_cuda_only_group_without_a_gpu_and_an_unknown_backend_are_errors():
+    with pytest.raises(RuntimeError, match="'nccl' takes CUDA tensors only"):
+        device_for_backend("nccl", None)
+    with pytest.raises(ValueError, match="'ucc': unknown"):
+        device_for_backend("ucc", torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("requested, expected_type", [("auto", "cuda"), ("nccl", "cuda"), ("gloo", "cpu")])
+def test_a_cuda_visible_config_sends_weights_and_grads_over_nccl(monkeypatch, requested, expected_type):
+    """The chain gyre.run → groups → collectives, with CUDA monkeypatched visible: the backend
+    string bind_device picks makes every prefix-group collective use the rank's GPU (NCCL), except
+    under the gloo override."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    backend = bind_device(requested)
+    device = device_for_backend(backend, torch.device("cuda", 1))
+    assert device.type == expected_type and (expected_type == "cpu" or device.index == 1)
+
+
 def _cpu_tensors_over_multibackend_groups():
     """4 ranks, cell_size 1: init on a multi-backend string, then every code path of gyre that
     moves CPU tensors over the topology's groups."""
@@ -92,9 +128,14 @@ def _cpu_tensors_over_multibackend_groups():
     grads_ok = all(torch.equal(p.grad, torch.full_like(p, 10.0)) for p in actor.model.parameters())
     params = TorchDistTransport(g, src=0).share(actor.export_parameters() if rank == 0 else None)
     same = all(torch.equal(params[k], v) for k, v in CpuActor(tiny_model(seed=0), is_core=False).export_parameters().items())
+    from gyre.backends.devices import collective_device
+
+    # a gloo-only group stays on CPU even where a GPU is visible (here: pretended)
+    torch.cuda.is_available, torch.cuda.current_device = (lambda: True), (lambda: 0)
+    on_cpu = collective_device(g) == torch.device("cpu")
     dist.barrier(group=groups.control)
     dist.destroy_process_group()
-    return sorted(backends), control_is_world, float(sums[0]), grads_ok, same
+    return sorted(backends), control_is_world, float(sums[0]), grads_ok, same and on_cpu
 
 
 @pytest.mark.multirank
@@ -155,3 +196,103 @@ def test_setup_pins_the_gpu_stack_and_leaves_torch_to_the_machine():
     extras = ast.literal_eval(gpu)
     assert extras["gpu"] == ["sglang==0.5.23", "megatron-core==0.16.1", "mooncake-transfer-engine-non-cuda==0.3.13.post1"]
     assert "torch==" not in text.split("install_requires", 1)[1].split("]", 1)[0]
+
+
+# ---------------------------------------------------------------------------- the built-in engine's device
+# What CPU can check: the device choice (pure), that the factory hands it to the engine, and that
+# the engine's forward creates every tensor on the weights' device. The last runs on "meta"
+# (shapes, no data): a tensor made on the CPU by mistake meets a meta one and torch raises. That
+# the CUDA kernels give the CPU's numbers is benchmarks/gpu_check.py's job (one GPU).
+from gyre.backends.devices import engine_device  # noqa: E402
+
+
+@pytest.mark.parametrize("requested, cuda, local_rank, expected", [
+    ("auto", True, 3, torch.device("cuda", 3)),
+    ("auto", False, 3, torch.device("cpu")),
+    ("cpu", True, 3, torch.device("cpu")),
+    ("cuda", True, 0, torch.device("cuda", 0)),
+])
+def test_engine_device_choice(requested, cuda, local_rank, expected):
+    assert engine_device(requested, cuda, local_rank) == expected
+
+
+def test_engine_on_cuda_without_cuda_is_refused_naming_the_field(monkeypatch):
+    from gyre.backends import factory
+    from gyre.config import parse_config
+
+    with pytest.raises(ConfigError, match="--backend.device cuda: CUDA is not available"):
+        engine_device("cuda", False, 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="--backend.device cuda: CUDA is not available"):
+        factory.check_backends(parse_config(["--backend.device", "cuda"]))
+    factory.check_backends(parse_config(["--backend.device", "auto"]))
+
+
+def test_the_forward_creates_every_tensor_on_the_weights_device():
+    """decoder.extend on meta weights: prefill of two requests (causal masks), then a decode
+    step that grows a cache; any tensor made on CPU would raise on meeting a meta one."""
+    from gyre.backends.decoder import DecoderWeights, KVCache, extend
+    from tests.backends.helpers import tiny_model
+
+    model = tiny_model(seed=0)
+    w = DecoderWeights.from_state_dict(model.state_dict(), model.config, device="meta")
+    assert {t.device.type for t in w.tensors.values()} == {"meta"} and w.inv_freq.device.type == "meta"
+    caches = [KVCache.empty(w, 2), KVCache.empty(w, 2)]
+    logits = extend(w, torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 1, 2, 0, 1]), [3, 2], caches)
+    assert logits.device.type == "meta" and tuple(logits.shape) == (2, model.config.vocab_size)
+    logits = extend(w, torch.tensor([6, 7]), torch.tensor([3, 2]), [1, 1], caches)  # grows cache 0 past 2
+    assert logits.device.type == "meta" and caches[0].capacity >= 4
+    assert {t.device.type for c in caches for t in c.k + c.v} == {"meta"}
+    # and on CPU the same forward gives the HF model's logits (the device move is no copy there)
+    wc = DecoderWeights.from_state_dict(model.state_dict(), model.config, device="cpu")
+    ids = torch.tensor([1, 2, 3])
+    got = extend(wc, ids, torch.arange(3), [3], [KVCache.empty(wc, 3)], all_logits=True)
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0]
+    assert torch.allclose(got, ref, atol=1e-4)
+
+
+def test_the_factory_builds_the_engine_on_the_chosen_device(monkeypatch):
+    from gyre.backends import devices, factory
+    from gyre.config import parse_config
+    from tests.backends.helpers import tiny_model
+
+    model = tiny_model(seed=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA-visible rank 1 ...
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert devices.this_engine_device("auto") == torch.device("cuda", 1)
+    chosen = []
+
+    def on_meta(requested):  # ... whose GPU is stood in for by meta
+        chosen.append(requested)
+        return torch.device("meta")
+
+    monkeypatch.setattr(devices, "this_engine_device", on_meta)
+    engine = factory.build_engine(parse_config(["--backend.device", "cuda"]), model.config, model.state_dict(),
+                                  version=0, eos_token_ids=[1], name="e")
+    assert chosen == ["cuda"] and engine.device.type == "meta" and engine._weights.device.type == "meta"
+
+
+def test_the_torch_transport_refuses_a_point_to_point_group_without_gloo(monkeypatch):
+    import torch.distributed as dist
+
+    from gyre.backends.weights import TorchWeights
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ValueError, match="must be a gloo group"):
+        TorchWeights(None, object(), owner=0)
+
+
+def test_decoder_weights_move_between_devices_unchanged():
+    from gyre.backends.decoder import DecoderWeights
+    from tests.backends.helpers import tiny_model
+
+    model = tiny_model(seed=0)
+    w = DecoderWeights.from_state_dict(model.state_dict(), model.config)
+    meta = w.to("meta")
+    assert meta.device.type == "meta" and meta.inv_freq.device.type == "meta" and w.device.type == "cpu"
+    back = w.to("cpu")
+    assert back.tensors.keys() == w.tensors.keys() and all(torch.equal(back.tensors[k], t) for k, t in w.tensors.items())
+    assert (back.num_layers, back.head_dim, back.tied) == (w.num_layers, w.head_dim, w.tied)

@@ -38,15 +38,38 @@ def test_launch_builds_torchrun_from_slurm_env(nodelist, first):
     ).stdout
     argv = shlex.split(out)
     assert argv[0] == "torchrun"
-    opts = dict(zip(argv[1:11:2], argv[2:11:2]))
+    opts = dict(zip(argv[1:13:2], argv[2:13:2]))
     assert opts == {
         "--nnodes": "4",
         "--node-rank": "2",
         "--nproc-per-node": "8",
         "--master-addr": first,
         "--master-port": "29500",
+        "--max-restarts": "0",
     }
-    assert argv[11:] == ["-m", "gyre.run", "--preset", "cpu-demo", "--seed", "7"]
+    # The run directory is the job's, so a requeue finds it again.
+    assert argv[13:] == ["-m", "gyre.run", "--preset", "cpu-demo", "--seed", "7", "--run-dir", "runs/slurm/1234"]
+
+
+def _dry_run(*args, **env_extra):
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), "SLURM_NNODES": "1",
+           "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "77", "GYRE_DRY_RUN": "1",
+           "PYTHONPATH": str(ROOT), **env_extra}
+    out = subprocess.run(["bash", str(ROOT / "launch.sh"), *args], env=env, capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout
+    argv = shlex.split(out)
+    return argv[argv.index("gyre.run") + 1:], argv
+
+
+def test_a_requeued_job_writes_to_the_same_run_dir_and_restarts_are_passed_to_torchrun():
+    # (gyre.run sees SLURM_RESTART_COUNT and resumes: tests/test_rundir.py)
+    for restart in ("0", "1"):
+        args, _ = _dry_run("--preset", "cpu-demo", SLURM_RESTART_COUNT=restart)
+        assert args == ["--preset", "cpu-demo", "--run-dir", "runs/slurm/77"]
+    args, _ = _dry_run("--run-dir=/scratch/mine")
+    assert args == ["--run-dir=/scratch/mine"]  # the user's directory, kept
+    _, argv = _dry_run(GYRE_MAX_RESTARTS="3")
+    assert argv[argv.index("--max-restarts") + 1] == "3"
 
 
 def test_launch_outside_slurm_fails_clearly():

@@ -2,6 +2,7 @@
 
 import json
 import threading
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -60,7 +61,7 @@ def test_every_rank_gets_rank_0s_decision_or_its_refusal(in_tmp):
 
     def rank(r):
         try:
-            got[r] = rundir.resolve(cfgs[r], r, 3, store)
+            got[r] = rundir.resolve(cfgs[r], r, 3, store).path
         except rundir.RunDirError as e:
             got[r] = e
 
@@ -72,7 +73,7 @@ def test_every_rank_gets_rank_0s_decision_or_its_refusal(in_tmp):
         t.join(10)
     assert got[0] == got[1] == got[2] and all(c.run_dir == str(got[0]) for c in cfgs)
     manifest = json.loads((got[0] / "run.json").read_text())
-    assert manifest["world_size"] == 3 and manifest["config"]["seed"] == 3
+    assert manifest["attempts"][0]["world_size"] == 3 and manifest["config"]["seed"] == 3
 
     # A refusal reaches every rank as the same error.
     store2 = dist.HashStore()
@@ -92,3 +93,110 @@ def test_every_rank_gets_rank_0s_decision_or_its_refusal(in_tmp):
     rank2(0)
     t.join(10)
     assert errors[0] == errors[1] and "already holds a run" in errors[0]
+
+
+def _complete_checkpoint(run, version):
+    from gyre.runtime import checkpoint
+
+    def save(path):
+        for name in ("config.json", "model.safetensors", "optimizer.pt"):
+            (Path(path) / name).write_text("x")
+        (Path(path) / "gyre_actor.json").write_text(json.dumps({"version": version}))
+    return checkpoint.write(run / "checkpoints", version, save)
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_each_resume_is_a_new_attempt_and_cuts_metrics_and_events_back_to_its_checkpoint(in_tmp):
+    run = in_tmp / "run"
+    first = rundir.resolve(_cfg("--run-dir", str(run), "--train.steps", "9"), 0, 1, dist.HashStore())
+    assert (first.attempt, first.start_version, first.checkpoint) == (0, 0, "")
+    _complete_checkpoint(run, 4)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "version": s + 1}) + "\n" for s in range(6))
+                                       + '{"step": 6, "ver')  # torn: the crash came while writing it
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in [
+        {"t": 0, "kind": "dispatch"}, {"t": 1, "kind": "step_done", "step": 3},
+        {"t": 2, "kind": "claim", "step": 4}, {"t": 3, "kind": "step_done", "step": 4}]))
+    for attempt in (1, 2):  # resuming twice from the same checkpoint: two attempts, the same cut
+        cfg = _cfg("--run-dir", str(run), "--train.resume", "--train.steps", "9")
+        got = rundir.resolve(cfg, 0, 2, dist.HashStore())
+        assert (got.attempt, got.start_version) == (attempt, 4)
+        assert got.checkpoint == str(run / "checkpoints" / "step_000004") == cfg.train.resume_from
+        assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [0, 1, 2, 3]
+        assert [e["kind"] for e in _rows(run / "events.jsonl")] == ["dispatch", "step_done"]
+    attempts = json.loads((run / "run.json").read_text())["attempts"]
+    assert [(a["attempt"], a["start_version"], a["world_size"]) for a in attempts] == [(0, 0, 1), (1, 4, 2), (2, 4, 2)]
+
+
+def test_a_resume_at_or_past_train_steps_or_without_a_checkpoint_is_refused_up_front(in_tmp):
+    run = in_tmp / "run"
+    rundir.resolve(_cfg("--run-dir", str(run)), 0, 1, dist.HashStore())
+    with pytest.raises(rundir.RunDirError, match="no complete checkpoint"):
+        rundir.resolve(_cfg("--run-dir", str(run), "--train.resume"), 0, 1, dist.HashStore())
+    _complete_checkpoint(run, 6)
+    with pytest.raises(rundir.RunDirError, match="already at version 6 >= --train.steps 6"):
+        rundir.resolve(_cfg("--run-dir", str(run), "--train.resume", "--train.steps", "6"), 0, 1, dist.HashStore())
+
+
+def test_a_restarted_job_finds_the_directory_its_first_attempt_chose(in_tmp):
+    elastic = dist.HashStore()  # torchrun's agent store: it outlives the workers
+    first = rundir.resolve(_cfg("--train.steps", "9"), 0, 2, dist.HashStore(), elastic=elastic)
+    assert first.path.parent == (in_tmp / "runs" / "train").resolve()
+    # Restart 1 comes before any checkpoint: the same directory, from version 0, a new attempt.
+    (first.path / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+    again = rundir.resolve(_cfg("--train.steps", "9"), 0, 2, dist.HashStore(), restart=1, elastic=elastic)
+    assert (again.path, again.attempt, again.start_version) == (first.path, 1, 0)
+    assert (first.path / "metrics.jsonl").read_text() == ""
+    # Restart 2 after a checkpoint: resumes from it.
+    _complete_checkpoint(first.path, 2)
+    cfg = _cfg("--train.steps", "9")
+    third = rundir.resolve(cfg, 0, 2, dist.HashStore(), restart=2, elastic=elastic)
+    assert (third.path, third.attempt, third.start_version) == (first.path, 2, 2) and cfg.train.resume
+    assert len([p for p in (in_tmp / "runs" / "train").iterdir() if p.name != "latest"]) == 1
+
+
+def test_a_requeued_slurm_job_resumes_its_run_dir_from_its_newest_checkpoint(in_tmp):
+    run = in_tmp / "runs" / "slurm" / "77"  # what launch.sh gives every requeue of job 77
+    rundir.resolve(_cfg("--run-dir", str(run), "--train.steps", "9"), 0, 2, dist.HashStore())
+    _complete_checkpoint(run, 3)
+    cfg = _cfg("--run-dir", str(run), "--train.steps", "9")  # no --train.resume: the restart implies it
+    got = rundir.resolve(cfg, 0, 2, dist.HashStore(), restart=1)  # a new torchrun: a store of its own
+    assert (got.path, got.attempt, got.start_version) == (run.resolve(), 1, 3) and cfg.train.resume
+
+
+def _journal(run, *rows_):
+    (run / "groups.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_))
+
+
+def _result(run, execution_id, reward):
+    (run / "executions" / execution_id).mkdir(parents=True)
+    (run / "executions" / execution_id / "result.json").write_text(json.dumps({"reward": reward}))
+
+
+def test_groups_in_flight_are_lost_or_carried_over_and_counted_once(in_tmp):
+    run = in_tmp / "run"
+    rundir.resolve(_cfg("--run-dir", str(run), "--train.steps", "9"), 0, 1, dist.HashStore())
+    _complete_checkpoint(run, 2)
+    d = lambda g, v: {"kind": "dispatched", "attempt": 0, "group_id": g, "task_id": g.split(".")[0], "version": v,
+                      "executions": [f"{g}.0", f"{g}.1"]}
+    _journal(run, d("t0.a0.g0", 0), d("t1.a0.g1", 1), d("t2.a0.g2", 2), d("t3.a0.g3", 2), d("t4.a0.g4", 3),
+             {"kind": "trained", "group_id": "t0.a0.g0", "step": 0},  # in the checkpoint
+             {"kind": "trained", "group_id": "t1.a0.g1", "step": 2},  # trained after it: not in it
+             d("t5.a0.g5", 1), {"kind": "closed", "group_id": "t5.a0.g5"})  # ended cleanly untrained
+    for g in ("t1.a0.g1", "t2.a0.g2", "t4.a0.g4"):  # evaluated: results with rewards on disk
+        for i in (0, 1):
+            _result(run, f"{g}.{i}", {"status": "valid", "reward": 1.0})
+    _result(run, "t3.a0.g3.0", {"status": "valid", "reward": 0.0})  # one of two evaluated: not whole
+    got = rundir.resolve(_cfg("--run-dir", str(run), "--train.resume", "--train.steps", "9"), 0, 1, dist.HashStore())
+    # g1, g2: evaluated at versions the checkpoint holds → carried; g3 half-run → lost;
+    # g4 sampled at version 3 > 2 (a discarded branch) → lost, its task run again.
+    assert [r["group_id"] for r in got.carried] == ["t1.a0.g1", "t2.a0.g2"]
+    assert got.redo_tasks == ("t3", "t4") and got.lost_in_flight == 4
+    # The next resume does not count the lost ones again; the carried ones are lost again only if
+    # that attempt never dispatched them (here it did not: nothing ran).
+    again = rundir.resolve(_cfg("--run-dir", str(run), "--train.resume", "--train.steps", "9"), 0, 1,
+                           dist.HashStore())
+    assert again.redo_tasks == () and again.lost_in_flight == 0
+    assert [r["group_id"] for r in again.carried] == ["t1.a0.g1", "t2.a0.g2"]

@@ -16,11 +16,14 @@
   actors
     cpu_actor.py       CpuActor: GSPO forward/backward on packed micro-steps, core-only AdamW
     megatron_actor.py  MegatronActor (GPU): megatron-core GPTModel, HF ⇄ megatron weight mapping
+    memory.py          ActorMemory: an actor's state to (pinned) host memory entering rollout, back entering training
     models.py          Qwen2 decoders from size presets ('tiny', 'small'), packed forward, HF checkpoints
     tokenizer.py       the repo's byte-level BPE with a chat template
   weight transports
     transfer.py        flat snapshot layout + CRC, broadcast / Mooncake primitives, retention, byte counts
     weights.py         the WeightTransports: SnapshotBoard (store), TorchWeights (gloo p2p), MooncakeWeights
+  devices
+    devices.py         the built-in engine's device (--backend.device) and a collective's (CUDA on NCCL groups)
 
 Nothing is imported here: GPU libraries load lazily inside the adapters.
 """

@@ -93,13 +93,24 @@ class BackendConfig:
 
     engine: Literal["cpu", "sglang"] = "cpu"
     """Rollout engine. cpu: the built-in torch engine (continuous batching over per-request KV
-    caches), options under --engine.*. sglang: embedded SGLang (GPU); its adapter is tested on its
-    own but not wired into gyre.run yet, so a train job refuses it before starting."""
+    caches), options under --engine.*. sglang: embedded SGLang (GPU, needs CUDA and sglang 0.5.23;
+    refused up front without them), one engine per cell on its first rank, tp = the cell size
+    (docs/gpu-sglang.md)."""
     actor: Literal["cpu", "megatron"] = "cpu"
     """Training actor. cpu: the built-in torch actor (one whole model per rank, so
     parallel.cell_size = 1), options under --actor.*. megatron: Megatron-core on the rank's GPU
     (needs CUDA; refused up front without it), cells laid out by --parallel.tp/pp/cp/ep, the
     optimizer options under --actor.* as for cpu."""
+    offload_actor: bool = True
+    """Memory hand-over in a cell (docs/design.md §3): entering rollout the actor's parameters,
+    gradients and optimizer state move to host memory (pinned on CUDA) and the device's cached
+    blocks are freed for the engine; entering training they move back. --backend.no-offload-actor
+    keeps the actor resident when the device holds both actor and engine (no copy, no latency)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of the built-in engine (--backend.engine cpu: weights, KV caches, the forward). auto:
+    this rank's GPU (cuda:LOCAL_RANK, bound by gyre.run) when CUDA is available, else cpu; cuda
+    without CUDA is refused up front. So a GPU machine without SGLang runs the whole loop, cells
+    flipping between this engine and --backend.actor megatron. (The built-in actor stays on CPU.)"""
 
 
 @dataclass(kw_only=True)

@@ -22,12 +22,14 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gyre.backends.config import CpuActorConfig
+from gyre.backends.memory import ActorMemory
 from gyre.backends.models import packed_logits, save_checkpoint
 from gyre.loss.config import LossConfig
 from gyre.trajectory.microstep import MicroStep
@@ -53,6 +55,7 @@ class CpuActor:
         if is_core:
             c = self.config
             self.optimizer = torch.optim.AdamW(self._params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+        self.memory = ActorMemory.of([*model.parameters(), *model.buffers()], optimizers=[self.optimizer])
 
     @property
     def has_optimizer_state(self) -> bool:
@@ -128,8 +131,13 @@ class CpuActor:
         """Sum accumulated gradients over `group` (every member calls this); None: alone."""
         if group is None:
             return
+        from gyre.backends.devices import collective_device
+
         flat = self._flat_grads()
+        home = flat.device
+        flat = flat.to(collective_device(group))  # the device the group's backend takes (no copy when same)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat = flat.to(home)
         offset = 0
         for p in self._params:
             n = p.numel()
@@ -156,6 +164,15 @@ class CpuActor:
         self.zero_grad()
         self.version += 1
         return {"grad_norm": float(grad_norm), "lr": lr, "version": float(self.version)}
+
+    # ------------------------------------------------------------------ memory hand-over
+    def offload(self) -> int:
+        """Parameters, grads and AdamW state to host memory (`gyre.backends.memory`); bytes moved."""
+        return self.memory.offload()
+
+    def restore(self) -> int:
+        """Back on the model's device; bytes moved."""
+        return self.memory.restore()
 
     # ------------------------------------------------------------------ parameters
     def export_parameters(self) -> dict[str, torch.Tensor]:
@@ -190,16 +207,30 @@ class CpuActor:
         with open(os.path.join(path, "gyre_actor.json"), "w") as f:
             json.dump({"version": self.version, "is_core": self.is_core}, f)
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str, *, weights_only: bool = False) -> None:
+        """The inverse of `save_checkpoint`. The core needs optimizer.pt and gyre_actor.json (a
+        missing one is an error, never a silent fresh optimizer or version 0) unless
+        `weights_only` (`--train.resume-weights-only`): then a missing optimizer state starts a
+        fresh optimizer, and a missing version is read from the checkpoint's marker or name."""
         from safetensors.torch import load_file
 
+        from gyre.runtime import checkpoint
+
+        opt, meta = os.path.join(path, "optimizer.pt"), os.path.join(path, "gyre_actor.json")
+        for name, p, needed in (("optimizer state", opt, self.optimizer is not None), ("version", meta, True)):
+            if needed and not os.path.exists(p):
+                if not weights_only:
+                    raise FileNotFoundError(f"{path}: {os.path.basename(p)} ({name}) is missing; pass "
+                                            f"--train.resume-weights-only to resume from the weights alone")
+                logger.warning("%s: %s (%s) is missing; --train.resume-weights-only: going on without it",
+                               path, os.path.basename(p), name)
         state = load_file(os.path.join(path, "model.safetensors"))
         own = dict(self.model.named_parameters())
         self.import_parameters({k: v for k, v in state.items() if k in own})
-        opt = os.path.join(path, "optimizer.pt")
         if self.optimizer is not None and os.path.exists(opt):
             self.optimizer.load_state_dict(torch.load(opt, weights_only=True))
-        meta = os.path.join(path, "gyre_actor.json")
         if os.path.exists(meta):
             with open(meta) as f:
                 self.version = int(json.load(f)["version"])
+        else:
+            self.version = checkpoint.version_of(Path(path))

@@ -86,15 +86,20 @@ class _Request:
 
 
 class CpuEngine:
-    """RolloutEngine on CPU. `model_config` is the Qwen2Config, `state_dict` its HF weights."""
+    """The built-in RolloutEngine. `model_config` is the Qwen2Config, `state_dict` its HF weights.
+    `device`: where weights, KV caches and the forward live (`--backend.device`, resolved by
+    `gyre.backends.devices.engine_device`: cpu, or the rank's GPU); sampling reads the step's
+    logits on CPU, so seeded requests sample alike on either."""
 
     name = "cpu"
 
     def __init__(self, model_config, state_dict: dict[str, torch.Tensor], *, version: int = 0,
-                 config: CpuEngineConfig | None = None, eos_token_ids: list[int] | None = None):
+                 config: CpuEngineConfig | None = None, eos_token_ids: list[int] | None = None,
+                 device: torch.device | str = "cpu"):
         self.config = config or CpuEngineConfig()
         self.model_config = model_config
-        self._weights = DecoderWeights.from_state_dict(state_dict, model_config)
+        self.device = torch.device(device)
+        self._weights = DecoderWeights.from_state_dict(state_dict, model_config, device=self.device)
         self.version = version
         self.eos_token_ids = list(eos_token_ids or [])
         self.state = EngineState.CREATED
@@ -166,16 +171,24 @@ class CpuEngine:
                 pass
 
     async def release_memory(self) -> None:
-        """Free every KV cache (the cell is switching to training). Nothing may be in flight."""
+        """Free every KV cache (the cell is switching to training). Nothing may be in flight. On
+        CUDA the weights also wait in pinned host memory and the cached blocks are freed, so the
+        actor has the GPU; `resume` brings them back."""
         if self._running or self._waiting:
             raise RuntimeError(f"CpuEngine.release_memory: {len(self._running)} running and "
                                f"{len(self._waiting)} waiting requests; drain first")
         async with self._step_lock:
             self._move(EngineState.RELEASED)
+            if self.device.type == "cuda":  # the cell trains: weights to pinned host memory, blocks to the driver
+                self._weights = self._weights.to("cpu", pin=True)
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
 
     async def resume(self) -> None:
         async with self._step_lock:
             self._move(EngineState.RUNNING, require=EngineState.RELEASED)
+            if self._weights.device != self.device:  # released on CUDA (unless an update came meanwhile)
+                self._weights = self._weights.to(self.device)
         self._wake.set()
 
     async def health(self) -> EngineHealth:
@@ -197,7 +210,8 @@ class CpuEngine:
         """Swap in new weights between decode steps; running requests continue under them."""
         if self.state is EngineState.STOPPED:
             raise RuntimeError("CpuEngine.update_weights: engine is stopped")
-        weights = await asyncio.to_thread(DecoderWeights.from_state_dict, state_dict, self.model_config)
+        weights = await asyncio.to_thread(DecoderWeights.from_state_dict, state_dict, self.model_config,
+                                          device=self.device)
         async with self._step_lock:
             self._weights = weights
             self.version = int(version)
@@ -355,7 +369,7 @@ class CpuEngine:
         ids = torch.tensor([t for f, _ in feeds for t in f], dtype=torch.long)
         pos = torch.cat([torch.arange(start, start + len(f)) for f, start in feeds])
         with torch.no_grad():
-            logits = extend(weights, ids, pos, [len(f) for f, _ in feeds], caches)
+            logits = extend(weights, ids, pos, [len(f) for f, _ in feeds], caches).cpu()  # [B, V]: sampled on CPU
         out = []
         for req, row in zip(batch, logits):
             sp = req.sampling

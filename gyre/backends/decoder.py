@@ -14,6 +14,7 @@ Shapes: H hidden, nh query heads, nkv key/value heads, hd head dim, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -51,8 +52,11 @@ class DecoderWeights:
     tied: bool
 
     @classmethod
-    def from_state_dict(cls, state_dict: dict[str, torch.Tensor], config, *, dtype: torch.dtype | None = None, copy: bool = True) -> "DecoderWeights":
-        """Validate names and shapes against `config` (a Qwen2Config); copy unless `copy=False`."""
+    def from_state_dict(cls, state_dict: dict[str, torch.Tensor], config, *, dtype: torch.dtype | None = None, copy: bool = True,
+                        device: torch.device | str | None = None) -> "DecoderWeights":
+        """Validate names and shapes against `config` (a Qwen2Config); copy unless `copy=False`.
+        `device`: where the weights (and so every cache and activation of `extend`) live; None
+        keeps the tensors' own (a move is a copy whatever `copy` says)."""
         layers = config.num_hidden_layers
         hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         expected = expected_shapes(config)
@@ -71,9 +75,13 @@ class DecoderWeights:
                 raise ValueError(f"weights: {k} has shape {tuple(t.shape)}, expected {shape}")
             if dtype is not None:
                 t = t.to(dtype)
-            tensors[k] = t.clone().contiguous() if copy else t
+            moved = device is not None and t.device != torch.device(device)
+            if moved:
+                t = t.to(device)
+            tensors[k] = t.clone().contiguous() if copy and not moved else t.contiguous()
         theta = rope_theta(config)
-        inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+        where = device if device is not None else next(iter(tensors.values())).device
+        inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float, device=where) / hd))
         return cls(tensors, layers, config.num_attention_heads, config.num_key_value_heads, hd,
                    float(config.rms_norm_eps), inv_freq, bool(config.tie_word_embeddings))
 
@@ -84,6 +92,18 @@ class DecoderWeights:
     @property
     def dtype(self) -> torch.dtype:
         return self.tensors["model.embed_tokens.weight"].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors["model.embed_tokens.weight"].device
+
+    def to(self, device: torch.device | str, *, pin: bool = False) -> "DecoderWeights":
+        """The same weights on `device` (host: page-locked when `pin`, for a fast copy back)."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True).pin_memory() if pin else t.to(device, non_blocking=True)
+
+        return dataclasses.replace(self, tensors={k: move(t) for k, t in self.tensors.items()},
+                                   inv_freq=self.inv_freq.to(device))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -117,14 +137,15 @@ class KVCache:
     Grows by doubling, so appending one token is amortised O(1) copies.
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype):
-        self.k = [torch.empty(num_kv_heads, capacity, head_dim, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.empty(num_kv_heads, capacity, head_dim, dtype=dtype) for _ in range(num_layers)]
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.k = [torch.empty(num_kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(num_kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.length = 0
 
     @classmethod
     def empty(cls, w: DecoderWeights, capacity: int = 64) -> "KVCache":
-        return cls(w.num_layers, w.num_kv_heads, w.head_dim, max(1, capacity), w.dtype)
+        return cls(w.num_layers, w.num_kv_heads, w.head_dim, max(1, capacity), w.dtype, w.device)
 
     @property
     def capacity(self) -> int:
@@ -136,7 +157,7 @@ class KVCache:
         cap = max(n, 2 * self.capacity)
         for store in (self.k, self.v):
             for i, t in enumerate(store):
-                grown = torch.empty(t.shape[0], cap, t.shape[2], dtype=t.dtype)
+                grown = torch.empty(t.shape[0], cap, t.shape[2], dtype=t.dtype, device=t.device)
                 grown[:, : self.length] = t[:, : self.length]
                 store[i] = grown
 
@@ -165,10 +186,13 @@ def extend(w: DecoderWeights, ids: torch.Tensor, positions: torch.Tensor, seqlen
     ids [N], positions [N] (absolute, continuing each cache), seqlens: B ints summing to N,
     caches: B caches (filled to `positions` of each request's first new token).
     Returns logits [B, V] for the last new token of each request, or [N, V] if `all_logits`.
+    Runs on the weights' device (`DecoderWeights.device`: caches, activations and logits there;
+    ids / positions are moved to it).
     """
     n = int(ids.numel())
     if sum(seqlens) != n or len(seqlens) != len(caches):
         raise ValueError(f"extend: seqlens {seqlens} do not split {n} tokens over {len(caches)} caches")
+    ids, positions = ids.to(w.device), positions.to(w.device)
     t = w.tensors
     nh, nkv, hd = w.num_heads, w.num_kv_heads, w.head_dim
     groups = nh // nkv
@@ -191,7 +215,7 @@ def extend(w: DecoderWeights, ids: torch.Tensor, positions: torch.Tensor, seqlen
         k = F.linear(h, t[p + "self_attn.k_proj.weight"], t[p + "self_attn.k_proj.bias"]).view(n, nkv, hd)
         v = F.linear(h, t[p + "self_attn.v_proj.weight"], t[p + "self_attn.v_proj.bias"]).view(n, nkv, hd)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        attn = torch.empty(n, nh, hd, dtype=x.dtype)
+        attn = torch.empty(n, nh, hd, dtype=x.dtype, device=x.device)
         for i, cache in enumerate(caches):
             a, b = starts[i], starts[i + 1]
             s_i, past = b - a, cache.length
@@ -206,7 +230,7 @@ def extend(w: DecoderWeights, ids: torch.Tensor, positions: torch.Tensor, seqlen
             scores = torch.matmul(qi, kc[:, :total].transpose(1, 2)) * scale  # [nkv, groups·s, L]
             if s_i > 1:
                 # query j sits at absolute position past + j and sees keys 0..past + j
-                mask = torch.ones(s_i, total, dtype=torch.bool).tril(diagonal=past)
+                mask = torch.ones(s_i, total, dtype=torch.bool, device=x.device).tril(diagonal=past)
                 scores = scores.view(nkv, groups, s_i, total).masked_fill(~mask, float("-inf")).view(nkv, groups * s_i, total)
             probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)
             out = torch.matmul(probs, vc[:, :total])  # [nkv, groups·s, hd]
@@ -218,6 +242,6 @@ def extend(w: DecoderWeights, ids: torch.Tensor, positions: torch.Tensor, seqlen
     for cache, s in zip(caches, seqlens):
         cache.length += s
     if not all_logits:
-        x = x[torch.tensor(starts[1:]) - 1]
+        x = x[torch.tensor(starts[1:], device=x.device) - 1]
     x = rms_norm(x, t["model.norm.weight"], w.eps)
     return F.linear(x, w.lm_head)

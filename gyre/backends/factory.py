@@ -29,9 +29,13 @@ logger = logging.getLogger(__name__)
 
 # choice → None when gyre.run builds it, NEEDS_CUDA when it does so on a CUDA machine only,
 # else why not (the ConfigError says so).
-_NOT_WIRED = "the SGLang engine is not wired into gyre.run yet (its adapter is exercised by tests/gpu/)"
 NEEDS_CUDA = "needs CUDA, and torch.cuda.is_available() is False on this machine"
-ENGINES: dict[str, str | None] = {"cpu": None, "sglang": _NOT_WIRED}
+# sglang: CUDA and the sglang package (docs/gpu-sglang.md). GYRE_SGLANG_API="module:attribute" names
+# a stand-in for the sglang package (an `SglangApi`) and makes it runnable anywhere: for tests only
+# (tests/backends/sglang_fake.py:API, the conformance fake).
+NEEDS_SGLANG = "needs CUDA and the sglang package (pip install 'sglang==0.5.23'; see docs/gpu-sglang.md)"
+SGLANG_API_ENV = "GYRE_SGLANG_API"
+ENGINES: dict[str, str | None] = {"cpu": None, "sglang": NEEDS_SGLANG}
 ACTORS: dict[str, str | None] = {"cpu": None, "megatron": NEEDS_CUDA}
 TRANSPORTS: dict[str, str | None] = {"store": None, "torch": None, "mooncake": None}
 
@@ -40,6 +44,12 @@ def why_not(kinds: dict[str, str | None], chosen: str, *, cuda: bool) -> str | N
     """Why `chosen` of `kinds` cannot run here (None: it can). A NEEDS_CUDA choice runs where
     `cuda` (torch.cuda.is_available(), asked by the caller, never at import time)."""
     why = kinds[chosen]
+    if why is NEEDS_SGLANG:
+        import importlib.util
+        import os
+
+        usable = os.environ.get(SGLANG_API_ENV) or (cuda and importlib.util.find_spec("sglang") is not None)
+        return None if usable else why
     return None if why is NEEDS_CUDA and cuda else why
 
 
@@ -64,6 +74,9 @@ def check_backends(cfg: Any) -> None:
         if why is not None:
             raise ConfigError(f"--{flag.replace('_', '-')} {chosen}: {why}; use "
                               f"--{flag.replace('_', '-')} {runnable(kinds, cuda=cuda)[0]}")
+    if cfg.backend.device == "cuda" and not cuda:
+        raise ConfigError("--backend.device cuda: CUDA is not available on this machine; "
+                          "use --backend.device auto (cpu here)")
     if cfg.parallel.cell_size != 1 and cfg.backend.actor == "cpu":
         raise ConfigError(f"parallel.cell_size = {cfg.parallel.cell_size}: the built-in CPU actor "
                           f"(--backend.actor cpu) holds a whole model on one rank, so it needs "
@@ -76,9 +89,10 @@ def check_backends(cfg: Any) -> None:
                               "pip install --no-build-isolation -e '.[gpu]' (or megatron-core==0.16.1)")
         if cfg.model.dtype == "float64":
             raise ConfigError("--model.dtype float64: --backend.actor megatron trains in float32 or bfloat16")
-        if cfg.train.resume:
+        if cfg.train.resume and not cfg.train.resume_weights_only:
             raise ConfigError("--train.resume: --backend.actor megatron does not save optimizer state yet "
-                              "(its checkpoints are weights only); resume needs --backend.actor cpu")
+                              "(its checkpoints are weights only); resume needs --backend.actor cpu, or "
+                              "--train.resume-weights-only for a fresh optimizer")
     if cfg.transfer.transport == "mooncake":
         try:
             import mooncake.engine  # noqa: F401
@@ -117,11 +131,14 @@ def _initial_model(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Any, Pat
 
     mc, dtype = cfg.model, dtype_of(cfg.model.dtype)
     if cfg.train.resume:
-        found = sorted(checkpoint_dir.glob("step_*"))
-        if not found:
-            raise FileNotFoundError(f"--train.resume: no checkpoint under {checkpoint_dir}")
-        logger.info("resuming from %s", found[-1], extra=ONCE)
-        return load_model(str(found[-1]), dtype=dtype), found[-1]
+        from gyre.runtime import checkpoint
+
+        if cfg.train.resume_from:  # rank 0 chose it before anything started (gyre.runtime.rundir)
+            path = Path(cfg.train.resume_from)
+        else:
+            path = checkpoint.select(checkpoint_dir, weights_only=cfg.train.resume_weights_only).path
+        logger.info("resuming from %s", path, extra=ONCE)
+        return load_model(str(path), dtype=dtype), path
     if mc.checkpoint:
         return load_model(mc.checkpoint, dtype=dtype), None
     return build_model(model_config_of(cfg, vocab), seed=mc.seed, dtype=dtype), None
@@ -133,13 +150,16 @@ def build_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Actor,
     model config: the newest checkpoint with optimizer state and version (`--train.resume`),
     `--model.checkpoint`, or the preset's seeded weights."""
     model, resumed = _initial_model(cfg, vocab, checkpoint_dir)
-    if cfg.backend.actor == "megatron":  # check_backends refused resume for it
-        return _megatron_actor(cfg, model, is_core=True), model.config
+    if cfg.backend.actor == "megatron":  # check_backends refused resume without --train.resume-weights-only
+        actor = _megatron_actor(cfg, model, is_core=True)
+        if resumed is not None:
+            actor.load_checkpoint(str(resumed), weights_only=True)  # the version; the weights are loaded
+        return actor, model.config
     from gyre.backends.cpu_actor import CpuActor
 
     actor = CpuActor(model, is_core=True, config=cfg.actor, loss=cfg.loss)
     if resumed is not None:
-        actor.load_checkpoint(str(resumed))  # weights, optimizer state and version
+        actor.load_checkpoint(str(resumed), weights_only=cfg.train.resume_weights_only)  # weights, optimizer, version
         if actor.version >= cfg.train.steps:
             raise ValueError(f"--train.resume: {resumed} is already at version {actor.version} >= "
                              f"train.steps = {cfg.train.steps}; train.steps counts the whole run, raise it")
@@ -183,11 +203,53 @@ def _megatron_actor(cfg: Any, model: Any, *, is_core: bool) -> Actor:
 def build_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *, version: int,
                  eos_token_ids: list[int], name: str) -> RolloutEngine:
     """A rollout engine of `--backend.engine` serving `params` as `version` (not started)."""
+    if cfg.backend.engine == "sglang":
+        engine = _sglang_engine(cfg, model_config, params, version=version, eos_token_ids=eos_token_ids, name=name)
+        engine.name = name
+        return engine
     from gyre.backends.cpu_engine import CpuEngine
+    from gyre.backends.devices import this_engine_device
 
-    engine = CpuEngine(model_config, params, version=version, config=cfg.engine, eos_token_ids=eos_token_ids)
+    engine = CpuEngine(model_config, params, version=version, config=cfg.engine, eos_token_ids=eos_token_ids,
+                       device=this_engine_device(cfg.backend.device))
     engine.name = name
     return engine
+
+
+def _sglang_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *, version: int,
+                   eos_token_ids: list[int], name: str) -> RolloutEngine:
+    """An embedded SGLang engine for this cell (its first rank): SGLang loads a checkpoint at start,
+    so `params` are written to RUN_DIR/sglang/<name>/ (with the run's EOS ids); tp = the cell
+    size, its first GPU this rank's."""
+    import copy
+    import os
+
+    from safetensors.torch import save_file
+
+    from gyre.backends.config import SglangConfig
+    from gyre.backends.sglang_engine import SglangApi, SglangEngine
+
+    if cfg.run_dir:
+        path = Path(cfg.run_dir) / "sglang" / name
+    else:  # an engine built outside a run (tests, tools)
+        import tempfile
+
+        path = Path(tempfile.mkdtemp(prefix=f"gyre-sglang-{name}-"))
+    # Written directly: transformers' save_pretrained writes nothing on ranks other than 0 of a
+    # torch.distributed job, and every cell's first rank needs its own copy.
+    path.mkdir(parents=True, exist_ok=True)
+    hf_config = copy.deepcopy(model_config)
+    hf_config.eos_token_id = list(eos_token_ids)
+    hf_config.to_json_file(str(path / "config.json"))
+    tensors = {k: v.detach().to(dtype_of(cfg.model.dtype)).contiguous() for k, v in params.items()
+               if not (k == "lm_head.weight" and hf_config.tie_word_embeddings)}
+    save_file(tensors, str(path / "model.safetensors"))
+    base = getattr(cfg, "sglang", None) or SglangConfig()
+    sc = SglangConfig(**{**vars(base), "model_path": str(path), "tp_size": cfg.parallel.cell_size,
+                         "dtype": cfg.model.dtype,
+                         "base_gpu_id": torch.cuda.current_device() if torch.cuda.is_available() else 0})
+    spec = os.environ.get(SGLANG_API_ENV)
+    return SglangEngine(sc, version=version, api=SglangApi.from_spec(spec) if spec else None)
 
 
 # ----------------------------------------------------------------------------- weight transport

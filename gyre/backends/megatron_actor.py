@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from gyre.backends.config import CpuActorConfig, MegatronConfig
+from gyre.backends.memory import ActorMemory
 from gyre.backends.models import rope_theta
 from gyre.loss.config import LossConfig
 
@@ -292,6 +293,9 @@ def grad_norm_fp32(grads: list[torch.Tensor], group: Any = None) -> float:
     for g in grads:
         sq += g.float().pow(2).sum()
     if group is not None and dist.get_world_size(group) > 1:
+        from gyre.backends.devices import collective_device
+
+        sq = sq.to(collective_device(group))
         dist.all_reduce(sq, group=group)
     return float(sq.sqrt())
 
@@ -366,6 +370,9 @@ class MegatronActor:
         self.import_parameters(hf_state_dict)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.master = Fp32Master(self._params, self.optim) if is_core else None
+        masters = self.master.masters if self.master is not None else []
+        self.memory = ActorMemory.of([*self.model.parameters(), *self.model.buffers(), *masters],
+                                     optimizers=[self.optimizer])
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -442,8 +449,13 @@ class MegatronActor:
         fp32 whatever the parameter dtype: the sums land in `p.main_grad` (fp32)."""
         if group is None:
             return
+        from gyre.backends.devices import collective_device
+
         flat = torch.cat([g.reshape(-1) for g in main_grads_fp32(self._params)])
-        dist.all_reduce(flat, group=group)  # CUDA tensor: the NCCL side of "cpu:gloo,cuda:nccl"
+        # CUDA tensor on "cpu:gloo,cuda:nccl" (NCCL); a gloo-only group (--parallel.backend gloo) gets a host copy
+        flat = flat.to(collective_device(group))
+        dist.all_reduce(flat, group=group)
+        flat = flat.to(self.device)
         offset = 0
         for p in self._params:
             p.grad = None
@@ -469,6 +481,16 @@ class MegatronActor:
         self.zero_grad()
         self.version += 1
         return {"grad_norm": norm, "lr": lr, "version": float(self.version)}
+
+    def offload(self) -> int:
+        """Entering rollout: bf16/fp32 parameters, grads and fp32 main grads, the fp32 masters and
+        their AdamW state to pinned host memory, then `torch.cuda.empty_cache()`
+        (`gyre.backends.memory`); bytes moved."""
+        return self.memory.offload()
+
+    def restore(self) -> int:
+        """Entering training: everything back on this rank's GPU; bytes moved."""
+        return self.memory.restore()
 
     def export_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter by HF name, full tensors on CPU (the `Actor` contract: what engines and
@@ -524,15 +546,28 @@ class MegatronActor:
             os.makedirs(path, exist_ok=True)
             self.hf_config.save_pretrained(path)
             save_file({k: v.contiguous() for k, v in full.items()}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+            import json
+
+            with open(os.path.join(path, "gyre_actor.json"), "w") as f:  # the version: checked on resume
+                json.dump({"version": self.version, "is_core": self.optimizer is not None}, f)
             if self.optimizer is not None:
                 logger.warning("MegatronActor.save_checkpoint: optimizer state is not saved (weights only)")
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str, *, weights_only: bool = False) -> None:
+        """Weights only (optimizer state is not saved yet): refused unless `weights_only`
+        (`--train.resume-weights-only`); the version comes from the checkpoint's marker or name."""
         import os
+        from pathlib import Path
 
         from safetensors.torch import load_file
 
+        from gyre.runtime import checkpoint
+
+        if self.optimizer is not None and not weights_only:
+            raise FileNotFoundError(f"{path}: the Megatron actor's checkpoints hold no optimizer state; pass "
+                                    f"--train.resume-weights-only to resume from the weights alone")
         self.import_parameters(load_file(os.path.join(path, "model.safetensors")))
+        self.version = checkpoint.version_of(Path(path))
 
     def debug_state(self) -> dict:
         """Not available: parameters and optimizer state are sharded over the cell (the audit

@@ -153,6 +153,17 @@ class Actor(Protocol):
         """Overwrite every parameter (exactly the names `export_parameters` gives)."""
         ...
 
+    def offload(self) -> int:
+        """Entering rollout (docs/design.md §3): move parameters, gradients and optimizer state to
+        host memory (pinned where CUDA runs) and free the device's cached blocks for the engine.
+        Returns the bytes moved (0 when already offloaded). Exact: `restore` gives back the same
+        bits (`gyre.backends.memory.ActorMemory`)."""
+        ...
+
+    def restore(self) -> int:
+        """Entering training: the inverse of `offload` (0 bytes when not offloaded)."""
+        ...
+
     def save_checkpoint(self, path: str) -> None:
         """Weights, optimizer state (core) and version under directory `path`."""
         ...

@@ -1,48 +1,81 @@
-"""SGLang rollout engine embedded in a cell's process (GPU; `pip install gyre[gpu]`).
+"""SGLang rollout engine embedded in a cell's first rank (GPU; `pip install gyre[gpu]`).
 
-Wraps the offline `sglang.Engine` (sglang/srt/entrypoints/engine.py). Its synchronous helpers
-call `loop.run_until_complete`, which cannot run inside Gyre's event loop, so the adapter awaits
-the engine's `tokenizer_manager` coroutines directly with the same `io_struct` request objects
-the helpers build:
+Wraps the offline `sglang.Engine` (sglang 0.5.23, srt/entrypoints/engine.py). Its synchronous
+helpers call `loop.run_until_complete`, which cannot run inside Gyre's event loop, so the adapter
+awaits the engine's `tokenizer_manager` (TM) coroutines with the `io_struct` request objects the
+helpers build. Only the TM lives in this process; the scheduler (weights, KV cache) is a
+subprocess, so every state below is a *request* to it, and the adapter waits for the answer that
+proves the state was reached (docs/gpu-sglang.md has the whole table, with SGLang file:line).
 
-    generate        Engine.async_generate(input_ids=..., sampling_params=..., return_logprob=True,
-                    stream=True, rid=request_id) → chunks with meta_info['output_token_logprobs']
-                    = [(logprob, token_id, text), ...] and meta_info['finish_reason']
-    abort           tokenizer_manager.abort_request(rid=...)
-    update_weights  pause_generation(mode='retract') → update_weights_from_tensor(
-                    UpdateWeightsFromTensorReqInput(serialized_named_tensors=[one per TP rank],
-                    flush_cache=True)) → continue_generation(): running requests are retracted,
-                    their KV recomputed under the new weights (like the CPU engine's
-                    `recompute_kv_on_update`), none dropped
-    distributed     init_weights_update_group / update_weights_from_distributed (NCCL broadcast
-                    from the core, the GPU form of `transfer.TorchDistTransport`)
-    release/resume  release_memory_occupation / resume_memory_occupation (needs
-                    `enable_memory_saver`)
+    generate   Engine.async_generate(input_ids, sampling_params, return_logprob=True, stream=True,
+               rid) → chunks whose meta_info['output_token_logprobs'] is the request's cumulative
+               list of (logprob, token_id, text); 'output_token_logprobs_length' bounds the chunk.
+    abort      TM.abort_request(rid). SGLang matches rids by *prefix* (scheduler.py:5688, 5800),
+               so every rid is made prefix-free (`prefix_free_rid`). A running request is only
+               flagged and takes one more decode step (scheduler.py:5796-5813): it has *landed*
+               when the TM drops its state (tokenizer_manager.py:2774), and until then it counts
+               as busy for `release_memory`.
+    update     pause_generation(retract) → begin_weight_update → update_weights_from_tensor(
+               weight_version=v) → end_weight_update → continue_generation. The scheduler refuses
+               an update outside a begin/end session (scheduler_components/weight_updater.py:232);
+               running requests are retracted and recompute their KV under the new weights (the
+               CPU engine's `recompute_kv_on_update`), none is dropped.
+    release    refused while any request is live here; waits for aborted ones to land, pauses
+               (retract), then release_memory_occupation. The scheduler *asserts* it is idle
+               (weight_updater.py:337); a failed assert kills it and SIGQUITs this rank.
+    resume     torch.cuda.empty_cache() (this process's cached blocks go back to the driver) →
+               resume_memory_occupation → continue_generation. SGLang does not back weights up:
+               the worker loads the published version right after (it always does).
+    versions   the engine starts with weight_version=str(version) and every update passes its
+               version, so each chunk's meta_info['weight_version'] is a number. The finishing
+               chunk also carries the scheduler's exact per-token spans ('weight_versions',
+               utils/weight_versions.py:90); a token labelled differently is counted in
+               health().detail['version_mismatches'] and logged (see docs/gpu-sglang.md).
+    distributed `init_weights_update_group` / `update_weights_from_distributed` receive a
+               broadcast from the core; `WeightBroadcaster` is the trainer's side of that group.
 
-Log-probs: with `logprobs='policy'` the adapter sets SGLANG_RETURN_ORIGINAL_LOGPROB=1 before
-the engine starts, so SGLang reports log-softmax of the logits before temperature — the same
-quantity as the CPU engine and the trainer. Token-id stop sequences (SGLang's `stop` takes
-strings) are matched here: the request is aborted and its output cut right after the match.
+Process-wide side effects of starting an Engine, and what the adapter does about them:
+`configure_logger` → logging.basicConfig(force=True) (engine.py:1152): Gyre's root handlers and
+level are put back. torchrun's TORCHELASTIC_USE_AGENT_STORE would make the scheduler's own
+`init_process_group` wait for a store nobody hosts: it is removed while the engine starts.
+`mp.set_start_method("spawn", force=True)` (engine.py:1995) and NCCL_CUMEM_ENABLE /
+NCCL_NVLS_ENABLE / CUDA_DEVICE_MAX_CONNECTIONS (engine.py:1885-1921) stay as SGLang sets them.
+`Engine.shutdown` kills every child of the rank (engine.py:1491; it is also registered with
+atexit), harness subprocesses included: the adapter never calls it and unregisters it; `stop()`
+stops the tokenizer manager's subprocess watchdog (else it SIGQUITs the rank) and ends only the
+processes the engine started.
+
+Log-probs: with `logprobs='policy'` SGLANG_RETURN_ORIGINAL_LOGPROB=1 makes SGLang report
+log-softmax of the logits before temperature / top-p (layers/sampler.py:82, 230-236), the
+trainer's quantity, *except* that penalizers run first (model_runner.py:2093): with
+`min_tokens` > 0 the first min_tokens tokens carry log-probs of the distribution with the stop
+ids masked (a warning says so once). `sampling_seed` is honoured only with
+`enable_deterministic_inference` (sampling_batch_info.py:157-170). Token-id stop sequences
+(SGLang's `stop` takes strings) are matched here: the request is aborted and cut after the match.
 
 Alternatives (`SamplingParams.top_logprobs` = k): `async_generate(..., top_logprobs_num=k)`;
-meta_info['output_top_logprobs'] is, like 'output_token_logprobs', the request's cumulative list,
-one entry per output token, each a list of (logprob, token_id, text or None) most likely first
-(sglang tokenizer_manager `detokenize_top_logprobs_tokens`); `parse_top` maps the chunk's slice
-to `TokenEvent.top`. They come from the same log-prob tensor as the sampled token's, so with
-SGLANG_RETURN_ORIGINAL_LOGPROB they are policy log-probs too (read in SGLang's source, not run).
+meta_info['output_top_logprobs'] is cumulative like 'output_token_logprobs', one list of
+(logprob, token_id, text or None) per output token, most likely first; `parse_top` maps the
+chunk's slice to `TokenEvent.top`.
 
-Checked against the sglang 0.5.23 wheel's source (Engine, tokenizer_manager, io_struct msgspec
-request types, ServerArgs fields, SGLANG_RETURN_ORIGINAL_LOGPROB); not run here (no GPU).
-Nothing here imports sglang at module import; the pure translation functions are CPU-tested.
+Checked against the sglang 0.5.23 wheel's source and run against the conformance fake
+(tests/backends/sglang_fake.py); not yet run on a GPU. Nothing here imports sglang at module
+import; `SglangApi.real()` imports it when the engine starts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import enum
+import importlib
 import logging
 import os
+import signal
+import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from datetime import timedelta
+from typing import Any, AsyncIterator, Callable
 
 import torch
 
@@ -145,150 +178,470 @@ def match_stop(ids: list[int], stop_sequences: list[list[int]]) -> int | None:
     return best
 
 
+def prefix_free_rid(request_id: str, serial: int) -> str:
+    """The SGLang rid of a request: `"<len>:<request_id>:<serial>."`. SGLang aborts every rid that
+    *starts with* the one named (scheduler.py:5688, 5800); no rid of this form is a prefix of
+    another (the length fixes where the id ends, the '.' where the serial ends), so an abort of
+    "call.1" can never reach "call.10". The serial keeps a retried id apart from an aborted
+    one that has not landed yet."""
+    return f"{len(request_id)}:{request_id}:{serial}."
+
+
+def span_versions(spans: list[dict[str, Any]] | None, n: int) -> list[str | None]:
+    """Per-token weight versions from SGLang's finishing chunk, meta_info['weight_versions'] =
+    [{"version", "start", "end"}, ...] over output positions (utils/weight_versions.py:90-105);
+    None where no span covers a position (no spans sent)."""
+    out: list[str | None] = [None] * n
+    for span in spans or []:
+        for i in range(int(span["start"]), min(int(span["end"]), n)):
+            out[i] = str(span["version"])
+    return out
+
+
+@dataclass
+class SglangApi:
+    """What the adapter takes from the sglang package: the Engine class, the `io_struct` module
+    and the tensor serializer. `real()` imports sglang (GPU machines); the conformance fake
+    (tests/backends/sglang_fake.py) provides the same three names, and `from_spec` loads either
+    from "module:attribute" (the factory's test-only GYRE_SGLANG_API hook)."""
+
+    Engine: Callable[..., Any]
+    io_struct: Any
+    serialize: Callable[[Any], Any]
+
+    @classmethod
+    def real(cls) -> "SglangApi":
+        import sglang  # lazy: a GPU extra
+        from sglang.srt.managers import io_struct
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        return cls(sglang.Engine, io_struct, MultiprocessingSerializer.serialize)
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "SglangApi":
+        module, _, attr = spec.partition(":")
+        api = getattr(importlib.import_module(module), attr or "API")
+        return api() if callable(api) and not isinstance(api, SglangApi) else api
+
+
+class EngineState(enum.Enum):
+    """CREATED → RUNNING (start) | STOPPED; RUNNING → RELEASED (release_memory: idle) | STOPPED;
+    RELEASED → RUNNING (resume) | STOPPED. STOPPED is final; anything else raises RuntimeError."""
+
+    CREATED = "created"
+    RUNNING = "running"
+    RELEASED = "released"
+    STOPPED = "stopped"
+
+
+_TRANSITIONS = {
+    EngineState.CREATED: {EngineState.RUNNING, EngineState.STOPPED},
+    EngineState.RUNNING: {EngineState.RELEASED, EngineState.STOPPED},
+    EngineState.RELEASED: {EngineState.RUNNING, EngineState.STOPPED},
+    EngineState.STOPPED: set(),
+}
+
+
 @dataclass(eq=False)
 class _Req:
+    request_id: str
     rid: str
     out: list[TokenEvent] = field(default_factory=list)
     aborted: bool = False
 
 
 class SglangEngine:
-    """RolloutEngine over an embedded `sglang.Engine`."""
+    """RolloutEngine over an embedded `sglang.Engine` (see the module docstring)."""
 
     name = "sglang"
 
-    def __init__(self, config: SglangConfig, *, version: int = 0, logprobs: str = "policy"):
+    def __init__(self, config: SglangConfig, *, version: int = 0, logprobs: str = "policy",
+                 api: SglangApi | None = None, land_timeout_s: float = 120.0):
         self.config = config
         self.version = version
         self.logprobs = logprobs
+        self.land_timeout_s = land_timeout_s
+        self.state = EngineState.CREATED
+        self._api = api
         self._engine = None
-        self._requests: dict[str, _Req] = {}
-        self._released = False
+        self._engine_pids: set[int] = set()
+        self._requests: dict[str, _Req] = {}  # live: streams open, not aborted
+        self._aborting: dict[str, _Req] = {}  # rid → aborted here, not yet landed in SGLang
+        self._serial = 0
+        self._weights_lock = asyncio.Lock()  # one weight update / release / resume at a time
+        self.version_mismatches = 0
+        self._warned_min_tokens = False
+
+    # ---------------------------------------------------------------- lifecycle
+    def _move(self, to: EngineState, *, require: EngineState | None = None) -> None:
+        if to not in _TRANSITIONS[self.state] or (require is not None and self.state is not require):
+            raise RuntimeError(f"SglangEngine: illegal transition {self.state.value} → {to.value}")
+        self.state = to
 
     async def start(self) -> None:
+        self._move(EngineState.RUNNING, require=EngineState.CREATED)
         args = server_args(self.config)
+        args.setdefault("weight_version", str(self.version))  # chunks carry numbers, not "default"
         if self.logprobs == "policy":
-            os.environ.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
-        import sglang  # lazy: GPU only
-
-        self._engine = await asyncio.to_thread(lambda: sglang.Engine(**args))
-        logger.info("sglang engine up (tp=%d, model=%s)", self.config.tp_size, self.config.model_path)
+            os.environ.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")  # read by the scheduler at import
+        api = self._api = self._api or SglangApi.real()
+        if torch.cuda.is_available():  # SGLang sizes its KV cache from the memory free right now
+            free, total = torch.cuda.mem_get_info(self.config.base_gpu_id)
+            if free < self.config.mem_fraction_static * total:
+                logger.warning("sglang start: %.1f GiB free on cuda:%d, less than mem_fraction_static %.2f of %.1f GiB "
+                               "(this rank's actor is already resident): the KV cache will be smaller, or the start "
+                               "fails (SglangConfig.mem_fraction_static; the job builds the core's actor first)",
+                               free / 2**30, self.config.base_gpu_id, self.config.mem_fraction_static, total / 2**30)
+        root = logging.getLogger()
+        handlers, level = list(root.handlers), root.level
+        before = _children(os.getpid())
+        agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # the scheduler inherits os.environ
+        try:
+            self._engine = await asyncio.to_thread(lambda: api.Engine(**args))
+        except BaseException:
+            self.state = EngineState.STOPPED
+            raise
+        finally:
+            if agent_store is not None:
+                os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
+            root.handlers[:] = handlers  # SGLang's configure_logger: basicConfig(force=True)
+            root.setLevel(level)
+        # Only what the engine started; a harness is never one of them (its processes predate this
+        # call, or are launched by the controller after the engine is up).
+        self._engine_pids = _children(os.getpid()) - before
+        atexit.unregister(getattr(self._engine, "shutdown", lambda: None))
+        logger.info("sglang engine up (tp=%d, model=%s, version %d, %d engine processes)", self.config.tp_size,
+                    self.config.model_path, self.version, len(self._engine_pids))
 
     async def stop(self) -> None:
-        if self._engine is not None:
-            await asyncio.to_thread(self._engine.shutdown)
-            self._engine = None
+        """End the engine's own processes (SIGTERM, then SIGKILL after 30 s). Never
+        `Engine.shutdown`, which kills every child of this rank (engine.py:1491)."""
+        if self.state is EngineState.STOPPED:
+            return
+        self._move(EngineState.STOPPED)
+        # The tokenizer manager's watchdog SIGQUITs this rank when an engine process dies; stop it
+        # first, as Engine.shutdown does (engine.py:1473-1476; utils/watchdog.py:166-225).
+        watchdog = getattr(getattr(self._engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()
+        pids = _descendants(self._engine_pids)
+        self._engine, self._engine_pids = None, set()
+        await asyncio.to_thread(_terminate, pids, 30.0)
+        self._requests.clear()
+        self._aborting.clear()
 
     @property
     def _tm(self):
         if self._engine is None:
-            raise RuntimeError("SglangEngine: not started")
+            raise RuntimeError(f"SglangEngine: engine is {self.state.value}")
         return self._engine.tokenizer_manager
 
+    @property
+    def _io(self):
+        return self._api.io_struct
+
+    # ---------------------------------------------------------------- requests
     async def generate(self, request_id: str, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenEvent]:
-        engine = self._engine
-        if engine is None:
-            raise RuntimeError(f"SglangEngine.generate({request_id}): not started")
-        if self._released:
-            raise RuntimeError(f"SglangEngine.generate({request_id}): memory is released")
+        if self.state is not EngineState.RUNNING:
+            raise RuntimeError(f"SglangEngine.generate({request_id}): engine is {self.state.value}")
         if request_id in self._requests:
             raise ValueError(f"generate: request id {request_id!r} is already in flight")
-        req = self._requests[request_id] = _Req(request_id)
-        seen, done = 0, False
+        if sampling.min_tokens and self.logprobs == "policy" and not self._warned_min_tokens:
+            self._warned_min_tokens = True
+            logger.warning("min_tokens > 0: SGLang reports the log-probs of the first min_tokens tokens with the "
+                           "stop ids masked (penalizers run before SGLANG_RETURN_ORIGINAL_LOGPROB's log-softmax), "
+                           "not the trainer's unmasked ones; see docs/gpu-sglang.md")
+        self._serial += 1
+        req = self._requests[request_id] = _Req(request_id, prefix_free_rid(request_id, self._serial))
+        seen, done, labels = 0, False, []
         try:
             extra = {"top_logprobs_num": sampling.top_logprobs} if sampling.top_logprobs > 0 else {}
-            stream = await engine.async_generate(input_ids=list(input_ids), sampling_params=sampling_params(sampling),
-                                                 return_logprob=True, stream=True, rid=request_id, **extra)
+            stream = await self._engine.async_generate(input_ids=list(input_ids), sampling_params=sampling_params(sampling),
+                                                       return_logprob=True, stream=True, rid=req.rid, **extra)
             async for chunk in stream:
+                if req.aborted:  # abort() already returned the tokens; yield nothing past them
+                    return
                 pairs, finish, chunk_version = parse_chunk(chunk, seen)
                 tops = parse_top(chunk, seen, len(pairs)) if extra else [None] * len(pairs)
                 seen += len(pairs)
                 version = int(chunk_version) if chunk_version is not None and chunk_version.isdigit() else self.version
+                labels += [str(version)] * len(pairs)
+                if finish is not None:
+                    self._check_versions(req, labels, chunk)
                 for i, (tok, lp) in enumerate(pairs):
-                    if req.aborted:  # abort() already returned the tokens; yield nothing past them
-                        return
                     ev = TokenEvent(tok, lp, version, top=tops[i])
                     req.out.append(ev)
                     if match_stop([e.token_id for e in req.out], sampling.stop_sequences) is not None:
                         ev.finish_reason = "stop"  # SGLang does not know token-id stop sequences
-                        self._tm.abort_request(rid=request_id)
+                        if finish is None:
+                            self._abort_in_sglang(req)
                         done = True
                         yield ev
                         return
                     if i == len(pairs) - 1 and finish in ("stop", "length"):
                         ev.finish_reason = finish
                     yield ev
+                    if req.aborted:
+                        return
                 if finish is not None:
                     done = True
                     return
         finally:
             if not done and not req.aborted and self._engine is not None:
-                self._tm.abort_request(rid=request_id)  # the consumer went away mid-stream
-            self._requests.pop(request_id, None)
+                self._abort_in_sglang(req)  # the consumer went away mid-stream
+            if self._requests.get(request_id) is req:
+                del self._requests[request_id]
+
+    def _abort_in_sglang(self, req: _Req) -> None:
+        req.aborted = True
+        self._aborting[req.rid] = req
+        self._tm.abort_request(rid=req.rid)
+
+    def _check_versions(self, req: _Req, labels: list[str], chunk: dict[str, Any]) -> None:
+        """Compare the versions the tokens were given with the scheduler's spans (finishing chunk)."""
+        exact = span_versions(chunk.get("meta_info", {}).get("weight_versions"), len(labels))
+        wrong = sum(1 for got, want in zip(labels, exact) if want is not None and got != want)
+        if wrong:
+            self.version_mismatches += wrong
+            logger.warning("request %s: %d tokens were labelled with a version other than the scheduler's spans %s",
+                           req.request_id, wrong, chunk["meta_info"]["weight_versions"])
 
     async def abort(self, request_id: str) -> list[TokenEvent]:
-        req = self._requests.get(request_id)
+        """Stop `request_id`; return the tokens its stream yielded (it yields nothing more). SGLang
+        finishes it one decode step later; `release_memory` waits for that."""
+        req = self._requests.pop(request_id, None)
         if req is None:
             raise KeyError(f"abort: no request {request_id!r} in flight")
-        req.aborted = True  # the stream yields nothing past what is returned here
-        self._tm.abort_request(rid=request_id)
+        self._abort_in_sglang(req)
         return list(req.out)
 
-    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        from sglang.srt.managers.io_struct import (ContinueGenerationReqInput, PauseGenerationReqInput,
-                                                   UpdateWeightsFromTensorReqInput)
-        from sglang.srt.utils import MultiprocessingSerializer
+    def _unlanded(self) -> list[str]:
+        """rids aborted here whose SGLang request state still exists (tokenizer_manager.py:2774
+        deletes it when the scheduler's finishing output arrives)."""
+        alive = self._tm.rid_to_state
+        for rid in [r for r in self._aborting if r not in alive]:
+            del self._aborting[rid]
+        return list(self._aborting)
 
-        named = [(k, v.detach().cuda() if torch.cuda.is_available() else v) for k, v in state_dict.items()]
-        payload = [MultiprocessingSerializer.serialize(named) for _ in range(self.config.tp_size)]
-        kwargs: dict[str, Any] = dict(serialized_named_tensors=payload, load_format=None, flush_cache=True)
-        if "weight_version" in _fields(UpdateWeightsFromTensorReqInput):
-            kwargs["weight_version"] = str(version)
-        await self._tm.pause_generation(PauseGenerationReqInput(mode="retract"))
-        try:
-            result = await self._tm.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(**kwargs), None)
-        finally:
-            await self._tm.continue_generation(ContinueGenerationReqInput())
-        _check(result, "update_weights_from_tensor")
+    async def _wait_landed(self) -> None:
+        t0 = last_log = time.monotonic()
+        while unlanded := self._unlanded():
+            now = time.monotonic()
+            if now - t0 > self.land_timeout_s:
+                raise RuntimeError(f"SglangEngine: {len(unlanded)} aborted requests did not finish in SGLang within "
+                                   f"{self.land_timeout_s:.0f}s: {unlanded[:5]}")
+            if now - last_log > 5.0:
+                last_log = now
+                logger.info("waiting for %d aborted SGLang requests to finish (%s...)", len(unlanded), unlanded[:3])
+            await asyncio.sleep(0.005)
+
+    # ---------------------------------------------------------------- weights
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """In-cell update from this rank's tensors, in a weight-update session (module docstring)."""
+        if self.state is not EngineState.RUNNING:
+            raise RuntimeError(f"SglangEngine.update_weights(version {version}): engine is {self.state.value}"
+                               + (" (resume first: SGLang keeps no copy of released weights)"
+                                  if self.state is EngineState.RELEASED else ""))
+        io = self._io
+        device = torch.device("cuda", self.config.base_gpu_id) if torch.cuda.is_available() else torch.device("cpu")
+        named = [(k, v.detach().to(device)) for k, v in state_dict.items()]
+        payload = [self._api.serialize(named) for _ in range(self.config.tp_size)]  # one per TP rank (engine.py:1743)
+        obj = io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, load_format=None, flush_cache=True,
+                                                 weight_version=str(version))
+        await self._in_session(lambda: self._tm.update_weights_from_tensor(obj, None), "update_weights_from_tensor")
         self.version = int(version)
+
+    async def _in_session(self, load: Callable[[], Any], what: str) -> None:
+        """pause(retract) → begin_weight_update → load() → end_weight_update → continue_generation;
+        end and continue run whatever happened (weight_updater.py:232-239, 309-335)."""
+        io, tm = self._io, self._tm
+        async with self._weights_lock:
+            await tm.pause_generation(io.PauseGenerationReqInput(mode="retract"))
+            try:
+                _check(await tm.begin_weight_update(io.BeginWeightUpdateReqInput(), None), "begin_weight_update")
+                try:
+                    _check(await load(), what)
+                finally:
+                    _check(await tm.end_weight_update(io.EndWeightUpdateReqInput(), None), "end_weight_update")
+            finally:
+                await tm.continue_generation(io.ContinueGenerationReqInput())
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str = "gyre_weights", backend: str = "nccl") -> None:
-        from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
-
-        obj = InitWeightsUpdateGroupReqInput(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
-                                             world_size=world_size, group_name=group_name, backend=backend)
+        """Join the group the core's `WeightBroadcaster` hosts (rank 0 there; this engine's TP ranks
+        are rank_offset..rank_offset+tp-1). Blocks until every member joined: run the core's side
+        at the same time."""
+        obj = self._io.InitWeightsUpdateGroupReqInput(master_address=master_address, master_port=master_port,
+                                                      rank_offset=rank_offset, world_size=world_size,
+                                                      group_name=group_name, backend=backend)
         _check(await self._tm.init_weights_update_group(obj, None), "init_weights_update_group")
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               version: int, group_name: str = "gyre_weights") -> None:
-        """Receive a broadcast from the core over the group made by `init_weights_update_group`."""
-        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
-
-        obj = UpdateWeightsFromDistributedReqInput(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=True)
-        _check(await self._tm.update_weights_from_distributed(obj, None), "update_weights_from_distributed")
+        """Receive one broadcast from the core (its `WeightBroadcaster.send`, same order), in a
+        weight-update session."""
+        if self.state is not EngineState.RUNNING:
+            raise RuntimeError(f"SglangEngine.update_weights_from_distributed: engine is {self.state.value}")
+        obj = self._io.UpdateWeightsFromDistributedReqInput(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+                                                            flush_cache=True, weight_version=str(version))
+        await self._in_session(lambda: self._tm.update_weights_from_distributed(obj, None), "update_weights_from_distributed")
         self.version = int(version)
 
+    # ---------------------------------------------------------------- memory
     async def release_memory(self) -> None:
-        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
-
+        """Free weights, KV cache and CUDA graphs (the cell trains). Refused while a request is live
+        here (the proxy drains the cell first); waits for aborted requests to finish in SGLang, and
+        pauses it, so the scheduler's idle assertion holds (weight_updater.py:337-341)."""
         if self._requests:
-            raise RuntimeError(f"SglangEngine.release_memory: {len(self._requests)} requests in flight; drain first")
-        await self._tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=None), None)
-        self._released = True
+            raise RuntimeError(f"SglangEngine.release_memory refused: {len(self._requests)} requests still running "
+                               f"here ({sorted(self._requests)[:5]}); drain the cell (abort or finish them) first")
+        io = self._io
+        async with self._weights_lock:
+            self._move(EngineState.RELEASED, require=EngineState.RUNNING)
+            try:
+                await self._wait_landed()
+                await self._tm.pause_generation(io.PauseGenerationReqInput(mode="retract"))
+                await self._tm.release_memory_occupation(io.ReleaseMemoryOccupationReqInput(tags=None), None)
+            except BaseException:
+                self.state = EngineState.RUNNING
+                raise
 
     async def resume(self) -> None:
-        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
-
-        await self._tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=None), None)
-        self._released = False
+        """Take the memory back: this process's cached CUDA blocks are returned first (SGLang needs
+        the physical memory free; the actor's own offload is the worker's). Weights must be loaded
+        after this (SGLang keeps no copy)."""
+        io = self._io
+        async with self._weights_lock:
+            if self.state is not EngineState.RELEASED:
+                raise RuntimeError(f"SglangEngine.resume: engine is {self.state.value}, not released")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+                free, total = torch.cuda.mem_get_info(self.config.base_gpu_id)
+                logger.info("sglang resume: %.1f of %.1f GiB free on cuda:%d", free / 2**30, total / 2**30,
+                            self.config.base_gpu_id)
+            await self._tm.resume_memory_occupation(io.ResumeMemoryOccupationReqInput(tags=None), None)
+            await self._tm.continue_generation(io.ContinueGenerationReqInput())
+            self._move(EngineState.RUNNING)
 
     async def health(self) -> EngineHealth:
-        return EngineHealth(ok=self._engine is not None, version=self.version, running=len(self._requests), waiting=0,
-                            released=self._released)
+        return EngineHealth(ok=self.state in (EngineState.RUNNING, EngineState.RELEASED), version=self.version,
+                            running=len(self._requests), waiting=0, released=self.state is EngineState.RELEASED,
+                            detail={"state": self.state.value, "aborting": len(self._aborting),
+                                    "version_mismatches": self.version_mismatches})
 
     def load(self) -> int:
         return len(self._requests)
+
+
+class WeightBroadcaster:
+    """The core's side of `SglangEngine.init_weights_update_group`: rank 0 of a process group of
+    its own (SGLang's `init_custom_process_group`, utils/common.py:2859: a TCP rendezvous on
+    master_port, a PrefixStore named after the group), then one `broadcast(src=0)` per tensor in
+    the order of `names` (model_runner_components/weight_updater.py:260-298).
+
+    The group is a ProcessGroup object of its own, never registered with torch.distributed's
+    world, so it cannot collide with Gyre's groups. `__init__` hosts the rendezvous store
+    (master_port 0: a free port, then `port`); `connect()` blocks until every engine rank joined
+    (the engines call `init_weights_update_group` at the same time)."""
+
+    def __init__(self, master_address: str, master_port: int, world_size: int, *, group_name: str = "gyre_weights",
+                 backend: str = "nccl", timeout_s: float = 600.0):
+        import torch.distributed as dist
+
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"WeightBroadcaster: backend must be 'nccl' or 'gloo', got {backend!r}")
+        self.timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=self.timeout,
+                                   wait_for_workers=False)
+        self.port = self.store.port
+        self.world_size, self.group_name, self.backend = world_size, group_name, backend
+        self.group = None
+
+    def connect(self) -> None:
+        import torch.distributed as dist
+
+        store = dist.PrefixStore(self.group_name, self.store)
+        if self.backend == "gloo":
+            self.group = dist.ProcessGroupGloo(store, 0, self.world_size, self.timeout)
+        else:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            self.group = dist.ProcessGroupNCCL(store, 0, self.world_size, opts)
+
+    @staticmethod
+    def describe(params: dict[str, torch.Tensor]) -> tuple[list[str], list[str], list[list[int]]]:
+        """(names, dtypes, shapes) for `SglangEngine.update_weights_from_distributed`."""
+        names = list(params)
+        return names, [str(params[n].dtype).removeprefix("torch.") for n in names], [list(params[n].shape) for n in names]
+
+    def send(self, params: dict[str, torch.Tensor]) -> None:
+        """Broadcast every tensor from rank 0 (blocks until every receiver got it)."""
+        import torch.distributed as dist
+
+        if self.group is None:
+            raise RuntimeError("WeightBroadcaster.send: connect() first")
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        for name, tensor in params.items():
+            self.group.broadcast([tensor.detach().to(device).contiguous()], opts).wait()
+
+
+# ----------------------------------------------------------------------------- processes
+def _children(pid: int) -> set[int]:
+    """Direct children of `pid` (Linux /proc)."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4, after "(comm)" and the state
+            out.add(int(entry))
+    return out
+
+
+def _descendants(pids: set[int]) -> set[int]:
+    found, todo = set(), list(pids)
+    while todo:
+        p = todo.pop()
+        if p not in found:
+            found.add(p)
+            todo.extend(_children(p))
+    return found
+
+
+def _terminate(pids: set[int], grace_s: float) -> None:
+    """SIGTERM `pids`, SIGKILL those left after `grace_s`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while pids and time.monotonic() < deadline:
+            pids = {p for p in pids if _alive(p)}
+            time.sleep(0.05)
+        if not pids:
+            return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)  # reap our own children
+        if done:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _fields(cls) -> set[str]:

@@ -172,7 +172,10 @@ def _announce(obj: Any, src: int, group: Any) -> Any:
 
 
 class TorchDistTransport:
-    """Broadcast the flat parameter buffer from `src` over `group` (torch.distributed)."""
+    """Broadcast the flat parameter buffer from `src` over `group` (torch.distributed). The
+    buffer rides the device the group's backend takes (`gyre.backends.devices.collective_device`):
+    CUDA over NCCL on a "cpu:gloo,cuda:nccl" group of GPU ranks, CPU over gloo otherwise; the
+    checksum and the returned tensors are on CPU either way."""
 
     name = "torch"
 
@@ -183,15 +186,19 @@ class TorchDistTransport:
         is_src = dist.get_rank() == self.src
         if is_src == (params is None):
             raise ValueError(f"share: rank {dist.get_rank()} {'is' if is_src else 'is not'} the source (src={self.src}); pass params exactly there")
+        from gyre.backends.devices import collective_device
+
+        device = collective_device(self.group)
         if is_src:
             layout = FlatLayout.of(params)
             buf = layout.pack(params)
             _announce((layout, checksum(buf) if self.verify else None), self.src, self.group)
-            dist.broadcast(buf, src=self.src, group=self.group)
+            dist.broadcast(buf.to(device), src=self.src, group=self.group)
             return params
         layout, crc = _announce(None, self.src, self.group)
-        buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+        buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
         dist.broadcast(buf, src=self.src, group=self.group)
+        buf = buf.cpu()
         if crc is not None and checksum(buf) != crc:
             raise RuntimeError("TorchDistTransport: snapshot checksum mismatch")
         return layout.unpack(buf, copy=False)

@@ -73,6 +73,14 @@ class TorchWeights(_Pointers):
 
     def __init__(self, store: Any, group: Any, *, owner: int, keep: int = 2, verify: bool = True,
                  namespace: str = "wt", poll_s: float = 0.002) -> None:
+        from gyre.backends.devices import collective_device
+
+        # The snapshots are host memory served from a thread: point-to-point over gloo with CPU
+        # tensors (the factory creates the group with backend="gloo"). Its `broadcast` over a
+        # prefix group moves CUDA tensors where that group has NCCL (`transfer.TorchDistTransport`).
+        if collective_device(group).type != "cpu":
+            raise ValueError("TorchWeights: its point-to-point group must be a gloo group (CPU tensors); "
+                             "create it with dist.new_group(..., backend='gloo')")
         self.store, self.group, self.owner, self.verify = store, group, owner, verify
         self.ns, self.poll_s = namespace, poll_s
         self.rank = dist.get_rank()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import threading
@@ -43,18 +44,20 @@ import numpy as np
 import torch
 
 from gyre.runtime.control import CONTROLLER, ControlPlane, ReplyWatch
-from gyre.executions.evaluator import Evaluator, RewardStatus
+from gyre.executions.evaluator import Evaluator, RewardResult, RewardStatus
 from gyre.errors import RunFailed
 from gyre.executions.health import HealthMonitor
 from gyre.executions.runner import EventKind, ExecutionEvent, GyreProxyAccess, HarnessRunner
-from gyre.executions.tasks import Dataset
-from gyre.runtime.outputs import MetricsWriter, make_trackers, plot_role_timeline, read_metrics, reward_trend
+from gyre.executions.tasks import Dataset, ExecutionSpec, Group
+from gyre.runtime.outputs import (MetricsWriter, append_events, make_trackers, plot_role_timeline, read_metrics,
+                                  reward_trend)
 from gyre.proxy import Proxy, StoreSink, start_proxy
 from gyre.backends.engine_http import HttpEngine
 from gyre.runtime.messages import (Command, Failed, Interrupted, Joined, Load, Loaded, Reduce, Report, RequestWork,
                                    RolledBack, StepDone, Stop, Stopped, ToRollout, ToTrain, TrainWork, Transition,
                                    WorkDone, handler_for)
-from gyre.runtime.ledger import RunLedger
+from gyre.runtime.ledger import GroupPhase, RunLedger
+from gyre.runtime.rundir import GroupJournal, RunDir
 from gyre.runtime.samples import group_work, step_denominator
 from gyre.scheduler.core import CellRole, ElasticScheduler
 from gyre.scheduler.events import Dispatch, OptimizerStep, Publish, SwitchToRollout, SwitchToTrain, WallClock, Work
@@ -97,6 +100,29 @@ def _outcome(reward: Any) -> Outcome:
     return Outcome.scored(reward.reward)
 
 
+@dataclasses.dataclass(frozen=True)
+class CarriedResult:
+    """What `_make_work` reads of an execution evaluated in an earlier attempt (its result.json)."""
+
+    execution_id: str
+    index: int
+    reward: RewardResult
+
+
+def _groups_of(dataset: Dataset, task_ids: tuple[str, ...], n: int, attempt: int) -> list[Group]:
+    """Groups of `n` executions of the given tasks (those earlier attempts lost), ids g0, g1, ..."""
+    by_id = {t.task_id: t for t in dataset.tasks}
+    groups = []
+    for task_id in task_ids:
+        if task_id not in by_id:
+            logger.warning("task %s of a lost group is no longer in the dataset; not dispatched again", task_id)
+            continue
+        gid = f"{task_id}.a{attempt}.g{len(groups)}"
+        task = by_id[task_id]
+        groups.append(Group(gid, task, [ExecutionSpec(f"{gid}.{i}", task, gid, i) for i in range(n)]))
+    return groups
+
+
 class Controller:
     """Start with `start()` on rank 0 after the workers' engines are announced; `join()` waits.
 
@@ -105,9 +131,11 @@ class Controller:
     rank is told to stop, and the timeline and summary are written.
     """
 
-    def __init__(self, cfg: Any, topo: Topology, store: Any, start_version: int = 0, engine_secret: str | None = None) -> None:
+    def __init__(self, cfg: Any, topo: Topology, store: Any, start_version: int = 0, engine_secret: str | None = None,
+                 run: RunDir | None = None) -> None:
         """Build the run's state: everything that does not need the controller's loop.
-        `engine_secret`: what the engines' servers want (`engine_host.share_secret`)."""
+        `engine_secret`: what the engines' servers want (`engine_host.share_secret`); `run`: this
+        launch's attempt in the run directory and what earlier attempts lost (`gyre.runtime.rundir`)."""
         self.cfg, self.topo, self.store = cfg, topo, store
         self.engine_secret = engine_secret
         sc, tc = cfg.scheduler, cfg.train
@@ -122,12 +150,23 @@ class Controller:
         if not ds.path:
             raise ValueError("executions.dataset.path is empty: give a JSONL of tasks (see examples/cpu_demo)")
         self.dataset = Dataset.from_jsonl(ds.path)
-        if start_version:  # a resumed run: a fresh task order, and ids that cannot collide with the first run's
-            v = start_version
-            self.group_iter = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed + v,
-                                                       make_id=lambda task, k: f"{task.task_id}.r{v}.g{k}")
-        else:
-            self.group_iter = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed)
+        # Execution ids are <task>.a<attempt>.g<group>.<index>: unique over every launch into the run
+        # directory (a resume, a second resume from the same checkpoint, a restart), whose executions/
+        # and tito/ they name. The tasks of groups earlier attempts lost come first; then a fresh task
+        # order (seeded by the start version).
+        self.run = run or RunDir(self.run_dir, attempt=0, start_version=start_version)
+        self.attempt = attempt = self.run.attempt
+        redo = _groups_of(self.dataset, self.run.redo_tasks, sc.n_per_group, attempt)
+        fresh = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed + start_version,
+                                         make_id=lambda task, k: f"{task.task_id}.a{attempt}.g{k + len(redo)}")
+        self.group_iter = itertools.chain(redo, fresh)
+        # Earlier attempts' evaluated groups take the first dispatch slots (same N, task still there).
+        known = {t.task_id for t in self.dataset.tasks}
+        self.carried = [r for r in self.run.carried if r["task_id"] in known and len(r["executions"]) == sc.n_per_group]
+        if len(self.carried) < len(self.run.carried):
+            logger.warning("%d groups of earlier attempts cannot be carried over (their task left the dataset, or "
+                           "--scheduler.n-per-group changed); they are not trained",
+                           len(self.run.carried) - len(self.carried))
         self.sched = ElasticScheduler(sc, topo.num_cells, tc.cell_concurrency,
                                       topo.num_pool_engines * tc.cell_concurrency, clock=WallClock(),
                                       start_version=start_version)
@@ -135,6 +174,7 @@ class Controller:
         self.health = HealthMonitor(hc.window or sc.n_per_group * sc.batch_groups, hc.stop_fraction)
         self.ledger = RunLedger(topo.num_cells)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.journal = GroupJournal(self.run_dir, self.attempt)  # what becomes of every group, for a later attempt
         if not tc.resume:  # a fresh run replaces the run directory's metrics; a resumed one appends
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         self.metrics = MetricsWriter(str(self.run_dir / "metrics.jsonl"))
@@ -162,6 +202,7 @@ class Controller:
         self.stopped: dict[int, Stopped | Failed] = {}
         self.last_step_t = 0.0  # set when the loop starts (the ledger's clock)
         self.outcomes: dict[str, int] = defaultdict(int)
+        self.carried_over = 0  # groups of earlier attempts trained in this one
         # Failure path (docs/design.md §1): who owes a report, and whether a signal stopped the run.
         self.watch = ReplyWatch()
         self._reporters = {topo.cell_ranks(c)[0] for c in range(topo.num_cells)} | {
@@ -325,13 +366,39 @@ class Controller:
             logger.info("not dispatching %d groups: the run has done its %d steps", d.n_groups, self.steps_done)
             return
         for g in d.groups:
+            if self.carried:  # evaluated in an earlier attempt: train it, do not run it again
+                self._carry_over(g, self.carried.pop(0))
+                continue
             group = next(self.group_iter)
             for spec in group.executions:
                 spec.dispatch_version = d.version
             self.ledger.add_group(g, group, d.version)
+            self.journal.dispatched(group.group_id, group.task.task_id, d.version,
+                                    [e.execution_id for e in group.executions])
             self.runner.dispatch_group(group)
         logger.info("dispatched groups %d..%d at version %d (w=%d)", d.first_group, d.first_group + d.n_groups - 1,
                     d.version, self.sched.water_level)
+
+    def _carry_over(self, g: int, row: dict[str, Any]) -> None:
+        """Take an earlier attempt's evaluated group (a `groups.jsonl` row) as dispatch slot `g`:
+        its executions start and finish at once for the scheduler, their results and TITO come
+        from the run directory, and it becomes work like any group. Its v_d stays the version it
+        was sampled at (the ledger's staleness; the scheduler counts it from now)."""
+        task = next(t for t in self.dataset.tasks if t.task_id == row["task_id"])
+        specs = [ExecutionSpec(e, task, row["group_id"], i, dispatch_version=row["version"])
+                 for i, e in enumerate(row["executions"])]
+        rec = self.ledger.add_group(g, Group(row["group_id"], task, specs), row["version"])
+        self.journal.dispatched(row["group_id"], row["task_id"], row["version"], row["executions"])
+        for spec in specs:
+            self._apply(self.sched.on_execution_started(g, spec.index))
+            self._apply(self.sched.on_execution_finished(g, spec.index))
+            saved = json.loads((self.run_dir / "executions" / spec.execution_id / "result.json").read_text())["reward"]
+            reward = RewardResult(spec.execution_id, RewardStatus(saved["status"]), saved["reward"])
+            self.ledger.evaluated(CarriedResult(spec.execution_id, spec.index, reward))
+        self.carried_over += 1
+        logger.info("group %s (dispatched at version %d in an earlier attempt) carried over as group %d",
+                    rec.group_id, row["version"], g)
+        self._spawn(self._make_work(g))
 
     async def _switch_to_train(self, cell: int) -> None:
         moved = await self.proxy.router.drain(f"cell{cell}")  # in-flight calls continue elsewhere
@@ -384,6 +451,7 @@ class Controller:
 
     def _on_joined(self, msg: Joined) -> None:
         cell = msg.cell
+        self.ledger.handover(msg.handover_s)
         if self.sched.roles[cell] is CellRole.TO_TRAIN:
             self.latencies["to_train"].append(time.time() - self.switch_sent.pop(cell, time.time()))
         self._apply(self.sched.on_switch_done(cell, "train"))  # superseded if the burst already ended
@@ -400,6 +468,7 @@ class Controller:
 
     def _on_rolled_back(self, msg: RolledBack) -> None:
         cell = msg.cell
+        self.ledger.handover(msg.handover_s)
         self.latencies["to_rollout"].append(time.time() - self.switch_sent.pop(cell, time.time()))
         self.proxy.router.resume(f"cell{cell}")
         self._apply(self.sched.on_switch_done(cell, "rollout"))
@@ -439,6 +508,7 @@ class Controller:
 
     def _step_done(self, step: int, stats: dict[str, float]) -> None:
         rec = self.ledger.close(step)
+        self.journal.trained([self.ledger.groups[g].group_id for g in rec.groups], step)
         now = time.time()
         row = {
             "step": step,
@@ -567,6 +637,10 @@ class Controller:
         # the harness trees have had their grace to die.
         grace = min(self.cfg.executions.runner.kill_grace_s + 2.0, 0.5 * (deadline - time.monotonic())) if deadline else None
         await self.runner.shutdown(evaluate=not failed, timeout=None if grace is None else max(1.0, grace))
+        if not failed:  # a clean end: what was not trained is cancelled here, not lost for a later attempt
+            self.journal.closed([r.group_id for r in self.ledger.groups.values()
+                                 if r.phase is not GroupPhase.CONSUMED])
+        self.journal.close()
         # The core checkpoints after an interrupt or a silent rank too: its weights and optimizer
         # state are sound (not after a worker failed: its state may not be).
         checkpoint = not any(isinstance(m, Failed) for m in self.stopped.values())
@@ -607,6 +681,7 @@ class Controller:
             "mode": self.cfg.scheduler.mode,
             "train_fraction": {str(c): f for c, f in fractions.items()},
             "switch_latency_s": {k: (float(np.mean(v)) if v else None) for k, v in self.latencies.items()},
+            "handover_s": self.ledger.handover_summary(),  # the switches' parts: actor offload / restore, ...
             "reroutes": stats["reroutes"],
             "calls": self.access.totals["calls"],
             "aborted_calls": self.access.totals["aborted_calls"],
@@ -617,6 +692,14 @@ class Controller:
             "engine_failures": stats["engine_failures"],
             "execution_outcomes": dict(self.outcomes),
             "cancelled_at_end": cancelled,
+            # executions of earlier attempts in this run directory that were still running (or not all
+            # evaluated) when their attempt ended, so not trained into the checkpoint resumed from: their
+            # tasks ran again first in this one. Evaluated groups were carried over instead. See run.json's
+            # attempts and groups.jsonl.
+            "attempt": self.attempt,
+            "lost_in_flight": self.run.lost_in_flight,
+            "redispatched_groups": len(self.run.redo_tasks),
+            "carried_over_groups": self.carried_over,  # evaluated in an earlier attempt, trained in this one
             "measured_staleness_mean": float(np.mean(self.sched.staleness)) if self.sched.staleness else None,
             "staleness_by_step": self.ledger.staleness_by_step(),
             "expected_staleness": self.cfg.scheduler.expected_staleness,
@@ -637,7 +720,8 @@ class Controller:
                 logger.warning("reward trend not computed: %s", e)
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
         # The scheduler's event log: replayable by `python -m gyre.sim --durations.source run-dir`.
-        self.sched.log.write_jsonl(str(self.run_dir / "events.jsonl"))
+        append_events(self.sched.log, str(self.run_dir / "events.jsonl"), attempt=self.attempt,
+                      start_version=self.start_version)  # after earlier attempts' (cut back to the resumed version)
         self.metrics.close()
         await self.proxy.router.close()  # calls still waiting for an engine end now, not in engine_wait_s
         await self.proxy_handle.astop()

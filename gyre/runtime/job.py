@@ -28,13 +28,15 @@ from gyre.backends.protocols import WeightTransport
 from gyre.runtime.control import CONTROLLER, ControlPlane, SignedStore, default_store
 from gyre.errors import RunStopped, WorkerFailed
 from gyre.runtime.messages import Failed, Interrupted
+from gyre.runtime.rundir import RunDir
 from gyre.topology import Groups, Topology
 
 logger = logging.getLogger(__name__)
 
 
-def train(cfg: Any, topo: Topology, groups: Groups, interrupts: Any = None) -> None:
-    """`interrupts` (`gyre.runtime.control.Interrupts`): told how to reach the controller here."""
+def train(cfg: Any, topo: Topology, groups: Groups, run: RunDir, interrupts: Any = None) -> None:
+    """`run`: rank 0's decision of the directory, the attempt and the resume point (`gyre.runtime.rundir`);
+    `interrupts` (`gyre.runtime.control.Interrupts`): told how to reach the controller here."""
     from gyre.backends.engine_host import share_secret
 
     factory.set_threads(cfg)  # once per process, before the engine or actor is built
@@ -44,14 +46,14 @@ def train(cfg: Any, topo: Topology, groups: Groups, interrupts: Any = None) -> N
     store = SignedStore(default_store(), secret)
     weights = factory.build_transport(cfg, topo, store)  # blocking (torch): every rank creates its group
     try:
-        _train(cfg, topo, groups, store, weights, secret, interrupts)
+        _train(cfg, topo, groups, store, weights, secret, run, interrupts)
     finally:
         weights.close()  # the torch transport's server thread stops here, on success and failure alike
         _write_transport_stats(Path(cfg.run_dir), topo.rank, weights)
 
 
 def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: WeightTransport, engine_secret: str,
-           interrupts: Any = None) -> None:
+           run: RunDir, interrupts: Any = None) -> None:
     from gyre.backends.tokenizer import ENDOFTEXT, IM_END, load_tokenizer
     from gyre.runtime.controller import Controller
     from gyre.backends.engine_host import EngineHost, bind_address
@@ -89,14 +91,16 @@ def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: Weight
         return factory.build_actor(cfg, model_cfg, is_core=is_core)
 
     worker = CellWorker(topo, groups, control, weights, engine_host, make_actor, checkpoint_dir=str(ckpt_dir),
-                        checkpoint_every=cfg.train.checkpoint_every, audit_dir=cfg.train.audit_dir)
+                        checkpoint_every=cfg.train.checkpoint_every, audit_dir=cfg.train.audit_dir,
+                        offload_actor=cfg.backend.offload_actor)
     # A satellite's actor is built now, not at its first switch: the first model build in a
     # process costs seconds (library imports, 5-7 s measured under load), which used to keep
     # every satellite out of the first step it was switched in for.
     worker.actor = core_actor if core_actor is not None else make_actor(False)
     controller = None
     if topo.is_controller:
-        controller = Controller(cfg, topo, store, start_version=start_version, engine_secret=engine_secret)
+        controller = Controller(cfg, topo, store, start_version=start_version, engine_secret=engine_secret,
+                                run=run)
         controller.start()
 
     while True:

@@ -122,6 +122,8 @@ class RunLedger:
         self.transitions: dict[int, list[tuple[str, float]]] = {c: [] for c in range(num_cells)}
         self.t_start: float | None = None  # every cell is in ROLLOUT from here
         self._by_execution: dict[str, tuple[int, int]] = {}  # execution id → (group index, index in group)
+        # the memory hand-over's parts per switch ("actor_restore", "actor_offload", ...), in arrival order
+        self.handovers: dict[str, list[float]] = {}
 
     def begin(self, t: float) -> None:
         """Start the run's clock: the timeline's origin."""
@@ -220,12 +222,31 @@ class RunLedger:
             "staleness_mean": float(np.mean(rec.staleness)) if rec.staleness else None,
             "staleness": list(rec.staleness),
             "cell_time_s": self.cell_times(end),
+            # the latest switch's memory hand-over on a cell's first rank (None before the first)
+            "actor_restore_s": self._last("actor_restore"),
+            "actor_offload_s": self._last("actor_offload"),
             **rec.loss_metrics(),
         }
 
     def staleness_by_step(self) -> dict[str, list[int]]:
         """d of every group of every decided step (a step still reducing at the end included)."""
         return {str(s): r.staleness for s, r in sorted(self.steps.items()) if r.phase is not StepPhase.OPEN}
+
+    # ------------------------------------------------------------------ memory hand-over
+    def handover(self, parts: dict[str, float]) -> None:
+        """One switch's parts in seconds (a Joined / RolledBack report's `handover_s`)."""
+        for k, v in parts.items():
+            self.handovers.setdefault(k, []).append(float(v))
+
+    def _last(self, part: str) -> float | None:
+        seen = self.handovers.get(part)
+        return seen[-1] if seen else None
+
+    def handover_summary(self) -> dict[str, dict[str, float]]:
+        """part → {mean, max, count} over the run (the summary's `handover_s`; the paper reports
+        8.52 s and 3.46 s for its two switch directions at 122B)."""
+        return {k: {"mean": float(np.mean(v)), "max": float(np.max(v)), "count": len(v)}
+                for k, v in sorted(self.handovers.items()) if v}
 
     # ------------------------------------------------------------------ timeline
     def transition(self, cell: int, dst: str, t: float) -> None:

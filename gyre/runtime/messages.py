@@ -159,9 +159,11 @@ class Transition(Report):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Joined(Report):
-    """The cell is ready to train (JOINING), its actor at `version`."""
+    """The cell is ready to train (JOINING), its actor at `version`. `handover_s`: seconds of the
+    switch's parts on this rank (engine_release, actor_restore, snapshot)."""
 
     version: int
+    handover_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -189,9 +191,11 @@ class StepDone(Report):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolledBack(Report):
-    """The cell is back in ROLLOUT, its engine at `version`."""
+    """The cell is back in ROLLOUT, its engine at `version`. `handover_s`: seconds of the
+    switch's parts on this rank (actor_offload, engine_resume, engine_load)."""
 
     version: int
+    handover_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

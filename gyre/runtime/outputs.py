@@ -16,7 +16,7 @@ import json
 import logging
 import math
 import os
-from typing import Any, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 from gyre.runtime.cell import CellState
 
@@ -305,3 +305,57 @@ def make_trackers(tc: Any, run_dir: str, *, name: str, group: str, config: dict[
         trackers.append(WandbTracker(project=tc.wandb_project, name=tc.wandb_name or name, group=group,
                                      run_dir=run_dir, config=config, mode=tc.wandb_mode))
     return Trackers(trackers)
+
+
+def truncate_jsonl(path: str | os.PathLike, keep_until: Callable[[list[dict[str, Any]]], int]) -> int:
+    """Cut a JSONL file back to its first `keep_until(rows)` rows, atomically (a temporary file
+    renamed over it); a torn last line (a crash while writing it) is dropped too. Returns how
+    many rows were dropped; a missing file is left missing."""
+    if not os.path.exists(path):
+        return 0
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line)) if line.strip() else None
+            except json.JSONDecodeError:
+                break  # torn: nothing after it was written whole
+    keep = keep_until(rows)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows[:keep]:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(rows) - keep
+
+
+def metrics_until(version: int) -> Callable[[list[dict[str, Any]]], int]:
+    """For `truncate_jsonl` on metrics.jsonl: the rows of steps 0..version−1 (a resume from the
+    checkpoint of `version` trains step `version` next; rows past it belong to steps whose update
+    the checkpoint does not hold)."""
+    def keep(rows: list[dict[str, Any]]) -> int:
+        return next((i for i, r in enumerate(rows) if r.get("step", -1) >= version), len(rows))
+    return keep
+
+
+def events_until(version: int) -> Callable[[list[dict[str, Any]]], int]:
+    """For `truncate_jsonl` on events.jsonl: every event up to the `step_done` of step version−1
+    (nothing when version is 0)."""
+    def keep(rows: list[dict[str, Any]]) -> int:
+        if version == 0:
+            return 0
+        ends = [i for i, r in enumerate(rows) if r.get("kind") == "step_done" and r.get("step") == version - 1]
+        return ends[-1] + 1 if ends else len(rows)
+    return keep
+
+
+def append_events(log: Any, path: str, *, attempt: int, start_version: int) -> None:
+    """Append an attempt's scheduler events to events.jsonl after an `attempt` line (earlier
+    attempts' events stay, cut back to the resumed version by `truncate_jsonl`)."""
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"t": log.events[0].t if log.events else 0.0, "kind": "attempt", "attempt": attempt,
+                             "version": start_version}) + "\n")
+        for e in log.events:
+            fh.write(json.dumps({"t": e.t, "kind": e.kind, **e.data}) + "\n")

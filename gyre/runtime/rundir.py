@@ -8,6 +8,18 @@
                                   --train.resume (continue it) or --overwrite (replace it)
     --train.resume                continue DIR, or the run `runs/<preset>/latest` points at
 
+A directory's lineage is in `run.json`: `attempts` lists every launch into it (the first run,
+each resume, each restart of the job by torchrun `--max-restarts` or a Slurm requeue) with the
+checkpoint and version it started from. Attempt numbers go into execution ids, so no launch
+ever reuses an earlier one's ids. A resume (or restart) from the checkpoint of version V cuts
+`metrics.jsonl` and `events.jsonl` back to steps before V: no step has two rows.
+
+A restarted job finds its directory again: rank 0 records the decision in torchrun's agent
+store, which outlives the workers (`gyre.run` keeps every attempt's own keys under a prefix of
+its own), and a restart resumes from the newest complete checkpoint there (or from version 0 when
+the job died before its first checkpoint). A Slurm requeue is a new torchrun: `launch.sh` gives
+it `--run-dir runs/slurm-<job id>` and `--train.resume` on a requeue.
+
 Data a preset prepares (the cpu-demo's tasks and warm start) lives beside the runs, in
 `runs/<preset>/data`, and is reused by every run. Rank 0 decides and creates the directory and
 writes `run.json` (the config and command line); the other ranks read the decision from the
@@ -24,16 +36,105 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from gyre.runtime import checkpoint
+from gyre.runtime.outputs import events_until, metrics_until, truncate_jsonl
 
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
 # What a run leaves in its directory; any of these means the directory already holds a run.
-RUN_OUTPUTS = ("run.json", "metrics.jsonl", "summary.json", "events.jsonl", "role_timeline.png", "executions",
-               "checkpoints", "tito", "transport", "tensorboard", "wandb", "report")
+RUN_OUTPUTS = ("run.json", "metrics.jsonl", "groups.jsonl", "summary.json", "events.jsonl", "role_timeline.png",
+               "executions", "checkpoints", "tito", "transport", "tensorboard", "wandb", "report")
 _KEY = "rundir/decision"
+ELASTIC_KEY = "gyre/elastic/run_dir"  # in the store that outlives a restart of the workers
+
+
+JOURNAL = "groups.jsonl"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Rank 0's decision, the same on every rank."""
+
+    path: Path
+    attempt: int  # 0: the first launch into this directory; then one more per resume or restart
+    start_version: int  # the version training starts from: the checkpoint's, 0 without one
+    checkpoint: str = ""  # the checkpoint resumed from ("" when none)
+    redo_tasks: tuple[str, ...] = ()  # task ids of earlier attempts' groups lost (see `lost_groups`), dispatched first
+    lost_in_flight: int = 0  # their executions
+    # earlier attempts' groups evaluated but not trained into the checkpoint (journal rows): trained first
+    carried: tuple[dict[str, Any], ...] = ()
+
+
+class GroupJournal:
+    """`run_dir/groups.jsonl`: what became of every dispatched group, across attempts, one line per
+    fact, flushed as it happens (a crash loses at most the line being written):
+
+        {"kind": "dispatched", "attempt", "group_id", "task_id", "version", "executions": [...]}
+        {"kind": "trained", "group_id", "step"}      the step's update is done (the core holds it)
+        {"kind": "closed", "group_id"}               the run ended cleanly without training it
+        {"kind": "lost", "group_id", "attempt"}      a later attempt found it lost and re-runs its task
+
+    A resume from the checkpoint of version V reads it (`lost_groups`): a group dispatched before
+    and neither trained by a step < V nor closed nor already counted lost was in flight when its
+    attempt ended. If it had been evaluated (`evaluated`: results, rewards and TITO on disk) the
+    new attempt carries it over and trains it first (a "dispatched" row again, its own ids);
+    otherwise it is lost (a "lost" row, its executions counted in `lost_in_flight`) and its task
+    is dispatched again first.
+    """
+
+    def __init__(self, run_dir: str | Path, attempt: int) -> None:
+        self.attempt = attempt
+        self._f = open(Path(run_dir) / JOURNAL, "a", encoding="utf-8")
+
+    def _write(self, **row: Any) -> None:
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+
+    def dispatched(self, group_id: str, task_id: str, version: int, executions: list[str]) -> None:
+        self._write(kind="dispatched", attempt=self.attempt, group_id=group_id, task_id=task_id, version=version,
+                    executions=executions)
+
+    def trained(self, group_ids: list[str], step: int) -> None:
+        for g in group_ids:
+            self._write(kind="trained", group_id=g, step=step)
+
+    def closed(self, group_ids: list[str]) -> None:
+        for g in group_ids:
+            self._write(kind="closed", group_id=g)
+
+    def lost(self, group_ids: list[str]) -> None:
+        for g in group_ids:
+            self._write(kind="lost", group_id=g, attempt=self.attempt)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def lost_groups(run_dir: Path, version: int) -> list[dict[str, Any]]:
+    """The dispatched rows of the groups lost when earlier attempts ended (see `GroupJournal`),
+    in dispatch order, for a resume from `version`."""
+    path = run_dir / JOURNAL
+    if not path.exists():
+        return []
+    dispatched: dict[str, dict[str, Any]] = {}
+    done: set[str] = set()
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # torn last line
+        kind, g = row.get("kind"), row.get("group_id")
+        if kind == "dispatched":  # again when a later attempt carries it over: it is in flight again
+            dispatched[g] = row
+            done.discard(g)
+        elif kind in ("closed", "lost") or (kind == "trained" and row["step"] < version):
+            done.add(g)
+    return [row for g, row in dispatched.items() if g not in done]
 
 
 class RunDirError(ValueError):
@@ -107,28 +208,133 @@ def decide(cfg: Any, *, now: float | None = None) -> Path:
     return path.resolve()
 
 
-def write_manifest(path: Path, cfg: Any, world_size: int) -> None:
-    """`run.json`: what was run, so a directory explains itself (resumes add `resumes`)."""
+def write_manifest(path: Path, cfg: Any, world_size: int, *, start_version: int = 0, resumed_from: str = "",
+                   restart: int = 0, lost_in_flight: int = 0, carried: list[str] | None = None,
+                   skipped: list[str] | None = None) -> int:
+    """`run.json`: what was run, so a directory explains itself; every launch into the directory
+    appends to `attempts`. Returns this launch's attempt number."""
     manifest = path / "run.json"
-    entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv, "world_size": world_size}
+    entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv, "world_size": world_size,
+             "resumed_from": resumed_from, "start_version": start_version, "skipped_checkpoints": skipped or [],
+             "restart": restart,
+             "elastic_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+             "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+             "elastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""), "lost_in_flight": lost_in_flight,
+             "carried_groups": carried or []}
     if manifest.exists():
         data = json.loads(manifest.read_text())
-        data.setdefault("resumes", []).append(entry)
+        if "attempts" not in data:  # written before attempts were recorded: the first run and its resumes
+            first = {k: data[k] for k in ("started", "argv", "world_size") if k in data}
+            data["attempts"] = [{"attempt": 0, **first}] + [{"attempt": i + 1, **r} for i, r in
+                                                            enumerate(data.pop("resumes", []))]
     else:
-        data = {**entry, "config": dataclasses.asdict(cfg)}
-    manifest.write_text(json.dumps(data, indent=1, default=str))
+        data = {"config": dataclasses.asdict(cfg), "attempts": []}
+    attempt = len(data["attempts"])
+    data["attempts"].append({"attempt": attempt, **entry})
+    tmp = manifest.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, manifest)
+    return attempt
 
 
-def resolve(cfg: Any, rank: int, world_size: int, store: Any) -> Path:
-    """Every rank: the run's directory, decided by rank 0 and shared through `store`.
+def evaluated(run_dir: Path, row: dict[str, Any], version: int) -> bool:
+    """Whether a lost group can be carried over into a resume from `version` and trained there:
+    every execution has its result and reward on disk (executions/<id>/result.json; its TITO
+    records are in tito/), and it was dispatched at a version this resume's lineage holds (a group
+    sampled by a policy newer than the checkpoint is from a branch the resume discards)."""
+    if row["version"] > version:
+        return False
+    for execution_id in row["executions"]:
+        try:
+            result = json.loads((run_dir / "executions" / execution_id / "result.json").read_text())
+        except (OSError, ValueError):
+            return False
+        if result.get("reward") is None:
+            return False
+    return True
 
-    Sets `cfg.run_dir` to the decided path. Raises RunDirError on every rank when refused.
+
+def _resume_point(cfg: Any, path: Path, *, restart: bool) -> tuple[str, int, list[str]]:
+    """The checkpoint a resume starts from, its version and the newer ones skipped (with why);
+    ("", 0, []) for a restart that died before its first checkpoint. Raises RunDirError with
+    what was found."""
+    tc, skipped = cfg.train, []
+    if tc.resume_from:
+        ck = Path(tc.resume_from)
+        why = checkpoint.check(ck) if ck.is_dir() else "not a directory"
+        if why is not None and not (tc.resume_weights_only and ck.is_dir()):
+            raise RunDirError(f"--train.resume-from {ck}: {why}")
+    else:
+        try:
+            found = checkpoint.select(path / "checkpoints", weights_only=tc.resume_weights_only)
+            ck, skipped = found.path, [f"{p.name}: {why}" for p, why in found.skipped]
+        except checkpoint.CheckpointError as e:
+            if restart and not checkpoint.candidates(path / "checkpoints"):
+                logger.warning("restart: no checkpoint in %s yet; starting again from version 0", path)
+                return "", 0, []
+            raise RunDirError(str(e)) from None
+    try:
+        version = checkpoint.version_of(ck)
+    except checkpoint.CheckpointError as e:
+        raise RunDirError(str(e)) from None
+    if version >= tc.steps:
+        raise RunDirError(f"--train.resume: {ck} is already at version {version} >= --train.steps {tc.steps}; "
+                          f"train.steps counts the whole run, raise it")
+    return str(ck.resolve()), version, skipped
+
+
+def _decide_all(cfg: Any, world_size: int, restart: int, elastic: Any) -> RunDir:
+    """Rank 0: the directory, the resume point, the cut-back outputs, the manifest."""
+    if restart and elastic is not None and elastic.check([ELASTIC_KEY]):
+        cfg.run_dir = elastic.get(ELASTIC_KEY).decode()  # the directory the job's first attempt chose
+        cfg.train.resume = True
+        logger.warning("elastic restart %d: resuming the run in %s", restart, cfg.run_dir)
+    elif restart and cfg.run_dir and previous_outputs(Path(cfg.run_dir)):  # a store of its own per attempt
+        cfg.train.resume = True
+        logger.warning("elastic restart %d: resuming the run in --run-dir %s", restart, cfg.run_dir)
+    if cfg.train.resume_from:
+        cfg.train.resume = True
+    path = decide(cfg)
+    ck, version, skipped = _resume_point(cfg, path, restart=restart > 0) if cfg.train.resume else ("", 0, [])
+    if cfg.train.resume:
+        dropped = truncate_jsonl(path / "metrics.jsonl", metrics_until(version))
+        truncate_jsonl(path / "events.jsonl", events_until(version))
+        if dropped:
+            logger.warning("metrics.jsonl: dropped %d rows of steps >= %d (after the checkpoint resumed from)",
+                           dropped, version)
+    lost, carried = [], []
+    for row in lost_groups(path, version) if cfg.train.resume or restart else []:
+        (carried if evaluated(path, row, version) else lost).append(row)
+    lost_in_flight = sum(len(row["executions"]) for row in lost)
+    if carried:
+        logger.warning("%d groups of earlier attempts were evaluated but not trained into version %d; they are "
+                       "trained first (%s)", len(carried), version, ", ".join(r["group_id"] for r in carried))
+    attempt = write_manifest(path, cfg, world_size, start_version=version, resumed_from=ck, restart=restart,
+                             lost_in_flight=lost_in_flight, carried=[r["group_id"] for r in carried],
+                             skipped=skipped)
+    if lost:
+        journal = GroupJournal(path, attempt)
+        journal.lost([row["group_id"] for row in lost])
+        journal.close()
+        logger.warning("%d executions (%d groups) of earlier attempts were in flight or not yet trained into "
+                       "version %d; their tasks are dispatched again first", lost_in_flight, len(lost), version)
+    if elastic is not None:
+        elastic.set(ELASTIC_KEY, str(path))
+    return RunDir(path, attempt, version, ck, tuple(row["task_id"] for row in lost), lost_in_flight, tuple(carried))
+
+
+def resolve(cfg: Any, rank: int, world_size: int, store: Any, *, restart: int = 0, elastic: Any = None) -> RunDir:
+    """Every rank: the run's directory, attempt and resume point, decided by rank 0 and shared
+    through `store`. `restart` counts torchrun's restarts of this job (TORCHELASTIC_RESTART_COUNT);
+    `elastic` is a store that outlives them (where rank 0 finds the directory it chose before).
+
+    Sets `cfg.run_dir` (and on a resume `cfg.train.resume`, `cfg.train.resume_from`) to the
+    decision. Raises RunDirError on every rank when refused.
     """
     if rank == 0:
         try:
-            path = decide(cfg)
-            write_manifest(path, cfg, world_size)
-            store.set(_KEY, json.dumps({"path": str(path)}))
+            run = _decide_all(cfg, world_size, restart, elastic)
+            store.set(_KEY, json.dumps(dataclasses.asdict(run), default=str))
         except RunDirError as e:
             store.set(_KEY, json.dumps({"error": str(e)}))
             raise
@@ -138,4 +344,7 @@ def resolve(cfg: Any, rank: int, world_size: int, store: Any) -> Path:
     if "error" in decision:
         raise RunDirError(decision["error"])
     cfg.run_dir = decision["path"]
-    return Path(cfg.run_dir)
+    cfg.train.resume = bool(decision["checkpoint"])
+    cfg.train.resume_from = decision["checkpoint"]
+    return RunDir(**{**decision, "path": Path(cfg.run_dir), "redo_tasks": tuple(decision["redo_tasks"]),
+                     "carried": tuple(decision["carried"])})

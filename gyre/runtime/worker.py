@@ -7,15 +7,17 @@ whole protocol is drawn) arrive in the rank's mailbox and go to one handler each
 every transition is reported to the controller, which keeps the run's timeline.
 
     ToTrain             ROLLOUT → DRAINING (engine releases memory; the proxy has already
-                        rerouted its calls) → JOINING (actor ready; a satellite pulls the core's
-                        current snapshot) ; then asks for work
+                        rerouted its calls) → JOINING (actor state back on the device; a satellite
+                        pulls the core's current snapshot) ; then asks for work
     TrainWork           train one bundle of micro-steps (JOINING → TRAIN on the first); ask again
     Reduce(k, final,    sum gradients over the prefix group of cells 0..k−1; the core scales
       grad_scale)       them by grad_scale (|E| = valid, docs/design.md §6), clips, steps (no
                         update when grad_scale is None: no valid execution) and posts the new
                         snapshot (`WeightTransport.post`); on a non-final step the new
                         parameters are broadcast over the same group (`WeightTransport.broadcast`)
-    ToRollout(v)        → RESUMING (engine resumes, loads published version v) → ROLLOUT
+    ToRollout(v)        → RESUMING (actor state to host memory, device cache freed —
+                        --backend.offload-actor —; engine resumes, loads published version v)
+                        → ROLLOUT. Joined / RolledBack carry the switch's parts in seconds.
     Load(v)             a rollout engine loads published version v between decode steps
     Stop(failed,        report the timeline, save the core's checkpoint (not after a failure,
       checkpoint)       unless `checkpoint`: an interrupt), stop the engine
@@ -28,6 +30,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from gyre.backends.protocols import Actor, WeightTransport
+from gyre.runtime import checkpoint
 from gyre.runtime.cell import CellState, CellStateMachine
 from gyre.runtime.control import CONTROLLER, ControlPlane
 from gyre.runtime.messages import (Command, Joined, Load, Loaded, Reduce, Report, RequestWork, RolledBack, StepDone,
@@ -54,18 +57,50 @@ class CellWorker:
         checkpoint_dir: str | None = None,
         checkpoint_every: int = 0,
         audit_dir: str = "",
+        offload_actor: bool = True,
     ) -> None:
         self.audit_dir = audit_dir
+        self.offload_actor = offload_actor  # --backend.offload-actor: the actor leaves the device in rollout
         self.checkpoint_every = checkpoint_every
         self.topo, self.groups, self.cp, self.weights = topo, groups, control, weights
         self.engine = engine_host
         self.make_actor = make_actor
-        self.actor: Actor | None = None
+        self._actor: Actor | None = None
         self.checkpoint_dir = checkpoint_dir
+        self._checkpointed: int | None = None  # the version of the last checkpoint written
         self.cell = topo.cell  # None on a standalone-pool rank
         self.sm = CellStateMachine(self.cell if self.cell is not None else -1, clock=time.time)
         self.version = 0  # policy version of the weights this rank holds (engine or actor)
         self.stopped_by_failure = False  # the controller stopped the run early (it reports why)
+
+    # ------------------------------------------------------------------ the actor and its memory
+    @property
+    def actor(self) -> Actor | None:
+        return self._actor
+
+    @actor.setter
+    def actor(self, actor: Actor | None) -> None:
+        """An actor handed over while the cell serves rollouts (the job builds them at start-up)
+        leaves the device at once, as it would entering rollout."""
+        self._actor = actor
+        if actor is not None and self.sm.state is CellState.ROLLOUT:
+            self._offload()
+
+    def _offload(self) -> float:
+        """Actor state to host memory (`Actor.offload`), unless --backend.no-offload-actor; seconds."""
+        if not self.offload_actor:
+            return 0.0
+        t0 = time.perf_counter()
+        nbytes = self._actor.offload()
+        dt = time.perf_counter() - t0
+        logger.debug("rank %d: actor offloaded, %.1f MB in %.3fs", self.topo.rank, nbytes / 1e6, dt)
+        return dt
+
+    def _restore(self) -> float:
+        """Actor state back on its device (`Actor.restore`); seconds (0 when it never left)."""
+        t0 = time.perf_counter()
+        self._actor.restore()
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ helpers
     def _to(self, state: CellState, note: str = "") -> None:
@@ -110,22 +145,27 @@ class CellWorker:
         return handler(self, msg) is not False
 
     def _on_to_train(self, msg: ToTrain) -> None:
+        """Memory hand-over, rollout → train: the engine frees its memory first, then the actor's
+        state comes back to the device (docs/design.md §3); each part is timed and reported."""
         self._to(CellState.DRAINING)
         t = [time.perf_counter()]
         if self.engine is not None:
             self.engine.release()
         t.append(time.perf_counter())
         if self.actor is None:
-            self.actor = self.make_actor(self.topo.is_core)
+            self._actor = self.make_actor(self.topo.is_core)  # on the device: the cell trains now
+        restore_s = self._restore()
         t.append(time.perf_counter())
         if not self.topo.is_core and self.actor.version != self.weights.latest():
             self._pull(*self.weights.fetch_latest())  # the core's *current* parameters (docs/design.md §3)
         t.append(time.perf_counter())
+        parts = {"engine_release": t[1] - t[0], "actor_restore": restore_s, "snapshot": t[3] - t[2]}
         if t[-1] - t[0] > 2.0:
-            logger.info("rank %d: switching to train took %.1fs (engine release %.1fs, actor %.1fs, snapshot %.1fs)",
-                        self.topo.rank, t[-1] - t[0], t[1] - t[0], t[2] - t[1], t[3] - t[2])
+            logger.info("rank %d: switching to train took %.1fs (engine release %.1fs, actor %.1fs, of which "
+                        "restore %.1fs; snapshot %.1fs)", self.topo.rank, t[-1] - t[0], t[1] - t[0], t[2] - t[1],
+                        restore_s, t[3] - t[2])
         self._to(CellState.JOINING)
-        self._report(Joined(cell=self.cell, rank=self.topo.rank, version=self.actor.version))
+        self._report(Joined(cell=self.cell, rank=self.topo.rank, version=self.actor.version, handover_s=parts))
         self._report(RequestWork(cell=self.cell, rank=self.topo.rank))
 
     def _on_work(self, msg: TrainWork) -> None:
@@ -191,12 +231,18 @@ class CellWorker:
         return self.actor.optimizer_step(grad_scale=grad_scale)
 
     def _on_to_rollout(self, msg: ToRollout) -> None:
+        """Memory hand-over, train → rollout: the actor's state leaves the device and its cache is
+        freed before the engine takes memory again (docs/design.md §3); each part is timed."""
         self._to(CellState.RESUMING)
+        offload_s = self._offload() if self.actor is not None else 0.0
+        t0 = time.perf_counter()
         if self.engine is not None:
             self.engine.resume()
+        t1 = time.perf_counter()
         self._load_published(msg.version)
+        parts = {"actor_offload": offload_s, "engine_resume": t1 - t0, "engine_load": time.perf_counter() - t1}
         self._to(CellState.ROLLOUT)
-        self._report(RolledBack(cell=self.cell, rank=self.topo.rank, version=self.version))
+        self._report(RolledBack(cell=self.cell, rank=self.topo.rank, version=self.version, handover_s=parts))
 
     def _on_load(self, msg: Load) -> bool | None:
         """Load the newest published version queued. A rank that fell behind (frozen, swapped
@@ -230,10 +276,17 @@ class CellWorker:
         self.version = version
 
     def _checkpoint(self) -> None:
-        if self.checkpoint_dir:
-            path = f"{self.checkpoint_dir}/step_{self.actor.version:06d}"
-            self.actor.save_checkpoint(path)
-            logger.info("checkpoint written to %s", path)
+        """The core's checkpoint of its current version, written atomically (`gyre.runtime.checkpoint`:
+        a crash leaves the previous checkpoints intact and no half-written one to resume from).
+        A version already written (the end right after a periodic checkpoint) is not written twice,
+        and version 0 not at all (the starting weights: a run stopped before its first step used to
+        leave a step_000000 behind)."""
+        if not self.checkpoint_dir or self.actor.version in (0, self._checkpointed):
+            return
+        path = checkpoint.write(self.checkpoint_dir, self.actor.version, self.actor.save_checkpoint,
+                                finalize=self.topo.position == 0)  # a sharded cell's first rank writes the files
+        self._checkpointed = self.actor.version
+        logger.info("checkpoint written to %s", path)
 
     def _on_stop(self, msg: Stop) -> bool:
         # A later Stop(failed) behind this one: the controller found this rank silent (frozen) after

@@ -162,3 +162,83 @@ def test_checkpoint_loads_in_transformers_and_generates(tmp_path, step):
     assert other.version == 1 and other.has_optimizer_state
     for n, p in actor.model.named_parameters():
         assert torch.equal(dict(other.model.named_parameters())[n], p), n
+
+
+# ---------------------------------------------------------------------------- memory hand-over
+from gyre.runtime.samples import train_bundle  # noqa: E402  (the worker's way to train a bundle)
+
+
+def _state(actor):
+    """Every bit the actor holds: parameters, buffers, grads, AdamW moments and step, version."""
+    opt = actor.optimizer.state_dict() if actor.optimizer is not None else None
+    return {"params": {n: p.detach().clone() for n, p in actor.model.named_parameters()},
+            "buffers": {n: b.clone() for n, b in actor.model.named_buffers()},
+            "grads": {n: p.grad.clone() for n, p in actor.model.named_parameters() if p.grad is not None},
+            "opt": {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in opt["state"].items()},
+            "version": actor.version}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if torch.is_tensor(a):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def _trained_core(step):
+    """A core after one AdamW step, with the next step's gradients accumulated (so params,
+    grads, both moments and the step count are all live)."""
+    actor = CpuActor(tiny_model(seed=0, dtype=torch.float64), is_core=True, config=CpuActorConfig(lr=1e-2))
+    train_bundle(actor, step)
+    actor.optimizer_step(1.0)
+    train_bundle(actor, step)
+    return actor
+
+
+def test_offload_restore_is_bit_exact_and_really_moves_every_tensor(step):
+    actor = _trained_core(step)
+    before = _state(actor)
+    assert before["grads"] and before["opt"] and all(int(s["step"]) == 1 for s in before["opt"].values())
+    ptrs = {n: (p.data_ptr(), p.grad.data_ptr()) for n, p in actor.model.named_parameters()}
+    moment = next(iter(actor.optimizer.state.values()))["exp_avg"].data_ptr()
+    moved = actor.offload()
+    # params + grads + exp_avg + exp_avg_sq (+ the step scalars), all float64
+    numel = sum(p.numel() for p in actor.model.parameters())
+    assert moved >= 4 * numel * 8
+    # new host buffers hold the state (on CPU too: the copy is real, not a no-op)
+    assert all((p.data_ptr(), p.grad.data_ptr()) != ptrs[n] for n, p in actor.model.named_parameters())
+    assert next(iter(actor.optimizer.state.values()))["exp_avg"].data_ptr() != moment
+    assert _same(_state(actor), before)  # offloaded state is the same bits
+    assert actor.offload() == 0  # idempotent
+    assert actor.restore() == moved and actor.restore() == 0
+    assert _same(_state(actor), before)
+
+
+def test_a_step_after_offload_and_restore_equals_one_without(step):
+    plain, handed = _trained_core(step), _trained_core(step)
+    handed.offload()
+    handed.restore()
+    for a in (plain, handed):
+        train_bundle(a, step)
+        a.optimizer_step(1.0)
+    assert _same(_state(handed), _state(plain)) and handed.version == plain.version == 2
+    # the check has teeth: a restore that lost the AdamW moments would step differently
+    lost = _trained_core(step)
+    lost.offload()
+    lost.restore()
+    for s in lost.optimizer.state.values():
+        s["exp_avg"].zero_()
+    train_bundle(lost, step)
+    lost.optimizer_step(1.0)
+    assert not _same(_state(lost)["params"], _state(plain)["params"])
+
+
+def test_a_satellite_without_optimizer_offloads_params_and_grads(step):
+    sat = CpuActor(tiny_model(seed=0), is_core=False)
+    train_bundle(sat, step)
+    before = {n: (p.detach().clone(), p.grad.clone()) for n, p in sat.model.named_parameters()}
+    numel = sum(p.numel() for p in sat.model.parameters())
+    assert sat.offload() == 2 * numel * 4 + sum(b.numel() * b.element_size() for b in sat.model.buffers())
+    assert sat.restore() > 0
+    assert all(torch.equal(p, before[n][0]) and torch.equal(p.grad, before[n][1]) for n, p in sat.model.named_parameters())

@@ -191,7 +191,7 @@ def test_megatron_is_refused_without_cuda_naming_the_flag(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="--backend.actor megatron: needs CUDA.*use --backend.actor cpu"):
         factory.check_backends(_cfg("--backend.actor", "megatron"))
-    with pytest.raises(ConfigError, match="--backend.engine sglang: the SGLang engine is not wired"):
+    with pytest.raises(ConfigError, match="--backend.engine sglang: needs CUDA and the sglang package"):
         factory.check_backends(_cfg("--backend.engine", "sglang"))
     assert factory.runnable(factory.ACTORS) == ["cpu"]
 
@@ -207,7 +207,7 @@ def test_megatron_with_cuda_takes_cells_laid_out_by_the_parallel_flags(monkeypat
     assert factory.megatron_config_of(cfg) == MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                                              params_dtype="bfloat16")
     assert factory.runnable(factory.ACTORS, cuda=True) == ["cpu", "megatron"]
-    with pytest.raises(ConfigError, match="--backend.engine sglang: the SGLang engine is not wired"):
+    with pytest.raises(ConfigError, match="--backend.engine sglang: needs CUDA and the sglang package"):
         factory.check_backends(_cfg("--backend.engine", "sglang"))
     with pytest.raises(ConfigError, match="parallel.cell_size = 2: the built-in CPU actor"):
         factory.check_backends(_cfg("--parallel.cell-size", "2", "--parallel.tp", "2"))
@@ -344,3 +344,57 @@ def _forward_backward_matches_hf():
 def test_megatron_forward_and_backward_match_hf_on_cpu_with_tp2():
     pytest.importorskip("megatron.core")
     assert run_ranks(_forward_backward_matches_hf, 2, timeout=300) == [(True, True, True)] * 2
+
+
+# ---------------------------------------------------------------------------- memory hand-over on gloo
+def _offload_restore_bit_exact():
+    """One gloo rank, bf16 (so the fp32 masters and their AdamW state are separate tensors): an
+    actor after a step, with fp32 main grads reduced, goes to host memory and back bit for bit,
+    and its next step equals that of a twin that never left."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state as ps
+
+    from gyre.backends.megatron_actor import MegatronActor
+
+    mc = MegatronConfig(params_dtype="bfloat16")
+    hf = tiny_model(seed=0)
+    handed, twin = (MegatronActor(hf.config, hf.state_dict(), is_core=True, config=mc) for _ in range(2))
+
+    def grads(actor, seed):
+        g = torch.Generator().manual_seed(seed)
+        for p in actor._params:
+            p.main_grad = torch.randn(p.shape, generator=g)  # reduced fp32 main grads, as reduce_gradients leaves them
+
+    def state(actor):
+        opt = [v.clone() for s in actor.optimizer.state.values() for v in s.values()]
+        return ([p.detach().clone() for p in actor._params] + [p.main_grad.clone() for p in actor._params]
+                + [m.detach().clone() for m in actor.master.masters] + opt)
+
+    for a in (handed, twin):
+        grads(a, 1)
+        a.optimizer_step(1.0)
+        grads(a, 2)
+    before = state(handed)
+    ptrs = [m.data_ptr() for m in handed.master.masters]
+    moved = handed.offload()
+    really_moved = all(m.data_ptr() != q for m, q in zip(handed.master.masters, ptrs))
+    same_offloaded = all(torch.equal(a, b) for a, b in zip(before, state(handed)))
+    handed.restore()
+    same_restored = len(before) == len(state(handed)) and all(torch.equal(a, b) for a, b in zip(before, state(handed)))
+    for a in (handed, twin):
+        a.optimizer_step(1.0)
+    next_step_equal = all(torch.equal(a, b) for a, b in zip(handed._params, twin._params))
+    masters_equal = all(torch.equal(a, b) for a, b in zip(handed.master.masters, twin.master.masters))
+    # bf16 params + fp32 main grads + fp32 masters + 2 fp32 moments
+    numel = sum(p.numel() for p in handed._params)
+    ps.destroy_model_parallel()
+    return moved >= numel * (2 + 4 + 4 + 8), really_moved, same_offloaded, same_restored, next_step_equal, masters_equal
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_megatron_offload_restore_is_bit_exact_on_gloo():
+    pytest.importorskip("megatron.core")
+    assert run_ranks(_offload_restore_bit_exact, 1, timeout=300) == [(True,) * 6]

@@ -1,0 +1,582 @@
+"""The one device check of the GPU path: one H200, no network, one command (benchmarks/gpu_check.sh).
+
+    python benchmarks/gpu_check.py --fetch-wheels benchmarks/wheels     # HERE (network): the carried wheels
+    bash benchmarks/gpu_check.sh                                         # on the GPU box (≤ 8 min)
+    python benchmarks/gpu_check.py --dry-run                             # on CPU: everything it can check
+
+The wheels directory is gitignored: a device run carries it (the device tool's `carry`:
+["benchmarks/wheels"]). `--only STAGE ...` reruns some stages; `--budget-s` bounds the whole.
+
+The box: Python 3.12, torch 2.11 (CUDA 13), nvcc 13, transformers, safetensors, aiohttp, numpy,
+tensorboard; no SGLang, Mooncake, Transformer Engine, tyro, megatron-core. What gyre's runtime and
+the tests import beyond that travels as pinned wheels (`WHEELS`, < 64 MiB in all), installed with
+`pip install --no-index --no-deps --find-links` (a package the box already has is kept).
+
+Stages, each with its own timeout, each recorded pass / fail / skip with its reason even when
+another failed, all inside one overall budget (`--budget-s`):
+
+    install        the carried wheels; then gyre's runtime imports (tyro, megatron.core, openai, ...)
+    build          gyre._C with CUDA for sm_90 (TORCH_CUDA_ARCH_LIST=9.0), and the CUDA dispatch
+                   key registered (setup.py falls back to the CPU extension on a failed CUDA build:
+                   that is a failure here)
+    kernel_tests   tests/loss/test_cuda.py (CUDA kernels vs the float64 CPU reference, opcheck) and
+                   tests/gpu/test_cuda_paths.py (built-in engine on CUDA = on CPU, actor offload /
+                   restore on CUDA bit-exact and the memory freed, NCCL collectives on CUDA tensors)
+    megatron_step  tests/gpu/test_backends_gpu.py: a GSPO step through Megatron-core vs the CPU
+                   actor, fp32 and bf16 (log-probs, loss, gradients within the test's tolerances)
+    run            torchrun --nproc-per-node 1 -m gyre.run (`RUN_ARGS`): one cell flipping between
+                   the built-in engine on CUDA and the Megatron actor, ≥ 4 steps, 0 aborted calls,
+                   the switch latencies and their actor offload / restore parts
+    loss_bench     the fused log-prob kernel fwd+bwd at T=16384, V=151936, bf16 vs eager torch and
+                   vs the memory-bandwidth floor (goals: ≥ 3× eager, ≤ 1.3× the floor)
+
+One JSON of figures: $OUT/gpu_check.json when $OUT is set, else benchmarks/results/gpu_check.json.
+
+What one GPU cannot try (NCCL will not put two ranks on one device): TP > 1 inside a cell,
+gradient reduction over a multi-cell prefix group, the NCCL parameter broadcast to satellites,
+and the torch transport between ranks. Their logic runs on gloo in the CPU tests named in
+`ONE_GPU_LIMITS`; on CUDA they need a multi-GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+WHEEL_CAP_MIB = 64
+MANIFEST = ROOT / "benchmarks" / "gpu_check_wheels.json"  # what --fetch-wheels got: file, bytes, sha256
+CUDA_ARCH = "9.0"  # H200 (sm_90)
+BUDGET_S = 470  # the whole check: 8 minutes less the machine's start and the copies
+
+# Everything gyre's runtime (install_requires), the run's harness (openai), the role-timeline plot
+# (matplotlib), the Megatron actor and pytest import that the box lacks or may lack. Pinned: the
+# versions the CPU path is tested with here; all pure Python or cp312 manylinux wheels.
+WHEELS = [
+    "megatron-core==0.16.1",
+    "tyro==1.0.17", "docstring-parser==0.18.0", "typeguard==4.6.1", "typing-extensions==4.16.0",
+    "ninja==1.13.2",
+    "openai==3.57.0", "anyio==4.16.0", "httpx2==2.16.2", "httpcore2==2.16.2", "truststore==0.10.5", "h11==0.16.0",
+    "idna==3.20", "sniffio==1.3.1", "jiter==0.19.0", "pydantic==2.13.4", "pydantic-core==2.46.4",
+    "annotated-types==0.7.0", "typing-inspection==0.4.2", "distro==1.9.0",
+    "matplotlib==3.11.2", "contourpy==1.3.3", "cycler==0.12.1", "fonttools==4.68.0", "kiwisolver==1.5.1",
+    "pillow==13.0.0", "pyparsing==3.3.2", "python-dateutil==2.9.0.post0", "six==1.17.0", "packaging==26.2",
+    "pytest==9.0.3", "pluggy==1.6.0", "iniconfig==2.3.0", "pygments==2.20.0", "pytest-timeout==2.4.0",
+]
+RUNTIME_IMPORTS = ["tyro", "megatron.core", "openai", "matplotlib", "pytest", "transformers", "safetensors", "aiohttp"]
+
+KERNEL_TESTS = ["tests/loss/test_cuda.py", "tests/gpu/test_cuda_paths.py"]
+MEGATRON_TESTS = ["tests/gpu/test_backends_gpu.py::test_megatron_step_matches_cpu_actor"]
+RUN_ARGS = ["--preset", "cpu-demo-smoke", "--backend.actor", "megatron", "--backend.device", "cuda",
+            "--model.dtype", "float32", "--train.steps", "4", "--overwrite"]
+RUN_MIN_STEPS = 4
+BENCH_SHAPE = (16384, 151936)
+
+ONE_GPU_LIMITS = {
+    "TP > 1 inside a cell (Megatron TP groups over NCCL)":
+        "tests/backends/test_megatron_actor.py::test_every_rank_initialises_megatron_with_cells_contiguous_and_the_actor_trains_on_gloo, "
+        "::test_megatron_forward_and_backward_match_hf_on_cpu_with_tp2 (gloo, -m slow)",
+    "gradient reduction over a multi-cell prefix group":
+        "tests/test_devices.py::test_cpu_tensors_cross_groups_of_a_multibackend_default, tests/test_topology_multirank.py, "
+        "tests/runtime/test_join_in_progress.py",
+    "NCCL parameter broadcast to satellites / the torch transport between ranks":
+        "tests/backends/test_transfer.py, tests/runtime/test_transports_job.py; device choice: tests/test_devices.py",
+}
+
+STAGES = {  # name → (timeout s, what it needs to be worth starting)
+    "install": 90, "build": 240, "kernel_tests": 150, "megatron_step": 180, "run": 300, "loss_bench": 120,
+}
+
+
+@dataclass
+class Stage:
+    status: str = "skip"  # pass | fail | skip
+    reason: str = ""
+    seconds: float = 0.0
+    figures: dict[str, Any] = field(default_factory=dict)
+    log_tail: str = ""
+
+
+# ---------------------------------------------------------------------------- helpers
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "TORCH_CUDA_ARCH_LIST": CUDA_ARCH, "PYTHONUNBUFFERED": "1"}
+
+
+def _sh(cmd: list[str], timeout: float, **kw) -> tuple[int, str]:
+    """Run `cmd` in the repository root; (return code, stdout+stderr). Raises TimeoutExpired."""
+    r = subprocess.run(cmd, cwd=ROOT, env=kw.pop("env", _env()), capture_output=True, text=True, timeout=timeout, **kw)
+    return r.returncode, r.stdout + r.stderr
+
+
+def _tail(text: str, n: int = 3000) -> str:
+    return text[-n:]
+
+
+def wheel_name(spec: str) -> str:
+    """'pydantic-core==2.46.4' → 'pydantic_core' (the name a wheel file starts with)."""
+    return spec.split("==")[0].replace("-", "_").lower()
+
+
+def check_wheels(directory: Path, specs: list[str], cap_mib: float = WHEEL_CAP_MIB) -> tuple[list[str], dict]:
+    """Problems with the carried wheel set (empty: fine) and its figures: every spec has exactly
+    one matching wheel in `directory`, and their total size is under `cap_mib`."""
+    problems, files = [], {}
+    present = sorted(directory.glob("*.whl")) if directory.is_dir() else []
+    if not directory.is_dir():
+        return [f"{directory}: no such directory (run --fetch-wheels {directory} on a machine with network)"], {}
+    for spec in specs:
+        name, version = wheel_name(spec), spec.split("==")[1]
+        match = [p for p in present if p.name.lower().startswith(f"{name}-{version}-")]
+        if len(match) != 1:
+            problems.append(f"{spec}: {len(match)} wheels in {directory}")
+        else:
+            files[spec] = match[0]
+    total = sum(p.stat().st_size for p in files.values()) / MiB
+    if total >= cap_mib:
+        problems.append(f"the wheels total {total:.1f} MiB, over the {cap_mib} MiB a device run can carry")
+    return problems, {"wheels": len(files), "total_mib": round(total, 2), "cap_mib": cap_mib}
+
+
+def check_manifest(manifest: Path, specs: list[str], cap_mib: float = WHEEL_CAP_MIB) -> tuple[list[str], dict]:
+    """Problems with the committed record of the fetched wheels (`MANIFEST`, written by
+    --fetch-wheels): every spec recorded, total under the cap. Checkable without the wheels."""
+    if not manifest.exists():
+        return [f"{manifest}: missing (run --fetch-wheels)"], {}
+    rec = json.loads(manifest.read_text())
+    problems = [f"{spec}: not in {manifest.name} (fetch again)" for spec in specs if spec not in rec]
+    total = sum(rec[s]["bytes"] for s in specs if s in rec) / MiB
+    if total >= cap_mib:
+        problems.append(f"the wheels total {total:.1f} MiB, over the {cap_mib} MiB a device run can carry")
+    return problems, {"wheels": sum(s in rec for s in specs), "total_mib": round(total, 2), "cap_mib": cap_mib}
+
+
+def fetch_wheels(directory: Path) -> int:
+    """pip download every pinned wheel for CPython 3.12 (no dependencies: `WHEELS` is the closure),
+    then record file, size and sha256 of each in `MANIFEST`."""
+    import hashlib
+
+    directory.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--python-version", "3.12", "--only-binary", ":all:",
+           "--no-deps", "-d", str(directory), *WHEELS]
+    rc = subprocess.call(cmd)
+    problems, figures = check_wheels(directory, WHEELS)
+    if not problems:
+        rec = {}
+        for spec in WHEELS:
+            f = next(p for p in directory.glob("*.whl") if p.name.lower().startswith(f"{wheel_name(spec)}-{spec.split('==')[1]}-"))
+            rec[spec] = {"file": f.name, "bytes": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+        MANIFEST.write_text(json.dumps(rec, indent=1) + "\n")
+    print(json.dumps({"problems": problems, **figures}))
+    return rc or (1 if problems else 0)
+
+
+def nvcc_compile_only(timeout: float = 240) -> Stage:
+    """Compile gyre/csrc/cuda/*.cu for sm_90 against torch's headers (no link). A CPU torch lacks
+    one generated header (c10/cuda/impl/cuda_cmake_macros.h): a stand-in defines what it does."""
+    st = Stage()
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    if nvcc is None:
+        st.reason = "nvcc not found"
+        return st
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    sources = sorted((ROOT / "gyre" / "csrc" / "cuda").glob("*.cu"))
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        stub = Path(tmp) / "stub" / "c10" / "cuda" / "impl"
+        stub.mkdir(parents=True)
+        (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+        includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [
+            f"-I{sysconfig.get_paths()['include']}", f"-I{ROOT / 'gyre' / 'csrc'}", f"-I{Path(tmp) / 'stub'}"]
+        flags = ["-gencode", "arch=compute_90,code=sm_90", "-std=c++20", "-O3", "-DGYRE_WITH_CUDA",
+                 "-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H", "--expt-relaxed-constexpr",
+                 "-Xcompiler", "-fPIC"]
+        procs = [subprocess.Popen([nvcc, "-c", str(s), "-o", f"{tmp}/{s.stem}.o", *flags, *includes],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for s in sources]
+        outs = []
+        for s, p in zip(sources, procs):
+            try:
+                out, _ = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
+                out = None
+            outs.append((s.name, p.returncode, out))
+    st.seconds = time.perf_counter() - t0
+    st.figures = {"sources": [n for n, _, _ in outs], "arch": "sm_90", "nvcc": nvcc}
+    slow = [n for n, _, out in outs if out is None]
+    if slow:  # not a compile error: a loaded machine (about 30 s a file on a quiet 2-core one)
+        st.reason = f"{', '.join(slow)}: nvcc timed out after {timeout:.0f}s (load average {os.getloadavg()[0]:.1f})"
+        return st
+    bad = [(n, out) for n, rc, out in outs if rc != 0]
+    st.status, st.reason = ("fail", f"{bad[0][0]} does not compile") if bad else ("pass", "")
+    st.log_tail = _tail("\n".join(out for _, out in bad))
+    return st
+
+
+# ---------------------------------------------------------------------------- device stages
+def _older(have: str, pin: str) -> bool:
+    """Is installed version `have` older than `pin`? ('4.10.0' < '4.16.0'; unparsable: no)."""
+    try:
+        from packaging.version import Version
+
+        return Version(have) < Version(pin)
+    except Exception:  # noqa: BLE001 — a version we cannot read is left alone
+        return False
+
+
+def stage_install(wheels: Path | None, timeout: float) -> Stage:
+    from importlib import metadata
+
+    st = Stage()
+    installed, kept = [], []
+    if wheels is not None:
+        problems, st.figures = check_wheels(wheels, WHEELS)
+        if problems:
+            return Stage("fail", "; ".join(problems), figures=st.figures)
+        need = []
+        for spec in WHEELS:  # the box's own version is kept unless it is older than the pin
+            name, pin = spec.split("==")
+            try:
+                have = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                need.append(spec)
+                continue
+            if _older(have, pin):
+                need.append(spec)
+            else:
+                kept.append(f"{name}=={have}")
+        if need:
+            rc, out = _sh([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--find-links",
+                           str(wheels), *need], timeout)
+            st.log_tail = _tail(out)
+            if rc != 0:
+                return Stage("fail", f"pip install exited {rc}", figures=st.figures, log_tail=st.log_tail)
+        installed = need
+    rc, out = _sh([sys.executable, "-c", "import importlib,sys; [importlib.import_module(m) for m in sys.argv[1:]]",
+                   *RUNTIME_IMPORTS], timeout)
+    st.figures.update(installed=installed, kept_from_the_box=kept)
+    if rc != 0:
+        return Stage("fail", "a runtime import fails: " + out.strip().splitlines()[-1], figures=st.figures, log_tail=_tail(out))
+    return Stage("pass", "" if wheels else "no --wheels given: using what is installed", figures=st.figures)
+
+
+def stage_build(timeout: float) -> Stage:
+    rc, out = _sh([sys.executable, "setup.py", "build_ext", "--inplace"], timeout,
+                  env={**_env(), "MAX_JOBS": str(os.cpu_count() or 8)})
+    if rc != 0:
+        return Stage("fail", f"setup.py build_ext exited {rc}", log_tail=_tail(out))
+    probe = ("import torch, gyre.loss as L; L.extension_available(); print('CUDA_DISPATCH', "
+             "torch._C._dispatch_has_kernel_for_dispatch_key('gyre::logprobs_fwd', 'CUDA'))")
+    rc2, out2 = _sh([sys.executable, "-c", probe], 60)
+    cuda = rc2 == 0 and "CUDA_DISPATCH True" in out2
+    fell_back = "CUDA build of gyre._C failed" in out
+    figures = {"arch_list": CUDA_ARCH, "cuda_dispatch_registered": cuda, "fell_back_to_cpu": fell_back}
+    if not cuda:
+        return Stage("fail", "gyre._C has no CUDA kernels" + (" (the CUDA build failed; CPU fallback)" if fell_back else ""),
+                     figures=figures, log_tail=_tail(out + out2))
+    return Stage("pass", figures=figures, log_tail=_tail(out, 800))
+
+
+def _pytest(paths: list[str], timeout: float, figures_file: Path | None = None) -> Stage:
+    env = _env()
+    if figures_file is not None:
+        env["GYRE_GPU_CHECK_FIGURES"] = str(figures_file)
+    rc, out = _sh([sys.executable, "-m", "pytest", "-q", "-rs", "-o", "addopts=", "-m", "gpu or not gpu", "-p",
+                   "no:cacheprovider", *paths],
+                  timeout, env=env)
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    figures: dict[str, Any] = {"summary": last}
+    if figures_file is not None and figures_file.exists():
+        figures.update(json.loads(figures_file.read_text()))
+    if rc == 0 and "skipped" in last and "passed" not in last:
+        return Stage("fail", f"every test skipped: {last}", figures=figures, log_tail=_tail(out))
+    return Stage("pass" if rc == 0 else "fail", "" if rc == 0 else f"pytest exited {rc}: {last}", figures=figures,
+                 log_tail=_tail(out, 1500 if rc == 0 else 4000))
+
+
+def stage_run(out_dir: Path, timeout: float) -> Stage:
+    run_dir = out_dir / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "gyre.run",
+           *RUN_ARGS, "--run-dir", str(run_dir)]
+    rc, out = _sh(cmd, timeout)
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        return Stage("fail", f"no summary.json (torchrun exited {rc})", log_tail=_tail(out))
+    s = json.loads(summary_path.read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    figures = {"steps": s.get("steps"), "wall_s": s.get("wall_s"), "aborted_calls": s.get("aborted_calls"),
+               "calls": s.get("calls"), "switch_latency_s": s.get("switch_latency_s"), "handover_s": s.get("handover_s"),
+               "execution_outcomes": s.get("execution_outcomes"),
+               "loss_by_step": [r.get("loss") for r in rows], "reward_by_step": [r.get("reward_mean") for r in rows],
+               "command": " ".join(["torchrun", "--standalone", "--nproc-per-node", "1", "-m", "gyre.run", *RUN_ARGS])}
+    problems = []
+    if rc != 0:
+        problems.append(f"torchrun exited {rc}")
+    if (s.get("steps") or 0) < RUN_MIN_STEPS:
+        problems.append(f"{s.get('steps')} steps, fewer than {RUN_MIN_STEPS}")
+    if s.get("aborted_calls") != 0:
+        problems.append(f"{s.get('aborted_calls')} aborted calls")
+    ho = s.get("handover_s") or {}
+    if not (ho.get("actor_offload", {}).get("count") and ho.get("actor_restore", {}).get("count")):
+        problems.append("no actor offload / restore was measured (the cell never flipped?)")
+    return Stage("fail" if problems else "pass", "; ".join(problems), figures=figures, log_tail=_tail(out, 2000))
+
+
+def loss_bench() -> dict[str, Any]:
+    """The fused token log-prob kernel on CUDA (run in its own process by stage_loss_bench)."""
+    import torch
+
+    import gyre.loss as L
+
+    L.extension_available()
+    t, v = BENCH_SHAPE
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(t, v, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    y = torch.randint(0, v, (t,), device="cuda", generator=gen)
+    g = torch.randn(t, device="cuda", generator=gen)
+    nbytes = x.numel() * x.element_size()
+
+    def timed(fn, reps=3) -> float:
+        fn()  # warm-up (allocator, kernels)
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            best = min(best, a.elapsed_time(b) / 1e3)
+        return best
+
+    def eager():
+        xr = x.detach().requires_grad_()
+        torch.log_softmax(xr, -1).gather(-1, y[:, None]).squeeze(-1).backward(g)
+
+    def fused():
+        xr = x.detach().requires_grad_()
+        L.token_logprobs(xr, y).backward(g)
+
+    k = 64  # correctness on the benchmarked data: float64 reference on the first rows
+    ref = torch.log_softmax(x[:k].double(), -1).gather(-1, y[:k, None]).squeeze(-1)
+    err = float((L.token_logprobs(x[:k], y[:k]).double() - ref).abs().max())
+    res = {"T": t, "V": v, "dtype": "bfloat16", "logits_gib": nbytes / (1 << 30), "max_abs_err_vs_fp64": err,
+           "fused_fwd_s": timed(lambda: L.token_logprobs(x, y)), "fused_fwd_bwd_s": timed(fused),
+           "eager_fwd_bwd_s": timed(eager),
+           "one_read_s": timed(lambda: torch.amax(x, dim=-1)),  # a reduction that reads the logits once
+           "copy_s": timed(lambda: torch.empty_like(x).copy_(x))}  # one read + one write
+    res["read_bandwidth_gbs"] = nbytes / res["one_read_s"] / 1e9
+    # fwd+bwd moves at least: the forward's read, the backward's read of x and write of dx
+    res["fwd_bwd_traffic_floor_s"] = res["one_read_s"] + res["copy_s"]
+    res["speedup_vs_eager"] = res["eager_fwd_bwd_s"] / res["fused_fwd_bwd_s"]
+    res["fused_fwd_over_one_read"] = res["fused_fwd_s"] / res["one_read_s"]
+    res["fused_fwd_bwd_over_one_read"] = res["fused_fwd_bwd_s"] / res["one_read_s"]
+    res["fused_fwd_bwd_over_traffic_floor"] = res["fused_fwd_bwd_s"] / res["fwd_bwd_traffic_floor_s"]
+    res["goals"] = {"speedup_vs_eager >= 3": res["speedup_vs_eager"] >= 3,
+                    "fused_fwd_over_one_read <= 1.3": res["fused_fwd_over_one_read"] <= 1.3,
+                    "fused_fwd_bwd_over_traffic_floor <= 1.3": res["fused_fwd_bwd_over_traffic_floor"] <= 1.3}
+    res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / (1 << 30)
+    return res
+
+
+def stage_loss_bench(timeout: float) -> Stage:
+    rc, out = _sh([sys.executable, str(Path(__file__).resolve()), "--loss-bench-only"], timeout)
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if rc != 0 or not lines:
+        return Stage("fail", f"loss bench exited {rc}", log_tail=_tail(out))
+    figures = json.loads(lines[-1])
+    met = all(figures["goals"].values())
+    return Stage("pass", "" if met else "measured; goals not all met (see figures.goals)", figures=figures)
+
+
+# ---------------------------------------------------------------------------- dry run (CPU)
+def dry_run(wheels: Path | None, *, nvcc: bool = True, kernel_tests: list[str] | None = None,
+            megatron_tests: list[str] | None = None, run_args: list[str] | None = None,
+            wheel_specs: list[str] | None = None, manifest: Path = MANIFEST) -> dict[str, Stage]:
+    """What can be checked without a GPU: the wheel set, the build plan, the test selection, the
+    run's config, and (when nvcc is here) a compile-only check of the CUDA sources."""
+    out: dict[str, Stage] = {}
+    kernel_tests = KERNEL_TESTS if kernel_tests is None else kernel_tests
+    megatron_tests = MEGATRON_TESTS if megatron_tests is None else megatron_tests
+    run_args = RUN_ARGS if run_args is None else run_args
+    # wheels: the committed manifest always; the files themselves when fetched here
+    problems, figures = check_manifest(manifest, WHEELS if wheel_specs is None else wheel_specs)
+    if wheels is not None:
+        more, on_disk = check_wheels(wheels, WHEELS if wheel_specs is None else wheel_specs)
+        problems += more
+        figures["on_disk"] = on_disk
+    else:
+        figures["on_disk"] = "not fetched here (the manifest is checked)"
+    out["wheels"] = Stage("fail" if problems else "pass", "; ".join(problems), figures=figures)
+    # build plan: setup.py would compile the CUDA kernels on the box, for sm_90
+    sys.path.insert(0, str(ROOT))
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gyre_setup_plan", ROOT / "setup.py")
+    setup_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup_mod)
+    cu = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "gyre" / "csrc" / "cuda").glob("*.cu"))
+    why = setup_mod.cuda_build_plan(bool(cu), "13.0", "/usr/local/cuda", {"TORCH_CUDA_ARCH_LIST": CUDA_ARCH})
+    out["build_plan"] = Stage("pass" if why is None and cu else "fail", why or ("" if cu else "no CUDA sources"),
+                              figures={"cuda_sources": cu, "TORCH_CUDA_ARCH_LIST": CUDA_ARCH,
+                                       "command": f"TORCH_CUDA_ARCH_LIST={CUDA_ARCH} python setup.py build_ext --inplace"})
+    out["nvcc_compile_only"] = nvcc_compile_only() if nvcc else Stage("skip", "not asked (--no-nvcc)")
+    # test selection: every file exists and collects at least one test
+    sel, t0 = Stage(), time.perf_counter()
+    missing = [p for p in kernel_tests + megatron_tests if not (ROOT / p.split("::")[0]).exists()]
+    if missing:
+        sel.status, sel.reason = "fail", f"missing test files: {missing}"
+    else:
+        rc, text = _sh([sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=", "-m", "gpu or not gpu",
+                        "-p", "no:cacheprovider", *kernel_tests, *megatron_tests], 180)
+        ids = [ln for ln in text.splitlines() if "::" in ln]
+        per = {p: sum(1 for i in ids if i.startswith(p.split("::")[0]) and (("::" not in p) or i.startswith(p)))
+               for p in kernel_tests + megatron_tests}
+        empty = [p for p, n in per.items() if n == 0]
+        sel.figures = {"collected": per}
+        if rc != 0 or empty:
+            sel.status, sel.reason = "fail", f"collection failed (rc {rc}) or collected nothing from {empty}"
+            sel.log_tail = _tail(text)
+        else:
+            sel.status = "pass"
+    sel.seconds = time.perf_counter() - t0
+    out["test_selection"] = sel
+    # the run's config: parses, and passes the up-front check as it would on a CUDA box
+    cfg_stage = Stage()
+    try:
+        import torch
+
+        from gyre.config import check_train_config, parse_config
+
+        cfg = parse_config(list(run_args))
+        real = torch.cuda.is_available
+        torch.cuda.is_available = lambda: True  # as on the box (megatron and --backend.device cuda need it)
+        try:
+            check_train_config(cfg, num_cells=1)
+        finally:
+            torch.cuda.is_available = real
+        cfg_stage.status = "pass"
+        cfg_stage.figures = {"actor": cfg.backend.actor, "engine": cfg.backend.engine, "device": cfg.backend.device,
+                             "steps": cfg.train.steps, "model_dtype": cfg.model.dtype,
+                             "offload_actor": cfg.backend.offload_actor}
+        if cfg.train.steps < RUN_MIN_STEPS:
+            cfg_stage.status, cfg_stage.reason = "fail", f"train.steps {cfg.train.steps} < {RUN_MIN_STEPS}"
+    except (Exception, SystemExit) as e:  # noqa: BLE001 — reported, not raised: the dry run says what fails
+        cfg_stage.status, cfg_stage.reason = "fail", f"{type(e).__name__}: {e}"
+    out["run_config"] = cfg_stage
+    return out
+
+
+# ---------------------------------------------------------------------------- main
+def _machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"python": platform.python_version(), "host": platform.node()}
+    try:
+        import torch
+
+        info.update(torch=torch.__version__, cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(0)
+                    if torch.cuda.is_available() else None)
+    except Exception as e:  # noqa: BLE001
+        info["torch"] = f"not importable: {e}"
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        pass
+    return info
+
+
+def _write(result: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+
+def run_device(wheels: Path | None, out_dir: Path, budget_s: float, only: list[str] | None) -> dict[str, Stage]:
+    start = time.monotonic()
+    stages: dict[str, Stage] = {}
+    figures_file = out_dir / "megatron_figures.json"
+
+    def go(name: str, fn: Callable[[float], Stage], needs: tuple[str, ...] = ()) -> None:
+        if only and name not in only:
+            stages[name] = Stage("skip", "not selected (--only)")
+            return
+        failed = [n for n in needs if stages.get(n) is not None and stages[n].status == "fail"]
+        if failed:
+            stages[name] = Stage("skip", f"needs {', '.join(failed)}, which failed")
+            return
+        left = budget_s - (time.monotonic() - start)
+        timeout = min(STAGES[name], left)
+        if timeout < 20:
+            stages[name] = Stage("skip", f"out of time ({left:.0f}s of the {budget_s:.0f}s budget left)")
+            return
+        t0 = time.perf_counter()
+        try:
+            st = fn(timeout)
+        except subprocess.TimeoutExpired as e:
+            st = Stage("fail", f"timed out after {timeout:.0f}s", log_tail=_tail(str(e.output or "")))
+        except Exception as e:  # noqa: BLE001 — one stage's failure must not hide the others
+            st = Stage("fail", f"{type(e).__name__}: {e}")
+        st.seconds = time.perf_counter() - t0
+        stages[name] = st
+        print(f"[gpu_check] {name}: {st.status} ({st.seconds:.0f}s) {st.reason}", flush=True)
+
+    go("install", lambda t: stage_install(wheels, t))
+    go("build", stage_build)
+    go("kernel_tests", lambda t: _pytest(KERNEL_TESTS, t), needs=("build",))
+    go("megatron_step", lambda t: _pytest(MEGATRON_TESTS, t, figures_file), needs=("install",))
+    go("run", lambda t: stage_run(out_dir, t), needs=("install",))
+    go("loss_bench", stage_loss_bench, needs=("build",))
+    return stages
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="check on CPU what can be checked; no GPU needed")
+    p.add_argument("--no-nvcc", action="store_true", help="dry run: skip the nvcc compile-only check")
+    p.add_argument("--wheels", type=Path, default=None, help="the carried wheels (default benchmarks/wheels if present)")
+    p.add_argument("--fetch-wheels", type=Path, default=None, metavar="DIR", help="download the pinned wheels into DIR")
+    p.add_argument("--out", type=Path, default=None, help="the JSON (default $OUT/gpu_check.json or benchmarks/results/)")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole check's time budget")
+    p.add_argument("--only", nargs="*", default=None, choices=list(STAGES), help="run only these stages")
+    p.add_argument("--loss-bench-only", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.fetch_wheels is not None:
+        return fetch_wheels(a.fetch_wheels)
+    if a.loss_bench_only:
+        print(json.dumps(loss_bench()))
+        return 0
+    wheels = a.wheels if a.wheels is not None else (ROOT / "benchmarks" / "wheels")
+    wheels = wheels if wheels.is_dir() or a.wheels is not None else None
+    out_json = a.out or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT")
+                         else ROOT / "benchmarks" / "results" / ("gpu_check_dryrun.json" if a.dry_run else "gpu_check.json"))
+    t0 = time.time()
+    if a.dry_run:
+        stages = dry_run(wheels, nvcc=not a.no_nvcc)
+    else:
+        stages = run_device(wheels, out_json.parent, a.budget_s, a.only)
+    result = {"mode": "dry-run" if a.dry_run else "device", "machine": _machine(), "wall_s": time.time() - t0,
+              "stages": {k: asdict(v) for k, v in stages.items()},
+              "ok": all(s.status != "fail" for s in stages.values()),
+              "one_gpu_cannot_try": ONE_GPU_LIMITS}
+    _write(result, out_json)
+    for name, st in stages.items():
+        print(f"{name:18s} {st.status:5s} {st.seconds:6.1f}s  {st.reason}")
+    print(f"wrote {out_json}; ok = {result['ok']}")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

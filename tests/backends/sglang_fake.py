@@ -1,0 +1,780 @@
+"""Conformance fake of SGLang 0.5.23's tokenizer-manager / scheduler boundary, for CPU tests.
+
+`gyre.backends.sglang_engine.SglangEngine` drives it exactly as it drives `sglang.Engine`
+(`API = SglangApi(FakeEngine, io_struct, serialize)`). It generates real tokens and log-probs
+with Gyre's CPU decoder over the checkpoint at `model_path`, and holds the adapter to the
+semantics read in the sglang 0.5.23 wheel (`pip download --no-deps sglang==0.5.23`; paths under
+sglang/srt/, lines of that wheel):
+
+  weight-update session   an update outside begin/end fails with SGLang's message; begin twice,
+                          end without begin fail (scheduler_components/weight_updater.py:187-197,
+                          232-239, 309-335)
+  flush after an update   fails the update while requests run and the engine is not paused
+                          (weight_updater.py:120-131, scheduler.py:5518-5545)
+  release idle assertion  release_memory_occupation asserts `is_fully_idle(ignore_waiting=paused)`
+                          (weight_updater.py:337-341, scheduler.py:5337-5370): last_batch still
+                          holds a request that finished in the step before. A failed assert
+                          raises `SchedulerCrash` here (SGLang: scheduler dies, SIGQUIT to the
+                          rank, scheduler.py:6373) and the fake stays dead
+  aborts                  rids match by prefix (scheduler.py:5675-5813); a waiting request is
+                          dropped with an abort output, a running one gets `to_finish` and runs
+                          one more decode step whose token is in its finishing chunk
+                          (schedule_batch.py:2011-2013); the TM dedups `abort_sent` and drops a
+                          request's state when its finishing output arrives
+                          (tokenizer_manager.py:2241-2265, 2774)
+  pause / continue        retract: running requests go back to the queue and recompute their KV
+                          (scheduler.py:5817-5932); generate waits while paused
+                          (tokenizer_manager.py:939); continue (scheduler.py:5934)
+  streaming               one chunk per wake-up, the newest (tokenizer_manager.py:1993);
+                          meta_info['output_token_logprobs'] is the request's cumulative list of
+                          (logprob, id, None) with 'output_token_logprobs_length'
+                          (tokenizer_manager.py:2859-2870)
+  weight_version          meta_info['weight_version'] is the TM's current version when the chunk
+                          arrives (tokenizer_manager.py:2511); the finishing chunk has the exact
+                          per-token spans (scheduler.py:5636-5652, utils/weight_versions.py,
+                          output_streamer.py:541-549); an update's weight_version becomes current
+                          (tokenizer_control_mixin.py:592-593)
+  log-probs               with SGLANG_RETURN_ORIGINAL_LOGPROB=1, log-softmax of the logits after
+                          penalizers (the min_new_tokens stop mask) and before temperature
+                          (layers/sampler.py:82, 230-236; model_runner.py:2093)
+  sampling_seed           honoured only with enable_deterministic_inference
+                          (sampling/sampling_batch_info.py:157-170)
+  Engine side effects     configure_logger's basicConfig(force=True) (engine.py:1152); the
+                          scheduler inherits TORCHELASTIC_USE_AGENT_STORE and would hang
+                          (raises here); shutdown() kills every child of the process
+                          (engine.py:1491) and is registered with atexit (engine.py:326); with
+                          `spawn_scheduler_process`, a child process stands for the scheduler and
+                          the TM's subprocess watchdog SIGQUITs this process if it dies while the
+                          watchdog runs (utils/watchdog.py:166-225)
+  init_weights_update_group  joins a TCP rendezvous + PrefixStore(group_name) group as rank
+                          rank_offset (utils/common.py:2859, model_runner_components/
+                          weight_updater.py:100-144) and receives one broadcast(src=0) per name
+                          (weight_updater.py:260-298); gloo on CPU
+
+Request classes: sglang.srt.managers.io_struct cannot be imported on a CPU machine (it imports
+schedule_batch, and sglang/__init__ imports srt.utils.common, which imports triton and CUDA
+kernel packages), so the classes below copy the fields of io_struct.py:1927-2208, 2285
+(`test_fake_request_fields_match_sglang_source` compares them with an unpacked wheel when
+GYRE_SGLANG_SRC names one). Not modelled: TP > 1, the model_update_lock as a lock (an update
+while not paused with requests running fails after 2 s instead of waiting), the mode="abort"
+pause, ZMQ transit delays between the scheduler's two sockets (`chunk_delay_steps` delays
+token outputs to model them), CUDA memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import glob
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import types
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from gyre.backends.decoder import DecoderWeights, KVCache, extend
+from gyre.backends.sglang_engine import SglangApi
+
+
+# ----------------------------------------------------------------------------- io_struct copies
+@dataclass(kw_only=True)
+class PauseGenerationReqInput:
+    mode: str = "abort"  # io_struct.py:1946: "abort" | "retract" | "in_place"
+
+
+@dataclass(kw_only=True)
+class ContinueGenerationReqInput:
+    torch_empty_cache: bool = True  # io_struct.py:1955
+
+
+@dataclass(kw_only=True)
+class BeginWeightUpdateReqInput:
+    selector: str = "all"  # io_struct.py:2200
+
+
+@dataclass(kw_only=True)
+class EndWeightUpdateReqInput:  # io_struct.py:2208
+    pass
+
+
+@dataclass(kw_only=True)
+class UpdateWeightsFromTensorReqInput:  # io_struct.py:2027-2047
+    serialized_named_tensors: list
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    selector: str = "all"
+    torch_empty_cache: bool = False
+
+
+@dataclass(kw_only=True)
+class UpdateWeightsFromDistributedReqInput:  # io_struct.py:2002-2019
+    names: list
+    dtypes: list
+    shapes: list
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    selector: str = "all"
+    torch_empty_cache: bool = False
+
+
+@dataclass(kw_only=True)
+class InitWeightsUpdateGroupReqInput:  # io_struct.py:2126-2138
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+@dataclass(kw_only=True)
+class ReleaseMemoryOccupationReqInput:
+    tags: list | None = None  # io_struct.py:2180
+
+
+@dataclass(kw_only=True)
+class ResumeMemoryOccupationReqInput:
+    tags: list | None = None  # io_struct.py:2190
+
+
+@dataclass(kw_only=True)
+class AbortReq:  # io_struct.py:2285-2291 (rid from BaseReq, io_struct.py:89)
+    rid: str | None = None
+    abort_all: bool = False
+    finished_reason: dict | None = None
+    abort_message: str | None = None
+    weight_versions: list | None = None
+
+
+io_struct = types.SimpleNamespace(**{c.__name__: c for c in (
+    PauseGenerationReqInput, ContinueGenerationReqInput, BeginWeightUpdateReqInput, EndWeightUpdateReqInput,
+    UpdateWeightsFromTensorReqInput, UpdateWeightsFromDistributedReqInput, InitWeightsUpdateGroupReqInput,
+    ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput, AbortReq)})
+
+
+def serialize(named_tensors: list[tuple[str, torch.Tensor]]) -> bytes:
+    """MultiprocessingSerializer.serialize stand-in (SGLang pickles CUDA IPC handles)."""
+    return pickle.dumps([(k, v.detach().cpu()) for k, v in named_tensors])
+
+
+# ServerArgs fields the fake accepts (arg_groups/fields/*.py); any other keyword is a TypeError,
+# as for the real ServerArgs dataclass.
+SERVER_ARGS = {"model_path", "tp_size", "mem_fraction_static", "base_gpu_id", "dtype", "enable_memory_saver",
+               "skip_tokenizer_init", "host", "log_level", "weight_version", "attention_backend", "load_format",
+               "chunked_prefill_size", "enable_torch_compile", "enable_deterministic_inference", "random_seed",
+               "disable_cuda_graph", "cuda_graph_max_bs", "max_running_requests", "context_length"}
+
+
+class SchedulerCrash(AssertionError):
+    """The scheduler subprocess died (SGLang: SIGQUIT to the rank). The fake stays dead."""
+
+
+# ----------------------------------------------------------------------------- scheduler
+@dataclass(eq=False)
+class _SReq:
+    rid: str
+    input_ids: list[int]
+    params: dict[str, Any]
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    cache: KVCache | None = None
+    fed: int = 0
+    to_finish: dict | None = None
+    finished_reason: dict | None = None
+    retraction_count: int = 0
+    version_events: list[tuple[str, int]] = field(default_factory=list)  # (old version, #outputs then)
+
+
+class FakeScheduler:
+    """One decode step per loop iteration for every running request; control messages are
+    handled at the top of an iteration (scheduler.py event_loop_normal: recv → process → batch)."""
+
+    def __init__(self, engine: "FakeEngine"):
+        self.engine = engine
+        self.waiting: list[_SReq] = []
+        self.running: list[_SReq] = []
+        self.last_batch: list[_SReq] | None = None
+        self.paused = False
+        self.session: str | None = None
+        self.released: set[str] = set()
+        self.dead: BaseException | None = None
+        self.groups: dict[str, Any] = {}
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.steps = 0
+        self.pending_out: list[tuple[int, Any]] = []  # (deliver at step, output) for chunk_delay_steps
+
+    # idle (scheduler.py:5337-5370)
+    def is_fully_idle(self, ignore_waiting: bool = False) -> bool:
+        idle = not self.running and not self.last_batch
+        return idle and (ignore_waiting or not self.waiting)
+
+    async def loop(self) -> None:
+        while True:
+            while not self.inbox.empty():
+                self._process(*self.inbox.get_nowait())
+            if self.dead is not None:
+                return
+            if not self.paused and (self.waiting or self.running) and "weights" not in self.released:
+                self.last_batch = self._step()
+                self.steps += 1
+                await asyncio.sleep(self.engine.step_s)
+            else:
+                self.last_batch = None
+                self._deliver(flush=True)
+                msg = await self.inbox.get()
+                self._process(*msg)
+
+    def _process(self, msg: Any, fut: asyncio.Future | None) -> None:
+        try:
+            result = self._handle(msg)
+        except SchedulerCrash as e:
+            self.dead = e
+            self.engine.tokenizer_manager._crash(e)
+            if fut is not None and not fut.done():
+                fut.set_exception(e)
+            return
+        except BaseException as e:  # noqa: BLE001 — handed to the caller
+            if fut is not None and not fut.done():
+                fut.set_exception(e)
+            return
+        if fut is not None and not fut.done():
+            fut.set_result(result)
+
+    def _handle(self, msg: Any) -> Any:
+        if isinstance(msg, _SReq):
+            self.waiting.append(msg)
+            return None
+        handler = getattr(self, "_on_" + type(msg).__name__)
+        return handler(msg)
+
+    # -- requests
+    def _on_AbortReq(self, m: AbortReq) -> None:  # scheduler.py:5675-5813
+        for req in [r for r in self.waiting if m.abort_all or r.rid.startswith(m.rid)]:
+            self.waiting.remove(req)
+            req.finished_reason = {"type": "abort", "message": "Abort before prefill"}
+            self._emit(req, None)
+        for req in self.running + (self.last_batch or []):
+            if req.finished_reason is None and (m.abort_all or req.rid.startswith(m.rid)):
+                req.to_finish = {"type": "abort", "message": None}
+
+    def _on_PauseGenerationReqInput(self, m: PauseGenerationReqInput) -> None:  # scheduler.py:5817-5932
+        assert m.mode in ("in_place", "retract")
+        self.paused = True
+        if m.mode == "in_place":
+            return
+        retract = [r for r in self.running if r.finished_reason is None]
+        self.last_batch = None
+        for req in retract:  # KV freed; recomputed from input + output ids after continue
+            req.cache, req.fed = None, 0
+            req.retraction_count += 1
+            self.waiting.append(req)
+        self.running = []
+
+    def _on_ContinueGenerationReqInput(self, m: ContinueGenerationReqInput) -> None:
+        self.paused = False
+
+    # -- weights (scheduler_components/weight_updater.py)
+    def _on_BeginWeightUpdateReqInput(self, m: BeginWeightUpdateReqInput) -> tuple[bool, str]:
+        if self.session is not None:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        self.session = m.selector
+        return True, "Success"
+
+    def _on_EndWeightUpdateReqInput(self, m: EndWeightUpdateReqInput) -> tuple[bool, str]:
+        if self.session is None:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self.session = None
+        return True, "Success"
+
+    def _load(self, named: list[tuple[str, torch.Tensor]], m: Any) -> tuple[bool, str]:
+        eng = self.engine
+        try:
+            state = {k: v.to(eng.weights.tensors[k].dtype if k in eng.weights.tensors else v.dtype) for k, v in named}
+            merged = {**eng.weights.tensors, **state}
+            eng.weights = DecoderWeights.from_state_dict(merged, eng.model_config)
+        except (ValueError, KeyError) as e:
+            return False, f"Failed to update weights: {e}"
+        if m.weight_version is not None and m.weight_version != eng.weight_version:  # scheduler.py:5636-5652
+            for req in self.running + self.waiting + (self.last_batch or []):
+                if req.output_ids and req.finished_reason is None:
+                    req.version_events.append((eng.weight_version, len(req.output_ids)))
+            eng.weight_version = m.weight_version
+        if m.flush_cache:
+            if not self.is_fully_idle(ignore_waiting=self.paused):  # weight_updater.py:120-131
+                return False, ("Weights were updated, but the cache was not flushed because requests are still "
+                               "running or queued. Retract or finish them, then call /flush_cache.")
+            for req in self.waiting:
+                req.cache, req.fed = None, 0
+        return True, "Success"
+
+    def _on_UpdateWeightsFromTensorReqInput(self, m: UpdateWeightsFromTensorReqInput) -> tuple[bool, str]:
+        if self.session is None:  # weight_updater.py:232-239
+            return False, ("update_weights_from_tensor must run between begin_weight_update() and "
+                           "end_weight_update()")
+        if len(m.serialized_named_tensors) != self.engine.tp_size:
+            return False, f"expected {self.engine.tp_size} serialized payloads (one per TP rank), got {len(m.serialized_named_tensors)}"
+        return self._load(pickle.loads(m.serialized_named_tensors[0]), m)
+
+    def _on_UpdateWeightsFromDistributedReqInput(self, m: UpdateWeightsFromDistributedReqInput) -> tuple[bool, str]:
+        if self.session is None:  # weight_updater.py:187-197
+            return False, ("update_weights_from_distributed must run between begin_weight_update() and "
+                           "end_weight_update()")
+        group = self.groups.get(m.group_name)
+        if group is None:
+            return False, f"Failed to receive weights: Group {m.group_name} not in {list(self.groups)}."
+        named = []
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = 0
+        for name, dtype, shape in zip(m.names, m.dtypes, m.shapes):  # weight_updater.py:280-298
+            t = torch.empty(shape, dtype=getattr(torch, dtype))
+            group.broadcast([t], opts).wait()
+            named.append((name, t))
+        return self._load(named, m)
+
+    def _on_InitWeightsUpdateGroupReqInput(self, m: InitWeightsUpdateGroupReqInput) -> tuple[bool, str]:
+        raise AssertionError("handled in a thread by the tokenizer manager")
+
+    def _on_ReleaseMemoryOccupationReqInput(self, m: ReleaseMemoryOccupationReqInput) -> None:
+        if not self.is_fully_idle(ignore_waiting=self.paused):  # weight_updater.py:337-341
+            raise SchedulerCrash(f"release_memory_occupation should be called only when server is idle. "
+                                 f"(fake: running={[r.rid for r in self.running]}, "
+                                 f"last_batch={[r.rid for r in self.last_batch or []]}, "
+                                 f"waiting={[r.rid for r in self.waiting]}, paused={self.paused})")
+        self.released = {"weights", "kv_cache", "cuda_graph"}
+        for req in self.waiting:
+            req.cache, req.fed = None, 0
+
+    def _on_ResumeMemoryOccupationReqInput(self, m: ResumeMemoryOccupationReqInput) -> None:
+        # Without enable_weights_cpu_backup the weights' memory comes back uninitialised.
+        eng = self.engine
+        g = torch.Generator().manual_seed(1234)
+        eng.weights = DecoderWeights.from_state_dict(
+            {k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in eng.weights.tensors.items()}, eng.model_config)
+        self.released = set()
+
+    # -- decode
+    def _step(self) -> list[_SReq]:
+        eng = self.engine
+        self.running += self.waiting
+        self.waiting = []
+        batch = list(self.running)
+        feeds = []
+        for req in batch:
+            seq = req.input_ids + req.output_ids
+            if req.cache is None:
+                req.cache, req.fed = KVCache.empty(eng.weights, len(seq) + req.params.get("max_new_tokens", 128) + 1), 0
+            feeds.append((seq[req.fed:], req.fed))
+        ids = torch.tensor([t for f, _ in feeds for t in f], dtype=torch.long)
+        pos = torch.cat([torch.arange(s, s + len(f)) for f, s in feeds])
+        with torch.no_grad():
+            logits = extend(eng.weights, ids, pos, [len(f) for f, _ in feeds], [r.cache for r in batch])
+        for req, (feed, _), row in zip(batch, feeds, logits):
+            req.fed += len(feed)
+            tok, lp, top = self._sample(req, row.float())
+            req.output_ids.append(tok)
+            self._check_finished(req, tok)
+            self._emit(req, (tok, lp, top))
+        self.running = [r for r in self.running if r.finished_reason is None]
+        self._deliver()
+        return batch
+
+    def _sample(self, req: _SReq, logits: torch.Tensor) -> tuple[int, float, list | None]:
+        p = req.params
+        stop_ids = set(p.get("stop_token_ids") or []) | set(self.engine.eos_token_ids)
+        if len(req.output_ids) < int(p.get("min_new_tokens") or 0):  # min_new_tokens penalizer
+            logits = logits.clone()
+            logits[list(stop_ids)] = float("-inf")
+        temperature, top_p = float(p.get("temperature", 1.0)), float(p.get("top_p", 1.0))
+        original = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0").lower() in ("1", "true")
+        if temperature == 0:
+            tok = int(torch.argmax(logits))
+            dist = torch.log_softmax(logits, -1)
+        else:
+            probs = torch.softmax(logits / temperature, -1)
+            sorted_p, order = probs.sort(descending=True)
+            keep = (sorted_p.cumsum(0) - sorted_p) < top_p
+            mask = torch.zeros_like(probs, dtype=torch.bool)
+            mask[order[keep]] = True
+            probs = torch.where(mask, probs, torch.zeros_like(probs))
+            probs = probs / probs.sum()
+            tok = int(torch.multinomial(probs, 1, generator=req.generator))
+            dist = torch.log_softmax(logits, -1) if original else torch.log(probs)
+        k = int(req.params.get("_top_logprobs_num") or 0)
+        top = None
+        if k:
+            vals, idx = dist.topk(k)
+            top = [(float(v), int(i), None) for v, i in zip(vals, idx)]
+        return tok, float(dist[tok]), top
+
+    def _check_finished(self, req: _SReq, tok: int) -> None:  # schedule_batch.py check_finished
+        p = req.params
+        if req.to_finish is not None:  # the aborted request's one extra decode step ends here
+            req.finished_reason, req.to_finish = req.to_finish, None
+        elif len(req.output_ids) >= int(p.get("min_new_tokens") or 0) and (
+                tok in (p.get("stop_token_ids") or []) or tok in self.engine.eos_token_ids):
+            req.finished_reason = {"type": "stop", "matched": tok}
+        elif len(req.output_ids) >= int(p.get("max_new_tokens", 128)):
+            req.finished_reason = {"type": "length", "length": len(req.output_ids)}
+
+    def _emit(self, req: _SReq, token: tuple | None) -> None:
+        spans = None
+        if req.finished_reason is not None:  # utils/weight_versions.py compute_weight_version_spans
+            spans = []
+            for version, end in [*req.version_events, (self.engine.weight_version, len(req.output_ids))]:
+                end = min(end, len(req.output_ids))
+                if spans and end <= spans[-1]["end"]:
+                    continue
+                if spans and spans[-1]["version"] == version:
+                    spans[-1]["end"] = end
+                    continue
+                spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+        out = (req.rid, token, req.finished_reason, len(req.output_ids), req.retraction_count, spans)
+        self.pending_out.append((self.steps + self.engine.chunk_delay_steps, out))
+
+    def _deliver(self, flush: bool = False) -> None:
+        ready = [o for at, o in self.pending_out if flush or at <= self.steps]
+        self.pending_out = [(at, o) for at, o in self.pending_out if not (flush or at <= self.steps)]
+        for out in ready:
+            self.engine.tokenizer_manager._handle_output(*out)
+
+
+# ----------------------------------------------------------------------------- tokenizer manager
+@dataclass(eq=False)
+class _State:
+    rid: str
+    event: asyncio.Event
+    top: bool
+    out_list: list = field(default_factory=list)
+    finished: bool = False
+    abort_sent: bool = False
+    output_token_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+
+
+class FakeTokenizerManager:
+    """The part of sglang's TokenizerManager (managers/tokenizer_manager.py,
+    tokenizer_control_mixin.py) the adapter calls, over `FakeScheduler` in the same loop."""
+
+    def __init__(self, engine: "FakeEngine"):
+        self.engine = engine
+        self.rid_to_state: dict[str, _State] = {}
+        self.is_pause = False
+        self.scheduler: FakeScheduler | None = None
+        self._task: asyncio.Task | None = None
+        self._unpaused: asyncio.Event | None = None
+        self.calls: list[str] = []  # control calls in order, for tests
+        self._subprocess_watchdog: _Watchdog | None = None  # tokenizer_manager.py:726
+
+    def auto_create_handle_loop(self) -> None:
+        if self._task is None:
+            self.scheduler = FakeScheduler(self.engine)
+            self._unpaused = asyncio.Event()
+            self._unpaused.set()
+            self._task = asyncio.get_running_loop().create_task(self.scheduler.loop(), name="fake-sglang-scheduler")
+        if self.scheduler.dead is not None:
+            raise SchedulerCrash(f"the scheduler died earlier: {self.scheduler.dead}")
+
+    def _crash(self, e: BaseException) -> None:
+        for state in self.rid_to_state.values():
+            state.out_list.append(e)
+            state.event.set()
+
+    async def _call(self, msg: Any) -> Any:
+        self.auto_create_handle_loop()
+        self.calls.append(type(msg).__name__)
+        fut = asyncio.get_running_loop().create_future()
+        self.scheduler.inbox.put_nowait((msg, fut))
+        try:
+            result = await fut
+        except BaseException as e:
+            self._trace(msg, repr(e))
+            raise
+        self._trace(msg, result)
+        return result
+
+    def _trace(self, msg: Any, result: Any) -> None:
+        """GYRE_FAKE_SGLANG_TRACE=file: one JSON line per control call (for the multi-rank test)."""
+        path = os.environ.get("GYRE_FAKE_SGLANG_TRACE")
+        if path:
+            import json
+
+            line = {"pid": os.getpid(), "engine": id(self.engine), "call": type(msg).__name__,
+                    "weight_version": self.engine.weight_version, "result": result if result is None else str(result),
+                    "released": sorted(self.scheduler.released), "paused": self.scheduler.paused}
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    def _send(self, msg: Any) -> None:
+        self.auto_create_handle_loop()
+        self.scheduler.inbox.put_nowait((msg, None))
+
+    # -- generation (tokenizer_manager.py:930-2030)
+    async def generate_request(self, input_ids: list[int], sampling_params: dict, rid: str, top_logprobs_num: int):
+        self.auto_create_handle_loop()
+        await self._unpaused.wait()  # tokenizer_manager.py:939
+        if rid in self.rid_to_state:
+            raise ValueError(f"Duplicate request ID detected: {rid}")
+        eng = self.engine
+        gen = torch.Generator()
+        seed = sampling_params.get("sampling_seed")
+        if seed is not None and eng.enable_deterministic_inference:  # sampling_batch_info.py:157-170
+            gen.manual_seed(int(seed))
+        else:
+            gen.seed()
+        state = self.rid_to_state[rid] = _State(rid, asyncio.Event(), top=top_logprobs_num > 0)
+        params = dict(sampling_params, _top_logprobs_num=top_logprobs_num)
+        self.scheduler.inbox.put_nowait((_SReq(rid, list(input_ids), params, gen), None))
+        while True:
+            await state.event.wait()
+            out_list, state.out_list = state.out_list, []
+            state.event.clear()
+            if isinstance(out_list[-1], BaseException):
+                raise out_list[-1]
+            yield out_list[-1]  # the newest chunk only (tokenizer_manager.py:1993)
+            if state.finished:
+                return
+
+    def _handle_output(self, rid, token, finished_reason, completion_tokens, retractions, spans) -> None:
+        state = self.rid_to_state.get(rid)
+        if state is None:
+            return  # "Received output for rid but the state was deleted"
+        if token is not None:
+            tok, lp, top = token
+            state.output_token_logprobs.append((lp, tok, None))
+            if state.top:
+                state.output_top_logprobs.append(top)
+        meta = {"id": rid, "finish_reason": finished_reason, "weight_version": self.engine.weight_version,
+                "completion_tokens": completion_tokens, "num_retractions": retractions,
+                "output_token_logprobs": state.output_token_logprobs,
+                "output_token_logprobs_length": len(state.output_token_logprobs)}
+        if state.top:
+            meta["output_top_logprobs"] = state.output_top_logprobs
+        if spans is not None:  # utils/weight_versions.py add_weight_versions_to_meta_info
+            meta["weight_versions"] = spans
+            meta["weight_version"] = spans[-1]["version"]
+        state.finished = finished_reason is not None
+        state.out_list.append({"meta_info": meta, "output_ids": None})
+        state.event.set()
+        if state.finished:
+            del self.rid_to_state[rid]  # tokenizer_manager.py:2774
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:  # tokenizer_manager.py:2241-2265
+        if not abort_all and not rid:
+            return
+        state = None if abort_all else self.rid_to_state.get(rid)
+        if not abort_all:
+            if state is None:
+                return
+            if state.abort_sent:
+                return
+            state.abort_sent = True
+        self.calls.append("AbortReq")
+        self._send(AbortReq(rid=rid, abort_all=abort_all))
+
+    # -- control (tokenizer_manager.py:2267-2290, tokenizer_control_mixin.py)
+    async def pause_generation(self, obj: PauseGenerationReqInput) -> None:
+        if obj.mode == "abort":
+            raise NotImplementedError("the fake does not model pause_generation(mode='abort')")
+        self.auto_create_handle_loop()
+        self.is_pause = True
+        self._unpaused.clear()
+        await self._call(obj)
+
+    async def continue_generation(self, obj: ContinueGenerationReqInput) -> None:
+        self.auto_create_handle_loop()
+        self.is_pause = False
+        await self._call(obj)
+        self._unpaused.set()
+
+    async def _session_call(self, obj: Any) -> tuple[bool, str]:
+        if not self.is_pause:  # takes the model_update_lock writer lock: waits for in-flight requests
+            await self._wait_no_requests(type(obj).__name__)
+        return await self._call(obj)
+
+    async def _wait_no_requests(self, what: str) -> None:
+        for _ in range(200):
+            if not self.rid_to_state:
+                return
+            await asyncio.sleep(0.01)
+        raise TimeoutError(f"fake sglang: {what} while not paused waits for the writer lock, i.e. for "
+                           f"{len(self.rid_to_state)} in-flight requests to finish (tokenizer_control_mixin.py:503-525)")
+
+    async def begin_weight_update(self, obj: BeginWeightUpdateReqInput, request=None) -> tuple[bool, str]:
+        return await self._session_call(obj)
+
+    async def end_weight_update(self, obj: EndWeightUpdateReqInput, request=None) -> tuple[bool, str]:
+        return await self._session_call(obj)
+
+    async def update_weights_from_tensor(self, obj: UpdateWeightsFromTensorReqInput, request=None) -> tuple[bool, str]:
+        if obj.abort_all_requests:
+            self.abort_request(abort_all=True)
+        return await self._session_call(obj)
+
+    async def update_weights_from_distributed(self, obj: UpdateWeightsFromDistributedReqInput, request=None):
+        if obj.abort_all_requests:
+            self.abort_request(abort_all=True)
+        if not self.is_pause:
+            await self._wait_no_requests("update_weights_from_distributed")
+        self.auto_create_handle_loop()
+        self.calls.append(type(obj).__name__)
+        # The broadcast blocks the scheduler until the sender sends: run it off the loop.
+        sched = self.scheduler
+        fut = asyncio.get_running_loop().create_future()
+        await asyncio.to_thread(sched._process, obj, _ThreadFuture(fut))
+        return await fut
+
+    async def init_weights_update_group(self, obj: InitWeightsUpdateGroupReqInput, request=None) -> tuple[bool, str]:
+        self.auto_create_handle_loop()
+        self.calls.append(type(obj).__name__)
+        try:
+            group = await asyncio.to_thread(_join_group, obj)
+        except Exception as e:  # noqa: BLE001 — SGLang answers (False, message)
+            return False, f"Failed to initialize custom process group: {e}."
+        self.scheduler.groups[obj.group_name] = group
+        return True, "Succeeded to initialize custom process group."
+
+    async def release_memory_occupation(self, obj: ReleaseMemoryOccupationReqInput, request=None) -> None:
+        await self._call(obj)
+
+    async def resume_memory_occupation(self, obj: ResumeMemoryOccupationReqInput, request=None) -> None:
+        await self._call(obj)
+
+
+class _ThreadFuture:
+    """Hands a result computed in a worker thread to an asyncio future."""
+
+    def __init__(self, fut: asyncio.Future):
+        self.fut, self.loop = fut, fut.get_loop()
+
+    def done(self) -> bool:
+        return False
+
+    def set_result(self, r: Any) -> None:
+        self.loop.call_soon_threadsafe(self.fut.set_result, r)
+
+    def set_exception(self, e: BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.fut.set_exception, e)
+
+
+def _join_group(m: InitWeightsUpdateGroupReqInput) -> Any:
+    """SGLang's init_custom_process_group (utils/common.py:2859) for this TP rank (0): TCP
+    rendezvous as a client, PrefixStore(group_name), a gloo group (CPU)."""
+    import torch.distributed as dist
+
+    if m.backend != "gloo":
+        raise ValueError(f"fake sglang runs on CPU: backend {m.backend!r} unsupported, use gloo")
+    timeout = timedelta(seconds=60)
+    store = dist.TCPStore(m.master_address, m.master_port, m.world_size, is_master=False, timeout=timeout)
+    return dist.ProcessGroupGloo(dist.PrefixStore(m.group_name, store), m.rank_offset, m.world_size, timeout)
+
+
+# ----------------------------------------------------------------------------- engine
+class FakeEngine:
+    """`sglang.Engine(**server_args)` over Gyre's CPU decoder (see the module docstring)."""
+
+    # Knobs for tests (class attributes, so the factory hook needs no extra arguments).
+    step_s = 0.002                  # sleep after each decode step (lets control messages in)
+    chunk_delay_steps = 0           # token outputs reach the TM this many steps late
+    spawn_scheduler_process = False  # start a child process standing for the scheduler
+    instances: list["FakeEngine"] = []
+
+    def __init__(self, **kwargs: Any):
+        unknown = set(kwargs) - SERVER_ARGS
+        if unknown:
+            raise TypeError(f"ServerArgs.__init__() got unexpected keyword arguments {sorted(unknown)}")
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE"):
+            raise RuntimeError("fake sglang: the scheduler would inherit TORCHELASTIC_USE_AGENT_STORE and wait "
+                               "30 min for a TCPStore nobody hosts (torch/distributed/rendezvous.py:188-194)")
+        logging.basicConfig(level=getattr(logging, str(kwargs.get("log_level", "error")).upper()), force=True,
+                            format="[sglang-fake] %(message)s")  # configure_logger, engine.py:1152
+        self.server_args = kwargs
+        self.step_s = float(os.environ.get("GYRE_FAKE_SGLANG_STEP_S", type(self).step_s))
+        self.tp_size = int(kwargs.get("tp_size", 1))
+        self.weight_version = str(kwargs.get("weight_version", "default"))  # fields/serving.py:172
+        self.enable_deterministic_inference = bool(kwargs.get("enable_deterministic_inference", False))
+        self.model_config, self.weights, self.eos_token_ids = _load(kwargs["model_path"], kwargs.get("load_format"))
+        self.tokenizer_manager = FakeTokenizerManager(self)
+        self.process: subprocess.Popen | None = None
+        if self.spawn_scheduler_process:
+            self.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+            self.tokenizer_manager._subprocess_watchdog = _Watchdog(self.process)
+        self.shutdown_called = False
+        atexit.register(self.shutdown)  # engine.py:326
+        FakeEngine.instances.append(self)
+
+    async def async_generate(self, *, input_ids: list[int], sampling_params: dict, return_logprob: bool = False,
+                             stream: bool = False, rid: str | None = None, top_logprobs_num: int = 0, **_: Any):
+        if not (return_logprob and stream):
+            raise NotImplementedError("the fake serves return_logprob=True, stream=True only")
+        return self.tokenizer_manager.generate_request(input_ids, sampling_params, rid, top_logprobs_num)
+
+    def shutdown(self) -> None:
+        """kill_process_tree(os.getpid(), include_parent=False) (engine.py:1491): every child of
+        this process, whoever started it."""
+        self.shutdown_called = True
+        for pid in _children(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class _Watchdog:
+    """SubprocessWatchdog (utils/watchdog.py:166-225): polls the engine's processes from a daemon
+    thread and sends SIGQUIT to this process when one died, unless stopped first (Engine.shutdown
+    stops it, engine.py:1473-1476)."""
+
+    def __init__(self, process: subprocess.Popen):
+        import threading
+
+        self.process, self.stopped = process, threading.Event()
+        threading.Thread(target=self._loop, daemon=True, name="fake-subprocess-watchdog").start()
+
+    def _loop(self) -> None:
+        while not self.stopped.wait(0.05):
+            if self.process.poll() is not None:
+                os.kill(os.getpid(), signal.SIGQUIT)
+                return
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def _children(pid: int) -> set[int]:
+    from gyre.backends.sglang_engine import _children as children
+
+    return children(pid)
+
+
+def _load(model_path: str, load_format: str | None) -> tuple[Any, DecoderWeights, list[int]]:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    state: dict[str, torch.Tensor] = {}
+    if load_format == "dummy":
+        from gyre.backends.models import build_model
+
+        state = build_model(config, seed=0).state_dict()
+    for f in sorted(glob.glob(os.path.join(model_path, "*.safetensors"))) if load_format != "dummy" else []:
+        state.update(load_file(f))
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    eos = config.eos_token_id
+    eos_ids = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+    return config, DecoderWeights.from_state_dict(state, config), eos_ids
+
+
+API = SglangApi(FakeEngine, io_struct, serialize)

@@ -1,0 +1,213 @@
+"""Atomic checkpoints (gyre/runtime/checkpoint.py) and what a resume does with broken ones.
+
+Unit tests: the marker is written last and records sizes; a crash inside `save` leaves no
+`step_*`; leftovers are removed; the newest complete checkpoint is chosen among random sets of
+complete and broken directories (hypothesis), with every newer one named with its reason; a
+missing optimizer or version file is an error unless weights-only. The torchrun cases at the
+end damage a real run's checkpoints and resume from them.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gyre.runtime import checkpoint
+from gyre.runtime.checkpoint import MARKER, CheckpointError
+
+
+def _save_like_the_cpu_actor(version, optimizer=True):
+    def save(path):
+        Path(path, "config.json").write_text("{}")
+        Path(path, "model.safetensors").write_bytes(b"w" * 100 + bytes([version % 256]))
+        if optimizer:
+            Path(path, "optimizer.pt").write_bytes(b"o" * 50)
+        Path(path, "gyre_actor.json").write_text(json.dumps({"version": version}))
+    return save
+
+
+def test_the_marker_is_written_with_every_files_size_and_the_tmp_dir_is_gone(tmp_path):
+    path = checkpoint.write(tmp_path, 8, _save_like_the_cpu_actor(8))
+    assert path == tmp_path / "step_000008"
+    marker = json.loads((path / MARKER).read_text())
+    assert marker["version"] == 8 and marker["weights_only"] is False
+    assert marker["files"] == {"config.json": 2, "gyre_actor.json": len(json.dumps({"version": 8})),
+                               "model.safetensors": 101, "optimizer.pt": 50}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000008"]
+    assert checkpoint.check(path) is None
+
+
+def test_a_crash_while_saving_leaves_no_step_dir_and_the_next_write_cleans_up(tmp_path):
+    checkpoint.write(tmp_path, 8, _save_like_the_cpu_actor(8))
+
+    def dies_half_way(path):
+        Path(path, "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt  # the process dies here
+
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.write(tmp_path, 16, dies_half_way)
+    assert (tmp_path / ".step_000016.tmp").is_dir() and not (tmp_path / "step_000016").exists()
+    assert checkpoint.newest_complete(tmp_path).path == tmp_path / "step_000008"
+    checkpoint.write(tmp_path, 24, _save_like_the_cpu_actor(24))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000008", "step_000024"]
+
+
+def test_writing_a_version_again_replaces_it_whole(tmp_path):
+    checkpoint.write(tmp_path, 8, _save_like_the_cpu_actor(8, optimizer=False))
+    checkpoint.write(tmp_path, 8, _save_like_the_cpu_actor(8))
+    assert (tmp_path / "step_000008" / "optimizer.pt").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000008"]
+
+
+# What can happen to a checkpoint directory after it was written, and what check() must say.
+DAMAGE = {
+    "none": (lambda p: None, None),
+    "no marker": (lambda p: (p / MARKER).unlink(), "no COMPLETE marker"),
+    "truncated model": (lambda p: os.truncate(p / "model.safetensors", 10), "model.safetensors is 10 bytes, "),
+    "model deleted": (lambda p: (p / "model.safetensors").unlink(), "model.safetensors is missing"),
+    "optimizer deleted": (lambda p: (p / "optimizer.pt").unlink(), "optimizer.pt is missing"),
+    "version deleted": (lambda p: (p / "gyre_actor.json").unlink(), "gyre_actor.json is missing"),
+    "garbled marker": (lambda p: (p / MARKER).write_text("{"), "unreadable COMPLETE marker"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_check_names_what_is_wrong(tmp_path, damage):
+    path = checkpoint.write(tmp_path, 3, _save_like_the_cpu_actor(3))
+    hurt, expected = DAMAGE[damage]
+    hurt(path)
+    why = checkpoint.check(path)
+    assert (why is None) if expected is None else (expected in why), why
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.integers(0, 300), st.sampled_from(sorted(DAMAGE)), max_size=8))
+def test_the_newest_complete_checkpoint_is_chosen_and_every_newer_one_is_named(tmp_path_factory, damages):
+    root = tmp_path_factory.mktemp("ck")
+    for version, damage in damages.items():
+        DAMAGE[damage][0](checkpoint.write(root, version, _save_like_the_cpu_actor(version)))
+    (root / ".step_999999.tmp").mkdir()  # an interrupted write is never a candidate
+    intact = [v for v, d in damages.items() if d == "none"]
+    found = checkpoint.newest_complete(root)
+    expected = max(intact) if intact else None
+    assert found.path == (None if expected is None else root / checkpoint.step_name(expected))
+    newer = sorted((v for v in damages if expected is None or v > expected), reverse=True)
+    assert [p.name for p, _ in found.skipped] == [checkpoint.step_name(v) for v in newer]
+    for p, why in found.skipped:
+        assert DAMAGE[damages[int(p.name[5:])]][1] in why
+
+
+def test_select_refuses_weights_only_unless_asked_and_names_every_skipped_dir(tmp_path):
+    checkpoint.write(tmp_path, 4, _save_like_the_cpu_actor(4, optimizer=False))
+    broken = checkpoint.write(tmp_path, 8, _save_like_the_cpu_actor(8))
+    os.truncate(broken / "model.safetensors", 5)
+    with pytest.raises(CheckpointError, match="step_000004 has no optimizer state.*--train.resume-weights-only"):
+        checkpoint.select(tmp_path)
+    found = checkpoint.select(tmp_path, weights_only=True)
+    assert found.path == tmp_path / "step_000004"
+    assert "step_000008: model.safetensors is 5 bytes" in found.describe_skipped()
+
+
+def test_select_with_nothing_usable_says_what_it_found(tmp_path):
+    with pytest.raises(CheckpointError, match="no step_. directories"):
+        checkpoint.select(tmp_path)
+    legacy = tmp_path / "step_000006"  # written before markers: weights and version, no COMPLETE
+    _save_like_the_cpu_actor(6)(str(legacy.mkdir() or legacy))
+    with pytest.raises(CheckpointError, match="step_000006: no COMPLETE marker.*--train.resume-weights-only"):
+        checkpoint.select(tmp_path)
+    assert checkpoint.select(tmp_path, weights_only=True).path == legacy
+    assert checkpoint.version_of(legacy) == 6
+
+
+def _tiny_actor():
+    from gyre.backends.cpu_actor import CpuActor
+    from gyre.backends.config import CpuActorConfig
+    from gyre.backends.models import build_model, model_config
+
+    model = build_model(model_config("tiny", 300), seed=0, dtype=torch.float32)
+    return CpuActor(model, is_core=True, config=CpuActorConfig())
+
+
+@pytest.mark.parametrize("missing", ["optimizer.pt", "gyre_actor.json"])
+def test_the_cpu_actor_refuses_a_checkpoint_without_its_optimizer_or_version(tmp_path, missing):
+    a = _tiny_actor()
+    a.version = 5
+    path = tmp_path / "step_000005"
+    a.save_checkpoint(str(path))
+    (path / missing).unlink()
+    b = _tiny_actor()
+    with pytest.raises(FileNotFoundError, match=f"{missing}.*--train.resume-weights-only"):
+        b.load_checkpoint(str(path))
+    assert b.version != 5
+    b.load_checkpoint(str(path), weights_only=True)  # the version from the file, else the name
+    assert b.version == 5
+
+
+# ----------------------------------------------------------------------------- real runs
+# One 2-step run with a checkpoint after every step; each case damages a copy of it and resumes.
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    from tests.faults.jobs import gyre, log_of, write_tasks
+
+    base = tmp_path_factory.mktemp("ck_run")
+    tasks = write_tasks(base / "tasks.jsonl")
+    proc = gyre(base, tasks, "--run-dir", str(base / "run"), "--train.checkpoint-every", "1", steps=2)
+    assert proc.returncode == 0, log_of(proc)[-4000:]
+    assert sorted(p.name for p in (base / "run" / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    return base, tasks
+
+
+def _damaged_copy(two_checkpoints, tmp_path, hurt):
+    import shutil
+
+    base, tasks = two_checkpoints
+    run = tmp_path / "run"
+    shutil.copytree(base / "run", run, symlinks=True)
+    hurt(run / "checkpoints")
+    return run, tasks
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("damage", ["truncated model", "model deleted", "optimizer deleted", "version deleted"])
+def test_a_damaged_newest_checkpoint_is_skipped_by_name_and_the_older_one_resumed(two_checkpoints, tmp_path, damage):
+    from tests.faults.jobs import gyre, log_of, rows
+
+    run, tasks = _damaged_copy(two_checkpoints, tmp_path, lambda ck: DAMAGE[damage][0](ck / "step_000002"))
+    proc = gyre(tmp_path, tasks, "--run-dir", str(run), "--train.resume", steps=3)
+    log = log_of(proc)
+    assert proc.returncode == 0, log[-4000:]
+    assert f"step_000002 skipped: {DAMAGE[damage][1]}" in log, log[-4000:]
+    assert "SafetensorError" not in log
+    attempt = json.loads((run / "run.json").read_text())["attempts"][-1]
+    assert attempt["start_version"] == 1 and attempt["resumed_from"].endswith("step_000001")
+    assert [why.split(":")[0] for why in attempt["skipped_checkpoints"]] == ["step_000002"]  # the lineage says so too
+    assert [r["step"] for r in rows(run / "metrics.jsonl")] == [0, 1, 2]  # step 1 again: its old row cut
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
+
+
+@pytest.mark.multirank
+def test_without_any_complete_checkpoint_the_resume_is_refused_before_anything_starts(two_checkpoints, tmp_path):
+    from tests.faults.jobs import gyre, log_of, rows
+
+    def drop_every_optimizer(ck):
+        for step in ck.iterdir():
+            (step / "optimizer.pt").unlink()
+
+    run, tasks = _damaged_copy(two_checkpoints, tmp_path, drop_every_optimizer)
+    metrics_before = (run / "metrics.jsonl").read_text()
+    proc = gyre(tmp_path, tasks, "--run-dir", str(run), "--train.resume", steps=3, timeout=120)
+    log = log_of(proc)
+    assert proc.returncode != 0 and "exitcode  : 2" in log, log[-3000:]
+    assert "no complete checkpoint" in log and "step_000002: optimizer.pt is missing" in log
+    assert "--train.resume-weights-only" in log and "proxy listening" not in log
+    assert (run / "metrics.jsonl").read_text() == metrics_before  # refused: nothing touched
+    # The flag accepts the newest readable weights, with a fresh optimizer.
+    proc = gyre(tmp_path, tasks, "--run-dir", str(run), "--train.resume", "--train.resume-weights-only", steps=3)
+    assert proc.returncode == 0, log_of(proc)[-4000:]
+    assert "optimizer.pt (optimizer state) is missing; --train.resume-weights-only" in log_of(proc)
+    assert [r["step"] for r in rows(run / "metrics.jsonl")] == [0, 1, 2]

@@ -1,0 +1,97 @@
+"""A rank killed mid-run under `torchrun --max-restarts 1` (real torchrun, 2 ranks): the job
+restarts, finds its run directory again (here the default, timestamped one, which only rank 0's
+record in torchrun's store can name), resumes from the newest complete checkpoint, runs the
+tasks of the groups the dead attempt lost first, and finishes its steps.
+
+Before: any rank's death ended the job; `--max-restarts 1` failed at the gloo rendezvous (the
+new ranks read the dead ones' addresses from the store), and a restarted job would have started
+a fresh run.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.faults.jobs import ROOT, command, rows, write_tasks
+
+pytestmark = pytest.mark.multirank
+
+
+def _worker_pid(agent: int, rank: int) -> int | None:
+    """The pid of torchrun's worker of `rank` in its first attempt (a child of the agent)."""
+    try:
+        children = Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
+    except OSError:
+        return None
+    for pid in children:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RESTART_COUNT=0" in env:
+            return int(pid)
+    return None
+
+
+def test_a_satellite_killed_mid_run_is_restarted_and_the_run_finishes_its_steps(tmp_path):
+    steps = 6
+    # Three turns per execution: slow enough that executions are in flight at the kill.
+    tasks = write_tasks(tmp_path / "tasks.jsonl", [sys.executable, str(ROOT / "tests/runtime/tiny_harness.py"), "3", "8"])
+    cmd = command(tasks, "--train.checkpoint-every", "1", steps=steps, torchrun=("--max-restarts", "1"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    log = open(tmp_path / "torchrun.log", "w")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    root = tmp_path / "runs" / "train"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:  # wait for two finished steps (their checkpoints are complete)
+            metrics = list(root.glob("*/metrics.jsonl"))
+            if metrics and len(rows(metrics[0])) >= 2:
+                break
+            assert proc.poll() is None, (tmp_path / "torchrun.log").read_text()[-4000:]
+            time.sleep(0.2)
+        satellite = _worker_pid(proc.pid, rank=1)
+        assert satellite is not None
+        os.kill(satellite, signal.SIGKILL)
+        rc = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    out = (tmp_path / "torchrun.log").read_text()
+    assert rc == 0, out[-5000:]
+
+    runs = [p for p in root.iterdir() if p.name != "latest"]
+    assert len(runs) == 1, runs  # the restart continued the run; it did not start a fresh one
+    run = runs[0]
+    attempts = json.loads((run / "run.json").read_text())["attempts"]
+    assert [a["elastic_restart"] for a in attempts] == [0, 1]
+    resumed = attempts[1]["start_version"]
+    assert resumed >= 2 and attempts[1]["resumed_from"].endswith(f"step_{resumed:06d}")
+
+    metrics = rows(run / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == list(range(steps))  # every step once, versions continuous
+    assert [r["version"] for r in metrics] == list(range(1, steps + 1))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["error"] is None
+
+    # Nothing silently dropped: the first attempt's executions (counted from the executions
+    # directory) beyond those of the groups trained into the checkpoint resumed from (one group of
+    # 2 a step) are either lost in flight (and run again) or were evaluated and carried over.
+    first = [p.name for p in (run / "executions").iterdir() if p.name.split(".")[1] == "a0"]
+    in_flight = len(first) - 2 * resumed
+    assert in_flight > 0
+    assert summary["lost_in_flight"] + 2 * summary["carried_over_groups"] == in_flight
+    assert summary["lost_in_flight"] == attempts[1]["lost_in_flight"]
+    # ... and their tasks ran again first in the second attempt.
+    journal = [json.loads(l) for l in (run / "groups.jsonl").read_text().splitlines()]
+    lost = [r["group_id"] for r in journal if r["kind"] == "lost"]
+    lost_tasks = [g.split(".")[0] for g in lost]
+    redone = [r["task_id"] for r in journal if r["kind"] == "dispatched" and r["attempt"] == 1][:len(lost)]
+    assert redone == lost_tasks and len(lost) == summary["redispatched_groups"]

@@ -1,0 +1,105 @@
+"""benchmarks/gpu_check.py's dry run, on CPU (default tier: no GPU needed). It is what stands
+between a broken device check and a wasted device slot: the wheel set (complete, under the cap),
+the CUDA build plan, the test selection (every file there, every one collecting), the run's config.
+Each check is also shown failing on a planted fault."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gc():
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", ROOT / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_the_one_command_dry_run_passes_here_and_writes_one_json(tmp_path):
+    out = tmp_path / "dry.json"
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run", "--no-nvcc", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    status = {k: v["status"] for k, v in res["stages"].items()}
+    assert status == {"wheels": "pass", "build_plan": "pass", "nvcc_compile_only": "skip", "test_selection": "pass",
+                      "run_config": "pass"}, res
+    assert res["ok"] and res["stages"]["wheels"]["figures"]["total_mib"] < 64
+    collected = res["stages"]["test_selection"]["figures"]["collected"]
+    assert all(n > 0 for n in collected.values()) and len(collected) == 3
+    cfg = res["stages"]["run_config"]["figures"]
+    assert (cfg["actor"], cfg["device"], cfg["offload_actor"]) == ("megatron", "cuda", True) and cfg["steps"] >= 4
+    assert any("TP > 1" in k for k in res["one_gpu_cannot_try"])
+
+
+def test_a_missing_test_file_fails_the_selection(gc):
+    res = gc.dry_run(None, nvcc=False, kernel_tests=gc.KERNEL_TESTS + ["tests/gpu/test_not_there.py"])
+    assert res["test_selection"].status == "fail" and "test_not_there.py" in res["test_selection"].reason
+    assert not (ROOT / "tests" / "gpu" / "test_not_there.py").exists()
+
+
+def test_the_wheel_set_must_be_recorded_and_under_the_cap(gc, tmp_path):
+    manifest = tmp_path / "m.json"
+    real = json.loads(gc.MANIFEST.read_text())
+    manifest.write_text(json.dumps({**real, "huge==1.0": {"file": "huge-1.0-py3-none-any.whl", "bytes": 40 << 20}}))
+    problems, figures = gc.check_manifest(manifest, gc.WHEELS + ["huge==1.0"])
+    assert any("over the 64 MiB" in p for p in problems) and figures["total_mib"] > 64
+    problems, _ = gc.check_manifest(gc.MANIFEST, gc.WHEELS + ["unfetched==0.1"])
+    assert problems == ["unfetched==0.1: not in gpu_check_wheels.json (fetch again)"]
+    assert gc.check_manifest(gc.MANIFEST, gc.WHEELS)[0] == []
+    res = gc.dry_run(None, nvcc=False, wheel_specs=gc.WHEELS + ["huge==1.0"], manifest=manifest, kernel_tests=[],
+                     megatron_tests=[])
+    assert res["wheels"].status == "fail"
+
+
+def test_wheel_files_on_disk_are_matched_by_name_and_summed(gc, tmp_path):
+    d = tmp_path / "wheels"
+    d.mkdir()
+    for spec in gc.WHEELS:  # sparse files: sizes without the bytes
+        name, version = gc.wheel_name(spec), spec.split("==")[1]
+        with open(d / f"{name}-{version}-py3-none-any.whl", "wb") as f:
+            f.truncate(1 << 20)
+    problems, figures = gc.check_wheels(d, gc.WHEELS)
+    assert problems == [] and figures["wheels"] == len(gc.WHEELS)
+    with open(d / "pillow-13.0.0-py3-none-any.whl", "wb") as f:
+        f.truncate(40 << 20)
+    problems, _ = gc.check_wheels(d, gc.WHEELS)
+    assert len(problems) == 1 and "over the 64 MiB" in problems[0]
+    (d / "tyro-1.0.17-py3-none-any.whl").unlink()
+    assert "tyro==1.0.17: 0 wheels" in gc.check_wheels(d, gc.WHEELS)[0][0]
+
+
+def test_the_run_config_is_checked_as_on_the_box(gc):
+    res = gc.dry_run(None, nvcc=False, kernel_tests=[], megatron_tests=[], run_args=gc.RUN_ARGS + ["--train.steps", "2"])
+    assert res["run_config"].status == "fail" and "train.steps 2 < 4" in res["run_config"].reason
+    res = gc.dry_run(None, nvcc=False, kernel_tests=[], megatron_tests=[], run_args=gc.RUN_ARGS + ["--backend.device", "tpu"])
+    assert res["run_config"].status == "fail"
+
+
+def test_the_device_stages_are_budgeted_within_eight_minutes(gc):
+    assert gc.BUDGET_S <= 8 * 60 - 10
+    assert set(gc.STAGES) == {"install", "build", "kernel_tests", "megatron_step", "run", "loss_bench"}
+    assert gc.CUDA_ARCH == "9.0" and gc.BENCH_SHAPE == (16384, 151936)
+
+
+def test_the_box_keeps_its_packages_unless_older_than_the_pin(gc):
+    assert gc._older("4.10.0", "4.16.0") and not gc._older("4.16.0", "4.16.0") and not gc._older("5.0", "4.16.0")
+    assert not gc._older("not-a-version", "1.0")
+
+
+def test_the_cpu_tests_named_for_what_one_gpu_cannot_try_exist(gc):
+    import re
+
+    named = {p for v in gc.ONE_GPU_LIMITS.values() for p in re.findall(r"tests/[\w/]+\.py", v)}
+    assert len(named) >= 5 and all((ROOT / p).exists() for p in named), sorted(p for p in named if not (ROOT / p).exists())
