@@ -51,7 +51,7 @@ def test_an_external_kill_is_evaluated_and_a_tito_write_failure_is_excluded_and_
     run = tmp_path / "run"
     proc = start(command(tasks, run, "--executions.runner.sandbox", "none", steps=2), tmp_path, tmp_path / "log.txt")
     log = lambda: (tmp_path / "log.txt").read_text()[-6000:]  # noqa: E731
-    killed = run / "executions" / "t0.g0.0"
+    killed = run / "executions" / "t0.a0.g0.0"
     try:
         wait_for(lambda: (killed / "workspace" / "called").exists() and _harness_pid(killed / "workspace"), 120, proc,
                  "the first harness's call")
@@ -68,15 +68,15 @@ def test_an_external_kill_is_evaluated_and_a_tito_write_failure_is_excluded_and_
     assert result["outcome"] == "killed" and result["exit_code"] == -signal.SIGKILL
     assert (killed / "workspace" / "answer.txt").read_text().strip()  # it had answered: partial credit 1.0
     assert result["reward"]["status"] == "valid" and result["reward"]["reward"] == 1.0
-    other = json.loads((run / "executions" / "t0.g0.1" / "result.json").read_text())
+    other = json.loads((run / "executions" / "t0.a0.g0.1" / "result.json").read_text())
     assert other["outcome"] == "timed_out" and other["reward"]["reward"] == 1.0
     assert rows[0]["group_rewards"] == [[1.0, 1.0]] and rows[0]["executions_valid"] == 2
     assert summary["execution_outcomes"].get("killed") == 1 and "crashed" not in summary["failed_executions"]
 
     # Step 1: the execution whose records could not be written is out of training and of its group.
-    assert list(summary["incomplete_tito"]) == ["t1.g1.0"], summary["incomplete_tito"]
-    assert "could not write" in summary["incomplete_tito"]["t1.g1.0"]
+    assert list(summary["incomplete_tito"]) == ["t1.a0.g1.0"], summary["incomplete_tito"]
+    assert "could not write" in summary["incomplete_tito"]["t1.a0.g1.0"]
     assert summary["sink_errors"] >= 1 and rows[-1]["sink_errors"] == summary["sink_errors"]
     assert rows[1]["incomplete_tito"] == 1 and rows[0]["incomplete_tito"] == 0
     assert rows[1]["executions_valid"] == 1 and len(rows[1]["rewards"]) == 1
-    assert not (run / "tito" / "t1.g1.0.tito").is_file() and (run / "tito" / "t1.g1.1.tito").is_file()
+    assert not (run / "tito" / "t1.a0.g1.0.tito").is_file() and (run / "tito" / "t1.a0.g1.1.tito").is_file()
