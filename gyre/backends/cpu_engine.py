@@ -412,6 +412,10 @@ class CpuEngine:
         w = self._weights
         return 2 * w.num_layers * w.num_kv_heads * w.head_dim * w.tensors["model.embed_tokens.weight"].element_size()
 
+    async def migration_info(self) -> dict:
+        return {"kv_bytes_per_token": self.kv_bytes_per_token(),
+                "transport": self._tickets.transport.name if self._tickets is not None else None}
+
     async def export_request(self, request_id: str) -> RequestState:
         """Stop a running request between decode steps and return its state; its stream ends
         as on abort. The KV tensors in the state are views of the request's cache (on the cache's
