@@ -293,11 +293,11 @@ class Router:
         if per_token is None:
             try:
                 per_token = int((await slot.engine.migration_info())["kv_bytes_per_token"])
-            except Exception as e:
+            except Exception as e:  # asked once: 0 marks an engine that cannot export
                 logger.warning("router: %s gave no migration info (%r); recomputing its calls", slot.name, e)
-                return False
+                per_token = 0
             self._kv_per_token[slot.name] = per_token
-        return self.migration.pays(running.tokens, per_token)
+        return per_token > 0 and self.migration.pays(running.tokens, per_token)
 
     async def _handover(self, handoff: _Handoff, target: EngineSlot, request_id: str) -> int | None:
         """Phase 2 and 3: the target pulls the KV (its return is the ack), then the source releases

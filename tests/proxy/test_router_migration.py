@@ -226,3 +226,36 @@ def test_auto_mode_follows_the_cost_rule(model):
     # ~44 tokens × 512 B: a slow link loses to a fast prefill, a fast link wins
     assert asyncio.run(main(MigrationPolicy(mode="auto", bandwidth_Bps=1e3, prefill_tok_s=1e6))) == "recompute"
     assert asyncio.run(main(MigrationPolicy(mode="auto", bandwidth_Bps=1e12, prefill_tok_s=10.0))) == "migrate"
+
+
+def test_over_http_control_endpoints(model):
+    """Engines in their own server threads, the router speaking HTTP: only the handle crosses the
+    control endpoints (the KV goes over the engines' transport); the continuation is exact."""
+    from gyre.backends.engine_http import HttpEngine, serve_engine
+
+    src, dst = make(model, "c"), make(model, "p")
+    hs, hd = serve_engine(src), serve_engine(dst)
+
+    async def main():
+        ref = await undisturbed(model, PROMPT, SP)
+        a, b = HttpEngine(hs.url, name="c"), HttpEngine(hd.url, name="p")
+        await a.start(), await b.start()
+        router = Router(migration=MigrationPolicy(mode="always"))
+        router.add_engine(a, kind="cell", index=0)
+        out = []
+        async for ev in router.generate("k", "ex", PROMPT, SP):
+            out.append(ev)
+            if len(out) == 6:
+                router.add_engine(b, kind="pool", index=0)
+                asyncio.get_running_loop().create_task(router.drain("c"))
+        await a.close(), await b.close()
+        return ref, out, router
+
+    try:
+        ref, out, router = asyncio.run(main())
+    finally:
+        hs.call(src.stop()), hd.call(dst.stop())
+        hs.stop(), hd.stop()
+    assert rows(out) == rows(ref)
+    (rec,) = router.reroute_log
+    assert rec.mode == "migrate" and rec.tokens_recomputed == 0 and src.held_migrations() == 0
