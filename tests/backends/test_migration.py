@@ -162,3 +162,26 @@ def test_cost_rule():
     assert MigrationPolicy(mode="always").pays(1, 1 << 30) and not MigrationPolicy(mode="off").pays(10**6, 1)
     with pytest.raises(ValueError):
         MigrationPolicy(mode="sometimes")
+
+
+def test_long_prefill_in_query_blocks_matches_one_pass(model, monkeypatch):
+    """Long contexts (what migration is for) prefill in query blocks; same logits as one pass."""
+    from gyre.backends import decoder
+    from gyre.backends.decoder import DecoderWeights, KVCache, extend
+
+    w = DecoderWeights.from_state_dict(model.state_dict(), model.config)
+    ids = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(3))
+
+    def logits(block, past=0):
+        monkeypatch.setattr(decoder, "_QUERY_BLOCK", block)
+        cache = KVCache.empty(w, 64)
+        if past:
+            extend(w, ids[:past], torch.arange(past), [past], [cache])
+        out = extend(w, ids[past:], torch.arange(past, 50), [50 - past], [cache], all_logits=True)
+        return out, cache
+
+    one, c1 = logits(4096)
+    for block, past in ((8, 0), (7, 13)):
+        blocked, c2 = logits(block, past)
+        torch.testing.assert_close(blocked, one[past:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c2.k[1][:, :50], c1.k[1][:, :50], rtol=1e-5, atol=1e-5)
