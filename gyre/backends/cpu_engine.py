@@ -395,9 +395,13 @@ class CpuEngine:
             self._finish(req, reason)
 
     # ---------------------------------------------------------------- KV migration (gyre.backends.migration)
-    def attach_kv_transport(self, transport: KvTransport) -> None:
-        """Enable migration: held exports are served over `transport`, imports pulled with it."""
+    def attach_kv_transport(self, transport: KvTransport, *, measure_prefill: bool = False) -> None:
+        """Enable migration: held exports are served over `transport`, imports pulled with it.
+        `measure_prefill`: time a 512-token prefill now (the cost rule's recompute rate)."""
         self._tickets = Tickets(transport)
+        if measure_prefill:
+            self.prefill_tok_s = self._prefill_rate(512)
+            logger.info("engine %s: prefill %.0f tokens/s (for the migration cost rule)", self.name, self.prefill_tok_s)
 
     @property
     def supports_migration(self) -> bool:
@@ -413,7 +417,7 @@ class CpuEngine:
         return 2 * w.num_layers * w.num_kv_heads * w.head_dim * w.tensors["model.embed_tokens.weight"].element_size()
 
     async def migration_info(self) -> dict:
-        return {"kv_bytes_per_token": self.kv_bytes_per_token(),
+        return {"kv_bytes_per_token": self.kv_bytes_per_token(), "prefill_tok_s": getattr(self, "prefill_tok_s", None),
                 "transport": self._tickets.transport.name if self._tickets is not None else None}
 
     async def export_request(self, request_id: str) -> RequestState:
@@ -519,14 +523,13 @@ class CpuEngine:
 
     async def measure_prefill_tok_s(self, tokens: int = 512) -> float:
         """Prefill throughput (tokens/s) of one `tokens`-long prompt on the current weights."""
+        return await asyncio.to_thread(self._prefill_rate, tokens)
+
+    def _prefill_rate(self, tokens: int) -> float:
         w = self._weights
         ids = torch.randint(0, self.model_config.vocab_size, (tokens,))
-
-        def run() -> float:
-            cache = KVCache.empty(w, tokens)
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                extend(w, ids, torch.arange(tokens), [tokens], [cache])
-            return tokens / max(time.perf_counter() - t0, 1e-9)
-
-        return await asyncio.to_thread(run)
+        cache = KVCache.empty(w, tokens)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            extend(w, ids, torch.arange(tokens), [tokens], [cache])
+        return tokens / max(time.perf_counter() - t0, 1e-9)

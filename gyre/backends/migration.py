@@ -303,6 +303,7 @@ class MooncakeKvTransport:
         from gyre.backends.transfer import MooncakeTransport
 
         self._mc = MooncakeTransport(host=host, protocol=protocol, device=device, verify=True)
+        self._mc._ensure_engine()  # now, not inside the first migration's latency
         self.held = _Held()
         self._registered: dict[str, torch.Tensor] = {}
 
@@ -380,35 +381,66 @@ class Tickets:
 
 
 # ------------------------------------------------------------------------------------------ cost rule
+_DEFAULT_BANDWIDTH_BPS = 0.3e9  # until measured: the slower of gloo / Mooncake TCP here (backend_bench)
+
+
 @dataclass
 class MigrationPolicy:
     """When migrating pays: kv_bytes / bandwidth + overhead < prefill_tokens / prefill_tok_s.
 
-    `bandwidth_Bps` and `prefill_tok_s` come from configuration or from `calibrate_*` at start-up;
-    `overhead_s` is the handshake's fixed cost (control round trips, pack/unpack)."""
+    `bandwidth_Bps` 0: learned from the migrations themselves (`observe`: bytes / seconds of each
+    target's pull, a running mean; 0.3 GB/s before the first). `prefill_tok_s` 0: the engines'
+    own measurement at start-up (`CpuEngine.attach_kv_transport`, reported by `migration_info`).
+    `overhead_s`: the handshake's fixed cost (control round trips, pack/unpack)."""
 
     mode: MigrationMode = "off"
-    bandwidth_Bps: float = 0.5e9
-    prefill_tok_s: float = 5_000.0
+    bandwidth_Bps: float = 0.0
+    prefill_tok_s: float = 0.0
     overhead_s: float = 0.005
+    measured_Bps: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("off", "auto", "always"):
             raise ValueError(f"migration mode must be off, auto or always, got {self.mode!r}")
-        if self.bandwidth_Bps <= 0 or self.prefill_tok_s <= 0:
-            raise ValueError(f"migration: bandwidth {self.bandwidth_Bps} and prefill throughput {self.prefill_tok_s} must be > 0")
+        if self.bandwidth_Bps < 0 or self.prefill_tok_s < 0:
+            raise ValueError(f"migration: bandwidth {self.bandwidth_Bps} and prefill throughput {self.prefill_tok_s} "
+                             "must be ≥ 0 (0: measured)")
 
-    def estimate(self, tokens: int, kv_bytes_per_token: int) -> tuple[float, float]:
+    def bandwidth(self) -> float:
+        return self.bandwidth_Bps or self.measured_Bps or _DEFAULT_BANDWIDTH_BPS
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """One migration's pull: fold its rate into the measured bandwidth (mean of the last ~8)."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        self.measured_Bps = rate if self.measured_Bps is None else 0.875 * self.measured_Bps + 0.125 * rate
+
+    def estimate(self, tokens: int, kv_bytes_per_token: int, prefill_tok_s: float | None = None) -> tuple[float, float]:
         """(migration seconds, recompute seconds) for a request of `tokens` tokens."""
-        return tokens * kv_bytes_per_token / self.bandwidth_Bps + self.overhead_s, tokens / self.prefill_tok_s
+        rate = self.prefill_tok_s or prefill_tok_s
+        if not rate:
+            raise ValueError("migration: no prefill throughput configured or measured")
+        return tokens * kv_bytes_per_token / self.bandwidth() + self.overhead_s, tokens / rate
 
-    def pays(self, tokens: int, kv_bytes_per_token: int) -> bool:
+    def pays(self, tokens: int, kv_bytes_per_token: int, prefill_tok_s: float | None = None) -> bool:
         if self.mode == "off":
             return False
         if self.mode == "always":
             return True
-        migrate_s, recompute_s = self.estimate(tokens, kv_bytes_per_token)
+        migrate_s, recompute_s = self.estimate(tokens, kv_bytes_per_token, prefill_tok_s)
         return migrate_s < recompute_s
+
+
+def build_kv_transport(kind: str, store: Any = None, group: Any = None, *, host: str = "127.0.0.1") -> KvTransport:
+    """'gloo' (store + a gloo group every rank created up front) | 'mooncake' | 'local' (one process)."""
+    if kind == "gloo":
+        return GlooKvTransport(store, group)
+    if kind == "mooncake":
+        return MooncakeKvTransport(host=host)
+    if kind == "local":
+        return LocalKvTransport(f"local-{secrets.token_hex(4)}")
+    raise ValueError(f"KV transport must be gloo, mooncake or local, got {kind!r}")
 
 
 def calibrate_bandwidth(transport: KvTransport, nbytes: int = 16 << 20) -> float:

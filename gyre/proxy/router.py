@@ -180,7 +180,7 @@ class Router:
         self.migration = migration or MigrationPolicy(mode="off")
         self.migrate_timeout_s = migrate_timeout_s
         self.reroute_log: list[RerouteRecord] = []
-        self._kv_per_token: dict[str, int] = {}  # engine name → KV bytes per token (asked once)
+        self._engine_info: dict[str, dict] = {}  # engine name → its migration_info() (asked once)
         self._totals: dict[str, float] = {}  # sums over reroute_log, never trimmed
 
     async def close(self) -> None:
@@ -289,15 +289,21 @@ class Router:
             return False
         if not any(s.state is SlotState.ACTIVE and can_migrate(s.engine) for s in self.slots.values()):
             return False  # no retained engine could import it
-        per_token = self._kv_per_token.get(slot.name)
-        if per_token is None:
+        info = self._engine_info.get(slot.name)
+        if info is None:
             try:
-                per_token = int((await slot.engine.migration_info())["kv_bytes_per_token"])
-            except Exception as e:  # asked once: 0 marks an engine that cannot export
+                info = await slot.engine.migration_info()
+            except Exception as e:  # asked once: an engine that cannot tell is never migrated from
                 logger.warning("router: %s gave no migration info (%r); recomputing its calls", slot.name, e)
-                per_token = 0
-            self._kv_per_token[slot.name] = per_token
-        return per_token > 0 and self.migration.pays(running.tokens, per_token)
+                info = {}
+            self._engine_info[slot.name] = info
+        if not info.get("kv_bytes_per_token"):
+            return False
+        try:
+            return self.migration.pays(running.tokens, int(info["kv_bytes_per_token"]), info.get("prefill_tok_s"))
+        except ValueError as e:  # auto with no prefill rate anywhere
+            logger.warning("router: %r; recomputing", e)
+            return False
 
     async def _handover(self, handoff: _Handoff, target: EngineSlot, request_id: str) -> int | None:
         """Phase 2 and 3: the target pulls the KV (its return is the ack), then the source releases
@@ -308,7 +314,9 @@ class Router:
             if not can_migrate(target.engine):
                 handoff.fallback = f"target {target.name} cannot import"
             else:
+                t0 = asyncio.get_running_loop().time()
                 moved = await asyncio.wait_for(target.engine.migrate_in(request_id, handoff.handle), self.migrate_timeout_s)
+                self.migration.observe(moved, asyncio.get_running_loop().time() - t0)  # the learned bandwidth
         except asyncio.CancelledError:
             raise
         except Exception as e:  # refused, transport error, source gone mid-transfer

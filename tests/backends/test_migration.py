@@ -155,6 +155,11 @@ def test_two_phase_source_holds_until_release(model):
 
 def test_cost_rule():
     p = MigrationPolicy(mode="auto", bandwidth_Bps=1e9, prefill_tok_s=10_000, overhead_s=0.01)
+    learned = MigrationPolicy(mode="auto", overhead_s=0.0)
+    learned.observe(10**9, 1.0)
+    assert learned.estimate(1000, 1000, prefill_tok_s=500.0) == (1e-3, 2.0)  # measured rates used
+    with pytest.raises(ValueError):
+        learned.pays(1000, 1000)  # auto with no prefill rate: say so (the router then recomputes)
     # 16k tokens × 32 KiB/token = 512 MiB: 0.55 s to move vs 1.6 s to recompute → migrate
     assert p.pays(16384, 32 << 10)
     # 100 tokens: 0.013 s vs 0.01 s → recompute
