@@ -182,6 +182,8 @@ class Router:
         self.reroute_log: list[RerouteRecord] = []
         self._engine_info: dict[str, dict] = {}  # engine name → its migration_info() (asked once)
         self._totals: dict[str, float] = {}  # sums over reroute_log, never trimmed
+        self._logged_total = 0  # records ever appended to reroute_log
+        self._taken = 0  # of which take_reroutes() has handed out
 
     async def close(self) -> None:
         """The run is over: calls waiting for a rollout engine (and any new ones) fail now with
@@ -505,6 +507,7 @@ class Router:
         if now is not None:
             record.latency_s = now - handoff.paused_at
         self.reroute_log.append(record)
+        self._logged_total += 1
         if len(self.reroute_log) > 100_000:  # a long run: keep the newest (the sums in stats() are exact)
             del self.reroute_log[: len(self.reroute_log) - 50_000]
         self._totals[record.mode] = self._totals.get(record.mode, 0) + 1
@@ -514,6 +517,12 @@ class Router:
         if record.latency_s >= 0:
             self._totals[f"{record.mode}_latency_s"] = self._totals.get(f"{record.mode}_latency_s", 0.0) + record.latency_s
         call.record, call.handoff = None, None
+
+    def take_reroutes(self) -> list[RerouteRecord]:
+        """The reroutes recorded since the previous call (one metrics row's worth)."""
+        start = max(0, len(self.reroute_log) - (self._logged_total - self._taken))
+        self._taken = self._logged_total
+        return self.reroute_log[start:]
 
     def migration_stats(self) -> dict:
         """Totals over every reroute so far: counts by mode, fallbacks, tokens recomputed, KV bytes

@@ -259,3 +259,20 @@ def test_over_http_control_endpoints(model):
     assert rows(out) == rows(ref)
     (rec,) = router.reroute_log
     assert rec.mode == "migrate" and rec.tokens_recomputed == 0 and src.held_migrations() == 0
+
+
+def test_metrics_rows_count_each_reroute_once(model):
+    from gyre.runtime.outputs import reroute_fields
+
+    async def main():
+        (_,), router, _, _ = await drained_run(model)
+        first = reroute_fields(router.take_reroutes())
+        second = reroute_fields(router.take_reroutes())
+        return first, second, router
+
+    first, second, router = asyncio.run(main())
+    rec = router.reroute_log[0]
+    assert first == {"reroutes_migrated": 1, "reroutes_recomputed": 0, "reroute_tokens_recomputed": 0,
+                     "reroute_bytes_moved": rec.bytes_moved, "migration_fallbacks": 0,
+                     "reroute_latency_s_migrated": rec.latency_s, "reroute_latency_s_recomputed": None}
+    assert second["reroutes_migrated"] == 0 and second["reroute_bytes_moved"] == 0
