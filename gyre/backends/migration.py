@@ -361,7 +361,12 @@ class Tickets:
         self.transport = transport
         self.tickets: dict[str, Ticket] = {}
 
-    def hold(self, request_id: str, buf: torch.Tensor) -> dict[str, Any]:
+    def hold(self, request_id: str, buf: torch.Tensor, *, ttl_s: float = 600.0) -> dict[str, Any]:
+        now = time.monotonic()
+        for old in [k for k, t in self.tickets.items() if now - t.held_at > ttl_s]:
+            # never released: the router gave up on it (timed out) or went away
+            logger.warning("migration %s held for over %.0fs without a release; dropping it", old, ttl_s)
+            self.release(old)
         key = f"{request_id}.{secrets.token_hex(8)}"
         handle = self.transport.hold(key, buf)
         self.tickets[key] = Ticket(key, buf.numel())
