@@ -79,6 +79,7 @@ class _Running:
     tokens: int = 0  # prompt + tokens generated so far (what a recompute would prefill)
     handle: dict | None = None  # set when drain paused it with migrate_out (the source holds its KV)
     paused_at: float = 0.0
+    fallback: str | None = None  # why a migrate_out that was tried did not happen
 
 
 @dataclass
@@ -281,9 +282,12 @@ class Router:
             try:
                 events, running.handle = await asyncio.wait_for(slot.engine.migrate_out(running.request_id),
                                                                 self.migrate_timeout_s)
+                if running.handle is None:
+                    running.fallback = "source: stopped the request but could not hold its state"
                 return events
             except Exception as e:  # refused (nothing cached yet), gone, or timed out: recompute instead
                 logger.info("router: %s on %s not migrated (%r); aborting it", running.request_id, slot.name, e)
+                running.fallback = f"source: {type(e).__name__}: {e}"[:200]
         return await slot.engine.abort(running.request_id)
 
     async def _migration_pays(self, slot: EngineSlot, running: _Running) -> bool:
@@ -483,7 +487,7 @@ class Router:
                     raise NoEngineError(f"call {call_key}: engines failed {failures} times in a row, giving up")
                 await asyncio.sleep(min(self.failure_backoff_s * 2 ** (failures - 1), 2.0))
             if call.handoff is None:  # recompute: aborted on drain, or the engine failed
-                call.handoff = _Handoff(source=slot, handle=None,
+                call.handoff = _Handoff(source=slot, handle=None, fallback=running.fallback,
                                         paused_at=running.paused_at or asyncio.get_running_loop().time())
             attempt += 1
             info.reroutes += 1

@@ -54,10 +54,10 @@ async def undisturbed(model, prompt, sp):
     return out
 
 
-async def drained_run(model, *, target=None, mode="always", calls=1, cut=8):
+async def drained_run(model, *, target=None, mode="always", calls=1, cut=8, src=None):
     """Calls start on cell `c` (alone); after `cut` tokens of the first, pool `p` joins and `c`
     is drained. Returns (outputs per call, router, source, target)."""
-    src = make(model, "c")
+    src = src or make(model, "c")
     dst = target or make(model, "p")
     router = Router(migration=MigrationPolicy(mode=mode))
     for e in (src, dst):
@@ -276,3 +276,21 @@ def test_metrics_rows_count_each_reroute_once(model):
                      "reroute_bytes_moved": rec.bytes_moved, "migration_fallbacks": 0,
                      "reroute_latency_s_migrated": rec.latency_s, "reroute_latency_s_recomputed": None}
     assert second["reroutes_migrated"] == 0 and second["reroute_bytes_moved"] == 0
+
+
+class _CannotHold(LocalKvTransport):
+    def hold(self, key, buf):
+        raise MemoryError("no room to stage the KV")
+
+
+def test_source_failing_to_hold_falls_back_to_recompute(model):
+    """The source stops the request but cannot stage its state: the router gets the tokens back
+    (as from abort) and recomputes."""
+
+    async def main():
+        return await drained_run(model, src=make(model, "c", transport=_CannotHold))
+
+    (out,), router, src, _ = asyncio.run(main())
+    (rec,) = router.reroute_log
+    assert len(out) == SP.max_tokens and rec.mode == "recompute" and "could not hold" in rec.fallback
+    assert rec.tokens_recomputed >= len(PROMPT) + 8 and src.held_migrations() == 0
