@@ -64,6 +64,7 @@ async def _one_call(router, L: int, recompute: bool) -> dict:
     prompt = torch.randint(0, VOCAB, (L,), generator=torch.Generator().manual_seed(L)).tolist()
     sp = SamplingParams(max_tokens=3 * TOKENS_BEFORE, temperature=1.0, seed=L, min_tokens=3 * TOKENS_BEFORE)
     out, marks = [], {}
+    router.slots["p"].served = router.slots["c"].served + 10**6  # the call starts on c (least served)
     t0 = time.perf_counter()
     async for _ev in router.generate(f"L{L}", f"ex{L}", prompt, sp):
         out.append(_ev)
@@ -79,7 +80,8 @@ async def _one_call(router, L: int, recompute: bool) -> dict:
     await asyncio.sleep(0.05)
     router.resume("c") if router.slots["c"].state.value != "active" else None
     router.resume("p") if router.slots["p"].state.value != "active" else None
-    recs = router.reroute_log[-(2 if recompute else 1):]
+    recs = [r for r in router.reroute_log if r.call_key == f"L{L}"]
+    assert [r.source for r in recs] == (["c", "p"] if recompute else ["c"]), recs
     res = {"L": L, "tokens": len(out), "source_prefill_s": marks["first_token_s"]}
     for r in recs:
         res[r.mode] = {"latency_s": r.latency_s, "tokens_recomputed": r.tokens_recomputed, "bytes_moved": r.bytes_moved,
