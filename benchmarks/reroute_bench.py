@@ -62,7 +62,8 @@ async def _one_call(router, L: int, recompute: bool) -> dict:
     from gyre.backends.protocols import SamplingParams
 
     prompt = torch.randint(0, VOCAB, (L,), generator=torch.Generator().manual_seed(L)).tolist()
-    sp = SamplingParams(max_tokens=3 * TOKENS_BEFORE, temperature=1.0, seed=L, min_tokens=3 * TOKENS_BEFORE)
+    # long enough that each drain lands mid-generation whatever the machine's load
+    sp = SamplingParams(max_tokens=16 * TOKENS_BEFORE, temperature=1.0, seed=L, min_tokens=16 * TOKENS_BEFORE)
     out, marks = [], {}
     router.slots["p"].served = router.slots["c"].served + 10**6  # the call starts on c (least served)
     t0 = time.perf_counter()
