@@ -81,6 +81,7 @@ MODES = {
     "async_mu3": ("async", 0.0, 3, False),
 }
 SPLIT_MODES = ("async", "async_stream", "async_mu3")  # run once per --async-train-cells value
+DEFAULT_RESULTS = ROOT / "benchmarks" / "results" / "e2e_modes.json"
 WINDOW_PERIOD = 6  # lcm(2, 3): the baselines' long/short pairs and Gyre's bursts of 3 steps
 
 
@@ -113,7 +114,7 @@ def run_mode(name: str, tasks: Path, out: Path, args: argparse.Namespace) -> dic
            "--train.steps", str(args.steps), "--train.max-tokens", str(args.train_max_tokens), "--train.cell-concurrency", str(args.c_e),
            "--train.drain-at-end-s", "0", "--proxy.engine-wait-s", str(args.engine_wait_s),
            "--engine.max-batch", str(args.c_e), "--engine.min-decode-step-s", str(args.decode_step_s),
-           "--actor.min-s-per-ktok", str(args.train_s_per_ktok), *run_args(name)]
+           "--actor.min-s-per-ktok", str(args.train_s_per_ktok), "--proxy.migration", args.migration, *run_args(name)]
     load_before = os.getloadavg()
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout, check=False)
@@ -141,6 +142,8 @@ def run_mode(name: str, tasks: Path, out: Path, args: argparse.Namespace) -> dic
         "train_fraction": {c: round(f, 3) for c, f in summary["train_fraction"].items()},
         "switch_latency_s": summary["switch_latency_s"],
         "reroutes": summary["reroutes"],
+        "migration": summary.get("migration"),  # reroutes by KV migration vs recompute, tokens recomputed, bytes
+        "reroute_tokens_recomputed": sum(r.get("reroute_tokens_recomputed", 0) for r in rows),
         "calls": summary["calls"],
         "aborted_calls": summary["aborted_calls"],
         "execution_outcomes": summary["execution_outcomes"],
@@ -229,6 +232,9 @@ def main() -> int:
                         "seconds here; the 600 s default also bounds a hang at exit, see the results' notes)")
     p.add_argument("--repeats", type=int, default=2, help="runs per mode, round robin; the figures are the means")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--results", default=str(DEFAULT_RESULTS), help="where the results JSON goes")
+    p.add_argument("--migration", default="off", choices=["off", "auto", "always"],
+                   help="--proxy.migration: drained cells' calls move their KV (always/auto) or recompute (off)")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--modes", default=",".join(MODES))
     args = p.parse_args()
@@ -273,6 +279,14 @@ def main() -> int:
                 figures[f"speedup_vs_{m}"] = round(shown[m]["step_s"] / shown["gyre"]["step_s"], 3)
     figures.update({f"{m}_staleness": r["staleness_mean"] for m, r in shown.items()})
     figures["aborted_calls"] = sum(r["aborted_calls"] for r in results.values())
+    if args.migration != "off" or args.results != DEFAULT_RESULTS:  # --migration on vs off: per run
+        figures["migration"] = args.migration
+        for key, get in (("reroutes", lambda r: r["reroutes"]),
+                         ("reroute_tokens_recomputed", lambda r: r["reroute_tokens_recomputed"]),
+                         ("migrated_calls", lambda r: (r["migration"] or {}).get("migrated")),
+                         ("migration_fallbacks", lambda r: (r["migration"] or {}).get("fallbacks")),
+                         ("migrated_bytes", lambda r: (r["migration"] or {}).get("bytes_moved"))):
+            figures[key] = {n: [get(r) for r in rs] for n, rs in runs.items()}
     figures["timed_out"] = {m: r["execution_outcomes"].get("timed_out", 0) for m, r in shown.items()}
     print()
     print(f"{'run':10s} {'s/step':>8s} {'runs':>16s} {'E[d]':>6s} {'outcomes':>44s}")
@@ -310,7 +324,7 @@ def main() -> int:
                     "~8.5 s / ~3.5 s; executions still running after the last step are cancelled (cancelled_at_end), "
                     "not aborted by a switch",
     }
-    dest = ROOT / "benchmarks" / "results" / "e2e_modes.json"
+    dest = Path(args.results)
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(record, indent=2))
     print(json.dumps(figures))

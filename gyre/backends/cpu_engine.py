@@ -48,6 +48,7 @@ import torch
 
 from gyre.backends.config import CpuEngineConfig
 from gyre.backends.decoder import DecoderWeights, KVCache, extend
+from gyre.backends.migration import KvTransport, MigrationRefused, RequestState, Tickets, pack_state, unpack_state
 from gyre.backends.protocols import EngineHealth, SamplingParams, TokenEvent
 from gyre.backends.sampling import sample_token, sampling_logprobs, top_logprobs
 
@@ -113,6 +114,9 @@ class CpuEngine:
         self.tokens_generated = 0
         self.paced_s = 0.0  # seconds slept to hold decode steps at min_decode_step_s
         self.slow_steps = 0  # steps whose compute alone exceeded min_decode_step_s
+        # KV migration (`gyre.backends.migration`): off until a transport is attached
+        self._tickets: Tickets | None = None
+        self._parked: dict[str, tuple[RequestState, KVCache, torch.Generator, float]] = {}
 
     @classmethod
     def from_model(cls, model, **kwargs) -> "CpuEngine":
@@ -244,12 +248,14 @@ class CpuEngine:
         if self.state is not EngineState.RUNNING:
             raise RuntimeError(f"CpuEngine.generate({request_id}): engine is {self.state.value}")
         self._validate(request_id, input_ids, sampling)
-        gen = torch.Generator()
-        if sampling.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(int(sampling.seed))
-        req = _Request(request_id, [int(t) for t in input_ids], sampling, gen, asyncio.Queue())
+        req = self._adopt(request_id, input_ids, sampling)  # a migrated-in request continues
+        if req is None:
+            gen = torch.Generator()
+            if sampling.seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(int(sampling.seed))
+            req = _Request(request_id, [int(t) for t in input_ids], sampling, gen, asyncio.Queue())
         self._requests[request_id] = req
         self._waiting.append(req)
         self._wake.set()
@@ -401,3 +407,143 @@ class CpuEngine:
         req.queue.put_nowait(ev)
         if reason is not None:
             self._finish(req, reason)
+
+    # ---------------------------------------------------------------- KV migration (gyre.backends.migration)
+    def attach_kv_transport(self, transport: KvTransport, *, measure_prefill: bool = False) -> None:
+        """Enable migration: held exports are served over `transport`, imports pulled with it.
+        `measure_prefill`: time a 512-token prefill now (the cost rule's recompute rate)."""
+        self._tickets = Tickets(transport)
+        if measure_prefill:
+            self.prefill_tok_s = self._prefill_rate(512)
+            logger.info("engine %s: prefill %.0f tokens/s (for the migration cost rule)", self.name, self.prefill_tok_s)
+
+    @property
+    def supports_migration(self) -> bool:
+        return self._tickets is not None
+
+    def _model_signature(self) -> dict:
+        w = self._weights
+        return {"num_layers": w.num_layers, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
+                "dtype": str(w.dtype).removeprefix("torch.")}
+
+    def kv_bytes_per_token(self) -> int:
+        w = self._weights
+        return 2 * w.num_layers * w.num_kv_heads * w.head_dim * w.tensors["model.embed_tokens.weight"].element_size()
+
+    async def migration_info(self) -> dict:
+        return {"kv_bytes_per_token": self.kv_bytes_per_token(), "prefill_tok_s": getattr(self, "prefill_tok_s", None),
+                "transport": self._tickets.transport.name if self._tickets is not None else None}
+
+    async def export_request(self, request_id: str) -> RequestState:
+        """Stop a running request between decode steps and return its state; its stream ends
+        as on abort. The KV tensors in the state are views of the request's cache (on the cache's
+        own device), kept alive by the state alone. Refuses (MigrationRefused, request untouched)
+        a request that has no complete cache yet (waiting, or caches dropped by a weight update).
+
+        Exactness: the importer continues bit for bit what this engine would have computed, as
+        long as the batch it decodes in has the same composition (row results of a batched matmul
+        depend on the batch size, on any engine)."""
+        async with self._step_lock:  # no step in flight: fed / out / cache agree
+            req = self._requests.get(request_id)
+            if req is None:
+                raise KeyError(f"export_request: no request {request_id!r} in flight")
+            cache = req.cache
+            if (req.finish is not None or req not in self._running or cache is None or not req.out
+                    or cache.length != len(req.prompt) + len(req.out) - 1):
+                raise MigrationRefused(f"export_request({request_id}): nothing to move yet (waiting, finished, "
+                                       f"or its cache was dropped)")
+            n = cache.length
+            state = RequestState(prompt=list(req.prompt), events=list(req.out), sampling=req.sampling,
+                                 kv_k=[k[:, :n] for k in cache.k], kv_v=[v[:, :n] for v in cache.v], kv_length=n,
+                                 kv_version=self.version, rng_state=req.generator.get_state(),
+                                 rng_device=str(req.generator.device), model=self._model_signature())
+            self._finish(req, "abort")
+        return state
+
+    def import_request(self, request_id: str, state: RequestState) -> None:
+        """Park `state` under `request_id`; the next `generate(request_id, state.sequence(), ...)`
+        continues it instead of prefilling. Raises MigrationRefused when it cannot continue here."""
+        if self.state is not EngineState.RUNNING:
+            raise MigrationRefused(f"import_request({request_id}): engine is {self.state.value}")
+        if state.model != self._model_signature():
+            raise MigrationRefused(f"import_request({request_id}): KV of model {state.model}, this engine serves {self._model_signature()}")
+        if state.kv_version != self.version and self.config.recompute_kv_on_update:
+            raise MigrationRefused(f"import_request({request_id}): KV of version {state.kv_version}, engine at {self.version}")
+        total = len(state.prompt) + len(state.events)
+        if state.kv_length != total - 1 or total >= self.config.max_model_len:
+            raise MigrationRefused(f"import_request({request_id}): {state.kv_length} cached of {total} tokens "
+                                   f"(max_model_len {self.config.max_model_len})")
+        if request_id in self._requests or request_id in self._parked:
+            raise MigrationRefused(f"import_request: request id {request_id!r} already here")
+        now = time.monotonic()
+        for rid in [r for r, p in self._parked.items() if now - p[3] > 600]:  # never adopted: the router went away
+            logger.warning("engine: dropping migrated request %s never continued", rid)
+            del self._parked[rid]
+        left = max(1, state.sampling.max_tokens - len(state.events))
+        cache = KVCache.empty(self._weights, total + min(left, 256))
+        for dst, src in zip(cache.k + cache.v, state.kv_k + state.kv_v):
+            dst[:, : state.kv_length].copy_(src)  # to the cache's own device
+        cache.length = state.kv_length
+        gen = torch.Generator(device=state.rng_device)
+        gen.set_state(state.rng_state.to("cpu"))
+        self._parked[request_id] = (state, cache, gen, now)
+
+    def _adopt(self, request_id: str, input_ids: list[int], sampling: SamplingParams) -> _Request | None:
+        parked = self._parked.pop(request_id, None)
+        if parked is None:
+            return None
+        state, cache, gen, _ = parked
+        if [int(t) for t in input_ids] != state.sequence():
+            logger.warning("generate(%s): input differs from the migrated request's tokens; recomputing", request_id)
+            return None
+        return _Request(request_id, state.sequence(), sampling, gen, asyncio.Queue(), cache=cache, fed=cache.length)
+
+    def drop_import(self, request_id: str) -> bool:
+        return self._parked.pop(request_id, None) is not None
+
+    async def migrate_out(self, request_id: str) -> tuple[list[TokenEvent], dict | None]:
+        """Two-phase, source side: stop the request, hold its packed state on the KV transport.
+        Returns (every event generated, handle for the target; None when packing failed, then the
+        caller recomputes). Raises MigrationRefused/KeyError with the request untouched."""
+        if self._tickets is None:
+            raise MigrationRefused(f"engine {self.name}: no KV transport attached")
+        state = await self.export_request(request_id)
+        try:
+            buf = await asyncio.to_thread(pack_state, state)
+            return state.events, self._tickets.hold(request_id, buf)
+        except Exception as e:  # the request is already stopped: hand back its tokens anyway
+            logger.warning("engine %s: packing %s for migration failed: %r", self.name, request_id, e)
+            return state.events, None
+
+    async def migrate_in(self, request_id: str, handle: dict) -> int:
+        """Two-phase, target side: pull the held state, park it under `request_id`; the ack is
+        this returning (bytes moved). Raises on refusal or transport failure."""
+        if self._tickets is None:
+            raise MigrationRefused(f"engine {self.name}: no KV transport attached")
+        if handle.get("transport") != self._tickets.transport.name:
+            raise MigrationRefused(f"engine {self.name}: handle for transport {handle.get('transport')!r}, "
+                                   f"this engine uses {self._tickets.transport.name!r}")
+        buf = await asyncio.to_thread(self._tickets.transport.pull, handle)
+        state = await asyncio.to_thread(unpack_state, buf)
+        self.import_request(request_id, state)
+        return int(buf.numel())
+
+    async def migrate_release(self, key: str) -> bool:
+        """Two-phase, source side: drop a held state (after the target's ack, or a failure)."""
+        return self._tickets.release(key) if self._tickets is not None else False
+
+    def held_migrations(self) -> int:
+        return len(self._tickets.tickets) if self._tickets is not None else 0
+
+    async def measure_prefill_tok_s(self, tokens: int = 512) -> float:
+        """Prefill throughput (tokens/s) of one `tokens`-long prompt on the current weights."""
+        return await asyncio.to_thread(self._prefill_rate, tokens)
+
+    def _prefill_rate(self, tokens: int) -> float:
+        w = self._weights
+        ids = torch.randint(0, self.model_config.vocab_size, (tokens,))
+        cache = KVCache.empty(w, tokens)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            extend(w, ids, torch.arange(tokens), [tokens], [cache])
+        return tokens / max(time.perf_counter() - t0, 1e-9)

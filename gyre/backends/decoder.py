@@ -179,6 +179,29 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
+_QUERY_BLOCK = 2048  # queries per attention pass of a long prefill (see extend)
+
+
+def _attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, past: int, nkv: int, groups: int, hd: int,
+            scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Causal attention of s new queries q [s, nh, hd] at positions past..past+s-1 against the
+    cache's keys/values kc, vc [nkv, ≥ past+s, hd]. Returns [s, nh, hd]."""
+    s_i = q.shape[0]
+    total = past + s_i
+    # GQA without copying the cache: query head h = kv·groups + g reads KV head kv, so
+    # fold the groups into the query rows: [s, nh, hd] → [nkv, groups·s, hd]
+    qi = q.reshape(s_i, nkv, groups, hd).permute(1, 2, 0, 3).reshape(nkv, groups * s_i, hd)
+    # plain matmul attention: at these sizes torch's CPU SDPA kernel costs far more
+    scores = torch.matmul(qi, kc[:, :total].transpose(1, 2)) * scale  # [nkv, groups·s, L]
+    if s_i > 1:
+        # query j sits at absolute position past + j and sees keys 0..past + j
+        mask = torch.ones(s_i, total, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        scores = scores.view(nkv, groups, s_i, total).masked_fill(~mask, float("-inf")).view(nkv, groups * s_i, total)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(dtype, torch.float32)).to(dtype)
+    out = torch.matmul(probs, vc[:, :total])  # [nkv, groups·s, hd]
+    return out.view(nkv, groups, s_i, hd).permute(2, 0, 1, 3).reshape(s_i, q.shape[1], hd)
+
+
 def extend(w: DecoderWeights, ids: torch.Tensor, positions: torch.Tensor, seqlens: list[int],
            caches: list[KVCache], *, all_logits: bool = False) -> torch.Tensor:
     """Append `seqlens[i]` new tokens to request i's cache and return logits.
@@ -223,18 +246,12 @@ def extend(w: DecoderWeights, ids: torch.Tensor, positions: torch.Tensor, seqlen
             kc, vc = cache.k[layer], cache.v[layer]
             kc[:, past:total] = k[a:b].transpose(0, 1)
             vc[:, past:total] = v[a:b].transpose(0, 1)
-            # GQA without copying the cache: query head h = kv·groups + g reads KV head kv, so
-            # fold the groups into the query rows: [s, nh, hd] → [nkv, groups·s, hd]
-            qi = q[a:b].view(s_i, nkv, groups, hd).permute(1, 2, 0, 3).reshape(nkv, groups * s_i, hd)
-            # plain matmul attention: at these sizes torch's CPU SDPA kernel costs far more
-            scores = torch.matmul(qi, kc[:, :total].transpose(1, 2)) * scale  # [nkv, groups·s, L]
-            if s_i > 1:
-                # query j sits at absolute position past + j and sees keys 0..past + j
-                mask = torch.ones(s_i, total, dtype=torch.bool, device=x.device).tril(diagonal=past)
-                scores = scores.view(nkv, groups, s_i, total).masked_fill(~mask, float("-inf")).view(nkv, groups * s_i, total)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)
-            out = torch.matmul(probs, vc[:, :total])  # [nkv, groups·s, hd]
-            attn[a:b] = out.view(nkv, groups, s_i, hd).permute(2, 0, 1, 3).reshape(s_i, nh, hd)
+            # A long prefill runs in blocks of queries, each against the keys it can see: the
+            # scores are [nkv, groups·block, keys], not [.., s², ..] (16k tokens at once: ~17 GB).
+            # Up to one block (every decode step) it is the single pass it always was.
+            for j0 in range(0, s_i, _QUERY_BLOCK):
+                j1 = min(s_i, j0 + _QUERY_BLOCK)
+                attn[a + j0 : a + j1] = _attend(q[a + j0 : a + j1], kc, vc, past + j0, nkv, groups, hd, scale, x.dtype)
         x = x + F.linear(attn.reshape(n, nh * hd), t[p + "self_attn.o_proj.weight"])
         h = rms_norm(x, t[p + "post_attention_layernorm.weight"], w.eps)
         mlp = F.silu(F.linear(h, t[p + "mlp.gate_proj.weight"])) * F.linear(h, t[p + "mlp.up_proj.weight"])

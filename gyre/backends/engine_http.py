@@ -157,6 +157,35 @@ def _engine_app(engine: RolloutEngine, secret: str) -> web.Application:
         await engine.update_weights(state, version)
         return web.json_response({"ok": True})
 
+    async def migration(request: web.Request) -> web.Response:
+        """The KV-migration control messages (`gyre.backends.migration`): small JSON both ways;
+        the KV itself moves over the engines' KV transport, never here. 409: refused."""
+        from gyre.backends.migration import MigrationRefused
+        from gyre.backends.protocols import can_migrate
+
+        op = request.match_info["op"]
+        if not can_migrate(engine):
+            return web.json_response({"error": f"engine {engine.name}: no KV migration"}, status=409)
+        try:
+            if op == "migration_info":
+                return web.json_response(await engine.migration_info())
+            body = await request.json()
+            if op == "migrate_out":
+                events, handle = await engine.migrate_out(str(body["request_id"]))
+                return web.json_response({"tokens": [event_row(e) for e in events], "handle": handle})
+            if op == "migrate_in":
+                return web.json_response({"bytes": await engine.migrate_in(str(body["request_id"]), body["handle"])})
+            if op == "migrate_release":
+                return web.json_response({"released": await engine.migrate_release(str(body["key"]))})
+        except (MigrationRefused, NotImplementedError) as e:
+            return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=409)
+        except KeyError as e:
+            return web.json_response({"error": f"KeyError: {e}"}, status=404)
+        except Exception as e:  # a transport failure: the router falls back to recompute
+            logger.warning("engine %s: %s failed: %r", engine.name, op, e)
+            return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=502)
+        return web.json_response({"error": f"unknown migration op {op!r}"}, status=404)
+
     def simple(method: str):
         async def handler(request: web.Request) -> web.Response:
             await getattr(engine, method)()
@@ -179,6 +208,9 @@ def _engine_app(engine: RolloutEngine, secret: str) -> web.Application:
     app.router.add_post("/update_weights", update_weights)
     for m in ("release_memory", "resume", "start"):
         app.router.add_post(f"/{m}", simple(m))
+    for op in ("migrate_out", "migrate_in", "migrate_release"):
+        app.router.add_post("/{op:" + op + "}", migration)
+    app.router.add_get("/{op:migration_info}", migration)
     app.router.add_get("/health", health)
     app.router.add_get("/info", info)
     return app
@@ -406,6 +438,36 @@ class HttpEngine:
 
     async def resume(self) -> None:
         await self._post("/resume")
+
+    # KV migration (optional `MigratableEngine`): the served engine decides; 409 is its refusal.
+    supports_migration = True
+
+    async def _migration(self, op: str, body: dict | None = None) -> dict:
+        from gyre.backends.migration import MigrationRefused
+
+        call = self._sess().get(self.url + "/" + op) if body is None else self._sess().post(self.url + "/" + op, json=body)
+        async with call as r:
+            data = await r.json(content_type=None)
+            if r.status == 409:
+                raise MigrationRefused(f"engine {self.name}: {data.get('error')}")
+            if r.status == 404:
+                raise KeyError(f"engine {self.name}: {data.get('error')}")
+            if r.status != 200:
+                raise RuntimeError(f"engine {self.name}: {op} -> HTTP {r.status}: {data.get('error')}")
+            return data
+
+    async def migration_info(self) -> dict:
+        return await self._migration("migration_info")
+
+    async def migrate_out(self, request_id: str) -> tuple[list[TokenEvent], dict | None]:
+        data = await self._migration("migrate_out", {"request_id": request_id})
+        return parse_events(data["tokens"]), data["handle"]
+
+    async def migrate_in(self, request_id: str, handle: dict) -> int:
+        return int((await self._migration("migrate_in", {"request_id": request_id, "handle": handle}))["bytes"])
+
+    async def migrate_release(self, key: str) -> bool:
+        return bool((await self._migration("migrate_release", {"key": key}))["released"])
 
     async def health(self) -> EngineHealth:
         async with self._sess().get(self.url + "/health") as r:

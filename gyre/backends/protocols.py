@@ -107,6 +107,45 @@ class RolloutEngine(Protocol):
 
 
 @runtime_checkable
+class MigratableEngine(Protocol):
+    """Optional part of `RolloutEngine`: KV migration of a running request (docs/design.md §3;
+    the two-phase handshake is in `gyre.backends.migration`). An engine has it when
+    `supports_migration` is True (`can_migrate`); the router then offers a drained call to a
+    target by migration and falls back to recompute on any failure.
+
+    Implementations: `CpuEngine` (with a KV transport attached), `HttpEngine` (forwards to the
+    served engine, which may refuse). `SGLangEngine` raises NotImplementedError (see its note)."""
+
+    supports_migration: bool
+
+    async def migration_info(self) -> dict[str, Any]:
+        """{"kv_bytes_per_token": int, "transport": str} (what the router's cost rule needs)."""
+        ...
+
+    async def migrate_out(self, request_id: str) -> tuple[list[TokenEvent], dict[str, Any] | None]:
+        """Phase 1, source: stop `request_id` between decode steps, hold its state; return every
+        event it generated (as `abort` does) and a small handle for the target (None: nothing
+        held, recompute). Raises `migration.MigrationRefused`/KeyError with the request untouched."""
+        ...
+
+    async def migrate_in(self, request_id: str, handle: dict[str, Any]) -> int:
+        """Phase 2, target: pull the held state over the KV transport and park it under
+        `request_id` (the next `generate(request_id, prompt + generated, ...)` continues it).
+        Returning is the acknowledgement (bytes moved); raising is a refusal."""
+        ...
+
+    async def migrate_release(self, key: str) -> bool:
+        """Phase 3, source: drop the held state `handle["key"]` (after the ack, or a failure)."""
+        ...
+
+
+def can_migrate(engine: Any) -> bool:
+    """Does `engine` implement the optional migration methods and say it supports them?"""
+    return bool(getattr(engine, "supports_migration", False)) and all(
+        callable(getattr(engine, m, None)) for m in ("migration_info", "migrate_out", "migrate_in", "migrate_release"))
+
+
+@runtime_checkable
 class Actor(Protocol):
     """A training actor replica in one cell (docs/design.md §3): exactly what the cell worker
     (`gyre.runtime.worker`) and `gyre.runtime.samples.train_bundle` call. Only the core's actor

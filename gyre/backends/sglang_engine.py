@@ -529,6 +529,28 @@ class SglangEngine:
                             detail={"state": self.state.value, "aborting": len(self._aborting),
                                     "version_mismatches": self.version_mismatches})
 
+    # KV migration (`protocols.MigratableEngine`): not yet. `supports_migration` is False, so the
+    # router recomputes; a direct call says why. Design note - which SGLang mechanism would carry it:
+    # PD disaggregation's KV transfer, not HiCache. Its sender/receiver pair
+    # (python/sglang/srt/disaggregation/base/conn.py: BaseKVSender.init/send(kv_indices),
+    # BaseKVReceiver.send_metadata(kv_indices), KVPoll) with the Mooncake backend
+    # (disaggregation/mooncake/conn.py: MooncakeKVManager, RDMA writes into pages the receiver
+    # preallocated, decode.py's DecodePreallocQueue) is already a two-phase, point-to-point page move
+    # with a completion poll before the sender frees - our handshake. What it lacks: it runs only
+    # prefill → decode at the end of a prefill (one server is either mode), so the source would
+    # need a "send a running request's pages" path (its req_to_token row, prompt + generated) and
+    # the target a decode-side entry that adopts them with the request's output ids, and the
+    # sampler's per-request RNG position would have to travel in the aux/metadata buffer.
+    # HiCache (mem_cache/hiradix_cache.py + an L3 storage backend such as Mooncake store) shares
+    # prefix pages by token hash: a target could load a prefix the source wrote through instead of
+    # recomputing it, but with no handshake (the source may evict first) and without the sampling
+    # state, so not token-exact.
+    supports_migration = False
+
+    async def migrate_out(self, request_id: str):
+        raise NotImplementedError("SGLang engine: KV migration is not wired (see the note above "
+                                  "SglangEngine.supports_migration); the router recomputes instead")
+
     def load(self) -> int:
         return len(self._requests)
 

@@ -89,6 +89,19 @@ class ProxyConfig:
     """Reroutes (drain or engine failure) allowed per call before it fails with an error."""
     engine_wait_s: float = 600.0
     """How long a call waits for any engine to be in rollout before failing with 503/529."""
+    migration: Literal["off", "auto", "always"] = "off"
+    """A drained cell's in-flight calls (docs/design.md §3): `off` recomputes each call's prefix
+    (prompt + generated) on its new engine; `always` moves its KV cache, sampling state and
+    tokens there instead (two-phase: the source frees it only after the target's ack; any failure
+    falls back to recompute); `auto` moves it where that is cheaper: KV bytes / transport bandwidth
+    < prefill tokens / the engine's prefill throughput (gyre/backends/migration.py)."""
+    migration_transport: Literal["gloo", "mooncake"] = "gloo"
+    """How migrated KV moves between engine ranks: gloo point-to-point on a group of its own, or
+    the Mooncake Transfer Engine (TCP here, RDMA on clusters). Never through the proxy."""
+    migration_bandwidth_gbps: float = 0.0
+    """The `auto` rule's transport bandwidth in GB/s; 0 = learned from the migrations themselves."""
+    migration_prefill_tok_s: float = 0.0
+    """The `auto` rule's prefill throughput; 0 = each engine's measurement at start-up."""
     tokenizer_path: str | None = None
     """Tokenizer directory; None = the committed one (gyre/assets/tokenizer)."""
     admin_token: str | None = None

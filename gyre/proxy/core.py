@@ -54,6 +54,7 @@ from gyre.proxy.config import ProxyConfig
 from gyre.proxy.keys import KeyInfo, KeyRegistry
 from gyre.proxy.roles import RoleClassifier
 from gyre.proxy.render import UNMATCHED_KINDS, ChatRenderer, PromptTooLong, Rendered, StoredTurn, TurnStore, turn_fingerprint
+from gyre.backends.migration import MigrationPolicy
 from gyre.proxy.router import NoEngineError, RouteInfo, Router
 from gyre.proxy.sink import MemorySink, RecordSink
 from gyre.proxy.textstream import Detokenizer, StopMatcher, ToolCall, ToolCallParser, tool_call_opening
@@ -395,7 +396,9 @@ class Proxy:
         self.token_table = token_bytes(self.tokenizer)
         self.eos_ids = frozenset(self.tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT]))
         self.router = router or Router(affinity_slack=c.affinity_slack, max_reroutes=c.max_reroutes, engine_wait_s=c.engine_wait_s,
-                                       progress_timeout_s=c.engine_progress_timeout_s)
+                                       progress_timeout_s=c.engine_progress_timeout_s,
+                                       migration=MigrationPolicy(mode=c.migration, bandwidth_Bps=c.migration_bandwidth_gbps * 1e9,
+                                                                 prefill_tok_s=c.migration_prefill_tok_s))
         self.sink = sink if sink is not None else MemorySink()
         self.keys = KeyRegistry()
         self.classifier = RoleClassifier(c.roles)

@@ -24,6 +24,16 @@ limit) goes unanswered, and is used again as soon as one is answered. Each of it
 on within `progress_timeout_s` of its last token, so a frozen engine costs a call at most that
 long, never the harness's own timeout.
 
+Migration (`migration`, a `gyre.backends.migration.MigrationPolicy`; off by default): on drain, a
+call whose engine can export it (`protocols.can_migrate`) and for which the cost rule says moving
+its KV beats recomputing its prefix is paused with `migrate_out` instead of `abort` (same events
+back, plus a handle). When the call resumes on its target, the target pulls the KV
+(`migrate_in`: the ack), only then the source is told to release it, and the target's
+`generate` continues the request with 0 tokens recomputed. Any failure (refusal, transport error,
+source gone) falls back to recompute from the events already seen: never an abort. Every reroute
+is recorded (`RerouteRecord`: mode, tokens recomputed, bytes moved, latency from the pause to the
+first token on the target) in `reroute_log` and summed in `stats()["migration"]`.
+
 Engine slot lifecycle (`SlotState`):
     ACTIVE   --drain()-->   DRAINING  (no new calls; in-flight calls being moved)
     DRAINING --(empty)-->   DRAINED
@@ -41,7 +51,8 @@ import secrets
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Literal
 
-from gyre.backends.protocols import RolloutEngine, SamplingParams, TokenEvent
+from gyre.backends.migration import MigrationPolicy
+from gyre.backends.protocols import RolloutEngine, SamplingParams, TokenEvent, can_migrate
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +88,43 @@ class _Running:
     request_id: str
     drained: bool = False
     abort_result: asyncio.Future | None = None
+    tokens: int = 0  # prompt + tokens generated so far (what a recompute would prefill)
+    handle: dict | None = None  # set when drain paused it with migrate_out (the source holds its KV)
+    paused_at: float = 0.0
+    fallback: str | None = None  # why a migrate_out that was tried did not happen
+
+
+@dataclass
+class RerouteRecord:
+    """One reroute of one call: how it continued and what that cost."""
+
+    call_key: str
+    source: str
+    target: str
+    mode: Literal["migrate", "recompute"]
+    tokens_recomputed: int  # tokens the target prefilled again (0 for a migrated call)
+    bytes_moved: int  # KV bytes pulled by the target
+    latency_s: float  # from the pause on the source to the first token on the target (-1: none came)
+    fallback: str | None = None  # why a migration that was tried fell back to recompute
+
+
+@dataclass
+class _Handoff:
+    """A paused call's way back in: the source slot holding its KV (if migrated out), when it paused."""
+
+    source: EngineSlot
+    handle: dict | None
+    paused_at: float
+    fallback: str | None = None
+
+
+@dataclass
+class _CallMigration:
+    """A routed call's pending handover: set when its engine paused it, cleared at its next
+    engine's first token (then recorded as a `RerouteRecord`)."""
+
+    handoff: _Handoff | None = None
+    record: RerouteRecord | None = None
 
 
 @dataclass(eq=False)
@@ -129,7 +177,8 @@ def call_finished(events: list[TokenEvent], sampling: SamplingParams, eos_ids: f
 class Router:
     def __init__(self, *, affinity_slack: int = 2, max_reroutes: int = 16, engine_wait_s: float = 600.0,
                  failure_backoff_s: float = 0.05, failure_cooldown_s: float = 5.0, max_failures: int = 3,
-                 progress_timeout_s: float = 0.0, health_interval_s: float = 5.0) -> None:
+                 progress_timeout_s: float = 0.0, health_interval_s: float = 5.0,
+                 migration: MigrationPolicy | None = None, migrate_timeout_s: float = 60.0) -> None:
         self.affinity_slack = affinity_slack
         self.max_reroutes = max_reroutes
         self.engine_wait_s = engine_wait_s
@@ -146,6 +195,13 @@ class Router:
         self.engine_failures = 0
         self.stalls = 0  # calls moved off an engine that sent no token for progress_timeout_s
         self.closed = False
+        self.migration = migration or MigrationPolicy(mode="off")
+        self.migrate_timeout_s = migrate_timeout_s
+        self.reroute_log: list[RerouteRecord] = []
+        self._engine_info: dict[str, dict] = {}  # engine name → its migration_info() (asked once)
+        self._totals: dict[str, float] = {}  # sums over reroute_log, never trimmed
+        self._logged_total = 0  # records ever appended to reroute_log
+        self._taken = 0  # of which take_reroutes() has handed out
 
     async def close(self) -> None:
         """The run is over: calls waiting for a rollout engine (and any new ones) fail now with
@@ -220,7 +276,7 @@ class Router:
                 running.drained = True
                 running.abort_result = loop.create_future()
             moved += len(batch)
-            results = await asyncio.gather(*(slot.engine.abort(r.request_id) for r in batch), return_exceptions=True)
+            results = await asyncio.gather(*(self._pause(slot, r) for r in batch), return_exceptions=True)
             for running, result in zip(batch, results):
                 if isinstance(result, BaseException):  # going away anyway: continue from what was seen
                     logger.warning("router: abort of %s on %s failed: %r", running.request_id, name, result)
@@ -234,6 +290,74 @@ class Router:
             slot.set_state(SlotState.DRAINED)
         logger.info("router: drained %s, %d in-flight calls moved", name, moved)
         return moved
+
+    async def _pause(self, slot: EngineSlot, running: _Running) -> list[TokenEvent]:
+        """Stop one drained call on `slot`: by `migrate_out` where migration pays (the source then
+        holds its KV), else by `abort`. Returns every event it generated."""
+        running.paused_at = asyncio.get_running_loop().time()
+        if await self._migration_pays(slot, running):
+            try:
+                events, running.handle = await asyncio.wait_for(slot.engine.migrate_out(running.request_id),
+                                                                self.migrate_timeout_s)
+                if running.handle is None:
+                    running.fallback = "source: stopped the request but could not hold its state"
+                return events
+            except Exception as e:  # refused (nothing cached yet), gone, or timed out: recompute instead
+                logger.info("router: %s on %s not migrated (%r); aborting it", running.request_id, slot.name, e)
+                running.fallback = f"source: {type(e).__name__}: {e}"[:200]
+        return await slot.engine.abort(running.request_id)
+
+    async def _migration_pays(self, slot: EngineSlot, running: _Running) -> bool:
+        if self.migration.mode == "off" or not can_migrate(slot.engine):
+            return False
+        if not any(s.state is SlotState.ACTIVE and can_migrate(s.engine) for s in self.slots.values()):
+            return False  # no retained engine could import it
+        info = self._engine_info.get(slot.name)
+        if info is None:
+            try:
+                info = await slot.engine.migration_info()
+            except Exception as e:  # asked once: an engine that cannot tell is never migrated from
+                logger.warning("router: %s gave no migration info (%r); recomputing its calls", slot.name, e)
+                info = {}
+            self._engine_info[slot.name] = info
+        if not info.get("kv_bytes_per_token"):
+            return False
+        try:
+            return self.migration.pays(running.tokens, int(info["kv_bytes_per_token"]), info.get("prefill_tok_s"))
+        except ValueError as e:  # auto with no prefill rate anywhere
+            logger.warning("router: %r; recomputing", e)
+            return False
+
+    async def _handover(self, handoff: _Handoff, target: EngineSlot, request_id: str) -> int | None:
+        """Phase 2 and 3: the target pulls the KV (its return is the ack), then the source releases
+        it. Returns the bytes moved, or None (fell back: `handoff.fallback` says why). The source's
+        copy is released on every path, but on success only after the ack."""
+        moved = None
+        try:
+            if not can_migrate(target.engine):
+                handoff.fallback = f"target {target.name} cannot import"
+            else:
+                t0 = asyncio.get_running_loop().time()
+                moved = await asyncio.wait_for(target.engine.migrate_in(request_id, handoff.handle), self.migrate_timeout_s)
+                self.migration.observe(moved, asyncio.get_running_loop().time() - t0)  # the learned bandwidth
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # refused, transport error, source gone mid-transfer
+            handoff.fallback = f"{type(e).__name__}: {e}"[:200]
+            logger.warning("router: migrating %s from %s to %s failed (%s); recomputing", request_id,
+                           handoff.source.name, target.name, handoff.fallback)
+        finally:
+            await self._release(handoff)
+        return moved
+
+    async def _release(self, handoff: _Handoff) -> None:
+        handle, handoff.handle = handoff.handle, None
+        if handle is None:
+            return
+        try:
+            await handoff.source.engine.migrate_release(handle["key"])
+        except Exception as e:  # the source is gone: so is what it held
+            logger.info("router: release of %s on %s: %r", handle.get("key"), handoff.source.name, e)
 
     # ---- selection --------------------------------------------------------------------------
     def _pick(self, execution_id: str, rerouting: bool) -> EngineSlot | None:
@@ -293,6 +417,16 @@ class Router:
     ) -> AsyncIterator[TokenEvent]:
         """Stream the tokens of one call, moving it between engines as needed."""
         info = info if info is not None else RouteInfo()
+        call = _CallMigration()
+        try:
+            async for ev in self._route(call_key, execution_id, input_ids, sampling, info, eos_ids, call):
+                yield ev
+        finally:
+            if call.handoff is not None and call.handoff.handle is not None:  # ended before continuing
+                self._spawn(asyncio.get_running_loop(), self._release(call.handoff))
+
+    async def _route(self, call_key: str, execution_id: str, input_ids: list[int], sampling: SamplingParams,
+                     info: RouteInfo, eos_ids: frozenset[int], call: "_CallMigration") -> AsyncIterator[TokenEvent]:
         events: list[TokenEvent] = []
         attempt = 0
         failures = 0  # engine failures in a row without a new token
@@ -311,6 +445,9 @@ class Router:
             sp = replace(sampling, max_tokens=sampling.max_tokens - len(events),
                          min_tokens=max(0, sampling.min_tokens - len(events)))
             prompt = input_ids + [e.token_id for e in events] if events else input_ids
+            running.tokens = len(prompt)
+            if call.handoff is not None:
+                await self._continue(call, slot, running.request_id, call_key, len(prompt))
             try:
                 stream = slot.engine.generate(running.request_id, prompt, sp)
                 try:
@@ -325,6 +462,9 @@ class Router:
                             break  # the engine went past the end of the call: stop it (below)
                         events.append(ev)
                         consumed += 1
+                        running.tokens += 1
+                        if call.record is not None:  # the continuation's first token: the reroute is done
+                            self._log_reroute(call, asyncio.get_running_loop().time())
                         yield ev
                         # Keep reading to the stream's own end rather than breaking here: an HTTP
                         # engine's connection can then be reused instead of being torn down.
@@ -345,6 +485,8 @@ class Router:
                 logger.warning("router: engine %s failed on %s after %d tokens: %r", slot.name, call_key, len(events), e)
             finally:
                 slot.inflight.pop(running.request_id, None)
+            if call.record is not None:  # this engine ended before its first token: the reroute led nowhere
+                self._log_reroute(call, None)
             if running.drained and running.abort_result is not None:
                 result = await running.abort_result
                 if result is not None:
@@ -353,6 +495,8 @@ class Router:
                             break
                         events.append(ev)
                         yield ev
+                if running.handle is not None:  # paused by migrate_out: the source holds its KV for us
+                    call.handoff = _Handoff(source=slot, handle=running.handle, paused_at=running.paused_at)
             if call_finished(events, sampling, eos_ids):
                 return
             if not running.drained and not failed:
@@ -362,6 +506,9 @@ class Router:
                 if failures >= self.max_failures:
                     raise NoEngineError(f"call {call_key}: engines failed {failures} times in a row, giving up")
                 await asyncio.sleep(min(self.failure_backoff_s * 2 ** (failures - 1), 2.0))
+            if call.handoff is None:  # recompute: aborted on drain, or the engine failed
+                call.handoff = _Handoff(source=slot, handle=None, fallback=running.fallback,
+                                        paused_at=running.paused_at or asyncio.get_running_loop().time())
             attempt += 1
             info.reroutes += 1
             self.reroutes += 1
@@ -401,6 +548,50 @@ class Router:
             logger.warning("router: engine %s answers its health check again; routing to it", slot.name)
             await self._notify()
 
+    async def _continue(self, call: _CallMigration, target: EngineSlot, request_id: str, call_key: str, tokens: int) -> None:
+        """Before a paused call's next engine request: migrate its KV there if its source holds it;
+        open the reroute's record (closed at the first token, `_log_reroute`)."""
+        handoff = call.handoff
+        moved = await self._handover(handoff, target, request_id) if handoff.handle is not None else None
+        call.record = RerouteRecord(call_key=call_key, source=handoff.source.name, target=target.name,
+                                    mode="migrate" if moved is not None else "recompute",
+                                    tokens_recomputed=0 if moved is not None else tokens, bytes_moved=moved or 0,
+                                    latency_s=-1.0, fallback=handoff.fallback)
+
+    def _log_reroute(self, call: _CallMigration, now: float | None) -> None:
+        record, handoff = call.record, call.handoff
+        if now is not None:
+            record.latency_s = now - handoff.paused_at
+        self.reroute_log.append(record)
+        self._logged_total += 1
+        if len(self.reroute_log) > 100_000:  # a long run: keep the newest (the sums in stats() are exact)
+            del self.reroute_log[: len(self.reroute_log) - 50_000]
+        self._totals[record.mode] = self._totals.get(record.mode, 0) + 1
+        for k, v in (("tokens_recomputed", record.tokens_recomputed), ("bytes_moved", record.bytes_moved),
+                     ("fallbacks", int(record.fallback is not None))):
+            self._totals[k] = self._totals.get(k, 0) + v
+        if record.latency_s >= 0:
+            self._totals[f"{record.mode}_latency_s"] = self._totals.get(f"{record.mode}_latency_s", 0.0) + record.latency_s
+        call.record, call.handoff = None, None
+
+    def take_reroutes(self) -> list[RerouteRecord]:
+        """The reroutes recorded since the previous call (one metrics row's worth)."""
+        start = max(0, len(self.reroute_log) - (self._logged_total - self._taken))
+        self._taken = self._logged_total
+        return self.reroute_log[start:]
+
+    def migration_stats(self) -> dict:
+        """Totals over every reroute so far: counts by mode, fallbacks, tokens recomputed, KV bytes
+        moved, mean latency by mode (seconds, pause to first token on the target)."""
+        t = self._totals
+        out = {"mode": self.migration.mode, "migrated": t.get("migrate", 0), "recomputed": t.get("recompute", 0),
+               "fallbacks": t.get("fallbacks", 0), "tokens_recomputed": t.get("tokens_recomputed", 0),
+               "bytes_moved": t.get("bytes_moved", 0)}
+        for mode, name in (("migrate", "migrated"), ("recompute", "recomputed")):
+            n = t.get(mode, 0)
+            out[f"{name}_latency_s_mean"] = t.get(f"{mode}_latency_s", 0.0) / n if n else None
+        return out
+
     async def _quiet_abort(self, slot: EngineSlot, request_id: str) -> None:
         try:
             await slot.engine.abort(request_id)
@@ -412,6 +603,7 @@ class Router:
             "reroutes": self.reroutes,
             "engine_failures": self.engine_failures,
             "engine_stalls": self.stalls,
+            "migration": self.migration_stats(),
             "engines": {
                 n: {"kind": s.kind, "index": s.index, "state": s.state.value, "inflight": s.load, "served": s.served,
                     "stalled": s.stalled}

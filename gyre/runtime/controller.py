@@ -50,7 +50,7 @@ from gyre.executions.health import HealthMonitor
 from gyre.executions.runner import EventKind, ExecutionEvent, GyreProxyAccess, HarnessRunner
 from gyre.executions.tasks import Dataset, ExecutionSpec, Group
 from gyre.runtime.outputs import (MetricsWriter, append_events, make_trackers, plot_role_timeline, read_metrics,
-                                  reward_trend)
+                                  reroute_fields, reward_trend)
 from gyre.proxy import Proxy, StoreSink, start_proxy
 from gyre.backends.engine_http import HttpEngine
 from gyre.runtime.messages import (Command, Failed, Interrupted, Joined, Load, Loaded, Reduce, Report, RequestWork,
@@ -519,6 +519,7 @@ class Controller:
             "dispatched": self.sched.dispatched,
             "finished": self.sched.finished,
             "reroutes": self.proxy.router.reroutes,
+            **reroute_fields(self.proxy.router.take_reroutes()),  # KV migration vs recompute
             # re-sent assistant turns that matched no sampled turn (gyre/proxy/render.py), summed over
             # the executions closed since the previous row
             "unmatched_turns": self._take_unmatched(),
@@ -683,6 +684,7 @@ class Controller:
             "switch_latency_s": {k: (float(np.mean(v)) if v else None) for k, v in self.latencies.items()},
             "handover_s": self.ledger.handover_summary(),  # the switches' parts: actor offload / restore, ...
             "reroutes": stats["reroutes"],
+            "migration": stats["migration"],  # reroutes by KV migration vs recompute: counts, tokens, bytes, latency
             "calls": self.access.totals["calls"],
             "aborted_calls": self.access.totals["aborted_calls"],
             "spliced_turns": self.access.totals["spliced_turns"],

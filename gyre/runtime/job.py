@@ -45,15 +45,32 @@ def train(cfg: Any, topo: Topology, groups: Groups, run: RunDir, interrupts: Any
     secret = share_secret(groups.control, src=0)
     store = SignedStore(default_store(), secret)
     weights = factory.build_transport(cfg, topo, store)  # blocking (torch): every rank creates its group
+    kv = _kv_transport(cfg, topo, store)  # blocking (gloo): every rank creates the KV-migration group
     try:
-        _train(cfg, topo, groups, store, weights, secret, run, interrupts)
+        _train(cfg, topo, groups, store, weights, secret, run, kv, interrupts)
     finally:
         weights.close()  # the torch transport's server thread stops here, on success and failure alike
+        if kv is not None:
+            kv.close()
         _write_transport_stats(Path(cfg.run_dir), topo.rank, weights)
 
 
+def _kv_transport(cfg: Any, topo: Topology, store: Any) -> Any:
+    """The engines' KV-migration transport (`--proxy.migration` auto|always), or None (off)."""
+    if cfg.proxy.migration == "off":
+        return None
+    from datetime import timedelta
+
+    from gyre.backends.migration import build_kv_transport
+
+    group = None
+    if cfg.proxy.migration_transport == "gloo":
+        group = dist.new_group(list(range(topo.world_size)), backend="gloo", timeout=timedelta(seconds=600))
+    return build_kv_transport(cfg.proxy.migration_transport, store.clone(), group)
+
+
 def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: WeightTransport, engine_secret: str,
-           run: RunDir, interrupts: Any = None) -> None:
+           run: RunDir, kv: Any = None, interrupts: Any = None) -> None:
     from gyre.backends.tokenizer import ENDOFTEXT, IM_END, load_tokenizer
     from gyre.runtime.controller import Controller
     from gyre.backends.engine_host import EngineHost, bind_address
@@ -84,6 +101,8 @@ def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: Weight
         # torchrun runs the same number of ranks on every node: one node iff local == world.
         single_node = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size)) == topo.world_size
         bind, announce = bind_address(cfg.proxy.host, single_node=single_node, peer=os.environ.get("MASTER_ADDR"))
+        if kv is not None and hasattr(engine, "attach_kv_transport"):
+            engine.attach_kv_transport(kv, measure_prefill=True)  # --proxy.migration: this engine can move calls
         engine_host = EngineHost(engine, host=bind, announce=announce, secret=engine_secret)
         store.set(f"engine/{topo.rank}", engine_host.url)
 

@@ -59,6 +59,24 @@ class MetricsWriter:
         self._f.close()
 
 
+def reroute_fields(records: list[Any]) -> dict[str, Any]:
+    """metrics.jsonl fields for the reroutes since the previous row (`Router.take_reroutes`):
+    how many continued by KV migration and by recompute, the tokens recomputed, the KV bytes
+    moved, the mean latency (pause on the source → first token elsewhere) of each, and the
+    migrations that fell back to recompute."""
+    def mean(xs: list[float]) -> float | None:
+        return sum(xs) / len(xs) if xs else None
+
+    mig = [r for r in records if r.mode == "migrate"]
+    rec = [r for r in records if r.mode == "recompute"]
+    return {"reroutes_migrated": len(mig), "reroutes_recomputed": len(rec),
+            "reroute_tokens_recomputed": sum(r.tokens_recomputed for r in records),
+            "reroute_bytes_moved": sum(r.bytes_moved for r in records),
+            "migration_fallbacks": sum(r.fallback is not None for r in records),
+            "reroute_latency_s_migrated": mean([r.latency_s for r in mig if r.latency_s >= 0]),
+            "reroute_latency_s_recomputed": mean([r.latency_s for r in rec if r.latency_s >= 0])}
+
+
 def read_metrics(path: str) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -25,6 +25,10 @@ class ClusterConfig:
     kv_recompute_s: float = 600.0
     """Extra time a *paused* execution needs when it resumes: its engine released the KV cache
     for training, so its long prefix is recomputed (Gyre migrates or keeps it; it never pauses)."""
+    reroute_s: float = 0.0
+    """Delay of each in-flight call of a cell that drains to train (docs/design.md §3): the
+    prefix recompute on its new engine, or a KV migration - the measured figures of
+    `benchmarks/reroute_bench.py` via `reroute_s_from_bench`. 0: rerouting is free."""
 
 
 @dataclass(kw_only=True)
@@ -96,3 +100,18 @@ class SimConfig:
     training work then scales with the work it did."""
     max_sim_hours: float = 1e6
     """Abort a run whose simulated clock passes this (a stalled configuration)."""
+
+
+def reroute_s_from_bench(path: str, context: int, mode: str = "migrate", transport: str = "gloo") -> float:
+    """A reroute's measured latency (seconds, pause → first token elsewhere) at `context` tokens
+    from benchmarks/results/reroute_bench.json: `mode` 'migrate' (over `transport`) or 'recompute'."""
+    import json
+
+    with open(path) as f:
+        figures = json.load(f)["figures"]
+    key = f"{transport}_{context}_migrate_latency_s" if mode == "migrate" else f"recompute_{context}_latency_s"
+    value = figures.get(key)
+    if value is None:
+        have = sorted(k for k, v in figures.items() if k.endswith("latency_s") and v is not None)
+        raise KeyError(f"{path}: no {key} (measured: {have})")
+    return float(value)

@@ -12,6 +12,9 @@ switches, micro-step compute and optimizer updates. Modelling assumptions (docs/
   are *paused* (their harness waits for a model) and resume first, kv_recompute_s later than
   they would have (their KV cache is gone); nothing is ever aborted.
   Under the water-level rule (gyre) this never happens: w ≤ C_R − C_e before a cell leaves.
+- A cell that leaves ROLLOUT reroutes its in-flight calls: its share of the running executions
+  (running · C_e / C_R before the switch; the most recently started) each lose `reroute_s`
+  (recompute of the prefix, or a KV migration: measured by benchmarks/reroute_bench.py).
 - A group is ready eval_s after its last execution ends; it yields N micro-steps (one per
   execution), each taking (cell_hours_per_step·3600 / (B·N)) · duration/mean_duration seconds
   on one training cell (tokens grow with time).
@@ -70,6 +73,8 @@ class SimResult:
     cell_concurrency: int
     standalone_concurrency: int
     timed_out_executions: int = 0  # cut by wall_timeout_h
+    rerouted_calls: int = 0  # in-flight calls moved off draining cells
+    reroute_delay_h: float = 0.0  # summed delay they paid (ClusterConfig.reroute_s each)
     log: EventLog = field(repr=False, default_factory=EventLog)
 
     @property
@@ -139,6 +144,8 @@ class Simulation:
         self.group_left: dict[int, int] = {}
         self.group_execs: dict[int, list[int]] = {}
         self.paused = 0
+        self.rerouted = 0  # in-flight calls moved off draining cells
+        self.reroute_delay_s = 0.0  # their summed delay (reroute_s each)
         # cells
         self.busy: dict[int, Work | None] = {c: None for c in range(cl.num_cells)}
         self.train_busy = [0.0] * cl.num_cells
@@ -173,6 +180,7 @@ class Simulation:
                     self._new_group(g)
             elif isinstance(dec, SwitchToTrain):
                 self._push(now + tm.switch_to_train_s, _SWITCH_DONE, dec.cell, "train")
+                self._reroute_share()
                 self._fit_capacity()
             elif isinstance(dec, SwitchToRollout):
                 self._push(now + tm.switch_to_rollout_s, _SWITCH_DONE, dec.cell, "rollout")
@@ -216,6 +224,23 @@ class Simulation:
             self.ex_epoch[e] += 1  # invalidates its pending finish event
             self.queue.appendleft(e)
             self.paused += 1
+
+    def _reroute_share(self) -> None:
+        """The draining cell's share of the running executions continue elsewhere, `reroute_s` later."""
+        cl, now = self.cfg.cluster, self.clock()
+        before = self.sched.rollout_capacity + cl.cell_concurrency
+        n = min(cl.cell_concurrency, round(len(self.running) * cl.cell_concurrency / max(before, 1)))
+        self.rerouted += n
+        if cl.reroute_s <= 0 or n == 0:
+            return
+        for e in list(self.running)[-n:]:
+            self._ran(e, now - self.running[e])
+            self.running[e] = now
+            self.ex_left[e] += cl.reroute_s
+            self.ex_owed[e] += cl.reroute_s
+            self.ex_epoch[e] += 1  # invalidates its pending finish event
+            self._push(now + self.ex_left[e], _EXEC_DONE, e, self.ex_epoch[e])
+        self.reroute_delay_s += n * cl.reroute_s
 
     def _ran(self, e: int, s: float) -> None:
         """Execution e ran for s: the prefix recompute it owes runs first, then its own work."""
@@ -348,6 +373,8 @@ class Simulation:
             capacity_slot_hours=self.area_capacity / H,
             paused_executions=self.paused,
             timed_out_executions=self.timed_out,
+            rerouted_calls=self.rerouted,
+            reroute_delay_h=self.reroute_delay_s / 3600.0,
             group_sojourn_h=sojourn,
             groups_in_system_area_h=self.area_groups / H,
             num_cells=self.cfg.cluster.num_cells,

@@ -50,7 +50,7 @@ def _controller(tmp_path, num_cells: int = 3) -> Controller:
     ctl = Controller(cfg, topo, _Store())
     ctl.cp = _RecordingPlane()
     ctl.runner = SimpleNamespace(dispatch_group=lambda group: None)
-    ctl.proxy = SimpleNamespace(router=SimpleNamespace(reroutes=0), sink_errors=0)
+    ctl.proxy = SimpleNamespace(router=SimpleNamespace(reroutes=0, take_reroutes=lambda: []), sink_errors=0)
     ctl.ledger.begin(time.time())
     ctl.last_step_t = ctl.ledger.t_start
     return ctl
