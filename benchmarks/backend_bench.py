@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import shutil
 import subprocess
@@ -25,6 +24,8 @@ import sys
 import time
 
 import torch
+
+from benchmarks.provenance import provenance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "backend_bench.json")
@@ -179,20 +180,7 @@ def main() -> None:
           + f"; CRC32 integrity check {crc:.2f} GB/s (on by default, timed apart)")
     figures = {**eng, "snapshot_gbps_memcpy": memcpy, "checksum_gbps": crc, "snapshot_gbps_torch": torch_gbps, "snapshot_gbps_mooncake": moon,
                "torch_vs_memcpy": torch_gbps / memcpy, "mooncake_vs_memcpy": (moon / memcpy) if moon else None}
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
-    try:
-        import importlib.metadata as md
-
-        versions["mooncake-transfer-engine-non-cuda"] = md.version("mooncake-transfer-engine-non-cuda")
-    except Exception:  # noqa: BLE001
-        pass
-    record = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor(),
-                          "loadavg_1_5_15_at_end": os.getloadavg()},
-              "versions": versions, "config": vars(args), "git_commit": commit, "figures": figures,
+    record = {**provenance("mooncake-transfer-engine-non-cuda"), "config": vars(args), "figures": figures,
               "left_out": left_out + ["SGLang engine (needs a GPU)", "Mooncake RDMA (no RDMA NIC here)",
                                       "both snapshot ranks share one 2-core machine with other work"]}
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)

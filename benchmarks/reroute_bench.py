@@ -19,13 +19,14 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
 
 import torch
+
+from benchmarks.provenance import provenance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "reroute_bench.json")
@@ -201,22 +202,9 @@ def main() -> None:
     figures["goal_16k_migrate_le_third_of_recompute"] = (goal is not None and goal <= 1 / 3)
     figures["goal_0_recomputed_per_migrated_call"] = all(
         v == 0 for k, v in figures.items() if k.endswith("_migrate_tokens_recomputed") and v is not None)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
-    try:
-        import importlib.metadata as md
-
-        versions["mooncake-transfer-engine-non-cuda"] = md.version("mooncake-transfer-engine-non-cuda")
-    except Exception:  # noqa: BLE001
-        pass
-    record = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor(),
-                          "loadavg_1_5_15_at_end": os.getloadavg()},
-              "versions": versions, "config": {**vars(args), "model": "small", "vocab": VOCAB,
+    record = {**provenance("mooncake-transfer-engine-non-cuda"), "config": {**vars(args), "model": "small", "vocab": VOCAB,
                                                "tokens_before_drain": TOKENS_BEFORE, "torch_threads_per_rank": 1},
-              "git_commit": commit, "runs": runs, "figures": figures, "left_out": left_out}
+              "runs": runs, "figures": figures, "left_out": left_out}
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:
         json.dump(record, f, indent=2)

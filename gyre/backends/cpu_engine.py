@@ -38,7 +38,6 @@ Lifecycle (`EngineState`):
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from dataclasses import dataclass, field
@@ -49,25 +48,12 @@ import torch
 from gyre.backends.config import CpuEngineConfig
 from gyre.backends.decoder import DecoderWeights, KVCache, extend
 from gyre.backends.migration import KvTransport, MigrationRefused, RequestState, Tickets, pack_state, unpack_state
-from gyre.backends.protocols import EngineHealth, SamplingParams, TokenEvent
+from gyre.backends.protocols import EngineHealth, EngineState, SamplingParams, TokenEvent
 from gyre.backends.sampling import sample_token, sampling_logprobs, top_logprobs
 
 logger = logging.getLogger(__name__)
 
 
-class EngineState(enum.Enum):
-    CREATED = "created"
-    RUNNING = "running"
-    RELEASED = "released"
-    STOPPED = "stopped"
-
-
-_TRANSITIONS = {
-    EngineState.CREATED: {EngineState.RUNNING, EngineState.STOPPED},
-    EngineState.RUNNING: {EngineState.RELEASED, EngineState.STOPPED},
-    EngineState.RELEASED: {EngineState.RUNNING, EngineState.STOPPED},
-    EngineState.STOPPED: set(),
-}
 
 
 @dataclass(eq=False)
@@ -148,10 +134,8 @@ class CpuEngine:
 
     # ---------------------------------------------------------------- lifecycle
     def _move(self, to: EngineState, *, require: EngineState | None = None) -> None:
-        if to not in _TRANSITIONS[self.state] or (require is not None and self.state is not require):
-            raise RuntimeError(f"CpuEngine: illegal transition {self.state.value} → {to.value}")
         logger.debug("engine %s → %s", self.state.value, to.value)
-        self.state = to
+        self.state = self.state.move(to, require=require, who="CpuEngine")
 
     async def start(self) -> None:
         self._move(EngineState.RUNNING, require=EngineState.CREATED)

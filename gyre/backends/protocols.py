@@ -12,11 +12,38 @@ Implementations: `gyre.backends.cpu_engine` (built-in torch engine), `gyre.backe
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
 import torch
 
+
+
+class EngineState(enum.Enum):
+    """A rollout engine's lifecycle, the same for every engine: CREATED → RUNNING (start) |
+    STOPPED; RUNNING → RELEASED (release_memory, when idle) | STOPPED; RELEASED → RUNNING (resume)
+    | STOPPED. STOPPED is final."""
+
+    CREATED = "created"
+    RUNNING = "running"
+    RELEASED = "released"
+    STOPPED = "stopped"
+
+    def move(self, to: "EngineState", *, require: "EngineState | None" = None, who: str = "engine") -> "EngineState":
+        """The state after moving to `to`; RuntimeError naming `who` if the move is not allowed
+        (or `require` is given and this is not it)."""
+        if to not in _ENGINE_MOVES[self] or (require is not None and self is not require):
+            raise RuntimeError(f"{who}: illegal transition {self.value} → {to.value}")
+        return to
+
+
+_ENGINE_MOVES = {
+    EngineState.CREATED: {EngineState.RUNNING, EngineState.STOPPED},
+    EngineState.RUNNING: {EngineState.RELEASED, EngineState.STOPPED},
+    EngineState.RELEASED: {EngineState.RUNNING, EngineState.STOPPED},
+    EngineState.STOPPED: set(),
+}
 
 @dataclass
 class SamplingParams:

@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import enum
 import importlib
 import logging
 import os
@@ -80,7 +79,7 @@ from typing import Any, AsyncIterator, Callable
 import torch
 
 from gyre.backends.config import SglangConfig
-from gyre.backends.protocols import EngineHealth, SamplingParams, TokenEvent
+from gyre.backends.protocols import EngineHealth, EngineState, SamplingParams, TokenEvent
 
 logger = logging.getLogger(__name__)
 
@@ -224,22 +223,6 @@ class SglangApi:
         return api() if callable(api) and not isinstance(api, SglangApi) else api
 
 
-class EngineState(enum.Enum):
-    """CREATED → RUNNING (start) | STOPPED; RUNNING → RELEASED (release_memory: idle) | STOPPED;
-    RELEASED → RUNNING (resume) | STOPPED. STOPPED is final; anything else raises RuntimeError."""
-
-    CREATED = "created"
-    RUNNING = "running"
-    RELEASED = "released"
-    STOPPED = "stopped"
-
-
-_TRANSITIONS = {
-    EngineState.CREATED: {EngineState.RUNNING, EngineState.STOPPED},
-    EngineState.RUNNING: {EngineState.RELEASED, EngineState.STOPPED},
-    EngineState.RELEASED: {EngineState.RUNNING, EngineState.STOPPED},
-    EngineState.STOPPED: set(),
-}
 
 
 @dataclass(eq=False)
@@ -274,9 +257,7 @@ class SglangEngine:
 
     # ---------------------------------------------------------------- lifecycle
     def _move(self, to: EngineState, *, require: EngineState | None = None) -> None:
-        if to not in _TRANSITIONS[self.state] or (require is not None and self.state is not require):
-            raise RuntimeError(f"SglangEngine: illegal transition {self.state.value} → {to.value}")
-        self.state = to
+        self.state = self.state.move(to, require=require, who="SglangEngine")
 
     async def start(self) -> None:
         self._move(EngineState.RUNNING, require=EngineState.CREATED)

@@ -710,9 +710,9 @@ class Controller:
             "interrupted": self.interrupted,  # "SIGINT" / "SIGTERM": a signal stopped the run
             "silent_rank": self.silent_rank,  # a rank that stopped answering (--train.control-timeout-s)
             "ranks_not_stopped": missing,
-            "engine_stalls": stats["engine_stalls"],
+            "engine_stalls": stats["engine_stalls"],  # calls moved off an engine that sent no token in time
             "sink_errors": self.proxy.sink_errors,
-            "incomplete_tito": dict(self.incomplete_tito),  # execution -> what is missing; excluded from training  # calls moved off an engine that sent no token in time
+            "incomplete_tito": dict(self.incomplete_tito),  # execution -> what is missing; excluded from training
         }
         rows = read_metrics(str(self.run_dir / "metrics.jsonl"))
         if len(rows) >= 2:

@@ -42,3 +42,19 @@ def log_of(proc: subprocess.CompletedProcess) -> str:
 
 def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def worker_pid(agent: int, rank: int) -> int | None:
+    """The pid of torchrun's worker of `rank` in its first attempt (a child of the agent)."""
+    try:
+        children = Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
+    except OSError:
+        return None
+    for pid in children:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RESTART_COUNT=0" in env:
+            return int(pid)
+    return None

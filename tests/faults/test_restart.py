@@ -14,29 +14,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.faults.jobs import ROOT, command, rows, write_tasks
+from tests.faults.jobs import ROOT, command, rows, worker_pid, write_tasks
 
 pytestmark = pytest.mark.multirank
-
-
-def _worker_pid(agent: int, rank: int) -> int | None:
-    """The pid of torchrun's worker of `rank` in its first attempt (a child of the agent)."""
-    try:
-        children = Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
-    except OSError:
-        return None
-    for pid in children:
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RESTART_COUNT=0" in env:
-            return int(pid)
-    return None
 
 
 def test_a_satellite_killed_mid_run_is_restarted_and_the_run_finishes_its_steps(tmp_path):
@@ -56,7 +39,7 @@ def test_a_satellite_killed_mid_run_is_restarted_and_the_run_finishes_its_steps(
                 break
             assert proc.poll() is None, (tmp_path / "torchrun.log").read_text()[-4000:]
             time.sleep(0.2)
-        satellite = _worker_pid(proc.pid, rank=1)
+        satellite = worker_pid(proc.pid, rank=1)
         assert satellite is not None
         os.kill(satellite, signal.SIGKILL)
         rc = proc.wait(timeout=300)

@@ -1,0 +1,32 @@
+"""Where a benchmark's figures came from: the machine, the package versions and the commit, for
+the results file each benchmark writes (run them as `python -m benchmarks.NAME`)."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def provenance(*packages: str) -> dict:
+    """{"machine", "versions", "git_commit"}: python and torch always, plus each of `packages`
+    that is installed (distribution names, e.g. "mooncake-transfer-engine-non-cuda")."""
+    import torch
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in packages:
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor(),
+                        "loadavg_1_5_15_at_end": os.getloadavg()},
+            "versions": versions, "git_commit": commit}
