@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from benchmarks.provenance import provenance
+from benchmarks.provenance import provenance, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "backend_bench.json")
@@ -183,10 +183,7 @@ def main() -> None:
     record = {**provenance("mooncake-transfer-engine-non-cuda"), "config": vars(args), "figures": figures,
               "left_out": left_out + ["SGLang engine (needs a GPU)", "Mooncake RDMA (no RDMA NIC here)",
                                       "both snapshot ranks share one 2-core machine with other work"]}
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump(record, f, indent=2)
-    print(json.dumps(figures))
+    write_results(RESULTS, record)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.provenance import ROOT, provenance
-from tests.faults.jobs import rows, worker_pid, write_tasks
+from benchmarks.provenance import ROOT, provenance, write_results
+from tests.jobs import env, rows, worker_pid, write_tasks
 
 RESULTS = ROOT / "benchmarks" / "results" / "fault_bench.json"
 HARNESS = ROOT / "tests" / "runtime" / "tiny_harness.py"
@@ -51,11 +51,10 @@ def run(args, work: Path, disturb: bool) -> dict:
     name = "disturbed" if disturb else "undisturbed"
     run_dir = work / name
     tasks = write_tasks(work / "tasks.jsonl", [sys.executable, str(HARNESS), "3", "8"], n=8)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     log_path = work / f"{name}.log"
     t0 = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(_command(args, tasks, run_dir), cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(_command(args, tasks, run_dir), cwd=work, env=env(), stdout=log, stderr=subprocess.STDOUT)
         frozen = killed = thaw_at = None
         try:
             while disturb and proc.poll() is None and killed is None:
@@ -129,10 +128,8 @@ def main() -> None:
                                             "executions_launched", "executions_trained_on", "lost_in_flight",
                                             "carried_over_groups", "aborted_calls", "engine_stalls", "wall_s")},
            "wall_ratio_disturbed_over_undisturbed": round(hit["wall_s"] / base["wall_s"], 2)}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({**provenance(), "config": vars(args), "runs": {"undisturbed": base, "disturbed": hit},
-                                   "figures": out}, indent=1) + "\n")
-    print(json.dumps(out))
+    write_results(RESULTS, {**provenance(), "config": vars(args), "runs": {"undisturbed": base, "disturbed": hit},
+                            "figures": out})
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ the results file each benchmark writes (run them as `python -m benchmarks.NAME`)
 from __future__ import annotations
 
 import importlib.metadata as md
+import json
 import os
 import platform
 import subprocess
@@ -30,3 +31,11 @@ def provenance(*packages: str) -> dict:
     return {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor(),
                         "loadavg_1_5_15_at_end": os.getloadavg()},
             "versions": versions, "git_commit": commit}
+
+
+def write_results(path: str | os.PathLike, record: dict) -> None:
+    """Write a benchmark's results file (`record` holds provenance(), its config and "figures"),
+    then print the figures as the one JSON line every benchmark ends with."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record["figures"]))

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from benchmarks.provenance import provenance
+from benchmarks.provenance import provenance, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "reroute_bench.json")
@@ -205,10 +205,7 @@ def main() -> None:
     record = {**provenance("mooncake-transfer-engine-non-cuda"), "config": {**vars(args), "model": "small", "vocab": VOCAB,
                                                "tokens_before_drain": TOKENS_BEFORE, "torch_threads_per_rank": 1},
               "runs": runs, "figures": figures, "left_out": left_out}
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump(record, f, indent=2)
-    print(json.dumps(figures))
+    write_results(RESULTS, record)
 
 
 if __name__ == "__main__":

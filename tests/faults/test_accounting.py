@@ -17,12 +17,11 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.faults.fault_job import HERE, SLEEPER, command, reap, start, wait_for, write_tasks
+from tests.jobs import FAULTS, SLEEPER, command_in, reap, start, wait_for, write_task_rows
 
 pytestmark = pytest.mark.multirank
 
@@ -44,12 +43,12 @@ def _harness_pid(workspace: Path) -> int | None:
 
 
 def test_an_external_kill_is_evaluated_and_a_tito_write_failure_is_excluded_and_counted(tmp_path):
-    tasks = write_tasks(tmp_path / "tasks.jsonl", [
+    tasks = write_task_rows(tmp_path / "tasks.jsonl", [
         {"harness": [sys.executable, str(SLEEPER), "7", "1"], "evaluator": {"command": ONE_LINE}, "timeout_s": 20},
-        {"harness": [sys.executable, str(HERE / "tito_poison_harness.py"), "1", "8"], "evaluator": {"command": ONE_LINE}},
+        {"harness": [sys.executable, str(FAULTS / "tito_poison_harness.py"), "1", "8"], "evaluator": {"command": ONE_LINE}},
     ])
     run = tmp_path / "run"
-    proc = start(command(tasks, run, "--executions.runner.sandbox", "none", steps=2), tmp_path, tmp_path / "log.txt")
+    proc = start(command_in(tasks, run, "--executions.runner.sandbox", "none", steps=2), tmp_path, tmp_path / "log.txt")
     log = lambda: (tmp_path / "log.txt").read_text()[-6000:]  # noqa: E731
     killed = run / "executions" / "t0.a0.g0.0"
     try:

@@ -7,11 +7,10 @@ summary looked normal; metrics.jsonl got a second row for each step.
 """
 
 import json
-from pathlib import Path
 
 import pytest
 
-from tests.faults.jobs import gyre, log_of, rows, write_tasks
+from tests.jobs import gyre, log_of, rows, write_tasks
 
 pytestmark = pytest.mark.multirank
 

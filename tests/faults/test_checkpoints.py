@@ -152,7 +152,7 @@ def test_the_cpu_actor_refuses_a_checkpoint_without_its_optimizer_or_version(tmp
 
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory):
-    from tests.faults.jobs import gyre, log_of, write_tasks
+    from tests.jobs import gyre, log_of, write_tasks
 
     base = tmp_path_factory.mktemp("ck_run")
     tasks = write_tasks(base / "tasks.jsonl")
@@ -175,7 +175,7 @@ def _damaged_copy(two_checkpoints, tmp_path, hurt):
 @pytest.mark.multirank
 @pytest.mark.parametrize("damage", ["truncated model", "model deleted", "optimizer deleted", "version deleted"])
 def test_a_damaged_newest_checkpoint_is_skipped_by_name_and_the_older_one_resumed(two_checkpoints, tmp_path, damage):
-    from tests.faults.jobs import gyre, log_of, rows
+    from tests.jobs import gyre, log_of, rows
 
     run, tasks = _damaged_copy(two_checkpoints, tmp_path, lambda ck: DAMAGE[damage][0](ck / "step_000002"))
     proc = gyre(tmp_path, tasks, "--run-dir", str(run), "--train.resume", steps=3)
@@ -192,7 +192,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_name_and_the_older_one_resume
 
 @pytest.mark.multirank
 def test_without_any_complete_checkpoint_the_resume_is_refused_before_anything_starts(two_checkpoints, tmp_path):
-    from tests.faults.jobs import gyre, log_of, rows
+    from tests.jobs import gyre, log_of, rows
 
     def drop_every_optimizer(ck):
         for step in ck.iterdir():

@@ -6,11 +6,10 @@ Before, these surfaced only after preparation, engine start and proxy bind, and 
 step_000000 checkpoint behind in a run directory of their own.
 """
 
-import sys
 
 import pytest
 
-from tests.faults.jobs import HARNESS, command, gyre, log_of, write_tasks
+from tests.jobs import gyre, log_of, write_tasks
 
 pytestmark = pytest.mark.multirank
 

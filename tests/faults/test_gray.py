@@ -14,13 +14,12 @@ the core) and stops, instead of crashing on an evicted snapshot.
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.faults.fault_job import AWK_EVALUATOR, TINY, command, reap, start, wait_for, write_tasks
+from tests.jobs import command_in, reap, start, tiny_task, wait_for, write_task_rows
 
 pytestmark = pytest.mark.multirank
 
@@ -41,10 +40,9 @@ def _rank_pid(torchrun: int, rank: int) -> int | None:
 
 
 def test_a_frozen_engine_rank_loses_its_calls_in_time_and_is_named(tmp_path):
-    harness = {"harness": [sys.executable, str(TINY), "8", "16"], "evaluator": {"command": AWK_EVALUATOR}}
-    tasks = write_tasks(tmp_path / "tasks.jsonl", [harness] * 4)
+    tasks = write_task_rows(tmp_path / "tasks.jsonl", [tiny_task(8, 16)] * 4)
     run = tmp_path / "run"
-    cmd = command(tasks, run, "--proxy.engine-progress-timeout-s", str(PROGRESS_S),
+    cmd = command_in(tasks, run, "--proxy.engine-progress-timeout-s", str(PROGRESS_S),
                   "--train.control-timeout-s", str(CONTROL_S), "--executions.runner.timeout-s", "120", steps=4)
     cmd[cmd.index("--scheduler.n-per-group") + 1] = "4"
     proc = start(cmd, tmp_path, tmp_path / "log.txt")

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.faults.jobs import ROOT, command, rows, worker_pid, write_tasks
+from tests.jobs import ROOT, command, env, rows, worker_pid, write_tasks
 
 pytestmark = pytest.mark.multirank
 
@@ -27,9 +27,8 @@ def test_a_satellite_killed_mid_run_is_restarted_and_the_run_finishes_its_steps(
     # Three turns per execution: slow enough that executions are in flight at the kill.
     tasks = write_tasks(tmp_path / "tasks.jsonl", [sys.executable, str(ROOT / "tests/runtime/tiny_harness.py"), "3", "8"])
     cmd = command(tasks, "--train.checkpoint-every", "1", steps=steps, torchrun=("--max-restarts", "1"))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     log = open(tmp_path / "torchrun.log", "w")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=log, stderr=subprocess.STDOUT)
     root = tmp_path / "runs" / "train"
     try:
         deadline = time.monotonic() + 240

@@ -23,8 +23,8 @@ import uuid
 
 import pytest
 
-from tests.faults.fault_job import (AWK_EVALUATOR, SLEEPER, TINY, command, marked, reap, start, wait_for,
-                                    write_tasks)
+from tests.jobs import (AWK_EVALUATOR, SLEEPER, command_in, marked, reap, start, tiny_task, wait_for,
+                        write_task_rows)
 
 pytestmark = pytest.mark.multirank
 
@@ -51,15 +51,15 @@ def test_a_signal_mid_run_stops_it_gracefully_and_leaves_no_process(tmp_path, si
     (rank 1 never reports stopping, and is named)."""
     marker = str(uuid.uuid4().int % 10**10).rjust(10, "1")  # digits: also a valid `sleep` argument
     slow_eval = ["sh", "-c", f"sleep 300 # {marker}\necho 0.5"]
-    tasks = write_tasks(tmp_path / "tasks.jsonl", [
-        {"harness": [sys.executable, str(TINY), "1", "8"], "evaluator": {"command": AWK_EVALUATOR}},
-        {"harness": [sys.executable, str(TINY), "1", "8"], "evaluator": {"command": slow_eval}},
+    tasks = write_task_rows(tmp_path / "tasks.jsonl", [
+        tiny_task(1, 8),
+        {**tiny_task(1, 8), "evaluator": {"command": slow_eval}},
         {"harness": [sys.executable, str(SLEEPER), marker], "evaluator": {"command": AWK_EVALUATOR}},
         {"harness": [sys.executable, str(SLEEPER), marker], "evaluator": {"command": AWK_EVALUATOR}},
     ])
     run, tmpdir = tmp_path / "run", tmp_path / "tmp"
     tmpdir.mkdir()
-    cmd = command(tasks, run, "--executions.runner.sandbox", sandbox, "--scheduler.mu", "3",
+    cmd = command_in(tasks, run, "--executions.runner.sandbox", sandbox, "--scheduler.mu", "3",
                   "--train.shutdown-timeout-s", str(SHUTDOWN_S), steps=4)
     proc = start(cmd, tmp_path, tmp_path / "log.txt", TMPDIR=str(tmpdir))
     log = lambda: (tmp_path / "log.txt").read_text()[-6000:]  # noqa: E731

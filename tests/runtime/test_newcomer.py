@@ -18,29 +18,17 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-HARNESS = Path(__file__).resolve().with_name("tiny_harness.py")
-AWK_EVALUATOR = ["awk", "{n++; if (length($0) % 2 == 0) e++} END {print (n ? e / n : 0)}", "answer.txt"]
+from tests.jobs import HARNESS, ROOT, gyre, write_tasks
 
 pytestmark = pytest.mark.multirank
 
 
 def _tasks(path: Path, harness: list[str]) -> Path:
-    with path.open("w") as f:
-        for i in range(4):
-            f.write(json.dumps({"task_id": f"t{i}", "instruction": "say words", "harness": harness,
-                                "evaluator": {"command": AWK_EVALUATOR}}) + "\n")
-    return path
+    return write_tasks(path, harness)
 
 
 def _gyre(cwd: Path, tasks: Path, *extra: str, steps: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gyre.run",
-           "--job", "train", "--model.preset", "tiny", "--executions.dataset.path", str(tasks),
-           "--executions.runner.timeout-s", "120", "--scheduler.n-per-group", "2", "--scheduler.batch-groups", "1",
-           "--scheduler.mu", "1", "--scheduler.phi", "0", "--scheduler.tick-s", "0.1", "--train.steps", str(steps),
-           "--train.max-tokens", "512", "--train.drain-at-end-s", "5", *extra]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    return gyre(cwd, tasks, *extra, steps=steps, timeout=timeout, sandbox=None)
 
 
 def test_a_harness_that_cannot_import_stops_the_run_with_the_missing_module_named(tmp_path):

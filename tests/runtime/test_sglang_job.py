@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.jobs import tiny_task, write_task_rows
+
 ROOT = Path(__file__).resolve().parents[2]
-HARNESS = Path(__file__).resolve().with_name("tiny_harness.py")
-AWK_EVALUATOR = ["awk", "{n++; if (length($0) % 2 == 0) e++} END {print (n ? e / n : 0)}", "answer.txt"]
 STEPS = 4
 SESSION = ["PauseGenerationReqInput", "BeginWeightUpdateReqInput", "UpdateWeightsFromTensorReqInput",
            "EndWeightUpdateReqInput", "ContinueGenerationReqInput"]
@@ -30,12 +30,7 @@ pytestmark = pytest.mark.multirank
 
 
 def _tasks(path: Path) -> Path:
-    with path.open("w") as f:
-        for i, (turns, tokens) in enumerate([(1, 40), (4, 120), (4, 120), (4, 120)]):
-            f.write(json.dumps({"task_id": f"t{i}", "instruction": "say words",
-                                "harness": [sys.executable, str(HARNESS), str(turns), str(tokens)],
-                                "evaluator": {"command": AWK_EVALUATOR}}) + "\n")
-    return path
+    return write_task_rows(path, [tiny_task(turns, tokens) for turns, tokens in [(1, 40), (4, 120), (4, 120), (4, 120)]])
 
 
 @pytest.fixture(scope="module")

@@ -18,24 +18,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.jobs import tiny_task, write_task_rows
+
 ROOT = Path(__file__).resolve().parents[2]
-HARNESS = Path(__file__).resolve().with_name("tiny_harness.py")
 PHI, MU, STEPS = 0.5, 2, 6
-# The tiny harness's reward (fraction of even-length answer lines) as a cheap command evaluator.
-AWK_EVALUATOR = ["awk", "{n++; if (length($0) % 2 == 0) e++} END {print (n ? e / n : 0)}", "answer.txt"]
 
 pytestmark = pytest.mark.multirank
 
 
 def _write_tasks(tasks: Path) -> Path:
-    with tasks.open("w") as f:
-        # Long-tailed executions: (turns, max tokens per answer); long answers keep calls in
-        # flight on engines when cells leave rollout, so the run exercises rerouting.
-        for i, (turns, tokens) in enumerate([(1, 40), (6, 200), (6, 200), (6, 200)]):
-            f.write(json.dumps({"task_id": f"t{i}", "instruction": "say words",
-                                "harness": [sys.executable, str(HARNESS), str(turns), str(tokens)],
-                                "evaluator": {"command": AWK_EVALUATOR}}) + "\n")
-    return tasks
+    # Long-tailed executions: (turns, max tokens per answer); long answers keep calls in
+    # flight on engines when cells leave rollout, so the run exercises rerouting.
+    return write_task_rows(tasks, [tiny_task(turns, tokens) for turns, tokens in [(1, 40), (6, 200), (6, 200), (6, 200)]])
 
 
 @pytest.fixture(scope="module")
