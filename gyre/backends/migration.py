@@ -437,12 +437,15 @@ class MigrationPolicy:
         return migrate_s < recompute_s
 
 
-def build_kv_transport(kind: str, store: Any = None, group: Any = None, *, host: str = "127.0.0.1") -> KvTransport:
-    """'gloo' (store + a gloo group every rank created up front) | 'mooncake' | 'local' (one process)."""
+def build_kv_transport(kind: str, store: Any = None, group: Any = None, *, host: str = "127.0.0.1",
+                       protocol: str = "tcp", device: str = "") -> KvTransport:
+    """'gloo' (store + a gloo group every rank created up front) | 'mooncake' (advertising
+    `host`, as the Mooncake weight transport: --transfer.host / mooncake-protocol / -device) |
+    'local' (one process)."""
     if kind == "gloo":
         return GlooKvTransport(store, group)
     if kind == "mooncake":
-        return MooncakeKvTransport(host=host)
+        return MooncakeKvTransport(host=host, protocol=protocol, device=device)
     if kind == "local":
         return LocalKvTransport(f"local-{secrets.token_hex(4)}")
     raise ValueError(f"KV transport must be gloo, mooncake or local, got {kind!r}")

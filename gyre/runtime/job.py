@@ -66,7 +66,9 @@ def _kv_transport(cfg: Any, topo: Topology, store: Any) -> Any:
     group = None
     if cfg.proxy.migration_transport == "gloo":
         group = dist.new_group(list(range(topo.world_size)), backend="gloo", timeout=timedelta(seconds=600))
-    return build_kv_transport(cfg.proxy.migration_transport, store.clone(), group)
+    tc = cfg.transfer  # Mooncake KV moves as its weight snapshots do: the same address, protocol and device
+    return build_kv_transport(cfg.proxy.migration_transport, store.clone(), group, host=tc.host,
+                              protocol=tc.mooncake_protocol, device=tc.mooncake_device)
 
 
 def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: WeightTransport, engine_secret: str,
