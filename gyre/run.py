@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         restart, elastic = init_distributed(backend)  # blocking: rendezvous
     rank, world = dist.get_rank(), dist.get_world_size()
-    from gyre.runtime.rundir import RunDirError
+    from gyre.runtime.rundir import RunDirError, RunFinished
 
     rc = 0
     # SIGINT/SIGTERM (Ctrl-C, scancel, Slurm preemption, torchrun forwarding either) stop a train
@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                         extra=ONCE)
             train(cfg, topo, groups, run, interrupts)
         dist.barrier(group=groups.control)  # blocking: everyone done
+    except RunFinished as e:  # a restart after the last step: every rank has it, the job succeeded
+        logger.warning("%s", e, extra=ONCE)
+        _leave_together(rank, world)
     except (ConfigError, RunDirError, TopologyError) as e:  # a refused config: every rank has it, rank 0 says it
         logger.error("%s", e, extra=ONCE)
         rc = 2 if rank == 0 else 0  # one failure for torchrun to report: rank 0's

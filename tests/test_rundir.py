@@ -157,6 +157,21 @@ def test_a_restarted_job_finds_the_directory_its_first_attempt_chose(in_tmp):
     assert len([p for p in (in_tmp / "runs" / "train").iterdir() if p.name != "latest"]) == 1
 
 
+def test_a_restart_after_the_final_checkpoint_finds_the_run_finished_on_every_rank(in_tmp):
+    """A rank that dies after the last step's checkpoint restarts the job: nothing is left to
+    train, which is success (RunFinished, exit 0), not the refusal a resume past the end gets."""
+    run = in_tmp / "run"
+    rundir.resolve(_cfg("--run-dir", str(run), "--train.steps", "6"), 0, 2, dist.HashStore())
+    _complete_checkpoint(run, 6)
+    store = dist.HashStore()
+    with pytest.raises(rundir.RunFinished, match="version 6, --train.steps 6: the run had finished"):
+        rundir.resolve(_cfg("--run-dir", str(run), "--train.steps", "6"), 0, 2, store, restart=1)
+    with pytest.raises(rundir.RunFinished):  # rank 1 reads rank 0's decision
+        rundir.resolve(_cfg("--run-dir", str(run), "--train.steps", "6"), 1, 2, store, restart=1)
+    attempts = json.loads((run / "run.json").read_text())["attempts"]
+    assert len(attempts) == 1  # no attempt recorded for a restart with nothing to do
+
+
 def test_a_requeued_slurm_job_resumes_its_run_dir_from_its_newest_checkpoint(in_tmp):
     run = in_tmp / "runs" / "slurm" / "77"  # what launch.sh gives every requeue of job 77
     rundir.resolve(_cfg("--run-dir", str(run), "--train.steps", "9"), 0, 2, dist.HashStore())

@@ -141,6 +141,11 @@ class RunDirError(ValueError):
     """The run directory cannot be used as asked; the message names the flags that fix it."""
 
 
+class RunFinished(Exception):
+    """A restarted job (torchrun --max-restarts, a Slurm requeue) whose run had already reached
+    --train.steps: a rank died after the final checkpoint. Nothing is left to do."""
+
+
 def runs_root(preset: str) -> Path:
     """Where a preset's runs go when --run-dir is not given: `runs/<preset>`, or `runs/train` for a
     training job built from flags alone (the default preset, smoke, trains nothing)."""
@@ -277,6 +282,9 @@ def _resume_point(cfg: Any, path: Path, *, restart: bool) -> tuple[str, int, lis
         version = checkpoint.version_of(ck)
     except checkpoint.CheckpointError as e:
         raise RunDirError(str(e)) from None
+    if version >= tc.steps and restart:
+        raise RunFinished(f"restart: {ck} is at version {version}, --train.steps {tc.steps}: the run had finished "
+                          f"(a rank died after its final checkpoint); nothing to do")
     if version >= tc.steps:
         raise RunDirError(f"--train.resume: {ck} is already at version {version} >= --train.steps {tc.steps}; "
                           f"train.steps counts the whole run, raise it")
@@ -329,20 +337,21 @@ def resolve(cfg: Any, rank: int, world_size: int, store: Any, *, restart: int = 
     `elastic` is a store that outlives them (where rank 0 finds the directory it chose before).
 
     Sets `cfg.run_dir` (and on a resume `cfg.train.resume`, `cfg.train.resume_from`) to the
-    decision. Raises RunDirError on every rank when refused.
+    decision. Raises RunDirError on every rank when refused, RunFinished when a restart finds
+    the run done.
     """
     if rank == 0:
         try:
             run = _decide_all(cfg, world_size, restart, elastic)
             store.set(_KEY, json.dumps(dataclasses.asdict(run), default=str))
-        except RunDirError as e:
-            store.set(_KEY, json.dumps({"error": str(e)}))
+        except (RunDirError, RunFinished) as e:
+            store.set(_KEY, json.dumps({"error": str(e), "finished": isinstance(e, RunFinished)}))
             raise
     else:
         store.wait([_KEY])  # blocking: rank 0's decision
     decision = json.loads(store.get(_KEY))
     if "error" in decision:
-        raise RunDirError(decision["error"])
+        raise (RunFinished if decision["finished"] else RunDirError)(decision["error"])
     cfg.run_dir = decision["path"]
     cfg.train.resume = bool(decision["checkpoint"])
     cfg.train.resume_from = decision["checkpoint"]
