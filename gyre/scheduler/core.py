@@ -294,6 +294,8 @@ class ElasticScheduler:
         oldest dispatch version first: one at a time when streaming, all B at once otherwise."""
         if cell >= self.train_prefix():  # not TRAIN, the core not TRAIN, or a gap below it
             return None
+        if self.cfg.mode == "colocate" and self.train_prefix() < self.K:
+            return None  # Colocate trains on every cell: no step starts before the last one switched in
         st, B = self.step, self.cfg.batch_groups
         if st.updating:
             return None

@@ -272,6 +272,27 @@ def test_colocate_switches_all_cells_together_async_is_fixed():
     assert res.role_fraction(2) == 0.0 and res.role_fraction(0) == pytest.approx(1.0)
 
 
+def test_colocate_trains_every_step_on_every_cell_however_late_a_switch_finishes():
+    """Colocate (C0) is all cells training together: with cells 0 and 1 in TRAIN and cell 2
+    still switching, nothing is claimed (a step over the prefix {0, 1} would leave cell 2 out);
+    once cell 2 is in, the step's reduce is over all three. Without the rule, cell 0 claims at
+    once and the step is reduced over (0, 1)."""
+    s, clock = make(K=3, C_e=8, C_s=0, phi=1, mu=1, tau=0, rho_min=0.0, mode="colocate", streaming=False)
+    s.start()
+    finish_group(s, 0)
+    out = finish_group(s, 1)
+    out += ticks(s, clock, 1)
+    assert sorted(d.cell for d in out if isinstance(d, SwitchToTrain)) == [0, 1, 2]
+    s.on_switch_done(0, "train")
+    s.on_switch_done(1, "train")
+    assert s.request_work(0) is None and s.request_work(1) is None
+    s.on_switch_done(2, "train")
+    works = [(c, w) for c in (0, 1, 2, 0) if (w := s.request_work(c)) is not None]
+    assert len(works) == 4
+    out = [s.on_work_done(c, w) for c, w in works]
+    assert out[-1] == [OptimizerStep(0, (0, 1, 2), final_in_burst=True)]
+
+
 def test_seeded_runs_are_deterministic():
     a, b, c = _sim("gyre", seed=3), _sim("gyre", seed=3), _sim("gyre", seed=4)
     key = lambda r: [(e.t, e.kind, sorted(e.data.items())) for e in r.log]  # noqa: E731
