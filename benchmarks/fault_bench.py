@@ -10,8 +10,8 @@ executions' tasks again first). docs/design.md §5.
 
 Figures per run: steps completed, versions continuous, executions launched / completed
 (evaluated) / lost in flight (their groups run again) / carried over (evaluated groups trained after
-the restart), aborted calls (the last attempt's), calls moved off the frozen engine, attempts, wall
-time; and the disturbed run's wall time over the undisturbed one's.
+the restart), aborted calls and calls moved off the frozen engine (summary.json's run totals, every
+attempt that ended), attempts, wall time; and the disturbed run's wall time over the undisturbed one's.
 
     python -m benchmarks.fault_bench [--steps 16] [--freeze-after 2] [--freeze-s 10] [--kill-after 8]
 
@@ -86,9 +86,9 @@ def run(args, work: Path, disturb: bool) -> dict:
     attempts = json.loads((run_dir / "run.json").read_text()).get("attempts", []) if (run_dir / "run.json").exists() else []
     journal = rows(run_dir / "groups.jsonl") if (run_dir / "groups.jsonl").exists() else []
     launched = sum(len(r["executions"]) for r in journal if r["kind"] == "dispatched")
-    completed = len(list((run_dir / "executions").glob("*/result.json")))  # evaluated, whichever attempt
-    # summary.json is the last attempt's: the calls moved off the frozen engine are read from the log
-    stalls = log_path.read_text().count("marked stalled, its calls continue elsewhere")
+    # summary.json's "run": totals over every attempt that reached its end (all, unless rank 0 died)
+    total = summary.get("run", {})
+    results = [json.loads(p.read_text()) for p in (run_dir / "executions").glob("*/result.json")]
     figures = {
         "returncode": rc,
         "steps_completed": len(metrics),
@@ -96,11 +96,12 @@ def run(args, work: Path, disturb: bool) -> dict:
         "duplicate_step_rows": len(metrics) - len({r["step"] for r in metrics}),
         "attempts": len(attempts),
         "executions_launched": launched,
-        "executions_completed": completed,
-        "lost_in_flight": sum(a.get("lost_in_flight", 0) for a in attempts),
-        "carried_over_groups": summary.get("carried_over_groups"),
-        "aborted_calls": summary.get("aborted_calls"),
-        "engine_stalls": stalls,
+        "executions_completed": sum(r["outcome"] == "completed" for r in results),  # whichever attempt ran them
+        "lost_in_flight": total.get("lost_in_flight"),
+        "carried_over_groups": total.get("carried_over_groups"),
+        "aborted_calls": total.get("aborted_calls"),
+        "engine_stalls": total.get("engine_stalls"),
+        "attempts_not_ended": total.get("attempts_not_ended"),
         "error": summary.get("error"),
         "wall_s": round(wall, 1),
         "froze_rank": frozen is not None,
@@ -128,7 +129,8 @@ def main() -> None:
            "undisturbed": {k: base[k] for k in ("steps_completed", "executions_launched", "executions_completed", "wall_s")},
            "disturbed": {k: hit[k] for k in ("steps_completed", "versions_continuous", "duplicate_step_rows", "attempts",
                                             "executions_launched", "executions_completed", "lost_in_flight",
-                                            "carried_over_groups", "aborted_calls", "engine_stalls", "wall_s")},
+                                            "carried_over_groups", "aborted_calls", "engine_stalls",
+                                            "attempts_not_ended", "wall_s")},
            "wall_ratio_disturbed_over_undisturbed": round(hit["wall_s"] / base["wall_s"], 2)}
     write_results(RESULTS, {**provenance(), "config": vars(args), "runs": {"undisturbed": base, "disturbed": hit},
                             "figures": out})

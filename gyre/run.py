@@ -173,10 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.job == "smoke":
             smoke_check(topo, groups)
         else:
+            from gyre.executions import scratch
             from gyre.runtime import rundir
             from gyre.runtime.control import default_store
             from gyre.runtime.job import train  # the full RL loop (scheduler, cells, proxy, actors)
 
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # one sweep a node
+                scratch.sweep()  # temporary directories of processes killed before they could clean up (a crashed attempt's)
             # blocking: rank 0 decides the directory, the attempt and the checkpoint to resume from
             run = rundir.resolve(cfg, rank, world, default_store(), restart=restart, elastic=elastic)
             logger.info("run directory: %s (attempt %d%s)", run.path, run.attempt,

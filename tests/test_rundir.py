@@ -5,6 +5,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 import torch.distributed as dist
 
 from gyre.runtime import rundir
@@ -215,3 +216,45 @@ def test_groups_in_flight_are_lost_or_carried_over_and_counted_once(in_tmp):
                            dist.HashStore())
     assert again.redo_tasks == () and again.lost_in_flight == 0
     assert [r["group_id"] for r in again.carried] == ["t1.a0.g1", "t2.a0.g2"]
+
+
+_ENDED = st.fixed_dictionaries({
+    "steps": st.integers(0, 50), "wall_s": st.floats(0, 1e4), "calls": st.integers(0, 10**6),
+    "aborted_calls": st.integers(0, 5), "reroutes": st.integers(0, 100), "engine_stalls": st.integers(0, 9),
+    "sink_errors": st.integers(0, 9), "lost_in_flight": st.integers(0, 9), "carried_over_groups": st.integers(0, 3),
+    "redispatched_groups": st.integers(0, 3),
+    "execution_outcomes": st.dictionaries(st.sampled_from(["completed", "crashed", "killed", "cancelled"]),
+                                          st.integers(0, 99), max_size=4),
+    "incomplete_tito": st.dictionaries(st.text("abc", min_size=1, max_size=4), st.just("assistant tokens"), max_size=3),
+    "error": st.one_of(st.none(), st.just("interrupted by SIGTERM")),
+})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(attempts=st.lists(st.one_of(st.none(), _ENDED), min_size=1, max_size=5))
+def test_the_summary_adds_up_every_attempt_that_ended_and_names_those_that_did_not(tmp_path_factory, attempts):
+    """summary.json's "run": each attempt that reached its end is recorded in run.json and added
+    in; one whose rank 0 died (None here: no end record) is named, never counted as zeros."""
+    run = tmp_path_factory.mktemp("run")
+    for k, summary in enumerate(attempts):
+        assert rundir.write_manifest(run, _cfg(), 2) == k
+        if summary is not None:
+            totals = rundir.end_attempt(run, k, {**summary, "mode": "gyre", "staleness_by_step": [1.0]})
+    recorded = json.loads((run / "run.json").read_text())["attempts"]
+    assert [("ended" in a) for a in recorded] == [s is not None for s in attempts]
+    ended = [s for s in attempts if s is not None]
+    if not ended:
+        return
+    # the last call's totals saw every attempt so far (those after the last ended one did not end)
+    assert totals["attempts"] == len(attempts[:max(k for k, s in enumerate(attempts) if s is not None) + 1])
+    assert totals["attempts_not_ended"] == [k for k, s in enumerate(attempts) if s is None and k < totals["attempts"]]
+    assert totals == rundir.run_totals(recorded[:totals["attempts"]])
+    assert totals["steps"] == ended[-1]["steps"]
+    for key in ("calls", "aborted_calls", "reroutes", "engine_stalls", "sink_errors", "lost_in_flight"):
+        assert totals[key] == sum(s[key] for s in ended), key
+    assert totals["wall_s"] == pytest.approx(sum(s["wall_s"] for s in ended))
+    assert totals["incomplete_tito"] == sum(len(s["incomplete_tito"]) for s in ended)
+    for outcome in ("completed", "crashed", "killed", "cancelled"):
+        assert totals["execution_outcomes"].get(outcome, 0) == sum(s["execution_outcomes"].get(outcome, 0) for s in ended)
+    assert [e["attempt"] for e in totals["errors"]] == [k for k, s in enumerate(attempts)
+                                                      if s is not None and s["error"] and k < totals["attempts"]]

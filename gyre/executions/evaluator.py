@@ -32,12 +32,12 @@ import logging
 import math
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gyre.executions import scratch
 from gyre.executions.config import EvaluatorConfig
 from gyre.executions.procs import kill_tree
 from gyre.executions.sandbox import die_with_runner
@@ -177,7 +177,7 @@ class Evaluator:
             except asyncio.TimeoutError:
                 raise TimeoutError(f"in-process evaluator exceeded {timeout}s (thread abandoned)") from None
             return parse_reward(value)
-        with tempfile.TemporaryDirectory(prefix="gyre-eval-") as tmp:
+        with scratch.temporary_directory("gyre-eval-") as tmp:
             task_file = Path(tmp) / "task.json"
             task_file.write_text(json.dumps(task.to_json()))
             if spec.kind == "python":

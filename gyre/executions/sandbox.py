@@ -62,6 +62,8 @@ from pathlib import Path
 from typing import Awaitable, Callable
 from urllib.parse import urlsplit, urlunsplit
 
+from gyre.executions import scratch
+
 logger = logging.getLogger(__name__)
 
 SOCKET_IN_SANDBOX = "/run/gyre/proxy.sock"
@@ -267,8 +269,12 @@ class ProxyRelay:
 
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
-        self._dir = tempfile.mkdtemp(prefix="gyre-sb-")  # short: a socket path has ≤ 107 bytes
+        self._dir = scratch.mkdtemp("sb-")  # removed by the next run should this process be killed
         self.path = os.path.join(self._dir, "proxy.sock")
+        if len(self.path.encode()) > 104:  # a long $TMPDIR: a socket path has at most 107 bytes
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = tempfile.mkdtemp(prefix="gyre-sb-", dir="/tmp")
+            self.path = os.path.join(self._dir, "proxy.sock")
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.Task] = set()
 

@@ -57,7 +57,7 @@ from gyre.runtime.messages import (Command, Failed, Interrupted, Joined, Load, L
                                    RolledBack, StepDone, Stop, Stopped, ToRollout, ToTrain, TrainWork, Transition,
                                    WorkDone, handler_for)
 from gyre.runtime.ledger import GroupPhase, RunLedger
-from gyre.runtime.rundir import GroupJournal, RunDir
+from gyre.runtime.rundir import GroupJournal, RunDir, end_attempt
 from gyre.runtime.samples import group_work, step_denominator
 from gyre.scheduler.core import CellRole, ElasticScheduler
 from gyre.scheduler.events import Dispatch, OptimizerStep, Publish, SwitchToRollout, SwitchToTrain, WallClock, Work
@@ -720,6 +720,10 @@ class Controller:
                 self.summary["reward_trend"] = reward_trend(rows, max(1, len(rows) // 4), seed=self.cfg.seed)
             except ValueError as e:
                 logger.warning("reward trend not computed: %s", e)
+        try:  # this attempt's record in run.json; the run's totals over every attempt so far
+            self.summary["run"] = end_attempt(self.run_dir, self.attempt, self.summary)
+        except (OSError, ValueError, LookupError) as e:
+            logger.warning("run.json: this attempt's end not recorded (%s); summary.json has no run totals", e)
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
         # The scheduler's event log: replayable by `python -m gyre.sim --durations.source run-dir`.
         append_events(self.sched.log, str(self.run_dir / "events.jsonl"), attempt=self.attempt,

@@ -236,10 +236,58 @@ def write_manifest(path: Path, cfg: Any, world_size: int, *, start_version: int 
         data = {"config": dataclasses.asdict(cfg), "attempts": []}
     attempt = len(data["attempts"])
     data["attempts"].append({"attempt": attempt, **entry})
-    tmp = manifest.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, manifest)
+    _replace_json(manifest, data)
     return attempt
+
+
+def _replace_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+# What run.json keeps of each attempt's summary (its "ended" record), and which of those add up
+# over the attempts into the run's totals (summary.json's "run").
+ENDED_FIELDS = ("steps", "wall_s", "calls", "aborted_calls", "reroutes", "engine_stalls", "sink_errors",
+                "execution_outcomes", "incomplete_tito", "lost_in_flight", "carried_over_groups",
+                "redispatched_groups", "error", "interrupted", "silent_rank", "ranks_not_stopped")
+SUMMED = ("wall_s", "calls", "aborted_calls", "reroutes", "engine_stalls", "sink_errors", "lost_in_flight",
+          "carried_over_groups", "redispatched_groups")
+
+
+def end_attempt(path: Path, attempt: int, summary: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0, at an attempt's end: records what it did in its `run.json` entry ("ended") and
+    returns the whole run's totals over every attempt so far, for summary.json's "run".
+
+    An attempt that never reached its end (rank 0 killed: SIGKILL, OOM, a node lost) has no
+    "ended" record. Its counts are unknown, not zero: the totals name it in `attempts_not_ended`
+    and add up the others."""
+    manifest = path / "run.json"
+    data = json.loads(manifest.read_text())
+    ended = {k: summary.get(k) for k in ENDED_FIELDS}
+    ended["incomplete_tito"] = len(summary.get("incomplete_tito") or {})
+    data["attempts"][attempt]["ended"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **ended}
+    _replace_json(manifest, data)
+    return run_totals(data["attempts"])
+
+
+def run_totals(attempts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's totals over `run.json`'s attempts (see `end_attempt`)."""
+    ended = [a["ended"] for a in attempts if a.get("ended")]
+    totals: dict[str, Any] = {"attempts": len(attempts),
+                              "attempts_not_ended": [a["attempt"] for a in attempts if not a.get("ended")],
+                              "steps": ended[-1]["steps"] if ended else 0}
+    for k in SUMMED:
+        totals[k] = sum(e.get(k) or 0 for e in ended)
+    totals["incomplete_tito"] = sum(e.get("incomplete_tito") or 0 for e in ended)
+    outcomes: dict[str, int] = {}
+    for e in ended:
+        for outcome, n in (e.get("execution_outcomes") or {}).items():
+            outcomes[outcome] = outcomes.get(outcome, 0) + n
+    totals["execution_outcomes"] = outcomes
+    totals["errors"] = [{"attempt": a["attempt"], "error": a["ended"]["error"]} for a in attempts
+                        if a.get("ended") and a["ended"].get("error")]
+    return totals
 
 
 def evaluated(run_dir: Path, row: dict[str, Any], version: int) -> bool:

@@ -9,6 +9,7 @@ a fresh run.
 """
 
 import json
+from collections import Counter
 import os
 import signal
 import subprocess
@@ -77,3 +78,14 @@ def test_a_satellite_killed_mid_run_is_restarted_and_the_run_finishes_its_steps(
     lost_tasks = [g.split(".")[0] for g in lost]
     redone = [r["task_id"] for r in journal if r["kind"] == "dispatched" and r["attempt"] == 1][:len(lost)]
     assert redone == lost_tasks and len(lost) == summary["redispatched_groups"]
+
+    # The summary adds up both attempts (the first ended gracefully: torchrun SIGTERMed rank 0
+    # after rank 1 died), and its totals agree with the executions directory, whichever attempt
+    # ran them: every execution that ended has a result.json with its outcome.
+    total = summary["run"]
+    assert (total["attempts"], total["attempts_not_ended"], total["steps"]) == (2, [], steps), total
+    assert [e["attempt"] for e in total["errors"]] == [0] and "SIGTERM" in total["errors"][0]["error"]
+    assert total["lost_in_flight"] == summary["lost_in_flight"]  # only a restart finds groups lost
+    results = [json.loads(p.read_text())["outcome"] for p in (run / "executions").glob("*/result.json")]
+    assert total["execution_outcomes"] == dict(Counter(results)), (total, Counter(results))
+    assert sum(summary["execution_outcomes"].values()) < len(results)  # the last attempt's alone fall short

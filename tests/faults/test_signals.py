@@ -23,6 +23,8 @@ import uuid
 
 import pytest
 
+from gyre.executions import scratch
+
 from tests.jobs import (AWK_EVALUATOR, SLEEPER, command_in, marked, reap, start, tiny_task, wait_for,
                         write_task_rows)
 
@@ -59,6 +61,10 @@ def test_a_signal_mid_run_stops_it_gracefully_and_leaves_no_process(tmp_path, si
     ])
     run, tmpdir = tmp_path / "run", tmp_path / "tmp"
     tmpdir.mkdir()
+    # What an earlier run's rank 0 left when it was SIGKILLed mid-evaluation: the run sweeps it at start.
+    dead = tmpdir / f"{scratch.PREFIX}999999-deadbeef"
+    (dead / "gyre-eval-12345678").mkdir(parents=True)
+    (dead / scratch.LOCK).touch()
     cmd = command_in(tasks, run, "--executions.runner.sandbox", sandbox, "--scheduler.mu", "3",
                   "--train.shutdown-timeout-s", str(SHUTDOWN_S), steps=4)
     proc = start(cmd, tmp_path, tmp_path / "log.txt", TMPDIR=str(tmpdir))
@@ -67,7 +73,7 @@ def test_a_signal_mid_run_stops_it_gracefully_and_leaves_no_process(tmp_path, si
         def mid_run():
             rows = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
             children = [p for p in marked(marker) if open(f"/proc/{p}/cmdline", "rb").read().startswith(b"sleep\0")]
-            evals = [p for p in tmpdir.iterdir() if p.name.startswith("gyre-eval-")]
+            evals = [p for p in tmpdir.rglob("gyre-eval-*") if dead not in p.parents]
             return len(rows) >= 1 and len(children) >= 2 and len(evals) >= 2  # the sleepers' children, 2 evaluators
         wait_for(mid_run, 150, proc, "a step done, sleepers running, evaluations in flight")
         t0 = time.monotonic()
@@ -89,7 +95,8 @@ def test_a_signal_mid_run_stops_it_gracefully_and_leaves_no_process(tmp_path, si
     # torchrun notices a dead rank within its monitor interval, then signals the others
     assert took < SHUTDOWN_S + (15 if sig == "rank-death" else 5), (took, log())
     assert left == [], f"{len(left)} processes of the run survived: {left}\n{log()}"
-    assert [p.name for p in tmpdir.iterdir() if p.name.startswith("gyre-eval-")] == []
+    assert list(tmpdir.rglob("gyre-eval-*")) == []  # the evaluators' (in scratch roots) and the dead run's
+    assert [p.name for p in tmpdir.iterdir() if p.name.startswith(scratch.PREFIX)] == []  # removed at exit
 
     summary = json.loads((run / "summary.json").read_text())
     assert summary["interrupted"] == name and f"interrupted by {name}" in summary["error"], summary["error"]
