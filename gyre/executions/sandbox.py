@@ -43,7 +43,8 @@ Ctrl-C) the kernel kills it. bwrap (`--die-with-parent`, its pid namespace) and 
 (`--kill-child`, its pid namespace) then take the whole tree with them. Under `none` the harness
 runs under `REAPER`, a stdlib shim that leads the harness's session: it gets SIGTERM when the
 runner dies and SIGKILLs the session (and descendants that left it) before it goes. A container
-outlives its CLI: `cleanup` removes it by name on every ending the runner lives to see.
+outlives its CLI: `cleanup` removes it by name on every ending the runner lives to see, and the
+next runner on the node removes those whose runner died (`reap_containers`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import contextlib
 import functools
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -385,12 +387,18 @@ def unshare_argv(*, inner: list[str], net: bool, unshare: str = "unshare") -> li
     return [*a, "--", *inner]
 
 
+# Labels on every container an execution runs in: the node and the runner's scratch root (see
+# gyre/executions/scratch.py), whose lock says whether the runner that started it still lives.
+HOST_LABEL, OWNER_LABEL = "gyre.host", "gyre.owner"
+
+
 def container_argv(*, cli: str, image: str, name: str, exec_dir: Path, ws: Path, env_names: list[str],
                    inner: list[str], ro_paths: list[str], net: bool, socket: str | None,
                    extra: list[str]) -> list[str]:
     """`docker run` / `podman run`: environment by name only (values come from the client's
     environment, so the key is on no command line)."""
     a = [cli, "run", "--rm", "--init", "--name", name, "--network", "none" if net else "host",
+         "--label", f"{HOST_LABEL}={platform.node()}", "--label", f"{OWNER_LABEL}={scratch.root()}",
          "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
          "-v", f"{exec_dir}:{exec_dir}", "-w", str(ws)]
     if socket is not None:
@@ -409,6 +417,46 @@ def argv_files(argv: list[str]) -> list[str]:
     evaluator next to it). Other arguments are data, never bound: a path the harness needs goes
     in `sandbox_ro_paths`."""
     return [x for x in argv[:2] if os.path.isabs(x) and not _under_system(x) and os.path.isfile(x)]
+
+
+async def _cli(argv: list[str], env: dict[str, str], timeout_s: float = 60.0) -> str:
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                env=env)
+    out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:2])} exited with status {proc.returncode}: {err.decode()[-300:]}")
+    return out.decode()
+
+
+_reaped: set[str] = set()  # the container CLIs this process has reaped for
+
+
+async def reap_containers(cli: str, env: dict[str, str]) -> list[str]:
+    """Remove the containers on this node whose runner is gone: a rank SIGKILLed while its
+    executions ran (PR_SET_PDEATHSIG kills the `docker run` client, and the container lives on).
+    Their owner label names the runner's scratch root; its lock is free once the runner is dead
+    (`scratch.alive`). Containers of live runners and of other nodes are left alone. Once per
+    process and CLI, before its first container; a failure is logged, never fatal."""
+    if cli in _reaped:
+        return []
+    _reaped.add(cli)
+    removed = []
+    try:
+        names = (await _cli([cli, "ps", "-a", "--filter", f"label={HOST_LABEL}={platform.node()}",
+                             "--format", "{{.Names}}"], env)).split()
+        if names:
+            owners = (await _cli([cli, "inspect", "--format", f'{{{{index .Config.Labels "{OWNER_LABEL}"}}}}',
+                                  *names], env)).splitlines()
+            dead = [n for n, owner in zip(names, owners) if owner.strip() and not scratch.alive(owner.strip())]
+            if dead:
+                await _cli([cli, "rm", "-f", *dead], env)
+                removed = dead
+    except Exception as e:  # noqa: BLE001 - a missing daemon or CLI shows at the launch itself
+        logger.warning("could not look for containers left by dead runners (%s)", e)
+        return []
+    if removed:
+        logger.warning("removed %d containers whose runner had died (%s)", len(removed), ", ".join(removed[:5]))
+    return removed
 
 
 async def prepare(kind: str, *, cfg, execution_id: str, exec_dir: Path, ws: Path, argv: list[str],
@@ -467,6 +515,7 @@ async def prepare(kind: str, *, cfg, execution_id: str, exec_dir: Path, ws: Path
         client_env = {k: os.environ[k] for k in ("PATH", "HOME", "DOCKER_HOST", "DOCKER_CONFIG", "XDG_RUNTIME_DIR",
                                                  "CONTAINER_HOST") if k in os.environ}
         client_env.update({k: env[k] for k in env_names})
+        await reap_containers(cfg.container_cli, client_env)
 
         async def cleanup() -> None:
             # Killing the client does not stop the container: remove it by name.

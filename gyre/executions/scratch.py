@@ -64,6 +64,22 @@ def temporary_directory(prefix: str) -> tempfile.TemporaryDirectory:
     return tempfile.TemporaryDirectory(prefix=prefix, dir=root())
 
 
+def alive(path: str | Path) -> bool:
+    """Whether the process that owns scratch root `path` still lives (its lock is held; this
+    process's own root counts). A missing root or lock file: not alive."""
+    try:
+        fd = os.open(Path(path) / LOCK, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # releases a lock taken here
+    return False
+
+
 def sweep(tmp: str | Path | None = None) -> list[Path]:
     """Remove the scratch roots under `tmp` (default: the temporary directory) whose process is
     gone; returns them. Roots of live processes, this one's included, are left alone, and so is

@@ -8,6 +8,7 @@ the reason where this machine cannot build the namespaces.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from gyre.executions import evaluator as evaluator_module
-from gyre.executions import sandbox
+from gyre.executions import sandbox, scratch
 from gyre.executions.config import EvaluatorConfig, RunnerConfig
 from gyre.executions.evaluator import Evaluator, Outcome, RewardStatus
 from gyre.executions.runner import GyreProxyAccess, HarnessRunner
@@ -338,9 +339,11 @@ def test_container_command_line_against_a_fake_docker(tmp_path, proxy_server):
     assert res.outcome is Outcome.COMPLETED, _stderr(res)
     assert len(sink.for_execution("c0")) == 1
     calls = [json.loads(line) for line in log.read_text().splitlines()]
-    run, rm = calls[0]["argv"], calls[-1]["argv"]
+    assert calls[0]["argv"][:2] == ["ps", "-a"]  # containers of dead runners first (none here)
+    (launched,) = [c for c in calls if c["argv"][0] == "run"]
+    run, rm = launched["argv"], calls[-1]["argv"]
     assert rm == ["rm", "-f", "gyre-c0"]  # the container is removed after the client ends
-    assert calls[0]["key_in_env"]
+    assert launched["key_in_env"]
     joined = " ".join(run)
     assert issued["c0"] not in joined
     assert "-e OPENAI_API_KEY" in joined and "-e PATH" not in joined
@@ -349,6 +352,87 @@ def test_container_command_line_against_a_fake_docker(tmp_path, proxy_server):
     assert f"{res.exec_dir}:{res.exec_dir}" in run and run[run.index("-w") + 1] == str(ws)
     assert run[run.index("gyre/harness:test") + 1] == "python3"  # {python} is the image's
     assert f"{probe}:{probe}:ro" in run
+
+
+# A stateful fake of the container CLI, as far as the runner uses it (docker's documented forms:
+# `run --name N --label K=V ... IMAGE CMD...`, `ps -a --filter label=K=V --format '{{.Names}}'`,
+# `inspect --format '{{index .Config.Labels "K"}}' NAME...` (one line per name), `rm -f NAME...`).
+# Containers live in a JSON file; `run` records one, runs CMD on the host, and leaves it (as
+# SIGKILLing the client would) for `rm`.
+STATEFUL_DOCKER = """\
+import json, re, subprocess, sys
+state_path, log_path = {state!r}, {log!r}
+argv = sys.argv[1:]
+state = json.load(open(state_path))
+open(log_path, "a").write(json.dumps(argv) + "\\n")
+def save():
+    json.dump(state, open(state_path, "w"))
+if argv[0] == "run":
+    labels = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--label")
+    name = argv[argv.index("--name") + 1]
+    state[name] = labels
+    save()
+    inner = argv[argv.index({image!r}) + 1:]
+    inner[0] = {python!r}  # the image's python3 -> ours
+    sys.exit(subprocess.call(inner))
+if argv[0] == "ps":
+    key, value = argv[argv.index("--filter") + 1][len("label="):].split("=", 1)
+    print("\\n".join(n for n, labels in state.items() if labels.get(key) == value))
+elif argv[0] == "inspect":
+    key = re.search(r'Labels "([^"]+)"', argv[argv.index("--format") + 1]).group(1)
+    for n in argv[3:]:
+        print(state[n].get(key, ""))
+elif argv[0] == "rm":
+    for n in argv[2:]:
+        state.pop(n, None)
+    save()
+"""
+
+
+def test_containers_left_by_a_dead_runner_are_removed_and_no_others(tmp_path):
+    """A rank SIGKILLed mid-execution leaves its containers running (the client dies with it;
+    the daemon does not). The next runner on the node removes exactly those: their owner's scratch
+    root is unlocked (here: gone, and one whose process was SIGKILLed); a live runner's, another
+    node's and unlabelled containers stay."""
+    from tests.executions.test_scratch import _owner
+
+    state, log, fake = tmp_path / "containers.json", tmp_path / "docker.jsonl", tmp_path / "bin" / "docker"
+    fake.parent.mkdir()
+    fake.write_text(f"#!{sys.executable}\n" + STATEFUL_DOCKER.format(state=str(state), log=str(log),
+                                                                      image="gyre/harness:test", python=sys.executable))
+    fake.chmod(0o755)
+    node = sandbox.platform.node()
+    live, live_dir, live_child = _owner(tmp_path)
+    killed, killed_dir, killed_child = _owner(tmp_path)
+    try:
+        killed.kill()
+        killed.wait()
+        state.write_text(json.dumps({
+            "gyre-gone": {"gyre.host": node, "gyre.owner": str(tmp_path / "gyre-scratch-1-removed")},
+            "gyre-killed": {"gyre.host": node, "gyre.owner": str(killed_dir.parent)},
+            "gyre-live": {"gyre.host": node, "gyre.owner": str(live_dir.parent)},
+            "gyre-mine": {"gyre.host": node, "gyre.owner": str(scratch.root())},
+            "gyre-elsewhere": {"gyre.host": node + "-other", "gyre.owner": str(tmp_path / "gone")},
+            "someone-elses": {},
+        }))
+        probe = _script(tmp_path, """open("answer.txt", "w").write("x")""")
+        cfg = RunnerConfig(run_dir=str(tmp_path / "runs"), sandbox="container", container_cli=str(fake),
+                           container_image="gyre/harness:test", sandbox_network="host")
+        runner = HarnessRunner(cfg, Evaluator(EvaluatorConfig()))
+        results = _run(runner, ExecutionSpec("c0", _task("t", probe), "g"), ExecutionSpec("c1", _task("t", probe), "g"))
+    finally:
+        for p, child in ((live, live_child), (killed, killed_child)):
+            p.kill()
+            p.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, 9)
+    assert [r.outcome for r in results] == [Outcome.COMPLETED] * 2, [_stderr(r) for r in results]
+    assert sorted(json.loads(state.read_text())) == ["gyre-elsewhere", "gyre-live", "gyre-mine", "someone-elses"]
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [c[0] for c in calls].count("ps") == 1  # once per process, before its first container
+    assert ["rm", "-f", "gyre-gone", "gyre-killed"] in calls
+    run = next(c for c in calls if c[0] == "run")
+    assert f"gyre.owner={scratch.root()}" in run and f"gyre.host={node}" in run
 
 
 # ---------------------------------------------------------------------------- harness scripts
