@@ -154,6 +154,9 @@ def main() -> None:
                 "wandb",
                 # One tool-using Agent run against /v1/responses (tests/proxy/test_responses.py).
                 "openai-agents",
+                # The Megatron adapter's config checks, the GPU check's dry run, and (slow tier)
+                # megatron's own GPTModel on gloo ranks. Pure Python on CPU (torch, numpy, packaging).
+                "megatron-core==0.16.1",
             ],
             # Experiment trackers beside metrics.jsonl: --tracking.tensorboard, --tracking.wandb.
             "tracking": ["tensorboard", "wandb"],

@@ -651,7 +651,7 @@ class Controller:
         wait_until = time.monotonic() + (15 if failed else 300)
         if deadline is not None:
             wait_until = min(wait_until, deadline)
-        core = set(self._cell_ranks(0))
+        core, silent_told = set(self._cell_ranks(0)), False
         while len(self.stopped) < self.topo.world_size and time.monotonic() < wait_until:
             while (msg := self.cp.try_recv()) is not None:
                 self._on_message(msg)
@@ -664,8 +664,11 @@ class Controller:
             if self.silent_rank is not None and self.silent_rank not in self.stopped:
                 # Named in the error; not waited for. Should it thaw, its queue says the run failed
                 # (its first Stop may have said otherwise: the run had ended well until now).
-                self.cp.send(self.silent_rank, Stop(failed=True, checkpoint=checkpoint))
-                break
+                if not silent_told:
+                    self.cp.send(self.silent_rank, Stop(failed=True, checkpoint=checkpoint))
+                    silent_told = True
+                if set(range(self.topo.world_size)) - set(self.stopped) <= {self.silent_rank}:
+                    break  # the others have stopped (a loaded machine may take a moment for them)
             await asyncio.sleep(0.01)
         missing = sorted(set(range(self.topo.world_size)) - set(self.stopped))
         if missing:
