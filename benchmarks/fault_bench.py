@@ -85,7 +85,8 @@ def run(args, work: Path, disturb: bool) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     attempts = json.loads((run_dir / "run.json").read_text()).get("attempts", []) if (run_dir / "run.json").exists() else []
     journal = rows(run_dir / "groups.jsonl") if (run_dir / "groups.jsonl").exists() else []
-    launched = sum(len(r["executions"]) for r in journal if r["kind"] == "dispatched")
+    # distinct executions: a carried-over group is journalled as dispatched again, under its own ids
+    launched = len({e for r in journal if r["kind"] == "dispatched" for e in r["executions"]})
     # summary.json's "run": totals over every attempt that reached its end (all, unless rank 0 died)
     total = summary.get("run", {})
     results = [json.loads(p.read_text()) for p in (run_dir / "executions").glob("*/result.json")]
