@@ -26,11 +26,17 @@ SMALL = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content":
 
 
 class SpyEngine(DeterministicEngine):
-    """Remembers which requests it was asked to abort."""
+    """Remembers which requests it was asked to abort, and counts the tokens it sent."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.aborted: list[str] = []
+        self.sent = 0
+
+    async def generate(self, request_id, input_ids, sampling):
+        async for ev in super().generate(request_id, input_ids, sampling):
+            self.sent += 1
+            yield ev
 
     async def abort(self, request_id):
         self.aborted.append(request_id)
@@ -81,7 +87,9 @@ def test_client_disconnect_aborts_a_non_streamed_call(make_server):
     s = socket.create_connection(("127.0.0.1", h.port))
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + k.encode()
               + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    time.sleep(0.3)
+    # The call is under way (a loaded machine can take longer than any fixed sleep to get there;
+    # a client gone before its call starts leaves nothing to record).
+    assert _wait(lambda: eng.sent >= 5, 10.0), eng.sent
     s.close()
     assert _wait(lambda: proxy.sink.records, 3.0), "no record"
     rec = proxy.sink.records[0]
