@@ -270,8 +270,12 @@ class Call:
         except ValueError as e:  # the engine refused the request (e.g. over its own length limit)
             raise ApiError(400, "invalid_request", f"the engine rejected the request: {e}") from None
         finally:
-            await gen.aclose()
-            self._finish(completed, stopper.matched, engine_error=engine_failed)
+            try:
+                await gen.aclose()  # a second cancellation (a close, then the client going) can land in here
+            except RuntimeError as e:  # "aclose(): asynchronous generator is already running"
+                logger.debug("proxy: %s: engine stream not closed here (%s)", key, e)
+            finally:  # recorded (or counted late) however the cleanup ends: an aborted call is never lost
+                self._finish(completed, stopper.matched, engine_error=engine_failed)
 
     def _unknown_forced_tools(self) -> list[str]:
         """Names of calls a forced `required` turn made that are not among the request's tools."""
