@@ -428,7 +428,7 @@ async def _cli(argv: list[str], env: dict[str, str], timeout_s: float = 60.0) ->
     return out.decode()
 
 
-_reaped: set[str] = set()  # the container CLIs this process has reaped for
+_reaps: dict[tuple[str, int], asyncio.Future] = {}  # (CLI, event loop) -> the one reap, awaited by every launch
 
 
 async def reap_containers(cli: str, env: dict[str, str]) -> list[str]:
@@ -436,27 +436,35 @@ async def reap_containers(cli: str, env: dict[str, str]) -> list[str]:
     executions ran (PR_SET_PDEATHSIG kills the `docker run` client, and the container lives on).
     Their owner label names the runner's scratch root; its lock is free once the runner is dead
     (`scratch.alive`). Containers of live runners and of other nodes are left alone. Once per
-    process and CLI, before its first container; a failure is logged, never fatal."""
-    if cli in _reaped:
-        return []
-    _reaped.add(cli)
-    removed = []
+    process and CLI: every launch waits for it, so none of ours is listed half-way; a failure is
+    logged, never fatal."""
+    key = (cli, id(asyncio.get_running_loop()))
+    if key not in _reaps:
+        _reaps[key] = asyncio.ensure_future(_reap(cli, env))
+    return list(await asyncio.shield(_reaps[key]))
+
+
+async def _reap(cli: str, env: dict[str, str]) -> list[str]:
+    dead = []
     try:
         names = (await _cli([cli, "ps", "-a", "--filter", f"label={HOST_LABEL}={platform.node()}",
                              "--format", "{{.Names}}"], env)).split()
-        if names:
-            owners = (await _cli([cli, "inspect", "--format", f'{{{{index .Config.Labels "{OWNER_LABEL}"}}}}',
-                                  *names], env)).splitlines()
-            dead = [n for n, owner in zip(names, owners) if owner.strip() and not scratch.alive(owner.strip())]
-            if dead:
-                await _cli([cli, "rm", "-f", *dead], env)
-                removed = dead
+        for name in names:
+            try:  # one at a time: a container that ends meanwhile is gone from inspect
+                owner = (await _cli([cli, "inspect", "--format", f'{{{{index .Config.Labels "{OWNER_LABEL}"}}}}',
+                                     name], env)).strip()
+            except RuntimeError:
+                continue
+            if owner and not scratch.alive(owner):
+                dead.append(name)
+        if dead:
+            await _cli([cli, "rm", "-f", *dead], env)
     except Exception as e:  # noqa: BLE001 - a missing daemon or CLI shows at the launch itself
         logger.warning("could not look for containers left by dead runners (%s)", e)
         return []
-    if removed:
-        logger.warning("removed %d containers whose runner had died (%s)", len(removed), ", ".join(removed[:5]))
-    return removed
+    if dead:
+        logger.warning("removed %d containers whose runner had died (%s)", len(dead), ", ".join(dead[:5]))
+    return dead
 
 
 async def prepare(kind: str, *, cfg, execution_id: str, exec_dir: Path, ws: Path, argv: list[str],

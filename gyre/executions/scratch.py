@@ -64,19 +64,28 @@ def temporary_directory(prefix: str) -> tempfile.TemporaryDirectory:
     return tempfile.TemporaryDirectory(prefix=prefix, dir=root())
 
 
+def _claim(path: Path) -> int | None:
+    """The root's lock, taken (an open descriptor: the caller closes it) when its owner is gone;
+    None while the owner lives. OSError when `path` holds no lock file."""
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: its process lives
+        os.close(fd)
+        return None
+    return fd
+
+
 def alive(path: str | Path) -> bool:
     """Whether the process that owns scratch root `path` still lives (its lock is held; this
     process's own root counts). A missing root or lock file: not alive."""
     try:
-        fd = os.open(Path(path) / LOCK, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = _claim(Path(path))
     except OSError:
         return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    if fd is None:
         return True
-    finally:
-        os.close(fd)  # releases a lock taken here
+    os.close(fd)  # releases the lock taken here
     return False
 
 
@@ -94,13 +103,10 @@ def sweep(tmp: str | Path | None = None) -> list[Path]:
         try:
             if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
                 continue
-            fd = os.open(path / LOCK, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = _claim(path)
         except OSError:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: its process lives
-            os.close(fd)
+        if fd is None:
             continue
         try:
             shutil.rmtree(path, ignore_errors=True)  # removed while we hold its lock: nobody else sweeps it twice
