@@ -1,7 +1,10 @@
-"""Functional Qwen2 forward over per-request KV caches: the compute kernel of the CPU engine.
+"""Functional decoder forward over per-request KV caches: the compute kernel of the CPU engine.
 
-`transformers.Qwen2ForCausalLM` is the reference (the actor trains it; tests compare this file's
-logits against it). Here the same weights run as plain tensor ops so that one engine step can
+One forward serves every family of `gyre.backends.arch` (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama 3.x):
+the family's Shape says which biases and q/k norms exist, the head dim, the RoPE frequencies
+(Llama 3.1's rewrite included) and which layers use the sparse MLP (`arch.qwen3_moe.sparse_mlp`).
+The transformers class of the family is the reference (the actor trains it; tests compare this
+file's logits against it). Here the same weights run as plain tensor ops so that one engine step can
 mix requests of different lengths: the token-wise work (projections, MLP, LM head) is batched
 over every request in the step, attention runs per request against that request's own cache.
 
@@ -20,70 +23,59 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gyre.backends.models import rope_theta
-
-_LAYER_KEYS = (
-    "self_attn.q_proj.weight",
-    "self_attn.q_proj.bias",
-    "self_attn.k_proj.weight",
-    "self_attn.k_proj.bias",
-    "self_attn.v_proj.weight",
-    "self_attn.v_proj.bias",
-    "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-)
+from gyre.backends.arch import Shape, expected_shapes as _shapes_of, family_of
+from gyre.backends.arch.qwen3_moe import sparse_mlp
 
 
 @dataclass
 class DecoderWeights:
-    """The tensors of a Qwen2 decoder, keyed like the HF state dict, plus the sizes it needs."""
+    """The tensors of a decoder, keyed like transformers' in-memory state dict, plus its Shape
+    (`gyre.backends.arch`: biases, q/k norms, head dim, RoPE, MoE layers come from the family)."""
 
     tensors: dict[str, torch.Tensor]
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    eps: float
+    shape: Shape
     inv_freq: torch.Tensor  # [hd/2] float32
-    tied: bool
 
     @classmethod
     def from_state_dict(cls, state_dict: dict[str, torch.Tensor], config, *, dtype: torch.dtype | None = None, copy: bool = True,
                         device: torch.device | str | None = None) -> "DecoderWeights":
-        """Validate names and shapes against `config` (a Qwen2Config); copy unless `copy=False`.
+        """Validate names and shapes against `config` (an HF config of a family in
+        `gyre.backends.arch.SUPPORTED`; any other is refused by name); copy unless `copy=False`.
+        Names may be transformers' in-memory ones or the HF checkpoint's (per-expert MoE).
         `device`: where the weights (and so every cache and activation of `extend`) live; None
         keeps the tensors' own (a move is a copy whatever `copy` says)."""
-        layers = config.num_hidden_layers
-        hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        expected = expected_shapes(config)
-        missing = [k for k in expected if k not in state_dict and not (k == "lm_head.weight" and config.tie_word_embeddings)]
+        family = family_of(config)
+        shape = family.shape(config)
+        state_dict = family.to_model_names(state_dict, shape)
+        expected = _shapes_of(shape)
+        missing = [k for k in expected if k not in state_dict and not (k == "lm_head.weight" and shape.tied)]
         if missing:
             raise ValueError(f"weights: missing {len(missing)} tensors, e.g. {missing[:3]}")
         unknown = [k for k in state_dict if k not in expected]
         if unknown:
             raise ValueError(f"weights: unexpected tensors {unknown[:3]}")
         tensors = {}
-        for k, shape in expected.items():
+        for k, want in expected.items():
             if k not in state_dict:
                 continue
             t = state_dict[k].detach()
-            if tuple(t.shape) != shape:
-                raise ValueError(f"weights: {k} has shape {tuple(t.shape)}, expected {shape}")
+            if tuple(t.shape) != want:
+                raise ValueError(f"weights: {k} has shape {tuple(t.shape)}, expected {want}")
             if dtype is not None:
                 t = t.to(dtype)
             moved = device is not None and t.device != torch.device(device)
             if moved:
                 t = t.to(device)
             tensors[k] = t.clone().contiguous() if copy and not moved else t.contiguous()
-        theta = rope_theta(config)
         where = device if device is not None else next(iter(tensors.values())).device
-        inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float, device=where) / hd))
-        return cls(tensors, layers, config.num_attention_heads, config.num_key_value_heads, hd,
-                   float(config.rms_norm_eps), inv_freq, bool(config.tie_word_embeddings))
+        return cls(tensors, shape, shape.rope.inv_freq().to(where))
+
+    num_layers = property(lambda self: self.shape.num_layers)
+    num_heads = property(lambda self: self.shape.num_heads)
+    num_kv_heads = property(lambda self: self.shape.num_kv_heads)
+    head_dim = property(lambda self: self.shape.head_dim)
+    eps = property(lambda self: self.shape.eps)
+    tied = property(lambda self: self.shape.tied)
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -110,25 +102,8 @@ class DecoderWeights:
 
 
 def expected_shapes(config) -> dict[str, tuple[int, ...]]:
-    """HF parameter name → shape for a Qwen2Config (lm_head included even when tied)."""
-    h, v, f = config.hidden_size, config.vocab_size, config.intermediate_size
-    hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-    per = {
-        "self_attn.q_proj.weight": (q, h), "self_attn.q_proj.bias": (q,),
-        "self_attn.k_proj.weight": (kv, h), "self_attn.k_proj.bias": (kv,),
-        "self_attn.v_proj.weight": (kv, h), "self_attn.v_proj.bias": (kv,),
-        "self_attn.o_proj.weight": (h, q),
-        "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-    }
-    for i in range(config.num_hidden_layers):
-        for k in _LAYER_KEYS:
-            out[f"model.layers.{i}.{k}"] = per[k]
-    out["model.norm.weight"] = (h,)
-    out["lm_head.weight"] = (v, h)
-    return out
+    """HF parameter name → shape for an HF config of a supported family (lm_head included even when tied)."""
+    return _shapes_of(family_of(config).shape(config))
 
 
 class KVCache:
@@ -166,7 +141,8 @@ class KVCache:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen2RMSNorm: normalise in float32, scale in the input dtype. x [..., H]."""
+    """RMSNorm of every family here (Qwen2RMSNorm, LlamaRMSNorm): normalise in float32, scale
+    in the input dtype. x [..., H] (or [..., heads, hd] for q/k norms)."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -177,6 +153,13 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def _dense_mlp(h: torch.Tensor, t: dict[str, torch.Tensor], p: str) -> torch.Tensor:
+    """SwiGLU: down(silu(gate(h)) · up(h)), biases where the family has them (Llama mlp_bias)."""
+    gate = F.linear(h, t[p + "gate_proj.weight"], t.get(p + "gate_proj.bias"))
+    up = F.linear(h, t[p + "up_proj.weight"], t.get(p + "up_proj.bias"))
+    return F.linear(F.silu(gate) * up, t[p + "down_proj.weight"], t.get(p + "down_proj.bias"))
 
 
 _QUERY_BLOCK = 2048  # queries per attention pass of a long prefill (see extend)
@@ -234,9 +217,13 @@ def extend(w: DecoderWeights, ids: torch.Tensor, positions: torch.Tensor, seqlen
     for layer in range(w.num_layers):
         p = f"model.layers.{layer}."
         h = rms_norm(x, t[p + "input_layernorm.weight"], w.eps)
-        q = F.linear(h, t[p + "self_attn.q_proj.weight"], t[p + "self_attn.q_proj.bias"]).view(n, nh, hd)
-        k = F.linear(h, t[p + "self_attn.k_proj.weight"], t[p + "self_attn.k_proj.bias"]).view(n, nkv, hd)
-        v = F.linear(h, t[p + "self_attn.v_proj.weight"], t[p + "self_attn.v_proj.bias"]).view(n, nkv, hd)
+        # biases and q/k norms exist exactly where the family's Shape puts them (expected_shapes)
+        q = F.linear(h, t[p + "self_attn.q_proj.weight"], t.get(p + "self_attn.q_proj.bias")).view(n, nh, hd)
+        k = F.linear(h, t[p + "self_attn.k_proj.weight"], t.get(p + "self_attn.k_proj.bias")).view(n, nkv, hd)
+        v = F.linear(h, t[p + "self_attn.v_proj.weight"], t.get(p + "self_attn.v_proj.bias")).view(n, nkv, hd)
+        if w.shape.qk_norm:  # Qwen3: RMSNorm over each head's hd, before RoPE
+            q = rms_norm(q, t[p + "self_attn.q_norm.weight"], w.eps)
+            k = rms_norm(k, t[p + "self_attn.k_norm.weight"], w.eps)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         attn = torch.empty(n, nh, hd, dtype=x.dtype, device=x.device)
         for i, cache in enumerate(caches):
@@ -252,10 +239,13 @@ def extend(w: DecoderWeights, ids: torch.Tensor, positions: torch.Tensor, seqlen
             for j0 in range(0, s_i, _QUERY_BLOCK):
                 j1 = min(s_i, j0 + _QUERY_BLOCK)
                 attn[a + j0 : a + j1] = _attend(q[a + j0 : a + j1], kc, vc, past + j0, nkv, groups, hd, scale, x.dtype)
-        x = x + F.linear(attn.reshape(n, nh * hd), t[p + "self_attn.o_proj.weight"])
+        x = x + F.linear(attn.reshape(n, nh * hd), t[p + "self_attn.o_proj.weight"], t.get(p + "self_attn.o_proj.bias"))
         h = rms_norm(x, t[p + "post_attention_layernorm.weight"], w.eps)
-        mlp = F.silu(F.linear(h, t[p + "mlp.gate_proj.weight"])) * F.linear(h, t[p + "mlp.up_proj.weight"])
-        x = x + F.linear(mlp, t[p + "mlp.down_proj.weight"])
+        if layer in w.shape.moe_layers:
+            x = x + sparse_mlp(h, t[p + "mlp.gate.weight"], t[p + "mlp.experts.gate_up_proj"],
+                               t[p + "mlp.experts.down_proj"], w.shape.moe)
+        else:
+            x = x + _dense_mlp(h, t, p + "mlp.")
     for cache, s in zip(caches, seqlens):
         cache.length += s
     if not all_logits:

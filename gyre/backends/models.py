@@ -1,7 +1,10 @@
-"""Model factory: real Qwen2-style decoders built from named size presets, no downloads.
+"""Model factory: HF causal LMs of the supported families, and Qwen2 size presets (no downloads).
 
-The model is `transformers.Qwen2ForCausalLM` made from a `Qwen2Config`; checkpoints are the
-HF layout (`config.json` + `model.safetensors`) that `transformers` (and SGLang) load back.
+The class comes from the architecture registry (`gyre.backends.arch`): a Qwen3 checkpoint loads
+as `Qwen3ForCausalLM`, never as another family; an unsupported one is refused by name. Presets
+build `Qwen2ForCausalLM` from a `Qwen2Config` (with `architectures` set, as SGLang requires);
+checkpoints are the HF layout (`config.json` + `model.safetensors`) that `transformers` (and
+SGLang) load back.
 
     >>> config = model_config("tiny", vocab_size=1024)
     >>> model = build_model(config, seed=0)
@@ -77,6 +80,7 @@ def model_config(preset: str | ModelPreset, vocab_size: int, **overrides):
         rope_parameters={"rope_type": "default", "rope_theta": preset.rope_theta},
         use_sliding_window=False,
         hidden_act="silu",
+        architectures=["Qwen2ForCausalLM"],  # SGLang's ModelConfig refuses a config without it
     )
     kwargs.update(overrides)
     return Qwen2Config(**kwargs)
@@ -98,7 +102,8 @@ def preset_of(config) -> ModelPreset:
 
 
 def rope_theta(config) -> float:
-    """RoPE base of a Qwen2Config (transformers 5 keeps it in `rope_parameters`)."""
+    """RoPE base of a plain-RoPE config (transformers 5 keeps it in `rope_parameters`); a scaled
+    RoPE (Llama 3.1's 'llama3') raises: its frequencies are `gyre.backends.arch` `Rope.inv_freq`."""
     params = getattr(config, "rope_parameters", None) or {}
     if params.get("rope_type", "default") != "default":
         raise ValueError(f"only default RoPE is supported, got {params.get('rope_type')!r}")
@@ -108,18 +113,21 @@ def rope_theta(config) -> float:
 
 
 def build_model(config, *, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A freshly initialised `Qwen2ForCausalLM` for `config`, deterministic in `seed`.
+    """A freshly initialised model of `config`'s family (`gyre.backends.arch.family_of`: e.g.
+    `Qwen2ForCausalLM` for a preset, `Qwen3ForCausalLM` for a Qwen3 config), deterministic in `seed`.
 
     Initialisation uses the global torch RNG inside `fork_rng`, so the caller's RNG state is
     untouched and the same (config, seed) gives bit-identical weights on every rank.
     """
-    from transformers import Qwen2ForCausalLM
+    from gyre.backends.arch import family_of
 
+    family = family_of(config)
+    family.shape(config)  # refuse a variant the built-in decoder lacks (rope type, sliding window) now
     config = copy.deepcopy(config)
     config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = family.model_class()(config)
     model.to(dtype)
     model.eval()
     return model
@@ -163,13 +171,16 @@ def save_checkpoint(model, path: str) -> None:
 
 
 def load_model(path: str, *, dtype: torch.dtype | None = None):
-    """Load an HF checkpoint written by `save_checkpoint` (or any Qwen2 checkpoint on disk)."""
-    from transformers import Qwen2ForCausalLM
+    """Load an HF checkpoint directory (written by `save_checkpoint`, or a user's) as its own
+    family's class (`gyre.backends.arch.check_checkpoint`: from config.json's architectures;
+    an unsupported architecture raises UnsupportedArchitecture naming it)."""
+    from gyre.backends.arch import check_checkpoint
 
+    family = check_checkpoint(path)
     kwargs = {"attn_implementation": "sdpa"}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    model = Qwen2ForCausalLM.from_pretrained(path, **kwargs)
+    model = family.model_class().from_pretrained(path, **kwargs)
     model.eval()
     return model
 

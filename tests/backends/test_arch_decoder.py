@@ -1,0 +1,123 @@
+"""The built-in decoder against transformers, per family of the architecture registry.
+
+Tiny random-init models of the real architectures (tests/realmodels.py; norms perturbed off 1,
+so a dropped or misplaced q/k norm shows). For each family: full prefill, token-by-token decode
+through a growing KV cache, and one continuous-batching step mixing requests of different
+lengths (decodes and prefills together), all within 1e-4 of the family's HF class in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from gyre.backends.arch import family_of, shape_of
+from gyre.backends.decoder import DecoderWeights, KVCache, extend
+from tests.realmodels import build_model
+
+FAMILIES = ["qwen2.5", "qwen3", "qwen3-moe", "llama3.1"]
+VOCAB = 300
+TOL = 1e-4
+
+
+@functools.lru_cache(maxsize=None)
+def _model(family: str):
+    return build_model(family, VOCAB, seed=7)
+
+
+def _seqs(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_registry_names_the_model_class(family):
+    model = _model(family)
+    assert type(model).__name__ == family_of(model.config).hf_class
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoder_matches_hf_prefill_decode_and_continuous_batching(family):
+    model = _model(family)
+    w = DecoderWeights.from_state_dict(model.state_dict(), model.config)
+    seqs = _seqs([37, 12, 5, 23], seed=1)
+    with torch.no_grad():
+        refs = [model(input_ids=s[None]).logits[0] for s in seqs]
+        # 1. prefill of part of seq 0, then token-by-token decode through a cache that regrows
+        s0, r0 = seqs[0], refs[0]
+        cache = KVCache.empty(w, capacity=2)
+        pre = extend(w, s0[:9], torch.arange(9), [9], [cache], all_logits=True)
+        steps = torch.cat([extend(w, s0[j : j + 1], torch.tensor([j]), [1], [cache]) for j in range(9, len(s0))])
+        assert (pre - r0[:9]).abs().max() <= TOL
+        assert (steps - r0[9:]).abs().max() <= TOL
+        # 2. continuous batching: requests of different lengths at different stages in one step
+        caches = [KVCache.empty(w) for _ in seqs]
+        extend(w, seqs[0][:20], torch.arange(20), [20], [caches[0]])       # request 0 running
+        extend(w, seqs[1][:11], torch.arange(11), [11], [caches[1]])       # request 1 running
+        feeds = [(seqs[0][20:21], 20), (seqs[1][11:12], 11), (seqs[2], 0), (seqs[3][:17], 0)]
+        ids = torch.cat([f for f, _ in feeds])
+        pos = torch.cat([torch.arange(a, a + len(f)) for f, a in feeds])
+        out = extend(w, ids, pos, [len(f) for f, _ in feeds], caches)
+        want = torch.stack([refs[0][20], refs[1][11], refs[2][-1], refs[3][16]])
+        assert (out - want).abs().max() <= TOL
+        # 3. a chunk of several tokens onto a running cache (the re-prefill after an update)
+        more = extend(w, seqs[3][17:23], torch.arange(17, 23), [6], [caches[3]], all_logits=True)
+        assert (more - refs[3][17:23]).abs().max() <= TOL
+
+
+def test_qwen3_q_k_norms_matter():
+    """Dropping Qwen3's q/k norms (what loading as Qwen2 did) moves the logits far past the
+    tolerance: the comparison above can fail."""
+    model = _model("qwen3")
+    w = DecoderWeights.from_state_dict(model.state_dict(), model.config)
+    ids = _seqs([15], seed=3)[0]
+    with torch.no_grad():
+        ref = model(input_ids=ids[None]).logits[0, -1]
+        for k in [k for k in w.tensors if k.endswith(("q_norm.weight", "k_norm.weight"))]:
+            w.tensors[k] = torch.ones_like(w.tensors[k])
+        wrong = extend(w, ids, torch.arange(15), [15], [KVCache.empty(w)])[0]
+    assert (wrong - ref).abs().max() > 1e-2
+
+
+def test_llama3_rope_scaling_matches_transformers_and_matters():
+    """Llama 3.1's rewritten frequencies equal transformers' own, and differ from plain RoPE
+    (the tiny config's original context of 1024 puts heads in all three bands)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    model = _model("llama3.1")
+    shape = shape_of(model.config)
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](model.config, "cpu")
+    ours = shape.rope.inv_freq()
+    assert torch.equal(ours, ref)
+    plain = 1.0 / (shape.rope.theta ** (torch.arange(0, shape.head_dim, 2).float() / shape.head_dim))
+    changed = ~torch.isclose(ours, plain)
+    assert changed.any() and not changed.all()
+    # the band between the edges is interpolated, neither plain nor divided by the factor
+    assert (changed & ~torch.isclose(ours, plain / 8.0)).any()
+
+
+def test_moe_routes_per_token_and_renormalises():
+    """The sparse MLP against a direct float64 per-token sum over every expert's SwiGLU."""
+    from gyre.backends.arch.qwen3_moe import sparse_mlp
+
+    model = _model("qwen3-moe")
+    shape = shape_of(model.config)
+    sd = model.state_dict()
+    p = "model.layers.1.mlp."
+    router, gate_up, down = sd[p + "gate.weight"], sd[p + "experts.gate_up_proj"], sd[p + "experts.down_proj"]
+    x = torch.randn(9, shape.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = sparse_mlp(x, router, gate_up, down, shape.moe)
+        ref = model.model.layers[1].mlp(x[None])[0]
+    want = torch.zeros(9, shape.hidden_size, dtype=torch.float64)
+    for n in range(9):
+        probs = torch.softmax(router.double() @ x[n].double(), -1)
+        top = torch.topk(probs, shape.moe.top_k)
+        weights = top.values / top.values.sum()
+        for wgt, e in zip(weights, top.indices.tolist()):
+            g, u = (gate_up[e].double() @ x[n].double()).chunk(2)
+            want[n] += wgt * (down[e].double() @ (torch.nn.functional.silu(g) * u))
+    assert (out.double() - want).abs().max() < 1e-5
+    assert (out - ref).abs().max() < 1e-6
