@@ -38,10 +38,18 @@ logger = logging.getLogger(__name__)
 
 
 class CpuActor:
-    """Actor over a `transformers` causal LM (Qwen2ForCausalLM from `models.build_model`)."""
+    """Actor over a `transformers` causal LM of a supported family (`models.build_model` /
+    `models.load_model` pick the class from `gyre.backends.arch`)."""
 
     def __init__(self, model, *, is_core: bool, config: CpuActorConfig | None = None, loss: LossConfig | None = None,
                  version: int = 0):
+        from gyre.backends.arch import family_of
+
+        family = family_of(model.config)
+        if type(model).__name__ != family.hf_class:  # e.g. a Qwen3 config under a Qwen2 class: wrong forward
+            raise ValueError(f"CpuActor: model is {type(model).__name__} but its config's architecture is "
+                             f"{family.hf_class}; build it with gyre.backends.models.build_model/load_model")
+        self.family = family
         self.model = model
         self.config = config or CpuActorConfig()
         self.loss = loss or LossConfig()
@@ -224,7 +232,13 @@ class CpuActor:
                                             f"--train.resume-weights-only to resume from the weights alone")
                 logger.warning("%s: %s (%s) is missing; --train.resume-weights-only: going on without it",
                                path, os.path.basename(p), name)
-        state = load_file(os.path.join(path, "model.safetensors"))
+        state: dict[str, torch.Tensor] = {}
+        for file in sorted(Path(path).glob("*.safetensors")):  # save_pretrained shards a large model
+            state.update(load_file(str(file)))
+        if not state:
+            raise FileNotFoundError(f"{path}: no *.safetensors weights")
+        # on-disk names → in-memory ones (Qwen3-MoE's per-expert tensors are fused in memory)
+        state = self.family.to_model_names(state, self.family.shape(self.model.config))
         own = dict(self.model.named_parameters())
         self.import_parameters({k: v for k, v in state.items() if k in own})
         if self.optimizer is not None and os.path.exists(opt):

@@ -73,20 +73,30 @@ class _Request:
 
 
 class CpuEngine:
-    """The built-in RolloutEngine. `model_config` is the Qwen2Config, `state_dict` its HF weights.
+    """The built-in RolloutEngine. `model_config` is the HF config of a supported family
+    (`gyre.backends.arch`), `state_dict` its HF weights.
     `device`: where weights, KV caches and the forward live (`--backend.device`, resolved by
     `gyre.backends.devices.engine_device`: cpu, or the rank's GPU); sampling reads the step's
-    logits on CPU, so seeded requests sample alike on either."""
+    logits on CPU, so seeded requests sample alike on either.
+    `sampleable_vocab`: ids >= it are never sampled nor listed in top log-probs (real Qwen2.5
+    pads its embedding past the tokenizer's last id; those rows decode to nothing). None: every
+    row. The reported policy log-prob stays log-softmax over every row, the trainer's ℓ_t."""
 
     name = "cpu"
 
     def __init__(self, model_config, state_dict: dict[str, torch.Tensor], *, version: int = 0,
                  config: CpuEngineConfig | None = None, eos_token_ids: list[int] | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", sampleable_vocab: int | None = None):
         self.config = config or CpuEngineConfig()
         self.model_config = model_config
         self.device = torch.device(device)
         self._weights = DecoderWeights.from_state_dict(state_dict, model_config, device=self.device)
+        rows = self._weights.shape.vocab_size
+        if sampleable_vocab is not None and not 0 < sampleable_vocab <= rows:
+            raise ValueError(f"CpuEngine: sampleable_vocab {sampleable_vocab} must be in 1..{rows} "
+                             f"(the model's embedding rows)")
+        self.sampleable_vocab = rows if sampleable_vocab is None else int(sampleable_vocab)
+        self._padded_ids = list(range(self.sampleable_vocab, rows))  # never sampled
         self.version = version
         self.eos_token_ids = list(eos_token_ids or [])
         self.state = EngineState.CREATED
@@ -118,6 +128,9 @@ class CpuEngine:
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
+        from gyre.backends.arch import check_checkpoint
+
+        check_checkpoint(path)  # an unsupported architecture is refused by name, before reading weights
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if not files:
             raise FileNotFoundError(f"CpuEngine.from_checkpoint: no *.safetensors under {path}")
@@ -363,13 +376,17 @@ class CpuEngine:
         out = []
         for req, row in zip(batch, logits):
             sp = req.sampling
-            banned = [*sp.stop_token_ids, *self.eos_token_ids] if len(req.out) < sp.min_tokens else None
+            early = [*sp.stop_token_ids, *self.eos_token_ids] if len(req.out) < sp.min_tokens else []
+            banned = [*early, *self._padded_ids] or None  # padded rows: out of the sampled distribution only
             tok, policy_lp, sampling_lp = sample_token(row, temperature=sp.temperature, top_p=sp.top_p, generator=req.generator,
                                                        banned=banned)
             top = None
             if sp.top_logprobs > 0:  # the same distribution the reported log-prob comes from
-                dist = (torch.log_softmax(row.float(), dim=-1) if self.config.logprobs == "policy" else
-                        sampling_logprobs(row, temperature=sp.temperature, top_p=sp.top_p, banned=banned))
+                if self.config.logprobs == "policy":
+                    dist = torch.log_softmax(row.float(), dim=-1)
+                    dist[self.sampleable_vocab:] = float("-inf")  # a padded row is no candidate
+                else:
+                    dist = sampling_logprobs(row, temperature=sp.temperature, top_p=sp.top_p, banned=banned)
                 top = top_logprobs(dist, sp.top_logprobs)
             out.append((tok, policy_lp if self.config.logprobs == "policy" else sampling_lp, top))
         return out

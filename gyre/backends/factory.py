@@ -74,6 +74,8 @@ def check_backends(cfg: Any) -> None:
         if why is not None:
             raise ConfigError(f"--{flag.replace('_', '-')} {chosen}: {why}; use "
                               f"--{flag.replace('_', '-')} {runnable(kinds, cuda=cuda)[0]}")
+    if cfg.model.checkpoint:  # its architecture, before any rank builds anything
+        check_model_checkpoint(cfg.model.checkpoint)
     if cfg.backend.device == "cuda" and not cuda:
         raise ConfigError("--backend.device cuda: CUDA is not available on this machine; "
                           "use --backend.device auto (cpu here)")
@@ -102,6 +104,19 @@ def check_backends(cfg: Any) -> None:
                               f"mooncake-transfer-engine (CUDA), or use --transfer.transport torch") from None
 
 
+def check_model_checkpoint(path: str) -> None:
+    """Refuse `--model.checkpoint DIR` unless its config.json names a supported architecture
+    (`gyre.backends.arch.SUPPORTED`) in a variant the backends implement (ConfigError naming
+    the directory, the architecture and the supported list)."""
+    from gyre.backends.arch import check_checkpoint
+    from gyre.config import ConfigError
+
+    try:
+        check_checkpoint(path)
+    except (ValueError, OSError) as e:  # UnsupportedArchitecture is a ValueError
+        raise ConfigError(f"--model.checkpoint {path}: {e}") from None
+
+
 def set_threads(cfg: Any) -> None:
     """torch intra-op threads for this process (`--train.torch-threads`; 0 leaves torch's)."""
     if cfg.train.torch_threads > 0:
@@ -114,10 +129,14 @@ def dtype_of(name: str) -> torch.dtype:
 
 # ----------------------------------------------------------------------------- models
 def model_config_of(cfg: Any, vocab: int) -> Any:
-    """The model architecture: from `--model.checkpoint` when given, else the preset."""
+    """The model architecture: the checkpoint's own config.json when `--model.checkpoint` is
+    given (its family checked against `gyre.backends.arch`), else the preset's Qwen2 config."""
     if cfg.model.checkpoint:
         from transformers import AutoConfig
 
+        from gyre.backends.arch import check_checkpoint
+
+        check_checkpoint(cfg.model.checkpoint)
         return AutoConfig.from_pretrained(cfg.model.checkpoint)
     from gyre.backends.models import model_config
 
@@ -201,8 +220,10 @@ def _megatron_actor(cfg: Any, model: Any, *, is_core: bool) -> Actor:
 
 
 def build_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *, version: int,
-                 eos_token_ids: list[int], name: str) -> RolloutEngine:
-    """A rollout engine of `--backend.engine` serving `params` as `version` (not started)."""
+                 eos_token_ids: list[int], name: str, sampleable_vocab: int | None = None) -> RolloutEngine:
+    """A rollout engine of `--backend.engine` serving `params` as `version` (not started).
+    `sampleable_vocab`: ids >= it are never sampled (the tokenizer's size when the checkpoint
+    pads its embedding, as real Qwen2.5 does); None: every embedding row."""
     if cfg.backend.engine == "sglang":
         engine = _sglang_engine(cfg, model_config, params, version=version, eos_token_ids=eos_token_ids, name=name)
         engine.name = name
@@ -211,7 +232,7 @@ def build_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *
     from gyre.backends.devices import this_engine_device
 
     engine = CpuEngine(model_config, params, version=version, config=cfg.engine, eos_token_ids=eos_token_ids,
-                       device=this_engine_device(cfg.backend.device))
+                       device=this_engine_device(cfg.backend.device), sampleable_vocab=sampleable_vocab)
     engine.name = name
     return engine
 
@@ -241,6 +262,10 @@ def _sglang_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor],
     hf_config = copy.deepcopy(model_config)
     hf_config.eos_token_id = list(eos_token_ids)
     hf_config.to_json_file(str(path / "config.json"))
+    from gyre.backends.arch import family_of
+
+    family = family_of(hf_config)  # SGLang reads HF checkpoint names (per-expert MoE tensors)
+    params = family.to_checkpoint_names(params, family.shape(hf_config))
     tensors = {k: v.detach().to(dtype_of(cfg.model.dtype)).contiguous() for k, v in params.items()
                if not (k == "lm_head.weight" and hf_config.tie_word_embeddings)}
     save_file(tensors, str(path / "model.safetensors"))
