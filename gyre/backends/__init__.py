@@ -5,7 +5,7 @@
     config.py          tyro dataclasses for all of the above (`--backend.*`, `--engine.*`, ...)
   engines
     cpu_engine.py      CpuEngine: asyncio front, continuous batching, weight updates between steps
-    decoder.py         functional Qwen2 forward over per-request KV caches (the CPU engine's kernel)
+    decoder.py         functional decoder forward over per-request KV caches (the CPU engine's kernel)
     sampling.py        temperature / top-p sampling with explicit generators, reported log-probs
     sglang_engine.py   SglangEngine (GPU): embedded sglang.Engine
     det_engine.py      a deterministic engine (tokens from a hash) for tests and benchmarks
@@ -17,7 +17,9 @@
     cpu_actor.py       CpuActor: GSPO forward/backward on packed micro-steps, core-only AdamW
     megatron_actor.py  MegatronActor (GPU): megatron-core GPTModel, HF ⇄ megatron weight mapping
     memory.py          ActorMemory: an actor's state to (pinned) host memory entering rollout, back entering training
-    models.py          Qwen2 decoders from size presets ('tiny', 'small'), packed forward, HF checkpoints
+    models.py          HF models of the arch families; Qwen2 size presets ('tiny', 'small'), packed forward, checkpoints
+  architectures
+    arch/              the registry: one module per family (qwen2, qwen3, qwen3_moe, llama), SUPPORTED, family_of
     tokenizer.py       the repo's byte-level BPE with a chat template
   weight transports
     transfer.py        flat snapshot layout + CRC, broadcast / Mooncake primitives, retention, byte counts

@@ -130,6 +130,14 @@ def build_model(config, *, seed: int = 0, dtype: torch.dtype = torch.float32):
         model = family.model_class()(config)
     model.to(dtype)
     model.eval()
+    return fit_kernels(model)
+
+
+def fit_kernels(model):
+    """Kernels that take the model's dtype: transformers 5 runs MoE experts with torch's
+    grouped_mm by default, which refuses float64 (`--model.dtype float64`); the eager loop then."""
+    if getattr(model.config, "num_experts", 0) and model.dtype == torch.float64:
+        model.set_experts_implementation("eager")
     return model
 
 
@@ -182,7 +190,7 @@ def load_model(path: str, *, dtype: torch.dtype | None = None):
         kwargs["dtype"] = dtype
     model = family.model_class().from_pretrained(path, **kwargs)
     model.eval()
-    return model
+    return fit_kernels(model)
 
 
 def num_parameters(model) -> int:

@@ -55,6 +55,10 @@ def test_checkpoint_round_trip_and_wrong_class_refused(checkpoint, tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(model.state_dict().values(), other.model.state_dict().values()))
     again = load_model(str(tmp_path))
     assert type(again) is type(model)
+    wide = load_model(str(tmp_path), dtype=torch.float64)  # --model.dtype float64 (MoE: eager experts)
+    with torch.no_grad():
+        assert torch.allclose(wide(input_ids=torch.tensor([[1, 2, 3]])).logits.float(),
+                              again(input_ids=torch.tensor([[1, 2, 3]])).logits, atol=1e-4)
 
 
 def test_wrong_class_for_the_config_refused():

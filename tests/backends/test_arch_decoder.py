@@ -12,12 +12,14 @@ import functools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gyre.backends.arch import family_of, shape_of
 from gyre.backends.decoder import DecoderWeights, KVCache, extend
 from tests.realmodels import build_model
 
-FAMILIES = ["qwen2.5", "qwen3", "qwen3-moe", "llama3.1"]
+FAMILIES = ["qwen2.5", "qwen3", "qwen3-coder", "qwen3-moe", "llama3.1"]  # qwen3-coder: Qwen3, untied head
 VOCAB = 300
 TOL = 1e-4
 
@@ -65,6 +67,46 @@ def test_decoder_matches_hf_prefill_decode_and_continuous_batching(family):
         # 3. a chunk of several tokens onto a running cache (the re-prefill after an update)
         more = extend(w, seqs[3][17:23], torch.arange(17, 23), [6], [caches[3]], all_logits=True)
         assert (more - refs[3][17:23]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoder_matches_hf_in_float64(family):
+    """In float64 the forward is the same arithmetic as HF's to ~1e-12: a tolerance of 1e-4 in
+    fp32 hides no systematic difference. (HF's eager attention takes its softmax in float32
+    whatever the dtype, SDPA does not: the reference here is SDPA.)"""
+    from gyre.backends.models import fit_kernels
+
+    model = fit_kernels(_model(family).double())
+    model.set_attn_implementation("sdpa")
+    try:
+        w = DecoderWeights.from_state_dict(model.state_dict(), model.config)
+        ids = _seqs([29], seed=5)[0]
+        with torch.no_grad():
+            ref = model(input_ids=ids[None]).logits[0]
+            got = extend(w, ids, torch.arange(29), [29], [KVCache.empty(w)], all_logits=True)
+        assert (got - ref).abs().max() <= 1e-10
+    finally:
+        model.float()
+        model.set_attn_implementation("eager")
+
+
+@settings(max_examples=12, deadline=None)
+@given(cuts=st.lists(st.integers(1, 30), min_size=1, max_size=5, unique=True), other=st.integers(1, 12),
+       family=st.sampled_from(["qwen3-moe", "llama3.1"]))
+def test_any_chunking_of_a_sequence_gives_the_same_logits(cuts, other, family):
+    """Feeding a sequence through its cache in arbitrary chunks, each step batched with another
+    request's prefill, gives the one-shot logits (fp32, 1e-4)."""
+    model = _model(family)
+    w = DecoderWeights.from_state_dict(model.state_dict(), model.config, copy=False)
+    seq, filler = _seqs([31, other], seed=len(cuts) + other)
+    with torch.no_grad():
+        ref = model(input_ids=seq[None]).logits[0]
+        cache = KVCache.empty(w, capacity=1)
+        bounds = [0, *sorted(cuts), 31]
+        for a, b in zip(bounds, bounds[1:]):
+            out = extend(w, torch.cat([seq[a:b], filler]), torch.cat([torch.arange(a, b), torch.arange(other)]),
+                         [b - a, other], [cache, KVCache.empty(w)], all_logits=True)
+            assert (out[: b - a] - ref[a:b]).abs().max() <= TOL
 
 
 def test_qwen3_q_k_norms_matter():
