@@ -488,9 +488,10 @@ def mcore_shapes(hf_config, names: NameLayout | None = None, *, tp_rank: int = 0
 
 # ---------------------------------------------------------------------------- layouts refused up front
 def check_layout(hf_config, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, te: bool | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, training: bool = True) -> None:
     """Refuse a Megatron layout that cannot run for this model, before any rank builds anything
-    (ValueError naming the flag and the sizes)."""
+    (ValueError naming the flag and the sizes). training=False: only what import, export and an
+    eval-mode forward need (MoE with TP > 1 is then allowed)."""
     fam = family_of(hf_config)
     rope_settings(hf_config)  # an unsupported RoPE is refused here too
     te = has_transformer_engine() if te is None else te
@@ -516,6 +517,12 @@ def check_layout(hf_config, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 
         e = num_experts(hf_config)
         if e % ep:
             raise ValueError(f"--parallel.ep {ep} must divide the {e} experts")
+    if fam.moe and tp > 1 and training:
+        # megatron-core 0.16.1 moe_layer.py:379 raises in training for MoE + TP without sequence
+        # parallelism, which the actor's micro-steps (unpadded packs) do not use yet
+        raise ValueError(f"--parallel.tp {tp} with an MoE model: megatron-core trains MoE with TP only under "
+                         f"sequence parallelism, which the Megatron actor does not build yet; split the "
+                         f"experts with --parallel.ep instead (TP 1)")
     if fam.moe:
         inter = hf_config.moe_intermediate_size
         if inter % tp:
