@@ -29,22 +29,31 @@ needs CUDA (megatron's rotary embedding and buffers call torch.cuda).
 from __future__ import annotations
 
 import logging
-from typing import Any
+import re
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
 from gyre.backends.config import CpuActorConfig, MegatronConfig
 from gyre.backends.memory import ActorMemory
-from gyre.backends.models import rope_theta
+from gyre.backends import mcore_mapping as _mapping
+from gyre.backends.mcore_mapping import (LazyCheckpoint, NameLayout, check_layout, family_of, has_transformer_engine, head_dim, moe_layers,
+                                         num_experts, rope_settings, shard, shard_experts, shard_for_tp, shard_tensor,
+                                         unshard_ep, unshard_tp)
 from gyre.loss.config import LossConfig
 
 logger = logging.getLogger(__name__)
 
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
 
 # ---------------------------------------------------------------------------- config translation
-def transformer_config_kwargs(hf_config, mc: MegatronConfig) -> dict[str, Any]:
-    """TransformerConfig kwargs for a Qwen2 HF config and a cell layout (activation: silu)."""
+def transformer_config_kwargs(hf_config, mc: MegatronConfig, names: NameLayout | None = None) -> dict[str, Any]:
+    """TransformerConfig kwargs for an HF config of a supported family (`mcore_mapping.FAMILIES`)
+    and a cell layout (activation: SwiGLU with silu)."""
+    fam = family_of(hf_config)
+    names = names or NameLayout.of(hf_config)
     heads, kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
     tp = mc.tensor_model_parallel_size
     if heads % tp or kv % tp:
@@ -52,19 +61,20 @@ def transformer_config_kwargs(hf_config, mc: MegatronConfig) -> dict[str, Any]:
     if hf_config.num_hidden_layers % mc.pipeline_model_parallel_size:
         raise ValueError(f"megatron.pipeline_model_parallel_size={mc.pipeline_model_parallel_size} must divide {hf_config.num_hidden_layers} layers")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[mc.params_dtype]
-    return dict(
+    kw = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         num_attention_heads=heads,
         num_query_groups=kv,
         ffn_hidden_size=hf_config.intermediate_size,
-        kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        kv_channels=head_dim(hf_config),  # Qwen3: an explicit head_dim, not hidden / heads
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True,  # SwiGLU: linear_fc1 = [gate; up]
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        add_qkv_bias=True,  # Qwen2 has q/k/v biases, no o_proj / MLP biases
+        add_qkv_bias=fam.qkv_bias,  # Qwen2: q/k/v biases, no o_proj / MLP biases; Qwen3, Llama: none
+        qk_layernorm=fam.qk_norm,  # Qwen3: per-head RMSNorm of q and k (eps = rms_norm_eps, as HF)
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -81,118 +91,55 @@ def transformer_config_kwargs(hf_config, mc: MegatronConfig) -> dict[str, Any]:
         expert_model_parallel_size=mc.expert_model_parallel_size,
         sequence_parallel=False,
     )
+    if fam.moe:
+        # HF Qwen3-MoE routes softmax → top-k → (norm_topk_prob) renormalise. Megatron's softmax
+        # router (moe_utils.topk_routing_with_score_function) with pre_softmax=False takes the
+        # top-k logits then softmaxes them: the same renormalised top-k probabilities; with
+        # pre_softmax=True it softmaxes all then takes the top-k, unnormalised = norm_topk_prob
+        # False. No load-balancing loss (HF adds one only with output_router_logits).
+        kw.update(
+            num_moe_experts=num_experts(hf_config),
+            moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+            moe_router_topk=hf_config.num_experts_per_tok,
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)),
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=names.moe_grouped_gemm,
+            moe_layer_freq=[int(m) for m in moe_layers(hf_config)],  # mlp_only_layers / decoder_sparse_step
+            # alltoall is megatron's choice for EP on GPUs; it opens a CUDA stream when built
+            # (token_dispatcher.py:445), so CPU (gloo tests) takes the allgather dispatcher
+            moe_token_dispatcher_type=("alltoall" if mc.expert_model_parallel_size > 1 and torch.cuda.is_available()
+                                       else "allgather"),
+        )
+    return kw
 
 
 def gpt_model_kwargs(hf_config) -> dict[str, Any]:
-    """GPTModel kwargs (besides config and layer spec) for a Qwen2 HF config."""
+    """GPTModel kwargs (besides config and layer spec) for an HF config (RoPE per
+    `mcore_mapping.rope_settings`; an inv_freq megatron cannot express is installed by
+    `build_gpt_model`)."""
+    rope, _ = rope_settings(hf_config)
     return dict(
         vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
         position_embedding_type="rope",
-        rotary_base=int(rope_theta(hf_config)),
+        **rope,
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
         parallel_output=True,
     )
 
 
 # ---------------------------------------------------------------------------- weight mapping
-def hf_to_mcore(sd: dict[str, torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
-    """Full (unsharded) megatron GPTModel state dict from an HF Qwen2 state dict.
-
-    linear_qkv rows are grouped per query group g: [q heads of g; k_g; v_g] (megatron's
-    interleaved GQA layout), linear_fc1 = [gate; up]."""
-    h = hf_config.hidden_size
-    nh, nkv = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    hd = getattr(hf_config, "head_dim", None) or h // nh
-    per = nh // nkv
-    out = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"]}
-    for i in range(hf_config.num_hidden_layers):
-        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        q = sd[p + "self_attn.q_proj.weight"].view(nkv, per * hd, h)
-        k = sd[p + "self_attn.k_proj.weight"].view(nkv, hd, h)
-        v = sd[p + "self_attn.v_proj.weight"].view(nkv, hd, h)
-        out[m + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, h)
-        qb = sd[p + "self_attn.q_proj.bias"].view(nkv, per * hd)
-        kb = sd[p + "self_attn.k_proj.bias"].view(nkv, hd)
-        vb = sd[p + "self_attn.v_proj.bias"].view(nkv, hd)
-        out[m + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], dim=1).reshape(-1)
-        out[m + "self_attention.linear_proj.weight"] = sd[p + "self_attn.o_proj.weight"]
-        out[m + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = sd[p + "post_attention_layernorm.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]], dim=0)
-        out[m + "mlp.linear_fc2.weight"] = sd[p + "mlp.down_proj.weight"]
-    out["decoder.final_layernorm.weight"] = sd["model.norm.weight"]
-    if not hf_config.tie_word_embeddings:
-        out["output_layer.weight"] = sd["lm_head.weight"]
-    return out
+# The per-family mapping lives in gyre.backends.mcore_mapping; these names stay importable here.
+def hf_to_mcore(sd, hf_config, names: NameLayout | None = None) -> dict[str, torch.Tensor]:
+    """Full (unsharded) megatron GPTModel state dict from an HF state dict (see mcore_mapping)."""
+    return _mapping.hf_to_mcore(sd, hf_config, names)
 
 
-def mcore_to_hf(sd: dict[str, torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
-    """Inverse of `hf_to_mcore` (full tensors)."""
-    h = hf_config.hidden_size
-    nh, nkv = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    hd = getattr(hf_config, "head_dim", None) or h // nh
-    per = nh // nkv
-    f = hf_config.intermediate_size
-    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"]}
-    for i in range(hf_config.num_hidden_layers):
-        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        qkv = sd[m + "self_attention.linear_qkv.weight"].view(nkv, (per + 2) * hd, h)
-        out[p + "self_attn.q_proj.weight"] = qkv[:, : per * hd].reshape(-1, h)
-        out[p + "self_attn.k_proj.weight"] = qkv[:, per * hd : (per + 1) * hd].reshape(-1, h)
-        out[p + "self_attn.v_proj.weight"] = qkv[:, (per + 1) * hd :].reshape(-1, h)
-        b = sd[m + "self_attention.linear_qkv.bias"].view(nkv, (per + 2) * hd)
-        out[p + "self_attn.q_proj.bias"] = b[:, : per * hd].reshape(-1)
-        out[p + "self_attn.k_proj.bias"] = b[:, per * hd : (per + 1) * hd].reshape(-1)
-        out[p + "self_attn.v_proj.bias"] = b[:, (per + 1) * hd :].reshape(-1)
-        out[p + "self_attn.o_proj.weight"] = sd[m + "self_attention.linear_proj.weight"]
-        out[p + "input_layernorm.weight"] = sd[m + "input_layernorm.weight"]
-        out[p + "post_attention_layernorm.weight"] = sd[m + "pre_mlp_layernorm.weight"]
-        fc1 = sd[m + "mlp.linear_fc1.weight"]
-        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = fc1[:f], fc1[f:]
-        out[p + "mlp.down_proj.weight"] = sd[m + "mlp.linear_fc2.weight"]
-    out["model.norm.weight"] = sd["decoder.final_layernorm.weight"]
-    out["lm_head.weight"] = sd.get("output_layer.weight", sd["embedding.word_embeddings.weight"])
-    return out
-
-
-def shard_for_tp(sd: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
-    """This TP rank's slice of a full megatron state dict (column-parallel: rows; row-parallel:
-    columns; fc1 shards gate and up separately; norms replicated)."""
-    if size == 1:
-        return dict(sd)
-    out = {}
-    for name, t in sd.items():
-        if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")):
-            out[name] = t.chunk(size, dim=0)[rank]
-        elif name.endswith("linear_fc1.weight"):
-            gate, up = t.chunk(2, dim=0)
-            out[name] = torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
-        elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-            out[name] = t.chunk(size, dim=1)[rank]
-        else:
-            out[name] = t
-    return out
-
-
-def unshard_tp(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Full megatron state dict from every TP rank's slice (inverse of `shard_for_tp`)."""
-    size = len(shards)
-    if size == 1:
-        return dict(shards[0])
-    out = {}
-    for name, t in shards[0].items():
-        parts = [s[name] for s in shards]
-        if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")):
-            out[name] = torch.cat(parts, dim=0)
-        elif name.endswith("linear_fc1.weight"):
-            halves = [p.chunk(2, dim=0) for p in parts]
-            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-        elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-            out[name] = torch.cat(parts, dim=1)
-        else:
-            out[name] = t
-    return out
+def mcore_to_hf(sd, hf_config, names: NameLayout | None = None, *, fused_experts: bool = True) -> dict[str, torch.Tensor]:
+    """Inverse of `hf_to_mcore` (full tensors; see mcore_mapping.mcore_to_hf)."""
+    return _mapping.mcore_to_hf(sd, hf_config, names, fused_experts=fused_experts)
 
 
 # ---------------------------------------------------------------------------- the actor
@@ -233,35 +180,53 @@ def seed_rng(seed: int) -> None:
                                                     force_reset_rng=True)
 
 
-def has_transformer_engine() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def layer_spec(hf_config, config, names: NameLayout):
+    """Megatron's layer spec for this family and layout: the TE spec (fused norms) or the local
+    one; MoE models take megatron's decoder block spec, which mixes dense and MoE layers per
+    `moe_layer_freq` and slices this pipeline stage's layers (gpt_layer_specs.get_gpt_decoder_block_spec)."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    te = names.spec == "te"
+    if family_of(hf_config).moe:
+        return specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
+    if te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
 
 
-def build_gpt_model(hf_config, mc: MegatronConfig, *, use_cpu_initialization: bool = False):
-    """GPTModel for this rank's pipeline stage (parallel_state must be initialised). TE layer
-    spec where Transformer Engine is installed (packed 'thd' attention), else the local spec."""
+def build_gpt_model(hf_config, mc: MegatronConfig, *, use_cpu_initialization: bool = False,
+                    perform_initialization: bool = True, names: NameLayout | None = None):
+    """GPTModel for this rank's pipeline stage (parallel_state must be initialised), shaped from
+    the HF config alone (no HF model). TE layer spec where Transformer Engine is installed
+    (packed 'thd' attention), else the local spec. `perform_initialization=False` leaves the
+    parameters uninitialised (torch.empty): for a model whose weights are imported next."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
-    kwargs = transformer_config_kwargs(hf_config, mc)
+    names = names or NameLayout.of(hf_config)
+    if names.spec == "te" and not has_transformer_engine():
+        raise RuntimeError("build_gpt_model: the TE layer spec needs Transformer Engine, which is not installed")
+    if family_of(hf_config).moe and not has_transformer_engine():
+        # megatron-core 0.16.1 moe_utils.py:1192 tests `te_general_gemm is not None`, a name it
+        # binds only when TE imports (moe_utils.py:25-35): without TE every router forward raises
+        # NameError. Binding it to None is what that test expects (plain torch.mm then).
+        from megatron.core.transformer.moe import moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+    kwargs = transformer_config_kwargs(hf_config, mc, names)
     kwargs["use_cpu_initialization"] = use_cpu_initialization
+    kwargs["perform_initialization"] = perform_initialization
     config = TransformerConfig(**kwargs)
-    if has_transformer_engine():
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-        spec = get_gpt_layer_with_transformer_engine_spec()
-    else:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    return GPTModel(config=config, transformer_layer_spec=spec,
-                    pre_process=parallel_state.is_pipeline_first_stage(),
-                    post_process=parallel_state.is_pipeline_last_stage(), **gpt_model_kwargs(hf_config))
+    model = GPTModel(config=config, transformer_layer_spec=layer_spec(hf_config, config, names),
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(), **gpt_model_kwargs(hf_config))
+    _, inv_freq = rope_settings(hf_config)
+    if inv_freq is not None:  # llama3 constants megatron's rope_scaling hard-codes otherwise (mcore_mapping)
+        rot = model.rotary_pos_emb
+        rot.inv_freq = inv_freq.to(rot.inv_freq.device, rot.inv_freq.dtype)
+    return model
 
 
 # ---------------------------------------------------------------------------- fp32 main grads
@@ -344,14 +309,22 @@ class Fp32Master:
 class MegatronActor:
     """Actor over a megatron GPTModel; same contract as `CpuActor` (see its docstring)."""
 
-    def __init__(self, hf_config, hf_state_dict: dict[str, torch.Tensor], *, is_core: bool,
+    def __init__(self, hf_config, hf_state_dict: Mapping[str, torch.Tensor] | None, *, is_core: bool,
                  config: MegatronConfig | None = None, optim: CpuActorConfig | None = None,
                  loss: LossConfig | None = None, version: int = 0, seed: int = 0):
+        """`hf_state_dict`: the HF weights (a dict, or `mcore_mapping.LazyCheckpoint(dir)`, read
+        one tensor at a time), or None for a satellite whose weights come with its first import
+        (nothing HF-sized is built: the GPTModel is shaped from `hf_config` alone)."""
         from megatron.core import parallel_state
 
         self.mc = config or MegatronConfig()
-        if self.mc.context_parallel_size != 1:
-            raise NotImplementedError("MegatronActor: context parallelism needs CP-split micro-steps (not built yet)")
+        self.names = NameLayout.of(hf_config)
+        # refused before anything is built (gyre.config checks the same at start-up, every rank)
+        check_layout(hf_config, tp=self.mc.tensor_model_parallel_size, pp=self.mc.pipeline_model_parallel_size,
+                     cp=self.mc.context_parallel_size, ep=self.mc.expert_model_parallel_size,
+                     te=self.names.spec == "te", vocab_size=hf_config.vocab_size, training=False)
+        # (training=False: MoE + TP builds, imports and exports; its training step is refused in
+        # _run, and gyre.config refuses the layout for a run up front)
         self.optim = optim or CpuActorConfig()  # AdamW, clip and lr schedule, as the CPU actor's
         self.loss = loss or LossConfig()
         self.hf_config, self.is_core, self.version = hf_config, is_core, version
@@ -359,15 +332,25 @@ class MegatronActor:
         # the GPU gyre.run bound (torch.cuda.set_device(LOCAL_RANK)); CPU only in CPU tests
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         # every floating tensor in params_dtype, as Megatron's Float16Module casts the model (the
-        # local spec's norms are built in fp32 whatever params_dtype says)
-        dtype = transformer_config_kwargs(hf_config, self.mc)["params_dtype"]
-        self.model = build_gpt_model(hf_config, self.mc, use_cpu_initialization=self.device.type == "cpu").to(self.device, dtype)
+        # local spec's norms are built in fp32 whatever params_dtype says). Not initialised: the
+        # import below (or a satellite's first snapshot) overwrites every parameter.
+        dtype = transformer_config_kwargs(hf_config, self.mc, self.names)["params_dtype"]
+        self.model = build_gpt_model(hf_config, self.mc, use_cpu_initialization=self.device.type == "cpu",
+                                     perform_initialization=False, names=self.names).to(self.device, dtype)
         # packed 'thd' attention needs TE; the local spec runs the pack one sequence at a time
         self.packed = has_transformer_engine()
-        if not self.packed and self.mc.pipeline_model_parallel_size > 1:
-            raise NotImplementedError("MegatronActor: PP > 1 needs Transformer Engine (packed attention)")
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        self.import_parameters(hf_state_dict)
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank() if self.mc.expert_model_parallel_size > 1 else 0
+        if family_of(hf_config).moe:
+            # experts are split over megatron's expert-TP group; Gyre slices them with the TP rank,
+            # so the two must be the same ranks (expert_tensor_parallel_size defaults to TP)
+            etp = parallel_state.get_expert_tensor_parallel_rank()
+            if etp != self.tp_rank:
+                raise NotImplementedError(f"MegatronActor: expert TP rank {etp} != TP rank {self.tp_rank} "
+                                          f"(expert_tensor_parallel_size other than TP is not supported)")
+        if hf_state_dict is not None:
+            self.import_parameters(hf_state_dict)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.master = Fp32Master(self._params, self.optim) if is_core else None
         masters = self.master.masters if self.master is not None else []
@@ -388,6 +371,9 @@ class MegatronActor:
 
         from gyre.loss import gspo_loss
 
+        if not forward_only and family_of(self.hf_config).moe and self.mc.tensor_model_parallel_size > 1:
+            raise NotImplementedError("MegatronActor: training an MoE model with TP > 1 needs sequence parallelism "
+                                      "(megatron-core 0.16.1 moe_layer.py:379), not built yet; use EP")
         dev = self.device
         result: dict[str, Any] = {}
         lc = self.loss
@@ -501,26 +487,76 @@ class MegatronActor:
         """This rank's megatron shards (megatron names), on CPU."""
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
 
-    def import_parameters(self, params: dict[str, torch.Tensor]) -> None:
-        """Load either megatron-shard names (from `export_parameters`) or a full HF state dict."""
+    def _own(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+
+    def _local_name(self, name: str, own: Mapping[str, torch.Tensor]) -> str | None:
+        """This rank's name of a full megatron tensor: its pipeline stage's layers renumbered from
+        0, its EP rank's experts renumbered from 0; None when the tensor lives on another rank
+        (another stage's layers, the embedding off the first stage, the head off the last)."""
+        name = shard_experts(name, self.ep_rank, self.mc.expert_model_parallel_size, num_experts(self.hf_config))
+        if name is None:
+            return None
+        pp = self.mc.pipeline_model_parallel_size
+        if pp > 1:
+            per = self.hf_config.num_hidden_layers // pp
+            m = _LAYER_RE.match(name)
+            if m is not None:
+                i = int(m[1]) - self.pp_rank * per
+                return f"decoder.layers.{i}.{m[2]}" if 0 <= i < per else None
+            if name not in own and name.startswith(("embedding.", "decoder.final_layernorm.", "output_layer.")):
+                return None
+        return name
+
+    def import_parameters(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Load either megatron-shard names (from `export_shards`) or HF names: a full HF state
+        dict or a `LazyCheckpoint`, mapped one tensor at a time (`mcore_mapping.iter_hf_to_mcore`)
+        and sliced to this rank's TP / EP / PP share. Every parameter must be given, with its shape."""
+        own = self._own()
         if "model.embed_tokens.weight" in params:
-            params = shard_for_tp(hf_to_mcore(params, self.hf_config), self.tp_rank, self.mc.tensor_model_parallel_size)
-        own = {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
-        missing = sorted(k for k in own if k not in params)
+            loaded: set[str] = set()
+            embedding = None
+            with torch.no_grad():
+                for name, full in _mapping.iter_hf_to_mcore(params, self.hf_config, self.names):
+                    if name == "embedding.word_embeddings.weight":
+                        embedding = full
+                    local = self._local_name(name, own)
+                    if local is None:
+                        continue
+                    if local not in own:
+                        raise ValueError(f"MegatronActor.import_parameters: {local} (from the HF weights) is not a "
+                                         f"parameter of this model ({self.names})")
+                    self._copy(own, local, shard_tensor(name, full, self.tp_rank, self.mc.tensor_model_parallel_size))
+                    loaded.add(local)
+                # tied embeddings with PP > 1: the last stage holds its own copy of the embedding
+                if "output_layer.weight" in own and "output_layer.weight" not in loaded and embedding is not None:
+                    self._copy(own, "output_layer.weight", shard_tensor("output_layer.weight", embedding, self.tp_rank,
+                                                                        self.mc.tensor_model_parallel_size))
+                    loaded.add("output_layer.weight")
+            missing = sorted(k for k in own if k not in loaded)
+        else:
+            missing = sorted(k for k in own if k not in params)
+            if not missing:
+                with torch.no_grad():
+                    for k in own:
+                        self._copy(own, k, params[k])
         if missing:
-            raise ValueError(f"MegatronActor.import_parameters: missing {missing[:3]}")
-        with torch.no_grad():
-            for k, t in own.items():
-                if params[k].shape != t.shape:
-                    raise ValueError(f"MegatronActor.import_parameters: {k} is {tuple(params[k].shape)}, expected {tuple(t.shape)}")
-                t.copy_(params[k])
+            raise ValueError(f"MegatronActor.import_parameters: missing {missing[:3]} ({len(missing)} in all)")
         if getattr(self, "master", None) is not None:
             self.master.reload()
 
-    def export_hf(self) -> dict[str, torch.Tensor]:
-        """Full HF-named tensors (what SGLang engines and checkpoints take): the TP slices are
-        all-gathered over the tensor-parallel group and mapped back with `mcore_to_hf`.
-        Collective over the TP group; PP > 1 also needs the other stages (not gathered here)."""
+    @staticmethod
+    def _copy(own: dict[str, torch.Tensor], k: str, t: torch.Tensor) -> None:
+        if t.shape != own[k].shape:
+            raise ValueError(f"MegatronActor.import_parameters: {k} is {tuple(t.shape)}, expected {tuple(own[k].shape)}")
+        own[k].copy_(t)
+
+    def export_hf(self, *, fused_experts: bool = True) -> dict[str, torch.Tensor]:
+        """Full HF-named tensors (what engines and checkpoints take): the TP slices are
+        all-gathered over the tensor-parallel group, the experts over the expert-parallel group,
+        and mapped back with `mcore_to_hf` (MoE experts in transformers' in-memory layout, or the
+        hub layout with fused_experts=False). Collective over the TP and EP groups; PP > 1 also
+        needs the other stages (not gathered here)."""
         from megatron.core import parallel_state
 
         if self.mc.pipeline_model_parallel_size > 1:
@@ -530,15 +566,22 @@ class MegatronActor:
         if self.mc.tensor_model_parallel_size > 1:
             shards = [None] * self.mc.tensor_model_parallel_size
             dist.all_gather_object(shards, mine, group=parallel_state.get_tensor_model_parallel_group())
-        full = mcore_to_hf(unshard_tp(shards), self.hf_config)
+        full = unshard_tp(shards)
+        if self.mc.expert_model_parallel_size > 1:
+            experts = {k: v for k, v in full.items() if _mapping.expert_index(k) is not None}
+            parts = [None] * self.mc.expert_model_parallel_size
+            dist.all_gather_object(parts, experts, group=parallel_state.get_expert_model_parallel_group())
+            rest = {k: v for k, v in full.items() if k not in experts}
+            full = unshard_ep([{**rest, **parts[0]}] + parts[1:])
+        out = mcore_to_hf(full, self.hf_config, self.names, fused_experts=fused_experts)
         if self.hf_config.tie_word_embeddings:  # one tensor, as the HF model's named_parameters()
-            full.pop("lm_head.weight", None)
-        return full
+            out.pop("lm_head.weight", None)
+        return out
 
     def save_checkpoint(self, path: str) -> None:
         """HF checkpoint (config.json + model.safetensors) written by TP rank 0; collective."""
-        full = self.export_hf()
-        if self.tp_rank == 0:
+        full = self.export_hf(fused_experts=False)  # the hub layout, as checkpoints on disk hold it
+        if self.tp_rank == 0 and self.ep_rank == 0:
             import os
 
             from safetensors.torch import save_file
@@ -556,17 +599,14 @@ class MegatronActor:
     def load_checkpoint(self, path: str, *, weights_only: bool = False) -> None:
         """Weights only (optimizer state is not saved yet): refused unless `weights_only`
         (`--train.resume-weights-only`); the version comes from the checkpoint's marker or name."""
-        import os
         from pathlib import Path
-
-        from safetensors.torch import load_file
 
         from gyre.runtime import checkpoint
 
         if self.optimizer is not None and not weights_only:
             raise FileNotFoundError(f"{path}: the Megatron actor's checkpoints hold no optimizer state; pass "
                                     f"--train.resume-weights-only to resume from the weights alone")
-        self.import_parameters(load_file(os.path.join(path, "model.safetensors")))
+        self.import_parameters(LazyCheckpoint(path))  # one tensor at a time, sharded checkpoints too
         self.version = checkpoint.version_of(Path(path))
 
     def debug_state(self) -> dict:
