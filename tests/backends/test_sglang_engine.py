@@ -116,8 +116,14 @@ def _fake_defaults(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
 
 
-def _engine(path: str, version: int = 0) -> SglangEngine:
-    return SglangEngine(SglangConfig(model_path=path, dtype="float32"), version=version, api=sglang_fake.API)
+# float32 (log-probs compared with the CPU actor at 1e-4) needs an attention backend that serves it:
+# the fake, like SGLang on an H200, refuses float32 with the default fa3 (sglang_fake.HALF_ONLY_ATTENTION).
+FP32 = {"attention_backend": "triton"}
+
+
+def _engine(path: str, version: int = 0, **kw) -> SglangEngine:
+    return SglangEngine(SglangConfig(model_path=path, dtype="float32", extra=dict(FP32)), version=version,
+                        api=sglang_fake.API, **kw)
 
 
 def _calls(eng: SglangEngine) -> list[str]:
@@ -385,7 +391,8 @@ harness = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"
 
 async def go():
     for _ in range(2):  # start, serve, stop, and again
-        eng = SglangEngine(SglangConfig(model_path=sys.argv[1], dtype="float32"), api=sglang_fake.API)
+        eng = SglangEngine(SglangConfig(model_path=sys.argv[1], dtype="float32", extra={"attention_backend": "triton"}),
+                           api=sglang_fake.API)
         await eng.start()
         scheduler = eng._engine.process
         out = [ev async for ev in eng.generate("a", [1, 2], SamplingParams(max_tokens=3))]
