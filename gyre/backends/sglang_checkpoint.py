@@ -56,6 +56,25 @@ def sglang_architecture(model_config: Any) -> str:
     return SGLANG_ARCHITECTURES[model_type]
 
 
+def checkpoint_names(model_config: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (a transformers model's in-memory names) in the names and layout of an HF checkpoint
+    on disk, which is what SGLang's `load_weights` reads, from files and in
+    `update_weights_from_tensor` alike. transformers 5 fuses Qwen3-MoE experts in memory
+    (`mlp.experts.gate_up_proj` [E, 2I, H]); checkpoints and SGLang keep one tensor per expert
+    (`mlp.experts.<e>.gate_proj.weight`: sglang 0.5.23 models/qwen3_moe.py:1157-1175,
+    FusedMoE.make_expert_params_mapping). transformers' own save-time reversal does it
+    (`revert_weight_conversion`, on a meta-device model: no memory); names already in checkpoint
+    form pass unchanged, and dense families are unchanged."""
+    try:
+        from transformers import AutoModelForCausalLM
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: in-memory names are the checkpoint's
+        return dict(state)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    return dict(revert_weight_conversion(model, dict(state)))
+
+
 def startable_checkpoint(path: str | os.PathLike) -> str | None:
     """None if SGLang can start on the checkpoint directory `path` as it is (a config.json whose
     `architectures` names a known family, and safetensors weights), else why not."""
@@ -136,7 +155,7 @@ def write_model_dir(path: str | os.PathLike, model_config: Any, params: dict[str
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     torch_dtype = getattr(torch, dtype)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    tensors = {k: v.detach().to(torch_dtype).contiguous() for k, v in params.items()
+    tensors = {k: v.detach().to(torch_dtype).contiguous() for k, v in checkpoint_names(hf_config, params).items()
                if not (k == "lm_head.weight" and tied)}
     write_sharded(tensors, path, max_shard_bytes)
     return path

@@ -303,6 +303,7 @@ class SglangEngine:
         self.sampleable_vocab = sampleable_vocab
         self.eos_token_ids = [int(i) for i in eos_token_ids]
         self._bias: dict[str, float] = {}
+        self._hf_config = None  # the served model's, read at the first update
         self.version = version
         self.logprobs = logprobs
         self.land_timeout_s = land_timeout_s
@@ -498,12 +499,23 @@ class SglangEngine:
                                   if self.state is EngineState.RELEASED else ""))
         io = self._io
         device = torch.device("cuda", self.config.base_gpu_id) if torch.cuda.is_available() else torch.device("cpu")
-        named = [(k, v.detach().to(device)) for k, v in state_dict.items()]
+        named = [(k, v.detach().to(device)) for k, v in self._checkpoint_names(state_dict).items()]
         payload = [self._api.serialize(named) for _ in range(self.config.tp_size)]  # one per TP rank (engine.py:1743)
         obj = io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, load_format=None, flush_cache=True,
                                                  weight_version=str(version))
         await self._in_session(lambda: self._tm.update_weights_from_tensor(obj, None), "update_weights_from_tensor")
         self.version = int(version)
+
+    def _checkpoint_names(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """SGLang's load_weights reads checkpoint names (per-expert MoE tensors), not transformers
+        5's fused in-memory ones (sglang_checkpoint.checkpoint_names)."""
+        from gyre.backends.sglang_checkpoint import checkpoint_names
+
+        if self._hf_config is None:
+            from transformers import AutoConfig
+
+            self._hf_config = AutoConfig.from_pretrained(self.config.model_path)
+        return checkpoint_names(self._hf_config, state_dict)
 
     async def _in_session(self, load: Callable[[], Any], what: str) -> None:
         """pause(retract) → begin_weight_update → load() → end_weight_update → continue_generation;

@@ -868,28 +868,55 @@ def _load(model_path: str, load_format: str | None, dtype: str, attention_backen
 def _weights(state: dict[str, torch.Tensor], config: Any):
     """Gyre's CPU decoder over `state` where it knows the family, else HF transformers' own model
     (`_HfWeights`): the fake's tokens and log-probs are the family's real forward either way."""
+    _check_names(state, config)
     try:
         return DecoderWeights.from_state_dict(state, config)
     except (ValueError, KeyError, NotImplementedError):
         return _HfWeights(state, config)
 
 
+def _check_names(state: dict[str, torch.Tensor], config: Any) -> None:
+    """SGLang's load_weights takes the names of an HF checkpoint on disk: one tensor per MoE expert
+    (models/qwen3_moe.py:1157-1175), not transformers 5's fused in-memory `experts.gate_up_proj`;
+    lm_head.weight is skipped when embeddings are tied (models/qwen2.py load_weights). A name it
+    does not know fails the load (params_dict[name]: KeyError)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    expected = set(revert_weight_conversion(model, model.state_dict())) - ({"lm_head.weight"} if tied else set())
+    got = set(state) - ({"lm_head.weight"} if tied else set())
+    if got != expected:
+        raise ValueError(f"weights: names SGLang's load_weights does not know {sorted(got - expected)[:3]}, "
+                         f"missing {sorted(expected - got)[:3]} (checkpoint names expected)")
+
+
 class _HfWeights:
     """A family the decoder does not know (yet): the HF model, whole sequence per decode step (no KV
-    cache; the adapter always retracts and flushes, so the KV would be recomputed anyway)."""
+    cache; the adapter always retracts and flushes, so the KV would be recomputed anyway). `state`
+    has checkpoint names (SGLang's load_weights reads those: per-expert MoE tensors), so it is
+    loaded the way a checkpoint is, through from_pretrained, which strictly reports missing and
+    unexpected names."""
 
     def __init__(self, state: dict[str, torch.Tensor], config: Any):
+        import tempfile
+
+        from safetensors.torch import save_file
         from transformers import AutoModelForCausalLM
 
         tied = bool(getattr(config, "tie_word_embeddings", False))
         self.tensors = {k: v for k, v in state.items() if not (tied and k == "lm_head.weight")}
         dtype = next(iter(state.values())).dtype
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
-        expected = set(model.state_dict()) - ({"lm_head.weight"} if tied else set())
-        missing, unexpected = sorted(expected - set(self.tensors)), sorted(set(self.tensors) - expected)
-        if missing or unexpected:
-            raise ValueError(f"weights: missing {missing[:3]}, unexpected {unexpected[:3]}")
-        model.load_state_dict(self.tensors, strict=False)
+        with tempfile.TemporaryDirectory() as d:
+            config.to_json_file(os.path.join(d, "config.json"))
+            save_file({k: v.contiguous() for k, v in self.tensors.items()}, os.path.join(d, "model.safetensors"))
+            model, info = AutoModelForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="eager",
+                                                               output_loading_info=True)
+        bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+        if bad:
+            raise ValueError(f"weights: {bad}")
         self.model = model.eval()
 
     @torch.no_grad()
