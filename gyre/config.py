@@ -211,7 +211,7 @@ def resolve_model_dtype(cfg: GyreConfig) -> str:
 def check_model_dtype(cfg: GyreConfig) -> None:
     """SGLang serves float16/bfloat16 only: its default attention on Hopper is FA3 (sglang 0.5.23
     arg_groups/model_override_base.py:305-311), whose kernels take fp16/bf16, and its CUDA RMSNorm
-    goes through sgl-kernel whatever the dtype (layers/layernorm.py:623-638). Refused here, before
+    goes through sgl-kernel whatever the dtype (layers/layernorm.py:628, 631). Refused here, before
     any rank starts, instead of a scheduler crash (SIGQUIT to the rank) at engine start."""
     dtype = resolve_model_dtype(cfg)
     if cfg.backend.engine == "sglang" and dtype not in ("bfloat16", "float16"):
@@ -237,13 +237,14 @@ def _split_passthrough(argv: list[str], section: str, declared: set[str]) -> tup
         a = argv[i]
         if a.startswith(prefix):
             name, eq, value = a[len(prefix):].partition("=")
-            if name.replace("-", "_") not in declared and name.replace("-", "_") != "extra":
+            key = name.replace("-", "_")
+            if key not in declared and key.removeprefix("no_") not in declared and key != "extra":  # tyro's own
                 if not eq:
                     bare = i + 1 >= len(argv) or argv[i + 1].startswith("--")
                     value, i = ("true", i + 1) if bare else (argv[i + 1], i + 2)
                 else:
                     i += 1
-                extra[name.replace("-", "_")] = value
+                extra[key] = value
                 continue
         rest.append(a)
         i += 1

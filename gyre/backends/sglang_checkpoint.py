@@ -4,7 +4,7 @@ SGLang loads a model from a directory at start (`Engine(model_path=...)`); its `
 (sglang 0.5.23 configs/model_config.py) needs a config.json that
 
   * names the model class: `architectures` is read unguarded, `is_generation_model(architectures)`
-    evaluates `"LlamaEmbeddingModel" in None` without it (model_config.py:800-802, 2360-2365), and
+    evaluates `"LlamaEmbeddingModel" in None` without it (model_config.py:801-803, 2360-2366), and
     the class is looked up in its ModelRegistry (model_loader/utils.py:197-231, models/registry.py);
   * carries its dtype: with `--dtype auto` SGLang serves `config.dtype` (float32 or missing →
     float16, model_config.py:2284-2340), so Gyre passes the dtype explicitly and writes it too.

@@ -53,6 +53,15 @@ ids masked (a warning says so once). `sampling_seed` is honoured only with
 `enable_deterministic_inference` (sampling_batch_info.py:157-170). Token-id stop sequences
 (SGLang's `stop` takes strings) are matched here: the request is aborted and cut after the match.
 
+Model directory, dtype, pass-through: `sglang_checkpoint.build_sglang_engine` gives the engine
+the --model.checkpoint directory itself at version 0, else one it writes (config.json with
+`architectures` and `dtype`, sharded safetensors in checkpoint names); `config.extra` is passed
+straight to ServerArgs, names checked against its fields (`server_args`). `update_weights` sends
+checkpoint names (per-expert MoE tensors), which SGLang's load_weights reads.
+
+Padded vocabulary: with `sampleable_vocab` every request carries `logit_bias` = PAD_BIAS on the
+ids the tokenizer cannot decode (`unsampleable_bias`), so SGLang never samples them.
+
 Alternatives (`SamplingParams.top_logprobs` = k): `async_generate(..., top_logprobs_num=k)`;
 meta_info['output_top_logprobs'] is cumulative like 'output_token_logprobs', one list of
 (logprob, token_id, text or None) per output token, most likely first; `parse_top` maps the

@@ -201,7 +201,7 @@ ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", 
 # Attention backends that take float16/bfloat16 only. With attention_backend unset SGLang picks fa3
 # for MHA models on Hopper (arg_groups/model_override_base.py:305-311): the fake stands for an
 # H200. triton / torch_native are accepted with float32 (tests/gpu/sglang_check.py serves float32
-# on triton); whether sgl-kernel's RMSNorm (layers/layernorm.py:627, 632: called whatever the
+# on triton); whether sgl-kernel's RMSNorm (layers/layernorm.py:628, 631: called whatever the
 # dtype) accepts float32 there is for the GPU check to show.
 HALF_ONLY_ATTENTION = {None, "fa3", "flashinfer", "trtllm_mha", "fa4"}
 
@@ -214,7 +214,7 @@ def model_config_checks(config: Any, dtype: str, attention_backend: str | None) 
     """What sglang 0.5.23's ModelConfig and model loader check at Engine() (in its scheduler
     process; a failure there fails the start). Returns the served dtype.
 
-    * `is_generation_model(architectures)` (configs/model_config.py:800-802, 2360-2365) evaluates
+    * `is_generation_model(architectures)` (configs/model_config.py:801-803, 2360-2366) evaluates
       `"LlamaEmbeddingModel" in architectures`: with no `architectures` in config.json that is
       `in None`, a TypeError (the same expression is evaluated here).
     * `_get_and_verify_dtype(hf_text_config, dtype)` (model_config.py:881, 2284-2340): the config's
@@ -224,7 +224,7 @@ def model_config_checks(config: Any, dtype: str, attention_backend: str | None) 
     * the model class: architectures[0] in the registry (see ARCHITECTURES).
     * float32 with the Hopper default attention (see HALF_ONLY_ATTENTION) fails in the kernels."""
     archs = getattr(config, "architectures", None)
-    "LlamaEmbeddingModel" in archs  # noqa: B015 — TypeError for None, as model_config.py:2365
+    "LlamaEmbeddingModel" in archs  # noqa: B015 — TypeError for None, as model_config.py:2366
     config_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(config_dtype, str):
         config_dtype = _STR_DTYPE_TO_TORCH_DTYPE.get(config_dtype)

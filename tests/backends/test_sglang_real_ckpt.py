@@ -141,7 +141,7 @@ def test_a_preset_gets_a_config_naming_its_architecture(tmp_path):
 
 def test_the_fake_refuses_the_old_preset_config_as_sglang_does(tmp_path):
     """What the factory wrote before (hf_config.to_json_file of a preset config: no architectures)
-    fails in SGLang's ModelConfig at `"LlamaEmbeddingModel" in None` (model_config.py:2365)."""
+    fails in SGLang's ModelConfig at `"LlamaEmbeddingModel" in None` (model_config.py:2366)."""
     from safetensors.torch import save_file
 
     from gyre.backends.config import SglangConfig
@@ -158,7 +158,7 @@ def test_the_fake_refuses_the_old_preset_config_as_sglang_does(tmp_path):
 
 
 def test_the_fake_applies_sglangs_dtype_rules(ckpts, tmp_path):
-    """auto serves the config's dtype, float32 as float16 (model_config.py:2301-2322); float32
+    """auto serves the config's dtype, float32 as float16 (model_config.py:2303-2322); float32
     explicitly is refused with the Hopper default attention (fa3) and served on triton; an unknown
     name is a ValueError; an architecture outside the registry is refused."""
     from gyre.backends.config import SglangConfig
