@@ -18,7 +18,8 @@ from typing import Callable, Literal
 
 import tyro
 
-from gyre.backends.config import BackendConfig, CpuActorConfig, CpuEngineConfig, ModelConfig, TransferConfig
+from gyre.backends.config import (BackendConfig, CpuActorConfig, CpuEngineConfig, ModelConfig, SglangOptions,
+                                  TransferConfig)
 from gyre.executions.config import ExecutionsConfig
 from gyre.loss.config import LossConfig
 from gyre.proxy.config import ProxyConfig
@@ -157,6 +158,7 @@ class GyreConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    sglang: SglangOptions = field(default_factory=SglangOptions)
 
 
 class ConfigError(ValueError):
@@ -190,11 +192,63 @@ def check_train_config(cfg: GyreConfig, num_cells: int) -> None:
     if tc.resume_from and not Path(tc.resume_from).is_dir():
         raise ConfigError(f"--train.resume-from {tc.resume_from}: no such checkpoint directory")
     check_tracking(cfg.tracking)
+    check_model_dtype(cfg)
     from gyre.backends.factory import check_backends
 
     check_backends(cfg)
     check_dataset(cfg)  # the files last: a wrong setting above is the message even when files are missing too
     check_run_dir(cfg)
+
+
+def resolve_model_dtype(cfg: GyreConfig) -> str:
+    """`--model.dtype`, with auto resolved: bfloat16 wherever a CUDA backend is chosen (the SGLang
+    engine, the Megatron actor), float32 on the CPU backends."""
+    if cfg.model.dtype != "auto":
+        return cfg.model.dtype
+    return "bfloat16" if cfg.backend.engine == "sglang" or cfg.backend.actor == "megatron" else "float32"
+
+
+def check_model_dtype(cfg: GyreConfig) -> None:
+    """SGLang serves float16/bfloat16 only: its default attention on Hopper is FA3 (sglang 0.5.23
+    arg_groups/model_override_base.py:305-311), whose kernels take fp16/bf16, and its CUDA RMSNorm
+    goes through sgl-kernel whatever the dtype (layers/layernorm.py:628, 631). Refused here, before
+    any rank starts, instead of a scheduler crash (SIGQUIT to the rank) at engine start."""
+    dtype = resolve_model_dtype(cfg)
+    if cfg.backend.engine == "sglang" and dtype not in ("bfloat16", "float16"):
+        raise ConfigError(f"--model.dtype {dtype} with --backend.engine sglang: SGLang's default GPU kernels (FA3 "
+                          f"attention on Hopper, sgl-kernel RMSNorm) take float16/bfloat16 only; use --model.dtype "
+                          f"bfloat16 (or auto, which is bfloat16 with a CUDA backend)")
+    from gyre.backends.sglang_engine import GYRE_OWNED_SERVER_ARGS
+
+    for key in cfg.sglang.extra:
+        name = key.replace("-", "_")
+        if name in GYRE_OWNED_SERVER_ARGS:
+            raise ConfigError(f"--sglang.{key.replace('_', '-')}: Gyre sets ServerArgs.{name} itself "
+                              f"({GYRE_OWNED_SERVER_ARGS[name]})")
+
+
+def _split_passthrough(argv: list[str], section: str, declared: set[str]) -> tuple[list[str], dict[str, str]]:
+    """Pull `--<section>.<name> VALUE` / `--<section>.<name>=VALUE` / a bare `--<section>.<name>`
+    (= "true") out of argv for every name the section does not declare: backend options pass
+    straight through to the backend (STYLE.md 6; slime's --sglang-* idiom) instead of being
+    copied into Gyre's config."""
+    rest, extra, i, prefix = [], {}, 0, f"--{section}."
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith(prefix):
+            name, eq, value = a[len(prefix):].partition("=")
+            key = name.replace("-", "_")
+            if key not in declared and key.removeprefix("no_") not in declared and key != "extra":  # tyro's own
+                if not eq:
+                    bare = i + 1 >= len(argv) or argv[i + 1].startswith("--")
+                    value, i = ("true", i + 1) if bare else (argv[i + 1], i + 2)
+                else:
+                    i += 1
+                extra[key] = value
+                continue
+        rest.append(a)
+        i += 1
+    return rest, extra
 
 
 def check_dataset(cfg: GyreConfig) -> None:
@@ -327,6 +381,11 @@ def parse_config(argv: list[str] | None = None) -> GyreConfig:
     if name not in PRESETS:
         raise SystemExit(f"gyre: unknown --preset {name!r}; " + _preset_epilog())
     default = PRESETS[name]()
+    from dataclasses import fields
+
+    rest, sglang_extra = _split_passthrough(rest, "sglang", {f.name for f in fields(SglangOptions)})
     cfg = tyro.cli(GyreConfig, default=default, args=rest, description=(GyreConfig.__doc__ or "") + "\n\n" + _preset_epilog())
     cfg.preset = name
+    cfg.sglang.extra = {**cfg.sglang.extra, **sglang_extra}
+    cfg.model.dtype = resolve_model_dtype(cfg)  # every rank and every consumer sees one concrete dtype
     return cfg

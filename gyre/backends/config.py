@@ -14,8 +14,11 @@ class ModelConfig:
     """Load this HF checkpoint directory instead of building from the preset."""
     seed: int = 0
     """Seed of the initial weights (same on every rank)."""
-    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
-    """Parameter dtype of the CPU actor and engine."""
+    dtype: Literal["auto", "float32", "float64", "bfloat16"] = "auto"
+    """Parameter dtype of the actor and the engine. auto: bfloat16 wherever a CUDA backend is chosen
+    (--backend.engine sglang or --backend.actor megatron), else float32 (the CPU backends).
+    SGLang serves bfloat16 or float16 only (its Hopper attention and sgl-kernel norms), so
+    float32/float64 with --backend.engine sglang are refused up front."""
 
 
 @dataclass(kw_only=True)
@@ -150,6 +153,29 @@ class TransferConfig:
 
 
 @dataclass(kw_only=True)
+class SglangOptions:
+    """--backend.engine sglang: the server arguments users tune. Every other `--sglang.<name> VALUE`
+    (or `--sglang.<name>=VALUE`; a bare `--sglang.<name>` is `true`) passes straight through to
+    SGLang 0.5.23's `ServerArgs` field <name> (dashes become underscores; values parse as bool,
+    int, float, else string) and lands in `extra`; names ServerArgs lacks are refused, with the
+    closest ones, before the engine starts. E.g. --sglang.attention-backend triton,
+    --sglang.chunked-prefill-size 4096, --sglang.disable-cuda-graph, --sglang.cuda-graph-max-bs-decode
+    64, --sglang.max-running-requests 128, --sglang.context-length 32768. Gyre sets model_path,
+    tp_size (= --parallel.cell-size), base_gpu_id (this rank's GPU), dtype (= --model.dtype),
+    skip_tokenizer_init and weight_version itself: passing those is refused."""
+
+    mem_fraction_static: float = 0.7
+    """Fraction of GPU memory for SGLang's weights + KV cache (measured when the engine starts)."""
+    enable_memory_saver: bool = True
+    """Needed for release_memory_occupation / resume_memory_occupation on role switches."""
+    max_shard_size: str = "5GB"
+    """Shard size of the safetensors files Gyre writes for SGLang when it cannot hand it the
+    --model.checkpoint directory itself (a preset model, a resumed or later version)."""
+    extra: dict[str, str] = field(default_factory=dict)
+    """Pass-through ServerArgs fields (filled by `--sglang.<name> VALUE`)."""
+
+
+@dataclass(kw_only=True)
 class SglangConfig:
     model_path: str = ""
     """HF checkpoint directory the engine serves (the actor writes it)."""
@@ -160,7 +186,8 @@ class SglangConfig:
     base_gpu_id: int = 0
     """First GPU of this cell's engine."""
     dtype: str = "bfloat16"
-    """Serving dtype."""
+    """Serving dtype (ServerArgs.dtype: auto, float16, bfloat16, float32; SGLang's default kernels
+    take float16 / bfloat16 only)."""
     enable_memory_saver: bool = True
     """Needed for release_memory_occupation / resume_memory_occupation on role switches."""
     extra: dict[str, str] = field(default_factory=dict)

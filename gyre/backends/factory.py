@@ -238,43 +238,13 @@ def build_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *
 
 
 def _sglang_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *, version: int,
-                   eos_token_ids: list[int], name: str) -> RolloutEngine:
-    """An embedded SGLang engine for this cell (its first rank): SGLang loads a checkpoint at start,
-    so `params` are written to RUN_DIR/sglang/<name>/ (with the run's EOS ids); tp = the cell
-    size, its first GPU this rank's."""
-    import copy
-    import os
+                   eos_token_ids: list[int], name: str, sampleable_vocab: int | None = None) -> RolloutEngine:
+    """An embedded SGLang engine for this cell (its first rank): gyre.backends.sglang_checkpoint
+    (the --model.checkpoint directory itself at version 0, else a directory it writes)."""
+    from gyre.backends.sglang_checkpoint import build_sglang_engine
 
-    from safetensors.torch import save_file
-
-    from gyre.backends.config import SglangConfig
-    from gyre.backends.sglang_engine import SglangApi, SglangEngine
-
-    if cfg.run_dir:
-        path = Path(cfg.run_dir) / "sglang" / name
-    else:  # an engine built outside a run (tests, tools)
-        import tempfile
-
-        path = Path(tempfile.mkdtemp(prefix=f"gyre-sglang-{name}-"))
-    # Written directly: transformers' save_pretrained writes nothing on ranks other than 0 of a
-    # torch.distributed job, and every cell's first rank needs its own copy.
-    path.mkdir(parents=True, exist_ok=True)
-    hf_config = copy.deepcopy(model_config)
-    hf_config.eos_token_id = list(eos_token_ids)
-    hf_config.to_json_file(str(path / "config.json"))
-    from gyre.backends.arch import family_of
-
-    family = family_of(hf_config)  # SGLang reads HF checkpoint names (per-expert MoE tensors)
-    params = family.to_checkpoint_names(params, family.shape(hf_config))
-    tensors = {k: v.detach().to(dtype_of(cfg.model.dtype)).contiguous() for k, v in params.items()
-               if not (k == "lm_head.weight" and hf_config.tie_word_embeddings)}
-    save_file(tensors, str(path / "model.safetensors"))
-    base = getattr(cfg, "sglang", None) or SglangConfig()
-    sc = SglangConfig(**{**vars(base), "model_path": str(path), "tp_size": cfg.parallel.cell_size,
-                         "dtype": cfg.model.dtype,
-                         "base_gpu_id": torch.cuda.current_device() if torch.cuda.is_available() else 0})
-    spec = os.environ.get(SGLANG_API_ENV)
-    return SglangEngine(sc, version=version, api=SglangApi.from_spec(spec) if spec else None)
+    return build_sglang_engine(cfg, model_config, params, version=version, eos_token_ids=eos_token_ids, name=name,
+                               sampleable_vocab=sampleable_vocab)
 
 
 # ----------------------------------------------------------------------------- weight transport

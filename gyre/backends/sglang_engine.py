@@ -53,6 +53,15 @@ ids masked (a warning says so once). `sampling_seed` is honoured only with
 `enable_deterministic_inference` (sampling_batch_info.py:157-170). Token-id stop sequences
 (SGLang's `stop` takes strings) are matched here: the request is aborted and cut after the match.
 
+Model directory, dtype, pass-through: `sglang_checkpoint.build_sglang_engine` gives the engine
+the --model.checkpoint directory itself at version 0, else one it writes (config.json with
+`architectures` and `dtype`, sharded safetensors in checkpoint names); `config.extra` is passed
+straight to ServerArgs, names checked against its fields (`server_args`). `update_weights` sends
+checkpoint names (per-expert MoE tensors), which SGLang's load_weights reads.
+
+Padded vocabulary: with `sampleable_vocab` every request carries `logit_bias` = PAD_BIAS on the
+ids the tokenizer cannot decode (`unsampleable_bias`), so SGLang never samples them.
+
 Alternatives (`SamplingParams.top_logprobs` = k): `async_generate(..., top_logprobs_num=k)`;
 meta_info['output_top_logprobs'] is cumulative like 'output_token_logprobs', one list of
 (logprob, token_id, text or None) per output token, most likely first; `parse_top` maps the
@@ -84,8 +93,23 @@ from gyre.backends.protocols import EngineHealth, EngineState, SamplingParams, T
 logger = logging.getLogger(__name__)
 
 
-def server_args(config: SglangConfig) -> dict[str, Any]:
-    """`sglang.Engine(**kwargs)` from Gyre's config; `config.extra` (pass-through) wins."""
+# ServerArgs fields Gyre derives itself (`server_args`, `build_sglang_engine`): a pass-through may
+# not set them (gyre.config.check_model_dtype refuses them up front, `server_args` again).
+GYRE_OWNED_SERVER_ARGS = {
+    "model_path": "the --model.checkpoint directory, or the one Gyre writes",
+    "tp_size": "= --parallel.cell-size",
+    "base_gpu_id": "this rank's GPU",
+    "dtype": "= --model.dtype",
+    "skip_tokenizer_init": "token ids in, token ids out",
+    "weight_version": "the served version",
+}
+
+def server_args(config: SglangConfig, known: set[str] | None = None) -> dict[str, Any]:
+    """`sglang.Engine(**kwargs)` from Gyre's config; `config.extra` (pass-through) wins over the
+    fields Gyre merely defaults (mem_fraction_static, enable_memory_saver, host, log_level) and
+    may not set the ones it derives (GYRE_OWNED_SERVER_ARGS). `known`: ServerArgs' field names;
+    a pass-through name outside them is refused with the closest ones (SGLang's own error would be a
+    TypeError from inside Engine())."""
     if not config.model_path:
         raise ValueError("sglang.model_path: an HF checkpoint directory is required")
     if config.tp_size < 1:
@@ -104,8 +128,42 @@ def server_args(config: SglangConfig) -> dict[str, Any]:
         "log_level": "error",
     }
     for key, value in config.extra.items():
-        args[key.replace("-", "_")] = _coerce(value)
+        name = key.replace("-", "_")
+        if name in GYRE_OWNED_SERVER_ARGS:
+            raise ValueError(f"sglang pass-through {key!r}: Gyre sets ServerArgs.{name} itself "
+                             f"({GYRE_OWNED_SERVER_ARGS[name]})")
+        if known is not None and name not in known:
+            import difflib
+
+            close = difflib.get_close_matches(name, sorted(known), n=5, cutoff=0.6)
+            raise ValueError(f"--sglang.{name.replace('_', '-')}: sglang's ServerArgs has no field {name!r}"
+                             + (f"; closest: {', '.join(close)}" if close else "")
+                             + f" ({len(known)} fields; see `python -m sglang.launch_server --help`)")
+        args[name] = _coerce(value)
     return args
+
+
+def unsampleable_bias(sampleable_vocab: int | None, vocab_size: int) -> dict[str, float]:
+    """SGLang `logit_bias` that keeps sampling to ids < sampleable_vocab: PAD_BIAS on every padded
+    embedding row (real Qwen2.5 has 151936 rows for 151665 tokenizer ids; an id the tokenizer
+    cannot decode must never be sampled). SGLang adds the per-request bias to the logits before
+    sampling and before the log-probs it reports (sampling/sampling_batch_info.py:174-195, 440-441,
+    applied in model_executor/model_runner.py:2085-2093); keys must lie in [0, vocab_size)
+    (sampling/sampling_params.py:295-301). With SGLANG_RETURN_ORIGINAL_LOGPROB the reported
+    log-probs are then normalised over the sampleable ids (as the min_tokens mask, module docstring)."""
+    if sampleable_vocab is None or sampleable_vocab >= vocab_size:
+        if sampleable_vocab is not None and sampleable_vocab > vocab_size:
+            raise ValueError(f"sampleable_vocab {sampleable_vocab} > the model's vocab_size {vocab_size}: the "
+                             f"tokenizer has ids the model cannot produce (wrong checkpoint or tokenizer?)")
+        return {}
+    if sampleable_vocab < 1:
+        raise ValueError(f"sampleable_vocab must be >= 1, got {sampleable_vocab}")
+    return {str(i): PAD_BIAS for i in range(sampleable_vocab, vocab_size)}
+
+
+# Finite, not -inf: exp(-1e9 - max) is exactly 0 in float32/bfloat16 softmax, so the ids are never
+# sampled, while any p·log p or max-subtraction over the row stays finite (no 0·inf NaN).
+PAD_BIAS = -1e9
 
 
 def _coerce(value: str) -> Any:
@@ -207,21 +265,26 @@ class SglangApi:
     Engine: Callable[..., Any]
     io_struct: Any
     serialize: Callable[[Any], Any]
+    server_arg_names: frozenset[str] | None = None
+    """ServerArgs' field names, to check `--sglang.*` pass-through names before Engine() (None: unchecked)."""
 
     @classmethod
     def real(cls) -> "SglangApi":
         import sglang  # lazy: a GPU extra
         from sglang.srt.managers import io_struct
+        from sglang.srt.server_args import ServerArgs
         from sglang.srt.utils import MultiprocessingSerializer
 
-        return cls(sglang.Engine, io_struct, MultiprocessingSerializer.serialize)
+        # ServerArgs is a msgspec Struct assembled from arg_groups/fields/*.py (server_args.py:231);
+        # Engine(**kwargs) builds it from the keywords (entrypoints/engine.py:278-297).
+        names = _fields(ServerArgs)
+        return cls(sglang.Engine, io_struct, MultiprocessingSerializer.serialize, frozenset(names) or None)
 
     @classmethod
     def from_spec(cls, spec: str) -> "SglangApi":
         module, _, attr = spec.partition(":")
         api = getattr(importlib.import_module(module), attr or "API")
         return api() if callable(api) and not isinstance(api, SglangApi) else api
-
 
 
 
@@ -239,8 +302,17 @@ class SglangEngine:
     name = "sglang"
 
     def __init__(self, config: SglangConfig, *, version: int = 0, logprobs: str = "policy",
-                 api: SglangApi | None = None, land_timeout_s: float = 120.0):
+                 api: SglangApi | None = None, land_timeout_s: float = 120.0, sampleable_vocab: int | None = None,
+                 eos_token_ids: list[int] | tuple[int, ...] = ()):
+        """`sampleable_vocab`: ids >= it (padded embedding rows the tokenizer cannot decode) are never
+        sampled (`unsampleable_bias`, checked against the served model's vocab_size at start); None:
+        every row is sampleable. `eos_token_ids`: the run's end ids, added to every request's
+        stop_token_ids (the checkpoint's own config may name other ones)."""
         self.config = config
+        self.sampleable_vocab = sampleable_vocab
+        self.eos_token_ids = [int(i) for i in eos_token_ids]
+        self._bias: dict[str, float] = {}
+        self._hf_config = None  # the served model's, read at the first update
         self.version = version
         self.logprobs = logprobs
         self.land_timeout_s = land_timeout_s
@@ -261,11 +333,17 @@ class SglangEngine:
 
     async def start(self) -> None:
         self._move(EngineState.RUNNING, require=EngineState.CREATED)
-        args = server_args(self.config)
-        args.setdefault("weight_version", str(self.version))  # chunks carry numbers, not "default"
+        try:
+            api = self._api = self._api or SglangApi.real()
+            args = server_args(self.config, set(api.server_arg_names) if api.server_arg_names else None)
+            if self.sampleable_vocab is not None:
+                self._bias = unsampleable_bias(self.sampleable_vocab, _vocab_size(self.config.model_path))
+        except BaseException:
+            self.state = EngineState.STOPPED
+            raise
+        args["weight_version"] = str(self.version)  # chunks carry numbers, not "default"
         if self.logprobs == "policy":
             os.environ.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")  # read by the scheduler at import
-        api = self._api = self._api or SglangApi.real()
         if torch.cuda.is_available():  # SGLang sizes its KV cache from the memory free right now
             free, total = torch.cuda.mem_get_info(self.config.base_gpu_id)
             if free < self.config.mem_fraction_static * total:
@@ -337,7 +415,12 @@ class SglangEngine:
         seen, done, labels = 0, False, []
         try:
             extra = {"top_logprobs_num": sampling.top_logprobs} if sampling.top_logprobs > 0 else {}
-            stream = await self._engine.async_generate(input_ids=list(input_ids), sampling_params=sampling_params(sampling),
+            params = sampling_params(sampling)
+            if self.eos_token_ids:
+                params["stop_token_ids"] = sorted(set(params["stop_token_ids"]) | set(self.eos_token_ids))
+            if self._bias:
+                params["logit_bias"] = self._bias
+            stream = await self._engine.async_generate(input_ids=list(input_ids), sampling_params=params,
                                                        return_logprob=True, stream=True, rid=req.rid, **extra)
             async for chunk in stream:
                 if req.aborted:  # abort() already returned the tokens; yield nothing past them
@@ -425,12 +508,23 @@ class SglangEngine:
                                   if self.state is EngineState.RELEASED else ""))
         io = self._io
         device = torch.device("cuda", self.config.base_gpu_id) if torch.cuda.is_available() else torch.device("cpu")
-        named = [(k, v.detach().to(device)) for k, v in state_dict.items()]
+        named = [(k, v.detach().to(device)) for k, v in self._checkpoint_names(state_dict).items()]
         payload = [self._api.serialize(named) for _ in range(self.config.tp_size)]  # one per TP rank (engine.py:1743)
         obj = io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, load_format=None, flush_cache=True,
                                                  weight_version=str(version))
         await self._in_session(lambda: self._tm.update_weights_from_tensor(obj, None), "update_weights_from_tensor")
         self.version = int(version)
+
+    def _checkpoint_names(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """SGLang's load_weights reads checkpoint names (per-expert MoE tensors), not transformers
+        5's fused in-memory ones (sglang_checkpoint.checkpoint_names)."""
+        from gyre.backends.sglang_checkpoint import checkpoint_names
+
+        if self._hf_config is None:
+            from transformers import AutoConfig
+
+            self._hf_config = AutoConfig.from_pretrained(self.config.model_path)
+        return checkpoint_names(self._hf_config, state_dict)
 
     async def _in_session(self, load: Callable[[], Any], what: str) -> None:
         """pause(retract) → begin_weight_update → load() → end_weight_update → continue_generation;
@@ -645,6 +739,19 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _vocab_size(model_path: str) -> int:
+    """The served model's embedding rows, from its config.json (what SGLang's ModelConfig reads;
+    a multimodal config nests it in text_config)."""
+    import json
+
+    with open(os.path.join(model_path, "config.json")) as f:
+        config = json.load(f)
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if not vocab:
+        raise ValueError(f"{model_path}/config.json has no vocab_size")
+    return int(vocab)
 
 
 def _fields(cls) -> set[str]:

@@ -1,7 +1,7 @@
 """Conformance fake of SGLang 0.5.23's tokenizer-manager / scheduler boundary, for CPU tests.
 
 `gyre.backends.sglang_engine.SglangEngine` drives it exactly as it drives `sglang.Engine`
-(`API = SglangApi(FakeEngine, io_struct, serialize)`). It generates real tokens and log-probs
+(`API = SglangApi(FakeEngine, io_struct, serialize, frozenset(SERVER_ARGS))`). It generates real tokens and log-probs
 with Gyre's CPU decoder over the checkpoint at `model_path`, and holds the adapter to the
 semantics read in the sglang 0.5.23 wheel (`pip download --no-deps sglang==0.5.23`; paths under
 sglang/srt/, lines of that wheel):
@@ -169,12 +169,83 @@ def serialize(named_tensors: list[tuple[str, torch.Tensor]]) -> bytes:
     return pickle.dumps([(k, v.detach().cpu()) for k, v in named_tensors])
 
 
-# ServerArgs fields the fake accepts (arg_groups/fields/*.py); any other keyword is a TypeError,
-# as for the real ServerArgs dataclass.
-SERVER_ARGS = {"model_path", "tp_size", "mem_fraction_static", "base_gpu_id", "dtype", "enable_memory_saver",
-               "skip_tokenizer_init", "host", "log_level", "weight_version", "attention_backend", "load_format",
-               "chunked_prefill_size", "enable_torch_compile", "enable_deterministic_inference", "random_seed",
-               "disable_cuda_graph", "cuda_graph_max_bs", "max_running_requests", "context_length"}
+# ServerArgs fields the fake accepts: a subset of sglang 0.5.23's (a msgspec Struct assembled from
+# the classes of arg_groups/fields/*.py, server_args.py:231; file:line of each below). Any other
+# keyword is a TypeError, as for the real Struct (Engine(**kwargs) → ServerArgs(**kwargs),
+# entrypoints/engine.py:295). `test_fake_server_args_are_sglangs` checks every name against the
+# wheel when GYRE_SGLANG_SRC names one. (0.5.23 has no `cuda_graph_max_bs`: it is
+# cuda_graph_max_bs_decode / _prefill, exec_.py:629-632.)
+SERVER_ARGS = {
+    "model_path",  # model.py:51
+    "load_format",  # model.py:58
+    "context_length",  # model.py:110
+    "dtype",  # model.py:160
+    "tp_size",  # parallel.py:45
+    "mem_fraction_static", "max_running_requests", "chunked_prefill_size",  # schedule.py:27, 31, 52
+    "base_gpu_id", "random_seed",  # device.py:28, 47
+    "skip_tokenizer_init", "host", "weight_version",  # serving.py:58, 65, 172
+    "log_level",  # observability.py:31
+    "enable_memory_saver", "enable_custom_logit_processor", "attention_backend", "sampling_backend",  # exec_.py:58, 70, 207, 258
+    "cuda_graph_max_bs_decode", "cuda_graph_max_bs_prefill", "disable_cuda_graph",  # exec_.py:629, 632, 670
+    "enable_torch_compile", "enable_deterministic_inference",  # exec_.py:691, 1153
+}
+
+# The architectures the fake serves: sglang 0.5.23's ModelRegistry keys (EntryClass names) of the
+# four families Gyre supports: models/qwen2.py:797, qwen3.py:808, qwen3_moe.py:1298, llama.py:968
+# (LlamaForCausalLM is one entry of that list). SGLang resolves architectures[0] in its registry
+# (models/registry.py:93-114) and falls back to its Transformers backend for an unknown name
+# (model_loader/utils.py:219-220); the fake refuses unknown names instead (Gyre never relies on
+# the fallback).
+ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM"}
+
+# Attention backends that take float16/bfloat16 only. With attention_backend unset SGLang picks fa3
+# for MHA models on Hopper (arg_groups/model_override_base.py:305-311): the fake stands for an
+# H200. triton / torch_native are accepted with float32 (tests/gpu/sglang_check.py serves float32
+# on triton); whether sgl-kernel's RMSNorm (layers/layernorm.py:628, 631: called whatever the
+# dtype) accepts float32 there is for the GPU check to show.
+HALF_ONLY_ATTENTION = {None, "fa3", "flashinfer", "trtllm_mha", "fa4"}
+
+# configs/model_config.py:2274-2280
+_STR_DTYPE_TO_TORCH_DTYPE = {"half": torch.float16, "float16": torch.float16, "float": torch.float32,
+                             "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def model_config_checks(config: Any, dtype: str, attention_backend: str | None) -> torch.dtype:
+    """What sglang 0.5.23's ModelConfig and model loader check at Engine() (in its scheduler
+    process; a failure there fails the start). Returns the served dtype.
+
+    * `is_generation_model(architectures)` (configs/model_config.py:801-803, 2360-2366) evaluates
+      `"LlamaEmbeddingModel" in architectures`: with no `architectures` in config.json that is
+      `in None`, a TypeError (the same expression is evaluated here).
+    * `_get_and_verify_dtype(hf_text_config, dtype)` (model_config.py:881, 2284-2340): the config's
+      `dtype` (a str maps through _STR_DTYPE_TO_TORCH_DTYPE; missing → float32); "auto" serves it,
+      except float32, which is served as float16 (gemma: bfloat16); another name not in the table
+      is ValueError("Unknown dtype: ...").
+    * the model class: architectures[0] in the registry (see ARCHITECTURES).
+    * float32 with the Hopper default attention (see HALF_ONLY_ATTENTION) fails in the kernels."""
+    archs = getattr(config, "architectures", None)
+    "LlamaEmbeddingModel" in archs  # noqa: B015 — TypeError for None, as model_config.py:2366
+    config_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = _STR_DTYPE_TO_TORCH_DTYPE.get(config_dtype)
+    if config_dtype is None:
+        config_dtype = torch.float32
+    name = str(dtype).lower()
+    if name == "auto":
+        served = (torch.bfloat16 if str(getattr(config, "model_type", "")).startswith("gemma") else torch.float16) \
+            if config_dtype == torch.float32 else config_dtype
+    elif name in _STR_DTYPE_TO_TORCH_DTYPE:
+        served = _STR_DTYPE_TO_TORCH_DTYPE[name]
+    else:
+        raise ValueError(f"Unknown dtype: {name}")
+    if not archs or archs[0] not in ARCHITECTURES:
+        raise ValueError(f"fake sglang: architecture {archs[0] if archs else None!r} is not one the fake serves "
+                         f"({sorted(ARCHITECTURES)}); SGLang would try its Transformers backend")
+    if served == torch.float32 and attention_backend in HALF_ONLY_ATTENTION:
+        raise RuntimeError(f"fake sglang: float32 with attention backend {attention_backend or 'fa3 (the Hopper default)'}: "
+                           f"its kernels take float16/bfloat16 only; the scheduler fails at start (SGLang: "
+                           f"arg_groups/model_override_base.py:305-311; pass attention_backend='triton' to serve float32)")
+    return served
 
 
 class SchedulerCrash(AssertionError):
@@ -303,7 +374,7 @@ class FakeScheduler:
         try:
             state = {k: v.to(eng.weights.tensors[k].dtype if k in eng.weights.tensors else v.dtype) for k, v in named}
             merged = {**eng.weights.tensors, **state}
-            eng.weights = DecoderWeights.from_state_dict(merged, eng.model_config)
+            eng.weights = _weights(merged, eng.model_config)
         except (ValueError, KeyError) as e:
             return False, f"Failed to update weights: {e}"
         if m.weight_version is not None and m.weight_version != eng.weight_version:  # scheduler.py:5636-5652
@@ -360,7 +431,7 @@ class FakeScheduler:
         # Without enable_weights_cpu_backup the weights' memory comes back uninitialised.
         eng = self.engine
         g = torch.Generator().manual_seed(1234)
-        eng.weights = DecoderWeights.from_state_dict(
+        eng.weights = _weights(
             {k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in eng.weights.tensors.items()}, eng.model_config)
         self.released = set()
 
@@ -371,15 +442,19 @@ class FakeScheduler:
         self.waiting = []
         batch = list(self.running)
         feeds = []
-        for req in batch:
-            seq = req.input_ids + req.output_ids
-            if req.cache is None:
-                req.cache, req.fed = KVCache.empty(eng.weights, len(seq) + req.params.get("max_new_tokens", 128) + 1), 0
-            feeds.append((seq[req.fed:], req.fed))
-        ids = torch.tensor([t for f, _ in feeds for t in f], dtype=torch.long)
-        pos = torch.cat([torch.arange(s, s + len(f)) for f, s in feeds])
-        with torch.no_grad():
-            logits = extend(eng.weights, ids, pos, [len(f) for f, _ in feeds], [r.cache for r in batch])
+        if isinstance(eng.weights, _HfWeights):
+            logits = [eng.weights.last_logits(req.input_ids + req.output_ids) for req in batch]
+            feeds = [([], 0)] * len(batch)
+        else:
+            for req in batch:
+                seq = req.input_ids + req.output_ids
+                if req.cache is None:
+                    req.cache, req.fed = KVCache.empty(eng.weights, len(seq) + req.params.get("max_new_tokens", 128) + 1), 0
+                feeds.append((seq[req.fed:], req.fed))
+            ids = torch.tensor([t for f, _ in feeds for t in f], dtype=torch.long)
+            pos = torch.cat([torch.arange(s, s + len(f)) for f, s in feeds])
+            with torch.no_grad():
+                logits = extend(eng.weights, ids, pos, [len(f) for f, _ in feeds], [r.cache for r in batch])
         for req, (feed, _), row in zip(batch, feeds, logits):
             req.fed += len(feed)
             tok, lp, top = self._sample(req, row.float())
@@ -396,6 +471,12 @@ class FakeScheduler:
         if len(req.output_ids) < int(p.get("min_new_tokens") or 0):  # min_new_tokens penalizer
             logits = logits.clone()
             logits[list(stop_ids)] = float("-inf")
+        bias = p.get("logit_bias")
+        if bias:  # after the penalizers, before sampling and the reported log-probs
+            # (sampling/sampling_batch_info.py:174-195, 440-441; model_runner.py:2085-2093)
+            row = torch.zeros_like(logits)
+            row[torch.tensor([int(k) for k in bias])] = torch.tensor([float(v) for v in bias.values()], dtype=row.dtype)
+            logits = logits + row
         temperature, top_p = float(p.get("temperature", 1.0)), float(p.get("top_p", 1.0))
         original = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0").lower() in ("1", "true")
         if temperature == 0:
@@ -527,6 +608,9 @@ class FakeTokenizerManager:
         if rid in self.rid_to_state:
             raise ValueError(f"Duplicate request ID detected: {rid}")
         eng = self.engine
+        for token_id in sampling_params.get("logit_bias") or {}:  # SamplingParams.verify (tokenizer_manager.py:1567,
+            if not 0 <= int(token_id) < eng.vocab_size:             # sampling/sampling_params.py:295-301)
+                raise ValueError(f"logit_bias must has keys in [0, {eng.vocab_size - 1}], got {token_id}.")
         gen = torch.Generator()
         seed = sampling_params.get("sampling_seed")
         if seed is not None and eng.enable_deterministic_inference:  # sampling_batch_info.py:157-170
@@ -704,7 +788,9 @@ class FakeEngine:
         self.tp_size = int(kwargs.get("tp_size", 1))
         self.weight_version = str(kwargs.get("weight_version", "default"))  # fields/serving.py:172
         self.enable_deterministic_inference = bool(kwargs.get("enable_deterministic_inference", False))
-        self.model_config, self.weights, self.eos_token_ids = _load(kwargs["model_path"], kwargs.get("load_format"))
+        self.model_config, self.weights, self.eos_token_ids, self.dtype = _load(
+            kwargs["model_path"], kwargs.get("load_format"), kwargs.get("dtype", "auto"), kwargs.get("attention_backend"))
+        self.vocab_size = int(self.model_config.vocab_size)
         self.tokenizer_manager = FakeTokenizerManager(self)
         self.process: subprocess.Popen | None = None
         if self.spawn_scheduler_process:
@@ -758,11 +844,12 @@ def _children(pid: int) -> set[int]:
     return children(pid)
 
 
-def _load(model_path: str, load_format: str | None) -> tuple[Any, DecoderWeights, list[int]]:
+def _load(model_path: str, load_format: str | None, dtype: str, attention_backend: str | None):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_path)
+    config = AutoConfig.from_pretrained(model_path)  # SGLang's get_config reads it with AutoConfig too
+    served = model_config_checks(config, dtype, attention_backend)
     state: dict[str, torch.Tensor] = {}
     if load_format == "dummy":
         from gyre.backends.models import build_model
@@ -774,7 +861,67 @@ def _load(model_path: str, load_format: str | None) -> tuple[Any, DecoderWeights
         state.pop("lm_head.weight", None)
     eos = config.eos_token_id
     eos_ids = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
-    return config, DecoderWeights.from_state_dict(state, config), eos_ids
+    state = {k: v.to(served) for k, v in state.items()}  # the weights are loaded in the served dtype
+    return config, _weights(state, config), eos_ids, served
 
 
-API = SglangApi(FakeEngine, io_struct, serialize)
+def _weights(state: dict[str, torch.Tensor], config: Any):
+    """Gyre's CPU decoder over `state` where it knows the family, else HF transformers' own model
+    (`_HfWeights`): the fake's tokens and log-probs are the family's real forward either way."""
+    _check_names(state, config)
+    try:
+        return DecoderWeights.from_state_dict(state, config)
+    except (ValueError, KeyError, NotImplementedError):
+        return _HfWeights(state, config)
+
+
+def _check_names(state: dict[str, torch.Tensor], config: Any) -> None:
+    """SGLang's load_weights takes the names of an HF checkpoint on disk: one tensor per MoE expert
+    (models/qwen3_moe.py:1157-1175), not transformers 5's fused in-memory `experts.gate_up_proj`;
+    lm_head.weight is skipped when embeddings are tied (models/qwen2.py load_weights). A name it
+    does not know fails the load (params_dict[name]: KeyError)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    expected = set(revert_weight_conversion(model, model.state_dict())) - ({"lm_head.weight"} if tied else set())
+    got = set(state) - ({"lm_head.weight"} if tied else set())
+    if got != expected:
+        raise ValueError(f"weights: names SGLang's load_weights does not know {sorted(got - expected)[:3]}, "
+                         f"missing {sorted(expected - got)[:3]} (checkpoint names expected)")
+
+
+class _HfWeights:
+    """A family the decoder does not know (yet): the HF model, whole sequence per decode step (no KV
+    cache; the adapter always retracts and flushes, so the KV would be recomputed anyway). `state`
+    has checkpoint names (SGLang's load_weights reads those: per-expert MoE tensors), so it is
+    loaded the way a checkpoint is, through from_pretrained, which strictly reports missing and
+    unexpected names."""
+
+    def __init__(self, state: dict[str, torch.Tensor], config: Any):
+        import tempfile
+
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM
+
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.tensors = {k: v for k, v in state.items() if not (tied and k == "lm_head.weight")}
+        dtype = next(iter(state.values())).dtype
+        with tempfile.TemporaryDirectory() as d:
+            config.to_json_file(os.path.join(d, "config.json"))
+            save_file({k: v.contiguous() for k, v in self.tensors.items()}, os.path.join(d, "model.safetensors"))
+            model, info = AutoModelForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="eager",
+                                                               output_loading_info=True)
+        bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+        if bad:
+            raise ValueError(f"weights: {bad}")
+        self.model = model.eval()
+
+    @torch.no_grad()
+    def last_logits(self, seq: list[int]) -> torch.Tensor:
+        return self.model(torch.tensor([seq])).logits[0, -1]
+
+
+API = SglangApi(FakeEngine, io_struct, serialize, frozenset(SERVER_ARGS))

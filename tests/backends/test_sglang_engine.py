@@ -116,8 +116,14 @@ def _fake_defaults(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
 
 
-def _engine(path: str, version: int = 0) -> SglangEngine:
-    return SglangEngine(SglangConfig(model_path=path, dtype="float32"), version=version, api=sglang_fake.API)
+# float32 (log-probs compared with the CPU actor at 1e-4) needs an attention backend that serves it:
+# the fake, like SGLang on an H200, refuses float32 with the default fa3 (sglang_fake.HALF_ONLY_ATTENTION).
+FP32 = {"attention_backend": "triton"}
+
+
+def _engine(path: str, version: int = 0, **kw) -> SglangEngine:
+    return SglangEngine(SglangConfig(model_path=path, dtype="float32", extra=dict(FP32)), version=version,
+                        api=sglang_fake.API, **kw)
 
 
 def _calls(eng: SglangEngine) -> list[str]:
@@ -385,7 +391,8 @@ harness = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"
 
 async def go():
     for _ in range(2):  # start, serve, stop, and again
-        eng = SglangEngine(SglangConfig(model_path=sys.argv[1], dtype="float32"), api=sglang_fake.API)
+        eng = SglangEngine(SglangConfig(model_path=sys.argv[1], dtype="float32", extra={"attention_backend": "triton"}),
+                           api=sglang_fake.API)
         await eng.start()
         scheduler = eng._engine.process
         out = [ev async for ev in eng.generate("a", [1, 2], SamplingParams(max_tokens=3))]
@@ -546,3 +553,102 @@ def test_min_tokens_logprobs_are_sglangs_masked_ones_and_a_warning_says_so(ckpt,
     assert (lp[:3] - ref[:3] > 1e-3).all()
     assert (lp[3:] - ref[3:]).abs().max() < 1e-4
     assert any("min_tokens > 0" in r.getMessage() for r in caplog.records)
+
+
+# ----------------------------------------------------------------------------- dtype and --sglang.*
+def test_model_dtype_auto_is_bf16_with_a_cuda_backend_and_fp32_on_cpu():
+    from gyre.config import parse_config
+
+    assert parse_config([]).model.dtype == "float32"
+    assert parse_config(["--backend.engine", "sglang"]).model.dtype == "bfloat16"
+    assert parse_config(["--backend.actor", "megatron"]).model.dtype == "bfloat16"
+    assert parse_config(["--backend.engine", "sglang", "--model.dtype", "float32"]).model.dtype == "float32"
+    assert parse_config(["--preset", "cpu-demo"]).model.dtype == "float32"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fp32_with_sglang_is_refused_up_front(dtype, monkeypatch):
+    """check_train_config refuses it before any rank starts (SGLang would crash its scheduler at
+    start, SIGQUITting the rank); the message names both flags."""
+    from gyre.backends import factory
+    from gyre.config import ConfigError, check_model_dtype, parse_config
+
+    monkeypatch.setenv(factory.SGLANG_API_ENV, "tests.backends.sglang_fake:API")
+    cfg = parse_config(["--backend.engine", "sglang", "--model.dtype", dtype])
+    with pytest.raises(ConfigError, match=f"--model.dtype {dtype} with --backend.engine sglang"):
+        check_model_dtype(cfg)
+    check_model_dtype(parse_config(["--backend.engine", "sglang"]))  # auto → bfloat16: fine
+    check_model_dtype(parse_config(["--model.dtype", "float32"]))  # the CPU engine: fine
+
+
+def test_sglang_pass_through_reaches_server_args(tmp_path, monkeypatch):
+    """`--sglang.<name> VALUE` (ServerArgs names, not copied into Gyre's config) lands in
+    cfg.sglang.extra and, coerced, in the kwargs of sglang.Engine (the fake's ServerArgs)."""
+    from gyre.backends import factory
+    from gyre.config import parse_config
+
+    monkeypatch.setenv(factory.SGLANG_API_ENV, "tests.backends.sglang_fake:API")
+    cfg = parse_config(["--backend.engine", "sglang", "--run-dir", str(tmp_path / "run"),
+                        "--sglang.attention-backend", "triton", "--sglang.chunked-prefill-size=4096",
+                        "--sglang.disable-cuda-graph", "--sglang.cuda-graph-max-bs-decode", "8",
+                        "--sglang.mem-fraction-static", "0.5", "--train.steps", "3"])
+    assert cfg.sglang.extra == {"attention_backend": "triton", "chunked_prefill_size": "4096",
+                                "disable_cuda_graph": "true", "cuda_graph_max_bs_decode": "8"}
+    assert cfg.sglang.mem_fraction_static == 0.5 and cfg.train.steps == 3  # declared fields stay tyro's
+    model = tiny_model()
+    eng = factory.build_engine(cfg, model.config, model.state_dict(), version=2, eos_token_ids=[3], name="p")
+
+    async def go():
+        await eng.start()
+        args = eng._engine.server_args
+        await eng.stop()
+        return args
+
+    args = asyncio.run(go())
+    assert args["attention_backend"] == "triton" and args["chunked_prefill_size"] == 4096
+    assert args["disable_cuda_graph"] is True and args["cuda_graph_max_bs_decode"] == 8
+    assert args["mem_fraction_static"] == 0.5 and args["dtype"] == "bfloat16" and args["weight_version"] == "2"
+
+
+def test_unknown_or_gyre_owned_sglang_options_are_refused(ckpt, monkeypatch):
+    """A name ServerArgs lacks is refused before Engine() with the closest ones (0.5.23 has no
+    cuda_graph_max_bs: it is cuda_graph_max_bs_decode); Gyre's own fields are refused up front."""
+    from gyre.config import ConfigError, check_model_dtype, parse_config
+
+    path, _ = ckpt
+    eng = SglangEngine(SglangConfig(model_path=path, extra={"cuda_graph_max_bs": "8"}), api=sglang_fake.API)
+    with pytest.raises(ValueError, match="no field 'cuda_graph_max_bs'; closest: cuda_graph_max_bs_decode"):
+        asyncio.run(eng.start())
+    assert eng.state is EngineState.STOPPED and eng._engine is None  # refused before Engine()
+    with pytest.raises(ConfigError, match=r"--sglang.tp-size: Gyre sets ServerArgs.tp_size itself \(= --parallel.cell-size\)"):
+        check_model_dtype(parse_config(["--backend.engine", "sglang", "--sglang.tp-size", "2"]))
+    with pytest.raises(ValueError, match="Gyre sets ServerArgs.dtype"):
+        server_args(SglangConfig(model_path=path, extra={"dtype": "float16"}))
+
+
+@pytest.mark.skipif(not os.environ.get("GYRE_SGLANG_SRC"), reason="set GYRE_SGLANG_SRC to an unpacked sglang 0.5.23 wheel")
+def test_fake_server_args_and_architectures_are_sglangs():
+    """Every ServerArgs name the fake accepts is a field of the real one (the classes of
+    arg_groups/fields/*.py, read with `ast`), and every architecture the fake and Gyre serve is an
+    EntryClass of sglang's models/ (the ModelRegistry keys)."""
+    import ast
+    import glob
+
+    from gyre.backends.sglang_checkpoint import SGLANG_ARCHITECTURES
+    from gyre.backends.sglang_engine import GYRE_OWNED_SERVER_ARGS
+
+    root = os.path.join(os.environ["GYRE_SGLANG_SRC"], "sglang", "srt")
+    fields = set()
+    for f in glob.glob(os.path.join(root, "arg_groups", "fields", "*.py")):
+        for node in ast.parse(open(f).read()).body:
+            if isinstance(node, ast.ClassDef):
+                fields |= {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    assert sglang_fake.SERVER_ARGS <= fields, sorted(sglang_fake.SERVER_ARGS - fields)
+    assert set(GYRE_OWNED_SERVER_ARGS) <= fields
+    entries = set()
+    for f in ("qwen2", "qwen3", "qwen3_moe", "llama"):
+        for node in ast.parse(open(os.path.join(root, "models", f + ".py")).read()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "EntryClass" for t in node.targets):
+                value = node.value
+                entries |= {e.id for e in (value.elts if isinstance(value, ast.List) else [value])}
+    assert sglang_fake.ARCHITECTURES == set(SGLANG_ARCHITECTURES.values()) and sglang_fake.ARCHITECTURES <= entries
