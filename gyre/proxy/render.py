@@ -250,7 +250,9 @@ class ChatRenderer:
         if isinstance(m.get("reasoning_content"), str):
             out["reasoning_content"] = self.escape(m["reasoning_content"])
         if m.get("tool_calls"):
-            out["tool_calls"] = [{**tc, "name": self.escape(tc.get("name", "")), "arguments": self.escape_obj(tc.get("arguments", {}))}
+            # OpenAI's shape: every template reads it (Qwen's unwrap `function` if defined; Llama 3.1 needs it)
+            out["tool_calls"] = [{"type": "function", "function": {"name": self.escape(tc.get("name", "")),
+                                                                   "arguments": self.escape_obj(tc.get("arguments", {}))}}
                                  for tc in m["tool_calls"]]
         return out
 

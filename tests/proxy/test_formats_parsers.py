@@ -60,7 +60,9 @@ def render_calls(family: str, content: str, calls: list[tuple[str, dict]]) -> st
             return json.dumps(v, ensure_ascii=False) if isinstance(v, (dict, list)) else str(v)
         blocks = ["\n<tool_call>\n<function=" + n + ">\n" + "".join(f"<parameter={k}>\n{val(v)}\n</parameter>\n" for k, v in a.items())
                   + "</function>\n</tool_call>" for n, a in calls]
-        return (content + "\n" if content else "") + "".join(blocks).lstrip("\n") if not content else content + "\n" + "".join(blocks)
+        if not calls:
+            return content
+        return content + "\n" + "".join(blocks) if content else "".join(blocks).lstrip("\n")
     # llama3.1: a call is the whole message; several are `;`-separated (sglang llama32_detector.py:33-38)
     if calls:
         return "; ".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False) for n, a in calls)
