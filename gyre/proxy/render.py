@@ -28,9 +28,11 @@ tests/proxy/test_formats_render.py checks the splice per format with hypothesis.
 
 Past reasoning (templates that drop the reasoning of turns before the last user query: Qwen3).
 `past_reasoning="keep"` splices those turns' sampled ids, thinking included: one prefix-shared
-trajectory, the context the model really saw. `"strip"` renders them as the template does (their
-text, no thinking): the call is its own branch, still exact (its prompt is what the template
-gives); such turns are counted in `Rendered.stripped`, not as unmatched.
+trajectory, the context the model really saw. `"strip"` renders a turn as the template does
+whenever the template would not show its thinking (before the last user query, or re-sent
+without `reasoning_content`): its text, no thinking; the call is its own branch, still exact (its
+prompt is what the template gives); such turns are counted in `Rendered.stripped`, not as
+unmatched. Turns the template renders with their thinking are spliced in both modes.
 
 Only the template makes control tokens. Message text, tool-call arguments and tool definitions
 are encoded as ordinary byte-level text even where they spell a special token: a user or tool
@@ -394,7 +396,8 @@ class ChatRenderer:
                 template_kwargs: dict | None = None) -> Rendered:
         tmpl: list[dict] = []
         # past_reasoning="strip": turns the template renders without their reasoning are not spliced.
-        strip_before = self.last_query_index(messages) if (turns and self.past_reasoning == "strip" and self.format.strips_past_reasoning) else -1
+        strip = bool(turns) and self.past_reasoning == "strip" and self.format.strips_past_reasoning
+        last_query = self.last_query_index(messages) if strip else -1
         stripped = 0
         splices: list[tuple[list[StoredTurn], int]] = []  # (candidates, message index if tolerant else -1)
         kinds: list[str] = []
@@ -407,7 +410,8 @@ class ChatRenderer:
                 i += 1
                 continue
             cands = turns.get(turn_fingerprint(m.get("content"), m.get("tool_calls"))) if turns else None
-            if i < strip_before and (cands or (turns and self._diagnose(messages, i, turns, _calls_index(turns))[2])):
+            drops = strip and (i < last_query or not (m.get("reasoning_content") or "").strip())
+            if drops and (cands or self._diagnose(messages, i, turns, _calls_index(turns))[2]):
                 stripped += 1  # a turn we produced, rendered as the template does (no reasoning): a new branch
                 tmpl.append(self._escape_message(m))
                 i += 1

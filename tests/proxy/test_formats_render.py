@@ -69,6 +69,8 @@ def run_conversation(family, data, past_reasoning="keep", turns_n=4):
         # the harness re-sends it, re-serialized, and answers
         resent = [{"name": c["name"], "arguments": dict(reversed(list(c["arguments"].items())))} for c in got]
         msg = {"role": "assistant", "content": ("  " + content_p + "\n") if content_p else ""}
+        if reasoning and data.draw(st.booleans()):
+            msg["reasoning_content"] = reasoning  # a harness that sends the thinking back
         if resent:
             msg["tool_calls"] = resent
         messages.append(msg)
@@ -98,14 +100,16 @@ def test_splice_is_exact(family, data):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_qwen3_past_reasoning_strip(data):
-    """strip: a call after a new user query is the template's own rendering (its own branch, exact);
-    inside a tool-call chain the splice still holds."""
+    """strip: turns the template shows without thinking (before the last user query, or re-sent
+    without reasoning_content) are rendered as the template does: with none spliced, the prompt
+    is exactly the template's (a branch, exact); a tool-call chain whose turns come back with their
+    reasoning still splices."""
     log, _ = run_conversation("qwen3", data, past_reasoning="strip")
     for out, plain, prev in log:
         assert out.unmatched == 0
-        if out.stripped:
-            assert out.ids == plain.ids if out.spliced == 0 else out.ids[: len(prev)] == prev
-        elif prev is not None:
+        if out.spliced == 0:
+            assert out.ids == plain.ids
+        elif not out.stripped:
             assert out.ids[: len(prev)] == prev
 
 
