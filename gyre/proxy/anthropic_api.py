@@ -1,8 +1,9 @@
 """Anthropic adapter: `POST /v1/messages` (plain and streamed) and `POST /v1/messages/count_tokens`.
 
 Content blocks map onto the chat template: `text` -> message text, assistant `tool_use` ->
-tool_calls, user `tool_result` -> a `tool` message (rendered inside `<tool_response>`).
-`thinking` blocks are context the template has no place for and are left out.
+tool_calls, user `tool_result` -> a `tool` message (rendered inside `<tool_response>`), assistant
+`thinking` -> the message's `reasoning_content` (the template renders or drops it as it does;
+`redacted_thinking` is unreadable and left out).
 
 Media for a text-only policy: a user `image` or `document` block, also inside `tool_result`
 content, becomes a line of text in its place: `[image: image/png, 48213 bytes]` (media type and
@@ -11,13 +12,13 @@ decoded size), `[image: https://example.com, not fetched]` (a URL source: scheme
 context injected by the harness, never a training target. With `--proxy.media reject` such a
 block is a 400 naming the field instead.
 
-Extended thinking: the `thinking` request field (`{"type": "enabled", "budget_tokens": N}`) is
-accepted and has no effect. The policy's chat template has no reasoning channel, so the proxy
-never returns `thinking` blocks: the answer's content is text and tool_use blocks only, and
-`budget_tokens` counts nothing (max_tokens bounds the whole answer). Harnesses that enable
-thinking (Claude Code with MAX_THINKING_TOKENS, "think hard") keep working; they just see no
-thinking, as with a model that chose not to think. Thinking blocks re-sent in the history are
-dropped (they came from elsewhere: the proxy never produced one).
+Extended thinking: with a chat format that has a reasoning channel (Qwen3's `<think>`,
+gyre/proxy/formats), the model's thinking comes back as a `thinking` block before the text and
+tool_use blocks (streamed as `thinking_delta`s; `signature` is empty: nothing here signs it).
+The request's `thinking` field switches the template's thinking (`enable_thinking`): `enabled`
+on, `disabled` off, absent the template's default (Qwen3: on). `budget_tokens` counts nothing
+(max_tokens bounds the whole answer). With a format without reasoning no thinking block is ever
+returned, as with a model that chose not to think.
 
 `tool_choice` any / tool forces a tool call by a forced prefix (gyre.proxy.core); structured
 outputs (`output_format`, `output_config.format`) are a 400 naming the field.
@@ -39,6 +40,7 @@ from aiohttp import web
 
 from gyre.proxy import validate as V
 from gyre.proxy.core import ApiError, Call, ChatRequest, ToolForce, abort_on_disconnect, object_arguments
+from gyre.proxy.formats import Reasoning
 from gyre.proxy.textstream import ToolCall
 
 _ERROR_TYPES = {
@@ -50,7 +52,7 @@ _ERROR_TYPES = {
     "overloaded": "overloaded_error",
     "internal": "api_error",
 }
-_IGNORED_BLOCKS = {"thinking", "redacted_thinking"}
+_IGNORED_BLOCKS = {"redacted_thinking"}
 _MEDIA_BLOCKS = {"image", "document"}
 
 
@@ -140,6 +142,7 @@ def parse_messages(raw: Any, system: Any, media: list[str] | None = None) -> lis
             raise V.bad(f + ".content", "must be a string or an array of content blocks")
         texts: list[str] = []
         calls: list[dict] = []
+        thinking: list[str] = []
         for j, b in enumerate(content):
             bf = f"{f}.content[{j}]"
             if not isinstance(b, dict):
@@ -163,7 +166,9 @@ def parse_messages(raw: Any, system: Any, media: list[str] | None = None) -> lis
                     texts = []
                 res = b.get("content", "")
                 msgs.append({"role": "tool", "content": _text_blocks(res, bf + ".content", media) if res is not None else ""})
-            elif kind in _IGNORED_BLOCKS:
+            elif kind == "thinking" and role == "assistant":
+                thinking.append(V.req_str(b, "thinking", bf + "."))
+            elif kind in _IGNORED_BLOCKS or kind == "thinking":
                 continue
             else:
                 raise V.bad(bf + ".type", f"unsupported block type {kind!r} in a {role} message")
@@ -171,6 +176,8 @@ def parse_messages(raw: Any, system: Any, media: list[str] | None = None) -> lis
             msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
             if calls:
                 msg["tool_calls"] = calls
+            if any(thinking):
+                msg["reasoning_content"] = "\n".join(t for t in thinking if t)
             msgs.append(msg)
         elif texts or not msgs or msgs[-1]["role"] != "tool":
             msgs.append({"role": "user", "content": "\n".join(texts)})
@@ -250,7 +257,13 @@ def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
         raise V.bad("metadata", "must be an object")
     th = body.get("thinking")
     if th is not None and not isinstance(th, dict):
-        raise V.bad("thinking", "must be an object")  # accepted, never acted on: see the module docstring
+        raise V.bad("thinking", "must be an object")
+    if th is not None:  # see the module docstring
+        kind = th.get("type")
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise V.bad("thinking.type", f"must be 'enabled', 'disabled' or 'adaptive', got {kind!r}")
+        if kind != "adaptive":
+            req.template_kwargs["enable_thinking"] = kind == "enabled"
     return req
 
 
@@ -278,6 +291,8 @@ async def respond(request: web.Request, call: Call, model: str) -> web.StreamRes
                 async for _ in events:
                     pass
         content: list[dict] = []
+        if call.reasoning:
+            content.append({"type": "thinking", "thinking": call.reasoning, "signature": ""})
         if call.content:
             content.append({"type": "text", "text": call.content})
         content += [_tool_block(tc) for tc in call.tool_calls]
@@ -308,14 +323,27 @@ async def respond(request: web.Request, call: Call, model: str) -> web.StreamRes
     await resp.write(_event("message_start", {"type": "message_start", "message": start}))
     index = -1
     text_open = False
+    open_kind = None  # the open block: "text" | "thinking"
     try:
         async with aclosing(call.events()) as events:
             async for item in events:
+                if isinstance(item, Reasoning):
+                    out = b""
+                    if open_kind != "thinking":
+                        if text_open:
+                            out += _event("content_block_stop", {"type": "content_block_stop", "index": index})
+                        index += 1
+                        text_open, open_kind = True, "thinking"
+                        out += _event("content_block_start", {"type": "content_block_start", "index": index,
+                                                              "content_block": {"type": "thinking", "thinking": "", "signature": ""}})
+                    out += _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {"type": "thinking_delta", "thinking": item.text}})
+                    await resp.write(out)
+                    continue
                 if isinstance(item, ToolCall):
                     out = b""
                     if text_open:
                         out += _event("content_block_stop", {"type": "content_block_stop", "index": index})
-                        text_open = False
+                        text_open, open_kind = False, None
                     index += 1
                     blk = _tool_block(item)
                     out += _event("content_block_start", {"type": "content_block_start", "index": index, "content_block": {**blk, "input": {}}})
@@ -324,9 +352,11 @@ async def respond(request: web.Request, call: Call, model: str) -> web.StreamRes
                     await resp.write(out)
                     continue
                 out = b""
-                if not text_open:
+                if open_kind != "text":
+                    if text_open:
+                        out += _event("content_block_stop", {"type": "content_block_stop", "index": index})
                     index += 1
-                    text_open = True
+                    text_open, open_kind = True, "text"
                     out += _event("content_block_start", {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}})
                 out += _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": item}})
                 await resp.write(out)

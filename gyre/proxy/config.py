@@ -78,8 +78,19 @@ class ProxyConfig:
     """OpenAI calls without max_tokens (Anthropic requires it)."""
     max_body_bytes: int = 16 << 20
     """Request bodies over this get a 413 in the API's error format."""
-    tool_parser: Literal["hermes", "none"] = "hermes"
-    """How tool calls are read out of the model's text: Qwen/Hermes `<tool_call>` JSON, or not at all."""
+    tool_parser: Literal["auto", "hermes", "none"] = "auto"
+    """How tool calls are read out of the model's text: `auto` with the chat format's own parser
+    (gyre/proxy/formats), `hermes` the same but refused at start unless the format writes Hermes
+    `<tool_call>` JSON, `none` not at all."""
+    chat_format: str = "auto"
+    """The chat format (turns, tool calls, reasoning; gyre/proxy/formats): `auto` reads it from the
+    tokenizer's chat template and refuses a template it does not know; or one of qwen2.5, qwen3,
+    qwen3-coder, llama3.1 (docs/proxy_harnesses.md)."""
+    past_reasoning: Literal["keep", "strip"] = "keep"
+    """For templates that drop the reasoning of turns before the last user query (Qwen3): `keep`
+    splices the sampled thinking back (one prefix-shared trajectory: the context the model really
+    saw); `strip` renders those turns as the template does (each such call its own branch, still
+    exact; what the model sees at inference). docs/proxy_harnesses.md compares them."""
     require_auth: bool = True
     """Reject calls without a known, unrevoked execution key (401)."""
     affinity_slack: int = 2

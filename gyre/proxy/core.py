@@ -25,7 +25,7 @@ reasons are what happened: stop, length, tool_calls, abort (client gone, closed)
 engine ended the stream without a reason, or failed and no other engine could continue).
 
 Forced tool calls (`tool_choice` required / a named function; Anthropic any / tool): the proxy
-appends the template's tool-call opening (`textstream.tool_call_opening`) to the rendered prompt
+appends the chat format's tool-call opening (`ChatFormat.tool_call_opening`) to the rendered prompt
 and the engine continues from it, so any engine forces the call. The forced prefix is *input*:
 it is in the record's `input_ids` (context, never a target) and the sampled continuation is the
 output; the tool-call parser is fed the prefix first, so the client sees a proper tool call. The
@@ -51,13 +51,14 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from gyre.backends.protocols import SamplingParams, TokenEvent
 from gyre.backends.tokenizer import ENDOFTEXT, IM_END, load_tokenizer, token_bytes
 from gyre.proxy.config import ProxyConfig
+from gyre.proxy.formats import OutputParser, Reasoning, format_for
 from gyre.proxy.keys import KeyInfo, KeyRegistry
 from gyre.proxy.roles import RoleClassifier
 from gyre.proxy.render import UNMATCHED_KINDS, ChatRenderer, PromptTooLong, Rendered, StoredTurn, TurnStore, turn_fingerprint
 from gyre.backends.migration import MigrationPolicy
 from gyre.proxy.router import NoEngineError, RouteInfo, Router
 from gyre.proxy.sink import MemorySink, RecordSink
-from gyre.proxy.textstream import Detokenizer, StopMatcher, ToolCall, ToolCallParser, tool_call_opening
+from gyre.proxy.textstream import Detokenizer, StopMatcher, ToolCall
 from gyre.trajectory.record import CallRecord, Role
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ class ChatRequest:
     parse_tools: bool = True
     force: ToolForce | None = None  # tool_choice required / named: see the module docstring
     media: list[str] = field(default_factory=list)  # fields of media parts rendered as text placeholders
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs (enable_thinking, ...)
 
 
 @dataclass
@@ -202,6 +204,7 @@ class Call:
         self.call_id = next(state.call_ids)
         self.tokens: list[TokenEvent] = []
         self.content_parts: list[str] = []
+        self.reasoning_parts: list[str] = []  # the format's reasoning (thinking), apart from content
         self.tool_calls: list[ToolCall] = []
         self.stop_string: str | None = None
         self.finish: str = "error"  # stop | length | tool_calls | abort | error (set by _finish)
@@ -220,11 +223,16 @@ class Call:
     def content(self) -> str:
         return "".join(self.content_parts)
 
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.reasoning_parts)
+
     async def events(self) -> AsyncIterator[str | ToolCall]:
         p = self.proxy
         det = Detokenizer(p.token_table, p.eos_ids)
         stopper = StopMatcher(self.req.stop)
-        parser = ToolCallParser(enabled=self.req.parse_tools and p.config.tool_parser == "hermes")
+        parser = OutputParser(p.format, self.req.tools, parse_tools=self.req.parse_tools and p.config.tool_parser != "none",
+                              reasoning=self.req.messages is not None)  # /v1/completions: raw text
         key = f"{self.state.execution_id}/{self.call_id}/{next(p._serial)}"
         gen = p.router.generate(key, self.state.execution_id, self.rendered.ids, self.sampling, self.route, p.eos_ids)
         completed = engine_failed = False
@@ -233,9 +241,10 @@ class Call:
         per_token = self.req.stream or bool(stopper.stops)
         held: list[str] = []
         try:
-            # The forced prefix is the start of the turn's text: the parser begins in the state
-            # it leaves (inside a tool call); stop strings see only sampled text.
-            for item in parser.push(self.forced_text):
+            # The generation prompt's reasoning text and the forced prefix are the start of the
+            # turn's text: the parser begins in the state they leave (thinking closed or open,
+            # inside a tool call); stop strings see only sampled text.
+            for item in parser.push(self.rendered.gen_prefix + self.forced_text):
                 yield self._keep(item)
             async for ev in gen:
                 if self.first_token_time is None:
@@ -288,9 +297,11 @@ class Call:
                            "returned as written", self.state.execution_id, self.call_id, unknown)
         return unknown
 
-    def _keep(self, item: str | ToolCall) -> str | ToolCall:
+    def _keep(self, item: str | ToolCall | Reasoning) -> str | ToolCall | Reasoning:
         if isinstance(item, ToolCall):
             self.tool_calls.append(item)
+        elif isinstance(item, Reasoning):
+            self.reasoning_parts.append(item.text)
         else:
             self.content_parts.append(item)
         return item
@@ -370,6 +381,9 @@ class Call:
                 "forced_prefix": len(self.forced_ids),  # input_ids' last n ids: the forced tool-call opening (context)
                 "forced_tool": None if self.req.force is None else (self.req.force.name or "*"),
                 "forced_unknown_tool": unknown,
+                "chat_format": p.format.name,
+                "reasoning_prefix": self.rendered.gen_prefix_ids,  # input_ids' ids the generation prompt added after the header
+                "stripped_turns": self.rendered.stripped,  # turns rendered without their reasoning (past_reasoning=strip)
             },
         )
         if completed and self.req.messages is not None:
@@ -377,10 +391,11 @@ class Call:
             wrap = object_arguments if self.req.api == "anthropic" else (lambda a: a)
             calls = [{"name": tc.name, "arguments": wrap(tc.arguments)} for tc in self.tool_calls]
             fp = turn_fingerprint(self.content, calls)
-            # A forced turn is prefix + sampled ids, in the context before the prefix: re-sent,
-            # it splices back to exactly the tokens the model saw (the prefix stays input there).
-            n_ctx = len(self.rendered.ids) - len(self.forced_ids)
-            st.turns.add(fp, StoredTurn.of(self.call_id, self.rendered.ids[:n_ctx], self.forced_ids + out_ids, self.content, calls))
+            # A forced / reasoning-prefixed turn is prefix + sampled ids, in the context before the
+            # prefix: re-sent, it splices back to exactly the tokens the model saw (the prefix
+            # stays input there).
+            n_ctx = len(self.rendered.ids) - len(self.forced_ids) - self.rendered.gen_prefix_ids
+            st.turns.add(fp, StoredTurn.of(self.call_id, self.rendered.ids[:n_ctx], self.rendered.ids[n_ctx:] + out_ids, self.content, calls))
         try:
             p.sink.on_record(self.record)
         except Exception:  # a failing sink must be loud, but the client already has its answer
@@ -396,9 +411,15 @@ class Proxy:
         self.config = config or ProxyConfig()
         c = self.config
         self.tokenizer = tokenizer or load_tokenizer(c.tokenizer_path)
-        self.renderer = ChatRenderer(self.tokenizer, cache_chars=c.encode_cache_chars, splice=c.splice)
+        # The chat format (gyre/proxy/formats): from the checkpoint's template, or --proxy.chat-format.
+        self.format = format_for(self.tokenizer, override=c.chat_format)
+        if c.tool_parser == "hermes" and self.format.tool_syntax != "hermes":
+            raise ValueError(f"proxy.tool_parser=hermes, but the chat format {self.format.name} writes {self.format.tool_syntax} "
+                             "tool calls; use proxy.tool_parser=auto")
+        self.renderer = ChatRenderer(self.tokenizer, cache_chars=c.encode_cache_chars, splice=c.splice, fmt=self.format,
+                                     past_reasoning=c.past_reasoning)
         self.token_table = token_bytes(self.tokenizer)
-        self.eos_ids = frozenset(self.tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT]))
+        self.eos_ids = frozenset(i for i in map(self.tokenizer.backend_tokenizer.token_to_id, self.format.stop_tokens) if i is not None)
         self.router = router or Router(affinity_slack=c.affinity_slack, max_reroutes=c.max_reroutes, engine_wait_s=c.engine_wait_s,
                                        progress_timeout_s=c.engine_progress_timeout_s,
                                        migration=MigrationPolicy(mode=c.migration, bandwidth_Bps=c.migration_bandwidth_gbps * 1e9,
@@ -637,7 +658,8 @@ class Proxy:
         c = self.config
         if req.messages is not None:
             try:
-                rendered = self.renderer.render(req.messages, req.tools, state.turns, max_tokens=c.max_context_tokens)
+                rendered = self.renderer.render(req.messages, req.tools, state.turns, max_tokens=c.max_context_tokens,
+                                                template_kwargs=req.template_kwargs)
             except PromptTooLong as e:
                 self._too_long(e.min_tokens, at_least=True)
         elif req.prompt_ids is not None:
@@ -679,15 +701,17 @@ class Proxy:
             name = names[0]  # `required` with one tool: that tool, by name (fully enforced)
         if name is not None and name not in names:
             raise ApiError(400, "invalid_request", f"tool_choice names {name!r}, which is not one of the request's tools {names}", param="tool_choice")
-        if self.config.tool_parser != "hermes":
-            raise ApiError(400, "invalid_request", "tool_choice: forcing a tool call needs proxy.tool_parser=hermes", param="tool_choice")
-        text = tool_call_opening(name)
-        return text, self.renderer.encode(tool_call_opening(self.renderer.escape(name)) if name else text)
+        if self.config.tool_parser == "none":
+            raise ApiError(400, "invalid_request", "tool_choice: forcing a tool call needs tool parsing (proxy.tool_parser auto)", param="tool_choice")
+        opening = self.format.tool_call_opening
+        text = opening(name)
+        return text, self.renderer.encode(opening(self.renderer.escape(name)) if name else text)
 
     def count_tokens(self, key: KeyInfo, req: ChatRequest) -> int:
         self._check_size(self.text_chars(req))
         state = self.executions.get(key.execution_id)
         try:
-            return len(self.renderer.render(req.messages or [], req.tools, state.turns if state else None, max_tokens=self.config.max_context_tokens).ids)
+            return len(self.renderer.render(req.messages or [], req.tools, state.turns if state else None, max_tokens=self.config.max_context_tokens,
+                                            template_kwargs=req.template_kwargs).ids)
         except PromptTooLong as e:
             self._too_long(e.min_tokens, at_least=True)

@@ -14,6 +14,13 @@ line of text (`[image: image/png, 48213 bytes]`, `[image: https://example.com, n
 gyre.proxy.core); `response_format` json_object / json_schema is a 400 naming the field (no
 engine here constrains decoding to a schema; silently returning free text would be worse).
 
+Reasoning (chat formats with a reasoning channel, e.g. Qwen3's `<think>`; gyre/proxy/formats):
+the model's thinking comes back as `message.reasoning_content` (streamed as
+`delta.reasoning_content`), as SGLang and vLLM return it, and never in `content`;
+`chat_template_kwargs` (e.g. `{"enable_thinking": false}`) is passed to the chat template. An
+assistant message's `reasoning_content` (or `reasoning`) is given to the template, which renders
+or drops it as it does (re-sent turns the proxy produced splice their sampled ids either way).
+
 Log-probs are the engine's behaviour log-probs (`TokenEvent.logprob`); `top_logprobs` k (chat,
 with `logprobs: true`) and `logprobs` k (legacy completions) return the k most likely tokens at
 each position from the same distribution (`TokenEvent.top`), asked of the engine only then.
@@ -31,6 +38,7 @@ from aiohttp import web
 
 from gyre.proxy import validate as V
 from gyre.proxy.core import ApiError, Call, ChatRequest, ToolForce, abort_on_disconnect
+from gyre.proxy.formats import Reasoning
 from gyre.proxy.textstream import ToolCall
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -155,6 +163,11 @@ def parse_messages(raw: Any, media: list[str] | None = None) -> list[dict]:
             calls = _tool_calls(m.get("tool_calls"), f + ".tool_calls")
             if calls:
                 msg["tool_calls"] = calls
+            for name in ("reasoning_content", "reasoning"):  # SGLang's name, vLLM's newer one
+                r = V.opt_str(m, name, f + ".")
+                if r:
+                    msg["reasoning_content"] = r
+                    break
         elif role == "tool":
             V.opt_str(m, "tool_call_id", f + ".")
         msgs.append(msg)
@@ -234,8 +247,21 @@ def _response_format(rf: Any) -> None:
         raise V.bad("response_format", f"{rf.get('type')!r} " + _NO_STRUCTURED)
 
 
+def template_kwargs(body: dict) -> dict:
+    """`chat_template_kwargs` (SGLang / vLLM extension): variables for the chat template."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict) or not all(isinstance(k, str) for k in kw):
+        raise V.bad("chat_template_kwargs", "must be an object")
+    if "enable_thinking" in kw and not isinstance(kw["enable_thinking"], bool):
+        raise V.bad("chat_template_kwargs.enable_thinking", "must be a boolean")
+    return dict(kw)
+
+
 def parse_chat(body: dict) -> ChatRequest:
     req = _common(body, "openai")
+    req.template_kwargs = template_kwargs(body)
     req.messages = parse_messages(body.get("messages"), req.media)
     req.tools = parse_tools(body.get("tools"))
     req.force = _tool_choice(body.get("tool_choice"))
@@ -317,6 +343,8 @@ async def respond_chat(request: web.Request, call: Call, model: str) -> web.Stre
                     pass
         ids: dict[int, str] = {}
         msg: dict[str, Any] = {"role": "assistant", "content": call.content or (None if call.tool_calls else "")}
+        if call.proxy.format.reasoning is not None:
+            msg["reasoning_content"] = call.reasoning or None
         if call.tool_calls:
             msg["tool_calls"] = [_tool_json(tc, ids) for tc in call.tool_calls]
         choice = {"index": 0, "message": msg, "logprobs": {"content": _lp_entries(call, 0, len(call.tokens))} if want_lp else None, "finish_reason": _finish(call)}
@@ -342,6 +370,8 @@ async def respond_chat(request: web.Request, call: Call, model: str) -> web.Stre
             async for item in events:
                 if isinstance(item, ToolCall):
                     await resp.write(chunk({"tool_calls": [{"index": item.index, **_tool_json(item, ids)}]}))
+                elif isinstance(item, Reasoning):
+                    await resp.write(chunk({"reasoning_content": item.text}, lp=True))
                 else:
                     await resp.write(chunk({"content": item}, lp=True))
     except ApiError as e:

@@ -10,12 +10,29 @@ result is the token sequence the model actually conditioned on, so every output 
 in exactly the context it was sampled in. Assistant turns that match nothing are tokenized from
 text and counted as unmatched (context, never targets).
 
-Why this is exact: the template renders an assistant turn as `<|im_start|>assistant\\n` +
-CONTENT + `<|im_end|>\\n`, the generation prompt is that same `<|im_start|>assistant\\n`, and
-`<|im_start|>` / `<|im_end|>` are special tokens the pre-tokenizer never merges across. So the
-text before a placeholder tokenizes as the prompt of the call that produced the turn did, and
-CONTENT + `<|im_end|>` is replaced by the sampled ids (which end in `<|im_end|>` unless the call
-stopped otherwise, in which case the template's `<|im_end|>` follows them).
+Why this is exact, for every chat format (gyre/proxy/formats): the format declares the
+generation prompt G (the assistant header `add_generation_prompt` appends) and the end-of-turn
+token E, and the template renders an assistant turn whose content is a bare placeholder as
+G + placeholder + E: ChatML (qwen2.5, qwen3, qwen3-coder) `<|im_start|>assistant\\n` ... `<|im_end|>`,
+Llama 3.1 `<|start_header_id|>assistant<|end_header_id|>\\n\\n` ... `<|eot_id|>` (its `| trim`
+leaves a placeholder alone; Qwen3 renders a turn without reasoning as G + content whatever its
+position). G ends in a special token or a newline the pre-tokenizer splits off, and E is a special
+token, so the text before a placeholder tokenizes as the prompt of the call that produced the
+turn did (the templates only append: earlier turns render the same when later ones are added),
+and the placeholder + E is replaced by the sampled ids (which end in E unless the call stopped
+otherwise, in which case the template's E follows them). What the generation prompt adds after
+G (Qwen3's `<think>\\n\\n</think>\\n\\n` with enable_thinking=false) and a forced tool-call
+opening are part of the stored turn: its ids are that prefix + the sampled ids, in the context
+before the prefix (gyre.proxy.core), so a re-sent turn splices back to exactly what the model saw.
+tests/proxy/test_formats_render.py checks the splice per format with hypothesis.
+
+Past reasoning (templates that drop the reasoning of turns before the last user query: Qwen3).
+`past_reasoning="keep"` splices those turns' sampled ids, thinking included: one prefix-shared
+trajectory, the context the model really saw. `"strip"` renders a turn as the template does
+whenever the template would not show its thinking (before the last user query, or re-sent
+without `reasoning_content`): its text, no thinking; the call is its own branch, still exact (its
+prompt is what the template gives); such turns are counted in `Rendered.stripped`, not as
+unmatched. Turns the template renders with their thinking are spliced in both modes.
 
 Only the template makes control tokens. Message text, tool-call arguments and tool definitions
 are encoded as ordinary byte-level text even where they spell a special token: a user or tool
@@ -56,7 +73,7 @@ from typing import Any
 
 import numpy as np
 
-from gyre.backends.tokenizer import IM_END, IM_START
+from gyre.proxy.formats import ChatFormat, format_for
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +156,9 @@ class Rendered:
     message_starts: list[int] = field(default_factory=list)
     tolerated: int = 0  # of `spliced`: turns spliced by the tolerant rules (split / text dropped)
     unmatched_kinds: list[str] = field(default_factory=list)  # one of UNMATCHED_KINDS per unmatched message
+    stripped: int = 0  # stored turns rendered without their reasoning (past_reasoning="strip")
+    gen_prefix: str = ""  # template text after the generation prompt (e.g. an empty think block): input
+    gen_prefix_ids: int = 0  # its ids: the last ones of `ids` (the stored turn's start, gyre.proxy.core)
 
 
 class PromptTooLong(ValueError):
@@ -158,14 +178,25 @@ class _Ambiguous(Exception):
 
 
 class ChatRenderer:
-    def __init__(self, tokenizer, cache_chars: int = 64 << 20, splice: str = "exact") -> None:
+    def __init__(self, tokenizer, cache_chars: int = 64 << 20, splice: str = "exact", fmt: ChatFormat | None = None,
+                 past_reasoning: str = "keep") -> None:
         if splice not in ("exact", "tolerant"):
             raise ValueError(f"splice must be 'exact' or 'tolerant', got {splice!r}")
+        if past_reasoning not in ("keep", "strip"):
+            raise ValueError(f"past_reasoning must be 'keep' or 'strip', got {past_reasoning!r}")
         self.splice = splice
+        self.past_reasoning = past_reasoning
         self.tokenizer = tokenizer
+        self.format = fmt or format_for(tokenizer)
         self.backend = tokenizer.backend_tokenizer
-        self.im_start_id = tokenizer.convert_tokens_to_ids(IM_START)
-        self.im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
+        self.turn_start = self.format.turn_start
+        self.end_of_turn = self.format.end_of_turn
+        self.end_of_turn_id = self.backend.token_to_id(self.end_of_turn)
+        if self.end_of_turn_id is None:
+            raise ValueError(f"chat format {self.format.name}: the tokenizer has no {self.end_of_turn!r} token; "
+                             "is --proxy.chat-format right for this checkpoint?")
+        # The template's special-token variables (bos_token, ...), as apply_chat_template passes them.
+        self._special_vars = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
         self._template = None
         try:  # the same compiled jinja environment apply_chat_template uses, minus per-call overhead
             from transformers.utils.chat_template_utils import _compile_jinja_template
@@ -218,8 +249,12 @@ class ChatRenderer:
         out = dict(m)
         if isinstance(m.get("content"), str):
             out["content"] = self.escape(m["content"])
+        if isinstance(m.get("reasoning_content"), str):
+            out["reasoning_content"] = self.escape(m["reasoning_content"])
         if m.get("tool_calls"):
-            out["tool_calls"] = [{**tc, "name": self.escape(tc.get("name", "")), "arguments": self.escape_obj(tc.get("arguments", {}))}
+            # OpenAI's shape: every template reads it (Qwen's unwrap `function` if defined; Llama 3.1 needs it)
+            out["tool_calls"] = [{"type": "function", "function": {"name": self.escape(tc.get("name", "")),
+                                                                   "arguments": self.escape_obj(tc.get("arguments", {}))}}
                                  for tc in m["tool_calls"]]
         return out
 
@@ -245,11 +280,12 @@ class ChatRenderer:
     # ---- text -> ids ------------------------------------------------------------------------
     def encode(self, text: str, starts: list[int] | None = None, offset: int = 0) -> list[int]:
         """Token ids of `text` (special tokens recognised), cached per chat turn. Appends to
-        `starts` the positions (+ `offset`) where a `<|im_start|>` turn begins."""
+        `starts` the positions (+ `offset`) where a turn (the format's `turn_start`) begins."""
         if not text:
             return []
-        pieces = text.split(IM_START)
-        chunks = [pieces[0]] + [IM_START + p for p in pieces[1:]] if len(pieces) > 1 else pieces
+        ts = self.turn_start
+        pieces = text.split(ts)
+        chunks = [pieces[0]] + [ts + p for p in pieces[1:]] if len(pieces) > 1 else pieces
         out: list[int] = []
         have: dict[str, list[int]] = {}
         missing: list[str] = []
@@ -278,7 +314,7 @@ class ChatRenderer:
                     self._put(c, have[c])
         for c in chunks:
             if c:
-                if starts is not None and c.startswith(IM_START):
+                if starts is not None and c.startswith(ts):
                     starts.append(offset + len(out))
                 out.extend(have[c])
         return out
@@ -292,14 +328,40 @@ class ChatRenderer:
             old, _ = self._cache.popitem(last=False)
             self._cache_chars -= len(old)
 
-    def _render_text(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool = True) -> str:
+    def _render_text(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool = True,
+                     template_kwargs: dict | None = None) -> str:
+        kw = {**self._special_vars, **(template_kwargs or {})}
         if self._template is not None:
-            return self._template.render(messages=messages, tools=tools or None, add_generation_prompt=generation_prompt)
-        return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt)
+            return self._template.render(messages=messages, tools=tools or None, add_generation_prompt=generation_prompt, **kw)
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt, **kw)
+
+    def last_query_index(self, messages: list[dict]) -> int:
+        """Index of the last user query, as Qwen3's template finds it (a user message that is not a
+        wrapped tool response); turns before it lose their reasoning there."""
+        for i in range(len(messages) - 1, -1, -1):
+            m = messages[i]
+            c = m.get("content")
+            if m["role"] == "user" and isinstance(c, str) and not (c.startswith("<tool_response>") and c.endswith("</tool_response>")):
+                return i
+        return len(messages) - 1
+
+    def _gen_prefix(self, text: str, ids: list[int], out: Rendered) -> None:
+        """Note what the template appended after the generation prompt (input the stored turn starts with)."""
+        gp = self.format.generation_prompt
+        k = text.rfind(gp)
+        extra = text[k + len(gp):] if k >= 0 else ""
+        if not extra:
+            return
+        extra_ids = self.encode(extra)
+        if extra_ids and ids[-len(extra_ids):] == extra_ids:
+            out.gen_prefix, out.gen_prefix_ids = extra, len(extra_ids)
+        else:  # it merged with the header's tokens: the stored turn starts after the prefix instead
+            logger.warning("render: the text after the generation prompt (%r) does not tokenize on its own; "
+                           "turns sampled after it will not splice back", extra[:40])
 
     # ---- chat -> ids with splicing ----------------------------------------------------------
     def render(self, messages: list[dict], tools: list[dict] | None, turns: dict[tuple, list[StoredTurn]] | None,
-               max_tokens: int | None = None) -> Rendered:
+               max_tokens: int | None = None, template_kwargs: dict | None = None) -> Rendered:
         """`messages` are normalized chat messages (role, content str, tool_calls [{name, arguments}]).
         `turns` maps a turn fingerprint to the stored turns of this execution (None: no splicing).
         With `max_tokens`, text that cannot fit in that many tokens raises `PromptTooLong` before
@@ -308,7 +370,7 @@ class ChatRenderer:
         tools = self.escape_obj(tools) if tools else tools
         while True:
             try:
-                return self._render(messages, tools, turns, no_tolerate, max_tokens)
+                return self._render(messages, tools, turns, no_tolerate, max_tokens, template_kwargs)
             except _Ambiguous as e:  # rare: render again with that message as text
                 no_tolerate.add(e.index)
 
@@ -330,8 +392,13 @@ class ChatRenderer:
             return ("edited", 1, None) if (m.get("content") or "").strip() else ("text_dropped", 1, stored)
         return "unknown", 1, None
 
-    def _render(self, messages: list[dict], tools: list[dict] | None, turns: dict | None, no_tolerate: set[int], max_tokens: int | None) -> Rendered:
+    def _render(self, messages: list[dict], tools: list[dict] | None, turns: dict | None, no_tolerate: set[int], max_tokens: int | None,
+                template_kwargs: dict | None = None) -> Rendered:
         tmpl: list[dict] = []
+        # past_reasoning="strip": turns the template renders without their reasoning are not spliced.
+        strip = bool(turns) and self.past_reasoning == "strip" and self.format.strips_past_reasoning
+        last_query = self.last_query_index(messages) if strip else -1
+        stripped = 0
         splices: list[tuple[list[StoredTurn], int]] = []  # (candidates, message index if tolerant else -1)
         kinds: list[str] = []
         by_calls = None
@@ -343,6 +410,12 @@ class ChatRenderer:
                 i += 1
                 continue
             cands = turns.get(turn_fingerprint(m.get("content"), m.get("tool_calls"))) if turns else None
+            drops = strip and (i < last_query or not (m.get("reasoning_content") or "").strip())
+            if drops and (cands or self._diagnose(messages, i, turns, _calls_index(turns))[2]):
+                stripped += 1  # a turn we produced, rendered as the template does (no reasoning): a new branch
+                tmpl.append(self._escape_message(m))
+                i += 1
+                continue
             span, tolerant = 1, False
             if not cands:
                 if not turns:
@@ -359,16 +432,18 @@ class ChatRenderer:
             tmpl.append({"role": "assistant", "content": f"\x00splice-{self._nonce}-{len(splices)}\x00"})
             splices.append((cands, i if tolerant else -1))
             i += span
-        text = self._render_text(tmpl, tools)
+        text = self._render_text(tmpl, tools, True, template_kwargs)
         if max_tokens is not None and len(text) > max_tokens * self.max_token_chars:
             raise PromptTooLong(len(text), -(-len(text) // self.max_token_chars))
         starts: list[int] = []
         if not splices:
             ids = self.encode(text, starts)
-            return Rendered(ids=ids, unmatched=len(kinds), message_starts=starts, unmatched_kinds=kinds)
+            out = Rendered(ids=ids, unmatched=len(kinds), message_starts=starts, unmatched_kinds=kinds, stripped=stripped)
+            self._gen_prefix(text, ids, out)
+            return out
         parts = self._placeholder.split(text)  # [text, k, text, k, ..., text]
         ids = self.encode(parts[0], starts)
-        out = Rendered(ids=ids, unmatched=len(kinds), message_starts=starts, unmatched_kinds=kinds)
+        out = Rendered(ids=ids, unmatched=len(kinds), message_starts=starts, unmatched_kinds=kinds, stripped=stripped)
         for j in range(1, len(parts), 2):
             cands, tol_index = splices[int(parts[j])]
             turn = cands[-1]
@@ -387,8 +462,9 @@ class ChatRenderer:
             out.spliced_spans.append((start, len(ids)))
             out.spliced_calls.append(turn.call_id)
             drop = 0
-            if turn.output_ids and turn.output_ids[-1] == self.im_end_id and parts[j + 1].startswith(IM_END):
-                drop = 1  # the sampled <|im_end|> stands for the template's
+            if turn.output_ids and turn.output_ids[-1] == self.end_of_turn_id and parts[j + 1].startswith(self.end_of_turn):
+                drop = 1  # the sampled end-of-turn token stands for the template's
             rest = self.encode(parts[j + 1], starts, offset=len(ids) - drop)
             ids.extend(rest[drop:])
+        self._gen_prefix(parts[-1], ids, out)
         return out

@@ -11,10 +11,15 @@ the core renders, splices and records them unchanged (docs/design.md §4):
                                            response produced, re-sent, fingerprint like the stored
                                            turn, so the core splices in the sampled ids
     function_call_output / custom_tool_call_output -> a `tool` message
-    reasoning                           -> dropped: the proxy never emits reasoning items (the
-                                           policy's template has no reasoning channel), so one
-                                           re-sent came from elsewhere and is not context the
-                                           policy produced; encrypted content cannot be read anyway
+    reasoning                           -> the `reasoning_content` of the assistant turn it
+                                           precedes (its content / summary text; the template
+                                           renders or drops it; encrypted content is unreadable)
+
+Reasoning (chat formats with a reasoning channel, e.g. Qwen3's `<think>`; gyre/proxy/formats):
+the model's thinking is a `reasoning` output item before the message (`content` holds one
+`reasoning_text` part; streamed as `response.reasoning_text.delta` / `.done`). `reasoning.effort`
+"none" turns the template's thinking off (`enable_thinking=false`), any other effort leaves the
+template's default; `chat_template_kwargs` is passed to the template as on the chat API.
 
 Tools: `function` tools (Responses shape, name/parameters at the top level) become chat-template
 functions; a `custom` (freeform) tool becomes a function taking one string, `{"input": str}`,
@@ -43,7 +48,7 @@ by default) are stored as a delta against the execution's last kept response whe
 `allowed_tools` tool choices, `conversation`, `prompt`, `background`, `item_reference`. `input_image` / `input_file` parts of user messages and tool outputs become a line of
 text (`[image: image/png, 48213 bytes]`, URLs by scheme and host, never fetched), context and
 never a training target; `--proxy.media reject` makes them a 400 naming the field. Accepted and ignored: `metadata`,
-`user`, `reasoning` (effort/summary: the policy has no such knob), `parallel_tool_calls` (every
+`user`, `reasoning.summary` (no summarizer: the reasoning item has the full text), `parallel_tool_calls` (every
 call the model writes is returned), `truncation`, `prompt_cache_*`, `client_metadata`,
 `safety_identifier`, `service_tier`, `text.verbosity`, `include` (except
 `message.output_text.logprobs`, which fills `output_text.logprobs` as the chat API does). Streams follow OpenAI's event sequence,
@@ -66,7 +71,8 @@ from aiohttp import web
 from gyre.proxy import validate as V
 from gyre.proxy.core import ApiError, Call, ChatRequest, ExecutionState, Proxy, ToolForce, abort_on_disconnect
 from gyre.proxy.keys import KeyInfo
-from gyre.proxy.openai_api import _lp_entries, _text_of, error_body
+from gyre.proxy.formats import Reasoning
+from gyre.proxy.openai_api import _lp_entries, _text_of, error_body, template_kwargs
 from gyre.proxy.textstream import ToolCall
 
 _MESSAGE_ROLES = {"system", "developer", "user", "assistant"}
@@ -118,12 +124,16 @@ def parse_input(raw: Any, media: list[str] | None = None) -> list[dict]:
         raise V.bad("input", "must be a string or an array of input items")
     msgs: list[dict] = []
     turn: dict | None = None  # the assistant turn that following call items join
+    thinking: list[str] = []  # reasoning items waiting for the assistant turn they precede
 
     def assistant_turn(new: bool) -> dict:
         nonlocal turn
         if turn is None or new:
             turn = {"role": "assistant", "content": ""}
             msgs.append(turn)
+        if thinking:
+            turn["reasoning_content"] = "\n".join(thinking)
+            thinking.clear()
         return turn
 
     for i, item in enumerate(raw):
@@ -155,8 +165,17 @@ def parse_input(raw: Any, media: list[str] | None = None) -> list[dict]:
                 raise V.bad(f + ".output", "is required")
             turn = None
             msgs.append({"role": "tool", "content": _text_of(item["output"], f + ".output", media)})
-        elif kind == "reasoning":
-            continue  # see the module docstring; it does not end the assistant turn
+        elif kind == "reasoning":  # see the module docstring; it does not end the assistant turn
+            parts = item.get("content") or item.get("summary") or []
+            if not isinstance(parts, list):
+                raise V.bad(f + ".content", "must be an array")
+            text = "".join(V.req_str(x, "text", f + ".content[].") for x in parts if isinstance(x, dict))
+            if text:
+                if turn is not None and turn["content"] == "" and "tool_calls" not in turn:
+                    turn["reasoning_content"] = turn.get("reasoning_content", "") + text
+                else:
+                    turn = None
+                    thinking.append(text)
         elif kind == "item_reference":
             raise V.bad(f + ".type", "item_reference is not supported: send the item itself, or use previous_response_id")
         else:
@@ -285,6 +304,10 @@ def parse_request(body: dict) -> ResponsesRequest:
     chat.tools = tools.functions or None
     chat.force = _tool_choice(body.get("tool_choice"))
     chat.parse_tools = body.get("tool_choice") != "none"
+    chat.template_kwargs = template_kwargs(body)
+    effort = (body.get("reasoning") or {}).get("effort")
+    if effort == "none" and "enable_thinking" not in chat.template_kwargs:
+        chat.template_kwargs["enable_thinking"] = False
     req = ResponsesRequest(
         chat=chat,
         tools=tools,
@@ -374,6 +397,7 @@ class _Output:
         self.items: list[dict] = []
         self.seq = itertools.count()
         self.msg: dict | None = None  # the open message item
+        self.thought: dict | None = None  # the open reasoning item
         self.lp_seen = 0
 
     def event(self, kind: str, **data: Any) -> bytes:
@@ -390,8 +414,27 @@ class _Output:
         self.lp_seen = len(self.call.tokens)
         return out
 
+    def reasoning(self, piece: str) -> bytes:
+        out = self._close_message("completed")
+        if self.thought is None:
+            self.thought = {"id": _new_id("rs_"), "type": "reasoning", "status": "in_progress", "summary": [], "content": []}
+            self.items.append(self.thought)
+            out += self.event("response.output_item.added", output_index=len(self.items) - 1, item=dict(self.thought, content=[]))
+            self.thought["content"].append({"type": "reasoning_text", "text": ""})
+        self.thought["content"][0]["text"] += piece
+        return out + self.event("response.reasoning_text.delta", **self._where(self.thought), content_index=0, delta=piece)
+
+    def _close_reasoning(self) -> bytes:
+        if self.thought is None:
+            return b""
+        t, self.thought = self.thought, None
+        where = self._where(t)
+        out = self.event("response.reasoning_text.done", **where, content_index=0, text=t["content"][0]["text"])
+        t["status"] = "completed"
+        return out + self.event("response.output_item.done", output_index=where["output_index"], item=t)
+
     def text(self, piece: str) -> bytes:
-        out = b""
+        out = self._close_reasoning()
         if self.msg is None:
             self.msg = {"id": _new_id("msg_"), "type": "message", "status": "in_progress", "role": "assistant", "content": []}
             self.items.append(self.msg)
@@ -419,7 +462,7 @@ class _Output:
         return out + self.event("response.output_item.done", output_index=where["output_index"], item=m)
 
     def tool(self, tc: ToolCall) -> bytes:
-        out = self._close_message("completed")
+        out = self._close_reasoning() + self._close_message("completed")
         cid = _new_id("call_")
         if tc.name in self.tools.custom:
             item = {"id": _new_id("ctc_"), "type": "custom_tool_call", "call_id": cid, "name": tc.name, "input": ""}  # no status field
@@ -440,8 +483,8 @@ class _Output:
         return out + self.event("response.output_item.done", output_index=where["output_index"], item=item)
 
     def finish(self, status: str) -> bytes:
-        out = b""
-        if not self.items:  # nothing visible was generated: still one (empty) message, as OpenAI does
+        out = self._close_reasoning()
+        if not any(i["type"] != "reasoning" for i in self.items):  # nothing visible was generated: still one (empty) message, as OpenAI does
             out += self.text("")
         return out + self._close_message("incomplete" if status == "incomplete" else "completed")
 
@@ -460,6 +503,8 @@ def _usage(call: Call) -> dict:
 def _turn(call: Call) -> dict:
     """The output as the normalized assistant message the core stored (so it splices re-sent)."""
     msg: dict[str, Any] = {"role": "assistant", "content": call.content}
+    if call.reasoning:
+        msg["reasoning_content"] = call.reasoning
     if call.tool_calls:
         msg["tool_calls"] = [{"name": tc.name, "arguments": tc.arguments} for tc in call.tool_calls]
     return msg
@@ -497,6 +542,8 @@ async def create(request: web.Request, proxy: Proxy, key: KeyInfo, body: dict, m
                 async for item in events:  # the SSE bytes are dropped: only the items are kept
                     if isinstance(item, ToolCall):
                         out.tool(item)
+                    elif isinstance(item, Reasoning):
+                        out.reasoning(item.text)
                     else:
                         out.text(item)
         status, body_ = final()
@@ -510,7 +557,8 @@ async def create(request: web.Request, proxy: Proxy, key: KeyInfo, body: dict, m
     try:
         async with aclosing(call.events()) as events:
             async for item in events:
-                await resp.write(out.tool(item) if isinstance(item, ToolCall) else out.text(item))
+                await resp.write(out.tool(item) if isinstance(item, ToolCall) else out.reasoning(item.text) if isinstance(item, Reasoning)
+                                 else out.text(item))
     except ApiError as e:
         err = error_body(e)["error"]
         code = err["code"] or ("server_error" if e.status >= 500 else "invalid_request")
