@@ -201,8 +201,16 @@ def _megatron_actor(cfg: Any, model: Any, *, is_core: bool) -> Actor:
 
 
 def build_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *, version: int,
-                 eos_token_ids: list[int], name: str) -> RolloutEngine:
-    """A rollout engine of `--backend.engine` serving `params` as `version` (not started)."""
+                 eos_token_ids: list[int], name: str, sampleable_vocab: int | None = None) -> RolloutEngine:
+    """A rollout engine of `--backend.engine` serving `params` as `version` (not started).
+    `sampleable_vocab`: ids >= it (padding rows past the tokenizer) must never be sampled."""
+    # (tok branch: accepted here so gyre/runtime/job.py can pass it; the engines' masking lands with
+    # the engine helper's branch of issue 28, which replaces this signature.)
+    rows = getattr(model_config, "vocab_size", None)
+    if sampleable_vocab is not None and rows is not None and rows > sampleable_vocab:
+        logger.warning("engine %s: %d embedding rows but %d tokenizer ids; this build does not mask the %d "
+                       "padding rows yet (the proxy shows nothing for them)", name, rows, sampleable_vocab,
+                       rows - sampleable_vocab)
     if cfg.backend.engine == "sglang":
         engine = _sglang_engine(cfg, model_config, params, version=version, eos_token_ids=eos_token_ids, name=name)
         engine.name = name
