@@ -211,6 +211,15 @@ def _token_bytes(piece: str, steps: list[dict], first: bool = False) -> bytes:
     return out if isinstance(out, bytes) else out.encode("utf-8")
 
 
+def id_count(tokenizer: Any) -> int:
+    """One past the largest token id: the ids a model driven by `tokenizer` must have rows for.
+    `len(tokenizer)` counts tokens: the same for a dense vocabulary, too small for one with holes
+    (ids past the count exist then). Exact, from the whole vocabulary (0.2 s for 131k ids)."""
+    backend = tokenizer.backend_tokenizer
+    top = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    return max(len(tokenizer), top)
+
+
 def byte_table(tokenizer: Any) -> ByteTable:
     """The ByteTable of a `tokenizers`-backed (fast) tokenizer, built once: about 0.1 s for 131k
     ids (benchmarks/proxy_bench.py reports it). Cached on the tokenizer object."""
@@ -227,6 +236,10 @@ def byte_table(tokenizer: Any) -> ByteTable:
     # id_to_token per id (0.06 s for 131k) beats get_vocab (0.19 s, a dict built across the FFI)
     # and finds the holes as it goes.
     tokens = [backend.id_to_token(i) for i in range(n)]
+    if None in tokens:  # n tokens with a hole below n: some ids lie past n
+        top = id_count(tokenizer)
+        tokens += [backend.id_to_token(i) for i in range(n, top)]
+        n = top
     undecodable = frozenset(i for i, p in enumerate(tokens) if p is None)
     if kind == "byte-level" and [s["type"] for s in steps] == ["ByteLevel"]:
         tr = _byte_level_translation()  # the common case inlined: ~2x faster than _token_bytes
@@ -345,7 +358,7 @@ def stop_token_ids(tokenizer: Any, model_dir: str | None) -> list[int]:
         i = tokenizer.convert_tokens_to_ids(eos)
         if isinstance(i, int):
             ids.append(i)
-    size = len(tokenizer)
+    size = id_count(tokenizer)
     out = list(dict.fromkeys(i for i in ids if 0 <= i < size))
     if not out:
         raise VocabError(f"no stop token: neither {model_dir}/generation_config.json nor config.json has an "
@@ -397,4 +410,4 @@ def load_vocab(checkpoint: str | None, tokenizer_path: str | None) -> ModelVocab
     path = resolve_tokenizer_dir(checkpoint, tokenizer_path)
     tok = load_tokenizer_dir(path)
     model_dir = checkpoint if checkpoint and os.path.isdir(checkpoint) else path
-    return ModelVocab(tok, path, len(tok), tuple(stop_token_ids(tok, model_dir)))
+    return ModelVocab(tok, path, id_count(tok), tuple(stop_token_ids(tok, model_dir)))
