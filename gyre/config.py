@@ -196,6 +196,7 @@ def check_train_config(cfg: GyreConfig, num_cells: int) -> None:
     from gyre.backends.factory import check_backends
 
     check_backends(cfg)
+    check_model_vocab(cfg)
     check_dataset(cfg)  # the files last: a wrong setting above is the message even when files are missing too
     check_run_dir(cfg)
 
@@ -249,6 +250,30 @@ def _split_passthrough(argv: list[str], section: str, declared: set[str]) -> tup
         rest.append(a)
         i += 1
     return rest, extra
+
+
+def check_model_vocab(cfg: GyreConfig) -> None:
+    """An existing `--model.checkpoint` and the run's tokenizer (the checkpoint's own, else
+    `--proxy.tokenizer-path`, else the project's: gyre.backends.vocab.resolve_tokenizer_dir) fit:
+    the tokenizer has no more ids than the model has embedding rows (config.json vocab_size). A
+    checkpoint `--train.prepare` has still to write is checked by the job once it is there."""
+    from gyre.backends import vocab as V
+
+    mc = cfg.model.checkpoint
+    if mc and not Path(mc).is_dir() and not (cfg.train.prepare and cfg.train.prepare_dir and
+                                             Path(cfg.train.prepare_dir).resolve() in Path(mc).resolve().parents):
+        raise ConfigError(f"--model.checkpoint {mc}: no such directory")
+    if cfg.proxy.tokenizer_path and not Path(cfg.proxy.tokenizer_path).is_dir():
+        raise ConfigError(f"--proxy.tokenizer-path {cfg.proxy.tokenizer_path}: no such directory")
+    rows = V.model_rows(mc) if mc and Path(mc).is_dir() else None
+    if rows is None:
+        return
+    try:
+        vocab = V.load_vocab(mc, cfg.proxy.tokenizer_path)
+        V.check_vocab(rows, vocab.size, model=f"--model.checkpoint {mc}",
+                      tokenizer=f"the tokenizer at {vocab.path or 'gyre/assets/tokenizer'}")
+    except (V.VocabError, OSError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_dataset(cfg: GyreConfig) -> None:

@@ -15,11 +15,15 @@ from pathlib import Path
 from examples.cpu_demo.task import harness_command, make_tasks
 
 
-def prepare(out: str, *, num_tasks: int = 64, seed: int = 0, **warm_kw) -> dict:
+def prepare(out: str, *, num_tasks: int = 64, seed: int = 0, with_checkpoint: bool = True, **warm_kw) -> dict:
+    """`with_checkpoint=False` (the job passes it when --model.checkpoint is the user's own): the
+    tasks only, no warm start of the project model."""
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
     tasks = root / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(t) + "\n" for t in make_tasks(num_tasks, seed)))
+    if not with_checkpoint:
+        return {"dataset": str(tasks.resolve()), "harness_command": harness_command()}
     ckpt = root / "warm_start"
     if not (ckpt / "model.safetensors").exists():
         from examples.cpu_demo.warm_start import warm_start
@@ -35,10 +39,11 @@ def prepare(out: str, *, num_tasks: int = 64, seed: int = 0, **warm_kw) -> dict:
     }
 
 
-def prepare_smoke(out: str, *, seed: int = 0) -> dict:
+def prepare_smoke(out: str, *, seed: int = 0, with_checkpoint: bool = True) -> dict:
     """A seconds-long preparation for the smoke preset (CI): 8 tasks and a short warm start that
     teaches the tool-call format but not the word -> number mapping (no blur phase)."""
-    return prepare(out, num_tasks=8, seed=seed, episodes=16, steps=150, blur_steps=0, eval_episodes=1)
+    return prepare(out, num_tasks=8, seed=seed, with_checkpoint=with_checkpoint, episodes=16, steps=150,
+                   blur_steps=0, eval_episodes=1)
 
 
 def main(argv: list[str] | None = None) -> int:

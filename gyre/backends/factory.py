@@ -225,7 +225,8 @@ def build_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *
     `sampleable_vocab`: ids >= it are never sampled (the tokenizer's size when the checkpoint
     pads its embedding, as real Qwen2.5 does); None: every embedding row."""
     if cfg.backend.engine == "sglang":
-        engine = _sglang_engine(cfg, model_config, params, version=version, eos_token_ids=eos_token_ids, name=name)
+        engine = _sglang_engine(cfg, model_config, params, version=version, eos_token_ids=eos_token_ids, name=name,
+                                sampleable_vocab=sampleable_vocab)
         engine.name = name
         return engine
     from gyre.backends.cpu_engine import CpuEngine

@@ -184,11 +184,12 @@ def build_tokenizer(out_dir: str = ASSET_DIR, corpus_path: str | None = None) ->
 
 
 def _load(path: str) -> "PreTrainedTokenizerFast":
+    """The project tokenizer at `path` (the asset, or a rebuild of it): exactly VOCAB_SIZE ids."""
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast.from_pretrained(path)
     if len(tok) != VOCAB_SIZE:
-        raise RuntimeError(f"tokenizer at {path}: {len(tok)} ids, expected {VOCAB_SIZE}")
+        raise RuntimeError(f"project tokenizer at {path}: {len(tok)} ids, expected {VOCAB_SIZE}")
     return tok
 
 
@@ -198,45 +199,32 @@ def _cached(path: str) -> "PreTrainedTokenizerFast":
 
 
 def load_tokenizer(path: str | None = None) -> "PreTrainedTokenizerFast":
-    """The committed tokenizer (cached per path; treat it as read-only)."""
-    return _cached(os.path.abspath(path or ASSET_DIR))
+    """The committed project tokenizer (None), or any `tokenizers`-backed tokenizer directory (a
+    checkpoint's: `gyre.backends.vocab.load_tokenizer_dir`). Cached per path; treat it as read-only.
+    Only the project's is held to VOCAB_SIZE ids."""
+    if path is None or os.path.abspath(path) == os.path.abspath(ASSET_DIR):
+        return _cached(os.path.abspath(ASSET_DIR))
+    from gyre.backends.vocab import load_tokenizer_dir
 
-
-def _byte_decoder() -> dict[str, int]:
-    # GPT-2's printable-unicode stand-ins for bytes, inverted (the ByteLevel alphabet).
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return load_tokenizer_dir(path)
 
 
 def token_bytes(tokenizer: "PreTrainedTokenizerFast") -> list[bytes]:
     """bytes of each token id: `b"".join(table[i] for i in ids)` is the exact UTF-8 of the text.
 
-    Special tokens map to their literal text (e.g. b"<|im_end|>").
-    """
-    dec = _byte_decoder()
-    vocab = tokenizer.get_vocab()
-    table = [b""] * len(tokenizer)
-    special = set(tokenizer.all_special_tokens) | set(SPECIAL_TOKENS)
-    for piece, idx in vocab.items():
-        if piece in special:
-            table[idx] = piece.encode("utf-8")
-        else:
-            table[idx] = bytes(dec[ch] for ch in piece)
-    return table
+    Special tokens map to their literal text (e.g. b"<|im_end|>"). Any fast tokenizer: the table
+    is `gyre.backends.vocab.byte_table` (a list; ids without bytes read b"")."""
+    from gyre.backends.vocab import byte_table
+
+    return byte_table(tokenizer)
 
 
 def byte_token_ids(tokenizer: "PreTrainedTokenizerFast") -> list[int]:
     """id of the single-byte token for each byte value 0..255 (a non-canonical but valid spelling
     of any text: the test engine uses it to emit ids that re-tokenizing would not reproduce)."""
     table = token_bytes(tokenizer)
-    special_ids = set(tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS))
+    special_ids = set(tokenizer.all_special_ids) | {i for i in tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS)
+                                                    if isinstance(i, int)}
     out = [-1] * 256
     for idx, b in enumerate(table):
         if len(b) == 1 and idx not in special_ids:

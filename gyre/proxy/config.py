@@ -114,7 +114,9 @@ class ProxyConfig:
     migration_prefill_tok_s: float = 0.0
     """The `auto` rule's prefill throughput; 0 = each engine's measurement at start-up."""
     tokenizer_path: str | None = None
-    """Tokenizer directory; None = the committed one (gyre/assets/tokenizer)."""
+    """Tokenizer directory (any `tokenizers`-backed tokenizer: tokenizer.json or tekken.json),
+    overriding --model.checkpoint's own; None = the checkpoint's tokenizer when it has one, else
+    the project's (gyre/assets/tokenizer, the built-in presets)."""
     admin_token: str | None = None
     """Enables the /admin API (keys, engines, drain/resume) for callers presenting this bearer
     token; None disables it (in-process users call the Proxy object directly)."""

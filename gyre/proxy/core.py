@@ -46,10 +46,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator
 
 from gyre.backends.protocols import SamplingParams, TokenEvent
-from gyre.backends.tokenizer import ENDOFTEXT, IM_END, load_tokenizer, token_bytes
+from gyre.backends.tokenizer import load_tokenizer
+from gyre.backends.vocab import byte_table, stop_token_ids
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.formats import OutputParser, Reasoning, format_for
 from gyre.proxy.keys import KeyInfo, KeyRegistry
@@ -264,7 +265,7 @@ class Call:
                         break
             if not per_token:
                 hidden, table = p.eos_ids, p.token_table
-                held.append(b"".join(table[e.token_id] for e in self.tokens if e.token_id not in hidden).decode("utf-8", "replace"))
+                held.append(table.join(e.token_id for e in self.tokens if e.token_id not in hidden).decode("utf-8", "replace"))
             elif stopper.matched is None:
                 tail = stopper.push(det.flush())
                 held.append(tail + (stopper.flush() if stopper.matched is None else ""))
@@ -407,7 +408,11 @@ class Call:
 class Proxy:
     """Keys, executions, rendering, routing and records. Serve it with `gyre.proxy.server`."""
 
-    def __init__(self, config: ProxyConfig | None = None, *, router: Router | None = None, sink: RecordSink | None = None, tokenizer=None) -> None:
+    def __init__(self, config: ProxyConfig | None = None, *, router: Router | None = None, sink: RecordSink | None = None, tokenizer=None,
+                 stop_ids: Iterable[int] | None = None) -> None:
+        """`tokenizer`: the run's (`gyre.backends.vocab.load_vocab`; default `--proxy.tokenizer-path`,
+        else the project's); `stop_ids`: the ids that end a turn (default: from the tokenizer's
+        directory, `gyre.backends.vocab.stop_token_ids`)."""
         self.config = config or ProxyConfig()
         c = self.config
         self.tokenizer = tokenizer or load_tokenizer(c.tokenizer_path)
@@ -418,8 +423,13 @@ class Proxy:
                              "tool calls; use proxy.tool_parser=auto")
         self.renderer = ChatRenderer(self.tokenizer, cache_chars=c.encode_cache_chars, splice=c.splice, fmt=self.format,
                                      past_reasoning=c.past_reasoning)
-        self.token_table = token_bytes(self.tokenizer)
-        self.eos_ids = frozenset(i for i in map(self.tokenizer.backend_tokenizer.token_to_id, self.format.stop_tokens) if i is not None)
+        # Every id's bytes, built once (131k ids: ~0.15 s, benchmarks/proxy_bench.py); ids past the
+        # tokenizer's (padding rows) and holes read b"" and show nothing.
+        self.token_table = byte_table(self.tokenizer)
+        if stop_ids is None:  # the checkpoint's own (generation_config.json, config.json, tokenizer eos)
+            stop_ids = stop_token_ids(self.tokenizer, getattr(self.tokenizer, "name_or_path", None) or None)
+        fmt_stops = (self.tokenizer.backend_tokenizer.token_to_id(t) for t in self.format.stop_tokens)
+        self.eos_ids = frozenset(stop_ids) | frozenset(i for i in fmt_stops if i is not None)
         self.router = router or Router(affinity_slack=c.affinity_slack, max_reroutes=c.max_reroutes, engine_wait_s=c.engine_wait_s,
                                        progress_timeout_s=c.engine_progress_timeout_s,
                                        migration=MigrationPolicy(mode=c.migration, bandwidth_Bps=c.migration_bandwidth_gbps * 1e9,

@@ -30,17 +30,28 @@ def tool_call_opening(name: str | None) -> str:
 
 
 class Detokenizer:
-    """Exact bytes of each token (`token_bytes` table), UTF-8 decoded incrementally."""
+    """Exact bytes of each token (`gyre.backends.vocab.byte_table`), UTF-8 decoded incrementally.
+
+    Any id is accepted: one the tokenizer has no token for (a hole, a padding row of an embedding
+    larger than the tokenizer, anything out of range) shows nothing and is counted in
+    `undecodable`; the record keeps the id itself. The bytes are continuation bytes: no
+    SentencePiece leading-space strip, since an output continues its prompt (gyre/backends/vocab.py)."""
 
     def __init__(self, table: list[bytes], hidden_ids: frozenset[int]) -> None:
         self.table = table
+        self.n = len(table)
         self.hidden = hidden_ids
+        self.bad = getattr(table, "undecodable", frozenset())
+        self.undecodable = 0
         self._dec = codecs.getincrementaldecoder("utf-8")("replace")
 
     def push(self, token_id: int) -> str:
         if token_id in self.hidden:
             return ""
-        return self._dec.decode(self.table[token_id])
+        if not 0 <= token_id < self.n or token_id in self.bad:
+            self.undecodable += 1
+            return ""
+        return self._dec.decode(list.__getitem__(self.table, token_id))
 
     def flush(self) -> str:
         return self._dec.decode(b"", final=True)

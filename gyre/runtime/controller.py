@@ -295,7 +295,10 @@ class Controller:
 
     async def _run(self) -> None:
         cfg, topo = self.cfg, self.topo
-        self.proxy = Proxy(cfg.proxy, sink=StoreSink(self.tito))
+        from gyre.backends.vocab import load_vocab
+
+        vocab = load_vocab(cfg.model.checkpoint, cfg.proxy.tokenizer_path)  # the job's (cached per path)
+        self.proxy = Proxy(cfg.proxy, sink=StoreSink(self.tito), tokenizer=vocab.tokenizer, stop_ids=vocab.stop_ids)
         self.proxy_handle = await start_proxy(self.proxy)
         logger.info("proxy listening at %s", self.proxy_handle.url)
         for c in range(topo.num_cells):

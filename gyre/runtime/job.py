@@ -73,7 +73,8 @@ def _kv_transport(cfg: Any, topo: Topology, store: Any) -> Any:
 
 def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: WeightTransport, engine_secret: str,
            run: RunDir, kv: Any = None, interrupts: Any = None) -> None:
-    from gyre.backends.tokenizer import ENDOFTEXT, IM_END, load_tokenizer
+    from gyre.backends.vocab import VocabError, check_vocab, load_vocab
+    from gyre.config import ConfigError
     from gyre.runtime.controller import Controller
     from gyre.backends.engine_host import EngineHost, bind_address
     from gyre.runtime.worker import CellWorker
@@ -82,23 +83,31 @@ def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: Weight
     if interrupts is not None:  # a signal handler's own connection: the main thread may be mid-call on `store`
         notice = ControlPlane(store.clone(), topo.rank)
         interrupts.notify = lambda name: notice.send(CONTROLLER, Interrupted(cell=topo.cell, rank=topo.rank, signal=name))
-    tokenizer = load_tokenizer(cfg.proxy.tokenizer_path)
+    # The run's tokenizer: the checkpoint's own when it has one (gyre.backends.vocab.resolve_tokenizer_dir);
+    # its size bounds what the engines sample, its checkpoint's eos ids end a turn. check_train_config
+    # compared it with an existing checkpoint's embedding already; a prepared one is checked below.
+    vocab = load_vocab(cfg.model.checkpoint, cfg.proxy.tokenizer_path)
     ckpt_dir = Path(cfg.run_dir) / "checkpoints"
     if topo.is_controller and cfg.train.prepare:
         _prepare(cfg)  # the other ranks wait in the barrier below
     core_actor = None
     if topo.is_core:  # the authoritative weights and optimizer state live here (docs/design.md §1)
-        core_actor, model_cfg = factory.build_core_actor(cfg, len(tokenizer), ckpt_dir)
+        core_actor, model_cfg = factory.build_core_actor(cfg, vocab.size, ckpt_dir)
         weights.post(core_actor.version, core_actor.export_parameters(), published=True)
     dist.barrier(group=groups.control)  # blocking: the prepared data and the starting snapshot are there
     if core_actor is None:  # after the barrier: --model.checkpoint may be what rank 0 just prepared
-        model_cfg = factory.model_config_of(cfg, len(tokenizer))
+        model_cfg = factory.model_config_of(cfg, vocab.size)
+    try:  # every rank, same point: a refusal is a ConfigError each rank leaves with (gyre/run.py)
+        check_vocab(model_cfg.vocab_size, vocab.size, model=cfg.model.checkpoint or f"model preset {cfg.model.preset!r}",
+                    tokenizer=f"the tokenizer at {vocab.path or 'gyre/assets/tokenizer'}")
+    except VocabError as e:
+        raise ConfigError(str(e)) from None
 
     start_version = weights.latest()  # 0, or the resumed checkpoint's version
     engine_host = None
     if topo.position == 0:  # a cell's (or pool engine's) first rank serves its engine
         engine = factory.build_engine(cfg, model_cfg, weights.fetch(start_version), version=start_version,
-                                      eos_token_ids=tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT]),
+                                      eos_token_ids=list(vocab.stop_ids), sampleable_vocab=vocab.size,
                                       name=f"rank{topo.rank}")
         # torchrun runs the same number of ranks on every node: one node iff local == world.
         single_node = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size)) == topo.world_size
@@ -163,6 +172,18 @@ def _prepare(cfg: Any) -> None:
     module, _, fn = cfg.train.prepare.partition(":")
     if not module or not fn:
         raise ValueError(f"train.prepare must be 'module:function', got {cfg.train.prepare!r}")
+    kwargs: dict[str, Any] = {"seed": cfg.seed}
+    if cfg.model.checkpoint and not _inside(cfg.model.checkpoint, cfg.train.prepare_dir):
+        # The user's own checkpoint (--model.checkpoint outside the prepared directory): the hook
+        # writes the data only, no starting checkpoint of the project model.
+        kwargs["with_checkpoint"] = False
     logger.info("preparing with %s into %s (the other ranks wait)", cfg.train.prepare, cfg.train.prepare_dir)
-    out = getattr(importlib.import_module(module), fn)(cfg.train.prepare_dir, seed=cfg.seed)
+    out = getattr(importlib.import_module(module), fn)(cfg.train.prepare_dir, **kwargs)
     logger.info("prepared: %s", out)
+
+
+def _inside(path: str, root: str) -> bool:
+    if not root:
+        return False
+    p, r = Path(path).resolve(), Path(root).resolve()
+    return p == r or r in p.parents
