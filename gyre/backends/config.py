@@ -194,7 +194,8 @@ class SglangConfig:
     enable_memory_saver: bool = True
     """Needed for release_memory_occupation / resume_memory_occupation on role switches."""
     extra: dict[str, str] = field(default_factory=dict)
-    """Pass-through `ServerArgs` fields (`--sglang-<name> value`), applied last."""
+    """Pass-through `ServerArgs` fields (gyre.run: `--sglang.<name> VALUE`), applied last; names are checked
+    against ServerArgs at start, Gyre-owned ones refused (sglang_engine.GYRE_OWNED_SERVER_ARGS)."""
 
 
 @dataclass(kw_only=True)

@@ -242,3 +242,27 @@ def test_a_moe_update_sends_per_expert_checkpoint_names(ckpts, tmp_path):
     ref = _ref_logprobs(new, prompt, [e.token_id for e in out])
     assert (torch.tensor([e.logprob for e in out], dtype=torch.float64) - ref).abs().max() < 1e-4
     assert {e.version for e in out} == {1}
+
+
+def test_a_checkpoint_sglang_cannot_start_on_is_copied_not_served(ckpts, tmp_path, caplog):
+    """--model.checkpoint whose config.json lacks `architectures` (hand-written configs do): at
+    version 0 Gyre writes a startable copy and says why, instead of handing SGLang a config its
+    ModelConfig fails on."""
+    import logging
+    import shutil
+
+    from gyre.backends.sglang_checkpoint import parse_size, startable_checkpoint
+
+    src = tmp_path / "bare"
+    shutil.copytree(ckpts["llama3.1"], src)
+    config = json.loads((src / "config.json").read_text())
+    del config["architectures"]
+    (src / "config.json").write_text(json.dumps(config))
+    assert "architectures None" in startable_checkpoint(src) and startable_checkpoint(ckpts["llama3.1"]) is None
+    cfg = _cfg(tmp_path, "--model.checkpoint", str(src))
+    model = _hf(ckpts["llama3.1"])
+    with caplog.at_level(logging.WARNING, logger="gyre.backends.sglang_checkpoint"):
+        eng = _build(cfg, model.config, model.state_dict())
+    assert eng.config.model_path != str(src) and "cannot be served as it is" in caplog.text
+    assert len(asyncio.run(_serve(eng, [1, 2, 3]))) == 6
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("100KB") == 100_000
