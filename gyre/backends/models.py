@@ -104,12 +104,12 @@ def preset_of(config) -> ModelPreset:
 def rope_theta(config) -> float:
     """RoPE base of a plain-RoPE config (transformers 5 keeps it in `rope_parameters`); a scaled
     RoPE (Llama 3.1's 'llama3') raises: its frequencies are `gyre.backends.arch` `Rope.inv_freq`."""
-    params = getattr(config, "rope_parameters", None) or {}
-    if params.get("rope_type", "default") != "default":
-        raise ValueError(f"only default RoPE is supported, got {params.get('rope_type')!r}")
-    if "rope_theta" in params:
-        return float(params["rope_theta"])
-    return float(getattr(config, "rope_theta", 10000.0))
+    from gyre.backends.arch.base import rope_parameters
+
+    params = rope_parameters(config)
+    if params["rope_type"] != "default":
+        raise ValueError(f"only default RoPE is supported, got {params['rope_type']!r}")
+    return float(params["rope_theta"])
 
 
 def build_model(config, *, seed: int = 0, dtype: torch.dtype = torch.float32):

@@ -163,3 +163,33 @@ def test_moe_routes_per_token_and_renormalises():
             want[n] += wgt * (down[e].double() @ (torch.nn.functional.silu(g) * u))
     assert (out.double() - want).abs().max() < 1e-5
     assert (out - ref).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("llama3.1", dict(attention_bias=True, mlp_bias=True)),
+    ("qwen3", dict(attention_bias=True)),
+    ("qwen3-moe", dict(decoder_sparse_step=2, norm_topk_prob=False)),   # layer 0 dense, layer 1 sparse
+    ("qwen3-moe", dict(mlp_only_layers=[1], num_experts_per_tok=3)),
+    ("llama3.1", dict(rope_scaling=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                      head_dim=32, tie_word_embeddings=True)),
+])
+def test_config_variants_match_hf(family, overrides):
+    """The switches a family reads from its config (biases, sparse-layer placement, router
+    renormalisation, plain RoPE, explicit head_dim, tied head): biases are moved off HF's zero
+    init so a dropped one shows."""
+    model = build_model(family, VOCAB, seed=3, **overrides)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    shape = shape_of(model.config)
+    w = DecoderWeights.from_state_dict(model.state_dict(), model.config)
+    if "attention_bias" in overrides:
+        assert shape.qkv_bias and shape.o_bias and w.tensors.get("model.layers.0.self_attn.o_proj.bias") is not None
+    if "decoder_sparse_step" in overrides or "mlp_only_layers" in overrides:
+        assert len(shape.moe_layers) == 1
+    ids = _seqs([21], seed=4)[0]
+    with torch.no_grad():
+        ref = model(input_ids=ids[None]).logits[0]
+        got = extend(w, ids, torch.arange(21), [21], [KVCache.empty(w)], all_logits=True)
+    assert (got - ref).abs().max() <= TOL

@@ -17,6 +17,7 @@ def test_presets_build_real_qwen2_with_expected_sizes():
     for name, p in PRESETS.items():
         cfg = model_config(name, vocab_size=1024)
         assert preset_of(cfg) == p
+        assert cfg.architectures == ["Qwen2ForCausalLM"]  # SGLang's ModelConfig needs it
         h, f, L, v = p.hidden_size, p.intermediate_size, p.num_layers, 1024
         kv = p.num_kv_heads * h // p.num_heads
         per_layer = (h * h + h) + 2 * (kv * h + kv) + h * h + 3 * h * f + 2 * h
@@ -103,4 +104,5 @@ def test_tied_embeddings_preset_round_trips(tmp_path):
         assert torch.allclose(extend(w, ids, torch.arange(3), [3], [KVCache.empty(w)]), model(input_ids=ids[None]).logits[0, -1:], atol=1e-5)
     save_checkpoint(model, str(tmp_path))
     again = load_model(str(tmp_path))
+    assert type(again) is type(model)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))

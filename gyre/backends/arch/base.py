@@ -88,8 +88,8 @@ class Family:
     shape: Callable[[Any], Shape]  # HF config → Shape; raises UnsupportedArchitecture on a variant
     # HF-on-disk names ⇄ transformers' in-memory names (Qwen3-MoE fuses experts in memory);
     # identity for dense families.
-    to_model_names: Callable[[dict, Shape], dict] = field(default=lambda sd, shape: dict(sd))
-    to_checkpoint_names: Callable[[dict, Shape], dict] = field(default=lambda sd, shape: dict(sd))
+    to_model_names: Callable[[dict, Shape], dict] = field(default=lambda sd, shape: dict(sd))  # same names
+    to_checkpoint_names: Callable[[dict, Shape], dict] = field(default=lambda sd, shape: dict(sd))  # same names
     mcore_mapping: str = ""  # key of gyre.backends.mcore_mapping (its model_type dispatch)
     notes: str = ""
 
