@@ -25,35 +25,21 @@ from typing import Any
 
 import torch
 
+from gyre.backends.arch import SUPPORTED, UnsupportedArchitecture, family_of
+
 logger = logging.getLogger(__name__)
 
-# The SGLang architecture of each model family Gyre serves: the EntryClass names of sglang 0.5.23's
-# models/qwen2.py:797, qwen3.py:808, qwen3_moe.py:1298, llama.py:968 (ModelRegistry keys,
-# models/registry.py:118-150), by HF model_type (a preset's config has no `architectures`).
-SGLANG_ARCHITECTURES = {
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "llama": "LlamaForCausalLM",
-}
-
-
 def sglang_architecture(model_config: Any) -> str:
-    """The architecture name SGLang is to load `model_config` as: the config's own
-    `architectures[0]` when it names one of Gyre's families, else the family of its model_type.
-    Anything else is refused by name (SGLang would fall back to its Transformers backend,
-    model_loader/utils.py:219-220, which Gyre does not test)."""
-    archs = list(getattr(model_config, "architectures", None) or [])
-    known = sorted(SGLANG_ARCHITECTURES.values())
-    if archs:
-        if archs[0] not in known:
-            raise ValueError(f"sglang: architecture {archs[0]!r} is not one Gyre serves with SGLang; known: {known}")
-        return archs[0]
-    model_type = getattr(model_config, "model_type", None)
-    if model_type not in SGLANG_ARCHITECTURES:
-        raise ValueError(f"sglang: model_type {model_type!r} (no `architectures` in its config) is not one Gyre "
-                         f"serves with SGLang; known model types: {sorted(SGLANG_ARCHITECTURES)}")
-    return SGLANG_ARCHITECTURES[model_type]
+    """The architecture name SGLang is to load `model_config` as: its family's
+    (`gyre.backends.arch`; the EntryClass names of sglang 0.5.23's models/qwen2.py:797,
+    qwen3.py:808, qwen3_moe.py:1298, llama.py:968, ModelRegistry keys in models/registry.py:118-150).
+    A preset's config has no `architectures`: its model_type decides. Anything else is refused by
+    name (SGLang would fall back to its Transformers backend, model_loader/utils.py:219-220, which
+    Gyre does not test)."""
+    try:
+        return family_of(model_config).sglang_architecture
+    except UnsupportedArchitecture as e:
+        raise ValueError(f"sglang: {e}") from None
 
 
 def checkpoint_names(model_config: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -62,17 +48,15 @@ def checkpoint_names(model_config: Any, state: dict[str, torch.Tensor]) -> dict[
     `update_weights_from_tensor` alike. transformers 5 fuses Qwen3-MoE experts in memory
     (`mlp.experts.gate_up_proj` [E, 2I, H]); checkpoints and SGLang keep one tensor per expert
     (`mlp.experts.<e>.gate_proj.weight`: sglang 0.5.23 models/qwen3_moe.py:1157-1175,
-    FusedMoE.make_expert_params_mapping). transformers' own save-time reversal does it
-    (`revert_weight_conversion`, on a meta-device model: no memory); names already in checkpoint
-    form pass unchanged, and dense families are unchanged."""
-    try:
-        from transformers import AutoModelForCausalLM
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # transformers 4: in-memory names are the checkpoint's
-        return dict(state)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
-    return dict(revert_weight_conversion(model, dict(state)))
+    FusedMoE.make_expert_params_mapping). The family's own conversion does it
+    (`Family.to_checkpoint_names`); names already in checkpoint form pass unchanged, and dense
+    families are unchanged."""
+    family = family_of(model_config)
+    return family.to_checkpoint_names(dict(state), family.shape(model_config))
+
+
+# SGLang's names of the families Gyre serves (the registry's; the fake checks them against the wheel).
+SGLANG_ARCHITECTURES = frozenset(f.sglang_architecture for f in SUPPORTED.values())
 
 
 def startable_checkpoint(path: str | os.PathLike) -> str | None:
@@ -84,8 +68,9 @@ def startable_checkpoint(path: str | os.PathLike) -> str | None:
     except (OSError, ValueError) as e:
         return f"no readable config.json ({e})"
     archs = config.get("architectures") or []
-    if not archs or archs[0] not in SGLANG_ARCHITECTURES.values():
-        return f"config.json architectures {archs or None} is not one of {sorted(SGLANG_ARCHITECTURES.values())}"
+    known = sorted(SGLANG_ARCHITECTURES)
+    if not archs or archs[0] not in known:
+        return f"config.json architectures {archs or None} is not one of {known}"
     if not any(p.glob("*.safetensors")):
         return "no *.safetensors weights"
     return None

@@ -372,8 +372,11 @@ class FakeScheduler:
     def _load(self, named: list[tuple[str, torch.Tensor]], m: Any) -> tuple[bool, str]:
         eng = self.engine
         try:
-            state = {k: v.to(eng.weights.tensors[k].dtype if k in eng.weights.tensors else v.dtype) for k, v in named}
-            merged = {**eng.weights.tensors, **state}
+            # SGLang keeps its parameters under checkpoint names (one tensor per MoE expert); the
+            # fake's decoder holds transformers' in-memory (fused) ones, so compare in checkpoint form.
+            held = _as_checkpoint(eng.weights.tensors, eng.model_config)
+            state = {k: v.to(held[k].dtype if k in held else v.dtype) for k, v in named}
+            merged = {**held, **state}
             eng.weights = _weights(merged, eng.model_config)
         except (ValueError, KeyError) as e:
             return False, f"Failed to update weights: {e}"
@@ -873,6 +876,16 @@ def _weights(state: dict[str, torch.Tensor], config: Any):
         return DecoderWeights.from_state_dict(state, config)
     except (ValueError, KeyError, NotImplementedError):
         return _HfWeights(state, config)
+
+
+def _as_checkpoint(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """`state` under HF checkpoint names (transformers' own save-time reversal, on a meta model)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return dict(revert_weight_conversion(model, dict(state)))
 
 
 def _check_names(state: dict[str, torch.Tensor], config: Any) -> None:

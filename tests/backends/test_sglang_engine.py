@@ -651,4 +651,4 @@ def test_fake_server_args_and_architectures_are_sglangs():
             if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "EntryClass" for t in node.targets):
                 value = node.value
                 entries |= {e.id for e in (value.elts if isinstance(value, ast.List) else [value])}
-    assert sglang_fake.ARCHITECTURES == set(SGLANG_ARCHITECTURES.values()) and sglang_fake.ARCHITECTURES <= entries
+    assert sglang_fake.ARCHITECTURES == set(SGLANG_ARCHITECTURES) and sglang_fake.ARCHITECTURES <= entries

@@ -132,7 +132,7 @@ def test_a_preset_gets_a_config_naming_its_architecture(tmp_path):
 
     cfg = _cfg(tmp_path, "--model.preset", "tiny")
     mc = model_config("tiny", 256)
-    assert mc.architectures is None  # what the old factory wrote as it was
+    mc.architectures = None  # as the old preset configs were: the written config must name it anyway
     eng = _build(cfg, mc, build_preset(mc, seed=0).state_dict())
     assert len(asyncio.run(_serve(eng, [1, 2, 3]))) == 6  # the fake's ModelConfig checks passed
     config = json.loads(open(os.path.join(eng.config.model_path, "config.json")).read())
@@ -148,6 +148,7 @@ def test_the_fake_refuses_the_old_preset_config_as_sglang_does(tmp_path):
     from gyre.backends.models import build_model as build_preset, model_config
 
     mc = model_config("tiny", 256)
+    mc.architectures = None  # the preset configs before the architecture registry named none
     mc.to_json_file(str(tmp_path / "config.json"))  # the old factory's config.json
     assert "architectures" not in json.loads((tmp_path / "config.json").read_text())
     save_file({k: v.contiguous() for k, v in build_preset(mc).state_dict().items() if k != "lm_head.weight"},
