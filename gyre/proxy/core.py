@@ -407,12 +407,13 @@ class Call:
 class Proxy:
     """Keys, executions, rendering, routing and records. Serve it with `gyre.proxy.server`."""
 
-    def __init__(self, config: ProxyConfig | None = None, *, router: Router | None = None, sink: RecordSink | None = None, tokenizer=None) -> None:
+    def __init__(self, config: ProxyConfig | None = None, *, router: Router | None = None, sink: RecordSink | None = None, tokenizer=None,
+                 model_config: Any = None) -> None:
         self.config = config or ProxyConfig()
         c = self.config
         self.tokenizer = tokenizer or load_tokenizer(c.tokenizer_path)
         # The chat format (gyre/proxy/formats): from the checkpoint's template, or --proxy.chat-format.
-        self.format = format_for(self.tokenizer, override=c.chat_format)
+        self.format = format_for(self.tokenizer, model_config, override=c.chat_format)  # model_config: config.json, a cross-check
         if c.tool_parser == "hermes" and self.format.tool_syntax != "hermes":
             raise ValueError(f"proxy.tool_parser=hermes, but the chat format {self.format.name} writes {self.format.tool_syntax} "
                              "tool calls; use proxy.tool_parser=auto")
