@@ -48,6 +48,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator
 
+from jinja2 import TemplateError
+
 from gyre.backends.protocols import SamplingParams, TokenEvent
 from gyre.backends.tokenizer import ENDOFTEXT, IM_END, load_tokenizer, token_bytes
 from gyre.proxy.config import ProxyConfig
@@ -663,6 +665,8 @@ class Proxy:
                                                 template_kwargs=req.template_kwargs)
             except PromptTooLong as e:
                 self._too_long(e.min_tokens, at_least=True)
+            except TemplateError as e:  # the chat template itself refuses (e.g. Llama 3.1: one tool call per turn)
+                raise ApiError(400, "invalid_request", f"the model's chat template refused this conversation: {e}", param="messages") from None
         elif req.prompt_ids is not None:
             rendered = Rendered(ids=list(req.prompt_ids))
         else:
@@ -716,3 +720,5 @@ class Proxy:
                                             template_kwargs=req.template_kwargs).ids)
         except PromptTooLong as e:
             self._too_long(e.min_tokens, at_least=True)
+        except TemplateError as e:
+            raise ApiError(400, "invalid_request", f"the model's chat template refused this conversation: {e}", param="messages") from None

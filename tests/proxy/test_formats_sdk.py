@@ -280,3 +280,15 @@ def test_special_reasoning_tokens_decode_for_the_parser():
     table = token_bytes(tok)
     decoded = b"".join(table[i] for i in ids).decode()
     assert decoded == text and split_output(FORMATS["qwen3"], decoded)[:2] == ("hm", "ok")
+
+
+def test_template_refusal_is_a_400(served):
+    """Llama 3.1's template allows one tool call per assistant turn: a turn with two (not one the
+    model produced, so rendered from text) is a 400 naming the template's reason, not a 500."""
+    proxy, h = served("llama3.1")
+    c = openai.OpenAI(base_url=h.url + "/v1", api_key=proxy.issue_key("ex"), max_retries=0)
+    two = [{"id": f"c{i}", "type": "function", "function": {"name": "bash", "arguments": "{}"}} for i in range(2)]
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": two},
+            {"role": "tool", "tool_call_id": "c0", "content": "x"}, {"role": "tool", "tool_call_id": "c1", "content": "y"}]
+    with pytest.raises(openai.BadRequestError, match="single tool-calls"):
+        c.chat.completions.create(model="m", messages=msgs, tools=TOOLS_OPENAI, max_tokens=5)
