@@ -335,6 +335,15 @@ class ChatRenderer:
             return self._template.render(messages=messages, tools=tools or None, add_generation_prompt=generation_prompt, **kw)
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt, **kw)
 
+    def _answer(self, content: str | None) -> str | None:
+        """The answer part of an assistant message's content: a harness that puts the thinking back
+        into the text (`<think>...</think>answer`) re-sends the same turn; the template reads it
+        that way too (`content.split('</think>')[-1]`, tests/chat_templates/qwen3.jinja)."""
+        tags = self.format.reasoning
+        if tags is None or not content or tags.end not in content:
+            return content
+        return content.split(tags.end)[-1].lstrip("\n")
+
     def last_query_index(self, messages: list[dict]) -> int:
         """Index of the last user query, as Qwen3's template finds it (a user message that is not a
         wrapped tool response); turns before it lose their reasoning there."""
@@ -409,7 +418,7 @@ class ChatRenderer:
                 tmpl.append(self._escape_message(m))
                 i += 1
                 continue
-            cands = turns.get(turn_fingerprint(m.get("content"), m.get("tool_calls"))) if turns else None
+            cands = turns.get(turn_fingerprint(self._answer(m.get("content")), m.get("tool_calls"))) if turns else None
             drops = strip and (i < last_query or not (m.get("reasoning_content") or "").strip())
             if drops and (cands or self._diagnose(messages, i, turns, _calls_index(turns))[2]):
                 stripped += 1  # a turn we produced, rendered as the template does (no reasoning): a new branch

@@ -138,3 +138,15 @@ def test_qwen3_disabled_thinking_prefix_is_part_of_the_turn():
     out = r.render([{"role": "user", "content": "hi"}], None, TurnStore(), template_kwargs={"enable_thinking": False})
     assert out.gen_prefix == "<think>\n\n</think>\n\n" and out.gen_prefix_ids >= 2
     assert tok.decode(out.ids[-out.gen_prefix_ids:]) == "<think>\n\n</think>\n\n"
+
+
+def test_thinking_sent_back_inside_the_content_still_splices():
+    tok = tokenizer("qwen3")
+    r = ChatRenderer(tok, splice="exact", fmt=FORMATS["qwen3"])
+    out = r.render([{"role": "user", "content": "hi"}], None, TurnStore())
+    ids = tok.backend_tokenizer.encode("<think>\nhm\n</think>\n\nhello", add_special_tokens=False).ids + [tok.convert_tokens_to_ids("<|im_end|>")]
+    store = TurnStore()
+    store.add(turn_fingerprint("hello", []), StoredTurn.of(0, out.ids, ids, "hello", []))
+    nxt = r.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>\nhm\n</think>\n\nhello"},
+                    {"role": "user", "content": "more"}], None, store)
+    assert nxt.spliced == 1 and nxt.ids[: len(out.ids) + len(ids)] == out.ids + ids
