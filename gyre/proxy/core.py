@@ -7,6 +7,11 @@ to a stream of text / tool calls for the client and one TITO record (docs/design
 
 The OpenAI and Anthropic adapters only translate formats around this.
 
+The chat format (gyre/proxy/formats: the checkpoint's turns, stop tokens, tool-call syntax and
+reasoning tags, from its template or --proxy.chat-format) decides the stop ids, the forced
+tool-call opening and how sampled text is parsed: `events()` yields text, `ToolCall`s and
+`Reasoning` pieces (thinking, which adapters return apart from the answer).
+
 Fair sharing (issue 20: a hostile harness cannot hurt the run). One execution (all its keys) may
 have `max_calls_per_key` calls in flight and start `calls_per_second_per_key` calls a second
 (token bucket, burst 2x); past either it gets a 429 before its body is read (`Proxy.admit`). Text

@@ -42,7 +42,7 @@ special tokens and its text encoded with special-token matching off. Text withou
 takes the usual path, so the ids (and splicing) are as before; with them, the same text always
 gives the same ids, so re-sent histories still splice exactly.
 
-Tokenization is cached per chat turn (text between `<|im_start|>` tokens), so a long history
+Tokenization is cached per chat turn (text between the format's turn-start tokens), so a long history
 re-sent on every call is encoded once.
 
 Unmatched turns are diagnosed by comparing them with the stored turns (`Rendered.unmatched_kinds`):
