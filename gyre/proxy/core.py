@@ -56,7 +56,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from jinja2 import TemplateError
 
 from gyre.backends.protocols import SamplingParams, TokenEvent
-from gyre.backends.tokenizer import ENDOFTEXT, IM_END, load_tokenizer, token_bytes
+from gyre.backends.tokenizer import load_tokenizer, token_bytes
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.formats import OutputParser, Reasoning, format_for
 from gyre.proxy.keys import KeyInfo, KeyRegistry
