@@ -13,7 +13,9 @@ text and counted as unmatched (context, never targets).
 Why this is exact, for every chat format (gyre/proxy/formats): the format declares the
 generation prompt G (the assistant header `add_generation_prompt` appends) and the end-of-turn
 token E, and the template renders an assistant turn whose content is a bare placeholder as
-G + placeholder + E: ChatML (qwen2.5, qwen3, qwen3-coder) `<|im_start|>assistant\\n` ... `<|im_end|>`,
+G + [T] + placeholder + E, T being whatever the template puts between the header and the content
+(Qwen3.5: a think block), which the splice drops: the stored turn starts with what the model saw
+there. ChatML (qwen2.5, qwen3, qwen3-coder, qwen3.5) `<|im_start|>assistant\\n` ... `<|im_end|>`,
 Llama 3.1 `<|start_header_id|>assistant<|end_header_id|>\\n\\n` ... `<|eot_id|>` (its `| trim`
 leaves a placeholder alone; Qwen3 renders a turn without reasoning as G + content whatever its
 position). G ends in a special token or a newline the pre-tokenizer splits off, and E is a special
@@ -451,6 +453,14 @@ class ChatRenderer:
             self._gen_prefix(text, ids, out)
             return out
         parts = self._placeholder.split(text)  # [text, k, text, k, ..., text]
+        # A turn's content starts right after the generation prompt: what the template puts between
+        # them for a re-rendered turn (Qwen3.5: an empty think block after the last query) is
+        # replaced by the stored turn, which holds what the model saw there (its prefix ids).
+        gp = self.format.generation_prompt
+        for j in range(0, len(parts) - 1, 2):
+            k = parts[j].rfind(gp)
+            if k >= 0:
+                parts[j] = parts[j][: k + len(gp)]
         ids = self.encode(parts[0], starts)
         out = Rendered(ids=ids, unmatched=len(kinds), message_starts=starts, unmatched_kinds=kinds, stripped=stripped)
         for j in range(1, len(parts), 2):

@@ -15,10 +15,9 @@ from gyre.backends.det_engine import DeterministicEngine
 from gyre.backends.tokenizer import byte_token_ids
 from gyre.proxy import Proxy, ProxyConfig, serve_proxy
 from gyre.proxy.formats import FORMATS
-from tests.realmodels import build_tokenizer
 
 from .conftest import TOOL_ARGS, TOOLS_ANTHROPIC, TOOLS_OPENAI
-from .test_formats_parsers import render_calls
+from .test_formats_parsers import family_tokenizer, render_calls
 
 FAMILIES = list(FORMATS)
 SYSTEM = "You are an agent."
@@ -27,7 +26,7 @@ FINAL = "All done: found 2 files."
 
 @functools.lru_cache(maxsize=None)
 def tokenizer(family):
-    return build_tokenizer(family)
+    return family_tokenizer(family)
 
 
 def step_text(k):
@@ -52,7 +51,9 @@ def script_for(family):
             text = render_calls(family, "" if family == "llama3.1" else step_text(k), [("bash", TOOL_ARGS[k])])
         else:
             text = FINAL
-        if fmt.reasoning is not None and not prompt.endswith("</think>\n\n"):  # the prompt did not turn thinking off
+        if prompt.endswith("<think>\n"):  # the prompt opened thinking (Qwen3.5): the model continues it
+            text = f"{thought(k)}\n</think>\n\n" + text
+        elif fmt.reasoning is not None and not prompt.endswith("</think>\n\n"):  # the prompt did not turn thinking off
             text = f"<think>\n{thought(k)}\n</think>\n\n" + text
         return text
 
