@@ -234,6 +234,7 @@ def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
     req = ChatRequest(api="anthropic")
     req.messages = parse_messages(body.get("messages"), body.get("system"), req.media)
     req.tools = parse_tools(body.get("tools"))
+    _thinking(body, req)  # count_tokens renders the same prompt
     if count_only:
         return req
     if body.get("max_tokens") is None:
@@ -255,16 +256,20 @@ def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
     md = body.get("metadata")
     if md is not None and not isinstance(md, dict):
         raise V.bad("metadata", "must be an object")
+    return req
+
+
+def _thinking(body: dict, req: ChatRequest) -> None:
+    """The `thinking` switch -> the template's enable_thinking (see the module docstring)."""
     th = body.get("thinking")
     if th is not None and not isinstance(th, dict):
         raise V.bad("thinking", "must be an object")
-    if th is not None:  # see the module docstring
+    if th is not None:
         kind = th.get("type")
         if kind not in ("enabled", "disabled", "adaptive"):
             raise V.bad("thinking.type", f"must be 'enabled', 'disabled' or 'adaptive', got {kind!r}")
         if kind != "adaptive":
             req.template_kwargs["enable_thinking"] = kind == "enabled"
-    return req
 
 
 def _stop_reason(call: Call) -> str:

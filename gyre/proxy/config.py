@@ -85,7 +85,7 @@ class ProxyConfig:
     chat_format: str = "auto"
     """The chat format (turns, tool calls, reasoning; gyre/proxy/formats): `auto` reads it from the
     tokenizer's chat template and refuses a template it does not know; or one of qwen2.5, qwen3,
-    qwen3-coder, llama3.1 (docs/proxy_harnesses.md)."""
+    qwen3-coder, qwen3.5, llama3.1 (docs/proxy_harnesses.md)."""
     past_reasoning: Literal["keep", "strip"] = "keep"
     """For templates that drop the reasoning of turns before the last user query (Qwen3): `keep`
     splices the sampled thinking back (one prefix-shared trajectory: the context the model really

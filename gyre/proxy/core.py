@@ -7,6 +7,11 @@ to a stream of text / tool calls for the client and one TITO record (docs/design
 
 The OpenAI and Anthropic adapters only translate formats around this.
 
+The chat format (gyre/proxy/formats: the checkpoint's turns, stop tokens, tool-call syntax and
+reasoning tags, from its template or --proxy.chat-format) decides the stop ids, the forced
+tool-call opening and how sampled text is parsed: `events()` yields text, `ToolCall`s and
+`Reasoning` pieces (thinking, which adapters return apart from the answer).
+
 Fair sharing (issue 20: a hostile harness cannot hurt the run). One execution (all its keys) may
 have `max_calls_per_key` calls in flight and start `calls_per_second_per_key` calls a second
 (token bucket, burst 2x); past either it gets a 429 before its body is read (`Proxy.admit`). Text
@@ -47,6 +52,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator
+
+from jinja2 import TemplateError
 
 from gyre.backends.protocols import SamplingParams, TokenEvent
 from gyre.backends.tokenizer import load_tokenizer
@@ -409,15 +416,16 @@ class Proxy:
     """Keys, executions, rendering, routing and records. Serve it with `gyre.proxy.server`."""
 
     def __init__(self, config: ProxyConfig | None = None, *, router: Router | None = None, sink: RecordSink | None = None, tokenizer=None,
-                 stop_ids: Iterable[int] | None = None) -> None:
+                 stop_ids: Iterable[int] | None = None, model_config: Any = None) -> None:
         """`tokenizer`: the run's (`gyre.backends.vocab.load_vocab`; default `--proxy.tokenizer-path`,
         else the project's); `stop_ids`: the ids that end a turn (default: from the tokenizer's
-        directory, `gyre.backends.vocab.stop_token_ids`)."""
+        directory, `gyre.backends.vocab.stop_token_ids`), beside the chat format's own;
+        `model_config`: the checkpoint's HF config (helps choose the chat format)."""
         self.config = config or ProxyConfig()
         c = self.config
         self.tokenizer = tokenizer or load_tokenizer(c.tokenizer_path)
         # The chat format (gyre/proxy/formats): from the checkpoint's template, or --proxy.chat-format.
-        self.format = format_for(self.tokenizer, override=c.chat_format)
+        self.format = format_for(self.tokenizer, model_config, override=c.chat_format)  # model_config: config.json, a cross-check
         if c.tool_parser == "hermes" and self.format.tool_syntax != "hermes":
             raise ValueError(f"proxy.tool_parser=hermes, but the chat format {self.format.name} writes {self.format.tool_syntax} "
                              "tool calls; use proxy.tool_parser=auto")
@@ -672,6 +680,8 @@ class Proxy:
                                                 template_kwargs=req.template_kwargs)
             except PromptTooLong as e:
                 self._too_long(e.min_tokens, at_least=True)
+            except TemplateError as e:  # the chat template itself refuses (e.g. Llama 3.1: one tool call per turn)
+                raise ApiError(400, "invalid_request", f"the model's chat template refused this conversation: {e}", param="messages") from None
         elif req.prompt_ids is not None:
             rendered = Rendered(ids=list(req.prompt_ids))
         else:
@@ -725,3 +735,5 @@ class Proxy:
                                             template_kwargs=req.template_kwargs).ids)
         except PromptTooLong as e:
             self._too_long(e.min_tokens, at_least=True)
+        except TemplateError as e:
+            raise ApiError(400, "invalid_request", f"the model's chat template refused this conversation: {e}", param="messages") from None

@@ -13,7 +13,9 @@ text and counted as unmatched (context, never targets).
 Why this is exact, for every chat format (gyre/proxy/formats): the format declares the
 generation prompt G (the assistant header `add_generation_prompt` appends) and the end-of-turn
 token E, and the template renders an assistant turn whose content is a bare placeholder as
-G + placeholder + E: ChatML (qwen2.5, qwen3, qwen3-coder) `<|im_start|>assistant\\n` ... `<|im_end|>`,
+G + [T] + placeholder + E, T being whatever the template puts between the header and the content
+(Qwen3.5: a think block), which the splice drops: the stored turn starts with what the model saw
+there. ChatML (qwen2.5, qwen3, qwen3-coder, qwen3.5) `<|im_start|>assistant\\n` ... `<|im_end|>`,
 Llama 3.1 `<|start_header_id|>assistant<|end_header_id|>\\n\\n` ... `<|eot_id|>` (its `| trim`
 leaves a placeholder alone; Qwen3 renders a turn without reasoning as G + content whatever its
 position). G ends in a special token or a newline the pre-tokenizer splits off, and E is a special
@@ -42,7 +44,7 @@ special tokens and its text encoded with special-token matching off. Text withou
 takes the usual path, so the ids (and splicing) are as before; with them, the same text always
 gives the same ids, so re-sent histories still splice exactly.
 
-Tokenization is cached per chat turn (text between `<|im_start|>` tokens), so a long history
+Tokenization is cached per chat turn (text between the format's turn-start tokens), so a long history
 re-sent on every call is encoded once.
 
 Unmatched turns are diagnosed by comparing them with the stored turns (`Rendered.unmatched_kinds`):
@@ -335,6 +337,15 @@ class ChatRenderer:
             return self._template.render(messages=messages, tools=tools or None, add_generation_prompt=generation_prompt, **kw)
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt, **kw)
 
+    def _answer(self, content: str | None) -> str | None:
+        """The answer part of an assistant message's content: a harness that puts the thinking back
+        into the text (`<think>...</think>answer`) re-sends the same turn; the template reads it
+        that way too (`content.split('</think>')[-1]`, tests/chat_templates/qwen3.jinja)."""
+        tags = self.format.reasoning
+        if tags is None or not content or tags.end not in content:
+            return content
+        return content.split(tags.end)[-1].lstrip("\n")
+
     def last_query_index(self, messages: list[dict]) -> int:
         """Index of the last user query, as Qwen3's template finds it (a user message that is not a
         wrapped tool response); turns before it lose their reasoning there."""
@@ -409,7 +420,7 @@ class ChatRenderer:
                 tmpl.append(self._escape_message(m))
                 i += 1
                 continue
-            cands = turns.get(turn_fingerprint(m.get("content"), m.get("tool_calls"))) if turns else None
+            cands = turns.get(turn_fingerprint(self._answer(m.get("content")), m.get("tool_calls"))) if turns else None
             drops = strip and (i < last_query or not (m.get("reasoning_content") or "").strip())
             if drops and (cands or self._diagnose(messages, i, turns, _calls_index(turns))[2]):
                 stripped += 1  # a turn we produced, rendered as the template does (no reasoning): a new branch
@@ -442,6 +453,14 @@ class ChatRenderer:
             self._gen_prefix(text, ids, out)
             return out
         parts = self._placeholder.split(text)  # [text, k, text, k, ..., text]
+        # A turn's content starts right after the generation prompt: what the template puts between
+        # them for a re-rendered turn (Qwen3.5: an empty think block after the last query) is
+        # replaced by the stored turn, which holds what the model saw there (its prefix ids).
+        gp = self.format.generation_prompt
+        for j in range(0, len(parts) - 1, 2):
+            k = parts[j].rfind(gp)
+            if k >= 0:
+                parts[j] = parts[j][: k + len(gp)]
         ids = self.encode(parts[0], starts)
         out = Rendered(ids=ids, unmatched=len(kinds), message_starts=starts, unmatched_kinds=kinds, stripped=stripped)
         for j in range(1, len(parts), 2):

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 SRC = Path(os.environ.get("GYRE_SGLANG_SRC", "/tmp/sg"))

@@ -22,7 +22,7 @@ TOOLS = [
         "env": {"type": "object"}, "paths": {"type": "array", "items": {"type": "string"}}}}}},
     {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}},
 ]
-SGLANG_PARSER = {"qwen2.5": "qwen25", "qwen3": "qwen25", "qwen3-coder": "qwen3_coder", "llama3.1": "llama3"}
+SGLANG_PARSER = {"qwen2.5": "qwen25", "qwen3": "qwen25", "qwen3-coder": "qwen3_coder", "qwen3.5": "qwen3_coder", "llama3.1": "llama3"}
 
 # Text the model writes around calls: no markup characters, no leading/trailing whitespace.
 _plain = st.text(st.characters(blacklist_characters="<>{}\r", blacklist_categories=("Cs", "Cc")), min_size=1, max_size=30).map(str.strip).filter(bool)
@@ -55,7 +55,7 @@ def render_calls(family: str, content: str, calls: list[tuple[str, dict]]) -> st
     if family in ("qwen2.5", "qwen3"):
         blocks = ["<tool_call>\n" + json.dumps({"name": n, "arguments": a}, ensure_ascii=False) + "\n</tool_call>" for n, a in calls]
         return "\n".join(([content] if content else []) + blocks)
-    if family == "qwen3-coder":  # tests/chat_templates/qwen3-coder.jinja: value | tojson for objects / arrays, | string else
+    if family in ("qwen3-coder", "qwen3.5"):  # tests/chat_templates/qwen3-coder.jinja (qwen3.5 renders the same): value | tojson for objects / arrays, | string else
         def val(v):
             return json.dumps(v, ensure_ascii=False) if isinstance(v, (dict, list)) else str(v)
         blocks = ["\n<tool_call>\n<function=" + n + ">\n" + "".join(f"<parameter={k}>\n{val(v)}\n</parameter>\n" for k, v in a.items())
@@ -172,8 +172,15 @@ def test_llama_non_call_json_is_text():
     assert c == "Let me check." and [(x.name, x.arguments) for x in calls] == [("bash", {"cmd": "ls"})]
 
 
-@pytest.mark.parametrize("family", ["qwen2.5", "qwen3", "qwen3-coder", "llama3.1"])
+@pytest.mark.parametrize("family", list(FORMATS))
 def test_format_for_checkpoint_template(family):
     from tests.realmodels import chat_template
 
     assert format_for(template=chat_template(family)).name == family
+
+
+def family_tokenizer(family):
+    """The family's tokenizer with its template (qwen3.5: Qwen3's vocabulary, Qwen3.5's template)."""
+    from tests.realmodels import build_tokenizer
+
+    return build_tokenizer("qwen3", template="qwen3.5") if family == "qwen3.5" else build_tokenizer(family)

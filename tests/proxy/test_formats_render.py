@@ -13,14 +13,13 @@ from hypothesis import strategies as st
 
 from gyre.proxy.formats import FORMATS, split_output
 from gyre.proxy.render import ChatRenderer, StoredTurn, TurnStore, turn_fingerprint
-from tests.realmodels import build_tokenizer
 
-from .test_formats_parsers import TOOLS, _calls, _plain, _reasoning_text, render_calls
+from .test_formats_parsers import family_tokenizer, TOOLS, _calls, _plain, _reasoning_text, render_calls
 
 
 @functools.lru_cache(maxsize=None)
 def tokenizer(family):
-    return build_tokenizer(family)
+    return family_tokenizer(family)
 
 
 def sampled_ids(tok, text, rng):
@@ -57,7 +56,9 @@ def run_conversation(family, data, past_reasoning="keep", turns_n=4):
             calls = calls[:1]  # one call a turn (the Llama 3.1 template refuses more)
         content = "" if (family == "llama3.1" and calls) else data.draw(st.one_of(st.just(""), _plain) if calls else _plain)
         text = render_calls(family, content, calls)
-        if thinking and data.draw(st.booleans()):
+        if out.gen_prefix.endswith("<think>\n"):  # the prompt opened thinking (Qwen3.5): the model closes it
+            text = data.draw(_reasoning_text).strip("\n") + "\n</think>\n\n" + text
+        elif thinking and data.draw(st.booleans()):
             text = "<think>\n" + data.draw(_reasoning_text).strip("\n") + "\n</think>\n\n" + text
         out_ids = sampled_ids(tok, text, rng) + [eot]
         reasoning, content_p, tcs = split_output(fmt, text, tools, prefix=out.gen_prefix)
@@ -97,14 +98,15 @@ def test_splice_is_exact(family, data):
             assert out.ids == plain.ids  # nothing to splice: exactly the template's prompt
 
 
+@pytest.mark.parametrize("family", [f for f in FORMATS if FORMATS[f].strips_past_reasoning])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
-def test_qwen3_past_reasoning_strip(data):
+def test_past_reasoning_strip(family, data):
     """strip: turns the template shows without thinking (before the last user query, or re-sent
     without reasoning_content) are rendered as the template does: with none spliced, the prompt
     is exactly the template's (a branch, exact); a tool-call chain whose turns come back with their
     reasoning still splices."""
-    log, _ = run_conversation("qwen3", data, past_reasoning="strip")
+    log, _ = run_conversation(family, data, past_reasoning="strip")
     for out, plain, prev in log:
         assert out.unmatched == 0
         if out.spliced == 0:
@@ -138,3 +140,15 @@ def test_qwen3_disabled_thinking_prefix_is_part_of_the_turn():
     out = r.render([{"role": "user", "content": "hi"}], None, TurnStore(), template_kwargs={"enable_thinking": False})
     assert out.gen_prefix == "<think>\n\n</think>\n\n" and out.gen_prefix_ids >= 2
     assert tok.decode(out.ids[-out.gen_prefix_ids:]) == "<think>\n\n</think>\n\n"
+
+
+def test_thinking_sent_back_inside_the_content_still_splices():
+    tok = tokenizer("qwen3")
+    r = ChatRenderer(tok, splice="exact", fmt=FORMATS["qwen3"])
+    out = r.render([{"role": "user", "content": "hi"}], None, TurnStore())
+    ids = tok.backend_tokenizer.encode("<think>\nhm\n</think>\n\nhello", add_special_tokens=False).ids + [tok.convert_tokens_to_ids("<|im_end|>")]
+    store = TurnStore()
+    store.add(turn_fingerprint("hello", []), StoredTurn.of(0, out.ids, ids, "hello", []))
+    nxt = r.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>\nhm\n</think>\n\nhello"},
+                    {"role": "user", "content": "more"}], None, store)
+    assert nxt.spliced == 1 and nxt.ids[: len(out.ids) + len(ids)] == out.ids + ids

@@ -15,10 +15,9 @@ from gyre.backends.det_engine import DeterministicEngine
 from gyre.backends.tokenizer import byte_token_ids
 from gyre.proxy import Proxy, ProxyConfig, serve_proxy
 from gyre.proxy.formats import FORMATS
-from tests.realmodels import build_tokenizer
 
 from .conftest import TOOL_ARGS, TOOLS_ANTHROPIC, TOOLS_OPENAI
-from .test_formats_parsers import render_calls
+from .test_formats_parsers import family_tokenizer, render_calls
 
 FAMILIES = list(FORMATS)
 SYSTEM = "You are an agent."
@@ -27,7 +26,7 @@ FINAL = "All done: found 2 files."
 
 @functools.lru_cache(maxsize=None)
 def tokenizer(family):
-    return build_tokenizer(family)
+    return family_tokenizer(family)
 
 
 def step_text(k):
@@ -52,7 +51,9 @@ def script_for(family):
             text = render_calls(family, "" if family == "llama3.1" else step_text(k), [("bash", TOOL_ARGS[k])])
         else:
             text = FINAL
-        if fmt.reasoning is not None and not prompt.endswith("</think>\n\n"):  # the prompt did not turn thinking off
+        if prompt.endswith("<think>\n"):  # the prompt opened thinking (Qwen3.5): the model continues it
+            text = f"{thought(k)}\n</think>\n\n" + text
+        elif fmt.reasoning is not None and not prompt.endswith("</think>\n\n"):  # the prompt did not turn thinking off
             text = f"<think>\n{thought(k)}\n</think>\n\n" + text
         return text
 
@@ -225,3 +226,70 @@ def test_forced_tool_call_in_the_family_syntax(served, family):
     opening = FORMATS[family].tool_call_opening("bash")
     assert tokenizer(family).decode(list(rec.input_ids)).endswith(opening)
     assert rec.payload_ref["forced_prefix"] > 0 and r.choices[0].message.tool_calls[0].function.name == "bash"
+
+
+def test_qwen3_past_reasoning_strip_through_the_api(served):
+    """--proxy.past-reasoning strip: after a new user query the earlier turn is rendered as the
+    template does (no thinking): that call's prompt is exactly the template's, a new branch."""
+    proxy, h = served("qwen3", past_reasoning="strip")
+    c = openai.OpenAI(base_url=h.url + "/v1", api_key=proxy.issue_key("ex"), max_retries=0)
+    msgs = [{"role": "user", "content": "Hi"}]
+    m = c.chat.completions.create(model="m", messages=msgs, tools=TOOLS_OPENAI, max_tokens=400).choices[0].message
+    assert m.reasoning_content == thought(0)
+    calls = [{"id": "c0", "type": "function", "function": {"name": "bash", "arguments": m.tool_calls[0].function.arguments}}]
+    msgs += [{"role": "assistant", "content": m.content, "tool_calls": calls}, {"role": "tool", "tool_call_id": "c0", "content": "x"},
+             {"role": "user", "content": "And now?"}]
+    c.chat.completions.create(model="m", messages=msgs, tools=TOOLS_OPENAI, max_tokens=400)
+    first, second = proxy.sink.for_execution("ex")
+    assert second.payload_ref["stripped_turns"] == 1 and second.payload_ref["spliced_turns"] == 0
+    tok = tokenizer("qwen3")
+    want = tok.apply_chat_template(msgs, tools=TOOLS_OPENAI, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(list(second.input_ids)) == want and thought(0) not in want
+
+
+def test_reasoning_sent_back_reaches_the_template():
+    """Re-sent reasoning (chat reasoning_content, Anthropic thinking blocks, Responses reasoning
+    items) is the assistant message's reasoning_content, for the template to render or drop."""
+    from gyre.proxy import anthropic_api, openai_api, responses_api
+
+    chat = openai_api.parse_messages([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r1"}])
+    anth = anthropic_api.parse_messages([{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "r1", "signature": ""}, {"type": "text", "text": "a"}]}], None)
+    resp = responses_api.parse_input([{"role": "user", "content": "q"},
+                                      {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "r1"}]},
+                                      {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a"}]}])
+    want = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r1"}]
+    assert chat == anth == resp == want
+    # an unmatched turn after the last query renders with its thinking, as the template does
+    from gyre.proxy.render import ChatRenderer
+
+    r = ChatRenderer(tokenizer("qwen3"), fmt=FORMATS["qwen3"])
+    text = tokenizer("qwen3").decode(r.render(want + [{"role": "tool", "content": "x"}], None, None).ids)
+    assert "<think>\nr1\n</think>\n\na" in text
+
+
+def test_special_reasoning_tokens_decode_for_the_parser():
+    """A real model samples <think> / </think> / <tool_call> as their special ids: the byte table
+    gives their text, so the parser sees them."""
+    from gyre.backends.tokenizer import token_bytes
+    from gyre.proxy.formats import split_output
+
+    tok = tokenizer("qwen3")
+    text = '<think>\nhm\n</think>\n\nok\n<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call>'
+    ids = tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    assert tok.convert_tokens_to_ids("<think>") in ids
+    table = token_bytes(tok)
+    decoded = b"".join(table[i] for i in ids).decode()
+    assert decoded == text and split_output(FORMATS["qwen3"], decoded)[:2] == ("hm", "ok")
+
+
+def test_template_refusal_is_a_400(served):
+    """Llama 3.1's template allows one tool call per assistant turn: a turn with two (not one the
+    model produced, so rendered from text) is a 400 naming the template's reason, not a 500."""
+    proxy, h = served("llama3.1")
+    c = openai.OpenAI(base_url=h.url + "/v1", api_key=proxy.issue_key("ex"), max_retries=0)
+    two = [{"id": f"c{i}", "type": "function", "function": {"name": "bash", "arguments": "{}"}} for i in range(2)]
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": two},
+            {"role": "tool", "tool_call_id": "c0", "content": "x"}, {"role": "tool", "tool_call_id": "c1", "content": "y"}]
+    with pytest.raises(openai.BadRequestError, match="single tool-calls"):
+        c.chat.completions.create(model="m", messages=msgs, tools=TOOLS_OPENAI, max_tokens=5)

@@ -8,6 +8,7 @@ Known formats (one module each; adding one: docs/proxy_harnesses.md):
     qwen2.5      ChatML, Hermes <tool_call> JSON            (Gyre's own tokenizer too)
     qwen3        ChatML, Hermes tool calls, <think>, enable_thinking
     qwen3-coder  ChatML, XML <function=NAME><parameter=P> tool calls
+    qwen3.5      ChatML, XML tool calls, <think> opened by the prompt, enable_thinking
     llama3.1     <|start_header_id|> turns, <|eot_id|>, JSON tool calls, ipython results
 
 A template none of them recognises is refused with this list: a guessed format would render
@@ -19,12 +20,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gyre.proxy.formats import llama31, qwen3, qwen3_coder, qwen25
+from gyre.proxy.formats import llama31, qwen3, qwen3_coder, qwen25, qwen35
 from gyre.proxy.formats.base import ChatFormat, OutputParser, Reasoning, ReasoningParser, ReasoningTags, split_output
 
 logger = logging.getLogger(__name__)
 
-FORMATS: dict[str, ChatFormat] = {f.name: f for f in (qwen25.FORMAT, qwen3.FORMAT, qwen3_coder.FORMAT, llama31.FORMAT)}
+FORMATS: dict[str, ChatFormat] = {f.name: f for f in (qwen25.FORMAT, qwen3.FORMAT, qwen3_coder.FORMAT, qwen35.FORMAT, llama31.FORMAT)}
 
 # config.json model_type of each family, to warn when the template and the model disagree.
 _MODEL_TYPES = {"qwen2": "qwen2.5", "qwen3": "qwen3", "qwen3_moe": "qwen3", "llama": "llama3.1"}
