@@ -100,5 +100,6 @@ def test_the_proxy_answers_calls_that_sample_padding_rows(ckpt, stream):
         assert any(i >= 1536 for i in out) and any(1024 <= i < 1536 for i in out)  # the case is exercised
         table = V.byte_table(vocab.tokenizer)
         assert text == table.join(i for i in out if i not in vocab.stop_ids).decode("utf-8", "replace")
+        assert proxy.undecodable_tokens == sum(1 for i in out if i >= 1536)  # counted, warned about once
     finally:
         h.stop()
