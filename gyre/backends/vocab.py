@@ -49,6 +49,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import operator
 import os
 import re
 import time
@@ -111,9 +112,10 @@ class ByteTable(list):
         self._metaspace_first = metaspace_first  # a first token's bytes under the Metaspace rule
 
     def __getitem__(self, i):  # type: ignore[override]
-        if type(i) is int:
-            return list.__getitem__(self, i) if 0 <= i < len(self) else b""
-        return list.__getitem__(self, i)
+        if isinstance(i, slice):
+            return list.__getitem__(self, i)
+        i = operator.index(i)  # numpy ints too (records hold int32 arrays)
+        return list.__getitem__(self, i) if 0 <= i < len(self) else b""
 
     def join(self, ids: Iterable[int]) -> bytes:
         n, get = len(self), list.__getitem__

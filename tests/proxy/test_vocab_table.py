@@ -144,6 +144,9 @@ def test_holes_and_ids_past_the_count():
     assert list(table) == [b"a", b"b", b"", b" ", b"<|end|>", b"c"] and table.undecodable == {2}
     assert V.id_count(tok) == 6 > len(tok) == 5
     assert table[6] == table[-1] == table[10**6] == b""
+    import numpy as np
+
+    assert table[np.int32(6)] == b"" and table[np.int64(5)] == b"c"  # record ids are numpy ints
     assert table.decode([0, 2, 3, 5, 99]) == t.decode([0, 2, 3, 5, 99], skip_special_tokens=False) == "a c"
 
 
