@@ -378,6 +378,17 @@ def model_rows(checkpoint: str | None) -> int | None:
     return int(rows) if rows is not None else None
 
 
+def check_project_fallback(checkpoint: str | None, rows: int | None, vocab: "ModelVocab") -> None:
+    """A checkpoint without tokenizer files falls back to the project tokenizer only when it is a
+    project-sized model (the presets' warm starts, checkpoints Gyre wrote of them): any other
+    size means the checkpoint's own tokenizer is missing (a checkpoint Gyre wrote of a user's
+    model has no tokenizer files), and pairing it with 1024 ids would train on nonsense."""
+    if checkpoint and vocab.path is None and rows is not None and rows != vocab.size:
+        raise VocabError(f"--model.checkpoint {checkpoint} has no tokenizer (no {' or '.join(TOKENIZER_FILES)}) and "
+                         f"{rows} embedding rows; the project tokenizer ({vocab.size} ids) is only for the built-in "
+                         f"presets: give the model's tokenizer directory with --proxy.tokenizer-path")
+
+
 def check_vocab(rows: int, ids: int, *, model: str = "the model", tokenizer: str = "the tokenizer") -> None:
     """A tokenizer whose ids go past the model's embedding rows cannot work (its ids would index
     rows that do not exist): refused, naming both sizes. A larger model (padding rows: real

@@ -73,7 +73,7 @@ def _kv_transport(cfg: Any, topo: Topology, store: Any) -> Any:
 
 def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: WeightTransport, engine_secret: str,
            run: RunDir, kv: Any = None, interrupts: Any = None) -> None:
-    from gyre.backends.vocab import VocabError, check_vocab, load_vocab
+    from gyre.backends.vocab import VocabError, check_project_fallback, check_vocab, load_vocab
     from gyre.config import ConfigError
     from gyre.runtime.controller import Controller
     from gyre.backends.engine_host import EngineHost, bind_address
@@ -98,6 +98,7 @@ def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: Weight
     if core_actor is None:  # after the barrier: --model.checkpoint may be what rank 0 just prepared
         model_cfg = factory.model_config_of(cfg, vocab.size)
     try:  # every rank, same point: a refusal is a ConfigError each rank leaves with (gyre/run.py)
+        check_project_fallback(cfg.model.checkpoint, model_cfg.vocab_size, vocab)
         check_vocab(model_cfg.vocab_size, vocab.size, model=cfg.model.checkpoint or f"model preset {cfg.model.preset!r}",
                     tokenizer=f"the tokenizer at {vocab.path or 'gyre/assets/tokenizer'}")
     except VocabError as e:
