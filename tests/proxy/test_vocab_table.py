@@ -161,3 +161,22 @@ def test_a_decoder_that_cannot_be_streamed_is_refused_by_name():
     t.decoder = None
     with pytest.raises(V.VocabError, match="no decoder"):
         V.byte_table(PreTrainedTokenizerFast(tokenizer_object=t))
+
+
+def test_added_tokens_go_through_the_decoder_as_tokenizers_does():
+    """tokenizers 0.23 decodes added tokens, special or not, through the decoder chain too: a
+    byte-level one spelled in the alphabet is decoded (`Ġz` → " z"), one with any other symbol
+    passes as its own UTF-8 (`<|a b|>`, `é▁x`). The table follows the tokenizer, not a rule of
+    thumb ("special tokens are literal")."""
+    from tokenizers import AddedToken
+
+    tok = realmodels.build_tokenizer("qwen2.5")
+    b = tok.backend_tokenizer
+    b.add_tokens([AddedToken("<|a b|>", normalized=False), AddedToken("Ġz", normalized=False)])
+    b.add_special_tokens([AddedToken("é▁x", special=True, normalized=False), AddedToken("Ġw", special=True, normalized=False)])
+    table = V.byte_table(tok)
+    a = b.token_to_id("a")
+    for t, want in (("<|a b|>", b"<|a b|>"), ("Ġz", b" z"), ("é▁x", "é▁x".encode()), ("Ġw", b" w")):
+        i = b.token_to_id(t)
+        assert table[i] == want, t
+        assert b.decode([a, i, a], skip_special_tokens=False) == (table[a] + table[i] + table[a]).decode()
