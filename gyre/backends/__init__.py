@@ -18,7 +18,8 @@
     megatron_actor.py  MegatronActor (GPU): megatron-core GPTModel, HF ⇄ megatron weight mapping
     memory.py          ActorMemory: an actor's state to (pinned) host memory entering rollout, back entering training
     models.py          Qwen2 decoders from size presets ('tiny', 'small'), packed forward, HF checkpoints
-    tokenizer.py       the repo's byte-level BPE with a chat template
+    tokenizer.py       the repo's byte-level BPE with a chat template (the built-in presets)
+    vocab.py           the run's tokenizer (a checkpoint's own): every id's bytes, stop ids, size checks
   weight transports
     transfer.py        flat snapshot layout + CRC, broadcast / Mooncake primitives, retention, byte counts
     weights.py         the WeightTransports: SnapshotBoard (store), TorchWeights (gloo p2p), MooncakeWeights
