@@ -2,9 +2,12 @@
 which ids end a turn, which ids may be sampled, and which tokenizer a run uses.
 
     resolve_tokenizer_dir(checkpoint, tokenizer_path)  →  the one directory the run's tokenizer comes from
-    load_vocab(checkpoint, tokenizer_path)             →  ModelVocab(tokenizer, stop_ids, size, ...)
+    load_vocab(checkpoint, tokenizer_path)             →  ModelVocab(tokenizer, path, size, stop_ids)
+    stop_token_ids(tokenizer, model_dir)               →  the ids that end a turn (generation_config first)
     check_vocab(model_rows, tokenizer_ids)             →  refuse a tokenizer larger than the model
+    check_project_fallback(checkpoint, rows, vocab)    →  refuse a checkpoint without tokenizer that is not project-sized
     byte_table(tokenizer)                              →  ByteTable: bytes of every id, built once
+    id_count(tokenizer)                                →  one past the largest id (what sampleable_vocab is)
 
 **The byte table.** A stream of sampled ids is shown incrementally: each id's bytes are appended
 and UTF-8 decoded as they complete (`gyre.proxy.textstream.Detokenizer`), never re-decoding the
@@ -411,10 +414,6 @@ class ModelVocab:
     path: str | None
     size: int
     stop_ids: tuple[int, ...]
-
-    @property
-    def table(self) -> ByteTable:
-        return byte_table(self.tokenizer)
 
 
 def load_vocab(checkpoint: str | None, tokenizer_path: str | None) -> ModelVocab:
