@@ -16,7 +16,7 @@ The invariants (the reference is `tokenizers`' own `decode`, skip_special_tokens
 """
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre.backends import vocab as V

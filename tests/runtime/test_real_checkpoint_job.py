@@ -14,7 +14,6 @@ harness command, given with --executions.dataset.path.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
