@@ -10,6 +10,13 @@ tokens per call), each server in its own process, the load generator in this one
   * proxy-embed the proxy with the engine in its own process (no second HTTP hop)
   * proxy-http  as `proxy`, the engine reached by one streamed POST per call instead of the
                 multiplexed websocket (HttpEngine transport="http")
+  * proxy-large-vocab  as `proxy`, with a real 131,072-id vocabulary: Mistral's Tekken tokenizer
+                (the tekken*.json the `mistral-common` wheel ships; `--large-vocab PATH` for
+                another tokenizer directory or tekken.json, `--large-vocab none` to skip), its
+                engine sampling ids over the whole vocabulary (past the 1,000 control tokens).
+                Tekken ships no HF chat template: the project's Qwen2.5 template renders the
+                turns (its <|im_start|> markers are plain text to Tekken). Its start-up cost is
+                reported too: the tokenizer load, the byte table (best of 3) and Proxy() whole.
 
 Latency: one client, sequential requests, p50 / p99; the proxy's *added* latency is its p50/p99
 minus the direct p50/p99. Throughput: `--concurrency` clients, each its own execution (key),
@@ -49,22 +56,30 @@ TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run",
 
 
 # ---- server processes ---------------------------------------------------------------------------
-def _engine_main(q, token_delay):
+def _engine_main(q, token_delay, vocab_size=1024, first_regular_id=7, eos_token_id=2):
     from gyre.backends.det_engine import DeterministicEngine
     from gyre.backends.engine_http import serve_engine
 
-    h = serve_engine(DeterministicEngine("bench", token_delay=token_delay))
+    h = serve_engine(DeterministicEngine("bench", token_delay=token_delay, vocab_size=vocab_size,
+                                         first_regular_id=first_regular_id, eos_token_id=eos_token_id))
     q.put((h.port, h.secret))  # engines answer only with the run's secret (engine_http)
     h.thread.join()
 
 
-def _proxy_main(q, engine_url, n_keys, token_delay, store_dir, transport="ws", limits=False, engine_secret=None):
+def _proxy_main(q, engine_url, n_keys, token_delay, store_dir, transport="ws", limits=False, engine_secret=None,
+                tokenizer_dir=None):
     from gyre.proxy import Proxy, ProxyConfig, StoreSink, serve_proxy
     from gyre.backends.det_engine import DeterministicEngine
     from gyre.backends.engine_http import HttpEngine
     from gyre.trajectory.store import TitoStore
 
-    proxy = Proxy(ProxyConfig() if limits else ProxyConfig(calls_per_second_per_key=0), sink=StoreSink(TitoStore(store_dir)))
+    kw = {}
+    if tokenizer_dir:  # the large-vocabulary variant: that directory's tokenizer and stop ids
+        from gyre.backends.vocab import load_vocab
+
+        vocab = load_vocab(None, tokenizer_dir)
+        kw = {"tokenizer": vocab.tokenizer, "stop_ids": vocab.stop_ids}
+    proxy = Proxy(ProxyConfig() if limits else ProxyConfig(calls_per_second_per_key=0), sink=StoreSink(TitoStore(store_dir)), **kw)
     if engine_url:
         proxy.router.add_engine(HttpEngine(engine_url, name="bench", transport=transport, secret=engine_secret),
                                 kind="cell", index=0)
@@ -235,6 +250,70 @@ async def _fairness(url, keys, n, body_mb, max_tokens):
             "hostile_refusal_p50_ms": _pct(hostile["s"], 50) * 1e3 if hostile["s"] else None}
 
 
+def _large_vocab_dir(spec: str, root: str) -> str | None:
+    """A tokenizer directory for the large-vocabulary variant (None: skipped): `auto` = the newest
+    tekken*.json in the installed mistral-common; a tekken.json file or a directory otherwise.
+    A bare tekken.json gets the project's chat template and `</s>` (id 2) as its stop id."""
+    import shutil
+
+    from gyre.backends.tokenizer import CHAT_TEMPLATE
+
+    if spec == "none":
+        return None
+    if spec == "auto":
+        try:
+            import mistral_common
+        except ImportError:
+            print("large vocabulary: skipped (pip install mistral-common, or --large-vocab PATH)")
+            return None
+        found = sorted(Path(mistral_common.__file__).parent.rglob("tekken*.json"))
+        if not found:
+            print("large vocabulary: skipped (this mistral-common ships no tekken*.json)")
+            return None
+        spec = str(found[-1])
+    if Path(spec).is_dir():
+        return spec
+    d = Path(root) / "large_vocab"
+    d.mkdir(parents=True, exist_ok=True)
+    shutil.copy(spec, d / "tekken.json")
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    return str(d)
+
+
+def _large_vocab_startup(tokenizer_dir: str) -> dict:
+    """What the large vocabulary costs once, at start: the tokenizer load (transformers), the
+    byte table (best of 3) and a whole Proxy() (renderer included), in this process."""
+    from gyre.backends import vocab as V
+    from gyre.proxy import Proxy, ProxyConfig
+
+    t0 = time.perf_counter()
+    v = V.load_vocab(None, tokenizer_dir)
+    load_s = time.perf_counter() - t0
+    builds = []
+    for _ in range(3):
+        v.tokenizer._gyre_byte_table = None
+        t0 = time.perf_counter()
+        table = V.byte_table(v.tokenizer)
+        builds.append(time.perf_counter() - t0)
+    v.tokenizer._gyre_byte_table = None
+    t0 = time.perf_counter()
+    Proxy(ProxyConfig(), tokenizer=v.tokenizer, stop_ids=v.stop_ids)
+    proxy_s = time.perf_counter() - t0
+    return {"ids": len(table), "undecodable": len(table.undecodable), "tokenizer_load_s": load_s,
+            "byte_table_build_s": min(builds), "byte_table_builds_s": builds, "proxy_init_s": proxy_s,
+            "first_regular_id": _first_regular_id(v.tokenizer), "stop_ids": list(v.stop_ids)}
+
+
+def _first_regular_id(tokenizer) -> int:
+    """The first id past the tokenizer's leading block of special tokens (Tekken: 1000)."""
+    special = set(tokenizer.backend_tokenizer.get_added_tokens_decoder())
+    i = 0
+    while i in special:
+        i += 1
+    return i
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=2000, help="requests per variant in the throughput runs (all rounds)")
@@ -248,6 +327,8 @@ def main() -> None:
     ap.add_argument("--fair-requests", type=int, default=400, help="small calls per phase of the fairness run (all victims)")
     ap.add_argument("--fair-keys", type=int, default=4, help="victim executions in the fairness run")
     ap.add_argument("--fair-body-mb", type=int, default=15, help="prompt text per hostile body, MiB (the body limit is 16)")
+    ap.add_argument("--large-vocab", default="auto", help="tokenizer of the large-vocabulary variant: auto (mistral-common's "
+                    "Tekken, 131k ids), a tekken.json or tokenizer directory, or none")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "proxy_bench.json"))
     args = ap.parse_args()
 
@@ -270,16 +351,32 @@ def main() -> None:
         p, (hport, hkeys) = _start(_proxy_main, engine_url, args.concurrency, 0.0, store + "/d", "http", False, esecret)
         procs.append(p)
         proxy_url, embed_url, phttp_url = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{xport}", f"http://127.0.0.1:{hport}"
+        large_dir = _large_vocab_dir(args.large_vocab, store)
+        large = None
+        if large_dir:
+            large = _large_vocab_startup(large_dir)
+            print(f"large vocabulary: {large['ids']} ids ({large_dir}); start-up: tokenizer load {large['tokenizer_load_s']:.2f} s, "
+                  f"byte table {large['byte_table_build_s'] * 1e3:.0f} ms (best of 3), Proxy() {large['proxy_init_s']:.2f} s", flush=True)
+            p, (lport, lsecret) = _start(_engine_main, 0.0, large["ids"], large["first_regular_id"], large["stop_ids"][0])
+            procs.append(p)
+            large_engine_pid = p.pid
+            p, (lpport, lkeys) = _start(_proxy_main, f"http://127.0.0.1:{lport}", args.concurrency, 0.0, store + "/l", "ws",
+                                        False, lsecret, large_dir)
+            procs.append(p)
+            large_proxy_pid = p.pid
 
         calib = _calibrate_ns()
         print(f"machine load check: {calib:.0f} ns per empty loop iteration (idle core: ~15-30), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-        engine_pid, proxy_pid, embed_pid, phttp_pid = (p.pid for p in procs)
+        engine_pid, proxy_pid, embed_pid, phttp_pid = (p.pid for p in procs[:4])
         variants = [
             ("direct", engine_url, [esecret] * args.concurrency, "direct", [engine_pid]),
             ("proxy", proxy_url, keys, "proxy", [proxy_pid, engine_pid]),
             ("proxy_embed", embed_url, xkeys, "proxy", [embed_pid]),
             ("proxy_http", phttp_url, hkeys, "proxy", [phttp_pid, engine_pid]),
         ]
+        if large is not None:
+            variants.append(("proxy_large_vocab", f"http://127.0.0.1:{lpport}", lkeys, "proxy",
+                             [large_proxy_pid, large_engine_pid]))
         # Interleaved rounds (every variant once per round) so that load from other work on the
         # machine hits all variants alike; latency percentiles over all samples, throughput the
         # median of the rounds.
@@ -307,7 +404,7 @@ def main() -> None:
             print(f"{name:12s} seq p50 {lat['p50_ms']:.3f} ms  p99 {lat['p99_ms']:.3f} ms | {args.concurrency} clients: "
                   f"{thr['req_per_s']:.0f} req/s (median of {args.rounds} rounds)  server CPU/req {' + '.join(f'{c:.0f}' for c in cpu_us)} us"
                   f"  errors {a['errors']}", flush=True)
-        for name in ("proxy", "proxy_embed", "proxy_http"):
+        for name in ("proxy", "proxy_embed", "proxy_http") + (("proxy_large_vocab",) if large is not None else ()):
             r = res[name]
             print(f"{name:12s} added p50 {r['latency']['p50_ms'] - res['direct']['latency']['p50_ms']:.3f} ms, "
                   f"added p99 {r['latency']['p99_ms'] - res['direct']['latency']['p99_ms']:.3f} ms, "
@@ -351,6 +448,18 @@ def main() -> None:
         "load_average_1min_at_end": os.getloadavg()[0],
         "errors": sum(r[k]["errors"] for r in res.values() for k in ("latency", "throughput")),
     }
+    if large is not None:  # beside the small-vocabulary figures above, same run
+        lv = res["proxy_large_vocab"]
+        figures.update({
+            "large_vocab_ids": large["ids"],
+            "large_vocab_added_latency_p50_ms": lv["latency"]["p50_ms"] - res["direct"]["latency"]["p50_ms"],
+            "large_vocab_added_latency_p99_ms": lv["latency"]["p99_ms"] - res["direct"]["latency"]["p99_ms"],
+            "large_vocab_proxy_req_per_s": lv["throughput"]["req_per_s"],
+            "large_vocab_proxy_cpu_us_per_req": lv["server_cpu_us_per_req"][0],
+            "large_vocab_byte_table_build_s": large["byte_table_build_s"],
+            "large_vocab_tokenizer_load_s": large["tokenizer_load_s"],
+            "large_vocab_proxy_init_s": large["proxy_init_s"],
+        })
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
     except OSError:
@@ -366,6 +475,7 @@ def main() -> None:
         "results": res,
         "streams": streams,
         "fairness": fair,
+        "large_vocab": large,
         "figures": figures,
         "left_out": [
             "a real model: the engine is instant, so the figures are the proxy's own cost",

@@ -270,6 +270,7 @@ def check_model_vocab(cfg: GyreConfig) -> None:
         return
     try:
         vocab = V.load_vocab(mc, cfg.proxy.tokenizer_path)
+        V.check_project_fallback(mc, rows, vocab)
         V.check_vocab(rows, vocab.size, model=f"--model.checkpoint {mc}",
                       tokenizer=f"the tokenizer at {vocab.path or 'gyre/assets/tokenizer'}")
     except (V.VocabError, OSError) as e:

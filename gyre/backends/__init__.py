@@ -20,7 +20,8 @@
     models.py          HF models of the arch families; Qwen2 size presets ('tiny', 'small'), packed forward, checkpoints
   architectures
     arch/              the registry: one module per family (qwen2, qwen3, qwen3_moe, llama), SUPPORTED, family_of
-    tokenizer.py       the repo's byte-level BPE with a chat template
+    tokenizer.py       the repo's byte-level BPE with a chat template (the built-in presets)
+    vocab.py           the run's tokenizer (a checkpoint's own): every id's bytes, stop ids, size checks
   weight transports
     transfer.py        flat snapshot layout + CRC, broadcast / Mooncake primitives, retention, byte counts
     weights.py         the WeightTransports: SnapshotBoard (store), TorchWeights (gloo p2p), MooncakeWeights

@@ -2,9 +2,12 @@
 which ids end a turn, which ids may be sampled, and which tokenizer a run uses.
 
     resolve_tokenizer_dir(checkpoint, tokenizer_path)  →  the one directory the run's tokenizer comes from
-    load_vocab(checkpoint, tokenizer_path)             →  ModelVocab(tokenizer, stop_ids, size, ...)
+    load_vocab(checkpoint, tokenizer_path)             →  ModelVocab(tokenizer, path, size, stop_ids)
+    stop_token_ids(tokenizer, model_dir)               →  the ids that end a turn (generation_config first)
     check_vocab(model_rows, tokenizer_ids)             →  refuse a tokenizer larger than the model
+    check_project_fallback(checkpoint, rows, vocab)    →  refuse a checkpoint without tokenizer that is not project-sized
     byte_table(tokenizer)                              →  ByteTable: bytes of every id, built once
+    id_count(tokenizer)                                →  one past the largest id (what sampleable_vocab is)
 
 **The byte table.** A stream of sampled ids is shown incrementally: each id's bytes are appended
 and UTF-8 decoded as they complete (`gyre.proxy.textstream.Detokenizer`), never re-decoding the
@@ -49,6 +52,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import operator
 import os
 import re
 import time
@@ -111,9 +115,10 @@ class ByteTable(list):
         self._metaspace_first = metaspace_first  # a first token's bytes under the Metaspace rule
 
     def __getitem__(self, i):  # type: ignore[override]
-        if type(i) is int:
-            return list.__getitem__(self, i) if 0 <= i < len(self) else b""
-        return list.__getitem__(self, i)
+        if isinstance(i, slice):
+            return list.__getitem__(self, i)
+        i = operator.index(i)  # numpy ints too (records hold int32 arrays)
+        return list.__getitem__(self, i) if 0 <= i < len(self) else b""
 
     def join(self, ids: Iterable[int]) -> bytes:
         n, get = len(self), list.__getitem__
@@ -376,6 +381,17 @@ def model_rows(checkpoint: str | None) -> int | None:
     return int(rows) if rows is not None else None
 
 
+def check_project_fallback(checkpoint: str | None, rows: int | None, vocab: "ModelVocab") -> None:
+    """A checkpoint without tokenizer files falls back to the project tokenizer only when it is a
+    project-sized model (the presets' warm starts, checkpoints Gyre wrote of them): any other
+    size means the checkpoint's own tokenizer is missing (a checkpoint Gyre wrote of a user's
+    model has no tokenizer files), and pairing it with 1024 ids would train on nonsense."""
+    if checkpoint and vocab.path is None and rows is not None and rows != vocab.size:
+        raise VocabError(f"--model.checkpoint {checkpoint} has no tokenizer (no {' or '.join(TOKENIZER_FILES)}) and "
+                         f"{rows} embedding rows; the project tokenizer ({vocab.size} ids) is only for the built-in "
+                         f"presets: give the model's tokenizer directory with --proxy.tokenizer-path")
+
+
 def check_vocab(rows: int, ids: int, *, model: str = "the model", tokenizer: str = "the tokenizer") -> None:
     """A tokenizer whose ids go past the model's embedding rows cannot work (its ids would index
     rows that do not exist): refused, naming both sizes. A larger model (padding rows: real
@@ -398,10 +414,6 @@ class ModelVocab:
     path: str | None
     size: int
     stop_ids: tuple[int, ...]
-
-    @property
-    def table(self) -> ByteTable:
-        return byte_table(self.tokenizer)
 
 
 def load_vocab(checkpoint: str | None, tokenizer_path: str | None) -> ModelVocab:

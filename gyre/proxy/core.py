@@ -280,6 +280,7 @@ class Call:
                 yield self._keep(item)
             for item in parser.flush():
                 yield self._keep(item)
+            p.note_undecodable(self.tokens)
             completed = True
         except NoEngineError as e:
             engine_failed = True
@@ -448,11 +449,27 @@ class Proxy:
         self.executions: dict[str, ExecutionState] = {}
         self.policy_version = 0  # reported for calls that produced no token
         self.sink_errors = 0
+        self.undecodable_tokens = 0  # sampled ids with no token (note_undecodable)
         self.late_records = 0  # calls that ended after their execution was closed (not recorded)
         self.closed_executions: set[str] = set()  # their ids cannot be issued again
         self._pool: ThreadPoolExecutor | None = None
         self.unmatched_executions: dict[str, dict[str, Any]] = {}  # closed executions with unmatched turns (worst kept)
         self._serial = itertools.count()
+
+    def note_undecodable(self, tokens: list[TokenEvent]) -> None:
+        """Count sampled ids the tokenizer has no bytes for (padding rows, holes): shown as
+        nothing, kept in the record; warned about once. An engine that masks to the tokenizer's
+        size (`sampleable_vocab`) never samples one."""
+        table = self.token_table
+        n, bad_ids = len(table), table.undecodable
+        bad = sum(1 for e in tokens if not 0 <= e.token_id < n or e.token_id in bad_ids)
+        if bad:
+            if not self.undecodable_tokens:
+                logger.warning("proxy: the engine sampled %d id(s) the tokenizer has no token for (e.g. %d, tokenizer "
+                               "ids: %d); they show as nothing. Its vocabulary should be masked to the tokenizer's "
+                               "(sampleable_vocab)", bad, next(e.token_id for e in tokens if not 0 <= e.token_id < n
+                                                               or e.token_id in bad_ids), n)
+            self.undecodable_tokens += bad
 
     # ---- executions -------------------------------------------------------------------------
     def issue_key(self, execution_id: str, role_hint: Role | str | None = None, key: str | None = None) -> str:

@@ -73,7 +73,7 @@ def _kv_transport(cfg: Any, topo: Topology, store: Any) -> Any:
 
 def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: WeightTransport, engine_secret: str,
            run: RunDir, kv: Any = None, interrupts: Any = None) -> None:
-    from gyre.backends.vocab import VocabError, check_vocab, load_vocab
+    from gyre.backends.vocab import VocabError, check_project_fallback, check_vocab, load_vocab
     from gyre.config import ConfigError
     from gyre.runtime.controller import Controller
     from gyre.backends.engine_host import EngineHost, bind_address
@@ -83,21 +83,24 @@ def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: Weight
     if interrupts is not None:  # a signal handler's own connection: the main thread may be mid-call on `store`
         notice = ControlPlane(store.clone(), topo.rank)
         interrupts.notify = lambda name: notice.send(CONTROLLER, Interrupted(cell=topo.cell, rank=topo.rank, signal=name))
-    # The run's tokenizer: the checkpoint's own when it has one (gyre.backends.vocab.resolve_tokenizer_dir);
-    # its size bounds what the engines sample, its checkpoint's eos ids end a turn. check_train_config
-    # compared it with an existing checkpoint's embedding already; a prepared one is checked below.
-    vocab = load_vocab(cfg.model.checkpoint, cfg.proxy.tokenizer_path)
+    # The run's tokenizer (gyre.backends.vocab.load_vocab: the checkpoint's own when it has one),
+    # resolved once the checkpoint is there (a prepared one too): its size bounds what the engines
+    # sample, the checkpoint's eos ids end a turn. check_train_config compared an existing
+    # checkpoint's embedding with it already; a prepared one is checked below.
     ckpt_dir = Path(cfg.run_dir) / "checkpoints"
     if topo.is_controller and cfg.train.prepare:
         _prepare(cfg)  # the other ranks wait in the barrier below
     core_actor = None
     if topo.is_core:  # the authoritative weights and optimizer state live here (docs/design.md §1)
+        vocab = load_vocab(cfg.model.checkpoint, cfg.proxy.tokenizer_path)
         core_actor, model_cfg = factory.build_core_actor(cfg, vocab.size, ckpt_dir)
         weights.post(core_actor.version, core_actor.export_parameters(), published=True)
     dist.barrier(group=groups.control)  # blocking: the prepared data and the starting snapshot are there
     if core_actor is None:  # after the barrier: --model.checkpoint may be what rank 0 just prepared
+        vocab = load_vocab(cfg.model.checkpoint, cfg.proxy.tokenizer_path)
         model_cfg = factory.model_config_of(cfg, vocab.size)
     try:  # every rank, same point: a refusal is a ConfigError each rank leaves with (gyre/run.py)
+        check_project_fallback(cfg.model.checkpoint, model_cfg.vocab_size, vocab)
         check_vocab(model_cfg.vocab_size, vocab.size, model=cfg.model.checkpoint or f"model preset {cfg.model.preset!r}",
                     tokenizer=f"the tokenizer at {vocab.path or 'gyre/assets/tokenizer'}")
     except VocabError as e:

@@ -14,7 +14,6 @@ harness command, given with --executions.dataset.path.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,11 +25,16 @@ from tests.jobs import ROOT, env
 
 pytestmark = pytest.mark.multirank  # about 60 s on 2 loaded cores
 
-_AFTER_MERGE = pytest.mark.skip(reason="needs the decoder families (arch branch) and chat formats (formats branch) "
-                                       "of issue 28; switch on after they merge")
+# Switched on after issue 28's other branches merge (tried on a local merge of tok + arch + formats,
+# 2026-12-02: qwen2.5 and llama3.1 passed; qwen3 completed but 1 run in 3 had one unmatched re-sent
+# turn, kind "unknown", for the chat-format side to look at).
+_NEEDS_ARCH = pytest.mark.skip(reason="needs the built-in decoder's Qwen3/Llama families and the engines' padded-"
+                                      "vocabulary masking (arch branch of issue 28); switch on after it merges")
+_NEEDS_FORMATS = pytest.mark.skip(reason="needs the arch branch and the Llama 3.1 chat format (formats branch of "
+                                         "issue 28); switch on after both merge")
 FAMILIES = [pytest.param("qwen2.5", id="qwen2.5"),
-            pytest.param("qwen3", id="qwen3", marks=_AFTER_MERGE),
-            pytest.param("llama3.1", id="llama3.1", marks=_AFTER_MERGE)]
+            pytest.param("qwen3", id="qwen3", marks=_NEEDS_ARCH),
+            pytest.param("llama3.1", id="llama3.1", marks=_NEEDS_FORMATS)]
 
 
 def _template(family: str) -> str | None:
@@ -75,8 +79,13 @@ def test_a_local_checkpoint_directory_trains_with_its_own_tokenizer(tmp_path, fa
 
     eos = json.loads((ckpt / "generation_config.json").read_text())["eos_token_id"]
     eos = {eos} if isinstance(eos, int) else set(eos)
+    # A turn ends on the checkpoint's eos or on another of its control tokens the chat format stops
+    # at (Llama 3.1: <|eom_id|>, <|end_of_text|> beside generation_config's <|eot_id|>).
+    control = {i for i, t in tok.backend_tokenizer.get_added_tokens_decoder().items() if t.special}
+    assert eos <= control
     # Each prompt decodes, with DIR's tokenizer, to DIR's chat template's rendering of the harness's turns.
-    header = tok.apply_chat_template([{"role": "system", "content": "\x00"}], tokenize=False).split("\x00")[0]
+    # (its first line: the system turn's header; tools may add lines after it, as Llama 3.1's "Environment: ipython")
+    header = tok.apply_chat_template([{"role": "system", "content": "\x00"}], tokenize=False).split("\x00")[0].split("\n")[0]
     files = sorted((run_dir / "tito").glob("*.tito"))
     assert files
     n_calls = 0
@@ -92,5 +101,5 @@ def test_a_local_checkpoint_directory_trains_with_its_own_tokenizer(tmp_path, fa
             assert prompt.startswith(header) and "agent" in prompt, prompt[:200]
             out = list(rec.output_ids)
             if rec.finish_reason == "stop" and out:
-                assert out[-1] in eos, (f, out[-5:])
+                assert out[-1] in control, (f, out[-5:])
     assert n_calls > 0
