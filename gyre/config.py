@@ -275,6 +275,9 @@ def check_model_vocab(cfg: GyreConfig) -> None:
                       tokenizer=f"the tokenizer at {vocab.path or 'gyre/assets/tokenizer'}")
     except (V.VocabError, OSError) as e:
         raise ConfigError(str(e)) from None
+    from gyre.runtime.job import chat_format_stop_ids
+
+    chat_format_stop_ids(cfg, vocab.tokenizer, None)  # a template no chat format knows: refused here, named
 
 
 def check_dataset(cfg: GyreConfig) -> None:

@@ -55,6 +55,20 @@ def train(cfg: Any, topo: Topology, groups: Groups, run: RunDir, interrupts: Any
         _write_transport_stats(Path(cfg.run_dir), topo.rank, weights)
 
 
+def chat_format_stop_ids(cfg: Any, tokenizer: Any, model_cfg: Any) -> set[int]:
+    """The ids of the run's chat format's stop tokens (gyre.proxy.formats: the checkpoint's template,
+    or --proxy.chat-format); a template no format knows is a ConfigError on every rank."""
+    from gyre.config import ConfigError
+    from gyre.proxy.formats import UnknownChatFormat, format_for
+
+    try:
+        fmt = format_for(tokenizer, model_cfg, override=cfg.proxy.chat_format)
+    except UnknownChatFormat as e:
+        raise ConfigError(str(e)) from None
+    ids = (tokenizer.backend_tokenizer.token_to_id(t) for t in fmt.stop_tokens)
+    return {i for i in ids if i is not None}
+
+
 def _kv_transport(cfg: Any, topo: Topology, store: Any) -> Any:
     """The engines' KV-migration transport (`--proxy.migration` auto|always), or None (off)."""
     if cfg.proxy.migration == "off":
@@ -105,12 +119,15 @@ def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: Weight
                     tokenizer=f"the tokenizer at {vocab.path or 'gyre/assets/tokenizer'}")
     except VocabError as e:
         raise ConfigError(str(e)) from None
+    # A turn ends at the checkpoint's eos ids and at the chat format's end-of-turn tokens (Llama 3.1:
+    # <|eot_id|>, <|eom_id|>, <|end_of_text|>; a generation_config may name only one of them).
+    stop_ids = sorted(set(vocab.stop_ids) | chat_format_stop_ids(cfg, vocab.tokenizer, model_cfg))
 
     start_version = weights.latest()  # 0, or the resumed checkpoint's version
     engine_host = None
     if topo.position == 0:  # a cell's (or pool engine's) first rank serves its engine
         engine = factory.build_engine(cfg, model_cfg, weights.fetch(start_version), version=start_version,
-                                      eos_token_ids=list(vocab.stop_ids), sampleable_vocab=vocab.size,
+                                      eos_token_ids=stop_ids, sampleable_vocab=vocab.size,
                                       name=f"rank{topo.rank}")
         # torchrun runs the same number of ranks on every node: one node iff local == world.
         single_node = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size)) == topo.world_size
