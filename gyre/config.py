@@ -275,9 +275,12 @@ def check_model_vocab(cfg: GyreConfig) -> None:
                       tokenizer=f"the tokenizer at {vocab.path or 'gyre/assets/tokenizer'}")
     except (V.VocabError, OSError) as e:
         raise ConfigError(str(e)) from None
-    from gyre.runtime.job import chat_format_stop_ids
+    from gyre.proxy.formats import UnknownChatFormat, format_for
 
-    chat_format_stop_ids(cfg, vocab.tokenizer, None)  # a template no chat format knows: refused here, named
+    try:  # a template no chat format knows: refused here, naming the known formats
+        format_for(vocab.tokenizer, override=cfg.proxy.chat_format)
+    except UnknownChatFormat as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_dataset(cfg: GyreConfig) -> None:

@@ -55,7 +55,7 @@ def train(cfg: Any, topo: Topology, groups: Groups, run: RunDir, interrupts: Any
         _write_transport_stats(Path(cfg.run_dir), topo.rank, weights)
 
 
-def chat_format_stop_ids(cfg: Any, tokenizer: Any, model_cfg: Any) -> set[int]:
+def _chat_format_stop_ids(cfg: Any, tokenizer: Any, model_cfg: Any) -> set[int]:
     """The ids of the run's chat format's stop tokens (gyre.proxy.formats: the checkpoint's template,
     or --proxy.chat-format); a template no format knows is a ConfigError on every rank."""
     from gyre.config import ConfigError
@@ -121,7 +121,7 @@ def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: Weight
         raise ConfigError(str(e)) from None
     # A turn ends at the checkpoint's eos ids and at the chat format's end-of-turn tokens (Llama 3.1:
     # <|eot_id|>, <|eom_id|>, <|end_of_text|>; a generation_config may name only one of them).
-    stop_ids = sorted(set(vocab.stop_ids) | chat_format_stop_ids(cfg, vocab.tokenizer, model_cfg))
+    stop_ids = sorted(set(vocab.stop_ids) | _chat_format_stop_ids(cfg, vocab.tokenizer, model_cfg))
 
     start_version = weights.latest()  # 0, or the resumed checkpoint's version
     engine_host = None
