@@ -91,12 +91,32 @@ def _load_function_call() -> None:
     _loaded["fc"] = True
 
 
+_DETECTORS = {"qwen25": ("qwen25_detector", "Qwen25Detector"), "qwen3_coder": ("qwen3_coder_detector", "Qwen3CoderDetector"),
+              "llama3": ("llama32_detector", "Llama32Detector")}
+
+
+def _detector_classes() -> dict:
+    """The three detector classes, imported once under stub packages that are then taken out of
+    sys.modules again: a stub `sglang` left behind (no __spec__) would make every later
+    `importlib.util.find_spec("sglang")` in the same process raise, and one with a spec would make
+    the factory believe SGLang is installed."""
+    if "classes" not in _loaded:
+        before = set(sys.modules)
+        try:
+            _load_function_call()
+            _loaded["classes"] = {k: getattr(importlib.import_module("sglang.srt.function_call." + mod), cls)
+                                  for k, (mod, cls) in _DETECTORS.items()}
+        finally:
+            for name in set(sys.modules) - before:
+                if name.split(".")[0] in ("sglang", "partial_json_parser"):
+                    del sys.modules[name]
+            _loaded.pop("fc", None)
+    return _loaded["classes"]
+
+
 def detector(name: str):
     """A fresh SGLang detector: qwen25 | qwen3_coder | llama3."""
-    _load_function_call()
-    mod, cls = {"qwen25": ("qwen25_detector", "Qwen25Detector"), "qwen3_coder": ("qwen3_coder_detector", "Qwen3CoderDetector"),
-                "llama3": ("llama32_detector", "Llama32Detector")}[name]
-    return getattr(importlib.import_module("sglang.srt.function_call." + mod), cls)()
+    return _detector_classes()[name]()
 
 
 def reasoning_detector(force: bool = False):
