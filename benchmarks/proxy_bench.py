@@ -253,7 +253,8 @@ async def _fairness(url, keys, n, body_mb, max_tokens):
 def _large_vocab_dir(spec: str, root: str) -> str | None:
     """A tokenizer directory for the large-vocabulary variant (None: skipped): `auto` = the newest
     tekken*.json in the installed mistral-common; a tekken.json file or a directory otherwise.
-    A bare tekken.json gets the project's chat template and `</s>` (id 2) as its stop id."""
+    A bare tekken.json gets ChatML's control tokens, the project's chat template, and `</s>` (id 2) and
+    `<|im_end|>` as its stop ids."""
     import shutil
 
     from gyre.backends.tokenizer import CHAT_TEMPLATE
@@ -273,11 +274,19 @@ def _large_vocab_dir(spec: str, root: str) -> str | None:
         spec = str(found[-1])
     if Path(spec).is_dir():
         return spec
-    d = Path(root) / "large_vocab"
-    d.mkdir(parents=True, exist_ok=True)
-    shutil.copy(spec, d / "tekken.json")
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    from gyre.backends.tokenizer import SPECIAL_TOKENS, load_tokenizer
+
+    raw, d = Path(root) / "large_vocab_raw", Path(root) / "large_vocab"
+    raw.mkdir(parents=True, exist_ok=True)
+    shutil.copy(spec, raw / "tekken.json")
+    # Tekken has no chat template of the kinds Gyre knows (gyre/proxy/formats): give it ChatML's
+    # control tokens and the project's (Qwen2.5) template, as a ChatML fine-tune of it would
+    # (131,072 + 7 ids). The byte table and the detokenizer still meet the whole real vocabulary.
+    tok = load_tokenizer(str(raw))
+    tok.add_special_tokens({"additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in tok.get_vocab()]})
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(d))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, tok.convert_tokens_to_ids("<|im_end|>")]}))
     return str(d)
 
 
