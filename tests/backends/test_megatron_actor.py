@@ -38,6 +38,34 @@ def test_transformer_config_translation():
         transformer_config_kwargs(cfg, MegatronConfig(pipeline_model_parallel_size=3))
 
 
+def test_transformer_config_translation_per_family():
+    from gyre.backends.mcore_mapping import NameLayout
+    from tests.realmodels import model_config as family_config
+
+    mc = MegatronConfig(params_dtype="float32")
+    q3 = transformer_config_kwargs(family_config("qwen3", 128), mc)
+    assert q3["qk_layernorm"] and not q3["add_qkv_bias"] and q3["kv_channels"] == 32  # head_dim, not 64 / 4
+    assert "num_moe_experts" not in q3
+    q25 = transformer_config_kwargs(family_config("qwen2.5", 128), mc)
+    assert q25["add_qkv_bias"] and not q25["qk_layernorm"] and q25["kv_channels"] == 16
+    moe_cfg = family_config("qwen3-moe", 128, num_hidden_layers=3, mlp_only_layers=[1])
+    moe = transformer_config_kwargs(moe_cfg, mc, NameLayout("te", "grouped"))
+    assert (moe["num_moe_experts"], moe["moe_ffn_hidden_size"], moe["moe_router_topk"]) == (4, 64, 2)
+    assert moe["moe_router_pre_softmax"] is False  # norm_topk_prob: top-k logits, then softmax over them
+    assert moe["moe_grouped_gemm"] and moe["moe_layer_freq"] == [1, 0, 1] and moe["ffn_hidden_size"] == 128
+    assert moe["moe_router_load_balancing_type"] == "none" and moe["moe_token_dispatcher_type"] == "allgather"
+    unnorm = transformer_config_kwargs(family_config("qwen3-moe", 128, norm_topk_prob=False), mc, NameLayout())
+    assert unnorm["moe_router_pre_softmax"] is True and unnorm["moe_grouped_gemm"] is False
+    llama = family_config("llama3.1", 128)
+    g = gpt_model_kwargs(llama)
+    assert g["rotary_base"] == 500000 and "rope_scaling" not in g  # original context 1024: inv_freq installed instead
+    real = family_config("llama3.1", 128, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    g = gpt_model_kwargs(real)
+    assert g["rope_scaling"] is True and g["rope_scaling_factor"] == 8.0
+    assert gpt_model_kwargs(family_config("qwen2.5", 128))["share_embeddings_and_output_weights"] is True
+
+
 def test_qkv_is_interleaved_per_query_group_by_hand():
     """4 query heads, 2 KV heads, head dim 1, hidden 2: linear_qkv rows must be
     [q0, q1, k0, v0, q2, q3, k1, v1] (megatron's GQA layout)."""
@@ -472,3 +500,38 @@ def test_every_family_imports_into_megatron_at_tp1_tp2_and_ep2_with_hf_logits():
     which megatron's rope_scaling cannot express: inv_freq installed) on 2 gloo ranks."""
     cases = [(f, tp, 1) for f in ("qwen2.5", "qwen3", "qwen3-moe", "llama3.1") for tp in (1, 2)] + [("qwen3-moe", 1, 2)]
     _check_families(cases, 2)
+
+
+# ---------------------------------------------------------------------------- layouts refused at start-up
+def test_megatron_layouts_are_refused_before_anything_is_built(tmp_path):
+    """gyre.config.check_megatron_layout (run by check_train_config on every rank, before
+    Megatron's parallel state): the layout against the model's own config.json."""
+    from gyre.config import ConfigError, check_megatron_layout
+    from tests.realmodels import model_config as family_config
+
+    cell = ("--backend.actor", "megatron", "--parallel.cell-size", "2")
+    with pytest.raises(ConfigError, match="--parallel.ep 2: expert parallelism needs an MoE model; this qwen2 model is dense"):
+        check_megatron_layout(_cfg(*cell, "--parallel.ep", "2"))  # the preset: a dense Qwen2
+    with pytest.raises(ConfigError, match="--parallel.pp 2: pipeline parallelism needs Transformer Engine"):
+        check_megatron_layout(_cfg(*cell, "--parallel.pp", "2"))
+    with pytest.raises(ConfigError, match="--parallel.cp 2: the Megatron actor does not support context parallelism"):
+        check_megatron_layout(_cfg(*cell, "--parallel.cp", "2"))
+    check_megatron_layout(_cfg(*cell, "--parallel.tp", "2"))
+    check_megatron_layout(_cfg("--parallel.cell-size", "2", "--parallel.ep", "2"))  # the CPU actor: not this check's
+    moe, dense = tmp_path / "moe", tmp_path / "dense"
+    family_config("qwen3-moe", 128).save_pretrained(moe)
+    family_config("qwen3", 128).save_pretrained(dense)
+    check_megatron_layout(_cfg(*cell, "--parallel.ep", "2", "--model.checkpoint", str(moe)))
+    with pytest.raises(ConfigError, match="--parallel.tp 2 with an MoE model"):
+        check_megatron_layout(_cfg(*cell, "--parallel.tp", "2", "--model.checkpoint", str(moe)))
+    with pytest.raises(ConfigError, match="this qwen3 model is dense"):
+        check_megatron_layout(_cfg(*cell, "--parallel.ep", "2", "--model.checkpoint", str(dense)))
+    bad = tmp_path / "mistral"
+    from transformers import MistralConfig
+
+    MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128).save_pretrained(bad)
+    with pytest.raises(ConfigError, match=r"model_type 'mistral' is not supported; supported: \['llama', 'qwen2'"):
+        check_megatron_layout(_cfg("--backend.actor", "megatron", "--model.checkpoint", str(bad)))
+    with pytest.raises(ConfigError, match="--model.checkpoint .*: no readable config.json"):
+        check_megatron_layout(_cfg("--backend.actor", "megatron", "--model.checkpoint", str(tmp_path / "none")))
