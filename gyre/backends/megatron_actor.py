@@ -18,10 +18,13 @@ Real megatron-core APIs used (checked against megatron-core 0.16.1):
     tensor_parallel.layers.param_is_not_tensor_parallel_duplicate (norm over TP × PP, own code:
         megatron's clip_grads allocates on 'cuda' and asserts fp32 CUDA grads)
 
-The weight mapping HF Qwen2 ⇄ megatron (`hf_to_mcore`, `mcore_to_hf`, `shard_for_tp`), the
-config translation (`transformer_config_kwargs`, `gpt_model_kwargs`) and the fp32 main-grad
-arithmetic (`main_grads_fp32`, `grad_norm_fp32`, `clip_by_total_norm_`, `Fp32Master`) are pure
-and CPU-tested; parallel state, the rank layout and building the actor (weights in, HF names
+The weight mapping HF ⇄ megatron per family (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama 3.x; TE and
+local layer-spec names) lives in `gyre.backends.mcore_mapping` (`hf_to_mcore`, `mcore_to_hf`,
+`shard_for_tp`, `unshard_tp` stay importable here). The config translation
+(`transformer_config_kwargs`, `gpt_model_kwargs`) and the fp32 main-grad arithmetic
+(`main_grads_fp32`, `grad_norm_fp32`, `clip_by_total_norm_`, `Fp32Master`) are pure and
+CPU-tested; the GPTModel is shaped from the HF config alone (a satellite passes no weights; the
+core may pass `mcore_mapping.LazyCheckpoint(dir)`, read one tensor at a time); parallel state, the rank layout and building the actor (weights in, HF names
 out) are CPU-tested on gloo (slow: importing megatron takes ~15 s on 2 cores); a training step
 needs CUDA (megatron's rotary embedding and buffers call torch.cuda).
 """
