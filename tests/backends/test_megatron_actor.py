@@ -441,12 +441,16 @@ def _family_import_matches_hf(cases, ckpt_root):
     measured ~1e-7, while a missing llama3 scaling gives 7.7e-5 and inverted MoE top-k
     normalisation 1.6e-2), and its export is the HF state dict bit for bit. Megatron's forward
     calls torch.cuda.current_device() (rotary) and allocates its default causal mask on 'cuda',
-    so this calls the model directly with a CPU mask and a one-line shim."""
+    so this calls the model directly with a CPU mask and a one-line shim. Then a satellite built
+    with no weights takes the export, and a saved checkpoint reloads in transformers (same class,
+    same tensors) and lazily into the satellite."""
     import warnings
 
     warnings.filterwarnings("ignore")
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from gyre.backends.mcore_mapping import LazyCheckpoint
     from gyre.backends.megatron_actor import MegatronActor
     from tests.realmodels import build_model
 
