@@ -197,12 +197,18 @@ def layer_spec(hf_config, config, names: NameLayout):
     return specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
 
 
+def _no_init(tensor: torch.Tensor) -> None:
+    """An init_method that leaves the tensor as allocated (its weights are imported next)."""
+
+
 def build_gpt_model(hf_config, mc: MegatronConfig, *, use_cpu_initialization: bool = False,
-                    perform_initialization: bool = True, names: NameLayout | None = None):
+                    init_weights: bool = True, names: NameLayout | None = None):
     """GPTModel for this rank's pipeline stage (parallel_state must be initialised), shaped from
     the HF config alone (no HF model). TE layer spec where Transformer Engine is installed
-    (packed 'thd' attention), else the local spec. `perform_initialization=False` leaves the
-    parameters uninitialised (torch.empty): for a model whose weights are imported next."""
+    (packed 'thd' attention), else the local spec. `init_weights=False`: no random draws (the
+    weights are imported next). Not megatron's perform_initialization=False: that also skips
+    tagging the TP-sharded weights (`tensor_model_parallel`, tensor_parallel/layers.py:855),
+    which the grad norm's duplicate test reads; no-op init methods keep the tags."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
@@ -220,7 +226,8 @@ def build_gpt_model(hf_config, mc: MegatronConfig, *, use_cpu_initialization: bo
             moe_utils.te_general_gemm = None
     kwargs = transformer_config_kwargs(hf_config, mc, names)
     kwargs["use_cpu_initialization"] = use_cpu_initialization
-    kwargs["perform_initialization"] = perform_initialization
+    if not init_weights:
+        kwargs.update(init_method=_no_init, output_layer_init_method=_no_init, embedding_init_method=_no_init)
     config = TransformerConfig(**kwargs)
     model = GPTModel(config=config, transformer_layer_spec=layer_spec(hf_config, config, names),
                      pre_process=parallel_state.is_pipeline_first_stage(),
@@ -335,11 +342,11 @@ class MegatronActor:
         # the GPU gyre.run bound (torch.cuda.set_device(LOCAL_RANK)); CPU only in CPU tests
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         # every floating tensor in params_dtype, as Megatron's Float16Module casts the model (the
-        # local spec's norms are built in fp32 whatever params_dtype says). Not initialised: the
+        # local spec's norms are built in fp32 whatever params_dtype says). No random init: the
         # import below (or a satellite's first snapshot) overwrites every parameter.
         dtype = transformer_config_kwargs(hf_config, self.mc, self.names)["params_dtype"]
         self.model = build_gpt_model(hf_config, self.mc, use_cpu_initialization=self.device.type == "cpu",
-                                     perform_initialization=False, names=self.names).to(self.device, dtype)
+                                     init_weights=False, names=self.names).to(self.device, dtype)
         # packed 'thd' attention needs TE; the local spec runs the pack one sequence at a time
         self.packed = has_transformer_engine()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()

@@ -241,7 +241,7 @@ def _te_names_from_megatron_specs():
         hf = build_model(family, VOCAB, num_hidden_layers=3, mlp_only_layers=[1]) if family == "qwen3-moe" \
             else build_model(family, VOCAB)
         cfg = hf.config
-        model = build_gpt_model(cfg, mc, use_cpu_initialization=True, perform_initialization=False,
+        model = build_gpt_model(cfg, mc, use_cpu_initialization=True, init_weights=False,
                                 names=NameLayout("local", "sequential"))
         local_names = {k for k in model.state_dict() if not k.endswith("_extra_state")}
         ours_local = set(hf_to_mcore(hf.state_dict(), cfg, NameLayout("local", "sequential")))
