@@ -361,7 +361,9 @@ class MegatronActor:
                                           f"(expert_tensor_parallel_size other than TP is not supported)")
         if hf_state_dict is not None:
             self.import_parameters(hf_state_dict)
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self._params = [p for _, p in named]
+        self._is_expert = [_mapping.expert_index(n) is not None for n, _ in named]
         self.master = Fp32Master(self._params, self.optim) if is_core else None
         masters = self.master.masters if self.master is not None else []
         self.memory = ActorMemory.of([*self.model.parameters(), *self.model.buffers(), *masters],
@@ -458,19 +460,45 @@ class MegatronActor:
             p.main_grad = flat[offset : offset + p.numel()].view(p.shape)
             offset += p.numel()
 
-    def optimizer_step(self, max_grad_norm: float | None = None, *, grad_scale: float = 1.0) -> dict[str, float]:
-        """As `CpuActor.optimizer_step`: grads × grad_scale (the |E| correction), clip, AdamW,
-        all in fp32 (see `Fp32Master`); the norm is over the TP × PP shards."""
+    def grads_fp32(self, grad_scale: float = 1.0) -> list[torch.Tensor]:
+        """fp32 gradients of `_params` × grad_scale (`main_grads_fp32`). With EP > 1 every rank of
+        the cell runs the same micro-step, so each expert sees every EP rank's (identical) tokens
+        and its gradient is EP × that of one copy; expert gradients are divided by EP (dense ones,
+        router included, are each rank's full own gradient)."""
+        grads = main_grads_fp32(self._params, grad_scale)
+        ep = self.mc.expert_model_parallel_size
+        if ep > 1:
+            for g, expert in zip(grads, self._is_expert):
+                if expert:
+                    g.div_(ep)
+        return grads
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> float:
+        """Global L2 norm of `grads` (as `grads_fp32` gives them): dense weights over the TP × PP
+        shards, each TP-duplicated one (norms, the router) once; experts over megatron's
+        expert-TP × EP × PP group, where each rank holds its own experts' shards."""
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 
+        dense = [g for p, g, e in zip(self._params, grads, self._is_expert)
+                 if not e and param_is_not_tensor_parallel_duplicate(p)]
+        norm = grad_norm_fp32(dense, parallel_state.get_model_parallel_group())
+        if not any(self._is_expert):  # a dense model (the same on every rank: no collective skipped)
+            return norm
+        etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+        experts = [g for p, g, e in zip(self._params, grads, self._is_expert)
+                   if e and (getattr(p, "tensor_model_parallel", False) or etp_rank == 0)]
+        expert_norm = grad_norm_fp32(experts, parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+        return (norm ** 2 + expert_norm ** 2) ** 0.5
+
+    def optimizer_step(self, max_grad_norm: float | None = None, *, grad_scale: float = 1.0) -> dict[str, float]:
+        """As `CpuActor.optimizer_step`: grads × grad_scale (the |E| correction), clip, AdamW,
+        all in fp32 (see `Fp32Master`); the norm is over the TP × PP shards (`grad_norm`)."""
         if self.master is None:
             raise RuntimeError("optimizer_step on a satellite: only the core holds optimizer state")
         clip = self.optim.max_grad_norm if max_grad_norm is None else max_grad_norm
-        grads = main_grads_fp32(self._params, grad_scale)
-        # TP-duplicated params (norm weights) counted once
-        owned = [g for p, g in zip(self._params, grads) if param_is_not_tensor_parallel_duplicate(p)]
-        norm = grad_norm_fp32(owned, parallel_state.get_model_parallel_group())
+        grads = self.grads_fp32(grad_scale)
+        norm = self.grad_norm(grads)
         clip_by_total_norm_(grads, clip, norm)
         lr = self.optim.lr_at(self.version)
         self.master.step(grads, lr)

@@ -585,3 +585,51 @@ def test_import_names_slice_pipeline_stages_and_expert_ranks():
     assert name("decoder.final_layernorm.weight") == "decoder.final_layernorm.weight"
     assert name("decoder.layers.2.mlp.experts.linear_fc1.weight3") == "decoder.layers.0.mlp.experts.linear_fc1.weight1"
     assert name("decoder.layers.2.mlp.experts.local_experts.1.linear_fc2.weight") is None  # EP rank 0's
+
+
+def _moe_ep_grads_match_hf():
+    """Qwen3-MoE at EP 2 on 2 gloo ranks, both running the same tokens (as a Gyre cell does):
+    after megatron's backward, `grads_fp32` equals HF's gradient mapped to this rank's experts
+    (expert grads divided by EP: each expert saw both ranks' identical tokens), and `grad_norm`
+    is HF's total gradient norm. CPU shims as in `_forward_backward_matches_hf`."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from gyre.backends.mcore_mapping import NameLayout, shard
+    from gyre.backends.megatron_actor import MegatronActor
+    from tests.realmodels import build_model
+
+    torch.cuda.current_device = lambda: "cpu"  # shim (this spawned rank only)
+    hf = build_model("qwen3-moe", FAMILY_VOCAB, seed=3)
+    actor = MegatronActor(hf.config, hf.state_dict(), is_core=True, config=MegatronConfig(expert_model_parallel_size=2,
+                                                                                       params_dtype="float32"))
+    g = torch.Generator().manual_seed(7)
+    n = 16
+    ids = torch.randint(0, FAMILY_VOCAB, (1, n), generator=g)
+    target = torch.randint(0, FAMILY_VOCAB, (1, n), generator=g)
+    mask = torch.triu(torch.ones(n, n), diagonal=1).bool()[None, None]
+    logits = actor.model(ids, torch.arange(n)[None], mask)
+    (-vocab_parallel_cross_entropy(logits.float(), target)).sum().backward()
+    torch.log_softmax(hf(ids).logits.float(), -1).gather(-1, target[..., None]).sum().backward()
+    hf_grads = {k: p.grad for k, p in hf.named_parameters()}
+    want = shard(hf_to_mcore(hf_grads, hf.config, NameLayout()), ep_rank=ps.get_expert_model_parallel_rank(), ep=2,
+                 num_experts=4)
+    names = [k for k, p in actor.model.named_parameters() if p.requires_grad]
+    grads = dict(zip(names, actor.grads_fp32()))
+    err = max(float((grads[k] - want[k]).abs().max()) for k in names)
+    scale = max(float(want[k].abs().max()) for k in names)
+    hf_norm = float(torch.sqrt(sum(v.double().pow(2).sum() for v in hf_grads.values())))
+    norm = actor.grad_norm(list(grads.values()))
+    ps.destroy_model_parallel()
+    return err < 1e-5 * max(scale, 1.0), abs(norm - hf_norm) < 1e-5 * hf_norm, sorted(grads) == sorted(want), err, norm, hf_norm
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_moe_expert_parallel_gradients_and_norm_match_hf():
+    pytest.importorskip("megatron.core")
+    for res in run_ranks(_moe_ep_grads_match_hf, 2, timeout=300):
+        assert res[:3] == (True, True, True), res
