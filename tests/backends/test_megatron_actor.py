@@ -316,6 +316,13 @@ def _layouts_and_actor():
     out["pp_is_cell"] = _ranks_of(ps.get_pipeline_model_parallel_group()) == mine
     out["first_stage"] = ps.is_pipeline_first_stage() == (topo.position == 0)
     ps.destroy_model_parallel()
+
+    # (c) 2 cells of 2, EP 2 (an MoE model's experts split over the cell): the EP groups are the cells
+    topo = Topology.from_config(ParallelConfig(cell_size=2, ep=2), 4, rank)
+    topo.create_groups()
+    initialize_parallel_state(MegatronConfig(expert_model_parallel_size=2), seed=0)
+    out["ep_is_cell"] = _ranks_of(ps.get_expert_model_parallel_group()) == topo.cell_ranks(topo.cell)
+    ps.destroy_model_parallel()
     return out
 
 
@@ -325,7 +332,7 @@ def test_every_rank_initialises_megatron_with_cells_contiguous_and_the_actor_tra
     pytest.importorskip("megatron.core")
     out = run_ranks(_layouts_and_actor, 4, timeout=600)
     common = dict(tp_is_cell=True, rng_seeded=True, hf_names=True, hf_values=True, export_dtype={"torch.bfloat16"},
-                  main_grads={("torch.float32", 3.0)}, pp_is_cell=True, first_stage=True)
+                  main_grads={("torch.float32", 3.0)}, pp_is_cell=True, first_stage=True, ep_is_cell=True)
     for r in range(4):
         assert {k: out[r][k] for k in common} == common, (r, out[r])
     for r in (0, 1):
