@@ -369,6 +369,18 @@ class MegatronActor:
         self.memory = ActorMemory.of([*self.model.parameters(), *self.model.buffers(), *masters],
                                      optimizers=[self.optimizer])
 
+    @classmethod
+    def from_checkpoint(cls, path: str, *, is_core: bool, config: MegatronConfig | None = None,
+                        optim: CpuActorConfig | None = None, loss: LossConfig | None = None, version: int = 0,
+                        seed: int = 0) -> "MegatronActor":
+        """An actor holding an HF checkpoint directory's weights, read lazily: its config.json
+        shapes the model and each rank reads only the tensors it maps (`LazyCheckpoint`), never a
+        whole HF model in host memory."""
+        from transformers import AutoConfig
+
+        return cls(AutoConfig.from_pretrained(path), LazyCheckpoint(path), is_core=is_core, config=config, optim=optim,
+                   loss=loss, version=version, seed=seed)
+
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         return None if self.master is None else self.master.optimizer
