@@ -1,7 +1,7 @@
 """HF ⇄ Megatron-core (0.16.1) weight names and shapes, per model family; pure (no megatron import).
 
     fam = family_of(hf_config)                       # refuses an unknown model_type by name
-    names = NameLayout.of(hf_config, te=True)        # which megatron names this build has
+    names = NameLayout.of(hf_config, te=True)        # which megatron names (default: what is installed)
     full = hf_to_mcore(hf_state_dict, hf_config, names)      # full (unsharded) megatron tensors
     mine = shard(full, names, tp_rank=1, tp=2, ep_rank=0, ep=1)
     hf = mcore_to_hf(unshard_tp([...]), hf_config, names)    # the inverse, exact
@@ -32,6 +32,7 @@ E/EP experts renumbered from 0, as megatron's local modules are.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -210,6 +211,7 @@ class NameLayout:
         return f"mlp.experts.local_experts.{j}.{fc}.weight"
 
 
+@functools.lru_cache(maxsize=1)
 def has_transformer_engine() -> bool:
     try:
         import transformer_engine  # noqa: F401
@@ -256,7 +258,7 @@ def iter_hf_to_mcore(sd: Mapping[str, torch.Tensor], hf_config, names: NameLayou
     linear_qkv rows are grouped per query group g: [q heads of g; k_g; v_g] (megatron's
     interleaved GQA layout), linear_fc1 = [gate; up]."""
     fam = family_of(hf_config)
-    names = names or NameLayout()
+    names = names or NameLayout.of()  # what megatron builds here (TE where installed)
     h = hf_config.hidden_size
     nh, nkv = hf_config.num_attention_heads, hf_config.num_key_value_heads
     hd, per = head_dim(hf_config), nh // nkv
@@ -306,7 +308,7 @@ def mcore_to_hf(sd: Mapping[str, torch.Tensor], hf_config, names: NameLayout | N
     layout (`mlp.experts.{e}.gate_proj.weight`, ...: what checkpoints on disk and SGLang hold).
     `lm_head.weight` is always given (the embedding when tied)."""
     fam = family_of(hf_config)
-    names = names or NameLayout()
+    names = names or NameLayout.of()  # what megatron builds here (TE where installed)
     h = hf_config.hidden_size
     nh, nkv = hf_config.num_attention_heads, hf_config.num_key_value_heads
     hd, per = head_dim(hf_config), nh // nkv

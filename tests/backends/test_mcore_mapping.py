@@ -297,3 +297,15 @@ def test_te_layout_names_are_what_megatrons_te_spec_builds():
     for family in FAMILIES:
         assert out[family][:2] == (True, True), (family, out[family])
     assert out["llama3"] and out["grouped"]
+
+
+def test_default_layout_is_what_is_installed(models, monkeypatch):
+    """No layout given: TE names (and TE grouped experts) where Transformer Engine is installed,
+    local ones elsewhere, so megatron_actor.hf_to_mcore(sd, cfg) matches the model built here."""
+    hf = models["qwen3-moe"]
+    monkeypatch.setattr(mm, "has_transformer_engine", lambda: True)
+    assert NameLayout.of() == NameLayout("te", "grouped")
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in hf_to_mcore(hf.state_dict(), hf.config)
+    monkeypatch.setattr(mm, "has_transformer_engine", lambda: False)
+    assert NameLayout.of() == NameLayout("local", "sequential")
+    assert "decoder.layers.0.input_layernorm.weight" in hf_to_mcore(hf.state_dict(), hf.config)
