@@ -23,10 +23,15 @@ local layer-spec names) lives in `gyre.backends.mcore_mapping` (`hf_to_mcore`, `
 `shard_for_tp`, `unshard_tp` stay importable here). The config translation
 (`transformer_config_kwargs`, `gpt_model_kwargs`) and the fp32 main-grad arithmetic
 (`main_grads_fp32`, `grad_norm_fp32`, `clip_by_total_norm_`, `Fp32Master`) are pure and
-CPU-tested; the GPTModel is shaped from the HF config alone (a satellite passes no weights; the
-core may pass `mcore_mapping.LazyCheckpoint(dir)`, read one tensor at a time); parallel state, the rank layout and building the actor (weights in, HF names
-out) are CPU-tested on gloo (slow: importing megatron takes ~15 s on 2 cores); a training step
-needs CUDA (megatron's rotary embedding and buffers call torch.cuda).
+CPU-tested. The GPTModel is shaped from the HF config alone: a satellite passes no weights
+(`MegatronActor(hf_config, None, ...)`), the core may read a checkpoint one tensor at a time
+(`MegatronActor.from_checkpoint(dir, ...)`). Parallel state, the rank layout and building the
+actor (weights in, HF names out; every family at TP 1/2 and EP 2) are CPU-tested on gloo (slow:
+importing megatron takes ~15 s on 2 cores); a training step needs CUDA (megatron's rotary
+embedding and buffers call torch.cuda).
+
+Not built: MoE with TP > 1 in training (megatron needs sequence parallelism there), PP export,
+context parallelism (all refused up front by `mcore_mapping.check_layout`, except PP export).
 """
 
 from __future__ import annotations
@@ -38,12 +43,13 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from gyre.backends.config import CpuActorConfig, MegatronConfig
-from gyre.backends.memory import ActorMemory
 from gyre.backends import mcore_mapping as _mapping
-from gyre.backends.mcore_mapping import (LazyCheckpoint, NameLayout, check_layout, family_of, has_transformer_engine, head_dim, moe_layers,
-                                         num_experts, rope_settings, shard, shard_experts, shard_for_tp, shard_tensor,
+from gyre.backends.config import CpuActorConfig, MegatronConfig
+from gyre.backends.mcore_mapping import (LazyCheckpoint, NameLayout, check_layout, family_of, has_transformer_engine,
+                                         head_dim, moe_layers, num_experts, rope_settings, shard_experts, shard_tensor,
                                          unshard_ep, unshard_tp)
+from gyre.backends.mcore_mapping import shard, shard_for_tp  # noqa: F401  (importable from here, as before)
+from gyre.backends.memory import ActorMemory
 from gyre.loss.config import LossConfig
 
 logger = logging.getLogger(__name__)
