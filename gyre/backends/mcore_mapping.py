@@ -250,13 +250,51 @@ def _hf_expert(sd: Mapping[str, torch.Tensor], p: str, e: int) -> tuple[torch.Te
     return torch.cat([sd[q + "gate_proj.weight"], sd[q + "up_proj.weight"]], dim=0), sd[q + "down_proj.weight"]
 
 
-def iter_hf_to_mcore(sd: Mapping[str, torch.Tensor], hf_config, names: NameLayout | None = None,
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+class _Reads(Mapping[str, torch.Tensor]):
+    """A Mapping that remembers which keys were read (so nothing given is silently dropped)."""
+
+    def __init__(self, inner: Mapping[str, torch.Tensor]):
+        self.inner, self.read = inner, set()
+
+    def __getitem__(self, name):
+        self.read.add(name)
+        return self.inner[name]
+
+    def __contains__(self, name) -> bool:
+        return name in self.inner
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+# HF tensors no megatron parameter holds: RoPE tables some older checkpoints saved, and the head
+# of a tied model (the embedding itself)
+_NOT_WEIGHTS = re.compile(r"(rotary_emb\.inv_freq|^lm_head\.weight)$")
+
+
+def iter_hf_to_mcore(sd: Mapping[str, torch.Tensor], hf_config, names: NameLayout | None = None, *,
+                     strict: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Full megatron tensors one at a time from an HF state dict (a dict, or a lazy Mapping such
-    as `LazyCheckpoint`: only the HF tensors of the current megatron tensor are read).
+    as `LazyCheckpoint`: only the HF tensors of the current megatron tensor are read). strict: at
+    the end, an HF tensor the mapping did not read (a weight of a variant this family's mapping
+    does not know) raises, naming it.
 
     linear_qkv rows are grouped per query group g: [q heads of g; k_g; v_g] (megatron's
     interleaved GQA layout), linear_fc1 = [gate; up]."""
+    reads = _Reads(sd)
+    yield from _iter_hf_to_mcore(reads, hf_config, names)
+    if strict:
+        unread = sorted(k for k in sd if k not in reads.read and not _NOT_WEIGHTS.search(k))
+        if unread:
+            raise ValueError(f"{hf_config.model_type}: {len(unread)} HF tensors have no megatron parameter, e.g. "
+                             f"{unread[:3]} (a variant of the family the mapping does not support)")
+
+
+def _iter_hf_to_mcore(sd: Mapping[str, torch.Tensor], hf_config, names: NameLayout | None,
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     fam = family_of(hf_config)
     names = names or NameLayout.of()  # what megatron builds here (TE where installed)
     h = hf_config.hidden_size

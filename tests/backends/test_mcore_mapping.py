@@ -309,3 +309,14 @@ def test_default_layout_is_what_is_installed(models, monkeypatch):
     monkeypatch.setattr(mm, "has_transformer_engine", lambda: False)
     assert NameLayout.of() == NameLayout("local", "sequential")
     assert "decoder.layers.0.input_layernorm.weight" in hf_to_mcore(hf.state_dict(), hf.config)
+
+
+def test_hf_tensors_the_mapping_does_not_read_are_refused(models):
+    """A Qwen3 state dict that also carries q/k/v biases (a variant the mapping has no megatron
+    name for) is refused by name, not imported without them."""
+    hf = models["qwen3"]
+    sd = dict(hf.state_dict(), **{"model.layers.0.self_attn.q_proj.bias": torch.zeros(128)})
+    with pytest.raises(ValueError, match=r"qwen3: 1 HF tensors have no megatron parameter, e.g. \['model.layers.0.self_attn.q_proj.bias'\]"):
+        hf_to_mcore(sd, hf.config)
+    sd = dict(hf.state_dict(), **{"model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(16)})
+    hf_to_mcore(sd, hf.config)  # a saved RoPE table is not a weight
