@@ -275,17 +275,26 @@ class _Reads(Mapping[str, torch.Tensor]):
 _NOT_WEIGHTS = re.compile(r"(rotary_emb\.inv_freq|^lm_head\.weight)$")
 
 
+def _hf_expert_sources(sd: Mapping[str, torch.Tensor], p: str, e: int) -> list[str]:
+    """The HF names `_hf_expert` reads for expert e."""
+    if p + "mlp.experts.gate_up_proj" in sd:
+        return [p + "mlp.experts.gate_up_proj", p + "mlp.experts.down_proj"]
+    return [f"{p}mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down")]
+
+
 def iter_hf_to_mcore(sd: Mapping[str, torch.Tensor], hf_config, names: NameLayout | None = None, *,
-                     strict: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                     strict: bool = True, keep: Callable[[str], bool] | None = None,
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full megatron tensors one at a time from an HF state dict (a dict, or a lazy Mapping such
     as `LazyCheckpoint`: only the HF tensors of the current megatron tensor are read). strict: at
     the end, an HF tensor the mapping did not read (a weight of a variant this family's mapping
-    does not know) raises, naming it.
+    does not know) raises, naming it. keep(megatron name) False: an expert this rank does not
+    hold is skipped without reading its HF tensors (EP: a rank reads only its own experts).
 
     linear_qkv rows are grouped per query group g: [q heads of g; k_g; v_g] (megatron's
     interleaved GQA layout), linear_fc1 = [gate; up]."""
     reads = _Reads(sd)
-    yield from _iter_hf_to_mcore(reads, hf_config, names)
+    yield from _iter_hf_to_mcore(reads, hf_config, names, keep)
     if strict:
         unread = sorted(k for k in sd if k not in reads.read and not _NOT_WEIGHTS.search(k))
         if unread:
@@ -293,7 +302,7 @@ def iter_hf_to_mcore(sd: Mapping[str, torch.Tensor], hf_config, names: NameLayou
                              f"{unread[:3]} (a variant of the family the mapping does not support)")
 
 
-def _iter_hf_to_mcore(sd: Mapping[str, torch.Tensor], hf_config, names: NameLayout | None,
+def _iter_hf_to_mcore(sd: _Reads, hf_config, names: NameLayout | None, keep: Callable[[str], bool] | None,
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     fam = family_of(hf_config)
     names = names or NameLayout.of()  # what megatron builds here (TE where installed)
@@ -321,9 +330,13 @@ def _iter_hf_to_mcore(sd: Mapping[str, torch.Tensor], hf_config, names: NameLayo
         if moe:
             yield m + "mlp.router.weight", sd[p + "mlp.gate.weight"]
             for e in range(hf_config.num_experts):
+                n1, n2 = m + names.expert(e, "linear_fc1"), m + names.expert(e, "linear_fc2")
+                if keep is not None and not keep(n1) and not keep(n2):  # another EP rank's: not even read
+                    sd.read.update(_hf_expert_sources(sd, p, e))
+                    continue
                 fc1, fc2 = _hf_expert(sd, p, e)
-                yield m + names.expert(e, "linear_fc1"), fc1
-                yield m + names.expert(e, "linear_fc2"), fc2
+                yield n1, fc1
+                yield n2, fc2
         else:
             yield m + "mlp.linear_fc1.weight", torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]], dim=0)
             yield m + "mlp.linear_fc2.weight", sd[p + "mlp.down_proj.weight"]

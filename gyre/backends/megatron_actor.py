@@ -573,7 +573,8 @@ class MegatronActor:
             loaded: set[str] = set()
             embedding = None
             with torch.no_grad():
-                for name, full in _mapping.iter_hf_to_mcore(params, self.hf_config, self.names):
+                keep = lambda n: self._local_name(n, own) is not None  # noqa: E731
+                for name, full in _mapping.iter_hf_to_mcore(params, self.hf_config, self.names, keep=keep):
                     if name == "embedding.word_embeddings.weight":
                         embedding = full
                     local = self._local_name(name, own)

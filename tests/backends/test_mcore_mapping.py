@@ -320,3 +320,20 @@ def test_hf_tensors_the_mapping_does_not_read_are_refused(models):
         hf_to_mcore(sd, hf.config)
     sd = dict(hf.state_dict(), **{"model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(16)})
     hf_to_mcore(sd, hf.config)  # a saved RoPE table is not a weight
+
+
+def test_an_ep_rank_reads_only_its_own_experts(models, tmp_path):
+    """keep= skips another EP rank's experts without reading them (a LazyCheckpoint counts reads)."""
+    hf = models["qwen3-moe"]
+    hf.save_pretrained(str(tmp_path))
+    lazy = LazyCheckpoint(str(tmp_path))
+    seen = []
+    real = LazyCheckpoint.__getitem__
+    lazy.__class__ = type("Counting", (LazyCheckpoint,), {"__getitem__": lambda self, k: seen.append(k) or real(self, k)})
+    names = NameLayout("local", "sequential")
+    keep = lambda n: mm.shard_experts(n, 1, 2, 4) is not None  # EP rank 1 of 2: experts 2, 3
+    got = dict(iter_hf_to_mcore(lazy, hf.config, names, keep=keep))
+    assert not any(".experts.0." in k or ".experts.1." in k for k in seen)
+    assert any(".experts.3." in k for k in seen)
+    full = hf_to_mcore(hf.state_dict(), hf.config, names)
+    assert {k for k in full if keep(k)} == set(got) and all(torch.equal(got[k], full[k]) for k in got)
