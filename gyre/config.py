@@ -197,6 +197,7 @@ def check_train_config(cfg: GyreConfig, num_cells: int) -> None:
 
     check_backends(cfg)
     check_model_vocab(cfg)
+    check_megatron_layout(cfg)
     check_dataset(cfg)  # the files last: a wrong setting above is the message even when files are missing too
     check_run_dir(cfg)
 
@@ -281,6 +282,34 @@ def check_model_vocab(cfg: GyreConfig) -> None:
         format_for(vocab.tokenizer, override=cfg.proxy.chat_format)
     except UnknownChatFormat as e:
         raise ConfigError(str(e)) from None
+
+
+def check_megatron_layout(cfg: GyreConfig) -> None:
+    """--backend.actor megatron: the cell layout (--parallel.tp/pp/cp/ep) against the model's
+    architecture (EP on a dense model, PP without Transformer Engine, CP, TP not dividing the
+    heads, an unsupported family or RoPE), refused on every rank before any builds anything
+    (`gyre.backends.mcore_mapping.check_layout`). Reads only the checkpoint's config.json."""
+    if cfg.backend.actor != "megatron":
+        return
+    from gyre.backends.mcore_mapping import check_layout
+
+    if cfg.model.checkpoint:
+        from transformers import AutoConfig
+
+        try:
+            hf = AutoConfig.from_pretrained(cfg.model.checkpoint)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--model.checkpoint {cfg.model.checkpoint}: no readable config.json ({e})") from None
+    else:
+        from gyre.backends.models import model_config
+
+        hf = model_config(cfg.model.preset, 1)  # the layout does not depend on the vocabulary
+    p = cfg.parallel
+    try:
+        check_layout(hf, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep,
+                     vocab_size=hf.vocab_size if cfg.model.checkpoint else None)
+    except ValueError as e:
+        raise ConfigError(f"--backend.actor megatron: {e}") from None
 
 
 def check_dataset(cfg: GyreConfig) -> None:

@@ -1,7 +1,7 @@
 """HF ⇄ Megatron-core (0.16.1) weight names and shapes, per model family; pure (no megatron import).
 
     fam = family_of(hf_config)                       # refuses an unknown model_type by name
-    names = NameLayout.of(hf_config, te=True)        # which megatron names this build has
+    names = NameLayout.of(hf_config, te=True)        # which megatron names (default: what is installed)
     full = hf_to_mcore(hf_state_dict, hf_config, names)      # full (unsharded) megatron tensors
     mine = shard(full, names, tp_rank=1, tp=2, ep_rank=0, ep=1)
     hf = mcore_to_hf(unshard_tp([...]), hf_config, names)    # the inverse, exact
@@ -32,6 +32,7 @@ E/EP experts renumbered from 0, as megatron's local modules are.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -210,6 +211,7 @@ class NameLayout:
         return f"mlp.experts.local_experts.{j}.{fc}.weight"
 
 
+@functools.lru_cache(maxsize=1)
 def has_transformer_engine() -> bool:
     try:
         import transformer_engine  # noqa: F401
@@ -248,15 +250,62 @@ def _hf_expert(sd: Mapping[str, torch.Tensor], p: str, e: int) -> tuple[torch.Te
     return torch.cat([sd[q + "gate_proj.weight"], sd[q + "up_proj.weight"]], dim=0), sd[q + "down_proj.weight"]
 
 
-def iter_hf_to_mcore(sd: Mapping[str, torch.Tensor], hf_config, names: NameLayout | None = None,
+class _Reads(Mapping[str, torch.Tensor]):
+    """A Mapping that remembers which keys were read (so nothing given is silently dropped)."""
+
+    def __init__(self, inner: Mapping[str, torch.Tensor]):
+        self.inner, self.read = inner, set()
+
+    def __getitem__(self, name):
+        self.read.add(name)
+        return self.inner[name]
+
+    def __contains__(self, name) -> bool:
+        return name in self.inner
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+# HF tensors no megatron parameter holds: RoPE tables some older checkpoints saved, and the head
+# of a tied model (the embedding itself)
+_NOT_WEIGHTS = re.compile(r"(rotary_emb\.inv_freq|^lm_head\.weight)$")
+
+
+def _hf_expert_sources(sd: Mapping[str, torch.Tensor], p: str, e: int) -> list[str]:
+    """The HF names `_hf_expert` reads for expert e."""
+    if p + "mlp.experts.gate_up_proj" in sd:
+        return [p + "mlp.experts.gate_up_proj", p + "mlp.experts.down_proj"]
+    return [f"{p}mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down")]
+
+
+def iter_hf_to_mcore(sd: Mapping[str, torch.Tensor], hf_config, names: NameLayout | None = None, *,
+                     strict: bool = True, keep: Callable[[str], bool] | None = None,
                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full megatron tensors one at a time from an HF state dict (a dict, or a lazy Mapping such
-    as `LazyCheckpoint`: only the HF tensors of the current megatron tensor are read).
+    as `LazyCheckpoint`: only the HF tensors of the current megatron tensor are read). strict: at
+    the end, an HF tensor the mapping did not read (a weight of a variant this family's mapping
+    does not know) raises, naming it. keep(megatron name) False: an expert this rank does not
+    hold is skipped without reading its HF tensors (EP: a rank reads only its own experts).
 
     linear_qkv rows are grouped per query group g: [q heads of g; k_g; v_g] (megatron's
     interleaved GQA layout), linear_fc1 = [gate; up]."""
+    reads = _Reads(sd)
+    yield from _iter_hf_to_mcore(reads, hf_config, names, keep)
+    if strict:
+        unread = sorted(k for k in sd if k not in reads.read and not _NOT_WEIGHTS.search(k))
+        if unread:
+            raise ValueError(f"{hf_config.model_type}: {len(unread)} HF tensors have no megatron parameter, e.g. "
+                             f"{unread[:3]} (a variant of the family the mapping does not support)")
+
+
+def _iter_hf_to_mcore(sd: _Reads, hf_config, names: NameLayout | None, keep: Callable[[str], bool] | None,
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     fam = family_of(hf_config)
-    names = names or NameLayout()
+    names = names or NameLayout.of()  # what megatron builds here (TE where installed)
     h = hf_config.hidden_size
     nh, nkv = hf_config.num_attention_heads, hf_config.num_key_value_heads
     hd, per = head_dim(hf_config), nh // nkv
@@ -281,9 +330,13 @@ def iter_hf_to_mcore(sd: Mapping[str, torch.Tensor], hf_config, names: NameLayou
         if moe:
             yield m + "mlp.router.weight", sd[p + "mlp.gate.weight"]
             for e in range(hf_config.num_experts):
+                n1, n2 = m + names.expert(e, "linear_fc1"), m + names.expert(e, "linear_fc2")
+                if keep is not None and not keep(n1) and not keep(n2):  # another EP rank's: not even read
+                    sd.read.update(_hf_expert_sources(sd, p, e))
+                    continue
                 fc1, fc2 = _hf_expert(sd, p, e)
-                yield m + names.expert(e, "linear_fc1"), fc1
-                yield m + names.expert(e, "linear_fc2"), fc2
+                yield n1, fc1
+                yield n2, fc2
         else:
             yield m + "mlp.linear_fc1.weight", torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]], dim=0)
             yield m + "mlp.linear_fc2.weight", sd[p + "mlp.down_proj.weight"]
@@ -306,7 +359,7 @@ def mcore_to_hf(sd: Mapping[str, torch.Tensor], hf_config, names: NameLayout | N
     layout (`mlp.experts.{e}.gate_proj.weight`, ...: what checkpoints on disk and SGLang hold).
     `lm_head.weight` is always given (the embedding when tied)."""
     fam = family_of(hf_config)
-    names = names or NameLayout()
+    names = names or NameLayout.of()  # what megatron builds here (TE where installed)
     h = hf_config.hidden_size
     nh, nkv = hf_config.num_attention_heads, hf_config.num_key_value_heads
     hd, per = head_dim(hf_config), nh // nkv

@@ -18,12 +18,20 @@ Real megatron-core APIs used (checked against megatron-core 0.16.1):
     tensor_parallel.layers.param_is_not_tensor_parallel_duplicate (norm over TP × PP, own code:
         megatron's clip_grads allocates on 'cuda' and asserts fp32 CUDA grads)
 
-The weight mapping HF Qwen2 ⇄ megatron (`hf_to_mcore`, `mcore_to_hf`, `shard_for_tp`), the
-config translation (`transformer_config_kwargs`, `gpt_model_kwargs`) and the fp32 main-grad
-arithmetic (`main_grads_fp32`, `grad_norm_fp32`, `clip_by_total_norm_`, `Fp32Master`) are pure
-and CPU-tested; parallel state, the rank layout and building the actor (weights in, HF names
-out) are CPU-tested on gloo (slow: importing megatron takes ~15 s on 2 cores); a training step
-needs CUDA (megatron's rotary embedding and buffers call torch.cuda).
+The weight mapping HF ⇄ megatron per family (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama 3.x; TE and
+local layer-spec names) lives in `gyre.backends.mcore_mapping` (`hf_to_mcore`, `mcore_to_hf`,
+`shard_for_tp`, `unshard_tp` stay importable here). The config translation
+(`transformer_config_kwargs`, `gpt_model_kwargs`) and the fp32 main-grad arithmetic
+(`main_grads_fp32`, `grad_norm_fp32`, `clip_by_total_norm_`, `Fp32Master`) are pure and
+CPU-tested. The GPTModel is shaped from the HF config alone: a satellite passes no weights
+(`MegatronActor(hf_config, None, ...)`), the core may read a checkpoint one tensor at a time
+(`MegatronActor.from_checkpoint(dir, ...)`). Parallel state, the rank layout and building the
+actor (weights in, HF names out; every family at TP 1/2 and EP 2) are CPU-tested on gloo (slow:
+importing megatron takes ~15 s on 2 cores); a training step needs CUDA (megatron's rotary
+embedding and buffers call torch.cuda).
+
+Not built: MoE with TP > 1 in training (megatron needs sequence parallelism there), PP export,
+context parallelism (all refused up front by `mcore_mapping.check_layout`, except PP export).
 """
 
 from __future__ import annotations
@@ -35,12 +43,13 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from gyre.backends.config import CpuActorConfig, MegatronConfig
-from gyre.backends.memory import ActorMemory
 from gyre.backends import mcore_mapping as _mapping
-from gyre.backends.mcore_mapping import (LazyCheckpoint, NameLayout, check_layout, family_of, has_transformer_engine, head_dim, moe_layers,
-                                         num_experts, rope_settings, shard, shard_experts, shard_for_tp, shard_tensor,
+from gyre.backends.config import CpuActorConfig, MegatronConfig
+from gyre.backends.mcore_mapping import (LazyCheckpoint, NameLayout, check_layout, family_of, has_transformer_engine,
+                                         head_dim, moe_layers, num_experts, rope_settings, shard_experts, shard_tensor,
                                          unshard_ep, unshard_tp)
+from gyre.backends.mcore_mapping import shard, shard_for_tp  # noqa: F401  (importable from here, as before)
+from gyre.backends.memory import ActorMemory
 from gyre.loss.config import LossConfig
 
 logger = logging.getLogger(__name__)
@@ -194,12 +203,18 @@ def layer_spec(hf_config, config, names: NameLayout):
     return specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
 
 
+def _no_init(tensor: torch.Tensor) -> None:
+    """An init_method that leaves the tensor as allocated (its weights are imported next)."""
+
+
 def build_gpt_model(hf_config, mc: MegatronConfig, *, use_cpu_initialization: bool = False,
-                    perform_initialization: bool = True, names: NameLayout | None = None):
+                    init_weights: bool = True, names: NameLayout | None = None):
     """GPTModel for this rank's pipeline stage (parallel_state must be initialised), shaped from
     the HF config alone (no HF model). TE layer spec where Transformer Engine is installed
-    (packed 'thd' attention), else the local spec. `perform_initialization=False` leaves the
-    parameters uninitialised (torch.empty): for a model whose weights are imported next."""
+    (packed 'thd' attention), else the local spec. `init_weights=False`: no random draws (the
+    weights are imported next). Not megatron's perform_initialization=False: that also skips
+    tagging the TP-sharded weights (`tensor_model_parallel`, tensor_parallel/layers.py:855),
+    which the grad norm's duplicate test reads; no-op init methods keep the tags."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
@@ -217,7 +232,8 @@ def build_gpt_model(hf_config, mc: MegatronConfig, *, use_cpu_initialization: bo
             moe_utils.te_general_gemm = None
     kwargs = transformer_config_kwargs(hf_config, mc, names)
     kwargs["use_cpu_initialization"] = use_cpu_initialization
-    kwargs["perform_initialization"] = perform_initialization
+    if not init_weights:
+        kwargs.update(init_method=_no_init, output_layer_init_method=_no_init, embedding_init_method=_no_init)
     config = TransformerConfig(**kwargs)
     model = GPTModel(config=config, transformer_layer_spec=layer_spec(hf_config, config, names),
                      pre_process=parallel_state.is_pipeline_first_stage(),
@@ -332,11 +348,11 @@ class MegatronActor:
         # the GPU gyre.run bound (torch.cuda.set_device(LOCAL_RANK)); CPU only in CPU tests
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         # every floating tensor in params_dtype, as Megatron's Float16Module casts the model (the
-        # local spec's norms are built in fp32 whatever params_dtype says). Not initialised: the
+        # local spec's norms are built in fp32 whatever params_dtype says). No random init: the
         # import below (or a satellite's first snapshot) overwrites every parameter.
         dtype = transformer_config_kwargs(hf_config, self.mc, self.names)["params_dtype"]
         self.model = build_gpt_model(hf_config, self.mc, use_cpu_initialization=self.device.type == "cpu",
-                                     perform_initialization=False, names=self.names).to(self.device, dtype)
+                                     init_weights=False, names=self.names).to(self.device, dtype)
         # packed 'thd' attention needs TE; the local spec runs the pack one sequence at a time
         self.packed = has_transformer_engine()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -351,11 +367,25 @@ class MegatronActor:
                                           f"(expert_tensor_parallel_size other than TP is not supported)")
         if hf_state_dict is not None:
             self.import_parameters(hf_state_dict)
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self._params = [p for _, p in named]
+        self._is_expert = [_mapping.expert_index(n) is not None for n, _ in named]
         self.master = Fp32Master(self._params, self.optim) if is_core else None
         masters = self.master.masters if self.master is not None else []
         self.memory = ActorMemory.of([*self.model.parameters(), *self.model.buffers(), *masters],
                                      optimizers=[self.optimizer])
+
+    @classmethod
+    def from_checkpoint(cls, path: str, *, is_core: bool, config: MegatronConfig | None = None,
+                        optim: CpuActorConfig | None = None, loss: LossConfig | None = None, version: int = 0,
+                        seed: int = 0) -> "MegatronActor":
+        """An actor holding an HF checkpoint directory's weights, read lazily: its config.json
+        shapes the model and each rank reads only the tensors it maps (`LazyCheckpoint`), never a
+        whole HF model in host memory."""
+        from transformers import AutoConfig
+
+        return cls(AutoConfig.from_pretrained(path), LazyCheckpoint(path), is_core=is_core, config=config, optim=optim,
+                   loss=loss, version=version, seed=seed)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -448,19 +478,45 @@ class MegatronActor:
             p.main_grad = flat[offset : offset + p.numel()].view(p.shape)
             offset += p.numel()
 
-    def optimizer_step(self, max_grad_norm: float | None = None, *, grad_scale: float = 1.0) -> dict[str, float]:
-        """As `CpuActor.optimizer_step`: grads × grad_scale (the |E| correction), clip, AdamW,
-        all in fp32 (see `Fp32Master`); the norm is over the TP × PP shards."""
+    def grads_fp32(self, grad_scale: float = 1.0) -> list[torch.Tensor]:
+        """fp32 gradients of `_params` × grad_scale (`main_grads_fp32`). With EP > 1 every rank of
+        the cell runs the same micro-step, so each expert sees every EP rank's (identical) tokens
+        and its gradient is EP × that of one copy; expert gradients are divided by EP (dense ones,
+        router included, are each rank's full own gradient)."""
+        grads = main_grads_fp32(self._params, grad_scale)
+        ep = self.mc.expert_model_parallel_size
+        if ep > 1:
+            for g, expert in zip(grads, self._is_expert):
+                if expert:
+                    g.div_(ep)
+        return grads
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> float:
+        """Global L2 norm of `grads` (as `grads_fp32` gives them): dense weights over the TP × PP
+        shards, each TP-duplicated one (norms, the router) once; experts over megatron's
+        expert-TP × EP × PP group, where each rank holds its own experts' shards."""
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 
+        dense = [g for p, g, e in zip(self._params, grads, self._is_expert)
+                 if not e and param_is_not_tensor_parallel_duplicate(p)]
+        norm = grad_norm_fp32(dense, parallel_state.get_model_parallel_group())
+        if not any(self._is_expert):  # a dense model (the same on every rank: no collective skipped)
+            return norm
+        etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+        experts = [g for p, g, e in zip(self._params, grads, self._is_expert)
+                   if e and (getattr(p, "tensor_model_parallel", False) or etp_rank == 0)]
+        expert_norm = grad_norm_fp32(experts, parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+        return (norm ** 2 + expert_norm ** 2) ** 0.5
+
+    def optimizer_step(self, max_grad_norm: float | None = None, *, grad_scale: float = 1.0) -> dict[str, float]:
+        """As `CpuActor.optimizer_step`: grads × grad_scale (the |E| correction), clip, AdamW,
+        all in fp32 (see `Fp32Master`); the norm is over the TP × PP shards (`grad_norm`)."""
         if self.master is None:
             raise RuntimeError("optimizer_step on a satellite: only the core holds optimizer state")
         clip = self.optim.max_grad_norm if max_grad_norm is None else max_grad_norm
-        grads = main_grads_fp32(self._params, grad_scale)
-        # TP-duplicated params (norm weights) counted once
-        owned = [g for p, g in zip(self._params, grads) if param_is_not_tensor_parallel_duplicate(p)]
-        norm = grad_norm_fp32(owned, parallel_state.get_model_parallel_group())
+        grads = self.grads_fp32(grad_scale)
+        norm = self.grad_norm(grads)
         clip_by_total_norm_(grads, clip, norm)
         lr = self.optim.lr_at(self.version)
         self.master.step(grads, lr)
@@ -517,7 +573,8 @@ class MegatronActor:
             loaded: set[str] = set()
             embedding = None
             with torch.no_grad():
-                for name, full in _mapping.iter_hf_to_mcore(params, self.hf_config, self.names):
+                keep = lambda n: self._local_name(n, own) is not None  # noqa: E731
+                for name, full in _mapping.iter_hf_to_mcore(params, self.hf_config, self.names, keep=keep):
                     if name == "embedding.word_embeddings.weight":
                         embedding = full
                     local = self._local_name(name, own)

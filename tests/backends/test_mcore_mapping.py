@@ -241,7 +241,7 @@ def _te_names_from_megatron_specs():
         hf = build_model(family, VOCAB, num_hidden_layers=3, mlp_only_layers=[1]) if family == "qwen3-moe" \
             else build_model(family, VOCAB)
         cfg = hf.config
-        model = build_gpt_model(cfg, mc, use_cpu_initialization=True, perform_initialization=False,
+        model = build_gpt_model(cfg, mc, use_cpu_initialization=True, init_weights=False,
                                 names=NameLayout("local", "sequential"))
         local_names = {k for k in model.state_dict() if not k.endswith("_extra_state")}
         ours_local = set(hf_to_mcore(hf.state_dict(), cfg, NameLayout("local", "sequential")))
@@ -297,3 +297,43 @@ def test_te_layout_names_are_what_megatrons_te_spec_builds():
     for family in FAMILIES:
         assert out[family][:2] == (True, True), (family, out[family])
     assert out["llama3"] and out["grouped"]
+
+
+def test_default_layout_is_what_is_installed(models, monkeypatch):
+    """No layout given: TE names (and TE grouped experts) where Transformer Engine is installed,
+    local ones elsewhere, so megatron_actor.hf_to_mcore(sd, cfg) matches the model built here."""
+    hf = models["qwen3-moe"]
+    monkeypatch.setattr(mm, "has_transformer_engine", lambda: True)
+    assert NameLayout.of() == NameLayout("te", "grouped")
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in hf_to_mcore(hf.state_dict(), hf.config)
+    monkeypatch.setattr(mm, "has_transformer_engine", lambda: False)
+    assert NameLayout.of() == NameLayout("local", "sequential")
+    assert "decoder.layers.0.input_layernorm.weight" in hf_to_mcore(hf.state_dict(), hf.config)
+
+
+def test_hf_tensors_the_mapping_does_not_read_are_refused(models):
+    """A Qwen3 state dict that also carries q/k/v biases (a variant the mapping has no megatron
+    name for) is refused by name, not imported without them."""
+    hf = models["qwen3"]
+    sd = dict(hf.state_dict(), **{"model.layers.0.self_attn.q_proj.bias": torch.zeros(128)})
+    with pytest.raises(ValueError, match=r"qwen3: 1 HF tensors have no megatron parameter, e.g. \['model.layers.0.self_attn.q_proj.bias'\]"):
+        hf_to_mcore(sd, hf.config)
+    sd = dict(hf.state_dict(), **{"model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(16)})
+    hf_to_mcore(sd, hf.config)  # a saved RoPE table is not a weight
+
+
+def test_an_ep_rank_reads_only_its_own_experts(models, tmp_path):
+    """keep= skips another EP rank's experts without reading them (a LazyCheckpoint counts reads)."""
+    hf = models["qwen3-moe"]
+    hf.save_pretrained(str(tmp_path))
+    lazy = LazyCheckpoint(str(tmp_path))
+    seen = []
+    real = LazyCheckpoint.__getitem__
+    lazy.__class__ = type("Counting", (LazyCheckpoint,), {"__getitem__": lambda self, k: seen.append(k) or real(self, k)})
+    names = NameLayout("local", "sequential")
+    keep = lambda n: mm.shard_experts(n, 1, 2, 4) is not None  # EP rank 1 of 2: experts 2, 3
+    got = dict(iter_hf_to_mcore(lazy, hf.config, names, keep=keep))
+    assert not any(".experts.0." in k or ".experts.1." in k for k in seen)
+    assert any(".experts.3." in k for k in seen)
+    full = hf_to_mcore(hf.state_dict(), hf.config, names)
+    assert {k for k in full if keep(k)} == set(got) and all(torch.equal(got[k], full[k]) for k in got)
