@@ -261,8 +261,7 @@ def check_model_vocab(cfg: GyreConfig) -> None:
     from gyre.backends import vocab as V
 
     mc = cfg.model.checkpoint
-    if mc and not Path(mc).is_dir() and not (cfg.train.prepare and cfg.train.prepare_dir and
-                                             Path(cfg.train.prepare_dir).resolve() in Path(mc).resolve().parents):
+    if mc and not Path(mc).is_dir() and not checkpoint_yet_to_prepare(cfg):
         raise ConfigError(f"--model.checkpoint {mc}: no such directory")
     if cfg.proxy.tokenizer_path and not Path(cfg.proxy.tokenizer_path).is_dir():
         raise ConfigError(f"--proxy.tokenizer-path {cfg.proxy.tokenizer_path}: no such directory")
@@ -284,12 +283,21 @@ def check_model_vocab(cfg: GyreConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
+def checkpoint_yet_to_prepare(cfg: GyreConfig) -> bool:
+    """`--model.checkpoint` is not there yet, and `--train.prepare` will write it (it lies under
+    `--train.prepare-dir`): the checks that read it run in the job, once it is written (a
+    newcomer's first `--preset cpu-demo` run has no warm start yet)."""
+    mc = cfg.model.checkpoint
+    return bool(mc and not Path(mc).is_dir() and cfg.train.prepare and cfg.train.prepare_dir
+                and Path(cfg.train.prepare_dir).resolve() in Path(mc).resolve().parents)
+
+
 def check_megatron_layout(cfg: GyreConfig) -> None:
     """--backend.actor megatron: the cell layout (--parallel.tp/pp/cp/ep) against the model's
     architecture (EP on a dense model, PP without Transformer Engine, CP, TP not dividing the
     heads, an unsupported family or RoPE), refused on every rank before any builds anything
     (`gyre.backends.mcore_mapping.check_layout`). Reads only the checkpoint's config.json."""
-    if cfg.backend.actor != "megatron":
+    if cfg.backend.actor != "megatron" or checkpoint_yet_to_prepare(cfg):
         return
     from gyre.backends.mcore_mapping import check_layout
 

@@ -74,7 +74,9 @@ def check_backends(cfg: Any) -> None:
         if why is not None:
             raise ConfigError(f"--{flag.replace('_', '-')} {chosen}: {why}; use "
                               f"--{flag.replace('_', '-')} {runnable(kinds, cuda=cuda)[0]}")
-    if cfg.model.checkpoint:  # its architecture, before any rank builds anything
+    from gyre.config import checkpoint_yet_to_prepare
+
+    if cfg.model.checkpoint and not checkpoint_yet_to_prepare(cfg):  # its architecture, before any rank builds
         check_model_checkpoint(cfg.model.checkpoint)
     if cfg.backend.device == "cuda" and not cuda:
         raise ConfigError("--backend.device cuda: CUDA is not available on this machine; "
@@ -168,12 +170,9 @@ def build_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Actor,
     """The core's actor (authoritative weights and optimizer state, docs/design.md §1) and its
     model config: the newest checkpoint with optimizer state and version (`--train.resume`),
     `--model.checkpoint`, or the preset's seeded weights."""
-    model, resumed = _initial_model(cfg, vocab, checkpoint_dir)
     if cfg.backend.actor == "megatron":  # check_backends refused resume without --train.resume-weights-only
-        actor = _megatron_actor(cfg, model, is_core=True)
-        if resumed is not None:
-            actor.load_checkpoint(str(resumed), weights_only=True)  # the version; the weights are loaded
-        return actor, model.config
+        return _megatron_core_actor(cfg, vocab, checkpoint_dir)
+    model, resumed = _initial_model(cfg, vocab, checkpoint_dir)
     from gyre.backends.cpu_actor import CpuActor
 
     actor = CpuActor(model, is_core=True, config=cfg.actor, loss=cfg.loss)
@@ -188,15 +187,17 @@ def build_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Actor,
 def build_actor(cfg: Any, model_config: Any, *, is_core: bool) -> Actor:
     """A fresh actor of `--backend.actor` for `model_config` (its weights come from a snapshot:
     version -1 until the first import)."""
-    from gyre.backends.models import build_model
+    if cfg.backend.actor == "megatron":  # shaped from the config alone: no HF-sized model is built
+        from gyre.backends.megatron_actor import MegatronActor
 
-    model = build_model(model_config, dtype=dtype_of(cfg.model.dtype))
-    if cfg.backend.actor == "megatron":
-        actor = _megatron_actor(cfg, model, is_core=is_core)
+        actor = MegatronActor(model_config, None, is_core=is_core, config=megatron_config_of(cfg), optim=cfg.actor,
+                              loss=cfg.loss, seed=cfg.model.seed)
     else:
         from gyre.backends.cpu_actor import CpuActor
+        from gyre.backends.models import build_model
 
-        actor = CpuActor(model, is_core=is_core, config=cfg.actor, loss=cfg.loss)
+        actor = CpuActor(build_model(model_config, dtype=dtype_of(cfg.model.dtype)), is_core=is_core, config=cfg.actor,
+                         loss=cfg.loss)
     actor.version = -1
     return actor
 
@@ -209,6 +210,36 @@ def megatron_config_of(cfg: Any) -> Any:
     p = cfg.parallel
     return MegatronConfig(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
                           context_parallel_size=p.cp, expert_model_parallel_size=p.ep, params_dtype=cfg.model.dtype)
+
+
+def _megatron_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Actor, Any]:
+    """The core's MegatronActor: a checkpoint (the resumed one, else `--model.checkpoint`) is read
+    one tensor at a time into the rank's shards (`MegatronActor.from_checkpoint`), never as a whole
+    HF model in host memory; a preset is small and built as before."""
+    from gyre.backends.megatron_actor import MegatronActor
+    from gyre.logging_utils import ONCE
+
+    path = None
+    if cfg.train.resume:
+        from gyre.runtime import checkpoint
+
+        path = Path(cfg.train.resume_from) if cfg.train.resume_from else \
+            checkpoint.select(checkpoint_dir, weights_only=cfg.train.resume_weights_only).path
+        logger.info("resuming from %s", path, extra=ONCE)
+    elif cfg.model.checkpoint:
+        path = Path(cfg.model.checkpoint)
+    if path is None:
+        from gyre.backends.models import build_model
+
+        model = build_model(model_config_of(cfg, vocab), seed=cfg.model.seed, dtype=dtype_of(cfg.model.dtype))
+        return _megatron_actor(cfg, model, is_core=True), model.config
+    actor = MegatronActor.from_checkpoint(str(path), is_core=True, config=megatron_config_of(cfg), optim=cfg.actor,
+                                          loss=cfg.loss, seed=cfg.model.seed)
+    if cfg.train.resume:  # the weights are in; the version is the checkpoint's
+        from gyre.runtime import checkpoint
+
+        actor.version = checkpoint.version_of(path)
+    return actor, actor.hf_config
 
 
 def _megatron_actor(cfg: Any, model: Any, *, is_core: bool) -> Actor:
