@@ -8,6 +8,7 @@
     decoder.py         functional decoder forward over per-request KV caches (the CPU engine's kernel)
     sampling.py        temperature / top-p sampling with explicit generators, reported log-probs
     sglang_engine.py   SglangEngine (GPU): embedded sglang.Engine
+    sglang_checkpoint.py the directory SGLang starts on (the checkpoint itself, or written with architectures, dtype)
     det_engine.py      a deterministic engine (tokens from a hash) for tests and benchmarks
   engine servers (an engine in one process, the proxy in another)
     engine_host.py     a rank's engine served over HTTP from its own thread, driven by its worker
@@ -15,7 +16,8 @@
     engine_mux.py      the multiplexed websocket framing of generate / abort traffic
   actors
     cpu_actor.py       CpuActor: GSPO forward/backward on packed micro-steps, core-only AdamW
-    megatron_actor.py  MegatronActor (GPU): megatron-core GPTModel, HF ⇄ megatron weight mapping
+    megatron_actor.py  MegatronActor (GPU): megatron-core GPTModel from a config or a checkpoint read lazily
+    mcore_mapping.py   HF ⇄ megatron-core names and shards per family (local / TE layouts, TP / EP), layout checks
     memory.py          ActorMemory: an actor's state to (pinned) host memory entering rollout, back entering training
     models.py          HF models of the arch families; Qwen2 size presets ('tiny', 'small'), packed forward, checkpoints
   architectures

@@ -7,6 +7,7 @@ recording with exact splicing, per-execution keys, role classification, drain/re
     anthropic_api.py   POST /v1/messages
     core.py            one call: render, generate through the router, record (TITO)
     render.py          chat template with re-sent assistant turns spliced to their sampled tokens
+    formats/           chat formats as declared data, one module each; format_for picks the checkpoint's
     textstream.py      streamed text → content and tool calls
     keys.py            per-execution API keys
     roles.py           role classification (main / summary / sub-agent) of a call
