@@ -346,6 +346,19 @@ class ChatRenderer:
             return content
         return content.split(tags.end)[-1].lstrip("\n")
 
+    def _lookup(self, turns: dict, m: dict) -> list[StoredTurn] | None:
+        """The stored turns an assistant message is. Its content as sent first: a turn whose content
+        holds the reasoning end tag as plain text (a `</think>` sampled where no thinking was open:
+        the parser leaves it in the content) is re-sent exactly so, and only its whole text is its
+        fingerprint; cutting it at the tag would miss it, or hit another turn whose content is the
+        tail (an empty answer: another turn's ids spliced in). Then the answer part (`_answer`)."""
+        calls = m.get("tool_calls")
+        cands = turns.get(turn_fingerprint(m.get("content"), calls))
+        if cands:
+            return cands
+        answer = self._answer(m.get("content"))
+        return turns.get(turn_fingerprint(answer, calls)) if answer != m.get("content") else None
+
     def last_query_index(self, messages: list[dict]) -> int:
         """Index of the last user query, as Qwen3's template finds it (a user message that is not a
         wrapped tool response); turns before it lose their reasoning there."""
@@ -420,7 +433,7 @@ class ChatRenderer:
                 tmpl.append(self._escape_message(m))
                 i += 1
                 continue
-            cands = turns.get(turn_fingerprint(self._answer(m.get("content")), m.get("tool_calls"))) if turns else None
+            cands = self._lookup(turns, m) if turns else None
             drops = strip and (i < last_query or not (m.get("reasoning_content") or "").strip())
             if drops and (cands or self._diagnose(messages, i, turns, _calls_index(turns))[2]):
                 stripped += 1  # a turn we produced, rendered as the template does (no reasoning): a new branch
