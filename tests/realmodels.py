@@ -85,6 +85,7 @@ def chat_template(template: str) -> str:
 def _tokenizer_json(family: str, vocab_size: int, byte_fallback: bool) -> str:
     """A trained tokenizer.json (as text): byte-level BPE (Qwen, Llama 3 are byte-level BPE), or a
     SentencePiece-style BPE with byte fallback (`▁` for spaces, `<0xNN>` byte pieces)."""
+    from gyre.backends.tokenizer import _SPLIT_PATTERN, train_single_threaded
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     fam = FAMILIES[family]
@@ -101,8 +102,7 @@ def _tokenizer_json(family: str, vocab_size: int, byte_fallback: bool) -> str:
         trainer = trainers.BpeTrainer(vocab_size=n_regular, min_frequency=2, special_tokens=["<unk>"] + byte_pieces,
                                       show_progress=False)
     else:
-        split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+        split = _SPLIT_PATTERN  # Qwen2's pre-tokenizer split, as the project tokenizer's
         tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
@@ -110,15 +110,7 @@ def _tokenizer_json(family: str, vocab_size: int, byte_fallback: bool) -> str:
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=n_regular, min_frequency=2,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    prev = os.environ.get("RAYON_NUM_THREADS")
-    os.environ["RAYON_NUM_THREADS"] = "1"  # deterministic merges
-    try:
-        tok.train_from_iterator(chunks, trainer=trainer, length=len(chunks))
-    finally:
-        if prev is None:
-            os.environ.pop("RAYON_NUM_THREADS", None)
-        else:
-            os.environ["RAYON_NUM_THREADS"] = prev
+    train_single_threaded(tok, chunks, trainer)  # deterministic merges
     # The family's control tokens come after the trained vocabulary, as in the real checkpoints.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in fam.special_tokens])
     return tok.to_str()

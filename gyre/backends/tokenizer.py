@@ -118,6 +118,20 @@ def vocab_size() -> int:
     return VOCAB_SIZE
 
 
+def train_single_threaded(tok, chunks: list[str], trainer) -> None:
+    """`tok.train_from_iterator(chunks)` with one rayon thread: merge ties are then broken in a
+    fixed order, so the same corpus always gives byte-identical tokenizer files."""
+    prev = os.environ.get("RAYON_NUM_THREADS")
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    try:
+        tok.train_from_iterator(chunks, trainer=trainer, length=len(chunks))
+    finally:
+        if prev is None:
+            os.environ.pop("RAYON_NUM_THREADS", None)
+        else:
+            os.environ["RAYON_NUM_THREADS"] = prev
+
+
 def build_tokenizer(out_dir: str = ASSET_DIR, corpus_path: str | None = None) -> "PreTrainedTokenizerFast":
     """Train the BPE from the shipped corpus and write tokenizer.json + tokenizer_config.json.
 
@@ -147,15 +161,7 @@ def build_tokenizer(out_dir: str = ASSET_DIR, corpus_path: str | None = None) ->
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    prev = os.environ.get("RAYON_NUM_THREADS")
-    os.environ["RAYON_NUM_THREADS"] = "1"  # merge ties are broken in a fixed order single-threaded
-    try:
-        tok.train_from_iterator(chunks, trainer=trainer, length=len(chunks))
-    finally:
-        if prev is None:
-            os.environ.pop("RAYON_NUM_THREADS", None)
-        else:
-            os.environ["RAYON_NUM_THREADS"] = prev
+    train_single_threaded(tok, chunks, trainer)
     if tok.get_vocab_size() != VOCAB_SIZE:
         raise RuntimeError(f"tokenizer: trained vocab has {tok.get_vocab_size()} ids, expected {VOCAB_SIZE}")
 
