@@ -70,6 +70,10 @@ chunk's slice to `TokenEvent.top`.
 Checked against the sglang 0.5.23 wheel's source and run against the conformance fake
 (tests/backends/sglang_fake.py); not yet run on a GPU. Nothing here imports sglang at module
 import; `SglangApi.real()` imports it when the engine starts.
+
+Size (about 770 lines): one adapter class mirroring SGLang's engine lifecycle (sessions, release /
+resume, weight updates, streamed generation) plus the pure request/ServerArgs helpers it is tested
+through; the next split is the ServerArgs pass-through and WeightBroadcaster into modules of their own.
 """
 
 from __future__ import annotations

@@ -40,6 +40,9 @@ Engine slot lifecycle (`SlotState`):
     DRAINING|DRAINED --resume()--> ACTIVE
     DRAINED  --remove_engine()--> (gone)      ACTIVE/DRAINING are drained first
 Any other transition raises.
+
+Size (about 610 lines): least-loaded routing, drain/reroute, stall detection and migration hand-off
+share the router's one lock and per-engine state; splitting them would spread that state.
 """
 
 from __future__ import annotations
