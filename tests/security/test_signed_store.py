@@ -22,6 +22,14 @@ class _Boom:
         return (open, (self.path, "w"))
 
 
+def _land(intruder, key, value):
+    """TCPStore's set does not wait for the server: the intruder's write and the signed reader's
+    get travel on different connections, so read it back on the intruder's own connection (served
+    in order) before the signed store looks."""
+    intruder.set(key, value)
+    assert intruder.get(key) == (value.encode() if isinstance(value, str) else bytes(value))
+
+
 @pytest.fixture
 def stores():
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
@@ -53,17 +61,18 @@ def test_a_forged_mailbox_entry_is_refused_before_it_is_unpickled(stores, tmp_pa
 def test_a_redirected_engine_url_a_swapped_value_and_another_runs_secret_are_refused(stores):
     signed, intruder, server = stores
     signed.set("engine/0", "http://127.0.0.1:1234")
-    intruder.set("engine/0", "http://127.0.0.1:6666")  # the proxy would send model calls there
+    assert signed.get("engine/0") == b"http://127.0.0.1:1234"  # landed before the intruder writes
+    _land(intruder, "engine/0", "http://127.0.0.1:6666")  # the proxy would send model calls there
     with pytest.raises(TamperedStore, match="engine/0"):
         signed.get("engine/0")
     signed.set("snap/latest", "5")
     good = intruder.get("snap/latest")
-    intruder.set("snap/published", good)  # a valid tag, moved to another key
+    _land(intruder, "snap/published", good)  # a valid tag, moved to another key
     with pytest.raises(TamperedStore):
         signed.get("snap/published")
     flipped = bytearray(good)
     flipped[-1] ^= 1
-    intruder.set("snap/latest", bytes(flipped))
+    _land(intruder, "snap/latest", bytes(flipped))
     with pytest.raises(TamperedStore):
         signed.get("snap/latest")
     SignedStore(server, "another-run").set("snap/latest", "9")
