@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg: GyreConfig = parse_config(argv)
     setup_logging(cfg.log_level)
     alone = "RANK" not in os.environ
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a SIGKILLed torchrun takes its ranks (and harnesses) with it
+        from gyre.executions.procs import watch_parent
+        watch_parent("torchrun")
     if alone:
         # Plain `python -m gyre.run`: a world of one, as torchrun would set it up.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")

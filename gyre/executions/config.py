@@ -32,6 +32,11 @@ class RunnerConfig:
     kill_grace_s: float = 5.0
     """Seconds between SIGTERM and SIGKILL when an execution is stopped."""
 
+    log_cap_bytes: int = 64 * 1024 * 1024
+    """Most bytes kept of each of a harness's stdout.log and stderr.log (per execution). Past it the
+    harness keeps running (its output is still read); the log keeps its first bytes, a line naming
+    this cap and what was dropped, and its last min(cap/4, 256 KiB) bytes. At least 1024."""
+
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every harness (applied after the passthrough list)."""
 

@@ -10,6 +10,8 @@ timeout's partial reward) or *failed*, for one of four reasons:
     evaluator_failed   no valid reward within the evaluator's attempt budget (the execution
                        is excluded from its group)
     no_model_calls     the harness ended without one call through the proxy: no tokens to train
+                       (one killed from outside before its first call is also excluded from its
+                       group by the runner: a reward with no trajectory is no sample)
 
 `HealthMonitor` keeps the last `window` evaluated executions (cancelled ones are not counted:
 the controller stopped them) and trips when at least `stop_fraction` of them failed. With the
@@ -48,6 +50,8 @@ def classify(result: Any, calls: int | None) -> Failure | None:
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
         return Failure(eid, "crashed", how, d)
     reward = result.reward
+    if reward is not None and reward.status is RewardStatus.EXCLUDED and "excluded" in reward.detail:
+        return Failure(eid, "no_model_calls", reward.detail["excluded"], d)  # the runner's own exclusion
     if reward is not None and reward.status is RewardStatus.EXCLUDED:
         errors = [a.error for a in reward.attempts if a.error]
         return Failure(eid, "evaluator_failed", errors[-1] if errors else "no valid reward", d)

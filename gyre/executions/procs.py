@@ -6,8 +6,17 @@ A harness is started as the leader of a new session (and process group). Stoppin
      processes that are descendants by parent pid (found through /proc) are signalled too.
   2. after `grace_s`, SIGKILL to the same set, found again (new children may have appeared).
 A process that both calls setsid() and daemonizes (re-parents to init) escapes all three
-nets; the sandbox's own pid namespace (`gyre.executions.sandbox`: bwrap, unshare, containers)
-is the answer for hostile harnesses: the kernel kills every process in it with the launcher.
+nets. Two answers: the sandbox's own pid namespace (`gyre.executions.sandbox`: bwrap, unshare,
+containers), where the kernel kills every process in it with the launcher; and, under `none`,
+`CONTAIN` (`contain_argv`), a stdlib shim that runs the harness as its child and is a *child
+subreaper* (PR_SET_CHILD_SUBREAPER): every orphan of the tree, a setsid + double-forked daemon
+included, is re-parented to the shim instead of to init, so the tree stays one parent-pid tree
+that the shim empties (SIGTERM, grace, SIGKILL until it has no child left) before it exits,
+whether the harness ended, the runner stopped it, or the runner died (its parent-death signal).
+
+`watch_parent` is the same promise one level up: a rank started by torchrun kills itself the
+moment torchrun is gone (a SIGKILLed torchrun otherwise leaves its ranks, and their harnesses,
+running for 5–20 s beside a relaunch).
 """
 
 from __future__ import annotations
@@ -15,7 +24,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import select
 import signal
+import sys
+import threading
 
 logger = logging.getLogger(__name__)
 
@@ -121,3 +133,130 @@ async def kill_tree(leader: int, grace_s: float, proc: asyncio.subprocess.Proces
             return
         await asyncio.sleep(0.025)
     logger.warning("harness %d: processes %s still present after SIGKILL", leader, sorted(tree_pids(leader, False)))
+
+
+# Leads a `none` harness's session (the runner starts it with start_new_session). argv: grace_s --
+# harness argv. Exits with the harness's status (128 + signal for a signal death, like the other
+# launchers). Stdlib only (`python -I -S`). Signals it acts on are blocked and taken with
+# sigtimedwait, so no handler runs in the middle of a sweep.
+CONTAIN = r"""
+import ctypes, os, signal, sys, time
+grace, argv = float(sys.argv[1]), sys.argv[3:]
+libc = ctypes.CDLL(None, use_errno=True)
+runner, me = os.getppid(), os.getpid()
+libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: the tree's orphans come here, not to init
+STOP = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+signal.pthread_sigmask(signal.SIG_BLOCK, STOP | {signal.SIGCHLD})
+libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: a SIGTERM when the runner dies
+harness, status = None, [None]
+def orphaned():
+    return os.getppid() != runner
+def reap():
+    # Reap every ended child; False once none is left (no descendant alive: we are their reaper).
+    while True:
+        try:
+            pid, st = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        if pid == 0:
+            return True
+        if pid == harness:
+            status[0] = os.waitstatus_to_exitcode(st)
+def tree():
+    kids = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open("/proc/" + name + "/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            kids.setdefault(ppid, []).append(int(name))
+    out, todo = [], [me]
+    while todo:
+        for c in kids.get(todo.pop(), ()):
+            out.append(c)
+            todo.append(c)
+    return out
+def sweep(sig):
+    for p in tree():
+        try:
+            os.kill(p, sig)
+        except OSError:
+            pass
+if orphaned():
+    sys.exit(128 + signal.SIGKILL)
+try:
+    harness = os.posix_spawnp(argv[0], argv, os.environ, setsigmask=(),
+                              setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, *STOP, signal.SIGCHLD))
+except OSError as e:
+    sys.stderr.write("gyre: cannot start the harness %r: %s\n" % (argv[0], e))
+    sys.exit(127)
+stopped = False
+while status[0] is None and not stopped:
+    info = signal.sigtimedwait(STOP | {signal.SIGCHLD}, 1.0)
+    stopped = (info is not None and info.si_signo in STOP) or orphaned()
+    reap()
+if not orphaned():
+    # What the harness left behind (and, on a stop, the harness itself) gets SIGTERM and a grace.
+    sweep(signal.SIGTERM)
+    deadline = time.monotonic() + (grace if stopped else min(grace, 1.0))
+    while reap() and not orphaned() and time.monotonic() < deadline:
+        signal.sigtimedwait({signal.SIGCHLD}, 0.05)
+give_up = time.monotonic() + 30.0
+while reap() and time.monotonic() < give_up:
+    sweep(signal.SIGKILL)
+    time.sleep(0.01)
+rc = status[0] if status[0] is not None else -signal.SIGKILL
+sys.exit(rc if rc >= 0 else 128 - rc)
+"""
+
+
+def contain_argv(argv: list[str], grace_s: float) -> list[str]:
+    """`argv` run under `CONTAIN` (Linux): when the harness ends, is stopped (SIGTERM to the shim)
+    or its runner dies, nothing it started outlives it. `grace_s`: SIGTERM → SIGKILL on a stop
+    (1 s at most for what a harness that exited left behind)."""
+    return [sys.executable, "-I", "-S", "-c", CONTAIN, f"{grace_s:g}", "--", *argv]
+
+
+def watch_parent(what: str = "the parent process") -> threading.Thread | None:
+    """Kill this process (SIGKILL, after one log line) as soon as its parent is gone.
+
+    For a rank under torchrun: when torchrun is SIGKILLed its ranks are re-parented and would run
+    on until a collective times out. PR_SET_PDEATHSIG is not used because it fires when the
+    parent *thread* that forked us ends, which torchrun does not promise to keep; a pidfd of the
+    parent (Linux ≥ 5.3; else a 0.5 s poll of getppid) watched by a daemon thread is exact.
+    Our own children then follow: harness shims and launchers have a parent-death signal."""
+    parent = os.getppid()
+    if parent == 1:
+        return None  # already orphaned (or started by init): nothing to watch
+    fd = None
+    try:
+        fd = os.pidfd_open(parent)
+    except (AttributeError, OSError):
+        fd = None
+    if os.getppid() != parent:  # it died while we looked
+        _parent_gone(what, parent)
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while os.getppid() == parent:
+                threading.Event().wait(0.5)
+        _parent_gone(what, parent)
+
+    t = threading.Thread(target=watch, name="gyre-watch-parent", daemon=True)
+    t.start()
+    return t
+
+
+def _parent_gone(what: str, parent: int) -> None:
+    logger.error("%s (pid %d) is gone; this process (pid %d) stops now with everything it started",
+                 what, parent, os.getpid())
+    for h in logging.getLogger().handlers:
+        try:
+            h.flush()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -5,15 +5,20 @@ For each dispatched execution the runner
      files written) and writes the instruction to `<execution_id>/instruction.md`;
   2. asks the proxy for the execution's own API key (`ProxyAccess.open_execution`);
   3. waits for a slot (`max_concurrency`), then starts the harness as the leader of a new
-     session in the workspace, stdout/stderr to `<execution_id>/{stdout,stderr}.log`, with an
+     session in the workspace, stdout/stderr through pipes the runner drains into
+     `<execution_id>/{stdout,stderr}.log`, each capped at `log_cap_bytes` (`gyre.executions.logcap`), with an
      environment that points it at the proxy (below) and withholds the controller's own
      variables except `env_passthrough`, inside the configured sandbox (`RunnerConfig.sandbox`,
-     `gyre.executions.sandbox`: bubblewrap, unshare or a container; `none`, the default,
-     logs "harness not isolated");
+     `gyre.executions.sandbox`: bubblewrap, unshare or a container; `none` logs "harness not
+     isolated" and runs the harness under `procs.CONTAIN`, a subreaper that leaves no process of
+     its tree behind, setsid'd and double-forked daemons included);
   4. enforces the hard wall-clock limit (SIGTERM → grace → SIGKILL to the whole process tree,
      see `gyre.executions.procs`); after any ending, stragglers of the tree are killed too;
   5. revokes the key, records exit status / outcome, runs the evaluator on the preserved
-     workspace and writes `<execution_id>/result.json`.
+     workspace and writes `<execution_id>/result.json`. A harness killed from outside (outcome
+     `killed`) before its first model call is not evaluated: its reward is EXCLUDED (it has no
+     trajectory, and a 0.0 would only drag its group's baseline), the reason in `error` and in
+     the reward's `detail`.
 
 Harness environment (the only way the key reaches the harness: never on a command line):
     OPENAI_BASE_URL=<proxy>/v1      OPENAI_API_KEY=<execution key>
@@ -45,6 +50,7 @@ for any agent sandbox.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 from collections import defaultdict
 import json
@@ -59,10 +65,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from gyre.executions import remote, sandbox
+from gyre.executions import logcap, remote, sandbox
 from gyre.executions.config import RunnerConfig
-from gyre.executions.evaluator import Evaluator, Outcome, RewardResult
-from gyre.executions.procs import kill_tree, tree_pids
+from gyre.executions.evaluator import Evaluator, Outcome, RewardResult, RewardStatus
+from gyre.executions.procs import contain_argv, kill_tree, tree_pids
 from gyre.executions.tasks import ExecutionSpec, Group
 
 logger = logging.getLogger(__name__)
@@ -86,6 +92,10 @@ class ProxyAccess(Protocol):
         """Revoke the execution's key: later calls with it are rejected."""
         ...
 
+    def calls_made(self, execution_id: str) -> int | None:
+        """Model calls of a closed execution (None: unknown here). Optional."""
+        ...
+
 
 class LocalKeys:
     """A `ProxyAccess` with no proxy behind it (runner tests, dry runs): random keys."""
@@ -100,6 +110,9 @@ class LocalKeys:
 
     def close_execution(self, execution_id: str) -> None:
         self.keys.pop(execution_id, None)
+
+    def calls_made(self, execution_id: str) -> int | None:
+        return None  # no proxy: unknown
 
 
 class GyreProxyAccess:
@@ -132,6 +145,10 @@ class GyreProxyAccess:
     def take_recorded(self, execution_id: str) -> tuple[int, int] | None:
         """(calls, sink errors) of a closed execution, to check its TITO file against; forgotten after."""
         return self.recorded.pop(execution_id, None)
+
+    def calls_made(self, execution_id: str) -> int | None:
+        """The closed execution's model calls (not forgotten: `take_calls` does that)."""
+        return self.calls.get(execution_id)
 
     def take_calls(self, execution_id: str) -> int | None:
         """The execution's model calls (None when it was never closed here); forgotten after."""
@@ -246,6 +263,8 @@ class HarnessRunner:
             raise ValueError(f"runner.max_concurrency must be >= 1, got {cfg.max_concurrency}")
         if not cfg.timeout_s > 0:
             raise ValueError(f"runner.timeout_s must be > 0, got {cfg.timeout_s}")
+        if cfg.log_cap_bytes < 1024:
+            raise ValueError(f"runner.log_cap_bytes must be >= 1024, got {cfg.log_cap_bytes}")
         self.cfg = cfg
         self.evaluator = evaluator
         self.proxy: ProxyAccess = proxy if proxy is not None else LocalKeys()
@@ -384,6 +403,7 @@ class HarnessRunner:
         outcome, exit_code, start, error = Outcome.LAUNCH_FAILED, None, None, ""
         key_opened = False
         launch: sandbox.Launch | None = None
+        logs: list[logcap.Drain] = []
         assert self._sem is not None
         try:
             async with self._sem:
@@ -403,12 +423,11 @@ class HarnessRunner:
                         else:
                             launch = await sandbox.prepare(self.sandbox_kind(), cfg=self.cfg, execution_id=spec.execution_id,
                                                            exec_dir=exec_dir, ws=ws, argv=argv, env=env)
-                        with open(exec_dir / "stdout.log", "wb") as out, open(exec_dir / "stderr.log", "wb") as err:
-                            proc = await asyncio.create_subprocess_exec(
-                                *launch.argv, cwd=launch.cwd, env=launch.env,
-                                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
-                                preexec_fn=sandbox.die_with_runner(),  # killed with this rank, however it ends
-                            )
+                            if self.sandbox_kind() == "none" and launch.wrapped:
+                                # The sandbox's session reaper misses setsid'd, double-forked daemons;
+                                # CONTAIN is a subreaper: nothing of the tree outlives the harness.
+                                launch = dataclasses.replace(launch, argv=contain_argv(argv, self.cfg.kill_grace_s))
+                        proc = await self._start(launch, exec_dir, spec.execution_id, logs)
                     except Exception as e:  # noqa: BLE001 - any launch problem is this execution's failure
                         error = f"{type(e).__name__}: {e}"
                         logger.warning("execution %s failed to launch: %s", spec.execution_id, error)
@@ -420,6 +439,8 @@ class HarnessRunner:
                         self._emit(EventKind.STARTED, spec)
                         outcome, exit_code = await self._supervise(live, proc, timeout)
                         exit_code = launch.exit_code(exit_code)
+                        for log in logs:
+                            await log.finish(timeout=5.0)
                         if outcome is Outcome.CRASHED and exit_code in _EXTERNAL_KILLS:
                             outcome = Outcome.KILLED  # the runner sent nothing: the OOM killer, an operator
                             logger.warning("execution %s: harness killed from outside (signal %d); its workspace is "
@@ -432,19 +453,63 @@ class HarnessRunner:
             self._end(live, key_opened, Outcome.CANCELLED, None, start, exec_dir, ws, "asyncio task cancelled")
             raise
         finally:
+            for log in logs:
+                log.close()  # done already, unless the launch failed or the task was cancelled
             if live.host != "local":
                 self._host_load[live.host] -= 1
             if launch is not None:
                 await asyncio.shield(launch.cleanup())
+        log_errors = [log.log.error for log in logs if log.log.error]
+        if log_errors:
+            error = "; ".join(filter(None, [error, *log_errors]))
         result = self._end(live, key_opened, outcome, exit_code, start, exec_dir, ws, error)
         skip = outcome is Outcome.CANCELLED and not self._evaluate_cancelled
-        if self.evaluator is not None and exec_dir.exists() and not skip:
+        idle = self._killed_before_any_call(result)
+        if idle is not None:
+            result.reward = RewardResult(spec.execution_id, RewardStatus.EXCLUDED, None, detail={"excluded": idle})
+            result.error = "; ".join(filter(None, [result.error, idle]))
+            logger.warning("execution %s: %s", spec.execution_id, idle)
+        elif self.evaluator is not None and exec_dir.exists() and not skip:
             result.reward = await self.evaluator.evaluate(spec.execution_id, spec.task, ws, outcome)
         live.move(ExecutionState.EVALUATED)
         if exec_dir.exists():
             _write_new(exec_dir / "result.json", json.dumps(result.to_json(), indent=1))
         self._emit(EventKind.EVALUATED, spec, result)
         return result
+
+    async def _start(self, launch: sandbox.Launch, exec_dir: Path, eid: str,
+                     logs: list[logcap.Drain]) -> asyncio.subprocess.Process:
+        """Start the launch as the leader of a new session, its stdout/stderr drained into capped
+        logs (appended to `logs` as they are made, so the caller closes them whatever happens)."""
+        ends: list[int] = []
+        try:
+            for name in ("stdout", "stderr"):
+                log = logcap.CappedLog(exec_dir / f"{name}.log", self.cfg.log_cap_bytes, f"execution {eid} {name}.log")
+                try:
+                    r, w = os.pipe()
+                except OSError:
+                    log.close()
+                    raise
+                ends.append(w)
+                logs.append(await logcap.drain(r, log))
+            return await asyncio.create_subprocess_exec(
+                *launch.argv, cwd=launch.cwd, env=launch.env,
+                stdin=asyncio.subprocess.DEVNULL, stdout=ends[0], stderr=ends[1], start_new_session=True,
+                preexec_fn=sandbox.die_with_runner(),  # killed with this rank, however it ends
+            )
+        finally:
+            for w in ends:  # the child has its copies; ours would keep the pipes from ever ending
+                os.close(w)
+
+    def _killed_before_any_call(self, result: ExecutionResult) -> str | None:
+        """Why an execution is no sample at all, or None: killed from outside (the OOM killer, an
+        operator) before its first model call, its workspace says nothing about the policy."""
+        if result.outcome is not Outcome.KILLED:
+            return None
+        calls_made = getattr(self.proxy, "calls_made", None)
+        if calls_made is None or calls_made(result.execution_id) != 0:
+            return None
+        return "killed before its first model call: excluded from its group (not a 0 reward), not evaluated"
 
     def _end(self, live: _Live, key_opened: bool, outcome: Outcome, exit_code: int | None, start: float | None,
              exec_dir: Path, ws: Path, error: str) -> ExecutionResult:
@@ -474,7 +539,8 @@ class HarnessRunner:
         finally:
             stopper.cancel()
         if waiter in done:
-            # The leader exited; anything it left running in its session is killed now.
+            # The leader exited (a CONTAIN shim empties its tree first); anything it left running in
+            # its session is killed now.
             if tree_pids(proc.pid, include_leader=False):
                 logger.info("execution %s: harness exited leaving processes behind; killing them", live.spec.execution_id)
                 await kill_tree(proc.pid, min(self.cfg.kill_grace_s, 1.0))
@@ -484,7 +550,9 @@ class HarnessRunner:
         outcome = Outcome.CANCELLED if stopper in done else Outcome.TIMED_OUT
         why = "cancelled (the run is stopping)" if outcome is Outcome.CANCELLED else f"timed out after {timeout:.1f}s"
         logger.info("execution %s: %s, killing its process tree", live.spec.execution_id, why)
-        await kill_tree(proc.pid, self.cfg.kill_grace_s, proc)
+        # A little longer than the grace: a CONTAIN shim SIGKILLs its own tree at the grace and
+        # should exit before the runner's SIGKILL reaches it (a backstop here).
+        await kill_tree(proc.pid, self.cfg.kill_grace_s + 1.0, proc)
         return outcome, proc.returncode
 
     # ------------------------------------------------------------------ remote mode
