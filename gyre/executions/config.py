@@ -79,7 +79,10 @@ class RunnerConfig:
     harness sees its execution directory read-write, the system and Python read-only, nothing of
     the repository or other executions, and only the proxy on the network; its processes die with
     it. `unshare`: pid/net namespaces only, the filesystem is shared. `container`: `container_cli
-    run` of `container_image`. `none`: no isolation ("harness not isolated"). `auto`: bwrap when
+    run` of `container_image`. `none`: no isolation ("harness not isolated"), but the harness's
+    processes are contained: it runs under a subreaper shim that kills everything it started
+    (setsid'd, double-forked daemons included) when it ends, is stopped, or its rank dies
+    (`gyre.executions.procs.CONTAIN`). `auto`: bwrap when
     it works here, else none with a warning. Ignored with `sandbox_hosts` (isolate those hosts).
     A harness that reads files beside its script, or a CLI installed outside /usr, names them in
     `sandbox_ro_paths` (examples/claude_code does)."""
