@@ -69,16 +69,27 @@ def _one(runner: HarnessRunner, task: Task, eid: str = "e0"):
 
 @pytest.mark.parametrize("then", ["exit", "hang"])
 def test_400_double_forked_daemons_die_with_their_execution(tmp_path, then):
+    """exit: the harness exits 0 leaving them; hang: the run stops it (the runner's SIGTERM, grace, SIGKILL)."""
     marker = _marker()
     task = Task(task_id="t", instruction="x", evaluator=EvaluatorSpec("command", ["echo", "1"]),
-                harness=[sys.executable, str(DETACH), marker, "400", then], timeout_s=60 if then == "exit" else 8)
+                harness=[sys.executable, str(DETACH), marker, "400", then], timeout_s=300)
+    runner = _runner(tmp_path)
+
+    async def main():
+        t = runner.dispatch(spec(task, "e0"))
+        if then == "hang":
+            while not (runner.run_dir / "e0" / "workspace" / "daemons.json").exists():
+                await asyncio.sleep(0.1)
+            await runner.shutdown()
+        return await t
+
     try:
-        res = _one(_runner(tmp_path), task)
+        res = asyncio.run(main())
     finally:
         left = _gone(marker)
     spawned = json.loads((res.workspace / "daemons.json").read_text())
     assert spawned["alive_elsewhere"] == 400  # all 400 ran, in sessions of their own
-    assert res.outcome is (Outcome.COMPLETED if then == "exit" else Outcome.TIMED_OUT), res
+    assert res.outcome is (Outcome.COMPLETED if then == "exit" else Outcome.CANCELLED), res
     assert left == [], f"{len(left)} of 400 daemons outlived their execution"
     assert res.reward.status is RewardStatus.VALID  # evaluated as before
 
