@@ -11,12 +11,13 @@ user. So two things are checked or contained here:
     workspace is never evaluated: the execution is excluded with the reason in `result.json`.
   - The evaluator process. `inherit` (the default) runs command evaluators and `module:function`
     evaluators (a child Python process) in the harness's sandbox backend: under bubblewrap they
-    see the workspace read-write and nothing else of the run (not the execution directory's
-    logs or result, not other executions, not the repository beyond the evaluator's own module
-    and the gyre package, read-only), the system and Python read-only, a private /tmp, no
-    network (`sandbox_network host`: the host's). So an evaluator that runs the workspace's
-    tests runs harness-written code inside a sandbox too. A harness in a container: its
-    evaluators run under bubblewrap on this node (the image need not hold the evaluator).
+    see the workspace read-write, the rest of its execution directory read-only (the logs,
+    files the harness left beside its workspace), nothing of other executions or of the
+    repository beyond the evaluator's own module and the gyre package (read-only), the system
+    and Python read-only, a private /tmp, no network (`sandbox_network host`: the host's). So
+    an evaluator that runs the workspace's tests runs harness-written code inside a sandbox
+    too. A harness in a container: its evaluators run under bubblewrap on this node (the image
+    need not hold the evaluator).
     `none` runs them unsandboxed, as this user (logged). A Python callable given directly
     (`EvaluatorSpec("python", fn)`, tests) runs in this process and is never sandboxed: it
     must not execute workspace code.
@@ -114,7 +115,7 @@ def announce(kind: str, cfg: EvaluatorConfig, runner: RunnerConfig) -> None:
     """The start-up line saying where evaluators run."""
     if kind == "bwrap":
         logger.info("executions: evaluators run in sandbox bwrap (--executions.evaluator.sandbox %s): the workspace "
-                    "read-write, nothing else of the run, %s", cfg.sandbox,
+                    "read-write, its execution directory read-only, nothing else of the run, %s", cfg.sandbox,
                     "no network" if runner.sandbox_network == "proxy" else "the host network")
     elif kind == "unshare":
         logger.warning("executions: evaluators run in sandbox unshare (--executions.evaluator.sandbox %s): process and "
@@ -154,8 +155,11 @@ def wrap(kind: str, *, inner: list[str], ws: Path, ro_paths: list[str], runner: 
     if kind == "none":
         return inner
     if kind == "bwrap":
-        # The workspace is the one writable path (bound where the evaluator expects it).
-        return sandbox.bwrap_argv(exec_dir=ws, ws=ws, inner=inner, ro_paths=ro_paths, net=net, socket=None)
+        # The workspace is the one writable path; the rest of its execution directory (the logs,
+        # files a harness keeps beside its workspace: what examples/claude_code's evaluator reads)
+        # is read-only. Both bound where the evaluator expects them.
+        return sandbox.bwrap_argv(exec_dir=ws, ws=ws, inner=inner, ro_paths=[*ro_paths, str(ws.parent)], net=net,
+                                  socket=None)
     if kind == "unshare":
         return sandbox.unshare_argv(inner=inner, net=net)
     raise ValueError(f"unknown evaluator sandbox {kind!r}")

@@ -22,7 +22,7 @@ Evaluator forms (see `gyre.executions.tasks.EvaluatorSpec`):
     or as JSON `{"reward": x, ...}`. Env: GYRE_WORKSPACE, GYRE_TASK_FILE (the task as JSON).
 
 Commands and "module:function" children run in the harnesses' sandbox (`EvaluatorConfig.sandbox`,
-gyre.executions.eval_sandbox: the workspace read-write, nothing else of the run); a Python
+gyre.executions.eval_sandbox: the workspace read-write, its execution directory read-only); a Python
 callable runs in this process, unsandboxed. A workspace the harness replaced by a symbolic link
 is never scored: the execution is excluded, `detail["refused"]` says why (checked before every
 attempt).

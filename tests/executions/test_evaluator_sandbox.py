@@ -133,6 +133,7 @@ PROBE = textwrap.dedent("""
     attempt("read_sibling", lambda: open(sys.argv[4]).read())
     attempt("connect", lambda: socket.create_connection(("127.0.0.1", int(sys.argv[5])), timeout=2).close())
     attempt("write_workspace", lambda: open("inside.txt", "w").write("ok"))
+    attempt("read_log", lambda: open(sys.argv[2]).read())  # its own execution's log: read-only
     out["secret"] = os.environ.get("GYRE_TEST_CONTROLLER_SECRET")
     print("GYRE_REWARD " + json.dumps({"reward": 1, **out}))
 """)
@@ -166,7 +167,7 @@ def test_a_sandboxed_command_evaluator_writes_only_its_workspace(tmp_path, monke
     assert not outside.exists() and not (sibling / "planted.txt").exists()
     assert (run / "g.0" / "stdout.log").read_text() == "harness log\n"
     assert (ws / "inside.txt").read_text() == "ok"
-    assert res.detail["read_sibling"] is False and res.detail["connect"] is False
+    assert res.detail["read_sibling"] is False and res.detail["connect"] is False and res.detail["read_log"] is True
     assert res.detail["secret"] is None  # the controller's variables stay out, as for harnesses
 
 
@@ -240,6 +241,8 @@ def test_the_bwrap_command_line_binds_the_workspace_alone_writable(tmp_path):
     argv = eval_sandbox.wrap("bwrap", inner=["true"], ws=ws, ro_paths=["/opt/x"], runner=RunnerConfig())
     writable = [argv[i + 1] for i, a in enumerate(argv) if a == "--bind"]
     assert writable == [str(ws)] and "--unshare-net" in argv
+    read_only = [argv[i + 1] for i, a in enumerate(argv) if a == "--ro-bind-try"]
+    assert str(ws.parent) in read_only and "/opt/x" in read_only and str(ws.parent.parent) not in read_only
     assert argv[argv.index("--chdir") + 1] == str(ws)
     host_net = eval_sandbox.wrap("bwrap", inner=["true"], ws=ws, ro_paths=[], runner=RunnerConfig(sandbox_network="host"))
     assert "--unshare-net" not in host_net
