@@ -247,3 +247,14 @@ def test_the_bwrap_command_line_binds_the_workspace_alone_writable(tmp_path):
     host_net = eval_sandbox.wrap("bwrap", inner=["true"], ws=ws, ro_paths=[], runner=RunnerConfig(sandbox_network="host"))
     assert "--unshare-net" not in host_net
     assert json.dumps(eval_sandbox.wrap("none", inner=["true"], ws=ws, ro_paths=[], runner=RunnerConfig())) == '["true"]'
+
+
+@needs_bwrap
+def test_an_example_evaluator_reading_its_execution_directory_scores_the_same_sandboxed(tmp_path):
+    """examples/claude_code's evaluator reads `<exec dir>/stdout.log` when there is no answer.txt."""
+    ws = _execution(tmp_path / "run", "g.0")
+    (ws.parent / "stdout.log").write_text(json.dumps({"type": "result", "result": "I think it is apple."}) + "\n")
+    form = EvaluatorSpec("python", "examples.claude_code.task:evaluate", {"expected": "apple"})
+    boxed = _evaluate(ws, form, RunnerConfig(sandbox="bwrap"))
+    free = _evaluate(ws, form, RunnerConfig(sandbox="bwrap"), sandbox="none")
+    assert boxed.status is RewardStatus.VALID and boxed.reward == free.reward > 0, (boxed, free)
