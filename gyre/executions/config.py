@@ -135,6 +135,22 @@ class EvaluatorConfig:
     concurrency: int = 8
     """Most evaluator attempts running at once."""
 
+    sandbox: Literal["inherit", "none"] = "inherit"
+    """Where command and `module:function` evaluators run (gyre.executions.eval_sandbox).
+    `inherit`: in the harnesses' sandbox backend (`--executions.runner.sandbox`, also with
+    `sandbox_hosts`); under bwrap an evaluator sees the workspace read-write, its execution
+    directory read-only, nothing of other executions, its own module and the gyre package read-only, no network (the host's with
+    `runner.sandbox_network host`), and the harness's environment passthrough list, not the
+    controller's variables. Harnesses in containers: evaluators run under bwrap on this node.
+    `none`: unsandboxed, as this user with its environment (an LLM judge that needs the
+    network); an evaluator that runs the workspace's tests then runs harness-written code
+    outside any sandbox. Either way a workspace the harness replaced by a symbolic link is not
+    scored (the execution is excluded, `detail.refused` says why)."""
+
+    sandbox_ro_paths: list[str] = field(default_factory=list)
+    """Extra paths visible read-only to sandboxed evaluators (data files beside an evaluator's
+    module; `runner.sandbox_ro_paths` are visible too)."""
+
 
 @dataclass(kw_only=True)
 class DatasetConfig:

@@ -20,6 +20,12 @@ Evaluator forms (see `gyre.executions.tasks.EvaluatorSpec`):
   - a Python callable: the same call in a worker thread (a hang can only be abandoned);
   - a command: run in the workspace; the last non-empty stdout line is the reward, as a number
     or as JSON `{"reward": x, ...}`. Env: GYRE_WORKSPACE, GYRE_TASK_FILE (the task as JSON).
+
+Commands and "module:function" children run in the harnesses' sandbox (`EvaluatorConfig.sandbox`,
+gyre.executions.eval_sandbox: the workspace read-write, its execution directory read-only); a Python
+callable runs in this process, unsandboxed. A workspace the harness replaced by a symbolic link
+is never scored: the execution is excluded, `detail["refused"]` says why (checked before every
+attempt).
 """
 
 from __future__ import annotations
@@ -37,10 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gyre.executions import scratch
-from gyre.executions.config import EvaluatorConfig
+from gyre.executions import eval_sandbox, scratch
+from gyre.executions.config import EvaluatorConfig, RunnerConfig
 from gyre.executions.procs import kill_tree
-from gyre.executions.sandbox import die_with_runner
+from gyre.executions.sandbox import argv_files as sandbox_argv_files, die_with_runner
 from gyre.executions.tasks import EvaluatorSpec, Task
 
 logger = logging.getLogger(__name__)
@@ -135,13 +141,19 @@ def _python_path_env() -> dict[str, str]:
 class Evaluator:
     """Scores executions with retries and a timeout per attempt. Async; bounded concurrency."""
 
-    def __init__(self, cfg: EvaluatorConfig) -> None:
+    def __init__(self, cfg: EvaluatorConfig, runner: RunnerConfig | None = None) -> None:
+        """`runner`: the harnesses' configuration, whose sandbox `cfg.sandbox inherit` means
+        (None: its defaults, `auto`)."""
         if cfg.max_attempts < 1:
             raise ValueError(f"evaluator.max_attempts must be >= 1, got {cfg.max_attempts}")
         if not cfg.timeout_s > 0:
             raise ValueError(f"evaluator.timeout_s must be > 0, got {cfg.timeout_s}")
         self.cfg = cfg
+        self.runner = runner if runner is not None else RunnerConfig()
+        self.sandbox = eval_sandbox.resolve(cfg, self.runner)
+        eval_sandbox.announce(self.sandbox, cfg, self.runner)
         self._sem: asyncio.Semaphore | None = None
+        self._warned_in_process = False
 
     async def evaluate(self, execution_id: str, task: Task, workspace: Path, outcome: Outcome) -> RewardResult:
         if outcome is Outcome.LAUNCH_FAILED or (outcome is Outcome.CRASHED and self.cfg.on_crash == "placeholder"):
@@ -156,6 +168,12 @@ class Evaluator:
                 await asyncio.sleep(backoff)
                 backoff *= 2
             t0 = time.monotonic()
+            refused = eval_sandbox.workspace_refusal(workspace)  # before each attempt: an attempt runs workspace code
+            if refused is not None:
+                logger.warning("execution %s: workspace not evaluated: %s", execution_id, refused)
+                attempts.append(Attempt(ok=False, seconds=0.0, error=f"workspace refused: {refused}"))
+                return RewardResult(execution_id, RewardStatus.EXCLUDED, None, attempts,
+                                    {"outcome": outcome.value, "refused": refused})
             try:
                 async with self._sem:
                     reward, detail = await self._attempt(task.evaluator, task, workspace)
@@ -172,29 +190,46 @@ class Evaluator:
     async def _attempt(self, spec: EvaluatorSpec, task: Task, workspace: Path) -> tuple[float, dict[str, Any]]:
         timeout = self.cfg.timeout_s
         if spec.kind == "python" and callable(spec.target):
+            if not self._warned_in_process:
+                self._warned_in_process = True
+                logger.warning("evaluator %s runs in this process, not sandboxed: it must not execute workspace code",
+                               getattr(spec.target, "__qualname__", spec.target))
             try:
                 value = await asyncio.wait_for(asyncio.to_thread(spec.target, workspace, task, **spec.kwargs), timeout)
             except asyncio.TimeoutError:
                 raise TimeoutError(f"in-process evaluator exceeded {timeout}s (thread abandoned)") from None
             return parse_reward(value)
+        workspace = Path(os.path.abspath(workspace))  # bound at this path in a sandbox
         with scratch.temporary_directory("gyre-eval-") as tmp:
             task_file = Path(tmp) / "task.json"
             task_file.write_text(json.dumps(task.to_json()))
+            env = eval_sandbox.environment(self.sandbox, self.runner)
+            ro = [str(task_file), *self.runner.sandbox_ro_paths, *self.cfg.sandbox_ro_paths]
             if spec.kind == "python":
                 argv = [sys.executable, "-m", "gyre.executions.evaluator", str(workspace), str(task_file)]
-                env, cwd = _python_path_env(), os.getcwd()
+                env["PYTHONPATH"] = _python_path_env()["PYTHONPATH"]
+                cwd = os.getcwd()
+                ro += [*eval_sandbox.gyre_paths(), *eval_sandbox.module_paths(spec.target)]
             else:
                 argv = list(spec.target)
-                env, cwd = dict(os.environ), str(workspace)
+                cwd = str(workspace)
+                ro += sandbox_argv_files(argv)
             env.update(GYRE_WORKSPACE=str(workspace), GYRE_TASK_FILE=str(task_file))
-            stdout, stderr, rc = await run_with_timeout(argv, cwd=cwd, env=env, timeout_s=timeout)
+            name = argv[0] if spec.kind == "command" else spec.target
+            if self.sandbox != "none":
+                argv = eval_sandbox.wrap(self.sandbox, inner=argv, ws=workspace, ro_paths=ro, runner=self.runner)
+                if self.sandbox == "bwrap":
+                    cwd = tmp  # the launcher's; bwrap enters the workspace itself (--chdir)
+            stdout, stderr, rc = await run_with_timeout(argv, cwd=cwd, env=env, timeout_s=timeout, name=name)
         if rc != 0:
             raise RuntimeError(f"evaluator exited with status {rc}: {stderr.strip()[-1000:]}")
         return parse_reward_line(stdout)
 
 
-async def run_with_timeout(argv: list[str], *, cwd: str, env: dict[str, str], timeout_s: float) -> tuple[str, str, int]:
-    """Run argv in its own session; kill the whole tree on timeout (raises TimeoutError)."""
+async def run_with_timeout(argv: list[str], *, cwd: str, env: dict[str, str], timeout_s: float,
+                           name: str = "") -> tuple[str, str, int]:
+    """Run argv in its own session; kill the whole tree on timeout (raises TimeoutError naming
+    `name`, default argv[0])."""
     proc = await asyncio.create_subprocess_exec(
         *argv, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
@@ -204,7 +239,7 @@ async def run_with_timeout(argv: list[str], *, cwd: str, env: dict[str, str], ti
         out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
     except asyncio.TimeoutError:
         await kill_tree(proc.pid, grace_s=0.5, proc=proc)
-        raise TimeoutError(f"evaluator {argv[0]} exceeded {timeout_s}s and was killed") from None
+        raise TimeoutError(f"evaluator {name or argv[0]} exceeded {timeout_s}s and was killed") from None
     except asyncio.CancelledError:
         await kill_tree(proc.pid, grace_s=0.5, proc=proc)
         raise
@@ -218,10 +253,9 @@ def expected_files(workspace: Path, task: Task, files: dict[str, str], strip: bo
         raise ValueError("expected_files needs at least one file")
     correct = []
     for rel, want in files.items():
-        p = Path(workspace) / rel
-        try:
-            got = p.read_text()
-        except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError):
+        try:  # no link followed: a link to another workspace's answer is not this one's answer
+            got = eval_sandbox.read_beneath(workspace, rel).decode()
+        except (OSError, ValueError):  # missing, a link, not a regular file, too large, not UTF-8
             continue
         if (got.strip() == want.strip()) if strip else (got == want):
             correct.append(rel)

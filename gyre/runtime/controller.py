@@ -312,7 +312,7 @@ class Controller:
             self.proxy.router.add_engine(HttpEngine(url, name=f"pool{e}", secret=self.engine_secret), kind="pool", index=e)
         runner_cfg = dataclasses.replace(cfg.executions.runner, run_dir=str(self.run_dir / "executions"))
         self.access = GyreProxyAccess(self.proxy, self.proxy_handle.url)
-        self.runner = HarnessRunner(runner_cfg, Evaluator(cfg.executions.evaluator), proxy=self.access,
+        self.runner = HarnessRunner(runner_cfg, Evaluator(cfg.executions.evaluator, runner_cfg), proxy=self.access,
                                     on_event=self._on_exec_event)
         self.ledger.begin(time.time())
         self.last_step_t = self.ledger.t_start

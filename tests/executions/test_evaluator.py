@@ -30,7 +30,9 @@ def test_hanging_python_evaluator_is_killed_retried_then_excluded(tmp_path, monk
     monkeypatch.setenv("GYRE_TEST_MARKER_DIR", str(markers))
     task = Task(task_id="h", instruction="x",
                 evaluator=EvaluatorSpec("python", "tests.executions.helpers:eval_hang", {"seconds": 60}))
-    cfg = EvaluatorConfig(timeout_s=2.0, max_attempts=2, retry_backoff_s=0.0)
+    # unsandboxed: the markers are written outside the workspace (tests/executions/test_evaluator_sandbox.py
+    # has the sandboxed hang)
+    cfg = EvaluatorConfig(timeout_s=2.0, max_attempts=2, retry_backoff_s=0.0, sandbox="none")
     t0 = time.monotonic()
     res = evaluate(cfg, task, tmp_path)
     assert time.monotonic() - t0 < 30  # not the 2 × 60 s the evaluator would sleep

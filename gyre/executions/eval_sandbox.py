@@ -1,0 +1,178 @@
+"""What an evaluator may see and where it runs (`EvaluatorConfig.sandbox`).
+
+The evaluator scores a workspace an untrusted harness wrote, and it runs as the controller's
+user. So two things are checked or contained here:
+
+  - The workspace path. A harness can replace `<execution_id>/workspace` (or, unsandboxed, its
+    execution directory) with a symbolic link to any path: a sibling execution's workspace (its
+    reward), the repository, the home directory. `workspace_refusal` says why such a workspace
+    is not scored: the execution directory and the workspace must be real directories (lstat,
+    no link followed) and the workspace's real path must be the path itself. A refused
+    workspace is never evaluated: the execution is excluded with the reason in `result.json`.
+  - The evaluator process. `inherit` (the default) runs command evaluators and `module:function`
+    evaluators (a child Python process) in the harness's sandbox backend: under bubblewrap they
+    see the workspace read-write, the rest of its execution directory read-only (the logs,
+    files the harness left beside its workspace), nothing of other executions or of the
+    repository beyond the evaluator's own module and the gyre package (read-only), the system
+    and Python read-only, a private /tmp, no network (`sandbox_network host`: the host's). So
+    an evaluator that runs the workspace's tests runs harness-written code inside a sandbox
+    too. A harness in a container: its evaluators run under bubblewrap on this node (the image
+    need not hold the evaluator).
+    `none` runs them unsandboxed, as this user (logged). A Python callable given directly
+    (`EvaluatorSpec("python", fn)`, tests) runs in this process and is never sandboxed: it
+    must not execute workspace code.
+
+`open_beneath` / `read_beneath` read a file inside a workspace without following any link
+(every component opened with O_NOFOLLOW), for the files Gyre reads itself (`expected_files`)
+and for Python evaluators that want the same guarantee.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import logging
+import os
+import stat
+import sys
+from pathlib import Path, PurePosixPath
+
+from gyre.executions import sandbox
+from gyre.executions.config import EvaluatorConfig, RunnerConfig
+
+logger = logging.getLogger(__name__)
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def workspace_refusal(ws: str | Path) -> str | None:
+    """Why the workspace at `ws` must not be scored (a link made by the harness), else None.
+    A missing workspace is not refused (the evaluator scores what is there: nothing)."""
+    ws = Path(os.path.abspath(ws))
+    for path, what in ((ws.parent, "execution directory"), (ws, "workspace")):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None if path == ws else f"the {what} {path} is missing"
+        if stat.S_ISLNK(st.st_mode):
+            return f"the {what} {path} was replaced by a symbolic link to {os.readlink(path)!r} (not followed)"
+        if not stat.S_ISDIR(st.st_mode):
+            return f"the {what} {path} is not a directory"
+    real = os.path.realpath(ws)
+    if real != str(ws):  # a link higher up the path, made after the runner resolved it
+        return f"the workspace {ws} resolves to {real} through a symbolic link (not followed)"
+    return None
+
+
+def open_beneath(root: str | Path, rel: str) -> int:
+    """A read-only descriptor of the regular file `rel` inside directory `root`, no link
+    followed on the way (root itself included): OSError (ELOOP, ENOTDIR, ...) otherwise.
+    `rel` must be relative and free of '..' (ValueError). The caller closes it."""
+    p = PurePosixPath(rel)
+    if p.is_absolute() or ".." in p.parts or not p.parts:
+        raise ValueError(f"{rel!r} is not a path inside the workspace")
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        for name in p.parts[:-1]:
+            nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        # O_NONBLOCK: a FIFO planted by the harness does not block the open
+        out = os.open(p.parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(os.fstat(out).st_mode):
+        os.close(out)
+        raise IsADirectoryError(f"{rel!r} in the workspace is not a regular file")
+    return out
+
+
+def read_beneath(root: str | Path, rel: str, max_bytes: int = 64 << 20) -> bytes:
+    """The bytes of `rel` inside `root` (see `open_beneath`); ValueError past `max_bytes`."""
+    with os.fdopen(open_beneath(root, rel), "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"{rel!r} in the workspace is larger than {max_bytes} bytes")
+    return data
+
+
+def resolve(cfg: EvaluatorConfig, runner: RunnerConfig) -> str:
+    """The backend evaluator processes run in: `bwrap`, `unshare` or `none`."""
+    if cfg.sandbox == "none":
+        return "none"
+    if cfg.sandbox != "inherit":
+        raise ValueError(f"--executions.evaluator.sandbox must be inherit or none, got {cfg.sandbox!r}")
+    kind = sandbox.resolve(runner.sandbox)
+    if kind == "container":
+        if not sandbox.bwrap_works():
+            raise ValueError("--executions.evaluator.sandbox inherit: harnesses run in containers and evaluators run "
+                             "under bubblewrap on this node, which is not usable here (apt-get install bubblewrap); "
+                             "or set --executions.evaluator.sandbox none to run evaluators unsandboxed")
+        return "bwrap"
+    return kind
+
+
+def announce(kind: str, cfg: EvaluatorConfig, runner: RunnerConfig) -> None:
+    """The start-up line saying where evaluators run."""
+    if kind == "bwrap":
+        logger.info("executions: evaluators run in sandbox bwrap (--executions.evaluator.sandbox %s): the workspace "
+                    "read-write, its execution directory read-only, nothing else of the run, %s", cfg.sandbox,
+                    "no network" if runner.sandbox_network == "proxy" else "the host network")
+    elif kind == "unshare":
+        logger.warning("executions: evaluators run in sandbox unshare (--executions.evaluator.sandbox %s): process and "
+                       "network isolation only, the filesystem is NOT isolated", cfg.sandbox)
+    elif cfg.sandbox == "none":
+        logger.warning("executions: evaluators not sandboxed (--executions.evaluator.sandbox none): they run as this "
+                       "user with this filesystem and network; one that runs workspace code runs harness-written "
+                       "code outside any sandbox")
+    else:
+        logger.warning("executions: evaluators not sandboxed: they inherit the harness sandbox, none "
+                       "(--executions.runner.sandbox); one that runs workspace code runs harness-written code as "
+                       "this user")
+
+
+def module_paths(target: str) -> list[str]:
+    """Where a `module:function` evaluator's top-level package (or module file) lives, found
+    without importing it (this process's directory first, as the child's PYTHONPATH has it)."""
+    top = target.partition(":")[0].split(".")[0]
+    spec = importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path])
+    if spec is None:
+        return []
+    if spec.submodule_search_locations:
+        return [str(p) for p in spec.submodule_search_locations]
+    return [spec.origin] if spec.origin and os.path.isabs(spec.origin) else []
+
+
+def gyre_paths() -> list[str]:
+    """The gyre package this process runs (the child runs `-m gyre.executions.evaluator`)."""
+    import gyre
+
+    return [str(Path(gyre.__file__).resolve().parent)]
+
+
+def wrap(kind: str, *, inner: list[str], ws: Path, ro_paths: list[str], runner: RunnerConfig) -> list[str]:
+    """`inner` as run in backend `kind`, in `ws` (pure: builds the command line)."""
+    net = runner.sandbox_network == "proxy"
+    if kind == "none":
+        return inner
+    if kind == "bwrap":
+        # The workspace is the one writable path; the rest of its execution directory (the logs,
+        # files a harness keeps beside its workspace: what examples/claude_code's evaluator reads)
+        # is read-only. Both bound where the evaluator expects them.
+        return sandbox.bwrap_argv(exec_dir=ws, ws=ws, inner=inner, ro_paths=[*ro_paths, str(ws.parent)], net=net,
+                                  socket=None)
+    if kind == "unshare":
+        return sandbox.unshare_argv(inner=inner, net=net)
+    raise ValueError(f"unknown evaluator sandbox {kind!r}")
+
+
+def environment(kind: str, runner: RunnerConfig) -> dict[str, str]:
+    """The evaluator's base environment: in a sandbox the harness's passthrough list and
+    `runner.env` (the controller's credentials stay out, as for harnesses) with HOME on the
+    private /tmp; unsandboxed, this process's."""
+    if kind == "none":
+        return dict(os.environ)
+    env = {k: os.environ[k] for k in runner.env_passthrough if k in os.environ}
+    env.update(runner.env)
+    if kind == "bwrap":
+        env["HOME"] = env["TMPDIR"] = "/tmp"
+    return env
