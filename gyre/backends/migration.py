@@ -228,10 +228,11 @@ class GlooKvTransport:
 
     name = "gloo"
 
-    def __init__(self, store: Any, group: Any, *, namespace: str = "kvm", poll_s: float = 0.002) -> None:
+    def __init__(self, store: Any, group: Any, *, namespace: str = "kvm", poll_s: float = 0.002,
+                 max_poll_s: float = 0.05) -> None:
         import torch.distributed as dist
 
-        self.store, self.group, self.ns, self.poll_s = store, group, namespace, poll_s
+        self.store, self.group, self.ns, self.poll_s, self.max_poll_s = store, group, namespace, poll_s, max_poll_s
         self.rank = dist.get_rank()
         self.held = _Held()
         self._pull_lock = threading.Lock()
@@ -266,12 +267,18 @@ class GlooKvTransport:
     def _serve(self) -> None:
         import torch.distributed as dist
 
+        from gyre.runtime.control import Backoff
+
         key = f"{self.ns}/req/{self.rank}"
+        # Every engine rank runs this server: backed off while no request comes (a fixed 2 ms poll
+        # was 500 store requests/s a rank; benchmarks/store_poll_bench.py), fast again after one.
+        backoff = Backoff(self.poll_s, max(self.poll_s, self.max_poll_s))
         while not self._stop.is_set():
             try:
                 if self.store.queue_len(key) == 0:
-                    self._stop.wait(self.poll_s)
+                    self._stop.wait(backoff.next())
                     continue
+                backoff.reset()
                 reader, mkey = self.store.queue_pop(key).decode().split(" ", 1)
             except Exception as e:  # the store went away: the job is ending
                 if not self._stop.is_set():
