@@ -41,3 +41,38 @@ def test_a_failed_read_names_both_ends_and_the_loopback_trap():
     msg = unreachable_message("10.0.0.2", "127.0.0.1:15000", -1)
     assert "127.0.0.1:15000" in msg and "advertises 10.0.0.2" in msg and "--transfer.host auto" in msg
     assert "loopback" not in unreachable_message("10.0.0.2", "10.0.0.1:15000", -1)
+
+
+def _broadcast_from_an_unreachable_source():
+    """Rank 0 advertises an address nobody can reach (TEST-NET-1, no route in the namespace)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from gyre.backends.transfer import MooncakeTransport, PeerUnreachable
+
+    rank = dist.get_rank()
+    t = MooncakeTransport(dist.group.WORLD, src=0, host="192.0.2.1" if rank == 0 else "127.0.0.1")
+    t0 = time.monotonic()
+    try:
+        t.share({"w": torch.ones(4)} if rank == 0 else None)
+        return ["shared"]
+    except PeerUnreachable as e:
+        return [str(e), time.monotonic() - t0]
+    finally:
+        t.close()
+
+
+@pytest.mark.multirank
+def test_a_failed_reader_fails_the_whole_broadcast_at_once_naming_both_hosts():
+    """The source used to wait in a barrier for the group's timeout after a reader failed."""
+    from tests.distributed import netns_problem, run_ranks_in_netns
+
+    problem = netns_problem()
+    if problem:
+        pytest.skip(problem)
+    out = run_ranks_in_netns("tests.backends.test_transfer_host:_broadcast_from_an_unreachable_source", 2, timeout=120)
+    for msg, seconds in out:  # both ranks raised, the source too, within seconds
+        assert "rank 1: " in msg and "192.0.2.1:" in msg and "advertises 127.0.0.1" in msg, msg
+        assert seconds < 30, seconds
