@@ -260,9 +260,11 @@ def resolve_host(host: str = AUTO_HOST, env: Mapping[str, str] | None = None) ->
 
     routed = route_address(peer)
     if _is_loopback(routed):  # e.g. Debian's /etc/hosts maps the node's own name to 127.0.1.1
-        raise ValueError(f"--transfer.host auto: MASTER_ADDR {peer!r} routes over loopback ({routed}) on this node, "
-                         f"which other nodes cannot reach; set {HOST_ENV} on each node to its routable address "
-                         "(or MASTER_ADDR to node 0's address rather than a name /etc/hosts maps to 127.x)")
+        # Not raised here (on this node's ranks only, the others would wait for them in the start-up
+        # probe): the probe (`check_reachable`) fails on every rank together when another node reads.
+        logger.warning("--transfer.host auto: MASTER_ADDR %r routes over loopback (%s) on this node, which other "
+                       "nodes cannot reach; set %s on each node to its routable address (or MASTER_ADDR to node 0's "
+                       "address rather than a name /etc/hosts maps to 127.x)", peer, routed, HOST_ENV)
     return routed
 
 
