@@ -138,14 +138,20 @@ class TransferConfig:
     (a rank asked for an evicted published version loads the newest published one)."""
     timeout_s: float = 600.0
     """torch: timeout of the transport's gloo group (a reader waiting for a core that stopped
-    answering fails after this long instead of hanging)."""
+    answering fails after this long instead of hanging). A read that fails outright (a peer
+    that is unreachable, a connection refused) is an error at once, whatever this says; mooncake
+    broadcasts tell every member of the group about a failed reader at once too."""
     mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
     """Mooncake transport protocol (TCP on CPU machines, RDMA on clusters)."""
     mooncake_device: str = ""
     """RDMA device names for Mooncake ('' lets it choose / TCP)."""
-    host: str = "127.0.0.1"
-    """Address this rank's Mooncake engine advertises (it listens on every interface whatever
-    this says: on a shared machine run it inside a private network namespace)."""
+    host: str = "auto"
+    """Address this rank's Mooncake engine advertises to readers (weights and KV migration). auto:
+    $GYRE_TRANSFER_HOST when set (per node: set it in each node's environment), else 127.0.0.1 on a
+    single-node job, else this node's address on the interface that routes to MASTER_ADDR; each
+    rank logs what it advertises. An explicit address is used by every rank, so only for one
+    node. (The engine listens on every interface whatever this says: on a shared machine run it
+    inside a private network namespace.)"""
     verify: bool = True
     """Check a CRC32 of the flat bytes of every snapshot read or broadcast against the sender's
     (all transports); a mismatch stops the run."""

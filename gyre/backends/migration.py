@@ -51,7 +51,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from gyre.backends.protocols import SamplingParams, TokenEvent
-from gyre.backends.transfer import FlatLayout, TensorSpec, checksum
+from gyre.backends.transfer import FlatLayout, PeerUnreachable, TensorSpec, checksum
 
 logger = logging.getLogger(__name__)
 
@@ -228,10 +228,11 @@ class GlooKvTransport:
 
     name = "gloo"
 
-    def __init__(self, store: Any, group: Any, *, namespace: str = "kvm", poll_s: float = 0.002) -> None:
+    def __init__(self, store: Any, group: Any, *, namespace: str = "kvm", poll_s: float = 0.002,
+                 max_poll_s: float = 0.05) -> None:
         import torch.distributed as dist
 
-        self.store, self.group, self.ns, self.poll_s = store, group, namespace, poll_s
+        self.store, self.group, self.ns, self.poll_s, self.max_poll_s = store, group, namespace, poll_s, max_poll_s
         self.rank = dist.get_rank()
         self.held = _Held()
         self._pull_lock = threading.Lock()
@@ -266,12 +267,18 @@ class GlooKvTransport:
     def _serve(self) -> None:
         import torch.distributed as dist
 
+        from gyre.runtime.control import Backoff
+
         key = f"{self.ns}/req/{self.rank}"
+        # Every engine rank runs this server: backed off while no request comes (a fixed 2 ms poll
+        # was 500 store requests/s a rank; benchmarks/store_poll_bench.py), fast again after one.
+        backoff = Backoff(self.poll_s, max(self.poll_s, self.max_poll_s))
         while not self._stop.is_set():
             try:
                 if self.store.queue_len(key) == 0:
-                    self._stop.wait(self.poll_s)
+                    self._stop.wait(backoff.next())
                     continue
+                backoff.reset()
                 reader, mkey = self.store.queue_pop(key).decode().split(" ", 1)
             except Exception as e:  # the store went away: the job is ending
                 if not self._stop.is_set():
@@ -299,11 +306,16 @@ class MooncakeKvTransport:
 
     name = "mooncake"
 
-    def __init__(self, *, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
-        from gyre.backends.transfer import MooncakeTransport
+    def __init__(self, *, host: str = "auto", protocol: str = "tcp", device: str = "", probe: bool = False) -> None:
+        """`probe`: collective over the world, every rank reads from rank 0's engine now
+        (`transfer.check_reachable`), so a wrong address fails the start instead of turning every
+        migration into a recompute."""
+        from gyre.backends.transfer import MooncakeTransport, check_reachable
 
         self._mc = MooncakeTransport(host=host, protocol=protocol, device=device, verify=True)
         self._mc._ensure_engine()  # now, not inside the first migration's latency
+        if probe:
+            check_reachable(self._mc, owner=0)
         self.held = _Held()
         self._registered: dict[str, torch.Tensor] = {}
 
@@ -325,9 +337,10 @@ class MooncakeKvTransport:
         n = int(handle["nbytes"])
         land = self._mc.register(n)
         try:
-            rc = self._mc._ensure_engine().transfer_sync_read(handle["session"], land.data_ptr(), int(handle["addr"]), n)
-            if rc != 0:
-                raise RuntimeError(f"migration {handle['key']}: Mooncake read from {handle['session']} failed: {rc}")
+            try:
+                self._mc.read_into(handle["session"], land, int(handle["addr"]))
+            except PeerUnreachable as e:
+                raise PeerUnreachable(f"migration {handle['key']}: {e}") from None
             if checksum(land) != int(handle["crc"]):
                 raise RuntimeError(f"migration {handle['key']}: checksum mismatch (the source released it mid-read?)")
             return land.clone()
@@ -437,15 +450,20 @@ class MigrationPolicy:
         return migrate_s < recompute_s
 
 
-def build_kv_transport(kind: str, store: Any = None, group: Any = None, *, host: str = "127.0.0.1",
+def build_kv_transport(kind: str, store: Any = None, group: Any = None, *, host: str = "auto",
                        protocol: str = "tcp", device: str = "") -> KvTransport:
     """'gloo' (store + a gloo group every rank created up front) | 'mooncake' (advertising
     `host`, as the Mooncake weight transport: --transfer.host / mooncake-protocol / -device) |
     'local' (one process)."""
     if kind == "gloo":
         return GlooKvTransport(store, group)
-    if kind == "mooncake":
-        return MooncakeKvTransport(host=host, protocol=protocol, device=device)
+    if kind == "mooncake":  # every rank builds it at the same point of start-up: probe the addresses
+        try:
+            return MooncakeKvTransport(host=host, protocol=protocol, device=device, probe=True)
+        except PeerUnreachable as e:  # an address (--transfer.host, GYRE_TRANSFER_HOST): a refused config
+            from gyre.config import ConfigError
+
+            raise ConfigError(f"--proxy.migration-transport mooncake: {e}") from None
     if kind == "local":
         return LocalKvTransport(f"local-{secrets.token_hex(4)}")
     raise ValueError(f"KV transport must be gloo, mooncake or local, got {kind!r}")

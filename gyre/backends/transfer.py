@@ -21,11 +21,13 @@ on top, with the retention rule (`Retention`) and byte counts (`TransferStats`) 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
 import threading
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 import torch
 import torch.distributed as dist
@@ -214,6 +216,63 @@ def broadcast_counted(group: Any, src: int, params: dict[str, torch.Tensor] | No
     return out
 
 
+AUTO_HOST = "auto"
+HOST_ENV = "GYRE_TRANSFER_HOST"  # per node: what launch.sh (or any launcher) sets on each node
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_host(host: str = AUTO_HOST, env: Mapping[str, str] | None = None) -> str:
+    """The address this rank's Mooncake engine advertises (`--transfer.host`).
+
+    An explicit address is taken as is. `auto` (the default): $GYRE_TRANSFER_HOST when set (one
+    value per node, so set it in each node's environment, not on the shared command line); else
+    loopback on a single-node job (torchrun's LOCAL_WORLD_SIZE == WORLD_SIZE); else the address of
+    this node's interface that routes to MASTER_ADDR (node 0), which every node can reach since it
+    already reached the rendezvous through it. Why not one value for all ranks: every node has
+    its own address, and a reader dials the address the source advertised (a loopback one sends
+    node 1's reads to node 1 itself).
+
+        resolve_host("10.0.0.5", {}) → "10.0.0.5"
+        resolve_host("auto", {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}) → "127.0.0.1"
+        resolve_host("auto", {"GYRE_TRANSFER_HOST": "10.0.0.7"}) → "10.0.0.7"
+    """
+    env = os.environ if env is None else env
+    if host != AUTO_HOST:
+        return host
+    if env.get(HOST_ENV):
+        return env[HOST_ENV]
+    world = int(env.get("WORLD_SIZE", "1"))
+    if int(env.get("LOCAL_WORLD_SIZE", world)) == world:
+        return "127.0.0.1"
+    peer = env.get("MASTER_ADDR")
+    if not peer:
+        raise ValueError(f"--transfer.host auto: a multi-node job without MASTER_ADDR; set {HOST_ENV} on each node "
+                         "or --transfer.host to this node's address")
+    from gyre.backends.engine_host import route_address
+
+    routed = route_address(peer)
+    if _is_loopback(routed):  # e.g. Debian's /etc/hosts maps the node's own name to 127.0.1.1
+        # Not raised here (on this node's ranks only, the others would wait for them in the start-up
+        # probe): the probe (`check_reachable`) fails on every rank together when another node reads.
+        logger.warning("--transfer.host auto: MASTER_ADDR %r routes over loopback (%s) on this node, which other "
+                       "nodes cannot reach; set %s on each node to its routable address (or MASTER_ADDR to node 0's "
+                       "address rather than a name /etc/hosts maps to 127.x)", peer, routed, HOST_ENV)
+    return routed
+
+
+class PeerUnreachable(RuntimeError):
+    """A Mooncake read from another rank's engine failed: names both ends, so a wrong advertised
+    address (a loopback one across nodes, a firewalled interface) is visible at once."""
+
+
 @dataclass(frozen=True)
 class SnapshotDescriptor:
     """What a reader needs to pull a served snapshot: Mooncake session, address, layout, CRC."""
@@ -229,14 +288,15 @@ class MooncakeTransport:
 
     The engine listens on all interfaces whatever `host` says (DEPS-NOTES): on a shared
     machine run it inside a private network namespace; on clusters use the RDMA protocol.
+    `host` is what readers dial (`resolve_host`: `auto` finds this node's routable address).
     """
 
     name = "mooncake"
 
-    def __init__(self, group: Any = None, src: int = 0, *, host: str = "127.0.0.1", protocol: str = "tcp",
+    def __init__(self, group: Any = None, src: int = 0, *, host: str = AUTO_HOST, protocol: str = "tcp",
                  device: str = "", verify: bool = True):
         self.group, self.src, self.verify = group, src, verify
-        self.host, self.protocol, self.device = host, protocol, device
+        self.host, self.protocol, self.device = resolve_host(host), protocol, device
         self._engine = None
         self._buf: torch.Tensor | None = None  # registered buffer (source: served; reader: landing)
 
@@ -253,7 +313,8 @@ class MooncakeTransport:
             if rc != 0:
                 raise RuntimeError(f"Mooncake TransferEngine.initialize({self.host!r}, P2PHANDSHAKE, {self.protocol!r}) failed: {rc}")
             self._engine = engine
-            logger.info("mooncake engine up at %s:%d (%s)", self.host, engine.get_rpc_port(), self.protocol)
+            logger.info("rank %s: mooncake engine up, advertising %s:%d (%s)", os.environ.get("RANK", "?"), self.host,
+                        engine.get_rpc_port(), self.protocol)
         return self._engine
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
@@ -302,12 +363,17 @@ class MooncakeTransport:
     def read(self, desc: SnapshotDescriptor) -> dict[str, torch.Tensor]:
         """Reader: pull the served bytes into this rank's registered buffer and unpack a copy."""
         buf = self._buffer(desc.layout.nbytes)
-        rc = self._engine.transfer_sync_read(desc.session, buf.data_ptr(), desc.addr, desc.layout.nbytes)
-        if rc != 0:
-            raise RuntimeError(f"Mooncake transfer_sync_read from {desc.session} failed: {rc}")
+        self.read_into(desc.session, buf, desc.addr)
         if desc.crc is not None and checksum(buf) != desc.crc:
             raise RuntimeError(f"MooncakeTransport: snapshot checksum mismatch reading from {desc.session}")
         return desc.layout.unpack(buf, copy=True)
+
+    def read_into(self, session: str, buf: torch.Tensor, addr: int) -> None:
+        """`transfer_sync_read` of `buf.numel()` bytes at `addr` on `session` into registered `buf`;
+        `PeerUnreachable` naming both ends when it fails."""
+        rc = self._ensure_engine().transfer_sync_read(session, buf.data_ptr(), addr, buf.numel())
+        if rc != 0:
+            raise PeerUnreachable(unreachable_message(self.host, session, rc))
 
     # --------------------------------------------------------------- collective wrapper
     def share(self, params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -320,9 +386,63 @@ class MooncakeTransport:
         if is_src == (params is None):
             raise ValueError(f"share: rank {dist.get_rank()} {'is' if is_src else 'is not'} the source (src={src}); pass params exactly there")
         desc = _announce(self.serve(params) if is_src else None, src, group)
-        out = params if is_src else self.read(desc)
-        dist.barrier(group=group)  # the source keeps its buffer until every reader is done
+        out, error = params, None
+        if not is_src:
+            try:
+                out = self.read(desc)
+            except RuntimeError as e:  # every member must still reach the gather below
+                error = f"rank {dist.get_rank()}: {e}"
+        # The source keeps its buffer until every reader is done; the gather (not a barrier) also
+        # tells every member which reads failed, so the source raises now instead of waiting in a
+        # barrier for the group's timeout while the failed reader has left.
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise PeerUnreachable(f"Mooncake broadcast from rank {src} ({desc.session}) failed on "
+                                  f"{len(failed)} reader(s): " + "; ".join(failed))
         return out
+
+
+def check_reachable(mc: MooncakeTransport, owner: int, group: Any = None) -> None:
+    """Collective over `group` (every member, the same point of start-up): each member reads a
+    64-byte probe from `owner`'s engine, then all learn every failure together and raise
+    `PeerUnreachable` naming each failed reader's advertised host and the owner's. So a wrong
+    address (one --transfer.host 127.0.0.1 for two nodes) stops every rank within a second at
+    start, instead of one rank failing its first read while the others wait on it for the
+    group's timeout."""
+    rank = dist.get_rank()
+    probe = mc.register(64) if rank == owner else None
+    session, addr = _announce((mc.session, probe.data_ptr()) if probe is not None else None, owner, group)
+    error = None
+    if probe is None:
+        land = mc.register(64)
+        try:
+            mc.read_into(session, land, addr)
+        except PeerUnreachable as e:
+            error = f"rank {rank} (advertising {mc.host}): {e}"
+        finally:
+            mc.unregister(land)
+    errors = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    if probe is not None:
+        mc.unregister(probe)
+    failed = [e for e in errors if e is not None]
+    if failed:
+        raise PeerUnreachable(f"{len(failed)} rank(s) cannot reach rank {owner}'s Mooncake engine at {session}: "
+                              + "; ".join(failed))
+    logger.info("rank %d: Mooncake engines reach rank %d's at %s", rank, owner, session)
+
+
+def unreachable_message(own_host: str, session: str, rc: int) -> str:
+    """Why a read from `session` failed, naming this rank's advertised host and the peer's."""
+    peer = session.rsplit(":", 1)[0]
+    hint = ""
+    if _is_loopback(peer):  # the cross-node failure seen in practice: one --transfer.host 127.0.0.1 for all
+        hint = (" — a loopback address reaches only the reader's own node; if the source is on another node, "
+                f"use --transfer.host auto (the default) or set {HOST_ENV} on each node")
+    return (f"Mooncake transfer_sync_read from {session} failed (rc {rc}); this rank advertises {own_host}, "
+            f"the source {peer}{hint}")
 
 
 def make_transport(kind: str, group: Any = None, src: int = 0, **kwargs) -> ParameterTransport:

@@ -236,12 +236,14 @@ class MooncakeWeights(_Pointers):
 
     name = "mooncake"
 
-    def __init__(self, store: Any, *, owner: int, keep: int = 2, verify: bool = True, host: str = "127.0.0.1",
-                 protocol: str = "tcp", device: str = "", namespace: str = "wt") -> None:
+    def __init__(self, store: Any, *, owner: int, keep: int = 2, verify: bool = True, host: str = "auto",
+                 protocol: str = "tcp", device: str = "", namespace: str = "wt", probe: bool = True) -> None:
         self.store, self.owner, self.verify, self.ns = store, owner, verify, namespace
         self.rank = dist.get_rank()
         self.stats = TransferStats(self.name)
         self._mc = MooncakeTransport(host=host, protocol=protocol, device=device, verify=verify)
+        if probe:  # every rank builds its transport at the same point: a wrong address stops them all now
+            _probe_or_refuse(self._mc, owner)
         self._kept = Retention(keep)
         self._bufs: dict[int, tuple[FlatLayout, torch.Tensor]] = {}  # the core's registered snapshots
 
@@ -323,6 +325,19 @@ class MooncakeWeights(_Pointers):
             self._mc.unregister(buf)
         self._bufs.clear()
         self._mc.close()
+
+
+def _probe_or_refuse(mc: MooncakeTransport, owner: int) -> None:
+    """`transfer.check_reachable` over the world; an unreachable engine is a refused config (every
+    rank has it, rank 0 says it: gyre.run), since its cause is an address (--transfer.host,
+    GYRE_TRANSFER_HOST)."""
+    from gyre.backends.transfer import PeerUnreachable, check_reachable
+    from gyre.config import ConfigError
+
+    try:
+        check_reachable(mc, owner)
+    except PeerUnreachable as e:
+        raise ConfigError(f"--transfer.transport mooncake: {e}") from None
 
 
 class SnapshotBoard(_Pointers):
