@@ -1,5 +1,5 @@
 """What waiting ranks cost torchrun's one TCPStore (issue 35, item 4), and how late a message
-reaches them: today's fixed 2 ms poll vs the backed-off poll (`gyre.runtime.control.Backoff`, 2 ms
+reaches them: today's fixed 2 ms poll vs the backed-off poll (`gyre.backoff.Backoff`, 2 ms
 doubling to 50 ms), side by side, at 64 and 256 simulated ranks.
 
 One TCPStore server in a process of its own (its CPU is read from /proc); the simulated ranks are

@@ -267,7 +267,7 @@ class GlooKvTransport:
     def _serve(self) -> None:
         import torch.distributed as dist
 
-        from gyre.runtime.control import Backoff
+        from gyre.backoff import Backoff
 
         key = f"{self.ns}/req/{self.rank}"
         # Every engine rank runs this server: backed off while no request comes (a fixed 2 ms poll

@@ -13,7 +13,8 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from gyre.runtime.control import Backoff, ControlPlane
+from gyre.backoff import Backoff
+from gyre.runtime.control import ControlPlane
 
 
 class Counted:
