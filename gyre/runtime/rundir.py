@@ -36,11 +36,12 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gyre.runtime import checkpoint
+from gyre.runtime.runlock import RunLock, RunLocked
 from gyre.runtime.outputs import events_until, metrics_until, truncate_jsonl
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,12 @@ class RunDir:
     lost_in_flight: int = 0  # their executions
     # earlier attempts' groups evaluated but not trained into the checkpoint (journal rows): trained first
     carried: tuple[dict[str, Any], ...] = ()
+    # rank 0: the directory's lock (gyre.runtime.runlock), held while this object lives; None elsewhere
+    lock: RunLock | None = field(default=None, compare=False, repr=False)
+
+    def shared(self) -> dict[str, Any]:
+        """The decision as rank 0 sends it to the other ranks (JSON; the lock stays on rank 0)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "lock"}
 
 
 class GroupJournal:
@@ -179,8 +186,29 @@ def _point_latest(root: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
-def decide(cfg: Any, *, now: float | None = None) -> Path:
-    """Rank 0's decision (creates the directory); raises RunDirError with the fix when refused."""
+def _lock(lock: RunLock, path: Path, wait_s: float) -> None:
+    try:
+        lock.acquire(path, wait_s=wait_s)
+    except RunLocked as e:
+        raise RunDirError(str(e)) from None
+
+
+def decide(cfg: Any, *, now: float | None = None, lock: RunLock | None = None, lock_wait_s: float = 0.0) -> Path:
+    """Rank 0's decision (creates the directory); raises RunDirError with the fix when refused.
+
+    The directory is locked (`lock`, see gyre.runtime.runlock) before anything in it is written or
+    deleted; another job holding it is a refusal naming that job. Without `lock` the lock is
+    taken and dropped again here (the in-process checks)."""
+    own = lock is None
+    lock = RunLock() if lock is None else lock
+    try:
+        return _decide_path(cfg, now, lock, lock_wait_s)
+    finally:
+        if own:
+            lock.release()
+
+
+def _decide_path(cfg: Any, now: float | None, lock: RunLock, lock_wait_s: float) -> Path:
     resume = cfg.train.resume
     if not cfg.run_dir:
         root = runs_root(cfg.preset)
@@ -189,15 +217,20 @@ def decide(cfg: Any, *, now: float | None = None) -> Path:
             if not latest.exists():
                 raise RunDirError(f"--train.resume: there is no previous run to resume ({latest} does not exist); "
                                   f"give the run's directory with --run-dir DIR")
+            _lock(lock, latest.resolve(), lock_wait_s)
             return latest.resolve()
         path = _fresh_timestamped(root, time.time() if now is None else now)
+        _lock(lock, path, lock_wait_s)
         _point_latest(root, path)
         return path.resolve()
     path = Path(cfg.run_dir)
     if resume:
         if not path.is_dir():
             raise RunDirError(f"--train.resume: run directory {path} does not exist")
+        _lock(lock, path, lock_wait_s)
         return path.resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    _lock(lock, path, lock_wait_s)  # before the outputs are looked at: a job still writing them is the refusal
     found = previous_outputs(path)
     if found:
         if not cfg.overwrite:
@@ -209,7 +242,6 @@ def decide(cfg: Any, *, now: float | None = None) -> Path:
             p = path / name
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         logger.warning("--overwrite: deleted the previous run's %s in %s", ", ".join(found), path)
-    path.mkdir(parents=True, exist_ok=True)
     return path.resolve()
 
 
@@ -350,7 +382,18 @@ def _decide_all(cfg: Any, world_size: int, restart: int, elastic: Any) -> RunDir
         logger.warning("elastic restart %d: resuming the run in --run-dir %s", restart, cfg.run_dir)
     if cfg.train.resume_from:
         cfg.train.resume = True
-    path = decide(cfg)
+    lock = RunLock()  # held for the job's life by the RunDir returned (rank 0 keeps it until it exits)
+    try:
+        return _decide_locked(cfg, world_size, restart, elastic, lock)
+    except BaseException:
+        lock.release()  # a refusal holds nothing (its traceback may outlive this call)
+        raise
+
+
+def _decide_locked(cfg: Any, world_size: int, restart: int, elastic: Any, lock: RunLock) -> RunDir:
+    # A restart waits a moment for the previous attempt's rank 0 (torchrun has stopped it; a
+    # Slurm requeue's may still be exiting on another node).
+    path = decide(cfg, lock=lock, lock_wait_s=30.0 if restart else 0.0)
     ck, version, skipped = _resume_point(cfg, path, restart=restart > 0) if cfg.train.resume else ("", 0, [])
     if cfg.train.resume:
         dropped = truncate_jsonl(path / "metrics.jsonl", metrics_until(version))
@@ -376,7 +419,8 @@ def _decide_all(cfg: Any, world_size: int, restart: int, elastic: Any) -> RunDir
                        "version %d; their tasks are dispatched again first", lost_in_flight, len(lost), version)
     if elastic is not None:
         elastic.set(ELASTIC_KEY, str(path))
-    return RunDir(path, attempt, version, ck, tuple(row["task_id"] for row in lost), lost_in_flight, tuple(carried))
+    return RunDir(path, attempt, version, ck, tuple(row["task_id"] for row in lost), lost_in_flight, tuple(carried),
+                  lock=lock)
 
 
 def resolve(cfg: Any, rank: int, world_size: int, store: Any, *, restart: int = 0, elastic: Any = None) -> RunDir:
@@ -391,7 +435,7 @@ def resolve(cfg: Any, rank: int, world_size: int, store: Any, *, restart: int = 
     if rank == 0:
         try:
             run = _decide_all(cfg, world_size, restart, elastic)
-            store.set(_KEY, json.dumps(dataclasses.asdict(run), default=str))
+            store.set(_KEY, json.dumps(run.shared(), default=str))
         except (RunDirError, RunFinished) as e:
             store.set(_KEY, json.dumps({"error": str(e), "finished": isinstance(e, RunFinished)}))
             raise
@@ -403,5 +447,7 @@ def resolve(cfg: Any, rank: int, world_size: int, store: Any, *, restart: int = 
     cfg.run_dir = decision["path"]
     cfg.train.resume = bool(decision["checkpoint"])
     cfg.train.resume_from = decision["checkpoint"]
+    if rank == 0:
+        return run  # with its lock
     return RunDir(**{**decision, "path": Path(cfg.run_dir), "redo_tasks": tuple(decision["redo_tasks"]),
                      "carried": tuple(decision["carried"])})
