@@ -335,3 +335,39 @@ def test_rank_0_holds_the_lock_while_its_run_lives_and_a_fresh_default_run_is_lo
     del fresh  # dropping the decision drops the lock (an in-process caller; a job exits)
     with pytest.raises(rundir.RunDirError, match="no complete checkpoint"):
         _launch(_cfg("--train.resume"), 0, 1, dist.HashStore())
+
+
+def test_an_attempt_stopped_by_torchruns_sigterm_names_the_rank_that_died_first(tmp_path):
+    """A rank killed outright sends no report; torchrun SIGTERMs the others and the controller
+    sees only "interrupted by SIGTERM". The rank whose recorded process is gone is named first."""
+    import subprocess
+    import sys
+
+    from gyre.runtime import peers
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        alive = peers.identity(0)
+        ident = {**alive, "rank": 1, "pid": victim.pid, "start": peers._start_ticks(victim.pid)}
+        third = {**alive, "rank": 2}  # alive (this process), not stopped: slow, not dead
+        rundir.write_manifest(tmp_path, _cfg(), 3)
+        rundir.record_ranks(tmp_path, 0, [alive, ident, third])
+        assert peers.dead([alive, ident, third]) == []
+    finally:
+        victim.kill()
+        victim.wait()
+    error = "interrupted by SIGTERM (received by rank 0); stopped gracefully after 2 steps"
+    summary = {"error": error, "interrupted": "SIGTERM", "ranks_not_stopped": [1, 2], "steps": 2}
+    totals = rundir.end_attempt(tmp_path, 0, summary)
+    assert summary["dead_ranks"] == [1]
+    assert summary["error"].startswith("rank 1 died (its process ended without a report") and summary["error"].endswith(error)
+    assert totals["errors"] == [{"attempt": 0, "error": summary["error"]}]
+    assert json.loads((tmp_path / "run.json").read_text())["attempts"][0]["ended"]["dead_ranks"] == [1]
+    # A SIGTERM from outside (scancel, Ctrl-C): every rank alive, the error stays the signal's.
+    rundir.write_manifest(tmp_path, _cfg(), 3)
+    rundir.record_ranks(tmp_path, 1, [alive, {**alive, "rank": 1}])
+    summary = {"error": error, "interrupted": "SIGTERM", "ranks_not_stopped": [1], "steps": 2}
+    rundir.end_attempt(tmp_path, 1, summary)
+    assert summary["error"] == error and "dead_ranks" not in summary
+    # Another host's rank cannot be looked up: never named dead.
+    assert peers.dead([{**ident, "host": "elsewhere"}]) == []

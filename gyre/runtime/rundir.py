@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gyre.runtime import checkpoint
+from gyre.runtime import checkpoint, peers
 from gyre.runtime.runlock import RunLock, RunLocked
 from gyre.runtime.outputs import events_until, metrics_until, truncate_jsonl
 
@@ -282,7 +282,7 @@ def _replace_json(path: Path, data: Any) -> None:
 # over the attempts into the run's totals (summary.json's "run").
 ENDED_FIELDS = ("steps", "wall_s", "calls", "aborted_calls", "reroutes", "engine_stalls", "sink_errors",
                 "execution_outcomes", "incomplete_tito", "lost_in_flight", "carried_over_groups",
-                "redispatched_groups", "error", "interrupted", "silent_rank", "ranks_not_stopped")
+                "redispatched_groups", "error", "interrupted", "silent_rank", "ranks_not_stopped", "dead_ranks")
 SUMMED = ("wall_s", "calls", "aborted_calls", "reroutes", "engine_stalls", "sink_errors", "lost_in_flight",
           "carried_over_groups", "redispatched_groups")
 
@@ -296,11 +296,35 @@ def end_attempt(path: Path, attempt: int, summary: dict[str, Any]) -> dict[str, 
     and add up the others."""
     manifest = path / "run.json"
     data = json.loads(manifest.read_text())
+    _name_the_dead(data["attempts"][attempt], summary)
     ended = {k: summary.get(k) for k in ENDED_FIELDS}
     ended["incomplete_tito"] = len(summary.get("incomplete_tito") or {})
     data["attempts"][attempt]["ended"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **ended}
     _replace_json(manifest, data)
     return run_totals(data["attempts"])
+
+
+def record_ranks(path: Path, attempt: int, ranks: list[dict[str, Any]]) -> None:
+    """Rank 0, once every rank has started: each rank's process (`gyre.runtime.peers.identity`)
+    in this attempt's run.json entry, so its end can tell which ones died."""
+    manifest = path / "run.json"
+    data = json.loads(manifest.read_text())
+    data["attempts"][attempt]["ranks"] = ranks
+    _replace_json(manifest, data)
+
+
+def _name_the_dead(entry: dict[str, Any], summary: dict[str, Any]) -> None:
+    """A signal-stopped attempt with ranks that never stopped: those whose process is gone died
+    first (torchrun's SIGTERM to the others followed); the summary's error (summary.json's and
+    run.json's alike) names them first, and `dead_ranks` lists them."""
+    not_stopped = set(summary.get("ranks_not_stopped") or [])
+    if not summary.get("interrupted") or not not_stopped or not summary.get("error"):
+        return
+    died = [r for r in peers.dead([r for r in entry.get("ranks", []) if r["rank"] in not_stopped])]
+    if died:
+        summary["dead_ranks"] = died
+        summary["error"] = peers.name_the_dead(summary["error"], died)
+        logger.error("%s", summary["error"])
 
 
 def run_totals(attempts: list[dict[str, Any]]) -> dict[str, Any]:
