@@ -6,8 +6,10 @@
 
 The backends (engine, actor, weight transport) come from `gyre.backends.factory`; nothing here
 names a concrete one. The per-rank loop is the last few lines of `_train`: wait for a command,
-execute it. Every blocking wait of the job is one of: creating the weight transport (torch: its
-gloo group), the barrier after snapshot 0 and the engine secret's broadcast after it,
+execute it. Every blocking wait of the job is one of: the barrier after `--train.prepare` (`prepare`,
+called by gyre.run before the run directory exists), the engine secret's broadcast and the gather
+of every rank's process identity (run.json), creating the weight transport (torch: its
+gloo group), the barrier after snapshot 0,
 `control.recv` for the next command, a collective inside a command (gradient reduction / parameter broadcast over a prefix group), or a one-sided
 snapshot read (`weights.fetch*`, answered by the core's transport without its training thread).
 """

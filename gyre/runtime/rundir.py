@@ -20,6 +20,11 @@ its own), and a restart resumes from the newest complete checkpoint there (or fr
 the job died before its first checkpoint). A Slurm requeue is a new torchrun: `launch.sh` gives
 it `--run-dir runs/slurm-<job id>` and `--train.resume` on a requeue.
 
+One job at a time: rank 0 locks the directory (`run.lock`, gyre.runtime.runlock) before it
+writes or deletes anything in it and holds the lock until it exits; a second launch into it (a
+second `--train.resume`, an `--overwrite`, a relaunch while the old job is still stopping) is
+refused on every rank, naming the holder's pid and host.
+
 Data a preset prepares (the cpu-demo's tasks and warm start) lives beside the runs, in
 `runs/<preset>/data`, and is reused by every run. Rank 0 decides and creates the directory and
 writes `run.json` (the config and command line); the other ranks read the decision from the
