@@ -294,10 +294,11 @@ def test_a_run_directory_in_use_by_another_job_is_refused_on_every_rank_before_a
     try:
         for args in (("--train.resume",), ("--overwrite",)):
             store, errors = dist.HashStore(), {}
+            cfgs = [_cfg("--run-dir", str(run), "--train.steps", "9", *args) for _ in range(2)]  # tyro: not in threads
 
             def rank(r):
                 try:
-                    rundir.resolve(_cfg("--run-dir", str(run), "--train.steps", "9", *args), r, 2, store)
+                    rundir.resolve(cfgs[r], r, 2, store)
                 except rundir.RunDirError as e:
                     errors[r] = str(e)
 
