@@ -11,10 +11,12 @@ overrides a field of it. `python -m gyre.run --help` lists every option with its
 from __future__ import annotations
 
 import importlib.util
+import math
+import os
 import sys
 from pathlib import Path
-from dataclasses import dataclass, field
-from typing import Callable, Literal
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Callable, Iterator, Literal
 
 import tyro
 
@@ -180,19 +182,14 @@ def check_train_config(cfg: GyreConfig, num_cells: int) -> None:
     if not hc.stop_fraction > 0:
         raise ConfigError(f"executions.health.stop_fraction must be > 0, got {hc.stop_fraction}")
     tc = cfg.train
-    for flag, value, low in (("train.steps", tc.steps, 1), ("train.max-tokens", tc.max_tokens, 1),
-                             ("train.j-max", tc.j_max, 1), ("train.cell-concurrency", tc.cell_concurrency, 1),
-                             ("train.checkpoint-every", tc.checkpoint_every, 0),
-                             ("executions.runner.max-concurrency", cfg.executions.runner.max_concurrency, 1)):
-        if value < low:
-            raise ConfigError(f"--{flag} must be >= {low}, got {value}"
-                              + (" (a run of no steps trains nothing)" if flag == "train.steps" else ""))
-    if tc.drain_at_end_s < 0:
-        raise ConfigError(f"--train.drain-at-end-s must be >= 0, got {tc.drain_at_end_s}")
+    check_numbers(cfg)
     if tc.resume_from and not Path(tc.resume_from).is_dir():
         raise ConfigError(f"--train.resume-from {tc.resume_from}: no such checkpoint directory")
     check_tracking(cfg.tracking)
     check_model_dtype(cfg)
+    mc = cfg.model.checkpoint
+    if mc and not Path(mc).is_dir() and not checkpoint_yet_to_prepare(cfg):  # before the backends read it
+        raise ConfigError(f"--model.checkpoint {mc}: no such directory")
     from gyre.backends.factory import check_backends
 
     check_backends(cfg)
@@ -200,6 +197,165 @@ def check_train_config(cfg: GyreConfig, num_cells: int) -> None:
     check_megatron_layout(cfg)
     check_dataset(cfg)  # the files last: a wrong setting above is the message even when files are missing too
     check_run_dir(cfg)
+
+
+# Every number of the config that has a bound, by flag: (lowest, whether the lowest is allowed,
+# highest or None). Floats are also refused when NaN or infinite (check_numbers); a value out of
+# range here used to surface minutes into a run as a library's message (AdamW's "Invalid learning
+# rate", an evaluator that never ran), after run.json had claimed the directory.
+BOUNDS: dict[str, tuple[float, bool, float | None]] = {
+    "train.steps": (1, True, None), "train.max-tokens": (1, True, None), "train.j-max": (1, True, None),
+    "train.cell-concurrency": (1, True, None), "train.checkpoint-every": (0, True, None),
+    "train.torch-threads": (0, True, None), "train.drain-at-end-s": (0, True, None),
+    "train.shutdown-timeout-s": (0, False, None), "train.control-timeout-s": (0, True, None),
+    "actor.lr": (0, False, None), "actor.eps": (0, False, None), "actor.weight-decay": (0, True, None),
+    "actor.max-grad-norm": (0, False, None), "actor.lr-decay-steps": (0, True, None),
+    "actor.min-lr-ratio": (0, True, 1), "actor.min-s-per-ktok": (0, True, None),
+    "loss.eps-low": (0, True, None), "loss.eps-high": (0, True, None), "loss.cap": (0, False, None),
+    "executions.runner.max-concurrency": (1, True, None), "executions.runner.timeout-s": (0, False, None),
+    "executions.runner.kill-grace-s": (0, True, None),
+    "executions.evaluator.timeout-s": (0, False, None), "executions.evaluator.max-attempts": (1, True, None),
+    "executions.evaluator.retry-backoff-s": (0, True, None), "executions.evaluator.concurrency": (1, True, None),
+    "executions.health.window": (0, True, None), "executions.health.stop-fraction": (0, False, None),
+    "proxy.port": (0, True, 65535), "proxy.max-context-tokens": (1, True, None),
+    "proxy.default-max-tokens": (1, True, None), "proxy.max-body-bytes": (1, True, None),
+    "proxy.affinity-slack": (0, True, None), "proxy.max-reroutes": (0, True, None),
+    "proxy.engine-wait-s": (0, False, None), "proxy.migration-bandwidth-gbps": (0, True, None),
+    "proxy.migration-prefill-tok-s": (0, True, None), "proxy.encode-cache-chars": (0, True, None),
+    "proxy.max-calls-per-key": (0, True, None), "proxy.calls-per-second-per-key": (0, True, None),
+    "proxy.body-bytes-per-call": (0, True, None), "proxy.render-threads": (1, True, None),
+    "proxy.inline-render-chars": (0, True, None), "proxy.close-wait-s": (0, True, None),
+    "proxy.engine-progress-timeout-s": (0, True, None), "proxy.roles.system-prompt-prefix-chars": (1, True, None),
+    "proxy.roles.helper-max-tokens": (0, True, None),
+    "engine.max-batch": (1, True, None), "engine.max-prefill-tokens": (1, True, None),
+    "engine.max-model-len": (1, True, None), "engine.min-decode-step-s": (0, True, None),
+    "transfer.keep": (1, True, None), "transfer.timeout-s": (0, False, None),
+    "sglang.mem-fraction-static": (0, False, 1),
+}
+
+
+def _numbers(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(flag, value) of every number in a config tree, tuples by element (`actor.betas[0]`)."""
+    for f in fields(obj):
+        value, flag = getattr(obj, f.name), prefix + f.name.replace("_", "-")
+        if is_dataclass(value):
+            yield from _numbers(value, flag + ".")
+        elif isinstance(value, tuple) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            yield from ((f"{flag}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield flag, value
+
+
+def check_numbers(cfg: GyreConfig) -> None:
+    """Every number of the config: finite, and within its bounds (`BOUNDS`), or a ConfigError
+    naming the flag. Walks the whole config tree, so a new float field is checked for NaN and
+    infinity without a line here; give it a bound in BOUNDS when it has one."""
+    for flag, value in _numbers(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{flag} must be a finite number, got {value}")
+        low, inclusive, high = BOUNDS.get(flag, (None, True, None))
+        if low is not None and (value < low or (value == low and not inclusive)):
+            raise ConfigError(f"--{flag} must be {'>=' if inclusive else '>'} {low:g}, got {value:g}"
+                              + (" (a run of no steps trains nothing)" if flag == "train.steps" else ""))
+        if high is not None and value > high:
+            raise ConfigError(f"--{flag} must be <= {high:g}, got {value:g}")
+    b1, b2 = cfg.actor.betas
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise ConfigError(f"--actor.betas must both be in [0, 1), got {b1:g} {b2:g}")
+
+
+# What the smoke job (the topology check) reads; any other flag belongs to a training job.
+SMOKE_FLAGS = ("preset", "job", "parallel.", "log-level", "seed", "help", "h")
+
+
+def check_job(cfg: GyreConfig, argv: list[str]) -> None:
+    """Training flags with `--job smoke` (the default job: the topology check, which trains
+    nothing and exits 0) are a forgotten `--job train`: refused, naming it."""
+    if cfg.job != "smoke":
+        return
+    given = [a.split("=", 1)[0] for a in argv if a.startswith("-")]
+    training = [a for a in given if not any(a.lstrip("-") == f or (f.endswith(".") and a.lstrip("-").startswith(f))
+                                            for f in SMOKE_FLAGS)]
+    if training:
+        raise ConfigError(f"{', '.join(training)}: training flags, but the job is the topology check (--job smoke, the "
+                          f"default of --preset {cfg.preset}), which trains nothing; add --job train")
+
+
+def check_tasks(cfg: GyreConfig, dataset: Any) -> None:
+    """What every task will run is there before any execution starts: each harness program
+    resolves (on PATH, or an existing file) and each python evaluator imports, in a child Python
+    as the evaluator runs it. Before, a missing harness created an execution directory per launch
+    until the health check stopped the run, and an evaluator that could not be imported was found
+    only after a whole step of harness runs."""
+    import shutil
+    import subprocess
+
+    rc = cfg.executions.runner
+    remote = rc.sandbox_hosts or rc.sandbox == "container"  # programs resolve on those hosts / in the image
+    path = (rc.env.get("PATH") or os.environ.get("PATH", os.defpath))
+    harnesses: dict[tuple[str, ...], str] = {}
+    evaluators: dict[str, str] = {}
+    for task in dataset:
+        argv = task.harness or rc.harness_command
+        if not argv:
+            raise ConfigError(f"task {task.task_id}: no harness command (set --executions.runner.harness-command "
+                              f"or the task's 'harness')")
+        harnesses.setdefault(tuple(argv), task.task_id)
+        ev = task.evaluator
+        if ev.kind == "python" and isinstance(ev.target, str):
+            evaluators.setdefault(ev.target, task.task_id)
+        elif ev.kind == "command":
+            prog = ev.target[0]
+            if (os.sep in prog and not Path(prog).is_absolute()) or (shutil.which(prog, path=path) if os.sep not in prog
+                                                                      else os.access(prog, os.X_OK)):
+                continue
+            raise ConfigError(f"task {task.task_id}: evaluator command {prog!r} not found (not on PATH, or not an "
+                              f"executable file)")
+    where = "--executions.runner.harness-command" if rc.harness_command else "the task's 'harness'"
+    for argv, task_id in ([] if remote else harnesses.items()):
+        prog = sys.executable if argv[0] == "{python}" else argv[0]
+        if os.sep in prog and not Path(prog).is_absolute():
+            continue  # relative to the execution's workspace, which the task's files make
+        if not (shutil.which(prog, path=path) if os.sep not in prog else os.access(prog, os.X_OK)):
+            raise ConfigError(f"task {task_id}: harness program {prog!r} not found ({where}: "
+                              f"{' '.join(argv)}); not on PATH, or not an executable file")
+        for arg in argv[1:2]:  # `{python} script.py`: the script
+            if argv[0] == "{python}" and arg.endswith(".py") and Path(arg).is_absolute() and not Path(arg).is_file():
+                raise ConfigError(f"task {task_id}: harness script {arg} not found ({where}: {' '.join(argv)})")
+    from gyre.executions.evaluator import _python_path_env
+
+    for target, task_id in evaluators.items():
+        module, _, fn = target.partition(":")
+        probe = ("import importlib, sys; m = importlib.import_module(sys.argv[1]); "
+                 "f = getattr(m, sys.argv[2], None); callable(f) or sys.exit(f'{sys.argv[1]} has no function {sys.argv[2]}')")
+        try:
+            out = subprocess.run([sys.executable, "-c", probe, module, fn], env=_python_path_env(), capture_output=True,
+                                 text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            raise ConfigError(f"task {task_id}: evaluator {target}: importing it took over 120 s") from None
+        if out.returncode != 0:
+            last = (out.stderr.strip().splitlines() or ["exit status %d" % out.returncode])[-1]
+            raise ConfigError(f"task {task_id}: evaluator {target} cannot be imported: {last}")
+
+
+def check_prepared(cfg: GyreConfig, *, checkpoint: bool, dataset: bool) -> None:
+    """After `--train.prepare` ran (rank 0; every rank calls this after the barrier that follows
+    it): the checks `check_train_config` left to it, on the files it was to write (`checkpoint`:
+    --model.checkpoint was not there before it, `dataset`: the tasks file was not), so a path the
+    hook does not write is refused here, before run.json, not as a loader's message later."""
+    wrote = f"(--train.prepare {cfg.train.prepare} wrote into {cfg.train.prepare_dir}, not there)"
+    if checkpoint:
+        if not Path(cfg.model.checkpoint).is_dir():
+            raise ConfigError(f"--model.checkpoint {cfg.model.checkpoint}: no such directory {wrote}")
+        from gyre.backends.factory import check_backends
+
+        check_backends(cfg)
+        check_model_vocab(cfg)
+        check_megatron_layout(cfg)
+    if dataset:
+        if not Path(cfg.executions.dataset.path).exists():
+            raise ConfigError(f"--executions.dataset.path {cfg.executions.dataset.path}: no such file {wrote}")
+        check_dataset(cfg)
 
 
 def resolve_model_dtype(cfg: GyreConfig) -> str:
@@ -340,9 +496,10 @@ def check_dataset(cfg: GyreConfig) -> None:
     from gyre.executions.tasks import Dataset
 
     try:
-        Dataset.from_jsonl(p)
+        dataset = Dataset.from_jsonl(p)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--executions.dataset.path {path}: {e}") from None
+    check_tasks(cfg, dataset)
 
 
 def check_run_dir(cfg: GyreConfig) -> None:

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from gyre.config import ConfigError, GyreConfig, check_train_config, parse_config
+from gyre.config import ConfigError, GyreConfig, check_job, check_train_config, parse_config
 from gyre.errors import RunFailed, RunStopped
 from gyre.logging_utils import ONCE, setup_logging
 from gyre.topology import Groups, Topology, TopologyError
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         # Plain `python -m gyre.run`: a world of one, as torchrun would set it up.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
     try:
+        check_job(cfg, list(sys.argv[1:] if argv is None else argv))  # training flags without --job train
         backend = bind_device(cfg.parallel.backend)
     except ConfigError as e:  # before the rendezvous: every rank has it, rank 0 says it
         logger.error("%s", e, extra=ONCE)
@@ -167,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("created all process groups in %.2fs", time.perf_counter() - t0, extra=ONCE)
         if cfg.job == "train":
             check_train_config(cfg, topo.num_cells)
+            from gyre.runtime.job import prepare
+
+            prepare(cfg, topo, groups)  # blocking: rank 0 writes --train.prepare's files; every rank checks them
             if cfg.backend.actor == "megatron":
                 from gyre.backends.factory import megatron_config_of
                 from gyre.backends.megatron_actor import initialize_parallel_state

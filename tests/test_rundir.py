@@ -51,7 +51,7 @@ def test_an_explicit_dir_with_a_run_is_refused_then_overwritten_only_where_gyre_
     for flag in ("--train.resume", "--overwrite", "--run-dir"):
         assert flag in msg
     assert rundir.decide(_cfg("--run-dir", str(run), "--overwrite")) == run.resolve()
-    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt", "run.lock"]  # the lock file stays (runlock.py)
     assert rundir.decide(_cfg("--run-dir", str(run))) == run.resolve()  # now fresh: accepted
 
 
@@ -96,6 +96,14 @@ def test_every_rank_gets_rank_0s_decision_or_its_refusal(in_tmp):
     assert errors[0] == errors[1] and "already holds a run" in errors[0]
 
 
+def _launch(cfg, rank, world, store, **kw):
+    """One launch that has ended by the time the next one comes: its rank 0 lets the lock go."""
+    run = rundir.resolve(cfg, rank, world, store, **kw)
+    if run.lock is not None:
+        run.lock.release()
+    return run
+
+
 def _complete_checkpoint(run, version):
     from gyre.runtime import checkpoint
 
@@ -112,7 +120,7 @@ def _rows(path):
 
 def test_each_resume_is_a_new_attempt_and_cuts_metrics_and_events_back_to_its_checkpoint(in_tmp):
     run = in_tmp / "run"
-    first = rundir.resolve(_cfg("--run-dir", str(run), "--train.steps", "9"), 0, 1, dist.HashStore())
+    first = _launch(_cfg("--run-dir", str(run), "--train.steps", "9"), 0, 1, dist.HashStore())
     assert (first.attempt, first.start_version, first.checkpoint) == (0, 0, "")
     _complete_checkpoint(run, 4)
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "version": s + 1}) + "\n" for s in range(6))
@@ -122,7 +130,7 @@ def test_each_resume_is_a_new_attempt_and_cuts_metrics_and_events_back_to_its_ch
         {"t": 2, "kind": "claim", "step": 4}, {"t": 3, "kind": "step_done", "step": 4}]))
     for attempt in (1, 2):  # resuming twice from the same checkpoint: two attempts, the same cut
         cfg = _cfg("--run-dir", str(run), "--train.resume", "--train.steps", "9")
-        got = rundir.resolve(cfg, 0, 2, dist.HashStore())
+        got = _launch(cfg, 0, 2, dist.HashStore())
         assert (got.attempt, got.start_version) == (attempt, 4)
         assert got.checkpoint == str(run / "checkpoints" / "step_000004") == cfg.train.resume_from
         assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [0, 1, 2, 3]
@@ -133,27 +141,27 @@ def test_each_resume_is_a_new_attempt_and_cuts_metrics_and_events_back_to_its_ch
 
 def test_a_resume_at_or_past_train_steps_or_without_a_checkpoint_is_refused_up_front(in_tmp):
     run = in_tmp / "run"
-    rundir.resolve(_cfg("--run-dir", str(run)), 0, 1, dist.HashStore())
+    _launch(_cfg("--run-dir", str(run)), 0, 1, dist.HashStore())
     with pytest.raises(rundir.RunDirError, match="no complete checkpoint"):
-        rundir.resolve(_cfg("--run-dir", str(run), "--train.resume"), 0, 1, dist.HashStore())
+        _launch(_cfg("--run-dir", str(run), "--train.resume"), 0, 1, dist.HashStore())
     _complete_checkpoint(run, 6)
     with pytest.raises(rundir.RunDirError, match="already at version 6 >= --train.steps 6"):
-        rundir.resolve(_cfg("--run-dir", str(run), "--train.resume", "--train.steps", "6"), 0, 1, dist.HashStore())
+        _launch(_cfg("--run-dir", str(run), "--train.resume", "--train.steps", "6"), 0, 1, dist.HashStore())
 
 
 def test_a_restarted_job_finds_the_directory_its_first_attempt_chose(in_tmp):
     elastic = dist.HashStore()  # torchrun's agent store: it outlives the workers
-    first = rundir.resolve(_cfg("--train.steps", "9"), 0, 2, dist.HashStore(), elastic=elastic)
+    first = _launch(_cfg("--train.steps", "9"), 0, 2, dist.HashStore(), elastic=elastic)
     assert first.path.parent == (in_tmp / "runs" / "train").resolve()
     # Restart 1 comes before any checkpoint: the same directory, from version 0, a new attempt.
     (first.path / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
-    again = rundir.resolve(_cfg("--train.steps", "9"), 0, 2, dist.HashStore(), restart=1, elastic=elastic)
+    again = _launch(_cfg("--train.steps", "9"), 0, 2, dist.HashStore(), restart=1, elastic=elastic)
     assert (again.path, again.attempt, again.start_version) == (first.path, 1, 0)
     assert (first.path / "metrics.jsonl").read_text() == ""
     # Restart 2 after a checkpoint: resumes from it.
     _complete_checkpoint(first.path, 2)
     cfg = _cfg("--train.steps", "9")
-    third = rundir.resolve(cfg, 0, 2, dist.HashStore(), restart=2, elastic=elastic)
+    third = _launch(cfg, 0, 2, dist.HashStore(), restart=2, elastic=elastic)
     assert (third.path, third.attempt, third.start_version) == (first.path, 2, 2) and cfg.train.resume
     assert len([p for p in (in_tmp / "runs" / "train").iterdir() if p.name != "latest"]) == 1
 
@@ -162,23 +170,23 @@ def test_a_restart_after_the_final_checkpoint_finds_the_run_finished_on_every_ra
     """A rank that dies after the last step's checkpoint restarts the job: nothing is left to
     train, which is success (RunFinished, exit 0), not the refusal a resume past the end gets."""
     run = in_tmp / "run"
-    rundir.resolve(_cfg("--run-dir", str(run), "--train.steps", "6"), 0, 2, dist.HashStore())
+    _launch(_cfg("--run-dir", str(run), "--train.steps", "6"), 0, 2, dist.HashStore())
     _complete_checkpoint(run, 6)
     store = dist.HashStore()
     with pytest.raises(rundir.RunFinished, match="version 6, --train.steps 6: the run had finished"):
-        rundir.resolve(_cfg("--run-dir", str(run), "--train.steps", "6"), 0, 2, store, restart=1)
+        _launch(_cfg("--run-dir", str(run), "--train.steps", "6"), 0, 2, store, restart=1)
     with pytest.raises(rundir.RunFinished):  # rank 1 reads rank 0's decision
-        rundir.resolve(_cfg("--run-dir", str(run), "--train.steps", "6"), 1, 2, store, restart=1)
+        _launch(_cfg("--run-dir", str(run), "--train.steps", "6"), 1, 2, store, restart=1)
     attempts = json.loads((run / "run.json").read_text())["attempts"]
     assert len(attempts) == 1  # no attempt recorded for a restart with nothing to do
 
 
 def test_a_requeued_slurm_job_resumes_its_run_dir_from_its_newest_checkpoint(in_tmp):
     run = in_tmp / "runs" / "slurm" / "77"  # what launch.sh gives every requeue of job 77
-    rundir.resolve(_cfg("--run-dir", str(run), "--train.steps", "9"), 0, 2, dist.HashStore())
+    _launch(_cfg("--run-dir", str(run), "--train.steps", "9"), 0, 2, dist.HashStore())
     _complete_checkpoint(run, 3)
     cfg = _cfg("--run-dir", str(run), "--train.steps", "9")  # no --train.resume: the restart implies it
-    got = rundir.resolve(cfg, 0, 2, dist.HashStore(), restart=1)  # a new torchrun: a store of its own
+    got = _launch(cfg, 0, 2, dist.HashStore(), restart=1)  # a new torchrun: a store of its own
     assert (got.path, got.attempt, got.start_version) == (run.resolve(), 1, 3) and cfg.train.resume
 
 
@@ -193,7 +201,7 @@ def _result(run, execution_id, reward):
 
 def test_groups_in_flight_are_lost_or_carried_over_and_counted_once(in_tmp):
     run = in_tmp / "run"
-    rundir.resolve(_cfg("--run-dir", str(run), "--train.steps", "9"), 0, 1, dist.HashStore())
+    _launch(_cfg("--run-dir", str(run), "--train.steps", "9"), 0, 1, dist.HashStore())
     _complete_checkpoint(run, 2)
     d = lambda g, v: {"kind": "dispatched", "attempt": 0, "group_id": g, "task_id": g.split(".")[0], "version": v,
                       "executions": [f"{g}.0", f"{g}.1"]}
@@ -205,14 +213,14 @@ def test_groups_in_flight_are_lost_or_carried_over_and_counted_once(in_tmp):
         for i in (0, 1):
             _result(run, f"{g}.{i}", {"status": "valid", "reward": 1.0})
     _result(run, "t3.a0.g3.0", {"status": "valid", "reward": 0.0})  # one of two evaluated: not whole
-    got = rundir.resolve(_cfg("--run-dir", str(run), "--train.resume", "--train.steps", "9"), 0, 1, dist.HashStore())
+    got = _launch(_cfg("--run-dir", str(run), "--train.resume", "--train.steps", "9"), 0, 1, dist.HashStore())
     # g1, g2: evaluated at versions the checkpoint holds → carried; g3 half-run → lost;
     # g4 sampled at version 3 > 2 (a discarded branch) → lost, its task run again.
     assert [r["group_id"] for r in got.carried] == ["t1.a0.g1", "t2.a0.g2"]
     assert got.redo_tasks == ("t3", "t4") and got.lost_in_flight == 4
     # The next resume does not count the lost ones again; the carried ones are lost again only if
     # that attempt never dispatched them (here it did not: nothing ran).
-    again = rundir.resolve(_cfg("--run-dir", str(run), "--train.resume", "--train.steps", "9"), 0, 1,
+    again = _launch(_cfg("--run-dir", str(run), "--train.resume", "--train.steps", "9"), 0, 1,
                            dist.HashStore())
     assert again.redo_tasks == () and again.lost_in_flight == 0
     assert [r["group_id"] for r in again.carried] == ["t1.a0.g1", "t2.a0.g2"]
@@ -258,3 +266,109 @@ def test_the_summary_adds_up_every_attempt_that_ended_and_names_those_that_did_n
         assert totals["execution_outcomes"].get(outcome, 0) == sum(s["execution_outcomes"].get(outcome, 0) for s in ended)
     assert [e["attempt"] for e in totals["errors"]] == [k for k, s in enumerate(attempts)
                                                       if s is not None and s["error"] and k < totals["attempts"]]
+
+
+def _holder(run):
+    """Another process that locks `run` as a job's rank 0 does (gyre.runtime.runlock) and keeps it."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                             "from gyre.runtime.runlock import RunLock; l = RunLock(); l.acquire(Path(sys.argv[1])); "
+                             "print('locked', flush=True); time.sleep(120)", str(run)],
+                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_run_directory_in_use_by_another_job_is_refused_on_every_rank_before_anything_is_written(in_tmp):
+    """Two `--train.resume` of one directory at once: the second is refused, naming the first's
+    pid and host, with the directory untouched (metrics not cut back, no attempt recorded, no
+    --overwrite deletion); once the holder is gone (SIGKILL too: the kernel drops the lock) it goes ahead."""
+    run = in_tmp / "run"
+    _launch(_cfg("--run-dir", str(run), "--train.steps", "9"), 0, 1, dist.HashStore())
+    _complete_checkpoint(run, 2)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(4)))
+    holder = _holder(run)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    try:
+        for args in (("--train.resume",), ("--overwrite",)):
+            store, errors = dist.HashStore(), {}
+            cfgs = [_cfg("--run-dir", str(run), "--train.steps", "9", *args) for _ in range(2)]  # tyro: not in threads
+
+            def rank(r):
+                try:
+                    rundir.resolve(cfgs[r], r, 2, store)
+                except rundir.RunDirError as e:
+                    errors[r] = str(e)
+
+            t = threading.Thread(target=rank, args=(1,))
+            t.start()
+            rank(0)
+            t.join(10)
+            assert errors[0] == errors[1], errors
+            assert f"in use by another Gyre job (pid {holder.pid} on host " in errors[0]
+            assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+            assert (run / "checkpoints").is_dir()
+    finally:
+        holder.kill()
+        holder.wait()
+    got = _launch(_cfg("--run-dir", str(run), "--train.resume", "--train.steps", "9"), 0, 1, dist.HashStore())
+    assert (got.attempt, got.start_version) == (1, 2)
+    assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [0, 1]
+
+
+def test_rank_0_holds_the_lock_while_its_run_lives_and_a_fresh_default_run_is_locked_too(in_tmp):
+    run = in_tmp / "run"
+    first = rundir.resolve(_cfg("--run-dir", str(run)), 0, 1, dist.HashStore())
+    assert first.lock.held
+    holder = json.loads((run / "run.lock").read_text())
+    import os
+    import socket
+    assert (holder["pid"], holder["host"]) == (os.getpid(), socket.gethostname())
+    with pytest.raises(rundir.RunDirError, match="in use by another Gyre job"):
+        rundir.resolve(_cfg("--run-dir", str(run), "--overwrite"), 0, 1, dist.HashStore())
+    first.lock.release()
+    rundir.resolve(_cfg("--run-dir", str(run), "--overwrite"), 0, 1, dist.HashStore()).lock.release()
+    fresh = rundir.resolve(_cfg(), 0, 1, dist.HashStore())  # a timestamped directory: locked as well
+    with pytest.raises(rundir.RunDirError, match="in use by another Gyre job"):
+        rundir.resolve(_cfg("--train.resume"), 0, 1, dist.HashStore())  # resume of latest while it runs
+    del fresh  # dropping the decision drops the lock (an in-process caller; a job exits)
+    with pytest.raises(rundir.RunDirError, match="no complete checkpoint"):
+        _launch(_cfg("--train.resume"), 0, 1, dist.HashStore())
+
+
+def test_an_attempt_stopped_by_torchruns_sigterm_names_the_rank_that_died_first(tmp_path):
+    """A rank killed outright sends no report; torchrun SIGTERMs the others and the controller
+    sees only "interrupted by SIGTERM". The rank whose recorded process is gone is named first."""
+    import subprocess
+    import sys
+
+    from gyre.runtime import peers
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        alive = peers.identity(0)
+        ident = {**alive, "rank": 1, "pid": victim.pid, "start": peers._start_ticks(victim.pid)}
+        third = {**alive, "rank": 2}  # alive (this process), not stopped: slow, not dead
+        rundir.write_manifest(tmp_path, _cfg(), 3)
+        rundir.record_ranks(tmp_path, 0, [alive, ident, third])
+        assert peers.dead([alive, ident, third]) == []
+    finally:
+        victim.kill()
+        victim.wait()
+    error = "interrupted by SIGTERM (received by rank 0); stopped gracefully after 2 steps"
+    summary = {"error": error, "interrupted": "SIGTERM", "ranks_not_stopped": [1, 2], "steps": 2}
+    totals = rundir.end_attempt(tmp_path, 0, summary)
+    assert summary["dead_ranks"] == [1]
+    assert summary["error"].startswith("rank 1 died (its process ended without a report") and summary["error"].endswith(error)
+    assert totals["errors"] == [{"attempt": 0, "error": summary["error"]}]
+    assert json.loads((tmp_path / "run.json").read_text())["attempts"][0]["ended"]["dead_ranks"] == [1]
+    # A SIGTERM from outside (scancel, Ctrl-C): every rank alive, the error stays the signal's.
+    rundir.write_manifest(tmp_path, _cfg(), 3)
+    rundir.record_ranks(tmp_path, 1, [alive, {**alive, "rank": 1}])
+    summary = {"error": error, "interrupted": "SIGTERM", "ranks_not_stopped": [1], "steps": 2}
+    rundir.end_attempt(tmp_path, 1, summary)
+    assert summary["error"] == error and "dead_ranks" not in summary
+    # Another host's rank cannot be looked up: never named dead.
+    assert peers.dead([{**ident, "host": "elsewhere"}]) == []

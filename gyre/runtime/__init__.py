@@ -14,6 +14,8 @@ what the run leaves behind.
     samples.py      a finished group → micro-step bundles (trees, selection, advantages, packing)
     outputs.py      metrics.jsonl, the role-timeline PNG, the reward trend, the TensorBoard / wandb trackers
     rundir.py       one directory per run: runs/<preset>/<timestamp>, latest, resume / overwrite
+    runlock.py      run_dir/run.lock: one job at a time in a run directory (rank 0's flock)
+    peers.py        every rank's process in run.json; which ones died, named as an attempt's cause
 
 `gyre/report.py` (`python -m gyre.report RUN_DIR`) renders what a run wrote. Parameters move through the run's `WeightTransport` (`gyre.backends.factory`, `--transfer.*`).
 """

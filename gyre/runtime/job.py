@@ -6,8 +6,10 @@
 
 The backends (engine, actor, weight transport) come from `gyre.backends.factory`; nothing here
 names a concrete one. The per-rank loop is the last few lines of `_train`: wait for a command,
-execute it. Every blocking wait of the job is one of: creating the weight transport (torch: its
-gloo group), the barrier after snapshot 0 and the engine secret's broadcast after it,
+execute it. Every blocking wait of the job is one of: the barrier after `--train.prepare` (`prepare`,
+called by gyre.run before the run directory exists), the engine secret's broadcast and the gather
+of every rank's process identity (run.json), creating the weight transport (torch: its
+gloo group), the barrier after snapshot 0,
 `control.recv` for the next command, a collective inside a command (gradient reduction / parameter broadcast over a prefix group), or a one-sided
 snapshot read (`weights.fetch*`, answered by the core's transport without its training thread).
 """
@@ -43,6 +45,7 @@ def train(cfg: Any, topo: Topology, groups: Groups, run: RunDir, interrupts: Any
     # blocking: rank 0 draws the run's secret and broadcasts it (over gloo, never the store); it
     # signs every store value (SignedStore) and authenticates the engines (engine_http)
     secret = share_secret(groups.control, src=0)
+    _record_ranks(topo, groups, run)  # blocking: every rank's process, in run.json (who died, at the end)
     store = SignedStore(default_store(), secret)
     weights = factory.build_transport(cfg, topo, store)  # blocking (torch): every rank creates its group
     kv = _kv_transport(cfg, topo, store)  # blocking (gloo): every rank creates the KV-migration group
@@ -101,16 +104,14 @@ def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: Weight
     # resolved once the checkpoint is there (a prepared one too): its size bounds what the engines
     # sample, the checkpoint's eos ids end a turn. check_train_config compared an existing
     # checkpoint's embedding with it already; a prepared one is checked below.
-    ckpt_dir = Path(cfg.run_dir) / "checkpoints"
-    if topo.is_controller and cfg.train.prepare:
-        _prepare(cfg)  # the other ranks wait in the barrier below
+    ckpt_dir = Path(cfg.run_dir) / "checkpoints"  # --train.prepare ran before the run directory (`prepare`)
     core_actor = None
     if topo.is_core:  # the authoritative weights and optimizer state live here (docs/design.md §1)
         vocab = load_vocab(cfg.model.checkpoint, cfg.proxy.tokenizer_path)
         core_actor, model_cfg = factory.build_core_actor(cfg, vocab.size, ckpt_dir)
         weights.post(core_actor.version, core_actor.export_parameters(), published=True)
-    dist.barrier(group=groups.control)  # blocking: the prepared data and the starting snapshot are there
-    if core_actor is None:  # after the barrier: --model.checkpoint may be what rank 0 just prepared
+    dist.barrier(group=groups.control)  # blocking: the starting snapshot is there
+    if core_actor is None:
         vocab = load_vocab(cfg.model.checkpoint, cfg.proxy.tokenizer_path)
         model_cfg = factory.model_config_of(cfg, vocab.size)
     try:  # every rank, same point: a refusal is a ConfigError each rank leaves with (gyre/run.py)
@@ -175,6 +176,17 @@ def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: Weight
     logger.info("rank %d done", topo.rank)
 
 
+def _record_ranks(topo: Topology, groups: Groups, run: RunDir) -> None:
+    """Gather every rank's process identity on rank 0 (over the control group) and record it in
+    this attempt's run.json entry (`gyre.runtime.peers`)."""
+    from gyre.runtime import peers, rundir
+
+    ranks: list[Any] = [None] * topo.world_size
+    dist.all_gather_object(ranks, peers.identity(topo.rank), group=groups.control)
+    if topo.rank == 0:
+        rundir.record_ranks(run.path, run.attempt, ranks)
+
+
 def _write_transport_stats(run_dir: Path, rank: int, weights: Any) -> None:
     """run_dir/transport/rank_<r>.json: what this rank's weight transport moved, by path."""
     try:
@@ -183,6 +195,22 @@ def _write_transport_stats(run_dir: Path, rank: int, weights: Any) -> None:
         (out / f"rank_{rank:03d}.json").write_text(json.dumps(weights.stats.as_dict(), indent=1) + "\n")
     except OSError as e:  # an unwritable run dir must not hide the run's own outcome
         logger.warning("could not write transport stats: %r", e)
+
+
+def prepare(cfg: Any, topo: Topology, groups: Groups) -> None:
+    """`--train.prepare`, before the run directory is decided: rank 0 runs the hook, every rank
+    waits for it, then checks what it wrote (`gyre.config.check_prepared`), so a path the hook
+    does not write is a refusal before run.json exists. Nothing to do without a hook."""
+    from gyre.config import check_prepared, checkpoint_yet_to_prepare
+
+    if not cfg.train.prepare:
+        return
+    checkpoint = checkpoint_yet_to_prepare(cfg)
+    dataset = not Path(cfg.executions.dataset.path).exists()
+    if topo.is_controller:
+        _prepare(cfg)  # the other ranks wait in the barrier below
+    dist.barrier(group=groups.control)  # blocking: the prepared data (and warm start) are there
+    check_prepared(cfg, checkpoint=checkpoint, dataset=dataset)
 
 
 def _prepare(cfg: Any) -> None:

@@ -20,6 +20,11 @@ its own), and a restart resumes from the newest complete checkpoint there (or fr
 the job died before its first checkpoint). A Slurm requeue is a new torchrun: `launch.sh` gives
 it `--run-dir runs/slurm-<job id>` and `--train.resume` on a requeue.
 
+One job at a time: rank 0 locks the directory (`run.lock`, gyre.runtime.runlock) before it
+writes or deletes anything in it and holds the lock until it exits; a second launch into it (a
+second `--train.resume`, an `--overwrite`, a relaunch while the old job is still stopping) is
+refused on every rank, naming the holder's pid and host.
+
 Data a preset prepares (the cpu-demo's tasks and warm start) lives beside the runs, in
 `runs/<preset>/data`, and is reused by every run. Rank 0 decides and creates the directory and
 writes `run.json` (the config and command line); the other ranks read the decision from the
@@ -36,11 +41,12 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gyre.runtime import checkpoint
+from gyre.runtime import checkpoint, peers
+from gyre.runtime.runlock import RunLock, RunLocked
 from gyre.runtime.outputs import events_until, metrics_until, truncate_jsonl
 
 logger = logging.getLogger(__name__)
@@ -68,6 +74,12 @@ class RunDir:
     lost_in_flight: int = 0  # their executions
     # earlier attempts' groups evaluated but not trained into the checkpoint (journal rows): trained first
     carried: tuple[dict[str, Any], ...] = ()
+    # rank 0: the directory's lock (gyre.runtime.runlock), held while this object lives; None elsewhere
+    lock: RunLock | None = field(default=None, compare=False, repr=False)
+
+    def shared(self) -> dict[str, Any]:
+        """The decision as rank 0 sends it to the other ranks (JSON; the lock stays on rank 0)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "lock"}
 
 
 class GroupJournal:
@@ -179,8 +191,29 @@ def _point_latest(root: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
-def decide(cfg: Any, *, now: float | None = None) -> Path:
-    """Rank 0's decision (creates the directory); raises RunDirError with the fix when refused."""
+def _lock(lock: RunLock, path: Path, wait_s: float) -> None:
+    try:
+        lock.acquire(path, wait_s=wait_s)
+    except RunLocked as e:
+        raise RunDirError(str(e)) from None
+
+
+def decide(cfg: Any, *, now: float | None = None, lock: RunLock | None = None, lock_wait_s: float = 0.0) -> Path:
+    """Rank 0's decision (creates the directory); raises RunDirError with the fix when refused.
+
+    The directory is locked (`lock`, see gyre.runtime.runlock) before anything in it is written or
+    deleted; another job holding it is a refusal naming that job. Without `lock` the lock is
+    taken and dropped again here (the in-process checks)."""
+    own = lock is None
+    lock = RunLock() if lock is None else lock
+    try:
+        return _decide_path(cfg, now, lock, lock_wait_s)
+    finally:
+        if own:
+            lock.release()
+
+
+def _decide_path(cfg: Any, now: float | None, lock: RunLock, lock_wait_s: float) -> Path:
     resume = cfg.train.resume
     if not cfg.run_dir:
         root = runs_root(cfg.preset)
@@ -189,15 +222,20 @@ def decide(cfg: Any, *, now: float | None = None) -> Path:
             if not latest.exists():
                 raise RunDirError(f"--train.resume: there is no previous run to resume ({latest} does not exist); "
                                   f"give the run's directory with --run-dir DIR")
+            _lock(lock, latest.resolve(), lock_wait_s)
             return latest.resolve()
         path = _fresh_timestamped(root, time.time() if now is None else now)
+        _lock(lock, path, lock_wait_s)
         _point_latest(root, path)
         return path.resolve()
     path = Path(cfg.run_dir)
     if resume:
         if not path.is_dir():
             raise RunDirError(f"--train.resume: run directory {path} does not exist")
+        _lock(lock, path, lock_wait_s)
         return path.resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    _lock(lock, path, lock_wait_s)  # before the outputs are looked at: a job still writing them is the refusal
     found = previous_outputs(path)
     if found:
         if not cfg.overwrite:
@@ -209,7 +247,6 @@ def decide(cfg: Any, *, now: float | None = None) -> Path:
             p = path / name
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         logger.warning("--overwrite: deleted the previous run's %s in %s", ", ".join(found), path)
-    path.mkdir(parents=True, exist_ok=True)
     return path.resolve()
 
 
@@ -250,7 +287,7 @@ def _replace_json(path: Path, data: Any) -> None:
 # over the attempts into the run's totals (summary.json's "run").
 ENDED_FIELDS = ("steps", "wall_s", "calls", "aborted_calls", "reroutes", "engine_stalls", "sink_errors",
                 "execution_outcomes", "incomplete_tito", "lost_in_flight", "carried_over_groups",
-                "redispatched_groups", "error", "interrupted", "silent_rank", "ranks_not_stopped")
+                "redispatched_groups", "error", "interrupted", "silent_rank", "ranks_not_stopped", "dead_ranks")
 SUMMED = ("wall_s", "calls", "aborted_calls", "reroutes", "engine_stalls", "sink_errors", "lost_in_flight",
           "carried_over_groups", "redispatched_groups")
 
@@ -264,11 +301,35 @@ def end_attempt(path: Path, attempt: int, summary: dict[str, Any]) -> dict[str, 
     and add up the others."""
     manifest = path / "run.json"
     data = json.loads(manifest.read_text())
+    _name_the_dead(data["attempts"][attempt], summary)
     ended = {k: summary.get(k) for k in ENDED_FIELDS}
     ended["incomplete_tito"] = len(summary.get("incomplete_tito") or {})
     data["attempts"][attempt]["ended"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **ended}
     _replace_json(manifest, data)
     return run_totals(data["attempts"])
+
+
+def record_ranks(path: Path, attempt: int, ranks: list[dict[str, Any]]) -> None:
+    """Rank 0, once every rank has started: each rank's process (`gyre.runtime.peers.identity`)
+    in this attempt's run.json entry, so its end can tell which ones died."""
+    manifest = path / "run.json"
+    data = json.loads(manifest.read_text())
+    data["attempts"][attempt]["ranks"] = ranks
+    _replace_json(manifest, data)
+
+
+def _name_the_dead(entry: dict[str, Any], summary: dict[str, Any]) -> None:
+    """A signal-stopped attempt with ranks that never stopped: those whose process is gone died
+    first (torchrun's SIGTERM to the others followed); the summary's error (summary.json's and
+    run.json's alike) names them first, and `dead_ranks` lists them."""
+    not_stopped = set(summary.get("ranks_not_stopped") or [])
+    if not summary.get("interrupted") or not not_stopped or not summary.get("error"):
+        return
+    died = [r for r in peers.dead([r for r in entry.get("ranks", []) if r["rank"] in not_stopped])]
+    if died:
+        summary["dead_ranks"] = died
+        summary["error"] = peers.name_the_dead(summary["error"], died)
+        logger.error("%s", summary["error"])
 
 
 def run_totals(attempts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -350,7 +411,18 @@ def _decide_all(cfg: Any, world_size: int, restart: int, elastic: Any) -> RunDir
         logger.warning("elastic restart %d: resuming the run in --run-dir %s", restart, cfg.run_dir)
     if cfg.train.resume_from:
         cfg.train.resume = True
-    path = decide(cfg)
+    lock = RunLock()  # held for the job's life by the RunDir returned (rank 0 keeps it until it exits)
+    try:
+        return _decide_locked(cfg, world_size, restart, elastic, lock)
+    except BaseException:
+        lock.release()  # a refusal holds nothing (its traceback may outlive this call)
+        raise
+
+
+def _decide_locked(cfg: Any, world_size: int, restart: int, elastic: Any, lock: RunLock) -> RunDir:
+    # A restart waits a moment for the previous attempt's rank 0 (torchrun has stopped it; a
+    # Slurm requeue's may still be exiting on another node).
+    path = decide(cfg, lock=lock, lock_wait_s=30.0 if restart else 0.0)
     ck, version, skipped = _resume_point(cfg, path, restart=restart > 0) if cfg.train.resume else ("", 0, [])
     if cfg.train.resume:
         dropped = truncate_jsonl(path / "metrics.jsonl", metrics_until(version))
@@ -376,7 +448,8 @@ def _decide_all(cfg: Any, world_size: int, restart: int, elastic: Any) -> RunDir
                        "version %d; their tasks are dispatched again first", lost_in_flight, len(lost), version)
     if elastic is not None:
         elastic.set(ELASTIC_KEY, str(path))
-    return RunDir(path, attempt, version, ck, tuple(row["task_id"] for row in lost), lost_in_flight, tuple(carried))
+    return RunDir(path, attempt, version, ck, tuple(row["task_id"] for row in lost), lost_in_flight, tuple(carried),
+                  lock=lock)
 
 
 def resolve(cfg: Any, rank: int, world_size: int, store: Any, *, restart: int = 0, elastic: Any = None) -> RunDir:
@@ -391,7 +464,7 @@ def resolve(cfg: Any, rank: int, world_size: int, store: Any, *, restart: int = 
     if rank == 0:
         try:
             run = _decide_all(cfg, world_size, restart, elastic)
-            store.set(_KEY, json.dumps(dataclasses.asdict(run), default=str))
+            store.set(_KEY, json.dumps(run.shared(), default=str))
         except (RunDirError, RunFinished) as e:
             store.set(_KEY, json.dumps({"error": str(e), "finished": isinstance(e, RunFinished)}))
             raise
@@ -403,5 +476,7 @@ def resolve(cfg: Any, rank: int, world_size: int, store: Any, *, restart: int = 
     cfg.run_dir = decision["path"]
     cfg.train.resume = bool(decision["checkpoint"])
     cfg.train.resume_from = decision["checkpoint"]
+    if rank == 0:
+        return run  # with its lock
     return RunDir(**{**decision, "path": Path(cfg.run_dir), "redo_tasks": tuple(decision["redo_tasks"]),
                      "carried": tuple(decision["carried"])})

@@ -49,3 +49,130 @@ def test_a_bad_value_is_refused_up_front_with_exit_2_naming_the_flag(tmp_path, c
     for started in ("run directory:", "proxy listening", "dispatched", "preparing"):
         assert started not in log
     assert list(work.iterdir()) == []  # no runs/, no run directory, no checkpoint
+
+
+# ----------------------------------------------------------------------------- in-process
+# The values that used to fail late (a library's message minutes in, after run.json had claimed
+# the run directory so the corrected command was refused until --overwrite): each is refused by
+# the checks every rank runs before the run directory is decided, naming the flag.
+
+def _argv(tmp_path, *extra, tasks=None):
+    tasks = tasks or write_tasks(tmp_path / "tasks.jsonl")
+    return ["--job", "train", "--model.preset", "tiny", "--executions.dataset.path", str(tasks),
+            "--executions.runner.sandbox", "none", "--run-dir", str(tmp_path / "run"), *extra]
+
+
+def _refused(tmp_path, *extra, tasks=None) -> str:
+    from gyre.config import ConfigError, check_train_config, parse_config
+
+    cfg = parse_config(_argv(tmp_path, *extra, tasks=tasks))
+    with pytest.raises(ConfigError) as e:
+        check_train_config(cfg, 1)
+    assert not (tmp_path / "run").exists()
+    return str(e.value)
+
+
+LATE = {
+    "lr negative": (["--actor.lr", "-1e-3"], "--actor.lr must be > 0, got -0.001"),
+    "lr nan": (["--actor.lr", "nan"], "--actor.lr must be a finite number, got nan"),
+    "lr inf": (["--actor.lr", "inf"], "--actor.lr must be a finite number, got inf"),
+    "harness timeout 0": (["--executions.runner.timeout-s", "0"], "--executions.runner.timeout-s must be > 0, got 0"),
+    "evaluator attempts 0": (["--executions.evaluator.max-attempts", "0"],
+                             "--executions.evaluator.max-attempts must be >= 1, got 0"),
+    "evaluator timeout nan": (["--executions.evaluator.timeout-s", "nan"],
+                              "--executions.evaluator.timeout-s must be a finite number, got nan"),
+    "grad norm 0": (["--actor.max-grad-norm", "0"], "--actor.max-grad-norm must be > 0, got 0"),
+    "beta 1": (["--actor.betas", "0.9", "1.0"], "--actor.betas must both be in [0, 1), got 0.9 1"),
+    "engine batch 0": (["--engine.max-batch", "0"], "--engine.max-batch must be >= 1, got 0"),
+    "proxy wait 0": (["--proxy.engine-wait-s", "0"], "--proxy.engine-wait-s must be > 0, got 0"),
+    "missing checkpoint": (["--model.checkpoint", "{tmp}/no_model"], "--model.checkpoint {tmp}/no_model: no such directory"),
+    "steps 0": (["--train.steps", "0"], "--train.steps must be >= 1, got 0 (a run of no steps trains nothing)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LATE))
+def test_a_value_that_used_to_fail_late_is_refused_before_the_run_directory_naming_the_flag(tmp_path, case):
+    extra, message = LATE[case]
+    got = _refused(tmp_path, *(a.format(tmp=tmp_path) for a in extra))
+    assert got.startswith(message.format(tmp=tmp_path)), got
+
+
+def test_every_float_of_the_config_is_checked_for_nan_without_a_line_of_its_own(tmp_path):
+    """check_numbers walks the whole config tree: NaN in any float field is refused by its flag."""
+    from gyre.config import ConfigError, _numbers, check_numbers, parse_config
+
+    cfg = parse_config(_argv(tmp_path))
+    floats = [flag for flag, v in _numbers(cfg) if isinstance(v, float) and "[" not in flag]
+    assert len(floats) > 20 and "proxy.close-wait-s" in floats and "sglang.mem-fraction-static" in floats
+    for flag in floats:  # set on the parsed config: some fields' own __post_init__ refuse NaN already at parse
+        bad = parse_config(_argv(tmp_path))
+        *parents, name = flag.replace("-", "_").split(".")
+        obj = bad
+        for part in parents:
+            obj = getattr(obj, part)
+        setattr(obj, name, float("nan"))
+        with pytest.raises(ConfigError, match=f"^--{flag} must be a finite number"):
+            check_numbers(bad)
+
+
+def test_a_missing_harness_program_is_refused_before_any_execution_starts(tmp_path):
+    tasks = write_tasks(tmp_path / "tasks.jsonl", harness=["no-such-agent-cli", "--go"])
+    got = _refused(tmp_path, tasks=tasks)
+    assert "task t0: harness program 'no-such-agent-cli' not found (the task's 'harness': no-such-agent-cli --go)" in got
+    tasks = write_tasks(tmp_path / "t2.jsonl", harness=[str(tmp_path / "agent.sh")])
+    assert f"harness program '{tmp_path}/agent.sh' not found" in _refused(tmp_path, tasks=tasks)
+    tasks = write_tasks(tmp_path / "t3.jsonl", harness=["{python}", str(tmp_path / "agent.py")])
+    assert f"harness script {tmp_path}/agent.py not found" in _refused(tmp_path, tasks=tasks)
+
+
+def test_a_python_evaluator_that_cannot_be_imported_is_refused_up_front(tmp_path):
+    from tests.jobs import write_task_rows
+
+    for target, why in (("no_such_module_xyz:score", "No module named 'no_such_module_xyz'"),
+                        ("json:no_such_function", "json has no function no_such_function")):
+        tasks = write_task_rows(tmp_path / "tasks.jsonl", [{"harness": ["true"], "evaluator": {"python": target}}])
+        got = _refused(tmp_path, tasks=tasks)
+        assert got == f"task t0: evaluator {target} cannot be imported: {why}" or \
+            (got.startswith(f"task t0: evaluator {target} cannot be imported: ") and why in got), got
+    tasks = write_task_rows(tmp_path / "ok.jsonl", [{"harness": ["true"], "evaluator": {"python": "json:dumps"}}])
+    from gyre.config import check_train_config, parse_config
+
+    check_train_config(parse_config(_argv(tmp_path, tasks=tasks)), 1)  # an importable one passes
+
+
+def test_training_flags_without_job_train_are_refused_naming_it():
+    from gyre.config import ConfigError, check_job, parse_config
+
+    for argv in (["--train.steps", "3"], ["--run-dir", "x", "--parallel.cell-size", "2"], ["--actor.lr=1e-3"]):
+        with pytest.raises(ConfigError, match=r"training flags, .*--job smoke.*add --job train") as e:
+            check_job(parse_config(argv), argv)
+        assert argv[0].split("=")[0] in str(e.value)
+    for argv in (["--parallel.cell-size", "2", "--parallel.tp", "2", "--log-level", "DEBUG"], ["--job", "train", "--train.steps", "3"],
+                 ["--preset", "cpu-demo", "--train.steps", "3"]):
+        check_job(parse_config(argv), argv)  # the topology check's own flags, or a training job
+
+
+def _write_tasks_only(prepare_dir, seed=0, with_checkpoint=True):
+    """A --train.prepare hook that writes the tasks file and no starting checkpoint."""
+    from pathlib import Path
+
+    Path(prepare_dir).mkdir(parents=True, exist_ok=True)
+    return str(write_tasks(Path(prepare_dir) / "tasks.jsonl"))
+
+
+def test_a_checkpoint_the_prepare_hook_does_not_write_is_refused_before_run_json(tmp_path):
+    """The one real launch: `--model.checkpoint` under `--train.prepare-dir` is left to the hook;
+    one it does not write is refused after it ran, on every rank, before the run directory exists
+    (before: a loader's message after run.json, and the corrected command refused)."""
+    data, run = tmp_path / "data", tmp_path / "run"
+    work = tmp_path / "cwd"
+    work.mkdir()
+    proc = gyre(work, data / "tasks.jsonl", "--train.prepare", "tests.faults.test_config:_write_tasks_only",
+                "--train.prepare-dir", str(data), "--model.checkpoint", str(data / "warm_start"), "--run-dir", str(run),
+                timeout=120)
+    log = log_of(proc)
+    message = f"--model.checkpoint {data}/warm_start: no such directory (--train.prepare"
+    assert proc.returncode != 0 and "exitcode  : 2" in log, log[-3000:]
+    assert log.count(message) == 1, log[-3000:]
+    assert (data / "tasks.jsonl").is_file()  # the hook ran
+    assert not run.exists() and list(work.iterdir()) == []  # no run.json: the corrected command is not refused

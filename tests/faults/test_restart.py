@@ -94,7 +94,9 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_finishes_its_steps(tmp_p
     results = {p.parent.name: json.loads(p.read_text())["outcome"] for p in (run / "executions").glob("*/result.json")}
     if victim == 1:  # the first attempt ended gracefully: torchrun SIGTERMed rank 0 after rank 1 died
         assert total["attempts_not_ended"] == [] and [e["attempt"] for e in total["errors"]] == [0]
-        assert "SIGTERM" in total["errors"][0]["error"]
+        # The cause first: rank 1 died (its process gone), then torchrun's SIGTERM to rank 0.
+        assert total["errors"][0]["error"].startswith("rank 1 died (") and "SIGTERM" in total["errors"][0]["error"]
+        assert attempts[0]["ended"]["dead_ranks"] == [1] and [r["rank"] for r in attempts[0]["ranks"]] == [0, 1]
         assert total["execution_outcomes"] == dict(Counter(results.values())), (total, Counter(results.values()))
         assert sum(summary["execution_outcomes"].values()) < len(results)  # the last attempt's alone fall short
     else:  # rank 0 died: its attempt is named, not counted as zeros
