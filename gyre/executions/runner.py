@@ -50,7 +50,6 @@ for any agent sandbox.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import enum
 from collections import defaultdict
 import json
@@ -68,7 +67,7 @@ from typing import Any, Callable, Protocol
 from gyre.executions import logcap, remote, sandbox
 from gyre.executions.config import RunnerConfig
 from gyre.executions.evaluator import Evaluator, Outcome, RewardResult, RewardStatus
-from gyre.executions.procs import contain_argv, kill_tree, tree_pids
+from gyre.executions.procs import kill_tree, tree_pids
 from gyre.executions.tasks import ExecutionSpec, Group
 
 logger = logging.getLogger(__name__)
@@ -423,10 +422,6 @@ class HarnessRunner:
                         else:
                             launch = await sandbox.prepare(self.sandbox_kind(), cfg=self.cfg, execution_id=spec.execution_id,
                                                            exec_dir=exec_dir, ws=ws, argv=argv, env=env)
-                            if self.sandbox_kind() == "none" and launch.wrapped:
-                                # The sandbox's session reaper misses setsid'd, double-forked daemons;
-                                # CONTAIN is a subreaper: nothing of the tree outlives the harness.
-                                launch = dataclasses.replace(launch, argv=contain_argv(argv, self.cfg.kill_grace_s))
                         proc = await self._start(launch, exec_dir, spec.execution_id, logs)
                     except Exception as e:  # noqa: BLE001 - any launch problem is this execution's failure
                         error = f"{type(e).__name__}: {e}"
@@ -469,11 +464,14 @@ class HarnessRunner:
             result.reward = RewardResult(spec.execution_id, RewardStatus.EXCLUDED, None, detail={"excluded": idle})
             result.error = "; ".join(filter(None, [result.error, idle]))
             logger.warning("execution %s: %s", spec.execution_id, idle)
-        elif self.evaluator is not None and exec_dir.exists() and not skip:
+        elif self.evaluator is not None and _own_dir(exec_dir) and not skip:
             result.reward = await self.evaluator.evaluate(spec.execution_id, spec.task, ws, outcome)
         live.move(ExecutionState.EVALUATED)
-        if exec_dir.exists():
+        if _own_dir(exec_dir):
             _write_new(exec_dir / "result.json", json.dumps(result.to_json(), indent=1))
+        elif os.path.lexists(exec_dir):
+            logger.warning("execution %s: its directory %s was replaced by a link; result.json not written "
+                           "there (the result is in the run's events)", spec.execution_id, exec_dir)
         self._emit(EventKind.EVALUATED, spec, result)
         return result
 
@@ -562,6 +560,12 @@ class HarnessRunner:
         host = min(self._host_load, key=lambda h: self._host_load[h])
         self._host_load[host] += 1
         return host
+
+
+def _own_dir(path: Path) -> bool:
+    """`path` is a directory and not a link to one (under `none` a harness could swap its execution
+    directory for a link; Gyre then neither evaluates nor writes through it)."""
+    return path.is_dir() and not path.is_symlink()
 
 
 def _write_new(path: Path, text: str) -> None:

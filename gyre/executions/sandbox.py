@@ -21,7 +21,7 @@ anything but the proxy. Backends:
     container  `docker run` / `podman run` (`container_cli`, `container_image`): the execution
                directory is mounted at the same path, `--network none`; for clusters.
     auto       bwrap when it works on this machine, else none with a warning.
-    (The default is none, logged as "harness not isolated"; see RunnerConfig.sandbox.)
+    (The default is auto; see RunnerConfig.sandbox.)
 
 Network (`sandbox_network`): with `proxy` (the default) the harness gets its own network
 namespace, in which only loopback exists. The runner serves a Unix socket that forwards to
@@ -41,8 +41,9 @@ Dying with the runner. Every process the runner starts (launcher, harness, evalu
 PR_SET_PDEATHSIG (`die_with_runner`): when the rank dies (SIGKILL, OOM, a forced stop after
 Ctrl-C) the kernel kills it. bwrap (`--die-with-parent`, its pid namespace) and unshare
 (`--kill-child`, its pid namespace) then take the whole tree with them. Under `none` the harness
-runs under `REAPER`, a stdlib shim that leads the harness's session: it gets SIGTERM when the
-runner dies and SIGKILLs the session (and descendants that left it) before it goes. A container
+runs under `procs.CONTAIN`, a stdlib subreaper shim: every orphan of the tree (setsid'd,
+double-forked daemons included) comes to it, and it kills them all when the harness ends, is
+stopped, or the runner dies. A container
 outlives its CLI: `cleanup` removes it by name on every ending the runner lives to see, and the
 next runner on the node removes those whose runner died (`reap_containers`).
 """
@@ -64,53 +65,12 @@ from pathlib import Path
 from typing import Awaitable, Callable
 from urllib.parse import urlsplit, urlunsplit
 
-from gyre.executions import scratch
+from gyre.executions import procs, scratch
 
 logger = logging.getLogger(__name__)
 
 SOCKET_IN_SANDBOX = "/run/gyre/proxy.sock"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-# Leads a `none` harness's session (the runner starts it with start_new_session): runs argv as its
-# child, exits with its status (128 + signal for a signal death, like the other launchers). Its
-# parent-death signal is SIGTERM, which it can catch: when the runner is gone (getppid changed) it
-# SIGKILLs its session, its process group and their descendants by /proc, then itself. A SIGTERM
-# while the runner lives is the runner's own tree kill, which reaches the harness directly.
-REAPER = r"""
-import ctypes, os, signal, subprocess, sys
-runner = os.getppid()
-def tree():
-    me, table = os.getpid(), {}
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                rest = f.read().decode("utf-8", "replace").rsplit(")", 1)[1].split()
-            table[int(name)] = (int(rest[1]), int(rest[2]), int(rest[3]))
-        except (ValueError, OSError, IndexError):
-            pass
-    found = {p for p, (_, pgid, sid) in table.items() if sid == me or pgid == me}
-    grew = True
-    while grew:
-        grew = False
-        for p, (ppid, _, _) in table.items():
-            if ppid in found and p not in found:
-                found.add(p); grew = True
-    found.discard(me)
-    return found
-def orphaned(*_):
-    if os.getppid() == runner:
-        return
-    for p in tree():
-        try: os.kill(p, signal.SIGKILL)
-        except OSError: pass
-    os._exit(128 + signal.SIGKILL)
-signal.signal(signal.SIGTERM, orphaned)
-ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
-orphaned()
-rc = subprocess.call(sys.argv[1:])
-sys.exit(rc if rc >= 0 else 128 - rc)
-"""
-
 
 def die_with_runner() -> Callable[[], None] | None:
     """A `preexec_fn` that makes the child get SIGKILL when the process that starts it dies
@@ -478,7 +438,7 @@ async def prepare(kind: str, *, cfg, execution_id: str, exec_dir: Path, ws: Path
         found = os.access(os.path.join(ws, prog), os.X_OK) if os.sep in prog else shutil.which(prog, path=env.get("PATH", os.defpath))
         if not found:
             raise FileNotFoundError(f"harness program {prog!r} not found")  # a launch failure, as without the shim
-        return Launch([sys.executable, "-I", "-S", "-c", REAPER, *argv], env, str(ws), wrapped=True)
+        return Launch(procs.contain_argv(argv, cfg.kill_grace_s), env, str(ws), wrapped=True)
     if kind != "container" and shutil.which(argv[0], path=env.get("PATH", os.defpath)) is None:
         # Found here, a missing program is a launch failure, as without a sandbox (not a crash).
         raise FileNotFoundError(f"harness program {argv[0]!r} not found")

@@ -82,12 +82,13 @@ def test_the_reaper_runs_a_harness_named_relative_to_its_workspace_and_passes_it
     import asyncio
 
     from gyre.executions import sandbox
+    from gyre.executions.config import RunnerConfig
 
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "run.sh").write_text("#!/bin/sh\nexit 3\n")
     (ws / "run.sh").chmod(0o755)
-    prep = lambda argv: asyncio.run(sandbox.prepare("none", cfg=None, execution_id="e", exec_dir=tmp_path,  # noqa: E731
+    prep = lambda argv: asyncio.run(sandbox.prepare("none", cfg=RunnerConfig(kill_grace_s=1.0), execution_id="e", exec_dir=tmp_path,  # noqa: E731
                                                     ws=ws, argv=argv, env={"PATH": os.defpath}))
     launch = prep(["./run.sh"])
     rc = subprocess.run(launch.argv, cwd=launch.cwd, env=launch.env).returncode
