@@ -213,7 +213,7 @@ BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "actor.min-lr-ratio": (0, True, 1), "actor.min-s-per-ktok": (0, True, None),
     "loss.eps-low": (0, True, None), "loss.eps-high": (0, True, None), "loss.cap": (0, False, None),
     "executions.runner.max-concurrency": (1, True, None), "executions.runner.timeout-s": (0, False, None),
-    "executions.runner.kill-grace-s": (0, True, None),
+    "executions.runner.kill-grace-s": (0, True, None), "executions.runner.log-cap-bytes": (1024, True, None),
     "executions.evaluator.timeout-s": (0, False, None), "executions.evaluator.max-attempts": (1, True, None),
     "executions.evaluator.retry-backoff-s": (0, True, None), "executions.evaluator.concurrency": (1, True, None),
     "executions.health.window": (0, True, None), "executions.health.stop-fraction": (0, False, None),

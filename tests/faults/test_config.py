@@ -86,6 +86,8 @@ LATE = {
     "engine batch 0": (["--engine.max-batch", "0"], "--engine.max-batch must be >= 1, got 0"),
     "proxy wait 0": (["--proxy.engine-wait-s", "0"], "--proxy.engine-wait-s must be > 0, got 0"),
     "missing checkpoint": (["--model.checkpoint", "{tmp}/no_model"], "--model.checkpoint {tmp}/no_model: no such directory"),
+    "harness log cap under 1 KiB": (["--executions.runner.log-cap-bytes", "100"],
+                                    "--executions.runner.log-cap-bytes must be >= 1024, got 100"),
     "steps 0": (["--train.steps", "0"], "--train.steps must be >= 1, got 0 (a run of no steps trains nothing)"),
 }
 
