@@ -123,6 +123,18 @@ def init_distributed(backend: str) -> tuple[int, object | None]:
     return attempt + int(os.environ.get("SLURM_RESTART_COUNT", "0")), raw
 
 
+def _force_exit(code: int) -> None:
+    """The graceful stop ran out of time (or a second signal came): never cut a checkpoint
+    silently — name the one being written — then exit at once."""
+    from gyre.runtime import checkpoint
+
+    if (note := checkpoint.cut_note()) is not None:
+        logger.error("%s", note)
+        for h in logging.getLogger().handlers:
+            h.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the job; 0 when it succeeded. A failure is stated once: by the controller for a run
     that stopped early (RunFailed), else by the rank that raised, with its traceback."""
@@ -153,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     # job gracefully: the controller runs its failure path and the run exits non-zero.
     from gyre.runtime.control import Interrupts
 
-    interrupts = Interrupts(rank, cfg.train.shutdown_timeout_s)
+    interrupts = Interrupts(rank, cfg.train.shutdown_timeout_s, force=_force_exit)
     if cfg.job == "train":
         interrupts.install()
     try:
