@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     from gyre.runtime.rundir import RunDirError, RunFinished
 
     rc = 0
+    run = None  # rank 0's decision of the run directory, once made
     # SIGINT/SIGTERM (Ctrl-C, scancel, Slurm preemption, torchrun forwarding either) stop a train
     # job gracefully: the controller runs its failure path and the run exits non-zero.
     from gyre.runtime.control import Interrupts
@@ -214,6 +216,15 @@ def main(argv: list[str] | None = None) -> int:
             rc = interrupts.code if interrupts.first is not None else 1
         # After a signal, within the shutdown bound: a rank that died (the cause) never reports leaving.
         _leave_together(rank, world, timeout=3.0 if interrupts.first is not None else 20.0)
+    except KeyboardInterrupt as e:  # a signal before the controller could take it (Interrupts.handle)
+        rc = 128 + (signal.Signals[e.args[0]].value if e.args and e.args[0] in signal.Signals.__members__ else 2)
+        if rank == 0 and run is not None:  # the attempt exists: it ends with its summary and ended record
+            from gyre.runtime.stop import early_end
+
+            try:
+                early_end(run, e.args[0] if e.args else "SIGINT")
+            except OSError as err:
+                logger.error("interrupted while starting; its summary could not be written: %s", err)
     except Exception:
         logger.exception("rank %d failed", rank)
         rc = 1

@@ -125,7 +125,7 @@ def _handle_reports(ctl: Controller) -> None:
         try:
             ctl._on_message(msg)
         except Exception as e:  # noqa: BLE001
-            ctl._write_failed(e, f"handling {type(msg).__name__} from rank {msg.rank} during the stop")
+            ctl._error(e, f"handling {type(msg).__name__} from rank {msg.rank} during the stop")
 
 
 async def stop_run(ctl: Controller, failed: bool) -> None:
@@ -220,6 +220,23 @@ async def _wait_for_ranks(ctl: Controller, failed: bool, checkpoint: bool, deadl
             if world - set(ctl.stopped) <= {ctl.silent_rank}:
                 break  # the others have stopped (a loaded machine may take a moment for them)
         await asyncio.sleep(0.01)
+
+
+def early_end(run: Any, signal_name: str) -> None:
+    """Rank 0 took a signal before the controller could (the job was still starting: no control
+    plane yet). The attempt still gets what every stop leaves: summary.json, its line in
+    events.jsonl and run.json's `ended` record, saying it stopped before training."""
+    summary: dict[str, Any] = {
+        "steps": run.start_version, "wall_s": 0.0, "attempt": run.attempt, "execution_outcomes": {},
+        "error": f"interrupted by {signal_name} while the job was starting; stopped before training",
+        "interrupted": signal_name, "ranks_not_stopped": [], "lost_in_flight": run.lost_in_flight,
+        "redispatched_groups": len(run.redo_tasks), "carried_over_groups": 0}
+    summary["run"] = end_attempt(run.path, run.attempt, summary)
+    (run.path / "summary.json").write_text(json.dumps(summary, indent=2))
+    with open(run.path / "events.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"t": time.time(), "kind": "attempt", "attempt": run.attempt, "version": run.start_version})
+                + "\n")
+    logger.error("%s (summary: %s)", summary["error"], run.path / "summary.json")
 
 
 def _track_timeline(ctl: Controller, fractions: dict[int, float]) -> None:
