@@ -174,7 +174,7 @@ async def stop_run(ctl: Controller, failed: bool) -> None:
         title=f"Gyre role timeline ({ctl.cfg.scheduler.mode})"), default={})
     phases.run("the trackers' timeline", lambda: _track_timeline(ctl, fractions))
     ctl.summary = phases.run("the summary", lambda: build_summary(ctl, end, fractions, cancelled, missing), default={})
-    ctl.summary["stop_write_errors"] = ctl.writes.later
+    ctl.summary["write_errors_after_the_first"] = ctl.writes.later
     try:  # this attempt's record in run.json; the run's totals over every attempt so far
         ctl.summary["run"] = end_attempt(ctl.run_dir, ctl.attempt, ctl.summary)
     except (OSError, ValueError, LookupError) as e:
@@ -310,7 +310,7 @@ def end_lines(summary: dict[str, Any], run_dir: Any, failed_phases: list[str] = 
     """
     s = summary
     why = (f", interrupted by {s['interrupted']}" if s.get("interrupted")
-           else ", with an error (above)" if s.get("error") else "")
+           else ", stopped by an error (stated next)" if s.get("error") else "")
     n = s.get("steps", "?")
     lines = [f"run ended after {n} step{'' if n == 1 else 's'} in {s.get('wall_s', 0):.0f}s{why}"]
     t = s.get("reward_trend")
