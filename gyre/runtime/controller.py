@@ -521,7 +521,7 @@ class Controller:
         checkpoint, summary, events and plot; the run fails with "interrupted by SIG…"."""
         if self.interrupted is not None:
             return
-        self.interrupted, self._interrupt_t = msg.signal, time.monotonic()
+        self.interrupted, self._interrupt_t = msg.signal, stop.signalled_at(time.monotonic())
         logger.warning("interrupted by %s (rank %d): stopping the run (at most %.0fs)", msg.signal, msg.rank,
                        self.cfg.train.shutdown_timeout_s)
         if (note := stop.budget_note(self.last_checkpoint_s, self.cfg.train.shutdown_timeout_s)) is not None:

@@ -12,7 +12,7 @@ logged, the next phase goes on):
                   `StepDone` the core sends from a checkpoint it was writing when the signal came
                   becomes that step's metrics row and journal entries here, so a resume from that
                   checkpoint never trains the step's groups again
-    4 outputs     role timeline, run.json's `ended` record, summary.json, events.jsonl
+    4 outputs     run.json's `ended` record, summary.json, events.jsonl, then the role timeline
     5 close       metrics.jsonl, the proxy; then the groups journal, last: nothing writes after it
     6 the end     a few lines in the log: steps, the reward trend with its interval, executions,
                   aborted calls, where the report is
@@ -40,7 +40,7 @@ import numpy as np
 
 from gyre.runtime.ledger import GroupPhase
 from gyre.runtime.messages import Failed, Stop
-from gyre.runtime.outputs import append_events, plot_role_timeline, read_metrics, reward_trend
+from gyre.runtime.outputs import append_events, plot_role_timeline, read_metrics, reward_trend, train_fractions
 from gyre.runtime.rundir import end_attempt
 
 if TYPE_CHECKING:
@@ -51,6 +51,22 @@ logger = logging.getLogger(__name__)
 # What the stop needs besides the checkpoint: the harness trees' grace, the ranks' answers, the
 # outputs (measured: 3-8 s on the CPU path). A checkpoint must fit in the budget less this.
 STOP_OVERHEAD_S = 8.0
+
+
+_INTERRUPTS: list[Any] = []  # this process's `gyre.runtime.control.Interrupts` (gyre.run registers it)
+
+
+def register(interrupts: Any) -> None:
+    """`gyre.run`: the rank's signal handler, whose first signal's time starts the stop budget."""
+    _INTERRUPTS[:] = [interrupts]
+
+
+def signalled_at(now: float) -> float:
+    """When this process took its first signal (monotonic), else `now`: the stop budget runs from
+    the signal, not from when the controller reads its report (a signal during start-up is read
+    only once the controller's loop runs, seconds later)."""
+    first = _INTERRUPTS[0].first if _INTERRUPTS else None
+    return min(now, first[1]) if first is not None else now
 
 
 def stop_deadline(interrupted_at: float | None, budget_s: float) -> float | None:
@@ -167,12 +183,11 @@ async def stop_run(ctl: Controller, failed: bool) -> None:
         phases.run("groups.jsonl (closed groups)", lambda: ctl.journal.closed(
             [r.group_id for r in ctl.ledger.groups.values() if r.phase is not GroupPhase.CONSUMED]))
 
-    # 4 outputs, each on its own.
+    # 4 outputs, each on its own; the records first, the plot (matplotlib: seconds on a loaded
+    # machine) last, so a stop that runs out of its budget loses the picture, not the records.
     end = time.time()
-    fractions = phases.run("role_timeline.png", lambda: plot_role_timeline(
-        ctl.ledger.intervals(end), str(ctl.run_dir / "role_timeline.png"),
-        title=f"Gyre role timeline ({ctl.cfg.scheduler.mode})"), default={})
-    phases.run("the trackers' timeline", lambda: _track_timeline(ctl, fractions))
+    intervals = phases.run("the timeline", lambda: ctl.ledger.intervals(end), default={})
+    fractions = phases.run("the training fractions", lambda: train_fractions(intervals), default={})
     ctl.summary = phases.run("the summary", lambda: build_summary(ctl, end, fractions, cancelled, missing), default={})
     ctl.summary["write_errors_after_the_first"] = ctl.writes.later
     try:  # this attempt's record in run.json; the run's totals over every attempt so far
@@ -183,6 +198,10 @@ async def stop_run(ctl: Controller, failed: bool) -> None:
     # The scheduler's event log: replayable by `python -m gyre.sim --durations.source run-dir`.
     phases.run("events.jsonl", lambda: append_events(ctl.sched.log, str(ctl.run_dir / "events.jsonl"),
                                                      attempt=ctl.attempt, start_version=ctl.start_version))
+
+    phases.run("role_timeline.png", lambda: plot_role_timeline(intervals, str(ctl.run_dir / "role_timeline.png"),
+                                                               title=f"Gyre role timeline ({ctl.cfg.scheduler.mode})"))
+    phases.run("the trackers' timeline", lambda: _track_timeline(ctl, fractions))
 
     # 5 close: the journal last (a report handled above may still have written to it).
     phases.run("metrics.jsonl (close)", ctl.metrics.close)
@@ -222,13 +241,21 @@ async def _wait_for_ranks(ctl: Controller, failed: bool, checkpoint: bool, deadl
         await asyncio.sleep(0.01)
 
 
-def early_end(run: Any, signal_name: str) -> None:
+def early_end(run: Any, signal_name: str, why: str = "while the job was starting; stopped before training") -> None:
     """Rank 0 took a signal before the controller could (the job was still starting: no control
     plane yet). The attempt still gets what every stop leaves: summary.json, its line in
-    events.jsonl and run.json's `ended` record, saying it stopped before training."""
+    events.jsonl and run.json's `ended` record, saying it stopped before training. Nothing when
+    the attempt has its `ended` record already (the controller's stop wrote them)."""
+    attempts = json.loads((run.path / "run.json").read_text())["attempts"]
+    if attempts[run.attempt].get("ended"):
+        return
+    try:  # the steps whose rows were written (a forced exit may come after some)
+        steps = len(read_metrics(str(run.path / "metrics.jsonl")))
+    except (OSError, ValueError):
+        steps = run.start_version
     summary: dict[str, Any] = {
-        "steps": run.start_version, "wall_s": 0.0, "attempt": run.attempt, "execution_outcomes": {},
-        "error": f"interrupted by {signal_name} while the job was starting; stopped before training",
+        "steps": max(steps, run.start_version), "wall_s": 0.0, "attempt": run.attempt, "execution_outcomes": {},
+        "error": f"interrupted by {signal_name} {why}",
         "interrupted": signal_name, "ranks_not_stopped": [], "lost_in_flight": run.lost_in_flight,
         "redispatched_groups": len(run.redo_tasks), "carried_over_groups": 0}
     summary["run"] = end_attempt(run.path, run.attempt, summary)
