@@ -123,3 +123,47 @@ def test_a_cancelled_task_in_a_callback_logs_no_traceback(caplog):
             assert [r for r in caplog.records if r.levelno >= logging.ERROR]
     finally:
         loop.close()
+
+
+def test_a_signal_during_start_up_still_ends_the_attempt_once(tmp_path):
+    """stop.early_end: summary, the attempt's events line and run.json's `ended`; nothing when the
+    controller's stop already wrote them (a forced exit after a finished stop)."""
+    import dataclasses
+    import json
+
+    from gyre.runtime.rundir import RunDir, write_manifest
+    from gyre.runtime.stop import early_end
+
+    @dataclasses.dataclass
+    class Cfg:
+        preset: str = "x"
+
+    write_manifest(tmp_path, Cfg(), 2)
+    early_end(RunDir(tmp_path, attempt=0, start_version=0), "SIGTERM")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["interrupted"] == "SIGTERM" and "while the job was starting" in summary["error"]
+    assert summary["steps"] == 0 and summary["run"]["attempts_not_ended"] == []
+    ended = json.loads((tmp_path / "run.json").read_text())["attempts"][0]["ended"]
+    assert ended["interrupted"] == "SIGTERM"
+    assert (tmp_path / "events.jsonl").read_text().count('"kind": "attempt"') == 1
+    early_end(RunDir(tmp_path, attempt=0, start_version=0), "SIGINT", "again")  # already ended: nothing
+    assert json.loads((tmp_path / "summary.json").read_text())["interrupted"] == "SIGTERM"
+    assert (tmp_path / "events.jsonl").read_text().count('"kind": "attempt"') == 1
+
+
+def test_the_stop_budget_runs_from_this_processs_own_signal():
+    from gyre.runtime import stop
+
+    class Interrupts:
+        first = None
+
+    it = Interrupts()
+    stop.register(it)
+    try:
+        assert stop.signalled_at(100.0) == 100.0  # no signal here: the report's arrival
+        it.first = ("SIGTERM", 80.0)
+        assert stop.signalled_at(100.0) == 80.0  # taken 20 s before the controller read it
+        assert stop.stop_deadline(80.0, 25.0) == 80.0 + 18.75
+    finally:
+        stop.register(None)
+        stop._INTERRUPTS.clear()
