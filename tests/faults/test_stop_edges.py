@@ -150,7 +150,8 @@ def _fill(path: Path) -> Path:
     return filler
 
 
-@pytest.mark.slow  # three launches: 150 s here (the write errors' logic: tests/runtime/test_stop.py)
+@pytest.mark.timeout(1200)
+@pytest.mark.slow  # three launches: 150-330 s here (the write errors' logic: tests/runtime/test_stop.py)
 def test_a_full_disk_stops_the_run_with_one_error_naming_the_write_and_it_resumes_after(tmp_path):
     marker = str(uuid.uuid4().int % 10**10).rjust(10, "1")
     tasks, run = _tasks(tmp_path / "tasks.jsonl"), tmp_path / "run"
@@ -189,6 +190,7 @@ def test_a_full_disk_stops_the_run_with_one_error_naming_the_write_and_it_resume
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # 20 launches and stops: 10-20 min on the 2-core machine
 def test_twenty_sigterms_at_random_times_each_leave_the_records_and_no_group_is_trained_twice(tmp_path):
     """Stop times seeded (uniform over start-up, steps, checkpoints (slowed 2 s) and the stop);
     each relaunch resumes the run directory (from scratch, --overwrite, while it has no checkpoint)."""
