@@ -215,6 +215,9 @@ def test_twenty_sigterms_at_random_times_each_leave_the_records_and_no_group_is_
             rc = proc.wait(60)
         finally:
             reap(proc, marker)
+            # A SIGTERM while torchrun is still spawning its workers kills torchrun before it knows
+            # them: a rank it started waits in the rendezvous for ever (torchrun's, not Gyre's).
+            reap(proc, str(run))
         assert rc != 0, _log(log)
         started = (run / "run.json").exists() and len(_attempts(run)) > before
         seen.append((after, started, rc))
