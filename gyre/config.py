@@ -100,8 +100,10 @@ class TrainConfig:
     shutdown_timeout_s: float = 25.0
     """On SIGINT/SIGTERM: the bound on the graceful stop (harness trees killed, ranks stopped, the
     core's checkpoint, summary, events and plot); a second signal, or this limit, forces the exit.
-    Keep it under torchrun's own `--shutdown_timeout` (30 s by default), after which torchrun
-    SIGKILLs the ranks; raise both together for a large checkpoint."""
+    Keep it under torchrun's own `--shutdown_timeout` (30 s by default) and Slurm's KillWait (30 s
+    by default; or send the signal earlier, --signal=B:TERM@N), after which the ranks are SIGKILLed;
+    raise them together for a large checkpoint. The run warns when its last checkpoint took longer
+    than this budget leaves for it, and a forced exit names the checkpoint it cut."""
     control_timeout_s: float = 600.0
     """A rank that has not answered a command for this long (frozen: SIGSTOP, a hung driver, a
     swapped-out node) fails the run with an error naming it; 0 waits forever."""

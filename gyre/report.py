@@ -216,6 +216,19 @@ STYLE = ("body{font-family:sans-serif;margin:2em;max-width:1400px} table{border-
          "th,td{border:1px solid #ccc;padding:2px 6px;text-align:left} th{background:#f4f4f4} img{max-width:100%}")
 
 
+def launches(manifest: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """run.json's launches, each with `what` ("run", "attempt 1", ...): its `attempts` (written
+    since runs were resumable), or the top-level fields of an older run.json.
+
+    >>> [a["what"] for a in launches({"attempts": [{"attempt": 0}, {"attempt": 1}]})]
+    ['run', 'attempt 1']
+    """
+    if not manifest:
+        return []
+    attempts = manifest.get("attempts") or ([manifest] if "started" in manifest else [])
+    return [{**a, "what": "run" if a.get("attempt", 0) == 0 else f"attempt {a['attempt']}"} for a in attempts]
+
+
 def render_html(run: RunFiles, figures: list[tuple[Path, str]]) -> str:
     """The page: status, summary, steps, figures, config."""
     cfg = (run.manifest or {}).get("config", {})
@@ -229,9 +242,12 @@ def render_html(run: RunFiles, figures: list[tuple[Path, str]]) -> str:
              f"<style>{STYLE}</style></head><body>",
              f"<h1>Gyre run <code>{html.escape(str(run.path))}</code></h1>",
              f"<p><b>status</b>: {html.escape(status)}</p>"]
-    if run.manifest:
-        parts.append(f"<p><b>started</b> {html.escape(str(run.manifest.get('started')))} on "
-                     f"{run.manifest.get('world_size')} ranks: <code>{html.escape(' '.join(map(str, run.manifest.get('argv', []))))}</code></p>")
+    for a in launches(run.manifest):
+        ended = a.get("ended") or {}
+        end = f", ended {ended.get('at')} after {ended.get('steps')} steps" if ended else ", no end recorded"
+        parts.append(f"<p><b>{html.escape(a['what'])}</b> started {html.escape(str(a.get('started')))} on "
+                     f"{a.get('world_size')} ranks{html.escape(end)}: "
+                     f"<code>{html.escape(' '.join(map(str, a.get('argv', []))))}</code></p>")
     parts.append("<h2>Figures</h2>" + "".join(_img(p, alt) for p, alt in figures))
     if run.summary is not None:
         parts.append("<h2>Summary (summary.json)</h2>" + _table(_flat(run.summary)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -123,6 +124,39 @@ def init_distributed(backend: str) -> tuple[int, object | None]:
     return attempt + int(os.environ.get("SLURM_RESTART_COUNT", "0")), raw
 
 
+_RUN: list = []  # this job's RunDir once rank 0 decided it (for a forced exit's records)
+
+
+def _force_exit(code: int) -> None:
+    """The graceful stop ran out of time (or a second signal came): never cut a checkpoint
+    silently — name the one being written —, record the attempt's end if the controller could
+    not (rank 0: summary, events line, `ended`), then exit at once."""
+    from gyre.runtime import checkpoint
+
+    if (note := checkpoint.cut_note()) is not None:
+        logger.error("%s", note)
+    if _RUN and int(os.environ.get("RANK", "0")) == 0:
+        name = signal.Signals(code - 128).name if 128 < code < 128 + 65 else "a signal"
+        _end_interrupted(0, _RUN[0], name, "(the graceful stop did not finish within --train.shutdown-timeout-s: a "
+                                            "rank that did not answer, or a start-up that took the budget)")
+    for h in logging.getLogger().handlers:
+        h.flush()
+    os._exit(code)
+
+
+def _end_interrupted(rank: int, run: object | None, name: str, why: str | None = None) -> None:
+    """Rank 0, a signal while the job was starting (before the controller could run its stop):
+    the attempt, once it exists, still ends with its summary, events line and `ended` record."""
+    if rank != 0 or run is None:
+        return
+    from gyre.runtime.stop import early_end
+
+    try:
+        early_end(run, name, *(() if why is None else (why,)))
+    except (OSError, ValueError, LookupError) as err:
+        logger.error("interrupted by %s while starting; its summary could not be written: %s", name, err)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the job; 0 when it succeeded. A failure is stated once: by the controller for a run
     that stopped early (RunFailed), else by the rank that raised, with its traceback."""
@@ -153,12 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     from gyre.runtime.rundir import RunDirError, RunFinished
 
     rc = 0
+    run = None  # rank 0's decision of the run directory, once made
     # SIGINT/SIGTERM (Ctrl-C, scancel, Slurm preemption, torchrun forwarding either) stop a train
     # job gracefully: the controller runs its failure path and the run exits non-zero.
     from gyre.runtime.control import Interrupts
 
-    interrupts = Interrupts(rank, cfg.train.shutdown_timeout_s)
+    interrupts = Interrupts(rank, cfg.train.shutdown_timeout_s, force=_force_exit)
     if cfg.job == "train":
+        from gyre.runtime import stop
+
+        stop.register(interrupts)  # the controller's stop budget runs from this rank's signal
         interrupts.install()
     try:
         topo = Topology.from_config(cfg.parallel, world, rank)
@@ -189,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 scratch.sweep()  # temporary directories of processes killed before they could clean up (a crashed attempt's)
             # blocking: rank 0 decides the directory, the attempt and the checkpoint to resume from
             run = rundir.resolve(cfg, rank, world, default_store(), restart=restart, elastic=elastic)
+            _RUN[:] = [run]
             logger.info("run directory: %s (attempt %d%s)", run.path, run.attempt,
                         f", resuming version {run.start_version} from {run.checkpoint}" if run.checkpoint else "",
                         extra=ONCE)
@@ -209,9 +248,15 @@ def main(argv: list[str] | None = None) -> int:
             rc = interrupts.code if interrupts.first is not None else 1
         # After a signal, within the shutdown bound: a rank that died (the cause) never reports leaving.
         _leave_together(rank, world, timeout=3.0 if interrupts.first is not None else 20.0)
+    except KeyboardInterrupt as e:  # a signal before the controller could take it (Interrupts.handle)
+        name = e.args[0] if e.args and e.args[0] in signal.Signals.__members__ else "SIGINT"
+        rc = 128 + signal.Signals[name].value
+        _end_interrupted(rank, run, name)
     except Exception:
         logger.exception("rank %d failed", rank)
         rc = 1
+        if interrupts.first is not None:  # start-up broke off by the signal (a peer that left): still recorded
+            _end_interrupted(rank, run, interrupts.first[0])
     finally:
         dist.destroy_process_group()
     if rc == 0:

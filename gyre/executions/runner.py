@@ -576,5 +576,8 @@ def _write_new(path: Path, text: str) -> None:
     except FileNotFoundError:
         pass
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    except OSError as e:  # a full disk: the controller states it with the path (gyre.runtime.writes)
+        raise OSError(e.errno, e.strerror, str(path)) from e

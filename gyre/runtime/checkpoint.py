@@ -16,6 +16,12 @@ deleted file makes it incomplete), with each newer one it skipped and why.
 
 Weights-only checkpoints (no optimizer state: the Megatron actor today) record it in the
 marker; resuming from one needs `--train.resume-weights-only` (`select`).
+
+A write that fails (a full disk) raises `WriteFailed` naming the path and errno; `WRITING`
+says which version this process is writing and since when (a forced exit names it: the stop
+budget cut it), `last_write_s` how long the last one took (the stop budget is checked against
+it, `gyre.runtime.stop.budget_note`). Test-only: `GYRE_TEST_SLOW_CHECKPOINT_S` sleeps that many
+seconds between the files and the marker, to widen the window a fault test stops the run in.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -34,6 +41,10 @@ logger = logging.getLogger(__name__)
 MARKER = "COMPLETE"
 MODEL, OPTIMIZER, META = "model.safetensors", "optimizer.pt", "gyre_actor.json"
 _STEP = re.compile(r"^step_(\d{6,})$")
+SLOW_ENV = "GYRE_TEST_SLOW_CHECKPOINT_S"  # test-only (tests/faults/test_stop_edges.py)
+
+WRITING: dict[str, float] = {}  # {"version", "since" (monotonic)} while this process writes one
+last_write_s: float | None = None  # seconds the last complete write took in this process
 
 
 class CheckpointError(RuntimeError):
@@ -57,9 +68,37 @@ def write(root: str | Path, version: int, save: Callable[[str], None], *, finali
 
     `save(tmp_dir)` writes the files (the actor's `save_checkpoint`). `finalize=False` is for
     the other ranks of a sharded actor's cell: they take part in `save` (it is collective) and
-    leave marking and renaming to the cell's first rank, which writes the files.
+    leave marking and renaming to the cell's first rank, which writes the files. An OSError
+    (ENOSPC, EDQUOT, EIO) is raised as `WriteFailed` naming the path and errno; the previous
+    complete checkpoints stay.
     """
-    root = Path(root)
+    global last_write_s
+    from gyre.runtime.writes import failure
+
+    t0 = time.monotonic()
+    WRITING.update(version=version, since=t0)
+    try:
+        final = _write(Path(root), version, save, finalize)
+    except OSError as e:
+        raise failure(e, f"checkpoint {step_name(version)}", Path(root) / f".{step_name(version)}.tmp") from e
+    finally:
+        WRITING.clear()
+    last_write_s = time.monotonic() - t0
+    return final
+
+
+def cut_note() -> str | None:
+    """What a forced exit now would cut: the checkpoint this process is writing (None: none)."""
+    if not WRITING:
+        return None
+    took = time.monotonic() - WRITING["since"]
+    return (f"the checkpoint of version {int(WRITING['version'])} was being written ({took:.0f}s so far"
+            + (f"; the last one took {last_write_s:.0f}s" if last_write_s is not None else "")
+            + "): it is cut, and a resume uses the previous complete one. Give the stop longer: "
+            "--train.shutdown-timeout-s, and Slurm's KillWait (30 s by default) or --signal=B:TERM@N with it")
+
+
+def _write(root: Path, version: int, save: Callable[[str], None], finalize: bool) -> Path:
     final, tmp = root / step_name(version), root / f".{step_name(version)}.tmp"
     if finalize:
         root.mkdir(parents=True, exist_ok=True)
@@ -67,6 +106,8 @@ def write(root: str | Path, version: int, save: Callable[[str], None], *, finali
             shutil.rmtree(tmp)
         tmp.mkdir()
     save(str(tmp))
+    if os.environ.get(SLOW_ENV):  # test-only: a slow file system, so a signal lands inside the write
+        time.sleep(float(os.environ[SLOW_ENV]))
     if not finalize:
         return final
     files = {}

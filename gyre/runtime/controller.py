@@ -19,14 +19,16 @@ one handler (`HANDLERS`). The commands and reports, and a diagram of who waits f
 every event. What happened to every group and step, and the cells' timeline, is written to the
 run's ledger (`gyre.runtime.ledger`), from which the metrics rows and the summary are read.
 
-The failure path (`_finish(failed=True)`) is the same for every early end: a worker's `Failed`,
-a health stop, a rank silent past `train.control_timeout_s` (`ReplyWatch`), or a signal
-(`Interrupted`: SIGINT/SIGTERM on any rank, within `train.shutdown_timeout_s`): harness trees
-killed, every rank sent `Stop`, the core's checkpoint (unless a worker failed), the timeline,
-summary and event log written, and the error raised for `gyre.run` to exit non-zero. An
-execution whose TITO record is incomplete is excluded from training (`incomplete_tito`).
+Every end takes one ordered stop sequence (`gyre.runtime.stop.stop_run`): the last step done, a
+worker's `Failed`, a health stop, a rank silent past `train.control_timeout_s` (`ReplyWatch`), a
+write error (`gyre.runtime.writes`: results, TITO, metrics, journal, checkpoints), an exception
+here, or a signal (`Interrupted`: SIGINT/SIGTERM on any rank, within `train.shutdown_timeout_s`):
+harness trees killed, every rank sent `Stop`, the core's checkpoint (unless a worker failed), the
+timeline, summary and event log written, the journal closed last, and the error raised for
+`gyre.run` to exit non-zero. An execution whose TITO record is incomplete is excluded from
+training (`incomplete_tito`).
 
-Size (about 750 lines): the open house issue (controller only translates) moves its scheduling and
+Size (about 670 lines): the open house issue (controller only translates) moves its scheduling and
 bookkeeping out; until then nothing new is added here.
 """
 
@@ -52,15 +54,16 @@ from gyre.errors import RunFailed
 from gyre.executions.health import HealthMonitor
 from gyre.executions.runner import EventKind, ExecutionEvent, GyreProxyAccess, HarnessRunner
 from gyre.executions.tasks import Dataset, ExecutionSpec, Group
-from gyre.runtime.outputs import (MetricsWriter, append_events, make_trackers, plot_role_timeline, read_metrics,
-                                  reroute_fields, reward_trend)
+from gyre.runtime import stop
+from gyre.runtime.outputs import MetricsWriter, make_trackers, reroute_fields
+from gyre.runtime.writes import FirstError, Guarded, WatchedSink, watch_execution
 from gyre.proxy import Proxy, StoreSink, start_proxy
 from gyre.backends.engine_http import HttpEngine
 from gyre.runtime.messages import (Command, Failed, Interrupted, Joined, Load, Loaded, Reduce, Report, RequestWork,
                                    RolledBack, StepDone, Stop, Stopped, ToRollout, ToTrain, TrainWork, Transition,
                                    WorkDone, handler_for)
-from gyre.runtime.ledger import GroupPhase, RunLedger
-from gyre.runtime.rundir import GroupJournal, RunDir, end_attempt
+from gyre.runtime.ledger import RunLedger
+from gyre.runtime.rundir import JOURNAL, GroupJournal, RunDir
 from gyre.runtime.samples import group_work, step_denominator
 from gyre.scheduler.core import CellRole, ElasticScheduler
 from gyre.scheduler.events import Dispatch, OptimizerStep, Publish, SwitchToRollout, SwitchToTrain, WallClock, Work
@@ -146,7 +149,7 @@ class Controller:
         self.run_dir = Path(cfg.run_dir)
         self.error: BaseException | None = None
         self.summary: dict[str, Any] = {}
-        self.stop_sent = False  # every rank has been sent Stop (by _finish)
+        self.stop_sent = False  # every rank has been sent Stop (by the stop sequence)
         self._thread = threading.Thread(target=self._main, name="gyre-controller", daemon=True)
 
         ds = cfg.executions.dataset
@@ -177,10 +180,14 @@ class Controller:
         self.health = HealthMonitor(hc.window or sc.n_per_group * sc.batch_groups, hc.stop_fraction)
         self.ledger = RunLedger(topo.num_cells)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.journal = GroupJournal(self.run_dir, self.attempt)  # what becomes of every group, for a later attempt
+        self.writes = FirstError()  # the run's first write error (gyre.runtime.writes): stated once, stops it
+        self.last_checkpoint_s: float | None = None  # the core's last periodic checkpoint (the stop budget)
+        # What becomes of every group, for a later attempt; closed last by the stop.
+        self.journal = Guarded(GroupJournal(self.run_dir, self.attempt), JOURNAL, self.run_dir / JOURNAL, self._error)
         if not tc.resume:  # a fresh run replaces the run directory's metrics; a resumed one appends
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        self.metrics = MetricsWriter(str(self.run_dir / "metrics.jsonl"))
+        self.metrics = Guarded(MetricsWriter(str(self.run_dir / "metrics.jsonl")), "metrics.jsonl",
+                               self.run_dir / "metrics.jsonl", self._error)
         # Copies of the rows for TensorBoard / W&B (--tracking.*); closed by _main on every path.
         self.trackers = make_trackers(cfg.tracking, str(self.run_dir), name=self.run_dir.name, group=cfg.preset,
                                       config=dataclasses.asdict(cfg), fresh=not tc.resume)
@@ -234,6 +241,7 @@ class Controller:
 
     def _main(self) -> None:
         loop = asyncio.new_event_loop()
+        loop.set_exception_handler(stop.quiet_cancelled)  # the stop's cancellations are no news
         try:
             loop.run_until_complete(self._run())
         except BaseException as e:  # surfaced by join(); the ranks must not hang meanwhile
@@ -301,7 +309,8 @@ class Controller:
         from gyre.backends.vocab import load_vocab
 
         vocab = load_vocab(cfg.model.checkpoint, cfg.proxy.tokenizer_path)  # the job's (cached per path)
-        self.proxy = Proxy(cfg.proxy, sink=StoreSink(self.tito), tokenizer=vocab.tokenizer, stop_ids=vocab.stop_ids)
+        self.proxy = Proxy(cfg.proxy, sink=WatchedSink(StoreSink(self.tito), self.tito.path_for, self._error),
+                           tokenizer=vocab.tokenizer, stop_ids=vocab.stop_ids)
         self.proxy_handle = await start_proxy(self.proxy)
         logger.info("proxy listening at %s", self.proxy_handle.url)
         for c in range(topo.num_cells):
@@ -319,17 +328,20 @@ class Controller:
 
         self._apply(self.sched.start())
         next_tick = time.monotonic()
-        while not self.stopping:
-            while (msg := self.cp.try_recv()) is not None:
-                self._on_message(msg)
-            if time.monotonic() >= next_tick:
-                self._apply(self.sched.tick())
-                self._progress()
-                self._check_silent()
-                next_tick = time.monotonic() + cfg.scheduler.tick_s
-            self._serve_pending()
-            await asyncio.sleep(0.003)
-        await self._finish(failed=self.task_error is not None)
+        try:
+            while not self.stopping:
+                while (msg := self.cp.try_recv()) is not None:
+                    self._on_message(msg)
+                if time.monotonic() >= next_tick:
+                    self._apply(self.sched.tick())
+                    self._progress()
+                    self._check_silent()
+                    next_tick = time.monotonic() + cfg.scheduler.tick_s
+                self._serve_pending()
+                await asyncio.sleep(0.003)
+        except Exception as e:  # noqa: BLE001 - the stop sequence still runs (summary, events, ended)
+            self._error(e, "the controller")
+        await stop.stop_run(self, failed=self.task_error is not None)
         if self.task_error is not None:
             raise self.task_error
 
@@ -337,11 +349,20 @@ class Controller:
         """Run `coro` on the loop; an exception in it fails the run instead of vanishing."""
         def done(task: asyncio.Task) -> None:
             if not task.cancelled() and task.exception() is not None:
-                logger.error("controller task %s failed: %r", task.get_name(), task.exception())
-                self.task_error = task.exception()
-                self.stopping = True
+                self._error(task.exception(), f"controller task {task.get_name()}")
 
         asyncio.get_running_loop().create_task(coro).add_done_callback(done)
+
+    def _error(self, exc: BaseException, what: str, path: Any = None) -> None:
+        """An error the run stops on (a failed write names its path and errno: `gyre.runtime.writes`);
+        the first becomes the run's, stated once when the run ends."""
+        err = self.writes.note(exc, what, path)
+        if err is not None:
+            if self.task_error is None:
+                self.task_error = err
+            else:  # the run was already stopping for another reason: say this one too, once
+                logger.error("%s", err)
+        self.stopping = True
 
     # ------------------------------------------------------------------ decisions
     def _apply(self, decisions: list) -> None:
@@ -368,8 +389,8 @@ class Controller:
                 raise TypeError(f"unknown scheduler decision {d!r}")
 
     def _dispatch(self, d: Dispatch) -> None:
-        if self.steps_done >= self.cfg.train.steps:
-            logger.info("not dispatching %d groups: the run has done its %d steps", d.n_groups, self.steps_done)
+        if self.steps_done >= self.cfg.train.steps or self.stopping:
+            logger.info("not dispatching %d groups: the run is ending (%d steps done)", d.n_groups, self.steps_done)
             return
         for g in d.groups:
             if self.carried:  # evaluated in an earlier attempt: train it, do not run it again
@@ -381,7 +402,8 @@ class Controller:
             self.ledger.add_group(g, group, d.version)
             self.journal.dispatched(group.group_id, group.task.task_id, d.version,
                                     [e.execution_id for e in group.executions])
-            self.runner.dispatch_group(group)
+            for spec, task in zip(group.executions, self.runner.dispatch_group(group)):
+                watch_execution(task, spec.execution_id, self.runner.run_dir / spec.execution_id, self._error)
         logger.info("dispatched groups %d..%d at version %d (w=%d)", d.first_group, d.first_group + d.n_groups - 1,
                     d.version, self.sched.water_level)
 
@@ -499,9 +521,11 @@ class Controller:
         checkpoint, summary, events and plot; the run fails with "interrupted by SIG…"."""
         if self.interrupted is not None:
             return
-        self.interrupted, self._interrupt_t = msg.signal, time.monotonic()
+        self.interrupted, self._interrupt_t = msg.signal, stop.signalled_at(time.monotonic())
         logger.warning("interrupted by %s (rank %d): stopping the run (at most %.0fs)", msg.signal, msg.rank,
                        self.cfg.train.shutdown_timeout_s)
+        if (note := stop.budget_note(self.last_checkpoint_s, self.cfg.train.shutdown_timeout_s)) is not None:
+            logger.warning("%s", note)
         if self.task_error is None:
             self.task_error = RunFailed(f"interrupted by {msg.signal} (received by rank {msg.rank}); stopped "
                                         f"gracefully after {self.steps_done} steps")
@@ -513,6 +537,7 @@ class Controller:
         return new
 
     def _step_done(self, step: int, stats: dict[str, float]) -> None:
+        tc = self.cfg.train
         rec = self.ledger.close(step)
         self.journal.trained([self.ledger.groups[g].group_id for g in rec.groups], step)
         now = time.time()
@@ -538,6 +563,11 @@ class Controller:
         }
         self.metrics.write(row)
         self.trackers.log(row, step)
+        if "checkpoint_s" in stats:  # the core wrote a periodic checkpoint: does a stop still fit it?
+            first = self.last_checkpoint_s is None or stop.budget_note(self.last_checkpoint_s, tc.shutdown_timeout_s) is None
+            self.last_checkpoint_s = float(stats["checkpoint_s"])
+            if first and (note := stop.budget_note(self.last_checkpoint_s, tc.shutdown_timeout_s)) is not None:
+                logger.warning("%s", note)
         self.last_step_t = now
         self.steps_done += 1
         logger.info("step %d done: reward %.3f  loss %.4g  clip %.2f  d %.2f  cells %d  (%.1fs)", step,
@@ -623,124 +653,6 @@ class Controller:
         logger.info("step %d/%d | groups ready %d | water level %d (C_R %d) | cells training %d | d/p/f %d/%d/%d",
                     self.steps_done, self.cfg.train.steps, s.ready_unassigned, s.water_level, s.rollout_capacity,
                     s.cells_in_training, s.dispatched, s.started, s.finished)
-
-    async def _finish(self, failed: bool = False) -> None:
-        """Stop the executions and every rank, then write the timeline, summary and event log.
-        After a failure nothing is waited for beyond a few seconds: the error is the news."""
-        tc = self.cfg.train
-        # An interrupt bounds the whole stop (the rank's own timer forces the exit at the limit):
-        # most of it for the harnesses and the ranks, the rest for writing the outputs.
-        deadline = self._interrupt_t + 0.75 * tc.shutdown_timeout_s if self.interrupted else None
-        in_flight = self.runner.in_flight()
-        if in_flight and not failed:
-            logger.info("run complete; waiting up to %.0fs for %d executions still running", tc.drain_at_end_s, len(in_flight))
-            deadline = time.monotonic() + tc.drain_at_end_s
-            while self.runner.in_flight() and time.monotonic() < deadline:
-                while (msg := self.cp.try_recv()) is not None:
-                    self._on_message(msg)
-                await asyncio.sleep(0.05)
-        cancelled = len(self.runner.in_flight())
-        # After an interrupt nothing will train on a reward: evaluations in flight are cancelled once
-        # the harness trees have had their grace to die.
-        grace = min(self.cfg.executions.runner.kill_grace_s + 2.0, 0.5 * (deadline - time.monotonic())) if deadline else None
-        await self.runner.shutdown(evaluate=not failed, timeout=None if grace is None else max(1.0, grace))
-        if not failed:  # a clean end: what was not trained is cancelled here, not lost for a later attempt
-            self.journal.closed([r.group_id for r in self.ledger.groups.values()
-                                 if r.phase is not GroupPhase.CONSUMED])
-        self.journal.close()
-        # The core checkpoints after an interrupt or a silent rank too: its weights and optimizer
-        # state are sound (not after a worker failed: its state may not be).
-        checkpoint = not any(isinstance(m, Failed) for m in self.stopped.values())
-        for r in range(self.topo.world_size):
-            self._command(r, Stop(failed=failed, checkpoint=checkpoint))
-        self.stop_sent = True
-        wait_until = time.monotonic() + (15 if failed else 300)
-        if deadline is not None:
-            wait_until = min(wait_until, deadline)
-        core, silent_told = set(self._cell_ranks(0)), False
-        while len(self.stopped) < self.topo.world_size and time.monotonic() < wait_until:
-            while (msg := self.cp.try_recv()) is not None:
-                self._on_message(msg)
-            if deadline is not None and core <= set(self.stopped):
-                # Interrupted: the core's checkpoint is what must not be lost; the others have a moment
-                # more (one that died is why torchrun sent the signal, and will never answer).
-                wait_until = min(wait_until, time.monotonic() + 3.0)
-                core = set()
-            self._check_silent()
-            if self.silent_rank is not None and self.silent_rank not in self.stopped:
-                # Named in the error; not waited for. Should it thaw, its queue says the run failed
-                # (its first Stop may have said otherwise: the run had ended well until now).
-                if not silent_told:
-                    self.cp.send(self.silent_rank, Stop(failed=True, checkpoint=checkpoint))
-                    silent_told = True
-                if set(range(self.topo.world_size)) - set(self.stopped) <= {self.silent_rank}:
-                    break  # the others have stopped (a loaded machine may take a moment for them)
-            await asyncio.sleep(0.01)
-        missing = sorted(set(range(self.topo.world_size)) - set(self.stopped))
-        if missing:
-            logger.warning("ranks %s did not report stopping", missing)
-        end = time.time()
-        fractions = plot_role_timeline(self.ledger.intervals(end), str(self.run_dir / "role_timeline.png"),
-                                       title=f"Gyre role timeline ({self.cfg.scheduler.mode})")
-        self.trackers.log({"train_fraction": {str(c): f for c, f in fractions.items()}}, self.steps_done)
-        self.trackers.image("role_timeline", str(self.run_dir / "role_timeline.png"), self.steps_done)
-        stats = self.proxy.router.stats()
-        self.summary = {
-            "steps": self.steps_done,
-            "wall_s": end - self.ledger.t_start,
-            "mode": self.cfg.scheduler.mode,
-            "train_fraction": {str(c): f for c, f in fractions.items()},
-            "switch_latency_s": {k: (float(np.mean(v)) if v else None) for k, v in self.latencies.items()},
-            "handover_s": self.ledger.handover_summary(),  # the switches' parts: actor offload / restore, ...
-            "reroutes": stats["reroutes"],
-            "migration": stats["migration"],  # reroutes by KV migration vs recompute: counts, tokens, bytes, latency
-            "calls": self.access.totals["calls"],
-            "aborted_calls": self.access.totals["aborted_calls"],
-            "spliced_turns": self.access.totals["spliced_turns"],
-            "unmatched_turns": self.access.totals["unmatched_turns"],
-            "tolerated_turns": self.access.totals["tolerated_turns"],  # spliced by --proxy.splice tolerant
-            "worst_unmatched_executions": self.proxy.worst_unmatched(10),  # [{execution_id, unmatched_turns, calls, unmatched_kinds}]
-            "engine_failures": stats["engine_failures"],
-            "execution_outcomes": dict(self.outcomes),
-            "cancelled_at_end": cancelled,
-            # executions of earlier attempts in this run directory that were still running (or not all
-            # evaluated) when their attempt ended, so not trained into the checkpoint resumed from: their
-            # tasks ran again first in this one. Evaluated groups were carried over instead. See run.json's
-            # attempts and groups.jsonl.
-            "attempt": self.attempt,
-            "lost_in_flight": self.run.lost_in_flight,
-            "redispatched_groups": len(self.run.redo_tasks),
-            "carried_over_groups": self.carried_over,  # evaluated in an earlier attempt, trained in this one
-            "measured_staleness_mean": float(np.mean(self.sched.staleness)) if self.sched.staleness else None,
-            "staleness_by_step": self.ledger.staleness_by_step(),
-            "expected_staleness": self.cfg.scheduler.expected_staleness,
-            "failed_executions": dict(self.health.counts),
-            "error": str(self.task_error) if self.task_error is not None else None,
-            "interrupted": self.interrupted,  # "SIGINT" / "SIGTERM": a signal stopped the run
-            "silent_rank": self.silent_rank,  # a rank that stopped answering (--train.control-timeout-s)
-            "ranks_not_stopped": missing,
-            "engine_stalls": stats["engine_stalls"],  # calls moved off an engine that sent no token in time
-            "sink_errors": self.proxy.sink_errors,
-            "incomplete_tito": dict(self.incomplete_tito),  # execution -> what is missing; excluded from training
-        }
-        rows = read_metrics(str(self.run_dir / "metrics.jsonl"))
-        if len(rows) >= 2:
-            try:
-                self.summary["reward_trend"] = reward_trend(rows, max(1, len(rows) // 4), seed=self.cfg.seed)
-            except ValueError as e:
-                logger.warning("reward trend not computed: %s", e)
-        try:  # this attempt's record in run.json; the run's totals over every attempt so far
-            self.summary["run"] = end_attempt(self.run_dir, self.attempt, self.summary)
-        except (OSError, ValueError, LookupError) as e:
-            logger.warning("run.json: this attempt's end not recorded (%s); summary.json has no run totals", e)
-        (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
-        # The scheduler's event log: replayable by `python -m gyre.sim --durations.source run-dir`.
-        append_events(self.sched.log, str(self.run_dir / "events.jsonl"), attempt=self.attempt,
-                      start_version=self.start_version)  # after earlier attempts' (cut back to the resumed version)
-        self.metrics.close()
-        await self.proxy.router.close()  # calls still waiting for an engine end now, not in engine_wait_s
-        await self.proxy_handle.astop()
-        logger.info("run summary: %s", {k: v for k, v in self.summary.items() if k != "error"})  # the error is logged as such
 
     # One handler per report type (tests/runtime/test_messages.py checks the table is complete).
     HANDLERS: dict[type[Report], Callable[[Controller, Any], None]] = {

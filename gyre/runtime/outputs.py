@@ -82,6 +82,22 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def train_fractions(intervals: dict[int, Iterable[tuple[CellState, float, float]]]) -> dict[int, float]:
+    """Each cell's training-time fraction (no plotting: the stop writes the summary before the plot).
+
+    >>> train_fractions({0: [(CellState.ROLLOUT, 0.0, 3.0), (CellState.TRAIN, 3.0, 4.0)], 1: []})
+    {0: 0.25, 1: 0.0}
+    """
+    from gyre.runtime.cell import TRAIN_STATES
+
+    out = {}
+    for c in sorted(intervals):
+        ivs = list(intervals[c])
+        total = sum(b - a for _, a, b in ivs)
+        out[c] = sum(b - a for s, a, b in ivs if s in TRAIN_STATES) / total if total > 0 else 0.0
+    return out
+
+
 def plot_role_timeline(
     intervals: dict[int, Iterable[tuple[CellState, float, float]]],
     path: str,
@@ -96,15 +112,10 @@ def plot_role_timeline(
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from gyre.runtime.cell import TRAIN_STATES
-
     cells = sorted(intervals)
     ivs = {c: list(intervals[c]) for c in cells}
     t0 = min((a for c in cells for _, a, _ in ivs[c]), default=0.0)
-    fractions = {}
-    for c in cells:
-        total = sum(b - a for _, a, b in ivs[c])
-        fractions[c] = sum(b - a for s, a, b in ivs[c] if s in TRAIN_STATES) / total if total > 0 else 0.0
+    fractions = train_fractions(ivs)
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 1.2 + 0.5 * len(cells)), gridspec_kw={"width_ratios": [4, 1]})
     for row, c in enumerate(cells):

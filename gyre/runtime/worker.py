@@ -206,7 +206,9 @@ class CellWorker:
             self.actor.version = step + 1  # a satellite going back to rollout keeps its old version,
             # so the next time it joins it pulls the core's current snapshot
         if self.topo.is_core and self.checkpoint_every and (step + 1) % self.checkpoint_every == 0:
-            self._checkpoint()
+            took = self._checkpoint()
+            if took is not None:  # in the step's metrics row: the stop budget is checked against it
+                stats["checkpoint_s"] = took
         if self.topo.is_core:
             if final:
                 self._to(CellState.PUBLISHING, f"version {step + 1}")
@@ -275,18 +277,21 @@ class CellWorker:
             self.engine.update(params, version)
         self.version = version
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self) -> float | None:
         """The core's checkpoint of its current version, written atomically (`gyre.runtime.checkpoint`:
         a crash leaves the previous checkpoints intact and no half-written one to resume from).
         A version already written (the end right after a periodic checkpoint) is not written twice,
         and version 0 not at all (the starting weights: a run stopped before its first step used to
-        leave a step_000000 behind)."""
+        leave a step_000000 behind). Returns the seconds the write took (None: nothing written)."""
         if not self.checkpoint_dir or self.actor.version in (0, self._checkpointed):
-            return
+            return None
+        t0 = time.monotonic()
         path = checkpoint.write(self.checkpoint_dir, self.actor.version, self.actor.save_checkpoint,
                                 finalize=self.topo.position == 0)  # a sharded cell's first rank writes the files
         self._checkpointed = self.actor.version
-        logger.info("checkpoint written to %s", path)
+        took = time.monotonic() - t0
+        logger.info("checkpoint written to %s (%.1fs)", path, took)
+        return took
 
     def _on_stop(self, msg: Stop) -> bool:
         # A later Stop(failed) behind this one: the controller found this rank silent (frozen) after
