@@ -411,8 +411,9 @@ class Call:
             st.turns.add(fp, StoredTurn.of(self.call_id, self.rendered.ids[:n_ctx], self.rendered.ids[n_ctx:] + out_ids, self.content, calls))
         try:
             p.sink.on_record(self.record)
-        except Exception:  # a failing sink must be loud, but the client already has its answer
-            logger.exception("proxy: sink failed on %s/%d", st.execution_id, self.call_id)
+        except Exception as e:  # a failing sink must be loud, but the client already has its answer
+            if not getattr(e, "reported", False):  # a sink that stated its error itself sets `reported`
+                logger.exception("proxy: sink failed on %s/%d", st.execution_id, self.call_id)
             p.sink_errors += 1
             st.sink_errors += 1
 

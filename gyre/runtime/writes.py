@@ -80,10 +80,10 @@ class Guarded:
 
 
 class WatchedSink:
-    """The proxy's TITO sink: an OSError writing a record is reported (`on_error`) and not raised
-    further: the proxy would log a traceback per record (a full disk fails every one of them)
-    and the error is stated once by the controller. The execution is still excluded from
-    training: its file holds fewer records than its calls, or a torn last one."""
+    """The proxy's TITO sink: an OSError writing a record is reported (`on_error`), marked
+    `reported` and raised on: the proxy counts it against its execution (`sink_errors`, so the
+    execution is excluded from training) without a traceback per record (a full disk fails every
+    one of them); the controller states the error once."""
 
     def __init__(self, inner: Any, path_for: Callable[[str], Path], on_error: Callable[[BaseException, str, Any], None]):
         self.inner, self._path_for, self._on_error = inner, path_for, on_error
@@ -93,6 +93,8 @@ class WatchedSink:
             self.inner.on_record(record)
         except OSError as e:
             self._on_error(e, f"the TITO record of execution {record.execution_id}", self._path_for(record.execution_id))
+            e.reported = True  # type: ignore[attr-defined]
+            raise
 
     def __getattr__(self, name: str) -> Any:  # close_execution, close, ...
         return getattr(self.inner, name)

@@ -7,10 +7,11 @@ One real job (torchrun, 2 gloo ranks, unsandboxed so the test can reach the harn
   partial credit, 1.0 here) and the group's rewards are the two evaluations, not a 0.0
   placeholder that would shift the baseline (before: `crashed`, reward 0.0, rewards [0.0, 1.0]);
 * step 1, a TITO write failure (execution `.0` of the group finds a directory where its TITO file
-  goes): the execution is excluded from training and from its group (one valid execution, one
-  reward), named in summary.json `incomplete_tito`, and the proxy's sink errors are in
-  metrics.jsonl and summary.json (before: counted in a field nobody read, trained on a reward
-  with no trajectory).
+  goes): a write error of the run, so the run states it once (path and errno) and stops
+  (issue 36: every write error stops the run, never a silent loss); the execution is named in
+  summary.json `incomplete_tito` and the sink error is counted there (before issue 19: counted in
+  a field nobody read, trained on a reward with no trajectory; before issue 36: excluded and the
+  run went on past a write the disk had refused).
 """
 
 import json
@@ -42,7 +43,7 @@ def _harness_pid(workspace: Path) -> int | None:
     return None
 
 
-def test_an_external_kill_is_evaluated_and_a_tito_write_failure_is_excluded_and_counted(tmp_path):
+def test_an_external_kill_is_evaluated_and_a_tito_write_failure_stops_the_run_naming_it(tmp_path):
     tasks = write_task_rows(tmp_path / "tasks.jsonl", [
         {"harness": [sys.executable, str(SLEEPER), "7", "1"], "evaluator": {"command": ONE_LINE}, "timeout_s": 20},
         {"harness": [sys.executable, str(FAULTS / "tito_poison_harness.py"), "1", "8"], "evaluator": {"command": ONE_LINE}},
@@ -58,7 +59,7 @@ def test_an_external_kill_is_evaluated_and_a_tito_write_failure_is_excluded_and_
         rc = proc.wait(240)
     finally:
         reap(proc, "sleeper_harness")
-    assert rc == 0, log()
+    assert rc != 0, log()  # the TITO write failure of step 1 stopped the run
 
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run / "summary.json").read_text())
@@ -72,10 +73,10 @@ def test_an_external_kill_is_evaluated_and_a_tito_write_failure_is_excluded_and_
     assert rows[0]["group_rewards"] == [[1.0, 1.0]] and rows[0]["executions_valid"] == 2
     assert summary["execution_outcomes"].get("killed") == 1 and "crashed" not in summary["failed_executions"]
 
-    # Step 1: the execution whose records could not be written is out of training and of its group.
-    assert list(summary["incomplete_tito"]) == ["t1.a0.g1.0"], summary["incomplete_tito"]
-    assert "could not write" in summary["incomplete_tito"]["t1.a0.g1.0"]
-    assert summary["sink_errors"] >= 1 and rows[-1]["sink_errors"] == summary["sink_errors"]
-    assert rows[1]["incomplete_tito"] == 1 and rows[0]["incomplete_tito"] == 0
-    assert rows[1]["executions_valid"] == 1 and len(rows[1]["rewards"]) == 1
-    assert not (run / "tito" / "t1.a0.g1.0.tito").is_file() and (run / "tito" / "t1.a0.g1.1.tito").is_file()
+    # Step 1: the write failure is the run's error, named once with its path and errno; nothing of
+    # the failed execution was trained on (no step 1 row), its record is not on disk.
+    assert summary["error"].startswith("could not write the TITO record of execution t1.a0.g1.0"), summary["error"]
+    assert "EISDIR" in summary["error"] and log().count("the run failed: could not write the TITO record") == 1
+    assert len(rows) == 1 and summary["steps"] == 1
+    assert summary["sink_errors"] >= 1, summary  # the group never ended: no incomplete_tito entry to make
+    assert not (run / "tito" / "t1.a0.g1.0.tito").is_file()

@@ -48,7 +48,9 @@ def test_guarded_writes_and_the_tito_sink_report_their_errors(tmp_path):
             seen.append(("closed", execution_id, ""))
 
     sink = WatchedSink(Full(), lambda e: tmp_path / f"{e}.tito", on_error)
-    sink.on_record(SimpleNamespace(execution_id="e1"))  # not raised: stated once by the controller
+    with pytest.raises(OSError) as raised:  # raised on, marked: the proxy counts it against e1, logs no traceback
+        sink.on_record(SimpleNamespace(execution_id="e1"))
+    assert raised.value.reported
     sink.close_execution("e1")
     assert seen[1:] == [("OSError", "the TITO record of execution e1", str(tmp_path / "e1.tito")), ("closed", "e1", "")]
 
