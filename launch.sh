@@ -107,13 +107,21 @@ echo "gyre: job $SLURM_JOB_ID attempt $(( ${SLURM_RESTART_COUNT:-0} + 1 )) (SLUR
 GYRE_MASTER_ADDR=$(gyre_first_host)
 export GYRE_MASTER_ADDR
 
-signalled=""
+signalled="" requeue=0
 forward() {
+  [[ -n "$signalled" ]] && return  # one stop; torchrun takes a second signal as "force"
+  signalled=$1
+  # Requeue unless the operator cancelled the job or made it not requeueable. Decided now: a
+  # preemption's grace-time signal and `--signal=B:TERM@N` before the time limit find the job
+  # RUNNING; scancel, the time limit itself and a node failure find it already ending
+  # (JobState=COMPLETING), and --no-requeue shows Requeue=0.
+  local info
+  info=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null || true)
+  [[ "$info" == *" JobState=RUNNING "* && "$info" == *" Requeue=1 "* ]] && requeue=1
+  echo "gyre: $1: forwarding SIGTERM to every node at $(date -u +%FT%TZ) ($(grep -o 'JobState=[A-Z_]*' <<<"$info" || echo 'JobState unknown'), requeue $requeue)" >&2
   # Not `exec srun`: srun answers SIGTERM by killing every task (exit 137, no summary). Signal
   # the job's steps instead (not this shell: scancel without --batch), so each node's torchrun
   # gets SIGTERM and the ranks stop gracefully; srun then returns when they have.
-  signalled=$1
-  echo "gyre: SIGTERM forwarded to every node ($1 at $(date -u +%FT%TZ))" >&2
   scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || kill -TERM "$srun_pid" 2>/dev/null || true
 }
 trap 'forward SIGTERM' TERM
@@ -132,16 +140,12 @@ while :; do
   kill -0 "$srun_pid" 2>/dev/null || break  # else: a trap ended the wait; srun still runs
 done
 
-if [[ -n "$signalled" ]]; then
-  # Requeue unless the operator cancelled the job or made it not requeueable: a preemption's
-  # grace-time signal or a `--signal=B:TERM@N` before the time limit continues in the next
-  # allocation, resuming the run (SLURM_RESTART_COUNT > 0).
-  info=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null || true)
-  if [[ "$info" == *"Requeue=1"* && "$info" != *"JobState=CANCELLED"* ]]; then
-    echo "gyre: stopped on $signalled (exit $rc); requeueing job $SLURM_JOB_ID to resume" >&2
-    scontrol requeue "$SLURM_JOB_ID" || echo "gyre: scontrol requeue failed; resubmit to resume" >&2
-  else
-    echo "gyre: stopped on $signalled (exit $rc); not requeued (cancelled or --no-requeue)" >&2
-  fi
+if [[ $requeue == 1 ]]; then
+  # The next allocation resumes the run (SLURM_RESTART_COUNT > 0). Without this a graceful stop
+  # exits non-zero and Slurm marks the job FAILED, never requeued.
+  echo "gyre: stopped on $signalled (exit $rc); requeueing job $SLURM_JOB_ID to resume" >&2
+  scontrol requeue "$SLURM_JOB_ID" || echo "gyre: scontrol requeue failed; resubmit to resume" >&2
+elif [[ -n "$signalled" ]]; then
+  echo "gyre: stopped on $signalled (exit $rc); not requeued (cancelled, ending, or --no-requeue)" >&2
 fi
 exit "$rc"

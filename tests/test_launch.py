@@ -21,7 +21,7 @@ import pytest
 from gyre.slurm import expand_nodelist
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOLS = ("bash", "head", "hostname", "date", "sleep", "cat")
+TOOLS = ("bash", "head", "hostname", "date", "sleep", "cat", "grep")
 
 
 def _bin(tmp_path: Path, **fakes: str) -> Path:
@@ -194,7 +194,7 @@ if sys.argv[1:3] == ["show", "job"]:
 """
 
 
-def _batch(tmp_path, block=False, job_info="JobId=5 JobState=RUNNING Requeue=1"):
+def _batch(tmp_path, block=False, job_info="JobId=5 JobState=RUNNING Reboot=0 Requeue=1 Restarts=0"):
     spool = tmp_path / "spool"
     spool.mkdir()
     script = spool / "slurm_script"
@@ -231,12 +231,12 @@ def _wait_for(path: Path, text: str, n: int = 1, timeout: float = 30) -> str:
     raise AssertionError(f"{text!r} x{n} not in {path}: {s!r}")
 
 
-@pytest.mark.parametrize("state, requeued", [("RUNNING", True), ("CANCELLED", False)])
+@pytest.mark.parametrize("state, requeued", [("RUNNING", True), ("COMPLETING", False)])
 def test_sigterm_to_the_batch_shell_reaches_every_torchrun_and_requeues(tmp_path, state, requeued):
     """`--signal=B:TERM@N` and a preemption's grace-time signal reach only the batch shell: it
     forwards SIGTERM to the job's steps (torchrun stops gracefully) and waits for them, then asks
     for a requeue unless the job was cancelled."""
-    proc, _, log = _batch(tmp_path, block=True, job_info=f"JobId=5 JobState={state} Requeue=1")
+    proc, _, log = _batch(tmp_path, block=True, job_info=f"JobId=5 JobState={state} Reboot=0 Requeue=1 Restarts=0")
     _wait_for(log, " pid ", n=3)  # srun and both torchruns
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)

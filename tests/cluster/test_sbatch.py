@@ -3,6 +3,7 @@ each node a network namespace with its own hostname and slurmd, the run director
 filesystem. The job is the tests' tiny one (tests/jobs.py), one rank per node."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,73 @@ def test_sbatch_launch_sh_runs_a_job_across_two_nodes_to_completion(slurm_cluste
     assert json.loads((run / "run.json").read_text())["attempts"][0]["world_size"] == 2
     assert f"launch task StepId={job}.0" in (slurm_cluster.root / "slurmd-n2.log").read_text()
     assert f"gyre: job {job} attempt 1" in log
+
+
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
+         "DEADLINE")
+
+
+def _mid_run(cluster, job: str, run: Path, steps: int = 1, timeout: float = 300) -> None:
+    """Wait until the job's run has finished `steps` steps (its checkpoints are complete)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        m = run / "metrics.jsonl"
+        if m.exists() and len(rows(m)) >= steps:
+            return
+        info = cluster.job(job)
+        assert info["JobState"] in ("PENDING", "CONFIGURING", "RUNNING"), info
+        time.sleep(0.5)
+    raise AssertionError(f"job {job}: no step done in {timeout:.0f}s\n" + cluster.logs())
+
+
+def test_scancel_stops_the_job_gracefully_and_does_not_requeue_it(slurm_cluster, tmp_path):
+    """scancel sends SIGTERM to every process of the job (srun too), then SIGKILL after KillWait:
+    the run stops within it, writes its summary and checkpoint, and is not requeued (the job is
+    requeueable, but the operator cancelled it)."""
+    tasks = write_tasks(tmp_path / "tasks.jsonl", n=40)
+    job = slurm_cluster.sbatch(["--nodes=2", str(ROOT / "launch.sh"),
+                                *gyre_args(tasks, "--train.checkpoint-every", "1", steps=40)],
+                               cwd=tmp_path, GYRE_NPROC_PER_NODE="1")
+    run = tmp_path / "runs" / "slurm" / job
+    _mid_run(slurm_cluster, job, run)
+    slurm_cluster.client(["scancel", job])
+    info = slurm_cluster.wait(job, lambda j: j["JobState"] in ENDED, 120, "the job to end")
+    log = (tmp_path / f"gyre-{job}.out").read_text()
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["interrupted"] == "SIGTERM", (summary, log[-4000:])
+    last = rows(run / "metrics.jsonl")[-1]["version"]
+    assert (run / "checkpoints" / f"step_{last:06d}").is_dir()
+    assert "exit code 137" not in log and "requeueing" not in log
+
+
+def test_a_term_to_the_batch_shell_stops_gracefully_requeues_and_the_next_attempt_resumes(slurm_cluster, tmp_path):
+    """What `--signal=B:TERM@N` (before the time limit) and a preemption's grace-time signal
+    deliver: SIGTERM to the batch shell alone (`scancel --batch --signal=TERM`). launch.sh forwards
+    it to every node's torchrun, the run stops gracefully, the job is requeued, and the second
+    attempt resumes the run: versions continuous, both attempts' output in the one log. Before,
+    the shell exec'd srun, which answered the SIGTERM by killing every task (exit 137, no summary),
+    and a graceful exit (143) left the job FAILED, never requeued; a requeue truncated the log."""
+    steps = 6
+    tasks = write_tasks(tmp_path / "tasks.jsonl", n=12)
+    job = slurm_cluster.sbatch(["--nodes=2", str(ROOT / "launch.sh"),
+                                *gyre_args(tasks, "--train.checkpoint-every", "1", steps=steps)],
+                               cwd=tmp_path, GYRE_NPROC_PER_NODE="1")
+    run = tmp_path / "runs" / "slurm" / job
+    _mid_run(slurm_cluster, job, run)
+    slurm_cluster.client(["scancel", "--batch", "--signal=TERM", job])
+    slurm_cluster.wait(job, lambda j: j["Restarts"] == "1", 120, "the requeue")
+    first = json.loads((run / "summary.json").read_text())  # the first attempt's, before the second ends
+    info = slurm_cluster.wait(job, lambda j: j["JobState"] in ENDED and j["Restarts"] == "1", 420,
+                              "the second attempt to end")
+    log = (tmp_path / f"gyre-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-6000:]
+    assert first["interrupted"] == "SIGTERM", first
+    assert f"gyre: job {job} attempt 1 " in log and f"gyre: job {job} attempt 2 " in log  # both kept
+    assert log.index("attempt 1 ") < log.index("requeueing") < log.index("attempt 2 ")
+    assert "exit code 137" not in log
+    attempts = json.loads((run / "run.json").read_text())["attempts"]
+    assert len(attempts) == 2 and attempts[1]["start_version"] >= 1, attempts
+    assert [r["version"] for r in rows(run / "metrics.jsonl")] == list(range(1, steps + 1))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["error"] is None
