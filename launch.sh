@@ -22,13 +22,14 @@
 # torchrun ended, before srun ends them), GYRE_DRY_RUN=1 prints this node's torchrun command
 # instead of running it (used by the tests).
 #
-# Signals: the batch shell forwards SIGTERM/SIGINT to every node's torchrun (which forwards it
-# to the ranks: a graceful stop within --train.shutdown-timeout-s), so `--signal=B:TERM@120`
-# works. Requeue: the job is requeueable (#SBATCH --requeue; `sbatch --no-requeue` turns it
-# off). A graceful stop on a signal that is not `scancel` (a preemption's grace-time SIGTERM,
-# `--signal=B:TERM@N` before the time limit) asks Slurm to requeue the job. The run directory
-# is the same every time: without --run-dir the job writes to runs/slurm/<job id>, and on a
-# requeue (SLURM_RESTART_COUNT > 0) gyre.run resumes there from its newest complete checkpoint.
+# Signals: the batch shell forwards a SIGTERM/SIGINT meant for it alone to every node's torchrun
+# (which forwards it to the ranks: a graceful stop within --train.shutdown-timeout-s), so
+# `--signal=B:TERM@120` works. Requeue: the job is requeueable (#SBATCH --requeue; `sbatch
+# --no-requeue` turns it off). A graceful stop that is not `scancel` or the time limit (a
+# preemption's grace-time SIGTERM, `--signal=B:TERM@N` before the time limit) asks Slurm to
+# requeue the job. The run directory is the same every time: without --run-dir the job writes to
+# runs/slurm/<job id>, and on a requeue (SLURM_RESTART_COUNT > 0) gyre.run resumes there from its
+# newest complete checkpoint. docs/cluster.md has the table of Slurm events.
 # Every attempt appends to the same log, after a header line naming the attempt.
 #SBATCH --job-name=gyre
 #SBATCH --ntasks-per-node=1
@@ -108,21 +109,28 @@ GYRE_MASTER_ADDR=$(gyre_first_host)
 export GYRE_MASTER_ADDR
 
 signalled="" requeue=0
+attempt_t0=$(mktemp "${TMPDIR:-/tmp}/gyre-attempt.XXXXXX")  # its mtime: this attempt's start
+trap 'rm -f "$attempt_t0"' EXIT
+job_info() { scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null || true; }
+requeueable() { [[ "$1" == *" JobState=RUNNING "* && "$1" == *" Requeue=1 "* ]]; }
 forward() {
   [[ -n "$signalled" ]] && return  # one stop; torchrun takes a second signal as "force"
   signalled=$1
-  # Requeue unless the operator cancelled the job or made it not requeueable. Decided now: a
-  # preemption's grace-time signal and `--signal=B:TERM@N` before the time limit find the job
-  # RUNNING; scancel, the time limit itself and a node failure find it already ending
-  # (JobState=COMPLETING), and --no-requeue shows Requeue=0.
+  # Requeue unless the operator cancelled the job or made it not requeueable. Decided now:
+  # `--signal=B:TERM@N` before the time limit finds the job RUNNING; scancel, the time limit
+  # itself and a node failure find it already ending (JobState=COMPLETING: Slurm signals every
+  # process of the job itself), and --no-requeue shows Requeue=0.
   local info
-  info=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null || true)
-  [[ "$info" == *" JobState=RUNNING "* && "$info" == *" Requeue=1 "* ]] && requeue=1
-  echo "gyre: $1: forwarding SIGTERM to every node at $(date -u +%FT%TZ) ($(grep -o 'JobState=[A-Z_]*' <<<"$info" || echo 'JobState unknown'), requeue $requeue)" >&2
-  # Not `exec srun`: srun answers SIGTERM by killing every task (exit 137, no summary). Signal
-  # the job's steps instead (not this shell: scancel without --batch), so each node's torchrun
-  # gets SIGTERM and the ranks stop gracefully; srun then returns when they have.
-  scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || kill -TERM "$srun_pid" 2>/dev/null || true
+  info=$(job_info)
+  requeueable "$info" && requeue=1
+  echo "gyre: $1 at $(date -u +%FT%TZ) ($(grep -o 'JobState=[A-Z_]*' <<<"$info" || echo 'JobState unknown'), requeue $requeue)" >&2
+  if [[ "$info" == *" JobState=RUNNING "* || -z "$info" ]]; then
+    # The signal was for this shell alone. Not `exec srun`: srun answers SIGTERM by killing every
+    # task (exit 137, no summary). Signal the job's steps instead (scancel without --batch), so
+    # each node's torchrun gets SIGTERM and the ranks stop gracefully; srun returns when they have.
+    echo "gyre: forwarding SIGTERM to every node" >&2
+    scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || kill -TERM "$srun_pid" 2>/dev/null || true
+  fi
 }
 trap 'forward SIGTERM' TERM
 trap 'forward SIGINT' INT
@@ -140,6 +148,26 @@ while :; do
   kill -0 "$srun_pid" 2>/dev/null || break  # else: a trap ended the wait; srun still runs
 done
 
+# The run directory, as gyre_node gives it to gyre.run.
+run_dir="runs/slurm/$SLURM_JOB_ID"
+prev=""
+for a in "$@"; do
+  [[ "$prev" == --run-dir ]] && run_dir=$a
+  [[ "$a" == --run-dir=* ]] && run_dir=${a#--run-dir=}
+  prev=$a
+done
+if [[ -z "$signalled" && $rc != 0 ]]; then
+  # A preemption (PreemptMode=REQUEUE with a GraceTime) signals the steps, not this shell: the
+  # run stopped gracefully on a SIGTERM (this attempt's summary says so) while the job is still
+  # RUNNING. Requeue it, or the non-zero exit leaves it FAILED before Slurm's own requeue.
+  info=$(job_info)
+  if requeueable "$info" && [[ "$run_dir/summary.json" -nt "$attempt_t0" ]] \
+      && python -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1])).get("interrupted"))' \
+         "$run_dir/summary.json" 2>/dev/null; then
+    signalled="a SIGTERM to the steps (a preemption)"
+    requeue=1
+  fi
+fi
 if [[ $requeue == 1 ]]; then
   # The next allocation resumes the run (SLURM_RESTART_COUNT > 0). Without this a graceful stop
   # exits non-zero and Slurm marks the job FAILED, never requeued.

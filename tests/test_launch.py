@@ -7,6 +7,7 @@ same with or without Slurm installed. tests/cluster/ runs it on a real two-node 
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -21,7 +22,7 @@ import pytest
 from gyre.slurm import expand_nodelist
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOLS = ("bash", "head", "hostname", "date", "sleep", "cat", "grep")
+TOOLS = ("bash", "head", "hostname", "date", "sleep", "cat", "grep", "mktemp", "rm")
 
 
 def _bin(tmp_path: Path, **fakes: str) -> Path:
@@ -231,17 +232,40 @@ def _wait_for(path: Path, text: str, n: int = 1, timeout: float = 30) -> str:
     raise AssertionError(f"{text!r} x{n} not in {path}: {s!r}")
 
 
-@pytest.mark.parametrize("state, requeued", [("RUNNING", True), ("COMPLETING", False)])
-def test_sigterm_to_the_batch_shell_reaches_every_torchrun_and_requeues(tmp_path, state, requeued):
-    """`--signal=B:TERM@N` and a preemption's grace-time signal reach only the batch shell: it
-    forwards SIGTERM to the job's steps (torchrun stops gracefully) and waits for them, then asks
-    for a requeue unless the job was cancelled."""
+@pytest.mark.parametrize("state", ["RUNNING", "COMPLETING"])
+def test_sigterm_to_the_batch_shell_reaches_every_torchrun_and_requeues(tmp_path, state):
+    """RUNNING: `--signal=B:TERM@N` reaches only the batch shell: it forwards SIGTERM to the job's
+    steps (torchrun stops gracefully) and waits for them, then asks for a requeue. COMPLETING:
+    scancel (or the time limit) signals every process itself: no second SIGTERM (torchrun takes
+    it as "force"), no requeue."""
     proc, _, log = _batch(tmp_path, block=True, job_info=f"JobId=5 JobState={state} Reboot=0 Requeue=1 Restarts=0")
-    _wait_for(log, " pid ", n=3)  # srun and both torchruns
+    text = _wait_for(log, " pid ", n=3)  # srun and both torchruns
     proc.send_signal(signal.SIGTERM)
+    if state == "COMPLETING":
+        _wait_for(log, "scontrol show job")
+        for pid in re.findall(r"torchrun \d+ pid (\d+)", text):
+            os.kill(int(pid), signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     text = log.read_text()
-    assert "scancel --signal=TERM 5" in text
+    assert ("scancel --signal=TERM 5" in text) == (state == "RUNNING"), text
     assert "torchrun 0 SIGTERM" in text and "torchrun 1 SIGTERM" in text
-    assert ("scontrol requeue 5" in text) == requeued, text
+    assert ("scontrol requeue 5" in text) == (state == "RUNNING"), text
     assert proc.returncode == 143, err  # torchrun's status, not the shell's own death by signal
+
+
+def test_a_preemption_signals_the_steps_only_and_the_job_is_requeued(tmp_path):
+    """PreemptMode=REQUEUE with a GraceTime sends SIGTERM to the steps, not the batch shell: the
+    run stops gracefully (its summary says interrupted) while the job is RUNNING; the shell
+    requeues it (else the non-zero exit marks it FAILED). A crash (no such summary) is not."""
+    for interrupted, requeued in (("SIGTERM", True), (None, False)):
+        d = tmp_path / str(requeued)
+        d.mkdir()
+        proc, _, log = _batch(d, block=True)
+        text = _wait_for(log, " pid ", n=3)
+        run = d / "runs" / "slurm" / "5"
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"interrupted": interrupted}))
+        for pid in re.findall(r"torchrun \d+ pid (\d+)", text):
+            os.kill(int(pid), signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert ("scontrol requeue 5" in log.read_text()) == requeued, (log.read_text(), err)

@@ -3,7 +3,8 @@
 Each node is a network namespace of its own (a veth pair to a bridge) with its own address,
 hostname (a UTS namespace) and /etc/hosts (a mount namespace binding one file that names every
 node), and runs its own `slurmd -N <node>`; slurmctld runs in a third namespace holding the
-bridge, which the test's clients (sbatch, squeue, scontrol, scancel) enter too. munged runs with
+bridge, which the test's clients (sbatch, squeue, scontrol, scancel) enter too. Jobs go to
+partition `main` (preemptable: PreemptMode=REQUEUE, GraceTime=120); a job in `urgent` preempts. munged runs with
 a key generated here, its socket shared through the filesystem; the run directory is on the
 same filesystem for every node, as a cluster's shared filesystem is. Nothing touches the host's
 own network namespace, /etc or Slurm configuration.
@@ -86,7 +87,10 @@ MinJobAge=600
 KillWait={kill_wait}
 JobRequeue=1
 {nodes}
-PartitionName=main Nodes={node_names} Default=YES MaxTime=INFINITE State=UP
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=main Nodes={node_names} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=120
+PartitionName=urgent Nodes={node_names} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """
 
 
@@ -137,13 +141,39 @@ class Cluster:
         self._wait(lambda: self.client(["scontrol", "ping"], check=False).stdout.count("UP") >= 1, 30,
                    "slurmctld answering", log=self.root / "slurmctld.log")
         for n in NODES:
-            # The spool (where sbatch's copy of the batch script lands) is node-local, as on a real
-            # cluster: a script that hands other nodes its own path ($0) fails here as it does there.
-            spool = self.root / "spool" / n
-            self._daemon(self._in(self.node_ns[n], n, ["slurmd", "-D", "-N", n, "-f", str(self.conf)], private=spool),
-                         self.root / f"slurmd-{n}.out")
+            self._slurmd(n)
         self._wait(lambda: self.idle_nodes() == len(NODES), 60, "both nodes idle",
                    log=self.root / "slurmctld.log")
+
+    def _slurmd(self, n: str) -> None:
+        # The spool (where sbatch's copy of the batch script lands) is node-local, as on a real
+        # cluster: a script that hands other nodes its own path ($0) fails here as it does there.
+        spool = self.root / "spool" / n
+        self._daemon(self._in(self.node_ns[n], n, ["slurmd", "-D", "-N", n, "-f", str(self.conf)], private=spool),
+                     self.root / f"slurmd-{n}.out", mode="a")
+
+    def fail_node(self, node: str) -> None:
+        """The node is lost: every process in its namespace (slurmd, the job's) is SIGKILLed, and
+        the controller is told it is DOWN (as it would conclude after SlurmdTimeout)."""
+        self._kill_ns(self.node_ns[node])
+        self.client(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=gyre-test-node-lost"])
+
+    def restore_node(self, node: str) -> None:
+        """The node is back: its slurmd starts again (a fresh spool) and the node is resumed."""
+        self._slurmd(node)
+
+        def idle() -> bool:
+            self.client(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=False)
+            return "idle" in self.client(["sinfo", "-h", "-N", "-n", node, "-o", "%T"], check=False).stdout
+
+        self._wait(idle, 60, f"{node} idle", log=self.root / f"slurmd-{node}.log")
+
+    def _kill_ns(self, ns: str) -> None:
+        for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
 
     def _netns(self) -> None:
         c = self.ctl_ns
@@ -172,8 +202,8 @@ class Cluster:
         return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount", "--propagation", "private",
                 "bash", "-c", inner, "node", *argv]
 
-    def _daemon(self, argv: list[str], out: Path) -> None:
-        with open(out, "w") as f:
+    def _daemon(self, argv: list[str], out: Path, mode: str = "w") -> None:
+        with open(out, mode) as f:
             self.procs.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                                env={**os.environ, "SLURM_CONF": str(self.conf)}))
 
@@ -192,6 +222,7 @@ class Cluster:
     def stop(self) -> None:
         self.client(["scancel", "--full", "--signal=KILL", "--state=RUNNING", "--partition=main"], check=False)
         self.client(["scancel", "--partition=main"], check=False)
+        self.client(["scancel", "--partition=urgent"], check=False)
         for p in reversed(self.procs):  # slurmds, slurmctld, munged; each by its own process group
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
@@ -201,13 +232,7 @@ class Cluster:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
         for ns in (*self.node_ns.values(), self.ctl_ns):
-            # What a job left behind in a node's namespace (linuxproc tracks, but slurmd is gone).
-            pids = _run("ip", "netns", "pids", ns, check=False).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
+            self._kill_ns(ns)  # what a job left behind in a node's namespace (slurmd is gone)
             _run("ip", "netns", "del", ns, check=False)
 
     # ------------------------------------------------------------------ clients
@@ -225,7 +250,7 @@ class Cluster:
 
     def idle_nodes(self) -> int:
         out = self.client(["sinfo", "-h", "-N", "-o", "%N %T"], check=False).stdout
-        return sum(1 for line in out.splitlines() if line.split()[-1:] == ["idle"])
+        return len({line.split()[0] for line in out.splitlines() if line.split()[-1:] == ["idle"]})  # once per partition
 
     def sbatch(self, argv: list[str], cwd: Path, **env: str) -> str:
         out = self.client(["sbatch", "--parsable", *argv], cwd=cwd, env=env).stdout.strip()
