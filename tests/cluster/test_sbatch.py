@@ -102,3 +102,64 @@ def test_term_to_the_batch_shell_requeues_the_next_attempt_resumes_and_scancel_s
     summary = json.loads((run / "summary.json").read_text())
     assert summary["interrupted"] == "SIGTERM", (summary, log[-4000:])
     assert (run / "checkpoints" / f"step_{versions[-1]:06d}").is_dir()
+
+
+def test_a_preemption_stops_the_run_gracefully_and_requeues_it(slurm_cluster, tmp_path):
+    """A job in the higher-tier partition preempts ours (PreemptMode=REQUEUE, GraceTime=120):
+    Slurm sends SIGTERM to the steps (not the batch shell), the run stops gracefully, and
+    launch.sh requeues the job; it resumes once the urgent job is done. Before, the graceful
+    exit (143) left the job FAILED, never requeued."""
+    tasks = write_tasks(tmp_path / "tasks.jsonl", n=40)
+    job = slurm_cluster.sbatch(["--nodes=2", str(ROOT / "launch.sh"),
+                                *gyre_args(tasks, "--train.checkpoint-every", "1", steps=40)],
+                               cwd=tmp_path, GYRE_NPROC_PER_NODE="1")
+    run = tmp_path / "runs" / "slurm" / job
+    _mid_run(slurm_cluster, job, run, steps=1)
+    urgent = slurm_cluster.sbatch(["--partition=urgent", "--nodes=2", "--exclusive", "--output=urgent.out",
+                                   "--wrap", "sleep 1"], cwd=tmp_path)
+    slurm_cluster.wait(job, lambda j: j["Restarts"] == "1", 150, "the preempted job's requeue")
+    first = json.loads((run / "summary.json").read_text())
+    assert first["interrupted"] == "SIGTERM", first
+    done_first = len(rows(run / "metrics.jsonl"))
+    slurm_cluster.wait(urgent, lambda j: j["JobState"] == "COMPLETED", 120, "the urgent job")
+    slurm_cluster.client(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    _mid_run(slurm_cluster, job, run, steps=done_first + 1)
+    slurm_cluster.client(["scancel", job])
+    slurm_cluster.wait(job, lambda j: j["JobState"] in ENDED, 120, "the job to end")
+    log = (tmp_path / f"gyre-{job}.out").read_text()
+    assert "a preemption" in log and "exit code 137" not in log, log[-4000:]
+    versions = [r["version"] for r in rows(run / "metrics.jsonl")]
+    assert versions == list(range(1, len(versions) + 1)) and len(versions) > done_first
+
+
+def test_a_node_failure_requeues_the_job_and_it_resumes(slurm_cluster, tmp_path):
+    """n2 is lost mid-run (every process in its namespace SIGKILLed, the node DOWN): Slurm ends the
+    job (NODE_FAIL) and requeues it (launch.sh's #SBATCH --requeue); launch.sh does not requeue it a
+    second time. When the node is back the job resumes the run from its newest complete
+    checkpoint, versions continuous; scancel then ends it."""
+    tasks = write_tasks(tmp_path / "tasks.jsonl", n=40)
+    job = slurm_cluster.sbatch(["--nodes=2", str(ROOT / "launch.sh"),
+                                *gyre_args(tasks, "--train.checkpoint-every", "1", steps=40)],
+                               cwd=tmp_path, GYRE_NPROC_PER_NODE="1")
+    run = tmp_path / "runs" / "slurm" / job
+    _mid_run(slurm_cluster, job, run, steps=1)
+    try:
+        slurm_cluster.fail_node("n2")
+        slurm_cluster.wait(job, lambda j: j["Restarts"] == "1" and j["JobState"] == "PENDING", 120, "the requeue")
+    finally:
+        slurm_cluster.restore_node("n2")
+    slurm_cluster.client(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    attempts = lambda: json.loads((run / "run.json").read_text())["attempts"]  # noqa: E731
+    t0 = time.monotonic()
+    while len(attempts()) < 2:
+        assert time.monotonic() - t0 < 240, slurm_cluster.job(job)
+        time.sleep(0.5)
+    resumed = attempts()[1]["start_version"]
+    _mid_run(slurm_cluster, job, run, steps=resumed + 1)
+    slurm_cluster.client(["scancel", job])
+    info = slurm_cluster.wait(job, lambda j: j["JobState"] in ENDED, 120, "the job to end")
+    log = (tmp_path / f"gyre-{job}.out").read_text()
+    assert info["Restarts"] == "1" and "requeueing" not in log, log[-4000:]
+    assert f"gyre: job {job} attempt 2 " in log
+    versions = [r["version"] for r in rows(run / "metrics.jsonl")]
+    assert resumed >= 1 and versions == list(range(1, len(versions) + 1)), versions
