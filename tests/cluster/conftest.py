@@ -168,6 +168,10 @@ class Cluster:
 
         self._wait(idle, 60, f"{node} idle", log=self.root / f"slurmd-{node}.log")
 
+    def pids(self, node: str) -> list[int]:
+        """The processes running on `node` (in its network namespace)."""
+        return [int(p) for p in _run("ip", "netns", "pids", self.node_ns[node], check=False).stdout.split()]
+
     def _kill_ns(self, ns: str) -> None:
         for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
             try:
