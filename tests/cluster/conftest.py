@@ -4,7 +4,11 @@ Each node is a network namespace of its own (a veth pair to a bridge) with its o
 hostname (a UTS namespace) and /etc/hosts (a mount namespace binding one file that names every
 node), and runs its own `slurmd -N <node>`; slurmctld runs in a third namespace holding the
 bridge, which the test's clients (sbatch, squeue, scontrol, scancel) enter too. Jobs go to
-partition `main` (preemptable: PreemptMode=REQUEUE, GraceTime=120); a job in `urgent` preempts. munged runs with
+partition `main` (preemptable: PreemptMode=REQUEUE, GraceTime=120); a job in `urgent` preempts.
+Job credentials live 10 s (AuthInfo cred_expire; 120 by default): Slurm holds a requeued job that
+long plus one second, so a requeue restarts in seconds. (Releasing it earlier with
+`scontrol update StartTime=now` races the node's revoked credential: "Job credential revoked",
+FAILED.) munged runs with
 a key generated here, its socket shared through the filesystem; the run directory is on the
 same filesystem for every node, as a cluster's shared filesystem is. Nothing touches the host's
 own network namespace, /etc or Slurm configuration.
@@ -58,7 +62,7 @@ ClusterName=gyretest
 SlurmctldHost=ctl({ctl})
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket}
+AuthInfo=socket={munge_socket},cred_expire=10
 SlurmUser=root
 SlurmdUser=root
 SlurmctldPort={ctl_port}

@@ -85,8 +85,6 @@ def test_term_to_the_batch_shell_requeues_the_next_attempt_resumes_and_scancel_s
     first = json.loads((run / "summary.json").read_text())
     assert first["interrupted"] == "SIGTERM", first
     done_first = len(rows(run / "metrics.jsonl"))
-    # Slurm holds a requeued job for about two minutes before it is eligible again; skip that here.
-    slurm_cluster.client(["scontrol", "update", f"JobId={job}", "StartTime=now"])
     _mid_run(slurm_cluster, job, run, steps=done_first + 1)
     slurm_cluster.client(["scancel", job])
     info = slurm_cluster.wait(job, lambda j: j["JobState"] in ENDED, 120, "the job to end")
@@ -122,7 +120,6 @@ def test_a_preemption_stops_the_run_gracefully_and_requeues_it(slurm_cluster, tm
     assert first["interrupted"] == "SIGTERM", first
     done_first = len(rows(run / "metrics.jsonl"))
     slurm_cluster.wait(urgent, lambda j: j["JobState"] == "COMPLETED", 120, "the urgent job")
-    slurm_cluster.client(["scontrol", "update", f"JobId={job}", "StartTime=now"])
     _mid_run(slurm_cluster, job, run, steps=done_first + 1)
     slurm_cluster.client(["scancel", job])
     slurm_cluster.wait(job, lambda j: j["JobState"] in ENDED, 120, "the job to end")
@@ -148,7 +145,6 @@ def test_a_node_failure_requeues_the_job_and_it_resumes(slurm_cluster, tmp_path)
         slurm_cluster.wait(job, lambda j: j["Restarts"] == "1" and j["JobState"] == "PENDING", 120, "the requeue")
     finally:
         slurm_cluster.restore_node("n2")
-    slurm_cluster.client(["scontrol", "update", f"JobId={job}", "StartTime=now"])
     attempts = lambda: json.loads((run / "run.json").read_text())["attempts"]  # noqa: E731
     t0 = time.monotonic()
     while len(attempts()) < 2:
