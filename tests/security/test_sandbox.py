@@ -319,7 +319,9 @@ def test_container_command_line_against_a_fake_docker(tmp_path, proxy_server):
         old = inner[6]
         inner[6] = port
         env = {{k: v.replace("127.0.0.1:" + old, "127.0.0.1:" + port) for k, v in os.environ.items()}}
-        inner[0] = {sys.executable!r}  # the image's python3 -> ours
+        # The image's python3 (the relay's and the harness's) -> ours: the one running the tests,
+        # whose packages (openai) a `python3` found on PATH need not have (a virtualenv).
+        inner = [{sys.executable!r} if a == "python3" else a for a in inner]
         sys.exit(subprocess.call(inner, env=env))
     """))
     fake.chmod(0o755)
@@ -373,7 +375,7 @@ if argv[0] == "run":
     state[name] = labels
     save()
     inner = argv[argv.index({image!r}) + 1:]
-    inner[0] = {python!r}  # the image's python3 -> ours
+    inner = [{python!r} if a == "python3" else a for a in inner]  # the image's python3 -> ours
     sys.exit(subprocess.call(inner))
 if argv[0] == "ps":
     key, value = argv[argv.index("--filter") + 1][len("label="):].split("=", 1)
