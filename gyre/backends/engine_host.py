@@ -44,7 +44,7 @@ def share_secret(group: Any, src: int) -> str:
     return base64.urlsafe_b64encode(bytes(buf.tolist())).decode().rstrip("=")
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
@@ -71,7 +71,7 @@ def bind_address(host: str, *, single_node: bool, peer: str | None) -> tuple[str
     """
     if single_node:
         return "127.0.0.1", "127.0.0.1"
-    if host in _WILDCARDS or _is_loopback(host):
+    if host in _WILDCARDS or is_loopback(host):
         if not peer:
             raise ValueError(f"engine: cannot find a routable address to announce for --proxy.host {host!r} "
                              "without the rendezvous host (MASTER_ADDR); set --proxy.host to this host's address")

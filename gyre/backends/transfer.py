@@ -21,7 +21,6 @@ on top, with the retention rule (`Retention`) and byte counts (`TransferStats`) 
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import threading
@@ -220,15 +219,6 @@ AUTO_HOST = "auto"
 HOST_ENV = "GYRE_TRANSFER_HOST"  # per node: what launch.sh (or any launcher) sets on each node
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def resolve_host(host: str = AUTO_HOST, env: Mapping[str, str] | None = None) -> str:
     """The address this rank's Mooncake engine advertises (`--transfer.host`).
 
@@ -256,10 +246,10 @@ def resolve_host(host: str = AUTO_HOST, env: Mapping[str, str] | None = None) ->
     if not peer:
         raise ValueError(f"--transfer.host auto: a multi-node job without MASTER_ADDR; set {HOST_ENV} on each node "
                          "or --transfer.host to this node's address")
-    from gyre.backends.engine_host import route_address
+    from gyre.backends.engine_host import is_loopback, route_address
 
     routed = route_address(peer)
-    if _is_loopback(routed):  # e.g. Debian's /etc/hosts maps the node's own name to 127.0.1.1
+    if is_loopback(routed):  # e.g. Debian's /etc/hosts maps the node's own name to 127.0.1.1
         # Not raised here (on this node's ranks only, the others would wait for them in the start-up
         # probe): the probe (`check_reachable`) fails on every rank together when another node reads.
         logger.warning("--transfer.host auto: MASTER_ADDR %r routes over loopback (%s) on this node, which other "
@@ -437,8 +427,10 @@ def check_reachable(mc: MooncakeTransport, owner: int, group: Any = None) -> Non
 def unreachable_message(own_host: str, session: str, rc: int) -> str:
     """Why a read from `session` failed, naming this rank's advertised host and the peer's."""
     peer = session.rsplit(":", 1)[0]
+    from gyre.backends.engine_host import is_loopback
+
     hint = ""
-    if _is_loopback(peer):  # the cross-node failure seen in practice: one --transfer.host 127.0.0.1 for all
+    if is_loopback(peer):  # the cross-node failure seen in practice: one --transfer.host 127.0.0.1 for all
         hint = (" — a loopback address reaches only the reader's own node; if the source is on another node, "
                 f"use --transfer.host auto (the default) or set {HOST_ENV} on each node")
     return (f"Mooncake transfer_sync_read from {session} failed (rc {rc}); this rank advertises {own_host}, "
