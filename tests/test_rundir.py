@@ -22,6 +22,23 @@ def _cfg(*args):
     return parse_config(["--job", "train", *args])
 
 
+def _refusals_on_two_ranks(cfgs, store) -> dict[int, str]:
+    """`rundir.resolve` as ranks 0 and 1 of one job (rank 1 in a thread): each rank's RunDirError."""
+    errors = {}
+
+    def rank(r):
+        try:
+            rundir.resolve(cfgs[r], r, 2, store)
+        except rundir.RunDirError as e:
+            errors[r] = str(e)
+
+    t = threading.Thread(target=rank, args=(1,))
+    t.start()
+    rank(0)
+    t.join(10)
+    return errors
+
+
 def test_default_runs_get_fresh_timestamped_dirs_and_latest_follows(in_tmp):
     t = 1_800_000_000.0  # two runs in the same second, a third later
     a = rundir.decide(_cfg(), now=t)
@@ -81,18 +98,7 @@ def test_every_rank_gets_rank_0s_decision_or_its_refusal(in_tmp):
     (in_tmp / "taken").mkdir()
     (in_tmp / "taken" / "metrics.jsonl").write_text("")
     cfgs = [_cfg("--run-dir", str(in_tmp / "taken")) for _ in range(2)]
-    errors = {}
-
-    def rank2(r):
-        try:
-            rundir.resolve(cfgs[r], r, 2, store2)
-        except rundir.RunDirError as e:
-            errors[r] = str(e)
-
-    t = threading.Thread(target=rank2, args=(1,))
-    t.start()
-    rank2(0)
-    t.join(10)
+    errors = _refusals_on_two_ranks(cfgs, store2)
     assert errors[0] == errors[1] and "already holds a run" in errors[0]
 
 
@@ -293,19 +299,8 @@ def test_a_run_directory_in_use_by_another_job_is_refused_on_every_rank_before_a
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     try:
         for args in (("--train.resume",), ("--overwrite",)):
-            store, errors = dist.HashStore(), {}
             cfgs = [_cfg("--run-dir", str(run), "--train.steps", "9", *args) for _ in range(2)]  # tyro: not in threads
-
-            def rank(r):
-                try:
-                    rundir.resolve(cfgs[r], r, 2, store)
-                except rundir.RunDirError as e:
-                    errors[r] = str(e)
-
-            t = threading.Thread(target=rank, args=(1,))
-            t.start()
-            rank(0)
-            t.join(10)
+            errors = _refusals_on_two_ranks(cfgs, dist.HashStore())
             assert errors[0] == errors[1], errors
             assert f"in use by another Gyre job (pid {holder.pid} on host " in errors[0]
             assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
