@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 from gyre.config import GyreConfig, ParallelConfig
@@ -49,7 +50,7 @@ def _controller(tmp_path, num_cells: int = 3) -> Controller:
     topo = Topology.from_config(ParallelConfig(cell_size=1), num_cells, 0)
     ctl = Controller(cfg, topo, _Store())
     ctl.cp = _RecordingPlane()
-    ctl.runner = SimpleNamespace(dispatch_group=lambda group: None)
+    ctl.runner = SimpleNamespace(dispatch_group=lambda group: [], run_dir=Path("unused"))  # tasks: none started here
     ctl.proxy = SimpleNamespace(router=SimpleNamespace(reroutes=0, take_reroutes=lambda: []), sink_errors=0)
     ctl.ledger.begin(time.time())
     ctl.last_step_t = ctl.ledger.t_start
