@@ -26,14 +26,13 @@ from __future__ import annotations
 import json
 import logging
 import random
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-logger = logging.getLogger(__name__)
+from gyre.ids import TASK_SUFFIX_ROOM, check_id
 
-_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -99,8 +98,7 @@ class Task:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.task_id, str) or not _SAFE_ID.match(self.task_id):
-            raise ValueError(f"task_id must match {_SAFE_ID.pattern} (it names directories), got {self.task_id!r}")
+        check_id(self.task_id, "task_id", room=TASK_SUFFIX_ROOM)
         if not isinstance(self.instruction, str):
             raise ValueError(f"task {self.task_id}: instruction must be a string")
         for rel in self.files:
@@ -162,6 +160,9 @@ class ExecutionSpec:
     index: int = 0
     # Latest published policy version when dispatched (v_d in docs/design.md §2); set by the dispatcher.
     dispatch_version: int = 0
+
+    def __post_init__(self) -> None:
+        check_id(self.execution_id, "execution_id")
 
 
 @dataclass

@@ -8,16 +8,14 @@ execution ended or was cancelled): a revoked key gets 401 like an unknown one.
 from __future__ import annotations
 
 import logging
-import re
 import secrets
 from dataclasses import dataclass
 
+from gyre.ids import check_id
 from gyre.proxy.roles import parse_role
 from gyre.trajectory.record import Role
 
 logger = logging.getLogger(__name__)
-
-_EXEC_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")  # as gyre.trajectory.store
 
 @dataclass(frozen=True)
 class KeyInfo:
@@ -36,8 +34,7 @@ class KeyRegistry:
 
     def issue(self, execution_id: str, role_hint: Role | str | None = None, key: str | None = None) -> str:
         """A new key for `execution_id` (an explicit `key` may be given, e.g. from a harness config)."""
-        if not isinstance(execution_id, str) or not _EXEC_ID.match(execution_id):
-            raise ValueError(f"issue: execution_id {execution_id!r}: use 1-200 chars of [A-Za-z0-9._-] (it names a store file)")
+        check_id(execution_id, "issue: execution_id")
         if isinstance(role_hint, str):
             role_hint = parse_role(role_hint)
         key = key or f"gyre-{secrets.token_urlsafe(24)}"

@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import stat
 import struct
 import threading
@@ -46,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gyre.ids import check_id
 from gyre.trajectory.record import CallRecord, Role
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,6 @@ _FRAME = struct.Struct("<III")
 # call_id, role, policy_version, start_time, end_time, ref, shared, n_in_tail, n_out, n_msg, meta_len
 _REC = struct.Struct("<qBqddiIIIII")
 _MIN_SHARED = 32  # shorter common prefixes are stored verbatim
-_EXEC_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
 class StoreCorruptError(RuntimeError):
@@ -262,8 +261,7 @@ class TitoWriter:
     """
 
     def __init__(self, path: str | os.PathLike, execution_id: str, *, fsync: bool = False, delta_window: int = 4) -> None:
-        if not _EXEC_ID.match(execution_id):
-            raise ValueError(f"execution_id {execution_id!r}: use 1-200 chars of [A-Za-z0-9._-]")
+        check_id(execution_id, "execution_id")
         if delta_window < 0:
             raise ValueError(f"delta_window must be >= 0, got {delta_window}")
         self.path = os.fspath(path)
@@ -357,8 +355,7 @@ class TitoStore:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def path_for(self, execution_id: str) -> Path:
-        if not _EXEC_ID.match(execution_id):
-            raise ValueError(f"execution_id {execution_id!r}: use 1-200 chars of [A-Za-z0-9._-]")
+        check_id(execution_id, "execution_id")
         return self.root / f"{execution_id}{self.SUFFIX}"
 
     def writer(self, execution_id: str) -> TitoWriter:
