@@ -58,9 +58,9 @@ def gspo_loss(
     exec_lengths: torch.Tensor,
     *,
     exec_logratio_sum: torch.Tensor | None = None,
-    eps_low: float = 0.005,
-    eps_high: float = 0.005,
-    cap: float = 5.0,
+    eps_low: float,
+    eps_high: float,
+    cap: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Packed GSPO loss and metrics. Returns (loss: float64 scalar with grad to `logprobs`, metrics).
 
@@ -68,7 +68,7 @@ def gspo_loss(
     int64 (−1 off-target), token_weight [N] float (−A_i/(|E|·L_i) on targets), advantages [E],
     exec_lengths [E] (L_i over the whole step), exec_logratio_sum [E] or None (see module doc;
     None with an execution split off this batch raises ValueError).
-    Metrics: see `gyre.loss.reference.loss_metrics` (clip fraction, s_i mean/min/max, fraction
+    Metrics: see `gyre.loss.reference.metrics_from_counts` (clip fraction, s_i mean/min/max, fraction
     of ω capped, mean |δ|, and raw counts for summing over micro-steps).
     """
     num_exec = int(advantages.numel())
@@ -100,7 +100,9 @@ def gspo_loss(
         None if exec_logratio_sum is None else exec_logratio_sum.to(dev, torch.float64).contiguous(),
         float(eps_low), float(eps_high), float(cap),
     )
-    return loss, _metrics(ratio, gate, count, stats)
+    num_targets, num_capped, abs_delta_sum = (float(x) for x in stats.detach().cpu())
+    return loss, reference.metrics_from_counts(ratio, gate, count, num_targets=num_targets,
+                                               num_omega_capped=num_capped, abs_delta_sum=abs_delta_sum)
 
 
 def gspo_loss_for_microstep(
@@ -108,9 +110,9 @@ def gspo_loss_for_microstep(
     micro_step: Any,
     *,
     exec_logratio_sum: torch.Tensor | None = None,
-    eps_low: float = 0.005,
-    eps_high: float = 0.005,
-    cap: float = 5.0,
+    eps_low: float,
+    eps_high: float,
+    cap: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """`gspo_loss` with the packed fields of a `gyre.trajectory.microstep.MicroStep`. logprobs [N]."""
     ms = micro_step
@@ -119,26 +121,3 @@ def gspo_loss_for_microstep(
         ms.advantages, ms.exec_lengths, exec_logratio_sum=exec_logratio_sum,
         eps_low=eps_low, eps_high=eps_high, cap=cap,
     )
-
-
-def _metrics(ratio: torch.Tensor, gate: torch.Tensor, count: torch.Tensor, stats: torch.Tensor) -> dict[str, float]:
-    ratio, gate, count, stats = (x.detach() for x in (ratio, gate, count, stats))
-    present = count > 0
-    n_exec = int(present.sum())
-    clipped = present & (gate == 0)
-    n_tok, capped, abs_delta = (float(x) for x in stats.cpu())
-    r = ratio[present]
-    return {
-        "num_executions": float(n_exec),
-        "num_targets": n_tok,
-        "num_clipped": float(int(clipped.sum())),
-        "num_omega_capped": capped,
-        "abs_delta_sum": abs_delta,
-        "clip_frac": float(int(clipped.sum())) / n_exec if n_exec else 0.0,
-        "clip_frac_tokens": float(count[clipped].sum()) / n_tok if n_tok else 0.0,
-        "ratio_mean": float(r.mean()) if n_exec else 1.0,
-        "ratio_min": float(r.min()) if n_exec else 1.0,
-        "ratio_max": float(r.max()) if n_exec else 1.0,
-        "omega_capped_frac": capped / n_tok if n_tok else 0.0,
-        "abs_delta_mean": abs_delta / n_tok if n_tok else 0.0,
-    }

@@ -20,7 +20,8 @@ token_weight_t. Example (2 executions, see tests/loss/test_reference.py for the 
     >>> lp = torch.tensor([-1.0, -2.0]); b = lp.clone()
     >>> loss, m = gspo_loss(lp, b, torch.tensor([True, True]), torch.tensor([0, 0]),
     ...                     torch.tensor([-0.25, -0.25], dtype=torch.float64),
-    ...                     torch.tensor([1.0], dtype=torch.float64), torch.tensor([2]))
+    ...                     torch.tensor([1.0], dtype=torch.float64), torch.tensor([2]),
+    ...                     eps_low=0.005, eps_high=0.005, cap=5.0)
     >>> float(loss)   # δ = 0 so s = 1, m = 1, ω = 1: Σ −0.25·ℓ_t = −0.25·(−1 − 2)
     0.75
 """
@@ -37,6 +38,7 @@ __all__ = [
     "gspo_loss",
     "gspo_loss_from_definition",
     "loss_metrics",
+    "metrics_from_counts",
     "check_whole_executions",
 ]
 
@@ -88,9 +90,9 @@ def gspo_terms(
     exec_lengths: torch.Tensor,
     *,
     exec_logratio_sum: torch.Tensor | None = None,
-    eps_low: float = 0.005,
-    eps_high: float = 0.005,
-    cap: float = 5.0,
+    eps_low: float,
+    eps_high: float,
+    cap: float,
 ) -> dict[str, torch.Tensor]:
     """The intermediate quantities of docs/design.md §6, in float64, all detached.
 
@@ -134,9 +136,9 @@ def gspo_loss(
     exec_lengths: torch.Tensor,
     *,
     exec_logratio_sum: torch.Tensor | None = None,
-    eps_low: float = 0.005,
-    eps_high: float = 0.005,
-    cap: float = 5.0,
+    eps_low: float,
+    eps_high: float,
+    cap: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Packed GSPO loss: Σ_t mask_t · m_i · ω_t · token_weight_t · ℓ_t (float64 scalar).
 
@@ -163,9 +165,9 @@ def gspo_loss_from_definition(
     exec_lengths: torch.Tensor,
     num_executions: int,
     *,
-    eps_low: float = 0.005,
-    eps_high: float = 0.005,
-    cap: float = 5.0,
+    eps_low: float,
+    eps_high: float,
+    cap: float,
 ) -> torch.Tensor:
     """docs/design.md §6 written literally, one execution at a time (no token_weight; slow, for tests).
 
@@ -190,35 +192,44 @@ def gspo_loss_from_definition(
 
 
 def loss_metrics(terms: dict[str, torch.Tensor], target_mask: torch.Tensor, cap: float) -> dict[str, float]:
-    """Metrics over the executions with targets in this batch and over its target tokens.
-
-    clip_frac: fraction of executions gated off (m_i = 0); clip_frac_tokens: fraction of target
-    tokens in gated executions; ratio_mean/min/max: s_i; omega_capped_frac: fraction of targets
-    with exp(δ_t) > C; abs_delta_mean: mean |δ_t|. Raw counts (num_*) let a caller sum metrics
-    over micro-steps and ranks.
-    """
-    present = terms["count"] > 0
-    n_exec = int(present.sum())
-    n_tok = int(target_mask.sum())
+    """`metrics_from_counts` for the terms of `gspo_terms` (targets counted, ω capped at C, Σ|δ|)."""
     mask = target_mask.bool()
-    ratio = terms["ratio"][present]
-    clipped = (terms["gate"] == 0) & present
-    tokens_clipped = float(terms["count"][clipped].sum())
-    capped = int((mask & (torch.exp(terms["delta"]) > cap)).sum())
-    abs_delta_sum = float(terms["delta"].abs().sum())
+    num_capped = float((mask & (torch.exp(terms["delta"]) > cap)).sum())
+    return metrics_from_counts(terms["ratio"], terms["gate"], terms["count"], num_targets=float(mask.sum()),
+                               num_omega_capped=num_capped, abs_delta_sum=float(terms["delta"].abs().sum()))
+
+
+def metrics_from_counts(ratio: torch.Tensor, gate: torch.Tensor, count: torch.Tensor, *, num_targets: float,
+                        num_omega_capped: float, abs_delta_sum: float) -> dict[str, float]:
+    """Metrics over the executions with targets in this batch and over its target tokens; the one
+    builder for the reference and the fused op (`gyre.loss.gspo`).
+
+    ratio s_i, gate m_i, count (targets of i here) are [E]. clip_frac: fraction of executions gated
+    off (m_i = 0); clip_frac_tokens: fraction of target tokens in gated executions;
+    ratio_mean/min/max: s_i; omega_capped_frac: fraction of targets with exp(δ_t) > C;
+    abs_delta_mean: mean |δ_t|. Raw counts (num_*) let a caller sum metrics over micro-steps and
+    ranks.
+    """
+    ratio, gate, count = ratio.detach(), gate.detach(), count.detach()
+    present = count > 0
+    n_exec = int(present.sum())
+    n_tok = float(num_targets)
+    clipped = (gate == 0) & present
+    n_clipped = float(int(clipped.sum()))
+    r = ratio[present]
     return {
         "num_executions": float(n_exec),
-        "num_targets": float(n_tok),
-        "num_clipped": float(int(clipped.sum())),
-        "num_omega_capped": float(capped),
-        "abs_delta_sum": abs_delta_sum,
-        "clip_frac": float(int(clipped.sum())) / n_exec if n_exec else 0.0,
-        "clip_frac_tokens": tokens_clipped / n_tok if n_tok else 0.0,
-        "ratio_mean": float(ratio.mean()) if n_exec else 1.0,
-        "ratio_min": float(ratio.min()) if n_exec else 1.0,
-        "ratio_max": float(ratio.max()) if n_exec else 1.0,
-        "omega_capped_frac": capped / n_tok if n_tok else 0.0,
-        "abs_delta_mean": abs_delta_sum / n_tok if n_tok else 0.0,
+        "num_targets": n_tok,
+        "num_clipped": n_clipped,
+        "num_omega_capped": float(num_omega_capped),
+        "abs_delta_sum": float(abs_delta_sum),
+        "clip_frac": n_clipped / n_exec if n_exec else 0.0,
+        "clip_frac_tokens": float(count[clipped].sum()) / n_tok if n_tok else 0.0,
+        "ratio_mean": float(r.mean()) if n_exec else 1.0,
+        "ratio_min": float(r.min()) if n_exec else 1.0,
+        "ratio_max": float(r.max()) if n_exec else 1.0,
+        "omega_capped_frac": float(num_omega_capped) / n_tok if n_tok else 0.0,
+        "abs_delta_mean": float(abs_delta_sum) / n_tok if n_tok else 0.0,
     }
 
 

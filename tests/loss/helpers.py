@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+CLIP = {"eps_low": 0.005, "eps_high": 0.005, "cap": 5.0}
+"""ε_low, ε_high and C for the tests that do not vary them (the hand examples are worked with these)."""
+
 
 def random_step(gen: torch.Generator, num_exec: int, max_len: int, vocab: int, hidden: int, dtype=torch.float64):
     """A step of `num_exec` executions with L_i in [1, max_len] targets each, as flat token rows.

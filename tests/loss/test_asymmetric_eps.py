@@ -24,6 +24,7 @@ import gyre.loss as L
 from gyre.loss import reference as R
 
 EPS_LOW, EPS_HIGH = 0.002, 0.05
+CLIP = {"eps_low": EPS_LOW, "eps_high": EPS_HIGH, "cap": 5.0}
 E = 4
 
 #                 e0     e0    off   e1     e2    e3      e3
@@ -64,15 +65,15 @@ def _check(loss, grad, metrics):
 def test_reference_gates_each_side_with_its_own_eps(prepass):
     lp, b, mask, ei, tw, adv, lens = _inputs()
     sums = R.exec_logratio_partial_sums(lp, b, mask, ei, E) if prepass else None
-    terms = R.gspo_terms(lp, b, mask, ei, adv, lens, exec_logratio_sum=sums, eps_low=EPS_LOW, eps_high=EPS_HIGH)
+    terms = R.gspo_terms(lp, b, mask, ei, adv, lens, exec_logratio_sum=sums, **CLIP)
     assert terms["gate"].tolist() == GATE
     torch.testing.assert_close(terms["ratio"], torch.tensor(RATIO, dtype=torch.float64), rtol=1e-12, atol=0)
     x = lp.clone().requires_grad_()
-    loss, m = R.gspo_loss(x, b, mask, ei, tw, adv, lens, exec_logratio_sum=sums, eps_low=EPS_LOW, eps_high=EPS_HIGH)
+    loss, m = R.gspo_loss(x, b, mask, ei, tw, adv, lens, exec_logratio_sum=sums, **CLIP)
     loss.backward()
     _check(loss, x.grad, m)
     # docs/design.md §6 written literally agrees
-    d = R.gspo_loss_from_definition(lp, b, mask, ei, adv, lens, E, eps_low=EPS_LOW, eps_high=EPS_HIGH)
+    d = R.gspo_loss_from_definition(lp, b, mask, ei, adv, lens, E, **CLIP)
     assert d.item() == pytest.approx(LOSS, rel=1e-12)
 
 
@@ -95,6 +96,6 @@ def test_fused_kernel_gates_each_side_with_its_own_eps(device, prepass):
     torch.testing.assert_close(ratio.cpu(), torch.tensor(RATIO, dtype=torch.float64), rtol=1e-12, atol=0)
     torch.testing.assert_close(coeff.cpu(), torch.tensor(GRAD, dtype=torch.float64), rtol=1e-12, atol=1e-15)
     x = lp.clone().requires_grad_()
-    loss, m = L.gspo_loss(x, b, mask, ei, tw, adv, lens, exec_logratio_sum=sums, eps_low=EPS_LOW, eps_high=EPS_HIGH)
+    loss, m = L.gspo_loss(x, b, mask, ei, tw, adv, lens, exec_logratio_sum=sums, **CLIP)
     loss.backward()
     _check(loss, x.grad, m)

@@ -9,7 +9,7 @@ import torch
 import gyre.loss as L
 from gyre.loss import _ext
 from gyre.loss import reference as R
-from tests.loss.helpers import random_step, rel, token_weight
+from tests.loss.helpers import CLIP, random_step, rel, token_weight
 
 pytestmark = [
     pytest.mark.gpu,
@@ -68,10 +68,10 @@ def test_gspo_loss_cuda_match_reference(prepass):
     sums = R.exec_logratio_partial_sums(lp, b, mask, ei, 7) if prepass else None
     a = lp.cuda().requires_grad_()
     loss, m = L.gspo_loss(a, b.cuda(), mask.cuda(), ei.cuda(), tw.cuda(), p["advantages"].cuda(),
-                          p["lengths"].cuda(), exec_logratio_sum=None if sums is None else sums.cuda())
+                          p["lengths"].cuda(), exec_logratio_sum=None if sums is None else sums.cuda(), **CLIP)
     loss.backward()
     r = lp.double().requires_grad_()
-    loss_r, m_r = R.gspo_loss(r, b, mask, ei, tw, p["advantages"], p["lengths"], exec_logratio_sum=sums)
+    loss_r, m_r = R.gspo_loss(r, b, mask, ei, tw, p["advantages"], p["lengths"], exec_logratio_sum=sums, **CLIP)
     loss_r.backward()
     assert loss.item() == pytest.approx(loss_r.item(), rel=1e-10, abs=1e-14)
     assert rel(a.grad.cpu(), r.grad) <= 1e-6

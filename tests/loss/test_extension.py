@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import gyre.loss as L
 from gyre.loss import _ext
 from gyre.loss import reference as R
-from tests.loss.helpers import random_step, rel, token_weight
+from tests.loss.helpers import CLIP, random_step, rel, token_weight
 
 pytestmark = pytest.mark.skipif(not L.extension_available(), reason="gyre._C not built (pip install -e .)")
 
@@ -103,10 +103,10 @@ def test_gspo_loss_matches_reference_random_packings(seed, num_exec, prepass, dt
     tw = torch.where(mask, token_weight(p["advantages"], p["lengths"], ei.clamp_min(0), num_exec), 0.0)
     sums = R.exec_logratio_partial_sums(lp, b, mask, ei, num_exec) if prepass else None
     a = lp.clone().requires_grad_()
-    loss, m = L.gspo_loss(a, b, mask, ei, tw, p["advantages"], p["lengths"], exec_logratio_sum=sums)
+    loss, m = L.gspo_loss(a, b, mask, ei, tw, p["advantages"], p["lengths"], exec_logratio_sum=sums, **CLIP)
     loss.backward()
     r = lp.double().clone().requires_grad_()
-    loss_r, m_r = R.gspo_loss(r, b, mask, ei, tw, p["advantages"], p["lengths"], exec_logratio_sum=sums)
+    loss_r, m_r = R.gspo_loss(r, b, mask, ei, tw, p["advantages"], p["lengths"], exec_logratio_sum=sums, **CLIP)
     loss_r.backward()
     assert loss.item() == pytest.approx(loss_r.item(), rel=1e-12, abs=1e-15)
     assert a.grad.dtype == dtype

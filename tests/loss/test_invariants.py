@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import gyre.loss as L
 from gyre.loss import reference as R
 from tests.distributed import run_ranks
-from tests.loss.helpers import random_step, rel, token_weight
+from tests.loss.helpers import CLIP, random_step, rel, token_weight
 
 NUM_EXEC, MAX_LEN, VOCAB, HID = 6, 12, 29, 8
 
@@ -36,9 +36,10 @@ def _full_reference(seed: int):
     w = p["weight"].clone().requires_grad_()
     lp = R.token_logprobs_from_hidden(p["hidden"], w, p["targets"])
     mask = torch.ones_like(p["exec_index"], dtype=torch.bool)
-    loss = R.gspo_loss_from_definition(lp, p["behavior"], mask, p["exec_index"], p["advantages"], p["lengths"], NUM_EXEC)
+    loss = R.gspo_loss_from_definition(lp, p["behavior"], mask, p["exec_index"], p["advantages"], p["lengths"], NUM_EXEC,
+                                       **CLIP)
     loss.backward()
-    gates = R.gspo_terms(lp.detach(), p["behavior"], mask, p["exec_index"], p["advantages"], p["lengths"])["gate"]
+    gates = R.gspo_terms(lp.detach(), p["behavior"], mask, p["exec_index"], p["advantages"], p["lengths"], **CLIP)["gate"]
     return loss.item(), w.grad, gates
 
 
@@ -72,7 +73,7 @@ def _rank_train(seed: int, micro: int) -> tuple[float, torch.Tensor]:
     total = torch.zeros(1, dtype=torch.float64)
     for i in steps:
         lp = L.token_logprobs_from_hidden(p["hidden"][i], w, p["targets"][i], chunk_size=5)
-        loss, _ = L.gspo_loss(lp, *batch(i), p["token_weight"][i], p["advantages"], p["lengths"], exec_logratio_sum=sums)
+        loss, _ = L.gspo_loss(lp, *batch(i), p["token_weight"][i], p["advantages"], p["lengths"], exec_logratio_sum=sums, **CLIP)
         loss.backward()
         total += loss.detach()
     grad = w.grad if w.grad is not None else torch.zeros_like(w)
@@ -111,7 +112,7 @@ def test_invariant1_one_pass_whole_executions(seed, micro):
             continue
         lp = L.token_logprobs_from_hidden(p["hidden"][idx], w, p["targets"][idx], chunk_size=4)
         loss, _ = L.gspo_loss(lp, p["behavior"][idx], torch.ones(idx.numel(), dtype=torch.bool), p["exec_index"][idx],
-                              p["token_weight"][idx], p["advantages"], p["lengths"])
+                              p["token_weight"][idx], p["advantages"], p["lengths"], **CLIP)
         loss.backward()
         total += loss.item()
     assert total == pytest.approx(loss_ref, rel=1e-10, abs=1e-13)
@@ -134,9 +135,9 @@ def test_split_execution_needs_the_prepass():
     assert float(sums) == pytest.approx(math.log(6.0) - 1.8, rel=1e-12)
     for loss_fn in (L.gspo_loss, R.gspo_loss):  # the dispatcher (fused when built) and the reference
         with pytest.raises(ValueError, match=r"execution 0 has 2 of its L_i = 3 targets .* exec_logratio_sum"):
-            loss_fn(lp[part], b[part], one, torch.zeros(2, dtype=torch.long), tw[part], adv, lens)
+            loss_fn(lp[part], b[part], one, torch.zeros(2, dtype=torch.long), tw[part], adv, lens, **CLIP)
     _, pre = L.gspo_loss(lp[part], b[part], one, torch.zeros(2, dtype=torch.long), tw[part], adv, lens,
-                         exec_logratio_sum=sums)
+                         exec_logratio_sum=sums, **CLIP)
     assert pre["clip_frac"] == 0.0
     assert pre["ratio_mean"] == pytest.approx(math.exp((math.log(6.0) - 1.8) / 3), rel=1e-12)
 
@@ -193,7 +194,8 @@ def _tree_loss(shared_on: int, seed: int):
     mask_t = torch.tensor(mask)
     tw = torch.where(mask_t, token_weight(adv, lens, ei_t.clamp_min(0), 2), 0.0)
     lp = L.token_logprobs_from_hidden(torch.cat(hid), w, torch.tensor(tgt), chunk_size=4)
-    loss, _ = L.gspo_loss(lp, torch.tensor(b, dtype=torch.float64), mask_t, ei_t, tw, adv, lens, eps_low=0.5, eps_high=0.5)
+    loss, _ = L.gspo_loss(lp, torch.tensor(b, dtype=torch.float64), mask_t, ei_t, tw, adv, lens,
+                          eps_low=0.5, eps_high=0.5, cap=5.0)
     loss.backward()
     return loss.item(), emb.grad, w.grad
 
@@ -230,7 +232,7 @@ def test_invariant3_weight_independent_of_paths(seed, paths, one_path_len):
     for delta_scale in (0.0, 1.0):
         lp.grad = None
         b = lp.detach() - delta_scale * torch.randn(n, generator=g, dtype=torch.float64)
-        loss, _ = L.gspo_loss(lp, b, mask_t, ei_t, tw, adv, lens, eps_low=10.0, eps_high=10.0)
+        loss, _ = L.gspo_loss(lp, b, mask_t, ei_t, tw, adv, lens, eps_low=10.0, eps_high=10.0, cap=5.0)
         loss.backward()
         per_exec = [float(lp.grad[ei_t == i].abs().sum()) for i in (0, 1)]
         if delta_scale == 0.0:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre.loss import reference as R
-from tests.loss.helpers import random_step, token_weight
+from tests.loss.helpers import CLIP, random_step, token_weight
 
 
 def hand_example():
@@ -36,7 +36,7 @@ def test_hand_computed_two_executions():
     # token_weight = −A_i/(|E|·L_i): exec 0 → −1/4, exec 1 → +1/12
     tw = torch.where(mask, -adv[ei.clamp_min(0)] / (2 * lengths[ei.clamp_min(0)].double()), 0.0)
     lp = lp.clone().requires_grad_()
-    loss, m = R.gspo_loss(lp, b, mask, ei, tw, adv, lengths)
+    loss, m = R.gspo_loss(lp, b, mask, ei, tw, adv, lengths, **CLIP)
     loss.backward()
     e09 = math.exp(-0.9)
     # loss = −(1/2)·[0 + (−0.5/3)·(5·(−0.5) + e^{−0.9}·(−1.5) + e^{−0.9}·(−2.5))] = −(2.5 + 4e^{−0.9})/12
@@ -44,7 +44,7 @@ def test_hand_computed_two_executions():
     # ∂loss/∂ℓ_t = −m_i·A_i·ω_t/(|E|·L_i): exec 0 gated → 0; exec 1 → ω_t/12
     expected = torch.tensor([0.0, 5 / 12, 0.0, 0.0, e09 / 12, e09 / 12], dtype=torch.float64)
     torch.testing.assert_close(lp.grad, expected, rtol=1e-12, atol=1e-15)
-    terms = R.gspo_terms(lp, b, mask, ei, adv, lengths)
+    terms = R.gspo_terms(lp, b, mask, ei, adv, lengths, **CLIP)
     assert terms["gate"].tolist() == [0.0, 1.0]
     assert terms["ratio"][0].item() == pytest.approx(math.exp(0.01), rel=1e-12)
     assert terms["ratio"][1].item() == pytest.approx(math.exp((math.log(6) - 1.8) / 3), rel=1e-12)
@@ -56,7 +56,7 @@ def test_hand_computed_two_executions():
     assert m["ratio_max"] == pytest.approx(math.exp(0.01))
     assert m["abs_delta_mean"] == pytest.approx((0.02 + math.log(6) + 1.8) / 5)
     # docs/design.md §6 written literally gives the same number
-    assert R.gspo_loss_from_definition(lp, b, mask, ei, adv, lengths, 2).item() == pytest.approx(loss.item(), rel=1e-12)
+    assert R.gspo_loss_from_definition(lp, b, mask, ei, adv, lengths, 2, **CLIP).item() == pytest.approx(loss.item(), rel=1e-12)
 
 
 def test_negative_advantage_clipped_below():
@@ -64,13 +64,13 @@ def test_negative_advantage_clipped_below():
     lp = torch.tensor([-1.0], dtype=torch.float64, requires_grad=True)
     b = torch.tensor([-0.99], dtype=torch.float64)
     loss, m = R.gspo_loss(lp, b, torch.tensor([True]), torch.tensor([0]), torch.tensor([0.5], dtype=torch.float64),
-                          torch.tensor([-0.5], dtype=torch.float64), torch.tensor([1]))
+                          torch.tensor([-0.5], dtype=torch.float64), torch.tensor([1]), **CLIP)
     loss.backward()
     assert m["clip_frac"] == 1.0 and float(lp.grad) == 0.0
     # ...but with a wider ε_low it trains: ∂/∂ℓ = ω·token_weight = e^{−0.01}·0.5
     lp.grad = None
     loss, m = R.gspo_loss(lp, b, torch.tensor([True]), torch.tensor([0]), torch.tensor([0.5], dtype=torch.float64),
-                          torch.tensor([-0.5], dtype=torch.float64), torch.tensor([1]), eps_low=0.02)
+                          torch.tensor([-0.5], dtype=torch.float64), torch.tensor([1]), **{**CLIP, "eps_low": 0.02})
     loss.backward()
     assert m["clip_frac"] == 0.0 and float(lp.grad) == pytest.approx(0.5 * math.exp(-0.01), rel=1e-12)
 
@@ -94,10 +94,10 @@ def test_packed_form_equals_definition(seed, num_exec):
     b, mask = p["behavior"][perm], torch.ones(n, dtype=torch.bool)
     tw = token_weight(p["advantages"], p["lengths"], ei, num_exec)
     a = lp.clone().requires_grad_()
-    loss, _ = R.gspo_loss(a, b, mask, ei, tw, p["advantages"], p["lengths"])
+    loss, _ = R.gspo_loss(a, b, mask, ei, tw, p["advantages"], p["lengths"], **CLIP)
     loss.backward()
     d = lp.clone().requires_grad_()
-    ref = R.gspo_loss_from_definition(d, b, mask, ei, p["advantages"], p["lengths"], num_exec)
+    ref = R.gspo_loss_from_definition(d, b, mask, ei, p["advantages"], p["lengths"], num_exec, **CLIP)
     ref.backward()
     assert loss.item() == pytest.approx(ref.item(), rel=1e-10, abs=1e-14)
     torch.testing.assert_close(a.grad, d.grad, rtol=1e-10, atol=1e-14)
@@ -109,13 +109,13 @@ def test_bad_inputs_name_the_field():
               exec_index=torch.zeros(3, dtype=torch.long), token_weight=torch.zeros(3, dtype=torch.float64),
               advantages=torch.ones(1, dtype=torch.float64), exec_lengths=torch.tensor([3]))
     with pytest.raises(ValueError, match="behavior_logprobs"):
-        R.gspo_loss(lp, **{**ok, "behavior_logprobs": torch.zeros(2)})
+        R.gspo_loss(lp, **{**ok, "behavior_logprobs": torch.zeros(2)}, **CLIP)
     with pytest.raises(ValueError, match="exec_index out of range"):
-        R.gspo_loss(lp, **{**ok, "exec_index": torch.tensor([0, 1, 0])})
+        R.gspo_loss(lp, **{**ok, "exec_index": torch.tensor([0, 1, 0])}, **CLIP)
     with pytest.raises(ValueError, match="target_mask must be bool"):
-        R.gspo_loss(lp, **{**ok, "target_mask": torch.ones(3)})
+        R.gspo_loss(lp, **{**ok, "target_mask": torch.ones(3)}, **CLIP)
     with pytest.raises(ValueError, match="exec_lengths"):
-        R.gspo_loss(lp, **{**ok, "exec_lengths": torch.tensor([0])})
+        R.gspo_loss(lp, **{**ok, "exec_lengths": torch.tensor([0])}, **CLIP)
     with pytest.raises(ValueError, match="targets out of range"):
         R.token_logprobs(torch.zeros(2, 4), torch.tensor([0, 4]))
 
@@ -144,7 +144,7 @@ def test_microstep_entry_point_matches_hand_example():
                    behavior_logprobs=b.float(), exec_index=ei, token_weight=tw, advantages=adv,
                    exec_lengths=lengths, num_executions=2)
     a = lp.clone().requires_grad_()
-    loss, m = gspo_loss_for_microstep(a, ms)
+    loss, m = gspo_loss_for_microstep(a, ms, **CLIP)
     loss.backward()
     # behavior rounded to float32 moves δ by ~1e-8: same gates, loss to ~1e-7
     assert loss.item() == pytest.approx(-(2.5 + 4 * math.exp(-0.9)) / 12, rel=1e-6)
