@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol
 
 
@@ -160,17 +160,3 @@ class EventLog:
         with open(path, "w") as fh:
             for e in self.events:
                 fh.write(json.dumps({"t": e.t, "kind": e.kind, **e.data}) + "\n")
-
-    @staticmethod
-    def read_jsonl(path: str) -> "EventLog":
-        log = EventLog()
-        with open(path) as fh:
-            for line in fh:
-                row = json.loads(line)
-                t, kind = row.pop("t"), row.pop("kind")
-                log.events.append(Event(t, kind, row))
-        return log
-
-
-def decision_dict(dec: Decision) -> dict[str, Any]:
-    return {"type": type(dec).__name__, **asdict(dec)}

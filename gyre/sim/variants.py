@@ -20,7 +20,6 @@ only make the baselines stronger (docs/theory.md §5 reports both).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import replace
 
 from gyre.sim.config import SimConfig
@@ -111,10 +110,6 @@ def run_variants(
                 best = (res, cfg)
         out[name] = (best[0], best[1], len(cands))
     return out
-
-
-def config_dict(cfg: SimConfig) -> dict:
-    return dataclasses.asdict(cfg)
 
 
 def evaluate(cfg: SimConfig, durations: DurationModel, seeds: list[int], label: str) -> list[SimResult]:
