@@ -1,6 +1,6 @@
 """Configuration of the executions plane: harness runner, evaluator, dataset (docs/design.md §4–5).
 
-Tyro-friendly dataclasses; the lead nests `ExecutionsConfig` into `gyre.config`.
+`ExecutionsConfig` is the `--executions.*` section of `gyre.config.GyreConfig`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Proxy configuration (tyro-friendly; the lead nests `ProxyConfig` into `gyre.config`)."""
+"""Proxy configuration: `ProxyConfig` is the `--proxy.*` section of `gyre.config.GyreConfig`."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ reasoning tags, from its template or --proxy.chat-format) decides the stop ids, 
 tool-call opening and how sampled text is parsed: `events()` yields text, `ToolCall`s and
 `Reasoning` pieces (thinking, which adapters return apart from the answer).
 
-Fair sharing (issue 20: a hostile harness cannot hurt the run). One execution (all its keys) may
+Fair sharing (docs/design.md §4, untrusted callers: a hostile harness cannot hurt the run). One execution (all its keys) may
 have `max_calls_per_key` calls in flight and start `calls_per_second_per_key` calls a second
 (token bucket, burst 2x); past either it gets a 429 before its body is read (`Proxy.admit`). Text
 that cannot fit in the context (characters / the longest token > max_context_tokens) is refused

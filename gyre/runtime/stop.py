@@ -1,4 +1,4 @@
-"""The end of a run: one ordered sequence, whatever step the run was in (issue 36 item 1).
+"""The end of a run: one ordered sequence, whatever step the run was in (README.md, "What the main job does").
 
 Every end takes it — the last step done, a worker's failure, a health stop, a silent rank, a
 write error, SIGINT/SIGTERM — and each phase runs even when an earlier one raised (its error

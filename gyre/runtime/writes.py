@@ -1,5 +1,5 @@
 """Write errors of a run: every failed write is one error the controller sees, states once and
-stops on (issue 36 item 2).
+stops on (README.md, "What the main job does").
 
 A full disk used to kill the execution tasks unnoticed (the ENOSPC writing `result.json` ended
 an asyncio task nobody awaited: no group became ready, the run waited forever). Here every

@@ -1,4 +1,4 @@
-"""Materialize a training step into packed micro-steps (docs/design.md §5–6, issue 3 item 5).
+"""Materialize a training step into packed micro-steps (docs/design.md §5 packing, §6).
 
 Input: the step's executions, each with its prefix tree, its selection and its advantage A_i.
 Output: `MicroStep`s of at most `max_tokens` tokens. Every selected trajectory becomes one whole

@@ -1,4 +1,4 @@
-"""Append-only on-disk TITO store: one binary file per execution (docs/design.md §4, issue 3 item 1).
+"""Append-only on-disk TITO store: one binary file per execution (docs/design.md §4, docs/trajectory.md).
 
 File layout (little-endian):
 

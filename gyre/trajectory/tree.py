@@ -4,7 +4,7 @@ Every call contributes the sequence input_ids + output_ids. Identical prefixes s
 compaction, sub-agents, retries and edited histories appear as branches; the candidate
 trajectories are the leaves.
 
-Provenance (issue 3, item 2). A tree position is a *target* iff some call sampled the token at
+Provenance (docs/design.md §5). A tree position is a *target* iff some call sampled the token at
 that position, i.e. the position lies in the output part of a call whose whole sequence runs
 through it. Because a tree position is its full prefix, this is exactly "the same token id in
 the same context": an earlier output that reappears verbatim, at the same position, in a later
@@ -80,7 +80,7 @@ class _Seg:
 
 @dataclass
 class TreeStats:
-    """Per-execution statistics (issue 3, item 2). Token and segment counts are always known;
+    """Per-execution statistics (the report of docs/design.md §5). Token and segment counts are always known;
     message counts are None when no call reported message boundaries."""
 
     calls: int
