@@ -79,6 +79,24 @@ class ChatFormat:
     examples: dict[str, Any] = field(default_factory=dict)
 
 
+CHATML: dict[str, Any] = {
+    "turn_start": "<|im_start|>",
+    "generation_prompt": "<|im_start|>assistant\n",
+    "end_of_turn": "<|im_end|>",
+    "stop_tokens": ("<|im_end|>", "<|endoftext|>"),
+}
+"""The turn fields of every ChatML format (Qwen2.5, Qwen3, Qwen3-Coder, Qwen3.5): `ChatFormat(**CHATML, ...)`."""
+
+QWEN3_THINKING: dict[str, Any] = {
+    "reasoning": ReasoningTags("<think>", "</think>", "<tool_call>"),
+    "strips_past_reasoning": True,
+    "thinking_switch": "enable_thinking",
+    "sglang_reasoning_parser": "qwen3",
+}
+"""Qwen3's thinking, shared by Qwen3 and Qwen3.5: `<think>` tags, past reasoning dropped by the
+template, `enable_thinking`, SGLang's `--reasoning-parser qwen3`."""
+
+
 class ReasoningParser:
     """Thinking out of streamed text, with SGLang 0.5.23's one-shot semantics
     (sglang/srt/parser/reasoning_parser.py:186-230, BaseReasoningFormatDetector._detect_and_parse_impl):

@@ -12,7 +12,7 @@ functions that are not among the request's tools are returned as written (SGLang
 
 from __future__ import annotations
 
-from gyre.proxy.formats.base import ChatFormat
+from gyre.proxy.formats.base import CHATML, ChatFormat
 from gyre.proxy.textstream import ToolCallParser, tool_call_opening
 
 
@@ -28,10 +28,7 @@ def detect(template: str) -> bool:
 FORMAT = ChatFormat(
     name="qwen2.5",
     description="Qwen2.5 / Gyre's tokenizer: ChatML, Hermes <tool_call> JSON",
-    turn_start="<|im_start|>",
-    generation_prompt="<|im_start|>assistant\n",
-    end_of_turn="<|im_end|>",
-    stop_tokens=("<|im_end|>", "<|endoftext|>"),
+    **CHATML,
     tool_syntax="hermes",
     make_tool_parser=hermes_parser,
     tool_call_opening=tool_call_opening,

@@ -12,7 +12,7 @@ calls as `--tool-call-parser qwen25` (gyre.proxy.formats.qwen25).
 
 from __future__ import annotations
 
-from gyre.proxy.formats.base import ChatFormat, ReasoningTags
+from gyre.proxy.formats.base import CHATML, QWEN3_THINKING, ChatFormat
 from gyre.proxy.formats.qwen25 import hermes_parser
 from gyre.proxy.textstream import tool_call_opening
 
@@ -25,17 +25,11 @@ def detect(template: str) -> bool:
 FORMAT = ChatFormat(
     name="qwen3",
     description="Qwen3: ChatML, Hermes <tool_call> JSON, <think> reasoning, enable_thinking",
-    turn_start="<|im_start|>",
-    generation_prompt="<|im_start|>assistant\n",
-    end_of_turn="<|im_end|>",
-    stop_tokens=("<|im_end|>", "<|endoftext|>"),
+    **CHATML,
     tool_syntax="hermes",
     make_tool_parser=hermes_parser,
     tool_call_opening=tool_call_opening,
     detect=detect,
-    reasoning=ReasoningTags("<think>", "</think>", "<tool_call>"),
-    strips_past_reasoning=True,
-    thinking_switch="enable_thinking",
+    **QWEN3_THINKING,
     sglang_tool_parser="qwen25",
-    sglang_reasoning_parser="qwen3",
 )

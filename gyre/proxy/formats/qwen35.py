@@ -13,7 +13,7 @@ force_reasoning, sglang/srt/parser/reasoning_parser.py:441-485); tool calls pars
 
 from __future__ import annotations
 
-from gyre.proxy.formats.base import ChatFormat, ReasoningTags
+from gyre.proxy.formats.base import CHATML, QWEN3_THINKING, ChatFormat
 from gyre.proxy.formats.qwen3_coder import XmlToolParser, tool_call_opening
 
 
@@ -24,17 +24,11 @@ def detect(template: str) -> bool:
 FORMAT = ChatFormat(
     name="qwen3.5",
     description="Qwen3.5: ChatML, XML <function=...> tool calls, <think> opened by the prompt, enable_thinking",
-    turn_start="<|im_start|>",
-    generation_prompt="<|im_start|>assistant\n",
-    end_of_turn="<|im_end|>",
-    stop_tokens=("<|im_end|>", "<|endoftext|>"),
+    **CHATML,
     tool_syntax="xml",
     make_tool_parser=XmlToolParser,
     tool_call_opening=tool_call_opening,
     detect=detect,
-    reasoning=ReasoningTags("<think>", "</think>", "<tool_call>"),
-    strips_past_reasoning=True,
-    thinking_switch="enable_thinking",
+    **QWEN3_THINKING,
     sglang_tool_parser="qwen3_coder",
-    sglang_reasoning_parser="qwen3",
 )

@@ -28,7 +28,7 @@ import re
 import warnings
 from typing import Any
 
-from gyre.proxy.formats.base import ChatFormat
+from gyre.proxy.formats.base import CHATML, ChatFormat
 from gyre.proxy.textstream import ToolCall, _prefix_overlap
 
 logger = logging.getLogger(__name__)
@@ -242,10 +242,7 @@ def detect(template: str) -> bool:
 FORMAT = ChatFormat(
     name="qwen3-coder",
     description="Qwen3-Coder: ChatML, XML <function=...> tool calls",
-    turn_start="<|im_start|>",
-    generation_prompt="<|im_start|>assistant\n",
-    end_of_turn="<|im_end|>",
-    stop_tokens=("<|im_end|>", "<|endoftext|>"),
+    **CHATML,
     tool_syntax="xml",
     make_tool_parser=XmlToolParser,
     tool_call_opening=tool_call_opening,
