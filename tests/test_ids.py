@@ -36,7 +36,7 @@ ids = st.one_of(
     st.text(alphabet=ALNUM + "._-", min_size=120, max_size=210),
     st.builds(lambda a, b: a + b, st.text(alphabet=ALNUM, min_size=1, max_size=3), st.sampled_from(["\n", "/x", "", " "])),
 )
-settings_ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+settings_ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @settings_
