@@ -1,9 +1,9 @@
 """The loss's own settings (docs/design.md §6): clip range, IS-weight cap, and what |E| counts.
 
 The actors read ε and C from here and pass the three numbers to `gyre.loss.gspo_loss`, which
-takes them without defaults (these are the only ones); the
-controller reads `denominator` to turn a step's execution counts into the one gradient factor
-the core applies before clipping (`grad_scale`).
+takes them without defaults (these are the only ones); the controller reads `denominator` to
+turn a step's execution counts into the one gradient factor the core applies before clipping
+(`grad_scale`).
 """
 
 from __future__ import annotations
