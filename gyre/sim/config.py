@@ -66,7 +66,8 @@ class DurationConfig:
     preset: Literal["nl2repo-122b"] = "nl2repo-122b"
     """Fitted to NL2RepoBench, 122B: exec mean 1.93 h, query mean 2.96 h, 9.51 % > 4 h, 6.25 % timeouts."""
     path: str = ""
-    """CSV file (group,duration_s[,timed_out]) or run directory (executions.csv / .jsonl)."""
+    """CSV file (group,duration_s[,timed_out]) or run directory (executions.csv / .jsonl, else the
+    events.jsonl a gyre.run run directory holds)."""
     m: float = 0.5
     """lognormal: log-hours location m."""
     sigma_q: float = 0.4
