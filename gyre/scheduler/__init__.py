@@ -35,7 +35,7 @@ Decisions (gyre.scheduler.events):
     SwitchToTrain(cell)                       drain/reroute the cell's calls, build the actor;
                                               a satellite pulls the core's current snapshot
     SwitchToRollout(cell)                     burst end: back to serving rollouts
-    OptimizerStep(step, cells, final)         all work of the step is done: `cells` (= 0..k−1,
+    OptimizerStep(step, cells, final_in_burst) all work of the step is done: `cells` (= 0..k−1,
                                               the TRAIN prefix now) reduce over prefix group k,
                                               the core clips and steps
     Publish(version)                          the core publishes the new policy
