@@ -130,7 +130,8 @@ class Profile:
         """The measured setting with the costs of `draw` (default: the point estimate)."""
         draw = draw if draw is not None else self.point()
         base = SimConfig()
-        parts = {"cluster": dict(self.cluster), "scheduler": dict(self.scheduler), "training": dict(self.training)}
+        cluster = {k: v for k, v in self.cluster.items() if k != "gpus_per_node"}  # the planner's, not the simulator's
+        parts = {"cluster": cluster, "scheduler": dict(self.scheduler), "training": dict(self.training)}
         for name, (section, fld) in COSTS.items():
             if name in draw:
                 parts[section][fld] = float(draw[name])
