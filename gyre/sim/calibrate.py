@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from gyre.sim.config import SimConfig
+from gyre.sim.durations import HierarchicalLogNormal
 from gyre.sim.profile import FORMAT, Profile, ProfileError
 
 BOOTSTRAP = 200
@@ -80,6 +81,7 @@ class RunData:
         self.metrics = _read_jsonl(os.path.join(path, "metrics.jsonl")) if os.path.exists(os.path.join(path, "metrics.jsonl")) else []
         self.summary = _read_json(os.path.join(path, "summary.json"))
         self.config = _read_json(os.path.join(path, "run.json")).get("config", {})
+        self.sim_result = _read_json(os.path.join(path, "result.json"))  # a simulator's out_dir (gyre.sim --out-dir)
         self.path = path
         self._parse()
 
@@ -95,6 +97,7 @@ class RunData:
         self.item_s: dict[int, list[float]] = defaultdict(list)
         self.step_work: dict[int, float] = defaultdict(float)
         self.items_of_group: dict[Any, int] = defaultdict(int)
+        self.step_groups: dict[int, set] = defaultdict(set)
         opt_start: dict = {}
         self.opt = {True: [], False: []}
         self.cells_seen = 0
@@ -120,6 +123,7 @@ class RunData:
                     self.switch[what[0]].append(t - what[1])
             elif k == "claim":
                 claim[e["cell"]] = (t, e["step"], e["group"], e.get("item", 0))
+                self.step_groups[e["step"]].add(e["group"])
                 self.items_of_group[e["group"]] = max(self.items_of_group[e["group"]], e.get("item", 0) + 1)
             elif k == "item_done" and e["cell"] in claim:
                 t0, step, _, _ = claim.pop(e["cell"])
@@ -132,6 +136,21 @@ class RunData:
                 self.opt[final].append(t - t0)
         if not self.exec_dur:
             raise CalibrationError(f"{self.path}: events.jsonl has no exec_start/exec_finish pairs")
+        end = self.events[-1]["t"] if self.events else 0.0
+        # still running when the run ended: (group, time it had run) - long ones are censored timeouts
+        self.unfinished = [(g, end - ts) for (g, _), q in start.items() for ts in q]
+
+    def step_work_normalized(self) -> list[float]:
+        """Each step's work per second of its executions' mean duration: the simulator scales a
+        micro-step's work with its execution's duration / the duration law's mean, and the groups a
+        step takes first are the short ones, so the raw mean per step would be low by that selection.
+        Multiplied by the fitted law's mean it is the simulator's cell_hours_per_step."""
+        out = []
+        for step, work in sorted(self.step_work.items()):
+            durs = [d for g in self.step_groups.get(step, ()) for d in self.exec_dur.get(g, [])]
+            if durs and np.mean(durs) > 0:
+                out.append(work / float(np.mean(durs)))
+        return out
 
     def running_load(self) -> tuple[np.ndarray, np.ndarray]:
         """Per execution: (duration, mean number of executions running over its lifetime)."""
@@ -147,8 +166,15 @@ class RunData:
 
 
 def fit_lognormal(groups: list[np.ndarray], cap_s: float) -> dict[str, float]:
-    """m, σ_q, σ_e (log-hours) by moments over the executions below the cap, cap_h."""
-    logs = [np.log(np.maximum(g[g < cap_s * (1 - 1e-6)], 1e-9) / 3600.0) for g in groups]
+    """m, σ_q, σ_e (log-hours) by moments over the executions below the cap, cap_h; groups with at
+    least half their executions at the cap form the *hard* class (hard_frac, and hard_median_h
+    from the share of them that hit the cap, gyre.sim.durations.HierarchicalLogNormal)."""
+    from statistics import NormalDist
+
+    capped = [g >= cap_s * (1 - 1e-6) for g in groups]
+    hard = [c.mean() >= 0.5 for c in capped]
+    normal = [g for g, h in zip(groups, hard) if not h] or groups
+    logs = [np.log(np.maximum(g[g < cap_s * (1 - 1e-6)], 1e-9) / 3600.0) for g in normal]
     logs = [x for x in logs if len(x)]
     if not logs:
         raise CalibrationError("every execution hit the timeout: no duration law can be fitted")
@@ -158,8 +184,13 @@ def fit_lognormal(groups: list[np.ndarray], cap_s: float) -> dict[str, float]:
     var_e = float(sum(within) / dof) if dof else float(np.var(np.concatenate(logs)))
     n_bar = float(np.mean([len(x) for x in logs]))
     var_q = max(float(np.var(means, ddof=1)) - var_e / n_bar, 0.0) if len(means) > 1 else 0.0
-    return {"source": "lognormal", "m": float(means.mean()), "sigma_q": math.sqrt(var_q),
-            "sigma_e": max(math.sqrt(var_e), 1e-6), "cap_h": cap_s / 3600.0}
+    out = {"source": "lognormal", "m": float(means.mean()), "sigma_q": math.sqrt(var_q),
+           "sigma_e": max(math.sqrt(var_e), 1e-6), "cap_h": cap_s / 3600.0, "hard_frac": 0.0, "hard_median_h": 0.0}
+    if any(hard) and len(normal) < len(groups):
+        p = min(float(np.mean([c.mean() for c, h in zip(capped, hard) if h])), 0.999)
+        out["hard_frac"] = float(np.mean(hard))
+        out["hard_median_h"] = cap_s / 3600.0 * math.exp(out["sigma_e"] * NormalDist().inv_cdf(p))
+    return out
 
 
 def _fit_all(runs: list[RunData], rng: np.random.Generator | None) -> dict[str, Any]:
@@ -171,7 +202,7 @@ def _fit_all(runs: list[RunData], rng: np.random.Generator | None) -> dict[str, 
             return a
         return a[rng.integers(len(a), size=len(a))]
 
-    work = pick([w for r in runs for w in r.step_work.values()])
+    work = pick([w for r in runs for w in r.step_work_normalized()])
     final, nonfinal = pick([x for r in runs for x in r.opt[True]]), pick([x for r in runs for x in r.opt[False]])
     to_train = pick([x for r in runs for x in r.switch["train"]])
     to_roll = pick([x for r in runs for x in r.switch["rollout"]])
@@ -180,9 +211,11 @@ def _fit_all(runs: list[RunData], rng: np.random.Generator | None) -> dict[str, 
     if rng is not None:
         groups = [groups[i] for i in rng.integers(len(groups), size=len(groups))]
     cap_s = max(r.cap_s for r in runs)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"durations": fit_lognormal(groups, cap_s)}
     if len(work):
-        out["cell_hours_per_step"] = float(work.mean()) / 3600.0
+        law = HierarchicalLogNormal(**{k: v for k, v in out["durations"].items() if k != "source"})
+        law_mean = float(law.sample(np.random.default_rng(12345), 512, 16).mean())
+        out["cell_hours_per_step"] = float(work.mean()) * law_mean / 3600.0
     if len(final):
         out["optimizer_s"] = float(final.mean())
     if len(nonfinal):
@@ -193,7 +226,6 @@ def _fit_all(runs: list[RunData], rng: np.random.Generator | None) -> dict[str, 
         out["switch_to_rollout_s"] = float(to_roll.mean())
     if len(evals):
         out["eval_s"] = float(evals.mean())
-    out["durations"] = fit_lognormal(groups, cap_s)
     return out
 
 
@@ -217,7 +249,18 @@ def calibrate(run_dirs: list[str], *, name: str = "", bootstrap: int = BOOTSTRAP
     for r in runs:
         durs = np.sort(np.concatenate([np.asarray(g) for g in r.exec_dur.values()]))
         n_to = int((r.summary.get("execution_outcomes") or {}).get("timed_out", 0))
-        r.cap_s = float(np.median(durs[-n_to:])) if n_to else float(durs[-1]) * 2.0  # no timeout seen: 2x the longest
+        at_max = int(np.sum(durs >= durs[-1] * (1 - 1e-6)))
+        if n_to:
+            r.cap_s = float(np.median(durs[-n_to:]))
+        elif at_max >= 2:  # several executions ended at exactly the longest duration: the timeout
+            r.cap_s = float(durs[-1])
+        else:  # no timeout seen: 2x the longest
+            r.cap_s = float(durs[-1]) * 2.0
+        # an execution still running at the end after 0.8x the timeout would (almost surely) hit it:
+        # counted as a timeout, so the slow queries the run had no time to finish are not lost
+        for g, ran in r.unfinished:
+            if ran >= 0.8 * r.cap_s:
+                r.exec_dur[g].append(r.cap_s)
     point = _fit_all(runs, None)
     reps = [_fit_all(runs, np.random.default_rng([seed, i])) for i in range(bootstrap)]
     reroute_s, n_reroute = _reroute(runs)
@@ -239,7 +282,8 @@ def calibrate(run_dirs: list[str], *, name: str = "", bootstrap: int = BOOTSTRAP
     cfg, first = SimConfig(), runs[0]
     sc = first.config.get("scheduler", {})
     n_per_group = int(sc.get("n_per_group") or max(len(g) for g in first.exec_dur.values()))
-    cells = max(len(first.summary.get("train_fraction") or {}), first.cells_seen, 1)
+    cells = max(len(first.summary.get("train_fraction") or {}), len(first.sim_result.get("cell_training_fraction") or []),
+                first.cells_seen, 1)  # a cell that never trained appears in no switch event
     c_e = int((first.config.get("train") or {}).get("cell_concurrency") or cfg.cluster.cell_concurrency)
     fits = _diagnostics(runs, c_e, cells)
     return Profile(
@@ -250,7 +294,7 @@ def calibrate(run_dirs: list[str], *, name: str = "", bootstrap: int = BOOTSTRAP
         training={"reference_nodes": 1},
         costs=costs,
         durations=point["durations"],
-        wall_timeout_h=max(r.cap_s for r in runs) / 3600.0 if any(
+        wall_timeout_h=max(r.cap_s for r in runs) / 3600.0 if any(  # the runner's timeout is wall-clock
             (r.summary.get("execution_outcomes") or {}).get("timed_out") for r in runs) else 0.0,
         replicates=[{k: v for k, v in rep.items()} for rep in reps],
         meta={"source": [os.path.abspath(p) for p in run_dirs], "bootstrap": bootstrap, "fits": fits,
