@@ -103,3 +103,40 @@ def test_calibration_names_what_is_missing(tmp_path):
     (tmp_path / "events.jsonl").write_text(json.dumps({"t": 0.0, "kind": "tick"}) + "\n")
     with pytest.raises(CalibrationError, match="exec_start/exec_finish"):
         calibrate([str(tmp_path)])
+
+
+def test_a_profile_fitted_on_one_seed_predicts_another(tmp_path):
+    """Round trip through the simulator: a run simulated with known costs on seed 0 is calibrated,
+    and the profile predicts seed 1's step time within 5 % (the costs are recovered well enough
+    for what they are for)."""
+    import dataclasses
+    from dataclasses import replace
+
+    from gyre.scheduler.config import SchedulerConfig
+    from gyre.sim.config import ClusterConfig, SimConfig, TrainingModel
+    from gyre.sim.durations import HierarchicalLogNormal
+    from gyre.sim.engine import Simulation
+    from gyre.sim.profile import duration_model, predict, step_seconds
+    from gyre.sim.report import summary
+
+    law = HierarchicalLogNormal(m=0.0, sigma_q=0.2, sigma_e=0.3, cap_h=3.0)
+    cfg = SimConfig(scheduler=SchedulerConfig(n_per_group=8, batch_groups=8),
+                    cluster=ClusterConfig(num_cells=4, cell_concurrency=48),
+                    training=TrainingModel(cell_hours_per_step=0.5, optimizer_s=40.0, param_send_s=20.0,
+                                           switch_to_train_s=15.0, switch_to_rollout_s=5.0, eval_s=30.0),
+                    steps=24)
+    res = Simulation(cfg, law).run()
+    res.log.write_jsonl(str(tmp_path / "events.jsonl"))
+    (tmp_path / "result.json").write_text(json.dumps(summary(res)))
+    # what gyre.run's run.json holds of the setting (C_e is not in the events)
+    (tmp_path / "run.json").write_text(json.dumps({"config": {"scheduler": dataclasses.asdict(cfg.scheduler),
+                                                              "train": {"cell_concurrency": 48}}}))
+    prof = calibrate([str(tmp_path)], bootstrap=50)
+    for name, planted in (("switch_to_train_s", 15.0), ("switch_to_rollout_s", 5.0), ("optimizer_s", 40.0),
+                          ("param_send_s", 20.0), ("eval_s", 30.0)):
+        assert prof.costs[name]["value"] == pytest.approx(planted, rel=1e-6), name
+    assert prof.costs["cell_hours_per_step"]["value"] == pytest.approx(0.5, rel=0.1)
+    assert prof.cluster["num_cells"] == 4
+    held_out = step_seconds(Simulation(replace(cfg, seed=1), law).run())
+    pred = predict(replace(prof.sim_config(), steps=24), duration_model, [], prof.point(), [1])
+    assert pred.step_s == pytest.approx(held_out, rel=0.05)
