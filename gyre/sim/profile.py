@@ -13,8 +13,8 @@ from a run, or what one writes by hand for a cluster one has not run on
   them a prediction draws each cost uniformly from its [lo, hi].
 
 `predict` runs the point profile on several seeds (the estimate) and one simulation per draw
-(each on its own seed), whose 5–95 % range is the interval: it holds both the parameter
-uncertainty and the seed-to-seed spread of a short run.
+(draw i on the i-th of those seeds, cycled), whose 5–95 % range is the interval: it holds the
+parameter uncertainty and the spread between those seeds (a short run's luck).
 """
 
 from __future__ import annotations
@@ -180,12 +180,12 @@ def step_seconds(res: SimResult, skip: int = 0) -> float:
 
 def predict(cfg: SimConfig, durations_of, draws: list[dict[str, Any]], point: dict[str, Any], seeds: list[int],
             skip: int = 0, label: str = "") -> Prediction:
-    """Estimate on `seeds` with the point costs; interval from one run per draw (seed 1000+i).
+    """Estimate on `seeds` with the point costs; interval from one run per draw (seeds cycled).
     `durations_of(spec)` builds the duration law of a draw."""
     est = [Simulation(replace(with_costs(cfg, point), seed=s), durations_of(point["durations"]), label).run()
            for s in seeds]
-    spread = [step_seconds(Simulation(replace(with_costs(cfg, d), seed=1000 + i), durations_of(d["durations"]),
-                                      label).run(), skip) for i, d in enumerate(draws)]
+    spread = [step_seconds(Simulation(replace(with_costs(cfg, d), seed=seeds[i % len(seeds)]),
+                                      durations_of(d["durations"]), label).run(), skip) for i, d in enumerate(draws)]
     k = est[0].num_cells
     return Prediction(
         step_s=float(np.mean([step_seconds(r, skip) for r in est])),
