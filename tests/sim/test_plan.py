@@ -64,3 +64,22 @@ def test_run_flags_name_the_configuration():
     assert flags[flags.index("--parallel.standalone-ranks") + 1] == "16"
     assert flags[flags.index("--train.cell-concurrency") + 1] == "72"  # C_e scales with the cell's nodes
     assert flags[flags.index("--scheduler.mu") + 1] == "2" and "--scheduler.no-serial-join" in flags
+
+
+def test_bad_input_is_refused_by_name(tmp_path, capsys):
+    from gyre.plan import main
+    from gyre.sim.profile import ProfileError
+
+    path = tmp_path / "p.json"
+    _profile().save(str(path))
+    assert main(["--profile", str(path), "--gpus", "3", "--gpus-per-node", "2", "--png", ""]) == 2
+    assert "--gpus 3" in capsys.readouterr().err
+    assert main(["--profile", str(path), "--gpus", "4", "--cell-nodes", "one", "--png", ""]) == 2
+    assert "--cell-nodes" in capsys.readouterr().err
+    raw = _profile().to_dict()
+    raw["costs"]["optimizer_s"] = {"value": 5.0, "lo": 6.0, "hi": 7.0}
+    with pytest.raises(ProfileError, match="costs.optimizer_s"):
+        Profile.from_dict(raw)
+    raw["costs"] = {"optimiser_s": {"value": 1.0}}
+    with pytest.raises(ProfileError, match="optimiser_s"):
+        Profile.from_dict(raw)
