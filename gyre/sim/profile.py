@@ -224,7 +224,10 @@ def predict_main(argv: list[str]) -> int:
     try:
         prof = Profile.load(args.profile)
         cfg = tyro.cli(SimConfig, args=rest, default=prof.sim_config(),
-                       description="Configuration to predict (costs come from the profile).")
+                       description="Predict one configuration from a profile: the profile's setting, changed by "
+                                   "the flags below; its costs come from the profile. Also: --draws N (simulations "
+                                   "over the profile's uncertainty, default 8), --seeds S [S ...] (default 0 1 2), "
+                                   "--skip-steps K (start-up steps left out of s/step).")
         cfg.scheduler.validate(cfg.cluster.num_cells)
         if args.draws < 0 or not args.seeds:
             raise ProfileError("--draws must be >= 0 and --seeds non-empty")
