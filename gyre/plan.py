@@ -205,8 +205,9 @@ def search(planner: Planner, total_nodes: int, max_staleness: float, cell_nodes:
 def frontier(planner: Planner, scored: list[Scored]) -> list[Scored]:
     """The fastest configuration at each E[d] level, on every seed, with its baselines."""
     by_d: dict[float, Scored] = {}
-    for s in scored:
-        if s.cand.staleness not in by_d or s.step_s < by_d[s.cand.staleness].step_s:
+    for s in scored:  # scored on more seeds first (round 2 over round 1), then faster
+        cur = by_d.get(s.cand.staleness)
+        if cur is None or (-s.seeds, s.step_s) < (-cur.seeds, cur.step_s):
             by_d[s.cand.staleness] = s
     out = [planner.score(s.cand, planner.seeds) for _, s in sorted(by_d.items())]
     for s in out:
