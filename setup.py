@@ -122,7 +122,7 @@ def main() -> None:
         long_description_content_type="text/markdown",
         python_requires=">=3.10",
         packages=find_packages(include=["gyre", "gyre.*"]),
-        package_data={"gyre": ["csrc/*.cpp", "csrc/*.h", "csrc/cuda/*.cu", "assets/*", "assets/**/*"]},
+        package_data={"gyre": ["csrc/*.cpp", "csrc/*.h", "csrc/cuda/*.cu", "assets/*", "assets/**/*", "sim/profiles/*.json"]},
         install_requires=[
             TORCH,
             "numpy",

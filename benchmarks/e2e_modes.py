@@ -52,6 +52,8 @@ commit, every run tried); the last line printed is one JSON object of the figure
 
     python benchmarks/e2e_modes.py              # ~33 min on 2 shared cores (6 runs x 2 repeats)
     python benchmarks/e2e_modes.py --repeats 1 --modes gyre   # one gyre run, ~3 min
+    python benchmarks/e2e_modes.py --modes gyre,colocate,async --plan-flags "--scheduler.phi 0.5 --scheduler.mu 2 --scheduler.rho-min 0 --scheduler.tau 0"
+                                # Gyre at E0 and at the planner's recommendation (gyre_plan), C0, A0
 """
 
 from __future__ import annotations
@@ -85,7 +87,41 @@ DEFAULT_RESULTS = ROOT / "benchmarks" / "results" / "e2e_modes.json"
 WINDOW_PERIOD = 6  # lcm(2, 3): the baselines' long/short pairs and Gyre's bursts of 3 steps
 
 
+PLAN_MODE = "gyre_plan"  # Gyre at the planner's recommendation (--plan-flags), run beside the others
+PLAN_KEYS = {"mode": str, "phi": float, "mu": int, "rho-min": float, "tau": int, "tick-s": float}
+PLAN_SWITCHES = {"streaming", "no-streaming", "serial-join", "no-serial-join"}
+_plan_flags: list[str] = []
+
+
+def set_plan_flags(text: str) -> dict:
+    """Take the `--scheduler.*` flags of a `python -m gyre.plan` recommendation as the gyre_plan mode.
+    Other flags (cell size, C_e: the benchmark's own) are refused by name. Returns the scheduler fields."""
+    toks, fields, i = text.split(), {}, 0
+    while i < len(toks):
+        tok = toks[i]
+        key = tok.removeprefix("--scheduler.")
+        if key == tok:
+            raise SystemExit(f"--plan-flags: {tok!r} is not a --scheduler.* flag (the benchmark sets cells and C_e itself)")
+        if key in PLAN_SWITCHES:
+            fields[key.removeprefix("no-")] = not key.startswith("no-")
+            i += 1
+        elif key in PLAN_KEYS and i + 1 < len(toks):
+            fields[key] = PLAN_KEYS[key](toks[i + 1])
+            i += 2
+        else:
+            raise SystemExit(f"--plan-flags: {tok!r} is not one of --scheduler.{{{', '.join(sorted(PLAN_KEYS | dict.fromkeys(PLAN_SWITCHES)))}}}")
+    if "phi" not in fields or "mu" not in fields:
+        raise SystemExit("--plan-flags: give --scheduler.phi and --scheduler.mu (the recommendation's E[d])")
+    if fields.get("mode", "gyre") != "gyre":
+        raise SystemExit("--plan-flags: the recommendation must be a gyre-mode configuration")
+    _plan_flags[:] = toks
+    MODES[PLAN_MODE] = ("gyre", fields.get("phi", 0.0), fields.get("mu", 3), fields.get("streaming", True))
+    return fields
+
+
 def run_args(name: str) -> list[str]:
+    if name == PLAN_MODE:
+        return list(_plan_flags)
     variant, _, k = name.partition("@")
     mode, phi, mu, streaming = MODES[variant]
     args = ["--scheduler.mode", mode, "--scheduler.phi", str(phi), "--scheduler.mu", str(mu),
@@ -189,12 +225,14 @@ def sim_prediction(args: argparse.Namespace, names: list[str], train_s_per_step:
     for name in names:
         variant, _, k = name.partition("@")
         mode, phi, mu, streaming = MODES[variant]
+        plan = args.plan_fields if variant == PLAN_MODE else {}
         steps = []
         for seed in range(6):
             cfg = SimConfig(
                 scheduler=SchedulerConfig(mode=mode, phi=phi, mu=mu, n_per_group=args.n, batch_groups=args.b, streaming=streaming,
-                                          tick_s=args.tick_s * real, tau=args.tau, rho_min=args.rho_min,
-                                          async_train_cells=int(k or 1)),
+                                          tick_s=plan.get("tick-s", args.tick_s) * real, tau=plan.get("tau", args.tau),
+                                          rho_min=plan.get("rho-min", args.rho_min),
+                                          serial_join=plan.get("serial-join", True), async_train_cells=int(k or 1)),
                 cluster=ClusterConfig(num_cells=args.nproc, nodes_per_cell=4, cell_concurrency=args.c_e, kv_recompute_s=0.2 * real),
                 training=TrainingModel(cell_hours_per_step=train_s_per_step * real / 3600.0, reference_nodes=4,
                                        scaling_exponent=1.0, optimizer_s=0.1 * real, param_send_s=0.05 * real,
@@ -237,7 +275,12 @@ def main() -> int:
                    help="--proxy.migration: drained cells' calls move their KV (always/auto) or recompute (off)")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--plan-flags", default="",
+                   help="the --scheduler.* flags of a `python -m gyre.plan` recommendation (quoted): adds the mode "
+                        f"{PLAN_MODE} (Gyre at that setting) to the runs, beside --modes; its flags come after the "
+                        "benchmark's own, so they override --tick-s / --tau / --rho-min for that mode only")
     args = p.parse_args()
+    args.plan_fields = set_plan_flags(args.plan_flags) if args.plan_flags else {}
 
     from examples.longtail.task import make_tasks
 
@@ -248,7 +291,7 @@ def main() -> int:
     with tasks.open("w") as f:
         f.writelines(json.dumps(t) + "\n" for t in make_tasks(256, seed=args.seed, time_scale=args.time_scale,
                                                                extra_args=harness))
-    names = []
+    names = [PLAN_MODE] if args.plan_flags else []
     for mode in args.modes.split(","):
         names += [f"{mode}@{k}" for k in args.async_train_cells.split(",")] if mode in SPLIT_MODES else [mode]
     print(f"runs in {out}", flush=True)
@@ -264,7 +307,7 @@ def main() -> int:
                   f"aborted calls {r['aborted_calls']}  overruns {r['pacing_overruns']}  load {r['loadavg_after']}", flush=True)
     results = {n: _combine(rs) for n, rs in runs.items()}
 
-    shown = {n: results[n] for n in ("gyre", "colocate", "colocate_mu3") if n in results}
+    shown = {n: results[n] for n in ("gyre", PLAN_MODE, "colocate", "colocate_mu3") if n in results}
     best_split = {}
     for variant in SPLIT_MODES:
         splits = {n: r for n, r in results.items() if n.partition("@")[0] == variant}
@@ -277,6 +320,10 @@ def main() -> int:
         for m in shown:
             if m != "gyre":
                 figures[f"speedup_vs_{m}"] = round(shown[m]["step_s"] / shown["gyre"]["step_s"], 3)
+    if PLAN_MODE in shown:  # the recommendation against E0 and the baselines
+        for m in shown:
+            if m != PLAN_MODE:
+                figures[f"plan_speedup_vs_{m}"] = round(shown[m]["step_s"] / shown[PLAN_MODE]["step_s"], 3)
     figures.update({f"{m}_staleness": r["staleness_mean"] for m, r in shown.items()})
     figures["aborted_calls"] = sum(r["aborted_calls"] for r in results.values())
     if args.migration != "off" or args.results != DEFAULT_RESULTS:  # --migration on vs off: per run

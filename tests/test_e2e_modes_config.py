@@ -34,3 +34,19 @@ def test_every_mode_parses_at_matched_staleness(e2e):
 def test_the_window_holds_whole_periods_of_every_mode(e2e):
     period = math.lcm(2, *(mu for _, _, mu, _ in e2e.MODES.values()))
     assert e2e.WINDOW_PERIOD % period == 0
+
+
+def test_plan_flags_become_a_mode_run_as_given():
+    spec = importlib.util.spec_from_file_location("e2e_modes_plan", ROOT / "benchmarks" / "e2e_modes.py")
+    mod = importlib.util.module_from_spec(spec)  # a fresh copy: set_plan_flags adds a mode to MODES
+    spec.loader.exec_module(mod)
+    flags = "--scheduler.phi 0.5 --scheduler.mu 2 --scheduler.rho-min 0 --scheduler.tau 0 --scheduler.no-serial-join"
+    fields = mod.set_plan_flags(flags)
+    assert fields == {"phi": 0.5, "mu": 2, "rho-min": 0.0, "tau": 0, "serial-join": False}
+    cfg = parse_config(["--scheduler.batch-groups", "4", "--scheduler.tau", "1", *mod.run_args(mod.PLAN_MODE)]).scheduler
+    assert (cfg.mode, cfg.phi, cfg.mu, cfg.rho_min, cfg.tau, cfg.serial_join) == ("gyre", 0.5, 2, 0.0, 0, False)
+    assert mod.MODES[mod.PLAN_MODE] == ("gyre", 0.5, 2, True)
+    with pytest.raises(SystemExit, match="parallel.cell-size"):
+        mod.set_plan_flags("--scheduler.phi 0 --scheduler.mu 3 --parallel.cell-size 8")
+    with pytest.raises(SystemExit, match="phi"):
+        mod.set_plan_flags("--scheduler.mu 3")

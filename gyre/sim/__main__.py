@@ -7,6 +7,14 @@ Examples::
     python -m gyre.sim --scheduler.mode colocate --scheduler.no-streaming
     python -m gyre.sim --compare                             # Table-1-like comparison
     python -m gyre.sim --durations.source csv --durations.path my_runs.csv --steps 48
+
+Calibration and prediction (docs/theory.md §5; `gyre.sim.calibrate`, `gyre.sim.profile`)::
+
+    python -m gyre.sim --calibrate RUN_DIR [RUN_DIR ...] --out profile.json   # fit costs from a run
+    python -m gyre.sim --profile profile.json --scheduler.mode async --scheduler.phi 1 --scheduler.mu 1
+                                           # predicted s/step (90 % interval), E[d], training fractions
+
+The planner over such a profile is `python -m gyre.plan --help`.
 """
 
 from __future__ import annotations
@@ -62,6 +70,15 @@ def run(cfg: SimConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--calibrate" in argv:
+        from gyre.sim.calibrate import main as calibrate_main
+
+        return calibrate_main([a for a in argv if a != "--calibrate"])
+    if "--profile" in argv or any(a.startswith("--profile=") for a in argv):
+        from gyre.sim.profile import predict_main
+
+        return predict_main(argv)
     cfg = tyro.cli(SimConfig, args=argv, description=__doc__)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
