@@ -382,7 +382,7 @@ def check_model_dtype(cfg: GyreConfig) -> None:
         raise ConfigError(f"--model.dtype {dtype} with --backend.engine sglang: SGLang's default GPU kernels (FA3 "
                           f"attention on Hopper, sgl-kernel RMSNorm) take float16/bfloat16 only; use --model.dtype "
                           f"bfloat16 (or auto, which is bfloat16 with a CUDA backend)")
-    from gyre.backends.sglang_engine import GYRE_OWNED_SERVER_ARGS
+    from gyre.backends.engines.sglang_engine import GYRE_OWNED_SERVER_ARGS
 
     for key in cfg.sglang.extra:
         name = key.replace("-", "_")
@@ -417,10 +417,10 @@ def _split_passthrough(argv: list[str], section: str, declared: set[str]) -> tup
 
 def check_model_vocab(cfg: GyreConfig) -> None:
     """An existing `--model.checkpoint` and the run's tokenizer (the checkpoint's own, else
-    `--proxy.tokenizer-path`, else the project's: gyre.backends.vocab.resolve_tokenizer_dir) fit:
+    `--proxy.tokenizer-path`, else the project's: gyre.backends.models.vocab.resolve_tokenizer_dir) fit:
     the tokenizer has no more ids than the model has embedding rows (config.json vocab_size). A
     checkpoint `--train.prepare` has still to write is checked by the job once it is there."""
-    from gyre.backends import vocab as V
+    from gyre.backends.models import vocab as V
 
     mc = cfg.model.checkpoint
     if mc and not Path(mc).is_dir() and not checkpoint_yet_to_prepare(cfg):
@@ -458,10 +458,10 @@ def check_megatron_layout(cfg: GyreConfig) -> None:
     """--backend.actor megatron: the cell layout (--parallel.tp/pp/cp/ep) against the model's
     architecture (EP on a dense model, PP without Transformer Engine, CP, TP not dividing the
     heads, an unsupported family or RoPE), refused on every rank before any builds anything
-    (`gyre.backends.mcore_mapping.check_layout`). Reads only the checkpoint's config.json."""
+    (`gyre.backends.actors.mcore_mapping.check_layout`). Reads only the checkpoint's config.json."""
     if cfg.backend.actor != "megatron" or checkpoint_yet_to_prepare(cfg):
         return
-    from gyre.backends.mcore_mapping import check_layout
+    from gyre.backends.actors.mcore_mapping import check_layout
 
     if cfg.model.checkpoint:
         from transformers import AutoConfig
@@ -471,7 +471,7 @@ def check_megatron_layout(cfg: GyreConfig) -> None:
         except (OSError, ValueError) as e:
             raise ConfigError(f"--model.checkpoint {cfg.model.checkpoint}: no readable config.json ({e})") from None
     else:
-        from gyre.backends.models import model_config
+        from gyre.backends.models.hf import model_config
 
         hf = model_config(cfg.model.preset, 1)  # the layout does not depend on the vocabulary
     p = cfg.parallel

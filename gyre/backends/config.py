@@ -14,7 +14,7 @@ class ModelConfig:
     """Load this HF checkpoint directory instead of building from the preset. Its own tokenizer
     (tokenizer.json or tekken.json there) and chat template become the proxy's, its
     generation_config.json / config.json eos ids end a turn, and a tokenizer larger than its
-    embedding is refused (gyre/backends/vocab.py)."""
+    embedding is refused (gyre/backends/models/vocab.py)."""
     seed: int = 0
     """Seed of the initial weights (same on every rank)."""
     dtype: Literal["auto", "float32", "float64", "bfloat16"] = "auto"

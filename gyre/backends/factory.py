@@ -108,9 +108,9 @@ def check_backends(cfg: Any) -> None:
 
 def check_model_checkpoint(path: str) -> None:
     """Refuse `--model.checkpoint DIR` unless its config.json names a supported architecture
-    (`gyre.backends.arch.SUPPORTED`) in a variant the backends implement (ConfigError naming
+    (`gyre.backends.models.arch.SUPPORTED`) in a variant the backends implement (ConfigError naming
     the directory, the architecture and the supported list)."""
-    from gyre.backends.arch import check_checkpoint
+    from gyre.backends.models.arch import check_checkpoint
     from gyre.config import ConfigError
 
     try:
@@ -132,22 +132,22 @@ def dtype_of(name: str) -> torch.dtype:
 # ----------------------------------------------------------------------------- models
 def model_config_of(cfg: Any, vocab: int) -> Any:
     """The model architecture: the checkpoint's own config.json when `--model.checkpoint` is
-    given (its family checked against `gyre.backends.arch`), else the preset's Qwen2 config."""
+    given (its family checked against `gyre.backends.models.arch`), else the preset's Qwen2 config."""
     if cfg.model.checkpoint:
         from transformers import AutoConfig
 
-        from gyre.backends.arch import check_checkpoint
+        from gyre.backends.models.arch import check_checkpoint
 
         check_checkpoint(cfg.model.checkpoint)
         return AutoConfig.from_pretrained(cfg.model.checkpoint)
-    from gyre.backends.models import model_config
+    from gyre.backends.models.hf import model_config
 
     return model_config(cfg.model.preset, vocab)
 
 
 def _initial_model(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Any, Path | None]:
     """The core's starting model: the newest checkpoint (resume), the given one, or a preset."""
-    from gyre.backends.models import build_model, load_model
+    from gyre.backends.models.hf import build_model, load_model
     from gyre.logging_utils import ONCE
 
     mc, dtype = cfg.model, dtype_of(cfg.model.dtype)
@@ -173,7 +173,7 @@ def build_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Actor,
     if cfg.backend.actor == "megatron":  # check_backends refused resume without --train.resume-weights-only
         return _megatron_core_actor(cfg, vocab, checkpoint_dir)
     model, resumed = _initial_model(cfg, vocab, checkpoint_dir)
-    from gyre.backends.cpu_actor import CpuActor
+    from gyre.backends.actors.cpu_actor import CpuActor
 
     actor = CpuActor(model, is_core=True, config=cfg.actor, loss=cfg.loss)
     if resumed is not None:
@@ -188,13 +188,13 @@ def build_actor(cfg: Any, model_config: Any, *, is_core: bool) -> Actor:
     """A fresh actor of `--backend.actor` for `model_config` (its weights come from a snapshot:
     version -1 until the first import)."""
     if cfg.backend.actor == "megatron":  # shaped from the config alone: no HF-sized model is built
-        from gyre.backends.megatron_actor import MegatronActor
+        from gyre.backends.actors.megatron_actor import MegatronActor
 
         actor = MegatronActor(model_config, None, is_core=is_core, config=megatron_config_of(cfg), optim=cfg.actor,
                               loss=cfg.loss, seed=cfg.model.seed)
     else:
-        from gyre.backends.cpu_actor import CpuActor
-        from gyre.backends.models import build_model
+        from gyre.backends.actors.cpu_actor import CpuActor
+        from gyre.backends.models.hf import build_model
 
         actor = CpuActor(build_model(model_config, dtype=dtype_of(cfg.model.dtype)), is_core=is_core, config=cfg.actor,
                          loss=cfg.loss)
@@ -216,7 +216,7 @@ def _megatron_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Ac
     """The core's MegatronActor: a checkpoint (the resumed one, else `--model.checkpoint`) is read
     one tensor at a time into the rank's shards (`MegatronActor.from_checkpoint`), never as a whole
     HF model in host memory; a preset is small and built as before."""
-    from gyre.backends.megatron_actor import MegatronActor
+    from gyre.backends.actors.megatron_actor import MegatronActor
     from gyre.logging_utils import ONCE
 
     path = None
@@ -229,7 +229,7 @@ def _megatron_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Ac
     elif cfg.model.checkpoint:
         path = Path(cfg.model.checkpoint)
     if path is None:
-        from gyre.backends.models import build_model
+        from gyre.backends.models.hf import build_model
 
         model = build_model(model_config_of(cfg, vocab), seed=cfg.model.seed, dtype=dtype_of(cfg.model.dtype))
         return _megatron_actor(cfg, model, is_core=True), model.config
@@ -244,7 +244,7 @@ def _megatron_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Ac
 
 def _megatron_actor(cfg: Any, model: Any, *, is_core: bool) -> Actor:
     """A MegatronActor (imported here: megatron is a GPU extra) holding `model`'s HF weights."""
-    from gyre.backends.megatron_actor import MegatronActor
+    from gyre.backends.actors.megatron_actor import MegatronActor
 
     return MegatronActor(model.config, model.state_dict(), is_core=is_core, config=megatron_config_of(cfg),
                          optim=cfg.actor, loss=cfg.loss, seed=cfg.model.seed)
@@ -260,7 +260,7 @@ def build_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *
                                 sampleable_vocab=sampleable_vocab)
         engine.name = name
         return engine
-    from gyre.backends.cpu_engine import CpuEngine
+    from gyre.backends.engines.cpu_engine import CpuEngine
     from gyre.backends.devices import this_engine_device
 
     engine = CpuEngine(model_config, params, version=version, config=cfg.engine, eos_token_ids=eos_token_ids,
@@ -271,9 +271,9 @@ def build_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *
 
 def _sglang_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *, version: int,
                    eos_token_ids: list[int], name: str, sampleable_vocab: int | None = None) -> RolloutEngine:
-    """An embedded SGLang engine for this cell (its first rank): gyre.backends.sglang_checkpoint
+    """An embedded SGLang engine for this cell (its first rank): gyre.backends.engines.sglang_checkpoint
     (the --model.checkpoint directory itself at version 0, else a directory it writes)."""
-    from gyre.backends.sglang_checkpoint import build_sglang_engine
+    from gyre.backends.engines.sglang_checkpoint import build_sglang_engine
 
     return build_sglang_engine(cfg, model_config, params, version=version, eos_token_ids=eos_token_ids, name=name,
                                sampleable_vocab=sampleable_vocab)
@@ -287,18 +287,18 @@ def build_transport(cfg: Any, topo: Any, store: Any) -> WeightTransport:
     tc = cfg.transfer
     owner = topo.cell_ranks(0)[topo.position]
     if tc.transport == "store":
-        from gyre.backends.weights import SnapshotBoard
+        from gyre.backends.transfer.weights import SnapshotBoard
 
         return SnapshotBoard(store, keep=tc.keep, verify=tc.verify)
     if tc.transport == "torch":
         import torch.distributed as dist
 
-        from gyre.backends.weights import TorchWeights
+        from gyre.backends.transfer.weights import TorchWeights
 
         group = dist.new_group(list(range(topo.world_size)), backend="gloo", timeout=timedelta(seconds=tc.timeout_s))
         return TorchWeights(store, group, owner=owner, keep=tc.keep, verify=tc.verify)
     if tc.transport == "mooncake":
-        from gyre.backends.weights import MooncakeWeights
+        from gyre.backends.transfer.weights import MooncakeWeights
 
         return MooncakeWeights(store, owner=owner, keep=tc.keep, verify=tc.verify, host=tc.host,
                                protocol=tc.mooncake_protocol, device=tc.mooncake_device)

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 def train(cfg: Any, topo: Topology, groups: Groups, run: RunDir, interrupts: Any = None) -> None:
     """`run`: rank 0's decision of the directory, the attempt and the resume point (`gyre.runtime.rundir`);
     `interrupts` (`gyre.runtime.control.Interrupts`): told how to reach the controller here."""
-    from gyre.backends.engine_host import share_secret
+    from gyre.backends.engines.engine_host import share_secret
 
     factory.set_threads(cfg)  # once per process, before the engine or actor is built
     # blocking: rank 0 draws the run's secret and broadcasts it (over gloo, never the store); it
@@ -78,7 +78,7 @@ def _kv_transport(cfg: Any, topo: Topology, store: Any) -> Any:
         return None
     from datetime import timedelta
 
-    from gyre.backends.migration import build_kv_transport
+    from gyre.backends.transfer.migration import build_kv_transport
 
     group = None
     if cfg.proxy.migration_transport == "gloo":
@@ -90,17 +90,17 @@ def _kv_transport(cfg: Any, topo: Topology, store: Any) -> Any:
 
 def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: WeightTransport, engine_secret: str,
            run: RunDir, kv: Any = None, interrupts: Any = None) -> None:
-    from gyre.backends.vocab import VocabError, check_project_fallback, check_vocab, load_vocab
+    from gyre.backends.models.vocab import VocabError, check_project_fallback, check_vocab, load_vocab
     from gyre.config import ConfigError
     from gyre.runtime.controller import Controller
-    from gyre.backends.engine_host import EngineHost, bind_address
+    from gyre.backends.engines.engine_host import EngineHost, bind_address
     from gyre.runtime.worker import CellWorker
 
     control = ControlPlane(store, topo.rank)
     if interrupts is not None:  # a signal handler's own connection: the main thread may be mid-call on `store`
         notice = ControlPlane(store.clone(), topo.rank)
         interrupts.notify = lambda name: notice.send(CONTROLLER, Interrupted(cell=topo.cell, rank=topo.rank, signal=name))
-    # The run's tokenizer (gyre.backends.vocab.load_vocab: the checkpoint's own when it has one),
+    # The run's tokenizer (gyre.backends.models.vocab.load_vocab: the checkpoint's own when it has one),
     # resolved once the checkpoint is there (a prepared one too): its size bounds what the engines
     # sample, the checkpoint's eos ids end a turn. check_train_config compared an existing
     # checkpoint's embedding with it already; a prepared one is checked below.

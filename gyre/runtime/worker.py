@@ -39,7 +39,7 @@ from gyre.runtime.samples import train_bundle
 from gyre.topology import Groups, Topology
 
 if TYPE_CHECKING:
-    from gyre.backends.engine_host import EngineHost
+    from gyre.backends.engines.engine_host import EngineHost
 
 logger = logging.getLogger(__name__)
 

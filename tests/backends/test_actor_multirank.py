@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from gyre.backends.config import CpuActorConfig
 from gyre.loss import allreduce_exec_logratio_sums
-from gyre.backends.cpu_actor import CpuActor
-from gyre.backends.transfer import TorchDistTransport
+from gyre.backends.actors.cpu_actor import CpuActor
+from gyre.backends.transfer.snapshots import TorchDistTransport
 from tests.backends.helpers import random_step, tiny_model
 from tests.distributed import run_ranks
 

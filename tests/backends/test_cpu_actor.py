@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from gyre.backends.config import CpuActorConfig
-from gyre.backends.cpu_actor import CpuActor
-from gyre.backends.models import packed_logits
+from gyre.backends.actors.cpu_actor import CpuActor
+from gyre.backends.models.hf import packed_logits
 from gyre.backends.protocols import Actor
 from gyre.loss import LossConfig
 from tests.backends.helpers import finish_step, merge, random_step, tiny_model

@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-from gyre.backends import cpu_actor as cpu_actor_mod
+from gyre.backends.actors import cpu_actor as cpu_actor_mod
 from gyre.backends.config import CpuActorConfig, CpuEngineConfig
-from gyre.backends.cpu_actor import CpuActor
-from gyre.backends.cpu_engine import CpuEngine
+from gyre.backends.actors.cpu_actor import CpuActor
+from gyre.backends.engines.cpu_engine import CpuEngine
 from gyre.backends.protocols import SamplingParams
 from tests.backends.helpers import random_step, tiny_model
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from gyre.backends.config import CpuActorConfig
-from gyre.backends.cpu_actor import CpuActor
+from gyre.backends.actors.cpu_actor import CpuActor
 from gyre.executions.evaluator import RewardResult, RewardStatus
 from gyre.loss import LossConfig
 from gyre.runtime.messages import Reduce, StepDone

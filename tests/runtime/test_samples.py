@@ -32,9 +32,9 @@ def _target_logprob_sum(actor, bundles, eid_index):
 
 
 def test_one_step_raises_the_better_execution_and_lowers_the_worse():
-    from gyre.backends.cpu_actor import CpuActor
+    from gyre.backends.actors.cpu_actor import CpuActor
     from gyre.backends.config import CpuActorConfig
-    from gyre.backends.models import build_model, model_config
+    from gyre.backends.models.hf import build_model, model_config
     from gyre.loss import LossConfig
 
     rng = np.random.default_rng(0)

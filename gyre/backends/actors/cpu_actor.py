@@ -3,7 +3,7 @@
 Every training cell runs forward/backward on the micro-steps it claims and accumulates
 gradients; `reduce_gradients(group)` sums them over the prefix group of the cells in the step;
 only the core (`is_core=True`) owns an optimizer and applies the one clipped AdamW update, then
-sends its parameters to the satellites (`gyre.backends.transfer`).
+sends its parameters to the satellites (`gyre.backends.transfer.snapshots`).
 
     actor = CpuActor(build_model(model_config("tiny", 1024)), is_core=rank == 0, loss=LossConfig())
     for ms in my_micro_steps:
@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from gyre.backends.config import CpuActorConfig
-from gyre.backends.memory import ActorMemory
-from gyre.backends.models import packed_logits, save_checkpoint
+from gyre.backends.actors.memory import ActorMemory
+from gyre.backends.models.hf import packed_logits, save_checkpoint
 from gyre.loss.config import LossConfig
 from gyre.trajectory.microstep import MicroStep
 
@@ -39,16 +39,16 @@ logger = logging.getLogger(__name__)
 
 class CpuActor:
     """Actor over a `transformers` causal LM of a supported family (`models.build_model` /
-    `models.load_model` pick the class from `gyre.backends.arch`)."""
+    `models.load_model` pick the class from `gyre.backends.models.arch`)."""
 
     def __init__(self, model, *, is_core: bool, config: CpuActorConfig | None = None, loss: LossConfig | None = None,
                  version: int = 0):
-        from gyre.backends.arch import family_of
+        from gyre.backends.models.arch import family_of
 
         family = family_of(model.config)
         if type(model).__name__ != family.hf_class:  # e.g. a Qwen3 config under a Qwen2 class: wrong forward
             raise ValueError(f"CpuActor: model is {type(model).__name__} but its config's architecture is "
-                             f"{family.hf_class}; build it with gyre.backends.models.build_model/load_model")
+                             f"{family.hf_class}; build it with gyre.backends.models.hf.build_model/load_model")
         self.family = family
         self.model = model
         self.config = config or CpuActorConfig()
@@ -175,7 +175,7 @@ class CpuActor:
 
     # ------------------------------------------------------------------ memory hand-over
     def offload(self) -> int:
-        """Parameters, grads and AdamW state to host memory (`gyre.backends.memory`); bytes moved."""
+        """Parameters, grads and AdamW state to host memory (`gyre.backends.actors.memory`); bytes moved."""
         return self.memory.offload()
 
     def restore(self) -> int:

@@ -522,7 +522,7 @@ class SglangEngine:
     def _checkpoint_names(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """SGLang's load_weights reads checkpoint names (per-expert MoE tensors), not transformers
         5's fused in-memory ones (sglang_checkpoint.checkpoint_names)."""
-        from gyre.backends.sglang_checkpoint import checkpoint_names
+        from gyre.backends.engines.sglang_checkpoint import checkpoint_names
 
         if self._hf_config is None:
             from transformers import AutoConfig

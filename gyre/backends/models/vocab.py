@@ -310,20 +310,20 @@ def load_tokenizer_dir(path: str | None) -> Any:
     """The tokenizer of `path` (any fast tokenizer), or the project's for None. Cached per path;
     treat it as read-only."""
     if path is None:
-        from gyre.backends.tokenizer import load_tokenizer
+        from gyre.backends.models.tokenizer import load_tokenizer
 
         return load_tokenizer()
     if not os.path.isdir(path):
         raise VocabError(f"tokenizer path {path}: no such directory")
     if os.path.abspath(path) == os.path.abspath(_project_dir()):
-        from gyre.backends.tokenizer import load_tokenizer
+        from gyre.backends.models.tokenizer import load_tokenizer
 
         return load_tokenizer(path)
     return _load_dir(os.path.abspath(path))
 
 
 def _project_dir() -> str:
-    from gyre.backends.tokenizer import ASSET_DIR
+    from gyre.backends.models.tokenizer import ASSET_DIR
 
     return ASSET_DIR
 
@@ -349,7 +349,7 @@ def stop_token_ids(tokenizer: Any, model_dir: str | None) -> list[int]:
     or a list: Llama 3.1 lists <|end_of_text|>, <|eom_id|>, <|eot_id|>), config.json's, and the
     tokenizer's eos_token, in that order, duplicates and ids outside the tokenizer dropped. The
     project tokenizer (the presets): <|im_end|> and <|endoftext|>, as always."""
-    from gyre.backends.tokenizer import ASSET_DIR, ENDOFTEXT, IM_END
+    from gyre.backends.models.tokenizer import ASSET_DIR, ENDOFTEXT, IM_END
 
     name = getattr(tokenizer, "name_or_path", "") or ""
     if name and os.path.abspath(name) == os.path.abspath(ASSET_DIR):

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ASSET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tokenizer")
+_GYRE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ASSET_DIR = os.path.join(_GYRE_DIR, "assets", "tokenizer")   # gyre/assets/tokenizer
 CORPUS_FILE = "corpus.txt"
 
 VOCAB_SIZE = 1024
@@ -206,11 +207,11 @@ def _cached(path: str) -> "PreTrainedTokenizerFast":
 
 def load_tokenizer(path: str | None = None) -> "PreTrainedTokenizerFast":
     """The committed project tokenizer (None), or any `tokenizers`-backed tokenizer directory (a
-    checkpoint's: `gyre.backends.vocab.load_tokenizer_dir`). Cached per path; treat it as read-only.
+    checkpoint's: `gyre.backends.models.vocab.load_tokenizer_dir`). Cached per path; treat it as read-only.
     Only the project's is held to VOCAB_SIZE ids."""
     if path is None or os.path.abspath(path) == os.path.abspath(ASSET_DIR):
         return _cached(os.path.abspath(ASSET_DIR))
-    from gyre.backends.vocab import load_tokenizer_dir
+    from gyre.backends.models.vocab import load_tokenizer_dir
 
     return load_tokenizer_dir(path)
 
@@ -219,8 +220,8 @@ def token_bytes(tokenizer: "PreTrainedTokenizerFast") -> list[bytes]:
     """bytes of each token id: `b"".join(table[i] for i in ids)` is the exact UTF-8 of the text.
 
     Special tokens map to their literal text (e.g. b"<|im_end|>"). Any fast tokenizer: the table
-    is `gyre.backends.vocab.byte_table` (a list; ids without bytes read b"")."""
-    from gyre.backends.vocab import byte_table
+    is `gyre.backends.models.vocab.byte_table` (a list; ids without bytes read b"")."""
+    from gyre.backends.models.vocab import byte_table
 
     return byte_table(tokenizer)
 

@@ -51,7 +51,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from gyre.backends.protocols import SamplingParams, TokenEvent
-from gyre.backends.transfer import FlatLayout, PeerUnreachable, TensorSpec, checksum
+from gyre.backends.transfer.snapshots import FlatLayout, PeerUnreachable, TensorSpec, checksum
 
 logger = logging.getLogger(__name__)
 
@@ -310,7 +310,7 @@ class MooncakeKvTransport:
         """`probe`: collective over the world, every rank reads from rank 0's engine now
         (`transfer.check_reachable`), so a wrong address fails the start instead of turning every
         migration into a recompute."""
-        from gyre.backends.transfer import MooncakeTransport, check_reachable
+        from gyre.backends.transfer.snapshots import MooncakeTransport, check_reachable
 
         self._mc = MooncakeTransport(host=host, protocol=protocol, device=device, verify=True)
         self._mc._ensure_engine()  # now, not inside the first migration's latency

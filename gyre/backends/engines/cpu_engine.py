@@ -46,10 +46,10 @@ from typing import AsyncIterator
 import torch
 
 from gyre.backends.config import CpuEngineConfig
-from gyre.backends.decoder import DecoderWeights, KVCache, extend
-from gyre.backends.migration import KvTransport, MigrationRefused, RequestState, Tickets, pack_state, unpack_state
+from gyre.backends.engines.decoder import DecoderWeights, KVCache, extend
+from gyre.backends.transfer.migration import KvTransport, MigrationRefused, RequestState, Tickets, pack_state, unpack_state
 from gyre.backends.protocols import EngineHealth, EngineState, SamplingParams, TokenEvent
-from gyre.backends.sampling import sample_token, sampling_logprobs, top_logprobs
+from gyre.backends.engines.sampling import sample_token, sampling_logprobs, top_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class _Request:
 
 class CpuEngine:
     """The built-in RolloutEngine. `model_config` is the HF config of a supported family
-    (`gyre.backends.arch`), `state_dict` its HF weights.
+    (`gyre.backends.models.arch`), `state_dict` its HF weights.
     `device`: where weights, KV caches and the forward live (`--backend.device`, resolved by
     `gyre.backends.devices.engine_device`: cpu, or the rank's GPU); sampling reads the step's
     logits on CPU, so seeded requests sample alike on either.
@@ -110,7 +110,7 @@ class CpuEngine:
         self.tokens_generated = 0
         self.paced_s = 0.0  # seconds slept to hold decode steps at min_decode_step_s
         self.slow_steps = 0  # steps whose compute alone exceeded min_decode_step_s
-        # KV migration (`gyre.backends.migration`): off until a transport is attached
+        # KV migration (`gyre.backends.transfer.migration`): off until a transport is attached
         self._tickets: Tickets | None = None
         self._parked: dict[str, tuple[RequestState, KVCache, torch.Generator, float]] = {}
 
@@ -128,7 +128,7 @@ class CpuEngine:
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
-        from gyre.backends.arch import check_checkpoint
+        from gyre.backends.models.arch import check_checkpoint
 
         check_checkpoint(path)  # an unsupported architecture is refused by name, before reading weights
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -409,7 +409,7 @@ class CpuEngine:
         if reason is not None:
             self._finish(req, reason)
 
-    # ---------------------------------------------------------------- KV migration (gyre.backends.migration)
+    # ---------------------------------------------------------------- KV migration (gyre.backends.transfer.migration)
     def attach_kv_transport(self, transport: KvTransport, *, measure_prefill: bool = False) -> None:
         """Enable migration: held exports are served over `transport`, imports pulled with it.
         `measure_prefill`: time a 512-token prefill now (the cost rule's recompute rate)."""

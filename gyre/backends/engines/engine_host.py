@@ -1,6 +1,6 @@
 """A rollout engine served over HTTP from its own thread, driven synchronously by its cell.
 
-The proxy on rank 0 reaches every cell's engine through `gyre.backends.engine_http.HttpEngine`;
+The proxy on rank 0 reaches every cell's engine through `gyre.backends.engines.engine_http.HttpEngine`;
 the cell's worker thread calls `release()`, `resume()` and `update()` here when the cell
 switches roles or a new policy is published. The URL is announced in the store under
 `engine/<rank>` so the controller can find it; the engine's secret is not (`share_secret`, and
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from gyre.backends.protocols import RolloutEngine
-from gyre.backends.engine_http import serve_engine
+from gyre.backends.engines.engine_http import serve_engine
 
 _WILDCARDS = ("", "0.0.0.0", "::")
 

@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from gyre.backends.arch import SUPPORTED, UnsupportedArchitecture, family_of
+from gyre.backends.models.arch import SUPPORTED, UnsupportedArchitecture, family_of
 
 logger = logging.getLogger(__name__)
 
 def sglang_architecture(model_config: Any) -> str:
     """The architecture name SGLang is to load `model_config` as: its family's
-    (`gyre.backends.arch`; the EntryClass names of sglang 0.5.23's models/qwen2.py:797,
+    (`gyre.backends.models.arch`; the EntryClass names of sglang 0.5.23's models/qwen2.py:797,
     qwen3.py:808, qwen3_moe.py:1298, llama.py:968, ModelRegistry keys in models/registry.py:118-150).
     A preset's config has no `architectures`: its model_type decides. Anything else is refused by
     name (SGLang would fall back to its Transformers backend, model_loader/utils.py:219-220, which
@@ -170,7 +170,7 @@ def build_sglang_engine(cfg: Any, model_config: Any, params: dict[str, torch.Ten
     import tempfile
 
     from gyre.backends.config import SglangConfig, SglangOptions
-    from gyre.backends.sglang_engine import SglangApi, SglangEngine
+    from gyre.backends.engines.sglang_engine import SglangApi, SglangEngine
     from gyre.config import resolve_model_dtype
 
     dtype = resolve_model_dtype(cfg)

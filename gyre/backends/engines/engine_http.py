@@ -49,7 +49,7 @@ from typing import Any, AsyncIterator, Literal
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
 from gyre.backends.protocols import EngineHealth, RolloutEngine, SamplingParams, TokenEvent
-from gyre.backends.engine_mux import MuxClient, parse_events, add_mux_route, event_row, event_text, parse_event, sampling_to_json
+from gyre.backends.engines.engine_mux import MuxClient, parse_events, add_mux_route, event_row, event_text, parse_event, sampling_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -158,9 +158,9 @@ def _engine_app(engine: RolloutEngine, secret: str) -> web.Application:
         return web.json_response({"ok": True})
 
     async def migration(request: web.Request) -> web.Response:
-        """The KV-migration control messages (`gyre.backends.migration`): small JSON both ways;
+        """The KV-migration control messages (`gyre.backends.transfer.migration`): small JSON both ways;
         the KV itself moves over the engines' KV transport, never here. 409: refused."""
-        from gyre.backends.migration import MigrationRefused
+        from gyre.backends.transfer.migration import MigrationRefused
         from gyre.backends.protocols import can_migrate
 
         op = request.match_info["op"]
@@ -443,7 +443,7 @@ class HttpEngine:
     supports_migration = True
 
     async def _migration(self, op: str, body: dict | None = None) -> dict:
-        from gyre.backends.migration import MigrationRefused
+        from gyre.backends.transfer.migration import MigrationRefused
 
         call = self._sess().get(self.url + "/" + op) if body is None else self._sess().post(self.url + "/" + op, json=body)
         async with call as r:

@@ -19,7 +19,7 @@ Real megatron-core APIs used (checked against megatron-core 0.16.1):
         megatron's clip_grads allocates on 'cuda' and asserts fp32 CUDA grads)
 
 The weight mapping HF ⇄ megatron per family (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama 3.x; TE and
-local layer-spec names) lives in `gyre.backends.mcore_mapping` (`hf_to_mcore`, `mcore_to_hf`,
+local layer-spec names) lives in `gyre.backends.actors.mcore_mapping` (`hf_to_mcore`, `mcore_to_hf`,
 `shard_for_tp`, `unshard_tp` stay importable here). The config translation
 (`transformer_config_kwargs`, `gpt_model_kwargs`) and the fp32 main-grad arithmetic
 (`main_grads_fp32`, `grad_norm_fp32`, `clip_by_total_norm_`, `Fp32Master`) are pure and
@@ -47,13 +47,13 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from gyre.backends import mcore_mapping as _mapping
+from gyre.backends.actors import mcore_mapping as _mapping
 from gyre.backends.config import CpuActorConfig, MegatronConfig
-from gyre.backends.mcore_mapping import (LazyCheckpoint, NameLayout, check_layout, family_of, has_transformer_engine,
+from gyre.backends.actors.mcore_mapping import (LazyCheckpoint, NameLayout, check_layout, family_of, has_transformer_engine,
                                          head_dim, moe_layers, num_experts, rope_settings, shard_experts, shard_tensor,
                                          unshard_ep, unshard_tp)
-from gyre.backends.mcore_mapping import shard, shard_for_tp  # noqa: F401  (importable from here, as before)
-from gyre.backends.memory import ActorMemory
+from gyre.backends.actors.mcore_mapping import shard, shard_for_tp  # noqa: F401  (importable from here, as before)
+from gyre.backends.actors.memory import ActorMemory
 from gyre.loss.config import LossConfig
 
 logger = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ def gpt_model_kwargs(hf_config) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- weight mapping
-# The per-family mapping lives in gyre.backends.mcore_mapping; these names stay importable here.
+# The per-family mapping lives in gyre.backends.actors.mcore_mapping; these names stay importable here.
 def hf_to_mcore(sd, hf_config, names: NameLayout | None = None) -> dict[str, torch.Tensor]:
     """Full (unsharded) megatron GPTModel state dict from an HF state dict (see mcore_mapping)."""
     return _mapping.hf_to_mcore(sd, hf_config, names)
@@ -531,7 +531,7 @@ class MegatronActor:
     def offload(self) -> int:
         """Entering rollout: bf16/fp32 parameters, grads and fp32 main grads, the fp32 masters and
         their AdamW state to pinned host memory, then `torch.cuda.empty_cache()`
-        (`gyre.backends.memory`); bytes moved."""
+        (`gyre.backends.actors.memory`); bytes moved."""
         return self.memory.offload()
 
     def restore(self) -> int:
