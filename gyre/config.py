@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterator, Literal
 import tyro
 
 from gyre.backends.config import (BackendConfig, CpuActorConfig, CpuEngineConfig, ModelConfig, SglangOptions,
-                                  TransferConfig)
+                                  TransferConfig, resolve_model_dtype)
+from gyre.errors import ConfigError  # lives below every layer; `from gyre.config import ConfigError` works too
 from gyre.executions.config import ExecutionsConfig
 from gyre.loss.config import LossConfig
 from gyre.proxy.config import ProxyConfig
@@ -72,7 +73,7 @@ class TrainConfig:
     checkpoint_every: int = 8
     """Save a checkpoint every this many steps, and always at the end (0: only at the end). 8 by
     default: a crash or a restart (torchrun --max-restarts, a Slurm requeue) loses at most 8
-    steps; each checkpoint is written atomically (gyre/runtime/checkpoint.py), so a crash while
+    steps; each checkpoint is written atomically (gyre/checkpoint.py), so a crash while
     writing one costs that one only."""
     resume: bool = False
     """Resume from the newest complete checkpoint in the run directory's checkpoints/ (--run-dir;
@@ -167,10 +168,6 @@ class GyreConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     sglang: SglangOptions = field(default_factory=SglangOptions)
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work; the message names the field."""
 
 
 def check_train_config(cfg: GyreConfig, num_cells: int) -> None:
@@ -364,20 +361,12 @@ def check_prepared(cfg: GyreConfig, *, checkpoint: bool, dataset: bool) -> None:
         check_dataset(cfg)
 
 
-def resolve_model_dtype(cfg: GyreConfig) -> str:
-    """`--model.dtype`, with auto resolved: bfloat16 wherever a CUDA backend is chosen (the SGLang
-    engine, the Megatron actor), float32 on the CPU backends."""
-    if cfg.model.dtype != "auto":
-        return cfg.model.dtype
-    return "bfloat16" if cfg.backend.engine == "sglang" or cfg.backend.actor == "megatron" else "float32"
-
-
 def check_model_dtype(cfg: GyreConfig) -> None:
     """SGLang serves float16/bfloat16 only: its default attention on Hopper is FA3 (sglang 0.5.23
     arg_groups/model_override_base.py:305-311), whose kernels take fp16/bf16, and its CUDA RMSNorm
     goes through sgl-kernel whatever the dtype (layers/layernorm.py:628, 631). Refused here, before
     any rank starts, instead of a scheduler crash (SIGQUIT to the rank) at engine start."""
-    dtype = resolve_model_dtype(cfg)
+    dtype = resolve_model_dtype(cfg.model, cfg.backend)
     if cfg.backend.engine == "sglang" and dtype not in ("bfloat16", "float16"):
         raise ConfigError(f"--model.dtype {dtype} with --backend.engine sglang: SGLang's default GPU kernels (FA3 "
                           f"attention on Hopper, sgl-kernel RMSNorm) take float16/bfloat16 only; use --model.dtype "
@@ -619,5 +608,5 @@ def parse_config(argv: list[str] | None = None) -> GyreConfig:
     cfg = tyro.cli(GyreConfig, default=default, args=rest, description=(GyreConfig.__doc__ or "") + "\n\n" + _preset_epilog())
     cfg.preset = name
     cfg.sglang.extra = {**cfg.sglang.extra, **sglang_extra}
-    cfg.model.dtype = resolve_model_dtype(cfg)  # every rank and every consumer sees one concrete dtype
+    cfg.model.dtype = resolve_model_dtype(cfg.model, cfg.backend)  # every rank and every consumer sees one concrete dtype
     return cfg

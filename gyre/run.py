@@ -131,7 +131,7 @@ def _force_exit(code: int) -> None:
     """The graceful stop ran out of time (or a second signal came): never cut a checkpoint
     silently — name the one being written —, record the attempt's end if the controller could
     not (rank 0: summary, events line, `ended`), then exit at once."""
-    from gyre.runtime import checkpoint
+    from gyre import checkpoint
 
     if (note := checkpoint.cut_note()) is not None:
         logger.error("%s", note)

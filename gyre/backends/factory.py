@@ -17,12 +17,14 @@ runnable ones (`runnable(...)`), so the GPU backends join when they are wired in
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gyre.backends.config import SGLANG_API_ENV
 from gyre.backends.protocols import Actor, RolloutEngine, WeightTransport
 
 logger = logging.getLogger(__name__)
@@ -30,11 +32,9 @@ logger = logging.getLogger(__name__)
 # choice → None when gyre.run builds it, NEEDS_CUDA when it does so on a CUDA machine only,
 # else why not (the ConfigError says so).
 NEEDS_CUDA = "needs CUDA, and torch.cuda.is_available() is False on this machine"
-# sglang: CUDA and the sglang package (docs/gpu-sglang.md). GYRE_SGLANG_API="module:attribute" names
-# a stand-in for the sglang package (an `SglangApi`) and makes it runnable anywhere: for tests only
-# (tests/backends/sglang_fake.py:API, the conformance fake).
+# sglang: CUDA and the sglang package (docs/gpu-sglang.md), or a stand-in named by SGLANG_API_ENV
+# (tests only; `gyre.backends.config`).
 NEEDS_SGLANG = "needs CUDA and the sglang package (pip install 'sglang==0.5.23'; see docs/gpu-sglang.md)"
-SGLANG_API_ENV = "GYRE_SGLANG_API"
 ENGINES: dict[str, str | None] = {"cpu": None, "sglang": NEEDS_SGLANG}
 ACTORS: dict[str, str | None] = {"cpu": None, "megatron": NEEDS_CUDA}
 TRANSPORTS: dict[str, str | None] = {"store": None, "torch": None, "mooncake": None}
@@ -46,7 +46,6 @@ def why_not(kinds: dict[str, str | None], chosen: str, *, cuda: bool) -> str | N
     why = kinds[chosen]
     if why is NEEDS_SGLANG:
         import importlib.util
-        import os
 
         usable = os.environ.get(SGLANG_API_ENV) or (cuda and importlib.util.find_spec("sglang") is not None)
         return None if usable else why
@@ -62,7 +61,7 @@ def runnable(kinds: dict[str, str | None], *, cuda: bool = False) -> list[str]:
 def check_backends(cfg: Any) -> None:
     """Refuse a backend choice that cannot run, before anything starts (gyre.config.ConfigError,
     naming the flag)."""
-    from gyre.config import ConfigError
+    from gyre.errors import ConfigError
 
     cuda = torch.cuda.is_available()
     for flag, kinds, chosen in (("backend.engine", ENGINES, cfg.backend.engine),
@@ -74,9 +73,9 @@ def check_backends(cfg: Any) -> None:
         if why is not None:
             raise ConfigError(f"--{flag.replace('_', '-')} {chosen}: {why}; use "
                               f"--{flag.replace('_', '-')} {runnable(kinds, cuda=cuda)[0]}")
-    from gyre.config import checkpoint_yet_to_prepare
-
-    if cfg.model.checkpoint and not checkpoint_yet_to_prepare(cfg):  # its architecture, before any rank builds
+    # Its architecture, before any rank builds; a checkpoint not there yet is one --train.prepare
+    # writes (gyre.config refused any other), and `check_prepared` comes back here once it is.
+    if cfg.model.checkpoint and os.path.isdir(cfg.model.checkpoint):
         check_model_checkpoint(cfg.model.checkpoint)
     if cfg.backend.device == "cuda" and not cuda:
         raise ConfigError("--backend.device cuda: CUDA is not available on this machine; "
@@ -111,7 +110,7 @@ def check_model_checkpoint(path: str) -> None:
     (`gyre.backends.models.arch.SUPPORTED`) in a variant the backends implement (ConfigError naming
     the directory, the architecture and the supported list)."""
     from gyre.backends.models.arch import check_checkpoint
-    from gyre.config import ConfigError
+    from gyre.errors import ConfigError
 
     try:
         check_checkpoint(path)
@@ -123,10 +122,6 @@ def set_threads(cfg: Any) -> None:
     """torch intra-op threads for this process (`--train.torch-threads`; 0 leaves torch's)."""
     if cfg.train.torch_threads > 0:
         torch.set_num_threads(cfg.train.torch_threads)
-
-
-def dtype_of(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[name]
 
 
 # ----------------------------------------------------------------------------- models
@@ -147,12 +142,12 @@ def model_config_of(cfg: Any, vocab: int) -> Any:
 
 def _initial_model(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Any, Path | None]:
     """The core's starting model: the newest checkpoint (resume), the given one, or a preset."""
-    from gyre.backends.models.hf import build_model, load_model
+    from gyre.backends.models.hf import build_model, dtype_of, load_model
     from gyre.logging_utils import ONCE
 
     mc, dtype = cfg.model, dtype_of(cfg.model.dtype)
     if cfg.train.resume:
-        from gyre.runtime import checkpoint
+        from gyre import checkpoint
 
         if cfg.train.resume_from:  # rank 0 chose it before anything started (gyre.runtime.rundir)
             path = Path(cfg.train.resume_from)
@@ -194,7 +189,7 @@ def build_actor(cfg: Any, model_config: Any, *, is_core: bool) -> Actor:
                               loss=cfg.loss, seed=cfg.model.seed)
     else:
         from gyre.backends.actors.cpu_actor import CpuActor
-        from gyre.backends.models.hf import build_model
+        from gyre.backends.models.hf import build_model, dtype_of
 
         actor = CpuActor(build_model(model_config, dtype=dtype_of(cfg.model.dtype)), is_core=is_core, config=cfg.actor,
                          loss=cfg.loss)
@@ -221,7 +216,7 @@ def _megatron_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Ac
 
     path = None
     if cfg.train.resume:
-        from gyre.runtime import checkpoint
+        from gyre import checkpoint
 
         path = Path(cfg.train.resume_from) if cfg.train.resume_from else \
             checkpoint.select(checkpoint_dir, weights_only=cfg.train.resume_weights_only).path
@@ -229,14 +224,14 @@ def _megatron_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Ac
     elif cfg.model.checkpoint:
         path = Path(cfg.model.checkpoint)
     if path is None:
-        from gyre.backends.models.hf import build_model
+        from gyre.backends.models.hf import build_model, dtype_of
 
         model = build_model(model_config_of(cfg, vocab), seed=cfg.model.seed, dtype=dtype_of(cfg.model.dtype))
         return _megatron_actor(cfg, model, is_core=True), model.config
     actor = MegatronActor.from_checkpoint(str(path), is_core=True, config=megatron_config_of(cfg), optim=cfg.actor,
                                           loss=cfg.loss, seed=cfg.model.seed)
     if cfg.train.resume:  # the weights are in; the version is the checkpoint's
-        from gyre.runtime import checkpoint
+        from gyre import checkpoint
 
         actor.version = checkpoint.version_of(path)
     return actor, actor.hf_config

@@ -61,7 +61,7 @@ def train(cfg: Any, topo: Topology, groups: Groups, run: RunDir, interrupts: Any
 def _chat_format_stop_ids(cfg: Any, tokenizer: Any, model_cfg: Any) -> set[int]:
     """The ids of the run's chat format's stop tokens (gyre.proxy.formats: the checkpoint's template,
     or --proxy.chat-format); a template no format knows is a ConfigError on every rank."""
-    from gyre.config import ConfigError
+    from gyre.errors import ConfigError
     from gyre.proxy.formats import UnknownChatFormat, format_for
 
     try:
@@ -91,7 +91,7 @@ def _kv_transport(cfg: Any, topo: Topology, store: Any) -> Any:
 def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: WeightTransport, engine_secret: str,
            run: RunDir, kv: Any = None, interrupts: Any = None) -> None:
     from gyre.backends.models.vocab import VocabError, check_project_fallback, check_vocab, load_vocab
-    from gyre.config import ConfigError
+    from gyre.errors import ConfigError
     from gyre.runtime.controller import Controller
     from gyre.backends.engines.engine_host import EngineHost, bind_address
     from gyre.runtime.worker import CellWorker

@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gyre.runtime import checkpoint, peers
+from gyre import checkpoint
+from gyre.runtime import peers
 from gyre.runtime.runlock import RunLock, RunLocked
 from gyre.runtime.outputs import events_until, metrics_until, truncate_jsonl
 

@@ -1,4 +1,4 @@
-"""Atomic checkpoints (gyre/runtime/checkpoint.py) and what a resume does with broken ones.
+"""Atomic checkpoints (gyre/checkpoint.py) and what a resume does with broken ones.
 
 Unit tests: the marker is written last and records sizes; a crash inside `save` leaves no
 `step_*`; leftovers are removed; the newest complete checkpoint is chosen among random sets of
@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.runtime import checkpoint
-from gyre.runtime.checkpoint import MARKER, CheckpointError
+from gyre import checkpoint
+from gyre.checkpoint import MARKER, CheckpointError
 
 
 def _save_like_the_cpu_actor(version, optimizer=True):

@@ -222,7 +222,7 @@ class CpuActor:
         fresh optimizer, and a missing version is read from the checkpoint's marker or name."""
         from safetensors.torch import load_file
 
-        from gyre.runtime import checkpoint
+        from gyre import checkpoint
 
         opt, meta = os.path.join(path, "optimizer.pt"), os.path.join(path, "gyre_actor.json")
         for name, p, needed in (("optimizer state", opt, self.optimizer is not None), ("version", meta, True)):

@@ -54,6 +54,7 @@ from gyre.backends.actors.mcore_mapping import (LazyCheckpoint, NameLayout, chec
                                          unshard_ep, unshard_tp)
 from gyre.backends.actors.mcore_mapping import shard, shard_for_tp  # noqa: F401  (importable from here, as before)
 from gyre.backends.actors.memory import ActorMemory
+from gyre.backends.models.hf import dtype_of
 from gyre.loss.config import LossConfig
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def transformer_config_kwargs(hf_config, mc: MegatronConfig, names: NameLayout |
         raise ValueError(f"megatron.tensor_model_parallel_size={tp} must divide attention heads {heads} and KV heads {kv}")
     if hf_config.num_hidden_layers % mc.pipeline_model_parallel_size:
         raise ValueError(f"megatron.pipeline_model_parallel_size={mc.pipeline_model_parallel_size} must divide {hf_config.num_hidden_layers} layers")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[mc.params_dtype]
+    dtype = dtype_of(mc.params_dtype)
     kw = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -662,7 +663,7 @@ class MegatronActor:
         (`--train.resume-weights-only`); the version comes from the checkpoint's marker or name."""
         from pathlib import Path
 
-        from gyre.runtime import checkpoint
+        from gyre import checkpoint
 
         if self.optimizer is not None and not weights_only:
             raise FileNotFoundError(f"{path}: the Megatron actor's checkpoints hold no optimizer state; pass "

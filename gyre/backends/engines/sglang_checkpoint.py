@@ -169,11 +169,10 @@ def build_sglang_engine(cfg: Any, model_config: Any, params: dict[str, torch.Ten
     pass-through. `factory.build_engine` calls it for `--backend.engine sglang`."""
     import tempfile
 
-    from gyre.backends.config import SglangConfig, SglangOptions
+    from gyre.backends.config import SGLANG_API_ENV, SglangConfig, SglangOptions, resolve_model_dtype
     from gyre.backends.engines.sglang_engine import SglangApi, SglangEngine
-    from gyre.config import resolve_model_dtype
 
-    dtype = resolve_model_dtype(cfg)
+    dtype = resolve_model_dtype(cfg.model, cfg.backend)
     if cfg.run_dir:
         out = Path(cfg.run_dir) / "sglang" / name
     else:  # an engine built outside a run (tests, tools)
@@ -187,8 +186,6 @@ def build_sglang_engine(cfg: Any, model_config: Any, params: dict[str, torch.Ten
     sc = SglangConfig(model_path=path, tp_size=cfg.parallel.cell_size, mem_fraction_static=opts.mem_fraction_static,
                       base_gpu_id=torch.cuda.current_device() if torch.cuda.is_available() else 0, dtype=dtype,
                       enable_memory_saver=opts.enable_memory_saver, extra=dict(opts.extra))
-    from gyre.backends.factory import SGLANG_API_ENV
-
     spec = os.environ.get(SGLANG_API_ENV)
     return SglangEngine(sc, version=version, api=SglangApi.from_spec(spec) if spec else None,
                         sampleable_vocab=sampleable_vocab, eos_token_ids=eos_token_ids)

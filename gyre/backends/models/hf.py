@@ -112,6 +112,14 @@ def rope_theta(config) -> float:
     return float(params["rope_theta"])
 
 
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype a resolved `--model.dtype` or `--megatron.params-dtype` names."""
+    return DTYPES[name]
+
+
 def build_model(config, *, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A freshly initialised model of `config`'s family (`gyre.backends.models.arch.family_of`: e.g.
     `Qwen2ForCausalLM` for a preset, `Qwen3ForCausalLM` for a Qwen3 config), deterministic in `seed`.

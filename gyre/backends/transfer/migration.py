@@ -461,7 +461,7 @@ def build_kv_transport(kind: str, store: Any = None, group: Any = None, *, host:
         try:
             return MooncakeKvTransport(host=host, protocol=protocol, device=device, probe=True)
         except PeerUnreachable as e:  # an address (--transfer.host, GYRE_TRANSFER_HOST): a refused config
-            from gyre.config import ConfigError
+            from gyre.errors import ConfigError
 
             raise ConfigError(f"--proxy.migration-transport mooncake: {e}") from None
     if kind == "local":

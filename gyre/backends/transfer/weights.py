@@ -332,7 +332,7 @@ def _probe_or_refuse(mc: MooncakeTransport, owner: int) -> None:
     rank has it, rank 0 says it: gyre.run), since its cause is an address (--transfer.host,
     GYRE_TRANSFER_HOST)."""
     from gyre.backends.transfer.snapshots import PeerUnreachable, check_reachable
-    from gyre.config import ConfigError
+    from gyre.errors import ConfigError
 
     try:
         check_reachable(mc, owner)
