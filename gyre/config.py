@@ -497,11 +497,15 @@ def check_dataset(cfg: GyreConfig) -> None:
     check_tasks(cfg, dataset)
 
 
+def runs_root(preset: str) -> Path:
+    """Where a preset's runs go when --run-dir is not given: `runs/<preset>`, or `runs/train` for a
+    training job built from flags alone (the default preset, smoke, trains nothing)."""
+    return Path("runs") / ("train" if preset == "smoke" else preset)
+
+
 def check_run_dir(cfg: GyreConfig) -> None:
     """Where the run directory goes can be written (the nearest existing directory above it)."""
     import os
-
-    from gyre.runtime.rundir import runs_root
 
     target = Path(cfg.run_dir) if cfg.run_dir else runs_root(cfg.preset)
     flag = f"--run-dir {cfg.run_dir}" if cfg.run_dir else f"the default run directory {target}/ (--run-dir)"

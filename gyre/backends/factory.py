@@ -251,8 +251,8 @@ def build_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *
     `sampleable_vocab`: ids >= it are never sampled (the tokenizer's size when the checkpoint
     pads its embedding, as real Qwen2.5 does); None: every embedding row."""
     if cfg.backend.engine == "sglang":
-        engine = _sglang_engine(cfg, model_config, params, version=version, eos_token_ids=eos_token_ids, name=name,
-                                sampleable_vocab=sampleable_vocab)
+        engine = build_sglang_engine(cfg, model_config, params, version=version, eos_token_ids=eos_token_ids,
+                                     name=name, sampleable_vocab=sampleable_vocab)
         engine.name = name
         return engine
     from gyre.backends.engines.cpu_engine import CpuEngine
@@ -264,14 +264,35 @@ def build_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *
     return engine
 
 
-def _sglang_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *, version: int,
-                   eos_token_ids: list[int], name: str, sampleable_vocab: int | None = None) -> RolloutEngine:
-    """An embedded SGLang engine for this cell (its first rank): gyre.backends.engines.sglang_checkpoint
-    (the --model.checkpoint directory itself at version 0, else a directory it writes)."""
-    from gyre.backends.engines.sglang_checkpoint import build_sglang_engine
+def build_sglang_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *, version: int,
+                        eos_token_ids: list[int], name: str, sampleable_vocab: int | None = None) -> RolloutEngine:
+    """The embedded SGLang engine of this cell (its first rank), from the run's config: the model
+    directory above (under RUN_DIR/sglang/<name>/ when written), tp = the cell size, the first GPU
+    this rank's, the dtype `--model.dtype` (auto resolved: bfloat16), `--sglang.*` options and
+    pass-through. `build_engine` calls it for `--backend.engine sglang`."""
+    import tempfile
 
-    return build_sglang_engine(cfg, model_config, params, version=version, eos_token_ids=eos_token_ids, name=name,
-                               sampleable_vocab=sampleable_vocab)
+    from gyre.backends.config import SglangConfig, SglangOptions, resolve_model_dtype
+    from gyre.backends.engines.sglang_checkpoint import parse_size, sglang_model_dir
+    from gyre.backends.engines.sglang_engine import SglangApi, SglangEngine
+
+    dtype = resolve_model_dtype(cfg.model, cfg.backend)
+    if cfg.run_dir:
+        out = Path(cfg.run_dir) / "sglang" / name
+    else:  # an engine built outside a run (tests, tools)
+        out = Path(tempfile.mkdtemp(prefix=f"gyre-sglang-{name}-"))
+    opts = getattr(cfg, "sglang", None) or SglangOptions()
+    path, written = sglang_model_dir(checkpoint=cfg.model.checkpoint, version=version, out_dir=out,
+                                     model_config=model_config, params=params, dtype=dtype,
+                                     eos_token_ids=list(eos_token_ids), max_shard_bytes=parse_size(opts.max_shard_size))
+    logger.info("sglang %s serves %s (%s, version %d, %s)", name, path, dtype, version,
+                "written by Gyre" if written else "the checkpoint directory itself")
+    sc = SglangConfig(model_path=path, tp_size=cfg.parallel.cell_size, mem_fraction_static=opts.mem_fraction_static,
+                      base_gpu_id=torch.cuda.current_device() if torch.cuda.is_available() else 0, dtype=dtype,
+                      enable_memory_saver=opts.enable_memory_saver, extra=dict(opts.extra))
+    spec = os.environ.get(SGLANG_API_ENV)
+    return SglangEngine(sc, version=version, api=SglangApi.from_spec(spec) if spec else None,
+                        sampleable_vocab=sampleable_vocab, eos_token_ids=eos_token_ids)
 
 
 # ----------------------------------------------------------------------------- weight transport

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre import checkpoint
+from gyre.config import runs_root
 from gyre.runtime import peers
 from gyre.runtime.runlock import RunLock, RunLocked
 from gyre.runtime.outputs import events_until, metrics_until, truncate_jsonl
@@ -157,12 +158,6 @@ class RunDirError(ValueError):
 class RunFinished(Exception):
     """A restarted job (torchrun --max-restarts, a Slurm requeue) whose run had already reached
     --train.steps: a rank died after the final checkpoint. Nothing is left to do."""
-
-
-def runs_root(preset: str) -> Path:
-    """Where a preset's runs go when --run-dir is not given: `runs/<preset>`, or `runs/train` for a
-    training job built from flags alone (the default preset, smoke, trains nothing)."""
-    return Path("runs") / ("train" if preset == "smoke" else preset)
 
 
 def previous_outputs(path: Path) -> list[str]:

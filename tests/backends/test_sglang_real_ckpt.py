@@ -50,7 +50,7 @@ def _cfg(tmp_path, *flags):
 
 
 def _build(cfg, model_config, params, *, version=0, **kw):
-    from gyre.backends.engines.sglang_checkpoint import build_sglang_engine
+    from gyre.backends.factory import build_sglang_engine
 
     return build_sglang_engine(cfg, model_config, params, version=version, eos_token_ids=[], name="r0", **kw)
 

@@ -194,7 +194,9 @@ def test_a_qwen_sized_vocabulary_of_151665_ids():
     from transformers import PreTrainedTokenizerFast
 
     rng = random.Random(0)
-    tr = V._byte_level_translation()
+    from gyre.backends.models.bytetable import _byte_level_translation
+
+    tr = _byte_level_translation()
     alphabet = [chr(c) for c, v in tr.items() if v != "\uffff"]
     vocab = {a: i for i, a in enumerate(alphabet)}
     while len(vocab) < 151_643:
