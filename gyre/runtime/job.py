@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -33,10 +33,13 @@ from gyre.runtime.messages import Failed, Interrupted
 from gyre.runtime.rundir import RunDir
 from gyre.topology import Groups, Topology
 
+if TYPE_CHECKING:
+    from gyre.config import GyreConfig
+
 logger = logging.getLogger(__name__)
 
 
-def train(cfg: Any, topo: Topology, groups: Groups, run: RunDir, interrupts: Any = None) -> None:
+def train(cfg: GyreConfig, topo: Topology, groups: Groups, run: RunDir, interrupts: Any = None) -> None:
     """`run`: rank 0's decision of the directory, the attempt and the resume point (`gyre.runtime.rundir`);
     `interrupts` (`gyre.runtime.control.Interrupts`): told how to reach the controller here."""
     from gyre.backends.engines.engine_host import share_secret
@@ -58,7 +61,7 @@ def train(cfg: Any, topo: Topology, groups: Groups, run: RunDir, interrupts: Any
         _write_transport_stats(Path(cfg.run_dir), topo.rank, weights)
 
 
-def _chat_format_stop_ids(cfg: Any, tokenizer: Any, model_cfg: Any) -> set[int]:
+def _chat_format_stop_ids(cfg: GyreConfig, tokenizer: Any, model_cfg: Any) -> set[int]:
     """The ids of the run's chat format's stop tokens (gyre.proxy.formats: the checkpoint's template,
     or --proxy.chat-format); a template no format knows is a ConfigError on every rank."""
     from gyre.errors import ConfigError
@@ -72,7 +75,7 @@ def _chat_format_stop_ids(cfg: Any, tokenizer: Any, model_cfg: Any) -> set[int]:
     return {i for i in ids if i is not None}
 
 
-def _kv_transport(cfg: Any, topo: Topology, store: Any) -> Any:
+def _kv_transport(cfg: GyreConfig, topo: Topology, store: Any) -> Any:
     """The engines' KV-migration transport (`--proxy.migration` auto|always), or None (off)."""
     if cfg.proxy.migration == "off":
         return None
@@ -88,7 +91,7 @@ def _kv_transport(cfg: Any, topo: Topology, store: Any) -> Any:
                               protocol=tc.mooncake_protocol, device=tc.mooncake_device)
 
 
-def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: WeightTransport, engine_secret: str,
+def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights: WeightTransport, engine_secret: str,
            run: RunDir, kv: Any = None, interrupts: Any = None) -> None:
     from gyre.backends.models.vocab import VocabError, check_project_fallback, check_vocab, load_vocab
     from gyre.errors import ConfigError
@@ -197,7 +200,7 @@ def _write_transport_stats(run_dir: Path, rank: int, weights: Any) -> None:
         logger.warning("could not write transport stats: %r", e)
 
 
-def prepare(cfg: Any, topo: Topology, groups: Groups) -> None:
+def prepare(cfg: GyreConfig, topo: Topology, groups: Groups) -> None:
     """`--train.prepare`, before the run directory is decided: rank 0 runs the hook, every rank
     waits for it, then checks what it wrote (`gyre.config.check_prepared`), so a path the hook
     does not write is a refusal before run.json exists. Nothing to do without a hook."""
@@ -213,7 +216,7 @@ def prepare(cfg: Any, topo: Topology, groups: Groups) -> None:
     check_prepared(cfg, checkpoint=checkpoint, dataset=dataset)
 
 
-def _prepare(cfg: Any) -> None:
+def _prepare(cfg: GyreConfig) -> None:
     """Run the config's preparation hook (e.g. the cpu_demo dataset and warm start)."""
     import importlib
 
