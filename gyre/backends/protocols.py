@@ -207,8 +207,9 @@ class Actor(Protocol):
 
     def optimizer_step(self, max_grad_norm: float | None = None, *, grad_scale: float = 1.0) -> dict[str, float]:
         """Multiply the reduced gradients by `grad_scale` (the step's |E| correction,
-        `gyre.loss.LossConfig.grad_scale`), clip, apply one optimizer update, zero the gradients,
-        `version += 1` (core only). Returns grad norm etc."""
+        `gyre.loss.LossConfig.grad_scale`), clip to `max_grad_norm` (None, as the worker calls it:
+        the actor's own `--actor.max-grad-norm`; the contract tests pass one), apply one optimizer
+        update, zero the gradients, `version += 1` (core only). Returns grad norm etc."""
         ...
 
     def export_parameters(self) -> dict[str, torch.Tensor]:
@@ -234,8 +235,9 @@ class Actor(Protocol):
         """Weights, optimizer state (core) and version under directory `path`."""
         ...
 
-    def load_checkpoint(self, path: str) -> None:
-        """The inverse of `save_checkpoint` (sets `version`)."""
+    def load_checkpoint(self, path: str, *, weights_only: bool = False) -> None:
+        """The inverse of `save_checkpoint` (sets `version`); `weights_only` leaves the optimizer
+        fresh (`--train.resume-weights-only`, and a checkpoint that holds no optimizer state)."""
         ...
 
     def debug_state(self) -> dict[str, Any]:

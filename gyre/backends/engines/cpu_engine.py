@@ -499,9 +499,6 @@ class CpuEngine:
             return None
         return _Request(request_id, state.sequence(), sampling, gen, asyncio.Queue(), cache=cache, fed=cache.length)
 
-    def drop_import(self, request_id: str) -> bool:
-        return self._parked.pop(request_id, None) is not None
-
     async def migrate_out(self, request_id: str) -> tuple[list[TokenEvent], dict | None]:
         """Two-phase, source side: stop the request, hold its packed state on the KV transport.
         Returns (every event generated, handle for the target; None when packing failed, then the
@@ -536,11 +533,8 @@ class CpuEngine:
     def held_migrations(self) -> int:
         return len(self._tickets.tickets) if self._tickets is not None else 0
 
-    async def measure_prefill_tok_s(self, tokens: int = 512) -> float:
-        """Prefill throughput (tokens/s) of one `tokens`-long prompt on the current weights."""
-        return await asyncio.to_thread(self._prefill_rate, tokens)
-
     def _prefill_rate(self, tokens: int) -> float:
+        """Prefill throughput (tokens/s) of one `tokens`-long prompt on the current weights."""
         w = self._weights
         ids = torch.randint(0, self.model_config.vocab_size, (tokens,))
         cache = KVCache.empty(w, tokens)

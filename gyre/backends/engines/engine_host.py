@@ -82,9 +82,6 @@ class EngineHost:
     def update(self, params: dict[str, torch.Tensor], version: int) -> None:
         self.handle.call(self.engine.update_weights(params, version), timeout=self.timeout)
 
-    def health(self) -> Any:
-        return self.handle.call(self.engine.health(), timeout=self.timeout)
-
     def stop(self) -> None:
         stop = getattr(self.engine, "stop", None)  # optional in RolloutEngine (see there)
         if stop is not None:

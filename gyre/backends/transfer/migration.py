@@ -89,9 +89,6 @@ class RequestState:
     def sequence(self) -> list[int]:
         return self.prompt + [e.token_id for e in self.events]
 
-    def kv_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv_k + self.kv_v)
-
 
 def _event_row(ev: TokenEvent) -> list:
     return [ev.token_id, ev.logprob, ev.version, ev.finish_reason, ev.top]
@@ -394,9 +391,6 @@ class Tickets:
         self.transport.drop(key)
         return True
 
-    def held_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tickets.values())
-
 
 # ------------------------------------------------------------------------------------------ cost rule
 _DEFAULT_BANDWIDTH_BPS = 0.3e9  # until measured: the slower of gloo / Mooncake TCP here (backend_bench)
@@ -467,15 +461,3 @@ def build_kv_transport(kind: str, store: Any = None, group: Any = None, *, host:
     if kind == "local":
         return LocalKvTransport(f"local-{secrets.token_hex(4)}")
     raise ValueError(f"KV transport must be gloo, mooncake or local, got {kind!r}")
-
-
-def calibrate_bandwidth(transport: KvTransport, nbytes: int = 16 << 20) -> float:
-    """Bytes/s of one hold + pull + drop of `nbytes` through `transport` (to itself)."""
-    buf = torch.zeros(nbytes, dtype=torch.uint8)
-    t0 = time.perf_counter()
-    handle = transport.hold("calibrate", buf)
-    try:
-        transport.pull(handle)
-    finally:
-        transport.drop("calibrate")
-    return nbytes / max(time.perf_counter() - t0, 1e-9)
