@@ -54,8 +54,9 @@ class CpuEngineConfig:
 
 
 @dataclass(kw_only=True)
-class CpuActorConfig:
-    """The training actor's optimizer and pacing (the loss's ε and C are `gyre.loss.LossConfig`)."""
+class OptimizerConfig:
+    """`--actor.*`: the core's AdamW, clip and learning-rate schedule, for the CPU and the Megatron
+    actor alike, and the CPU actor's pacing (the loss's ε and C are `gyre.loss.LossConfig`)."""
 
     lr: float = 1e-4
     """AdamW learning rate."""

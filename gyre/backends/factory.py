@@ -6,6 +6,7 @@
     set_threads(cfg)                          once per process, before the engine or actor is built
     actor, model_config = build_core_actor(cfg, vocab, checkpoint_dir)   the core only
     transport = build_transport(cfg, topo, store)                        every rank, same point
+    kv = build_kv_transport(cfg, topo, store)                            every rank, same point (None: off)
     engine = build_engine(cfg, model_config, params, version=, eos_token_ids=, name=)
     actor = build_actor(cfg, model_config, is_core=False)
 
@@ -319,3 +320,22 @@ def build_transport(cfg: Any, topo: Any, store: Any) -> WeightTransport:
         return MooncakeWeights(store, owner=owner, keep=tc.keep, verify=tc.verify, host=tc.host,
                                protocol=tc.mooncake_protocol, device=tc.mooncake_device)
     raise ValueError(f"transfer.transport: unknown {tc.transport!r}")  # check_backends refused it already
+
+
+def build_kv_transport(cfg: Any, topo: Any, store: Any) -> Any:
+    """The engines' KV-migration transport (`--proxy.migration` auto|always over
+    `--proxy.migration-transport`), or None when migration is off. Collective for 'gloo' (it
+    creates the transport's gloo group): every rank calls it at the same point of start-up.
+    Mooncake KV moves as the weight snapshots do: the same address, protocol and device."""
+    if cfg.proxy.migration == "off":
+        return None
+    from gyre.backends.transfer.migration import build_kv_transport as build
+
+    group = None
+    if cfg.proxy.migration_transport == "gloo":
+        import torch.distributed as dist
+
+        group = dist.new_group(list(range(topo.world_size)), backend="gloo", timeout=timedelta(seconds=600))
+    tc = cfg.transfer
+    return build(cfg.proxy.migration_transport, store.clone(), group, host=tc.host, protocol=tc.mooncake_protocol,
+                 device=tc.mooncake_device)

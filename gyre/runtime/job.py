@@ -51,7 +51,7 @@ def train(cfg: GyreConfig, topo: Topology, groups: Groups, run: RunDir, interrup
     _record_ranks(topo, groups, run)  # blocking: every rank's process, in run.json (who died, at the end)
     store = SignedStore(default_store(), secret)
     weights = factory.build_transport(cfg, topo, store)  # blocking (torch): every rank creates its group
-    kv = _kv_transport(cfg, topo, store)  # blocking (gloo): every rank creates the KV-migration group
+    kv = factory.build_kv_transport(cfg, topo, store)  # blocking (gloo): every rank creates the KV-migration group
     try:
         _train(cfg, topo, groups, store, weights, secret, run, kv, interrupts)
     finally:
@@ -73,22 +73,6 @@ def _chat_format_stop_ids(cfg: GyreConfig, tokenizer: Any, model_cfg: Any) -> se
         raise ConfigError(str(e)) from None
     ids = (tokenizer.backend_tokenizer.token_to_id(t) for t in fmt.stop_tokens)
     return {i for i in ids if i is not None}
-
-
-def _kv_transport(cfg: GyreConfig, topo: Topology, store: Any) -> Any:
-    """The engines' KV-migration transport (`--proxy.migration` auto|always), or None (off)."""
-    if cfg.proxy.migration == "off":
-        return None
-    from datetime import timedelta
-
-    from gyre.backends.transfer.migration import build_kv_transport
-
-    group = None
-    if cfg.proxy.migration_transport == "gloo":
-        group = dist.new_group(list(range(topo.world_size)), backend="gloo", timeout=timedelta(seconds=600))
-    tc = cfg.transfer  # Mooncake KV moves as its weight snapshots do: the same address, protocol and device
-    return build_kv_transport(cfg.proxy.migration_transport, store.clone(), group, host=tc.host,
-                              protocol=tc.mooncake_protocol, device=tc.mooncake_device)
 
 
 def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights: WeightTransport, engine_secret: str,

@@ -182,10 +182,10 @@ def test_grad_norm_and_clip_by_hand():
 def test_fp32_master_keeps_updates_that_bf16_rounds_away():
     """lr 1e-4 on weights near 1: one AdamW step moves a weight by ~1e-4, below bf16's resolution
     there (2^-7). The fp32 master steps exactly like fp32 AdamW; the bf16 params are its rounding."""
-    from gyre.backends.config import CpuActorConfig
+    from gyre.backends.config import OptimizerConfig
     from gyre.backends.actors.megatron_actor import Fp32Master
 
-    opt = CpuActorConfig(lr=1e-4)
+    opt = OptimizerConfig(lr=1e-4)
     init = torch.linspace(0.9, 1.1, 8)
     p = torch.nn.Parameter(init.to(torch.bfloat16))
     ref = torch.nn.Parameter(init.to(torch.bfloat16).float())

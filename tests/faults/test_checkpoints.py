@@ -125,11 +125,11 @@ def test_select_with_nothing_usable_says_what_it_found(tmp_path):
 
 def _tiny_actor():
     from gyre.backends.actors.cpu_actor import CpuActor
-    from gyre.backends.config import CpuActorConfig
+    from gyre.backends.config import OptimizerConfig
     from gyre.backends.models.hf import build_model, model_config
 
     model = build_model(model_config("tiny", 300), seed=0, dtype=torch.float32)
-    return CpuActor(model, is_core=True, config=CpuActorConfig())
+    return CpuActor(model, is_core=True, config=OptimizerConfig())
 
 
 @pytest.mark.parametrize("missing", ["optimizer.pt", "gyre_actor.json"])

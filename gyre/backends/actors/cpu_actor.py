@@ -12,7 +12,7 @@ sends its parameters to the satellites (`gyre.backends.transfer.snapshots`).
     if actor.is_core:
         actor.optimizer_step(max_grad_norm=1.0, grad_scale=1.0)   # grad_scale: |E| rescale, below
 
-With `CpuActorConfig.min_s_per_ktok` > 0 (emulated accelerator, benchmarks only) a micro-step's
+With `OptimizerConfig.min_s_per_ktok` > 0 (emulated accelerator, benchmarks only) a micro-step's
 forward_backward lasts at least tokens/1000 × that: the actor sleeps the rest after computing.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gyre.backends.config import CpuActorConfig
+from gyre.backends.config import OptimizerConfig
 from gyre.backends.actors.memory import ActorMemory
 from gyre.backends.models.hf import packed_logits, save_checkpoint
 from gyre.loss.config import LossConfig
@@ -41,7 +41,7 @@ class CpuActor:
     """Actor over a `transformers` causal LM of a supported family (`models.build_model` /
     `models.load_model` pick the class from `gyre.backends.models.arch`)."""
 
-    def __init__(self, model, *, is_core: bool, config: CpuActorConfig | None = None, loss: LossConfig | None = None,
+    def __init__(self, model, *, is_core: bool, config: OptimizerConfig | None = None, loss: LossConfig | None = None,
                  version: int = 0):
         from gyre.backends.models.arch import family_of
 
@@ -51,7 +51,7 @@ class CpuActor:
                              f"{family.hf_class}; build it with gyre.backends.models.hf.build_model/load_model")
         self.family = family
         self.model = model
-        self.config = config or CpuActorConfig()
+        self.config = config or OptimizerConfig()
         self.loss = loss or LossConfig()
         self.is_core = is_core
         self.version = version  # optimizer steps applied (docs/design.md §2: versions count steps)

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from gyre.backends.actors import mcore_mapping as _mapping
-from gyre.backends.config import CpuActorConfig, MegatronConfig
+from gyre.backends.config import MegatronConfig, OptimizerConfig
 from gyre.backends.actors.mcore_mapping import (LazyCheckpoint, NameLayout, check_layout, family_of, has_transformer_engine,
                                          head_dim, moe_layers, num_experts, rope_settings, shard_experts, shard_tensor,
                                          unshard_ep, unshard_tp)
@@ -298,7 +298,7 @@ class Fp32Master:
     """fp32 master copies of (possibly bf16) parameters and AdamW over them (the core only).
     For fp32 parameters the masters are the parameters themselves."""
 
-    def __init__(self, params: list[torch.Tensor], optim: CpuActorConfig):
+    def __init__(self, params: list[torch.Tensor], optim: OptimizerConfig):
         self.params = params
         self.separate = any(p.dtype != torch.float32 for p in params)
         self.masters = [p.detach().float().clone() for p in params] if self.separate else params
@@ -331,7 +331,7 @@ class MegatronActor:
     """Actor over a megatron GPTModel; same contract as `CpuActor` (see its docstring)."""
 
     def __init__(self, hf_config, hf_state_dict: Mapping[str, torch.Tensor] | None, *, is_core: bool,
-                 config: MegatronConfig | None = None, optim: CpuActorConfig | None = None,
+                 config: MegatronConfig | None = None, optim: OptimizerConfig | None = None,
                  loss: LossConfig | None = None, version: int = 0, seed: int = 0):
         """`hf_state_dict`: the HF weights (a dict, or `mcore_mapping.LazyCheckpoint(dir)`, read
         one tensor at a time), or None for a satellite whose weights come with its first import
@@ -346,7 +346,7 @@ class MegatronActor:
                      te=self.names.spec == "te", vocab_size=hf_config.vocab_size, training=False)
         # (training=False: MoE + TP builds, imports and exports; its training step is refused in
         # _run, and gyre.config refuses the layout for a run up front)
-        self.optim = optim or CpuActorConfig()  # AdamW, clip and lr schedule, as the CPU actor's
+        self.optim = optim or OptimizerConfig()  # AdamW, clip and lr schedule, as the CPU actor's
         self.loss = loss or LossConfig()
         self.hf_config, self.is_core, self.version = hf_config, is_core, version
         initialize_parallel_state(self.mc, seed=seed)  # no-op when gyre.run did it (every rank, at start-up)
@@ -382,7 +382,7 @@ class MegatronActor:
 
     @classmethod
     def from_checkpoint(cls, path: str, *, is_core: bool, config: MegatronConfig | None = None,
-                        optim: CpuActorConfig | None = None, loss: LossConfig | None = None, version: int = 0,
+                        optim: OptimizerConfig | None = None, loss: LossConfig | None = None, version: int = 0,
                         seed: int = 0) -> "MegatronActor":
         """An actor holding an HF checkpoint directory's weights, read lazily: its config.json
         shapes the model and each rank reads only the tensors it maps (`LazyCheckpoint`), never a
