@@ -27,10 +27,11 @@ import torch
 from safetensors.torch import save as st_save
 
 from gyre.backends.engines.det_engine import DeterministicEngine
-from gyre.backends.engines.engine_host import EngineHost, bind_address, route_address
+from gyre.backends.engines.engine_host import EngineHost, bind_address
 from gyre.backends.engines.engine_http import HttpEngine, serve_engine
 from gyre.backends.protocols import SamplingParams
 from gyre.proxy.router import Router
+from gyre.serving import route_address
 
 ROOT = Path(__file__).resolve().parents[2]
 WEIGHTS = st_save({"w": torch.ones(2)})
