@@ -34,8 +34,8 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results", "backend_bench.json")
 # ---------------------------------------------------------------------------- engine
 def bench_engine(preset: str, requests: int, tokens: int, prompt_len: int) -> dict:
     from gyre.backends.config import CpuEngineConfig
-    from gyre.backends.cpu_engine import CpuEngine
-    from gyre.backends.models import build_model, model_config
+    from gyre.backends.engines.cpu_engine import CpuEngine
+    from gyre.backends.models.hf import build_model, model_config
     from gyre.backends.protocols import SamplingParams
 
     model = build_model(model_config(preset, 1024), seed=0)
@@ -81,7 +81,7 @@ def _share_rank(kind: str, mb: int, repeats: int):
     """On gloo ranks: rank 0 serves, rank 1 pulls `repeats` times; returns rank 1's best GB/s."""
     import torch.distributed as dist
 
-    from gyre.backends.transfer import make_transport
+    from gyre.backends.transfer.snapshots import make_transport
 
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -122,7 +122,7 @@ def bench_memcpy(mb: int, repeats: int) -> float:
 
 
 def bench_checksum(mb: int, repeats: int) -> float:
-    from gyre.backends.transfer import checksum
+    from gyre.backends.transfer.snapshots import checksum
 
     buf = torch.cat([t.view(-1) for t in _snapshot(mb).values()]).view(torch.uint8)
     best = float("inf")

@@ -47,8 +47,8 @@ def child(mode: str, layers: int, dtype: str) -> dict:
 
     import megatron.core  # noqa: F401  (imported before the baseline, as in a running gyre rank)
     from gyre.backends.config import MegatronConfig
-    from gyre.backends.megatron_actor import MegatronActor
-    from gyre.backends.models import build_model
+    from gyre.backends.actors.megatron_actor import MegatronActor
+    from gyre.backends.models.hf import build_model
 
     torch.set_num_threads(1)
     store = tempfile.mktemp(prefix="gyre-startup-bench-")

@@ -36,8 +36,8 @@ TOKENS_BEFORE = 4  # tokens on the source before each drain
 
 def _engine(rank: int, max_len: int):
     from gyre.backends.config import CpuEngineConfig
-    from gyre.backends.cpu_engine import CpuEngine
-    from gyre.backends.models import build_model, model_config
+    from gyre.backends.engines.cpu_engine import CpuEngine
+    from gyre.backends.models.hf import build_model, model_config
 
     cfg = model_config("small", VOCAB)
     model = build_model(cfg, seed=0)  # same seed on both ranks: same weights
@@ -49,7 +49,7 @@ def _engine(rank: int, max_len: int):
 def _transport(kind: str):
     import torch.distributed as dist
 
-    from gyre.backends.migration import GlooKvTransport, MooncakeKvTransport
+    from gyre.backends.transfer.migration import GlooKvTransport, MooncakeKvTransport
 
     if kind == "gloo":
         group = dist.new_group(backend="gloo")  # every rank, up front: the KV moves on a group of its own
@@ -59,7 +59,7 @@ def _transport(kind: str):
 
 async def _one_call(router, L: int, recompute: bool) -> dict:
     """One call of L prompt tokens: migrated c → p, then (if `recompute`) recomputed p → c."""
-    from gyre.backends.migration import MigrationPolicy
+    from gyre.backends.transfer.migration import MigrationPolicy
     from gyre.backends.protocols import SamplingParams
 
     prompt = torch.randint(0, VOCAB, (L,), generator=torch.Generator().manual_seed(L)).tolist()
@@ -95,7 +95,7 @@ def _rank(kind: str, contexts: list[int], recompute: bool):
     """Both ranks: serve an engine; rank 0 also routes the calls. Returns rank 0's figures."""
     import torch.distributed as dist
 
-    from gyre.backends.engine_http import HttpEngine, serve_engine
+    from gyre.backends.engines.engine_http import HttpEngine, serve_engine
     from gyre.proxy.router import Router
 
     torch.set_num_threads(1)

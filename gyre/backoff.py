@@ -1,5 +1,5 @@
 """The sleeps of an idle poller, shared by the control plane's mailboxes (gyre/runtime/control.py)
-and the gloo KV server (gyre/backends/migration.py): one rule, at the bottom of the layers."""
+and the gloo KV server (gyre/backends/transfer/migration.py): one rule, at the bottom of the layers."""
 
 
 class Backoff:

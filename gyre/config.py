@@ -7,9 +7,9 @@ Every rank parses the same command line into the same `GyreConfig`:
 `--preset NAME` picks a Python function below that returns a whole config; every other flag
 overrides a field of it. `python -m gyre.run --help` lists every option with its docstring.
 
-Size (619 lines): the dataclasses, the presets and every up-front refusal (`check_*`, run on every
-rank before run.json) live together; the next split moves the `check_*` functions and `BOUNDS` to
-their own module beside `ConfigError` (issue 31's gyre/errors.py).
+Size (about 615 lines): the dataclasses, the presets and every up-front refusal (`check_*`, run on
+every rank before run.json) live together; the next split moves the `check_*` functions and
+`BOUNDS` to a module of their own (`ConfigError` itself lives in gyre/errors.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from typing import Any, Callable, Iterator, Literal
 
 import tyro
 
-from gyre.backends.config import (BackendConfig, CpuActorConfig, CpuEngineConfig, ModelConfig, SglangOptions,
-                                  TransferConfig)
+from gyre.backends.config import (BackendConfig, CpuEngineConfig, ModelConfig, OptimizerConfig, SglangOptions,
+                                  TransferConfig, resolve_model_dtype)
+from gyre.errors import ConfigError  # lives below every layer; `from gyre.config import ConfigError` works too
 from gyre.executions.config import ExecutionsConfig
 from gyre.loss.config import LossConfig
 from gyre.proxy.config import ProxyConfig
@@ -72,7 +73,7 @@ class TrainConfig:
     checkpoint_every: int = 8
     """Save a checkpoint every this many steps, and always at the end (0: only at the end). 8 by
     default: a crash or a restart (torchrun --max-restarts, a Slurm requeue) loses at most 8
-    steps; each checkpoint is written atomically (gyre/runtime/checkpoint.py), so a crash while
+    steps; each checkpoint is written atomically (gyre/checkpoint.py), so a crash while
     writing one costs that one only."""
     resume: bool = False
     """Resume from the newest complete checkpoint in the run directory's checkpoints/ (--run-dir;
@@ -162,15 +163,11 @@ class GyreConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: CpuEngineConfig = field(default_factory=CpuEngineConfig)
-    actor: CpuActorConfig = field(default_factory=CpuActorConfig)
+    actor: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     sglang: SglangOptions = field(default_factory=SglangOptions)
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work; the message names the field."""
 
 
 def check_train_config(cfg: GyreConfig, num_cells: int) -> None:
@@ -364,25 +361,17 @@ def check_prepared(cfg: GyreConfig, *, checkpoint: bool, dataset: bool) -> None:
         check_dataset(cfg)
 
 
-def resolve_model_dtype(cfg: GyreConfig) -> str:
-    """`--model.dtype`, with auto resolved: bfloat16 wherever a CUDA backend is chosen (the SGLang
-    engine, the Megatron actor), float32 on the CPU backends."""
-    if cfg.model.dtype != "auto":
-        return cfg.model.dtype
-    return "bfloat16" if cfg.backend.engine == "sglang" or cfg.backend.actor == "megatron" else "float32"
-
-
 def check_model_dtype(cfg: GyreConfig) -> None:
     """SGLang serves float16/bfloat16 only: its default attention on Hopper is FA3 (sglang 0.5.23
     arg_groups/model_override_base.py:305-311), whose kernels take fp16/bf16, and its CUDA RMSNorm
     goes through sgl-kernel whatever the dtype (layers/layernorm.py:628, 631). Refused here, before
     any rank starts, instead of a scheduler crash (SIGQUIT to the rank) at engine start."""
-    dtype = resolve_model_dtype(cfg)
+    dtype = resolve_model_dtype(cfg.model, cfg.backend)
     if cfg.backend.engine == "sglang" and dtype not in ("bfloat16", "float16"):
         raise ConfigError(f"--model.dtype {dtype} with --backend.engine sglang: SGLang's default GPU kernels (FA3 "
                           f"attention on Hopper, sgl-kernel RMSNorm) take float16/bfloat16 only; use --model.dtype "
                           f"bfloat16 (or auto, which is bfloat16 with a CUDA backend)")
-    from gyre.backends.sglang_engine import GYRE_OWNED_SERVER_ARGS
+    from gyre.backends.engines.sglang_engine import GYRE_OWNED_SERVER_ARGS
 
     for key in cfg.sglang.extra:
         name = key.replace("-", "_")
@@ -417,10 +406,10 @@ def _split_passthrough(argv: list[str], section: str, declared: set[str]) -> tup
 
 def check_model_vocab(cfg: GyreConfig) -> None:
     """An existing `--model.checkpoint` and the run's tokenizer (the checkpoint's own, else
-    `--proxy.tokenizer-path`, else the project's: gyre.backends.vocab.resolve_tokenizer_dir) fit:
+    `--proxy.tokenizer-path`, else the project's: gyre.backends.models.vocab.resolve_tokenizer_dir) fit:
     the tokenizer has no more ids than the model has embedding rows (config.json vocab_size). A
     checkpoint `--train.prepare` has still to write is checked by the job once it is there."""
-    from gyre.backends import vocab as V
+    from gyre.backends.models import vocab as V
 
     mc = cfg.model.checkpoint
     if mc and not Path(mc).is_dir() and not checkpoint_yet_to_prepare(cfg):
@@ -458,10 +447,10 @@ def check_megatron_layout(cfg: GyreConfig) -> None:
     """--backend.actor megatron: the cell layout (--parallel.tp/pp/cp/ep) against the model's
     architecture (EP on a dense model, PP without Transformer Engine, CP, TP not dividing the
     heads, an unsupported family or RoPE), refused on every rank before any builds anything
-    (`gyre.backends.mcore_mapping.check_layout`). Reads only the checkpoint's config.json."""
+    (`gyre.backends.actors.mcore_mapping.check_layout`). Reads only the checkpoint's config.json."""
     if cfg.backend.actor != "megatron" or checkpoint_yet_to_prepare(cfg):
         return
-    from gyre.backends.mcore_mapping import check_layout
+    from gyre.backends.actors.mcore_mapping import check_layout
 
     if cfg.model.checkpoint:
         from transformers import AutoConfig
@@ -471,7 +460,7 @@ def check_megatron_layout(cfg: GyreConfig) -> None:
         except (OSError, ValueError) as e:
             raise ConfigError(f"--model.checkpoint {cfg.model.checkpoint}: no readable config.json ({e})") from None
     else:
-        from gyre.backends.models import model_config
+        from gyre.backends.models.hf import model_config
 
         hf = model_config(cfg.model.preset, 1)  # the layout does not depend on the vocabulary
     p = cfg.parallel
@@ -508,11 +497,15 @@ def check_dataset(cfg: GyreConfig) -> None:
     check_tasks(cfg, dataset)
 
 
+def runs_root(preset: str) -> Path:
+    """Where a preset's runs go when --run-dir is not given: `runs/<preset>`, or `runs/train` for a
+    training job built from flags alone (the default preset, smoke, trains nothing)."""
+    return Path("runs") / ("train" if preset == "smoke" else preset)
+
+
 def check_run_dir(cfg: GyreConfig) -> None:
     """Where the run directory goes can be written (the nearest existing directory above it)."""
     import os
-
-    from gyre.runtime.rundir import runs_root
 
     target = Path(cfg.run_dir) if cfg.run_dir else runs_root(cfg.preset)
     flag = f"--run-dir {cfg.run_dir}" if cfg.run_dir else f"the default run directory {target}/ (--run-dir)"
@@ -558,7 +551,7 @@ def cpu_demo() -> GyreConfig:
     # at lr 1e-3 decaying linearly to 0.1x make the fitted reward rise's 95 % interval exclude zero
     # run after run. With 8 a step at lr 6e-4 (this preset until 2026-12) the rise was within noise
     # on a loaded machine (0.02 [-0.08, 0.12]); 8 a step at 2e-3 drifted (clip fraction up to 0.5).
-    cfg.actor = CpuActorConfig(lr=1e-3, lr_decay_steps=32, min_lr_ratio=0.1)
+    cfg.actor = OptimizerConfig(lr=1e-3, lr_decay_steps=32, min_lr_ratio=0.1)
     return cfg
 
 
@@ -619,5 +612,5 @@ def parse_config(argv: list[str] | None = None) -> GyreConfig:
     cfg = tyro.cli(GyreConfig, default=default, args=rest, description=(GyreConfig.__doc__ or "") + "\n\n" + _preset_epilog())
     cfg.preset = name
     cfg.sglang.extra = {**cfg.sglang.extra, **sglang_extra}
-    cfg.model.dtype = resolve_model_dtype(cfg)  # every rank and every consumer sees one concrete dtype
+    cfg.model.dtype = resolve_model_dtype(cfg.model, cfg.backend)  # every rank and every consumer sees one concrete dtype
     return cfg

@@ -131,7 +131,7 @@ def _force_exit(code: int) -> None:
     """The graceful stop ran out of time (or a second signal came): never cut a checkpoint
     silently — name the one being written —, record the attempt's end if the controller could
     not (rank 0: summary, events line, `ended`), then exit at once."""
-    from gyre.runtime import checkpoint
+    from gyre import checkpoint
 
     if (note := checkpoint.cut_note()) is not None:
         logger.error("%s", note)
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             prepare(cfg, topo, groups)  # blocking: rank 0 writes --train.prepare's files; every rank checks them
             if cfg.backend.actor == "megatron":
                 from gyre.backends.factory import megatron_config_of
-                from gyre.backends.megatron_actor import initialize_parallel_state
+                from gyre.backends.actors.megatron_actor import initialize_parallel_state
 
                 # blocking: Megatron's groups are world-collective: every rank, pool ranks too
                 initialize_parallel_state(megatron_config_of(cfg), seed=cfg.model.seed)

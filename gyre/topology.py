@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gyre.config import GyreConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +47,7 @@ class Topology:
 
     # ---------------------------------------------------------------- construction
     @classmethod
-    def from_config(cls, cfg: Any, world_size: int, rank: int) -> "Topology":
+    def from_config(cls, cfg: GyreConfig, world_size: int, rank: int) -> "Topology":
         """Validate `cfg` (a `gyre.config.ParallelConfig`) against the world and build the layout.
 
         Errors name the offending field: `parallel.cell_size`, `parallel.tp`, ...,

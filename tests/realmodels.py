@@ -85,7 +85,7 @@ def chat_template(template: str) -> str:
 def _tokenizer_json(family: str, vocab_size: int, byte_fallback: bool) -> str:
     """A trained tokenizer.json (as text): byte-level BPE (Qwen, Llama 3 are byte-level BPE), or a
     SentencePiece-style BPE with byte fallback (`▁` for spaces, `<0xNN>` byte pieces)."""
-    from gyre.backends.tokenizer import _SPLIT_PATTERN, train_single_threaded
+    from gyre.backends.models.tokenizer import _SPLIT_PATTERN, train_single_threaded
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     fam = FAMILIES[family]

@@ -103,8 +103,8 @@ def _cpu_tensors_over_multibackend_groups():
 
     import torch.distributed as dist
 
-    from gyre.backends.cpu_actor import CpuActor
-    from gyre.backends.transfer import TorchDistTransport
+    from gyre.backends.actors.cpu_actor import CpuActor
+    from gyre.backends.transfer.snapshots import TorchDistTransport
     from gyre.config import ParallelConfig
     from gyre.loss.prepass import allreduce_exec_logratio_sums
     from gyre.run import smoke_check
@@ -231,7 +231,7 @@ def test_engine_on_cuda_without_cuda_is_refused_naming_the_field(monkeypatch):
 def test_the_forward_creates_every_tensor_on_the_weights_device():
     """decoder.extend on meta weights: prefill of two requests (causal masks), then a decode
     step that grows a cache; any tensor made on CPU would raise on meeting a meta one."""
-    from gyre.backends.decoder import DecoderWeights, KVCache, extend
+    from gyre.backends.engines.decoder import DecoderWeights, KVCache, extend
     from tests.backends.helpers import tiny_model
 
     model = tiny_model(seed=0)
@@ -276,7 +276,7 @@ def test_the_factory_builds_the_engine_on_the_chosen_device(monkeypatch):
 def test_the_torch_transport_refuses_a_point_to_point_group_without_gloo(monkeypatch):
     import torch.distributed as dist
 
-    from gyre.backends.weights import TorchWeights
+    from gyre.backends.transfer.weights import TorchWeights
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -286,7 +286,7 @@ def test_the_torch_transport_refuses_a_point_to_point_group_without_gloo(monkeyp
 
 
 def test_decoder_weights_move_between_devices_unchanged():
-    from gyre.backends.decoder import DecoderWeights
+    from gyre.backends.engines.decoder import DecoderWeights
     from tests.backends.helpers import tiny_model
 
     model = tiny_model(seed=0)

@@ -87,8 +87,8 @@ def reinforce(model, tokenizer, *, steps: int = 30, group: int = 8, lr: float = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gyre.backends.models import load_model
-    from gyre.backends.tokenizer import load_tokenizer
+    from gyre.backends.models.hf import load_model
+    from gyre.backends.models.tokenizer import load_tokenizer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True)

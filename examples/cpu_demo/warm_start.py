@@ -215,8 +215,8 @@ def warm_start(out: str, *, episodes: int = 120, steps: int = 1200, batch_size: 
                correct_prob: float = 0.3, wrong: str = "off_by_one", compact_at: int = 650, preset: str = "tiny",
                seed: int = 0, eval_episodes: int = 4) -> dict[str, Any]:
     from examples.cpu_demo.learnability import value_accuracy
-    from gyre.backends.models import build_model, model_config, save_checkpoint
-    from gyre.backends.tokenizer import load_tokenizer
+    from gyre.backends.models.hf import build_model, model_config, save_checkpoint
+    from gyre.backends.models.tokenizer import load_tokenizer
 
     torch.manual_seed(seed)
     t0 = time.time()

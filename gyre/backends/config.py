@@ -1,4 +1,6 @@
-"""Backend configuration (tyro dataclasses; the lead nests these into `gyre.config`)."""
+"""Backend configuration: the tyro dataclasses of `--model.*`, `--backend.*`, `--engine.*`,
+`--actor.*`, `--transfer.*`, `--sglang.*`, `--megatron.*` (nested into `gyre.config.GyreConfig`),
+and the rule that resolves `--model.dtype auto`."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ class ModelConfig:
     """Load this HF checkpoint directory instead of building from the preset. Its own tokenizer
     (tokenizer.json or tekken.json there) and chat template become the proxy's, its
     generation_config.json / config.json eos ids end a turn, and a tokenizer larger than its
-    embedding is refused (gyre/backends/vocab.py)."""
+    embedding is refused (gyre/backends/models/vocab.py)."""
     seed: int = 0
     """Seed of the initial weights (same on every rank)."""
     dtype: Literal["auto", "float32", "float64", "bfloat16"] = "auto"
@@ -52,8 +54,9 @@ class CpuEngineConfig:
 
 
 @dataclass(kw_only=True)
-class CpuActorConfig:
-    """The training actor's optimizer and pacing (the loss's ε and C are `gyre.loss.LossConfig`)."""
+class OptimizerConfig:
+    """`--actor.*`: the core's AdamW, clip and learning-rate schedule, for the CPU and the Megatron
+    actor alike, and the CPU actor's pacing (the loss's ε and C are `gyre.loss.LossConfig`)."""
 
     lr: float = 1e-4
     """AdamW learning rate."""
@@ -161,6 +164,11 @@ class TransferConfig:
             raise ValueError(f"transfer.keep must be >= 1, got {self.keep}")
 
 
+# GYRE_SGLANG_API="module:attribute" names a stand-in for the sglang package (an `SglangApi`) and
+# makes the SGLang engine runnable anywhere: for tests only (tests/backends/sglang_fake.py:API).
+SGLANG_API_ENV = "GYRE_SGLANG_API"
+
+
 @dataclass(kw_only=True)
 class SglangOptions:
     """--backend.engine sglang: the server arguments users tune. Every other `--sglang.<name> VALUE`
@@ -217,3 +225,11 @@ class MegatronConfig:
     params_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Parameter dtype of the GPTModel (gyre.run takes it from --model.dtype). bfloat16 trains
     with fp32 main gradients and an fp32 master copy on the core (`megatron_actor.Fp32Master`)."""
+
+
+def resolve_model_dtype(model: ModelConfig, backend: BackendConfig) -> str:
+    """`--model.dtype`, with auto resolved: bfloat16 wherever a CUDA backend is chosen (the SGLang
+    engine, the Megatron actor), float32 on the CPU backends."""
+    if model.dtype != "auto":
+        return model.dtype
+    return "bfloat16" if backend.engine == "sglang" or backend.actor == "megatron" else "float32"

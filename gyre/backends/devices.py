@@ -56,7 +56,7 @@ def engine_device(requested: str, cuda_available: bool, local_rank: int) -> torc
         cuda        ConfigError     cuda:LOCAL_RANK
         meta        meta            meta            (tests: shapes only, no memory)
     """
-    from gyre.config import ConfigError
+    from gyre.errors import ConfigError
 
     if requested == "meta":
         return torch.device("meta")

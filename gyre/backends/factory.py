@@ -6,6 +6,7 @@
     set_threads(cfg)                          once per process, before the engine or actor is built
     actor, model_config = build_core_actor(cfg, vocab, checkpoint_dir)   the core only
     transport = build_transport(cfg, topo, store)                        every rank, same point
+    kv = build_kv_transport(cfg, topo, store)                            every rank, same point (None: off)
     engine = build_engine(cfg, model_config, params, version=, eos_token_ids=, name=)
     actor = build_actor(cfg, model_config, is_core=False)
 
@@ -17,12 +18,14 @@ runnable ones (`runnable(...)`), so the GPU backends join when they are wired in
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gyre.backends.config import SGLANG_API_ENV
 from gyre.backends.protocols import Actor, RolloutEngine, WeightTransport
 
 logger = logging.getLogger(__name__)
@@ -30,11 +33,9 @@ logger = logging.getLogger(__name__)
 # choice → None when gyre.run builds it, NEEDS_CUDA when it does so on a CUDA machine only,
 # else why not (the ConfigError says so).
 NEEDS_CUDA = "needs CUDA, and torch.cuda.is_available() is False on this machine"
-# sglang: CUDA and the sglang package (docs/gpu-sglang.md). GYRE_SGLANG_API="module:attribute" names
-# a stand-in for the sglang package (an `SglangApi`) and makes it runnable anywhere: for tests only
-# (tests/backends/sglang_fake.py:API, the conformance fake).
+# sglang: CUDA and the sglang package (docs/gpu-sglang.md), or a stand-in named by SGLANG_API_ENV
+# (tests only; `gyre.backends.config`).
 NEEDS_SGLANG = "needs CUDA and the sglang package (pip install 'sglang==0.5.23'; see docs/gpu-sglang.md)"
-SGLANG_API_ENV = "GYRE_SGLANG_API"
 ENGINES: dict[str, str | None] = {"cpu": None, "sglang": NEEDS_SGLANG}
 ACTORS: dict[str, str | None] = {"cpu": None, "megatron": NEEDS_CUDA}
 TRANSPORTS: dict[str, str | None] = {"store": None, "torch": None, "mooncake": None}
@@ -46,7 +47,6 @@ def why_not(kinds: dict[str, str | None], chosen: str, *, cuda: bool) -> str | N
     why = kinds[chosen]
     if why is NEEDS_SGLANG:
         import importlib.util
-        import os
 
         usable = os.environ.get(SGLANG_API_ENV) or (cuda and importlib.util.find_spec("sglang") is not None)
         return None if usable else why
@@ -62,7 +62,7 @@ def runnable(kinds: dict[str, str | None], *, cuda: bool = False) -> list[str]:
 def check_backends(cfg: Any) -> None:
     """Refuse a backend choice that cannot run, before anything starts (gyre.config.ConfigError,
     naming the flag)."""
-    from gyre.config import ConfigError
+    from gyre.errors import ConfigError
 
     cuda = torch.cuda.is_available()
     for flag, kinds, chosen in (("backend.engine", ENGINES, cfg.backend.engine),
@@ -74,9 +74,9 @@ def check_backends(cfg: Any) -> None:
         if why is not None:
             raise ConfigError(f"--{flag.replace('_', '-')} {chosen}: {why}; use "
                               f"--{flag.replace('_', '-')} {runnable(kinds, cuda=cuda)[0]}")
-    from gyre.config import checkpoint_yet_to_prepare
-
-    if cfg.model.checkpoint and not checkpoint_yet_to_prepare(cfg):  # its architecture, before any rank builds
+    # Its architecture, before any rank builds; a checkpoint not there yet is one --train.prepare
+    # writes (gyre.config refused any other), and `check_prepared` comes back here once it is.
+    if cfg.model.checkpoint and os.path.isdir(cfg.model.checkpoint):
         check_model_checkpoint(cfg.model.checkpoint)
     if cfg.backend.device == "cuda" and not cuda:
         raise ConfigError("--backend.device cuda: CUDA is not available on this machine; "
@@ -108,10 +108,10 @@ def check_backends(cfg: Any) -> None:
 
 def check_model_checkpoint(path: str) -> None:
     """Refuse `--model.checkpoint DIR` unless its config.json names a supported architecture
-    (`gyre.backends.arch.SUPPORTED`) in a variant the backends implement (ConfigError naming
+    (`gyre.backends.models.arch.SUPPORTED`) in a variant the backends implement (ConfigError naming
     the directory, the architecture and the supported list)."""
-    from gyre.backends.arch import check_checkpoint
-    from gyre.config import ConfigError
+    from gyre.backends.models.arch import check_checkpoint
+    from gyre.errors import ConfigError
 
     try:
         check_checkpoint(path)
@@ -125,34 +125,30 @@ def set_threads(cfg: Any) -> None:
         torch.set_num_threads(cfg.train.torch_threads)
 
 
-def dtype_of(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[name]
-
-
 # ----------------------------------------------------------------------------- models
 def model_config_of(cfg: Any, vocab: int) -> Any:
     """The model architecture: the checkpoint's own config.json when `--model.checkpoint` is
-    given (its family checked against `gyre.backends.arch`), else the preset's Qwen2 config."""
+    given (its family checked against `gyre.backends.models.arch`), else the preset's Qwen2 config."""
     if cfg.model.checkpoint:
         from transformers import AutoConfig
 
-        from gyre.backends.arch import check_checkpoint
+        from gyre.backends.models.arch import check_checkpoint
 
         check_checkpoint(cfg.model.checkpoint)
         return AutoConfig.from_pretrained(cfg.model.checkpoint)
-    from gyre.backends.models import model_config
+    from gyre.backends.models.hf import model_config
 
     return model_config(cfg.model.preset, vocab)
 
 
 def _initial_model(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Any, Path | None]:
     """The core's starting model: the newest checkpoint (resume), the given one, or a preset."""
-    from gyre.backends.models import build_model, load_model
+    from gyre.backends.models.hf import build_model, dtype_of, load_model
     from gyre.logging_utils import ONCE
 
     mc, dtype = cfg.model, dtype_of(cfg.model.dtype)
     if cfg.train.resume:
-        from gyre.runtime import checkpoint
+        from gyre import checkpoint
 
         if cfg.train.resume_from:  # rank 0 chose it before anything started (gyre.runtime.rundir)
             path = Path(cfg.train.resume_from)
@@ -173,7 +169,7 @@ def build_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Actor,
     if cfg.backend.actor == "megatron":  # check_backends refused resume without --train.resume-weights-only
         return _megatron_core_actor(cfg, vocab, checkpoint_dir)
     model, resumed = _initial_model(cfg, vocab, checkpoint_dir)
-    from gyre.backends.cpu_actor import CpuActor
+    from gyre.backends.actors.cpu_actor import CpuActor
 
     actor = CpuActor(model, is_core=True, config=cfg.actor, loss=cfg.loss)
     if resumed is not None:
@@ -188,13 +184,13 @@ def build_actor(cfg: Any, model_config: Any, *, is_core: bool) -> Actor:
     """A fresh actor of `--backend.actor` for `model_config` (its weights come from a snapshot:
     version -1 until the first import)."""
     if cfg.backend.actor == "megatron":  # shaped from the config alone: no HF-sized model is built
-        from gyre.backends.megatron_actor import MegatronActor
+        from gyre.backends.actors.megatron_actor import MegatronActor
 
         actor = MegatronActor(model_config, None, is_core=is_core, config=megatron_config_of(cfg), optim=cfg.actor,
                               loss=cfg.loss, seed=cfg.model.seed)
     else:
-        from gyre.backends.cpu_actor import CpuActor
-        from gyre.backends.models import build_model
+        from gyre.backends.actors.cpu_actor import CpuActor
+        from gyre.backends.models.hf import build_model, dtype_of
 
         actor = CpuActor(build_model(model_config, dtype=dtype_of(cfg.model.dtype)), is_core=is_core, config=cfg.actor,
                          loss=cfg.loss)
@@ -216,12 +212,12 @@ def _megatron_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Ac
     """The core's MegatronActor: a checkpoint (the resumed one, else `--model.checkpoint`) is read
     one tensor at a time into the rank's shards (`MegatronActor.from_checkpoint`), never as a whole
     HF model in host memory; a preset is small and built as before."""
-    from gyre.backends.megatron_actor import MegatronActor
+    from gyre.backends.actors.megatron_actor import MegatronActor
     from gyre.logging_utils import ONCE
 
     path = None
     if cfg.train.resume:
-        from gyre.runtime import checkpoint
+        from gyre import checkpoint
 
         path = Path(cfg.train.resume_from) if cfg.train.resume_from else \
             checkpoint.select(checkpoint_dir, weights_only=cfg.train.resume_weights_only).path
@@ -229,14 +225,14 @@ def _megatron_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Ac
     elif cfg.model.checkpoint:
         path = Path(cfg.model.checkpoint)
     if path is None:
-        from gyre.backends.models import build_model
+        from gyre.backends.models.hf import build_model, dtype_of
 
         model = build_model(model_config_of(cfg, vocab), seed=cfg.model.seed, dtype=dtype_of(cfg.model.dtype))
         return _megatron_actor(cfg, model, is_core=True), model.config
     actor = MegatronActor.from_checkpoint(str(path), is_core=True, config=megatron_config_of(cfg), optim=cfg.actor,
                                           loss=cfg.loss, seed=cfg.model.seed)
     if cfg.train.resume:  # the weights are in; the version is the checkpoint's
-        from gyre.runtime import checkpoint
+        from gyre import checkpoint
 
         actor.version = checkpoint.version_of(path)
     return actor, actor.hf_config
@@ -244,7 +240,7 @@ def _megatron_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Ac
 
 def _megatron_actor(cfg: Any, model: Any, *, is_core: bool) -> Actor:
     """A MegatronActor (imported here: megatron is a GPU extra) holding `model`'s HF weights."""
-    from gyre.backends.megatron_actor import MegatronActor
+    from gyre.backends.actors.megatron_actor import MegatronActor
 
     return MegatronActor(model.config, model.state_dict(), is_core=is_core, config=megatron_config_of(cfg),
                          optim=cfg.actor, loss=cfg.loss, seed=cfg.model.seed)
@@ -256,11 +252,11 @@ def build_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *
     `sampleable_vocab`: ids >= it are never sampled (the tokenizer's size when the checkpoint
     pads its embedding, as real Qwen2.5 does); None: every embedding row."""
     if cfg.backend.engine == "sglang":
-        engine = _sglang_engine(cfg, model_config, params, version=version, eos_token_ids=eos_token_ids, name=name,
-                                sampleable_vocab=sampleable_vocab)
+        engine = build_sglang_engine(cfg, model_config, params, version=version, eos_token_ids=eos_token_ids,
+                                     name=name, sampleable_vocab=sampleable_vocab)
         engine.name = name
         return engine
-    from gyre.backends.cpu_engine import CpuEngine
+    from gyre.backends.engines.cpu_engine import CpuEngine
     from gyre.backends.devices import this_engine_device
 
     engine = CpuEngine(model_config, params, version=version, config=cfg.engine, eos_token_ids=eos_token_ids,
@@ -269,14 +265,35 @@ def build_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *
     return engine
 
 
-def _sglang_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *, version: int,
-                   eos_token_ids: list[int], name: str, sampleable_vocab: int | None = None) -> RolloutEngine:
-    """An embedded SGLang engine for this cell (its first rank): gyre.backends.sglang_checkpoint
-    (the --model.checkpoint directory itself at version 0, else a directory it writes)."""
-    from gyre.backends.sglang_checkpoint import build_sglang_engine
+def build_sglang_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *, version: int,
+                        eos_token_ids: list[int], name: str, sampleable_vocab: int | None = None) -> RolloutEngine:
+    """The embedded SGLang engine of this cell (its first rank), from the run's config: the model
+    directory above (under RUN_DIR/sglang/<name>/ when written), tp = the cell size, the first GPU
+    this rank's, the dtype `--model.dtype` (auto resolved: bfloat16), `--sglang.*` options and
+    pass-through. `build_engine` calls it for `--backend.engine sglang`."""
+    import tempfile
 
-    return build_sglang_engine(cfg, model_config, params, version=version, eos_token_ids=eos_token_ids, name=name,
-                               sampleable_vocab=sampleable_vocab)
+    from gyre.backends.config import SglangConfig, SglangOptions, resolve_model_dtype
+    from gyre.backends.engines.sglang_checkpoint import parse_size, sglang_model_dir
+    from gyre.backends.engines.sglang_engine import SglangApi, SglangEngine
+
+    dtype = resolve_model_dtype(cfg.model, cfg.backend)
+    if cfg.run_dir:
+        out = Path(cfg.run_dir) / "sglang" / name
+    else:  # an engine built outside a run (tests, tools)
+        out = Path(tempfile.mkdtemp(prefix=f"gyre-sglang-{name}-"))
+    opts = getattr(cfg, "sglang", None) or SglangOptions()
+    path, written = sglang_model_dir(checkpoint=cfg.model.checkpoint, version=version, out_dir=out,
+                                     model_config=model_config, params=params, dtype=dtype,
+                                     eos_token_ids=list(eos_token_ids), max_shard_bytes=parse_size(opts.max_shard_size))
+    logger.info("sglang %s serves %s (%s, version %d, %s)", name, path, dtype, version,
+                "written by Gyre" if written else "the checkpoint directory itself")
+    sc = SglangConfig(model_path=path, tp_size=cfg.parallel.cell_size, mem_fraction_static=opts.mem_fraction_static,
+                      base_gpu_id=torch.cuda.current_device() if torch.cuda.is_available() else 0, dtype=dtype,
+                      enable_memory_saver=opts.enable_memory_saver, extra=dict(opts.extra))
+    spec = os.environ.get(SGLANG_API_ENV)
+    return SglangEngine(sc, version=version, api=SglangApi.from_spec(spec) if spec else None,
+                        sampleable_vocab=sampleable_vocab, eos_token_ids=eos_token_ids)
 
 
 # ----------------------------------------------------------------------------- weight transport
@@ -287,19 +304,38 @@ def build_transport(cfg: Any, topo: Any, store: Any) -> WeightTransport:
     tc = cfg.transfer
     owner = topo.cell_ranks(0)[topo.position]
     if tc.transport == "store":
-        from gyre.backends.weights import SnapshotBoard
+        from gyre.backends.transfer.weights import SnapshotBoard
 
         return SnapshotBoard(store, keep=tc.keep, verify=tc.verify)
     if tc.transport == "torch":
         import torch.distributed as dist
 
-        from gyre.backends.weights import TorchWeights
+        from gyre.backends.transfer.weights import TorchWeights
 
         group = dist.new_group(list(range(topo.world_size)), backend="gloo", timeout=timedelta(seconds=tc.timeout_s))
         return TorchWeights(store, group, owner=owner, keep=tc.keep, verify=tc.verify)
     if tc.transport == "mooncake":
-        from gyre.backends.weights import MooncakeWeights
+        from gyre.backends.transfer.weights import MooncakeWeights
 
         return MooncakeWeights(store, owner=owner, keep=tc.keep, verify=tc.verify, host=tc.host,
                                protocol=tc.mooncake_protocol, device=tc.mooncake_device)
     raise ValueError(f"transfer.transport: unknown {tc.transport!r}")  # check_backends refused it already
+
+
+def build_kv_transport(cfg: Any, topo: Any, store: Any) -> Any:
+    """The engines' KV-migration transport (`--proxy.migration` auto|always over
+    `--proxy.migration-transport`), or None when migration is off. Collective for 'gloo' (it
+    creates the transport's gloo group): every rank calls it at the same point of start-up.
+    Mooncake KV moves as the weight snapshots do: the same address, protocol and device."""
+    if cfg.proxy.migration == "off":
+        return None
+    from gyre.backends.transfer.migration import build_kv_transport as build
+
+    group = None
+    if cfg.proxy.migration_transport == "gloo":
+        import torch.distributed as dist
+
+        group = dist.new_group(list(range(topo.world_size)), backend="gloo", timeout=timedelta(seconds=600))
+    tc = cfg.transfer
+    return build(cfg.proxy.migration_transport, store.clone(), group, host=tc.host, protocol=tc.mooncake_protocol,
+                 device=tc.mooncake_device)

@@ -3,11 +3,11 @@ a training actor and a weight transport. Small on purpose; implementations do no
 each other. `gyre.backends.factory` builds them; tests/contracts/ holds the tests every
 implementation passes.
 
-Implementations: `gyre.backends.cpu_engine` (built-in torch engine), `gyre.backends.sglang_engine`
+Implementations: `gyre.backends.engines.cpu_engine` (built-in torch engine), `gyre.backends.engines.sglang_engine`
 (embedded SGLang, GPU), an HTTP client for an engine living in another process
-(`gyre.backends.engine_http`), and a deterministic test engine. Actors: `gyre.backends.cpu_actor`,
-`gyre.backends.megatron_actor` (GPU). Weight transports: `gyre.backends.weights.SnapshotBoard`,
-`gyre.backends.weights`.
+(`gyre.backends.engines.engine_http`), and a deterministic test engine. Actors: `gyre.backends.actors.cpu_actor`,
+`gyre.backends.actors.megatron_actor` (GPU). Weight transports: `gyre.backends.transfer.weights.SnapshotBoard`,
+`gyre.backends.transfer.weights`.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class RolloutEngine(Protocol):
 
     async def start(self) -> None: ...
 
-    # An engine served in-process (`gyre.backends.engine_host.EngineHost`) may also have
+    # An engine served in-process (`gyre.backends.engines.engine_host.EngineHost`) may also have
     # `async stop()`; clients of a remote engine (`HttpEngine`) have `close()` instead.
 
     def generate(self, request_id: str, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenEvent]:
@@ -136,7 +136,7 @@ class RolloutEngine(Protocol):
 @runtime_checkable
 class MigratableEngine(Protocol):
     """Optional part of `RolloutEngine`: KV migration of a running request (docs/design.md §3;
-    the two-phase handshake is in `gyre.backends.migration`). An engine has it when
+    the two-phase handshake is in `gyre.backends.transfer.migration`). An engine has it when
     `supports_migration` is True (`can_migrate`); the router then offers a drained call to a
     target by migration and falls back to recompute on any failure.
 
@@ -207,8 +207,9 @@ class Actor(Protocol):
 
     def optimizer_step(self, max_grad_norm: float | None = None, *, grad_scale: float = 1.0) -> dict[str, float]:
         """Multiply the reduced gradients by `grad_scale` (the step's |E| correction,
-        `gyre.loss.LossConfig.grad_scale`), clip, apply one optimizer update, zero the gradients,
-        `version += 1` (core only). Returns grad norm etc."""
+        `gyre.loss.LossConfig.grad_scale`), clip to `max_grad_norm` (None, as the worker calls it:
+        the actor's own `--actor.max-grad-norm`; the contract tests pass one), apply one optimizer
+        update, zero the gradients, `version += 1` (core only). Returns grad norm etc."""
         ...
 
     def export_parameters(self) -> dict[str, torch.Tensor]:
@@ -223,7 +224,7 @@ class Actor(Protocol):
         """Entering rollout (docs/design.md §3): move parameters, gradients and optimizer state to
         host memory (pinned where CUDA runs) and free the device's cached blocks for the engine.
         Returns the bytes moved (0 when already offloaded). Exact: `restore` gives back the same
-        bits (`gyre.backends.memory.ActorMemory`)."""
+        bits (`gyre.backends.actors.memory.ActorMemory`)."""
         ...
 
     def restore(self) -> int:
@@ -234,8 +235,9 @@ class Actor(Protocol):
         """Weights, optimizer state (core) and version under directory `path`."""
         ...
 
-    def load_checkpoint(self, path: str) -> None:
-        """The inverse of `save_checkpoint` (sets `version`)."""
+    def load_checkpoint(self, path: str, *, weights_only: bool = False) -> None:
+        """The inverse of `save_checkpoint` (sets `version`); `weights_only` leaves the optimizer
+        fresh (`--train.resume-weights-only`, and a checkpoint that holds no optimizer state)."""
         ...
 
     def debug_state(self) -> dict[str, Any]:
@@ -251,7 +253,7 @@ class WeightTransport(Protocol):
 
     one-sided   the core `post`s every new version; any rank reads a version whenever it likes
                 (`fetch*`) without the core's training thread taking part. Retention
-                (`gyre.backends.transfer.Retention`): the newest `keep` versions plus the
+                (`gyre.backends.transfer.snapshots.Retention`): the newest `keep` versions plus the
                 newest published one; `fetch_published(v)` of an evicted v gives the newest
                 published version instead.
     collective  `broadcast` over a prefix group: every member calls it at once, `src` (a global
@@ -259,7 +261,7 @@ class WeightTransport(Protocol):
 
     Every read checks a CRC32 of the flat bytes against the poster's (`--transfer.verify`) and
     raises RuntimeError on a mismatch; a version not held raises KeyError. Implementations
-    (`--transfer.transport`): `gyre.backends.weights.SnapshotBoard` (store), `gyre.backends.weights`
+    (`--transfer.transport`): `gyre.backends.transfer.weights.SnapshotBoard` (store), `gyre.backends.transfer.weights`
     (`TorchWeights`, `MooncakeWeights`). `stats` (`transfer.TransferStats`) counts the bytes
     this rank moved, by path.
     """

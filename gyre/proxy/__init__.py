@@ -25,7 +25,7 @@ recording with exact splicing, per-execution keys, role classification, drain/re
     handle.call(proxy.router.drain("cell1"))       # from another thread: reroute its calls
 
 Out of process: `python -m gyre.proxy --store-dir DIR` + `gyre.proxy.admin.AdminClient`.
-Engines in other processes: `gyre.backends.engine_http.serve_engine(engine)` / `HttpEngine(url)`.
+Engines in other processes: `gyre.backends.engines.engine_http.serve_engine(engine)` / `HttpEngine(url)`.
 """
 
 from gyre.proxy.config import ProxyConfig, RoleRulesConfig

@@ -3,7 +3,7 @@
 Records go to the on-disk TITO store under `--store-dir`. The admin API is enabled with the token
 from `--proxy.admin-token` or the GYRE_PROXY_ADMIN_TOKEN environment variable (preferred: not
 visible in `ps`). Engines are added with `--engines name=url@kind:index ...` or later through
-the admin API; their servers' secret (`gyre.backends.engine_http`) comes from the
+the admin API; their servers' secret (`gyre.backends.engines.engine_http`) comes from the
 GYRE_ENGINE_SECRET environment variable. When serving, one JSON line {"url", "port"} is printed
 to stdout.
 """
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg.proxy = dataclasses.replace(cfg.proxy, admin_token=os.environ["GYRE_PROXY_ADMIN_TOKEN"])
 
     from gyre.proxy.core import Proxy
-    from gyre.backends.engine_http import HttpEngine
+    from gyre.backends.engines.engine_http import HttpEngine
     from gyre.proxy.server import serve_proxy
     from gyre.proxy.sink import StoreSink
     from gyre.trajectory.store import TitoStore

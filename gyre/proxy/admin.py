@@ -28,7 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from gyre.proxy.core import ApiError, Proxy
-from gyre.backends.engine_http import HttpEngine
+from gyre.backends.engines.engine_http import HttpEngine
 
 logger = logging.getLogger(__name__)
 

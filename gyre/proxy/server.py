@@ -25,7 +25,7 @@ from aiohttp import web
 from gyre.proxy import anthropic_api, openai_api, responses_api
 from gyre.proxy.core import ApiError, Proxy
 from gyre.proxy.keys import KeyInfo
-from gyre.backends.engine_http import ServerHandle, run_in_thread, start_app
+from gyre.serving import ServerHandle, run_in_thread, start_app
 
 logger = logging.getLogger(__name__)
 

@@ -17,5 +17,7 @@ what the run leaves behind.
     runlock.py      run_dir/run.lock: one job at a time in a run directory (rank 0's flock)
     peers.py        every rank's process in run.json; which ones died, named as an attempt's cause
 
-`gyre/report.py` (`python -m gyre.report RUN_DIR`) renders what a run wrote. Parameters move through the run's `WeightTransport` (`gyre.backends.factory`, `--transfer.*`).
+`gyre/report.py` (`python -m gyre.report RUN_DIR`) renders what a run wrote; checkpoints are
+`gyre/checkpoint.py` (a storage format the backends read and write too, so it lives below them). Parameters move through the run's `WeightTransport`
+(`gyre.backends.factory`, `--transfer.*`).
 """

@@ -58,7 +58,7 @@ from gyre.runtime import stop
 from gyre.runtime.outputs import MetricsWriter, make_trackers, reroute_fields
 from gyre.runtime.writes import FirstError, Guarded, WatchedSink, watch_execution
 from gyre.proxy import Proxy, StoreSink, start_proxy
-from gyre.backends.engine_http import HttpEngine
+from gyre.backends.engines.engine_http import HttpEngine
 from gyre.runtime.messages import (Command, Failed, Interrupted, Joined, Load, Loaded, Reduce, Report, RequestWork,
                                    RolledBack, StepDone, Stop, Stopped, ToRollout, ToTrain, TrainWork, Transition,
                                    WorkDone, handler_for)
@@ -306,7 +306,7 @@ class Controller:
 
     async def _run(self) -> None:
         cfg, topo = self.cfg, self.topo
-        from gyre.backends.vocab import load_vocab
+        from gyre.backends.models.vocab import load_vocab
 
         vocab = load_vocab(cfg.model.checkpoint, cfg.proxy.tokenizer_path)  # the job's (cached per path)
         self.proxy = Proxy(cfg.proxy, sink=WatchedSink(StoreSink(self.tito), self.tito.path_for, self._error),

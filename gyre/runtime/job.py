@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -33,13 +33,16 @@ from gyre.runtime.messages import Failed, Interrupted
 from gyre.runtime.rundir import RunDir
 from gyre.topology import Groups, Topology
 
+if TYPE_CHECKING:
+    from gyre.config import GyreConfig
+
 logger = logging.getLogger(__name__)
 
 
-def train(cfg: Any, topo: Topology, groups: Groups, run: RunDir, interrupts: Any = None) -> None:
+def train(cfg: GyreConfig, topo: Topology, groups: Groups, run: RunDir, interrupts: Any = None) -> None:
     """`run`: rank 0's decision of the directory, the attempt and the resume point (`gyre.runtime.rundir`);
     `interrupts` (`gyre.runtime.control.Interrupts`): told how to reach the controller here."""
-    from gyre.backends.engine_host import share_secret
+    from gyre.backends.engines.engine_host import share_secret
 
     factory.set_threads(cfg)  # once per process, before the engine or actor is built
     # blocking: rank 0 draws the run's secret and broadcasts it (over gloo, never the store); it
@@ -48,7 +51,7 @@ def train(cfg: Any, topo: Topology, groups: Groups, run: RunDir, interrupts: Any
     _record_ranks(topo, groups, run)  # blocking: every rank's process, in run.json (who died, at the end)
     store = SignedStore(default_store(), secret)
     weights = factory.build_transport(cfg, topo, store)  # blocking (torch): every rank creates its group
-    kv = _kv_transport(cfg, topo, store)  # blocking (gloo): every rank creates the KV-migration group
+    kv = factory.build_kv_transport(cfg, topo, store)  # blocking (gloo): every rank creates the KV-migration group
     try:
         _train(cfg, topo, groups, store, weights, secret, run, kv, interrupts)
     finally:
@@ -58,10 +61,10 @@ def train(cfg: Any, topo: Topology, groups: Groups, run: RunDir, interrupts: Any
         _write_transport_stats(Path(cfg.run_dir), topo.rank, weights)
 
 
-def _chat_format_stop_ids(cfg: Any, tokenizer: Any, model_cfg: Any) -> set[int]:
+def _chat_format_stop_ids(cfg: GyreConfig, tokenizer: Any, model_cfg: Any) -> set[int]:
     """The ids of the run's chat format's stop tokens (gyre.proxy.formats: the checkpoint's template,
     or --proxy.chat-format); a template no format knows is a ConfigError on every rank."""
-    from gyre.config import ConfigError
+    from gyre.errors import ConfigError
     from gyre.proxy.formats import UnknownChatFormat, format_for
 
     try:
@@ -72,35 +75,19 @@ def _chat_format_stop_ids(cfg: Any, tokenizer: Any, model_cfg: Any) -> set[int]:
     return {i for i in ids if i is not None}
 
 
-def _kv_transport(cfg: Any, topo: Topology, store: Any) -> Any:
-    """The engines' KV-migration transport (`--proxy.migration` auto|always), or None (off)."""
-    if cfg.proxy.migration == "off":
-        return None
-    from datetime import timedelta
-
-    from gyre.backends.migration import build_kv_transport
-
-    group = None
-    if cfg.proxy.migration_transport == "gloo":
-        group = dist.new_group(list(range(topo.world_size)), backend="gloo", timeout=timedelta(seconds=600))
-    tc = cfg.transfer  # Mooncake KV moves as its weight snapshots do: the same address, protocol and device
-    return build_kv_transport(cfg.proxy.migration_transport, store.clone(), group, host=tc.host,
-                              protocol=tc.mooncake_protocol, device=tc.mooncake_device)
-
-
-def _train(cfg: Any, topo: Topology, groups: Groups, store: Any, weights: WeightTransport, engine_secret: str,
+def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights: WeightTransport, engine_secret: str,
            run: RunDir, kv: Any = None, interrupts: Any = None) -> None:
-    from gyre.backends.vocab import VocabError, check_project_fallback, check_vocab, load_vocab
-    from gyre.config import ConfigError
+    from gyre.backends.models.vocab import VocabError, check_project_fallback, check_vocab, load_vocab
+    from gyre.errors import ConfigError
     from gyre.runtime.controller import Controller
-    from gyre.backends.engine_host import EngineHost, bind_address
+    from gyre.backends.engines.engine_host import EngineHost, bind_address
     from gyre.runtime.worker import CellWorker
 
     control = ControlPlane(store, topo.rank)
     if interrupts is not None:  # a signal handler's own connection: the main thread may be mid-call on `store`
         notice = ControlPlane(store.clone(), topo.rank)
         interrupts.notify = lambda name: notice.send(CONTROLLER, Interrupted(cell=topo.cell, rank=topo.rank, signal=name))
-    # The run's tokenizer (gyre.backends.vocab.load_vocab: the checkpoint's own when it has one),
+    # The run's tokenizer (gyre.backends.models.vocab.load_vocab: the checkpoint's own when it has one),
     # resolved once the checkpoint is there (a prepared one too): its size bounds what the engines
     # sample, the checkpoint's eos ids end a turn. check_train_config compared an existing
     # checkpoint's embedding with it already; a prepared one is checked below.
@@ -197,7 +184,7 @@ def _write_transport_stats(run_dir: Path, rank: int, weights: Any) -> None:
         logger.warning("could not write transport stats: %r", e)
 
 
-def prepare(cfg: Any, topo: Topology, groups: Groups) -> None:
+def prepare(cfg: GyreConfig, topo: Topology, groups: Groups) -> None:
     """`--train.prepare`, before the run directory is decided: rank 0 runs the hook, every rank
     waits for it, then checks what it wrote (`gyre.config.check_prepared`), so a path the hook
     does not write is a refusal before run.json exists. Nothing to do without a hook."""
@@ -213,7 +200,7 @@ def prepare(cfg: Any, topo: Topology, groups: Groups) -> None:
     check_prepared(cfg, checkpoint=checkpoint, dataset=dataset)
 
 
-def _prepare(cfg: Any) -> None:
+def _prepare(cfg: GyreConfig) -> None:
     """Run the config's preparation hook (e.g. the cpu_demo dataset and warm start)."""
     import importlib
 

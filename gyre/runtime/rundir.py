@@ -45,7 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gyre.runtime import checkpoint, peers
+from gyre import checkpoint
+from gyre.config import GyreConfig, runs_root
+from gyre.runtime import peers
 from gyre.runtime.runlock import RunLock, RunLocked
 from gyre.runtime.outputs import events_until, metrics_until, truncate_jsonl
 
@@ -158,12 +160,6 @@ class RunFinished(Exception):
     --train.steps: a rank died after the final checkpoint. Nothing is left to do."""
 
 
-def runs_root(preset: str) -> Path:
-    """Where a preset's runs go when --run-dir is not given: `runs/<preset>`, or `runs/train` for a
-    training job built from flags alone (the default preset, smoke, trains nothing)."""
-    return Path("runs") / ("train" if preset == "smoke" else preset)
-
-
 def previous_outputs(path: Path) -> list[str]:
     """The names of a previous run's outputs found in `path` (empty: a fresh directory)."""
     return [name for name in RUN_OUTPUTS if (path / name).exists()]
@@ -198,7 +194,7 @@ def _lock(lock: RunLock, path: Path, wait_s: float) -> None:
         raise RunDirError(str(e)) from None
 
 
-def decide(cfg: Any, *, now: float | None = None, lock: RunLock | None = None, lock_wait_s: float = 0.0) -> Path:
+def decide(cfg: GyreConfig, *, now: float | None = None, lock: RunLock | None = None, lock_wait_s: float = 0.0) -> Path:
     """Rank 0's decision (creates the directory); raises RunDirError with the fix when refused.
 
     The directory is locked (`lock`, see gyre.runtime.runlock) before anything in it is written or
@@ -213,7 +209,7 @@ def decide(cfg: Any, *, now: float | None = None, lock: RunLock | None = None, l
             lock.release()
 
 
-def _decide_path(cfg: Any, now: float | None, lock: RunLock, lock_wait_s: float) -> Path:
+def _decide_path(cfg: GyreConfig, now: float | None, lock: RunLock, lock_wait_s: float) -> Path:
     resume = cfg.train.resume
     if not cfg.run_dir:
         root = runs_root(cfg.preset)
@@ -250,7 +246,7 @@ def _decide_path(cfg: Any, now: float | None, lock: RunLock, lock_wait_s: float)
     return path.resolve()
 
 
-def write_manifest(path: Path, cfg: Any, world_size: int, *, start_version: int = 0, resumed_from: str = "",
+def write_manifest(path: Path, cfg: GyreConfig, world_size: int, *, start_version: int = 0, resumed_from: str = "",
                    restart: int = 0, lost_in_flight: int = 0, carried: list[str] | None = None,
                    skipped: list[str] | None = None) -> int:
     """`run.json`: what was run, so a directory explains itself; every launch into the directory
@@ -368,7 +364,7 @@ def evaluated(run_dir: Path, row: dict[str, Any], version: int) -> bool:
     return True
 
 
-def _resume_point(cfg: Any, path: Path, *, restart: bool) -> tuple[str, int, list[str]]:
+def _resume_point(cfg: GyreConfig, path: Path, *, restart: bool) -> tuple[str, int, list[str]]:
     """The checkpoint a resume starts from, its version and the newer ones skipped (with why);
     ("", 0, []) for a restart that died before its first checkpoint. Raises RunDirError with
     what was found."""
@@ -400,7 +396,7 @@ def _resume_point(cfg: Any, path: Path, *, restart: bool) -> tuple[str, int, lis
     return str(ck.resolve()), version, skipped
 
 
-def _decide_all(cfg: Any, world_size: int, restart: int, elastic: Any) -> RunDir:
+def _decide_all(cfg: GyreConfig, world_size: int, restart: int, elastic: Any) -> RunDir:
     """Rank 0: the directory, the resume point, the cut-back outputs, the manifest."""
     if restart and elastic is not None and elastic.check([ELASTIC_KEY]):
         cfg.run_dir = elastic.get(ELASTIC_KEY).decode()  # the directory the job's first attempt chose
@@ -419,7 +415,7 @@ def _decide_all(cfg: Any, world_size: int, restart: int, elastic: Any) -> RunDir
         raise
 
 
-def _decide_locked(cfg: Any, world_size: int, restart: int, elastic: Any, lock: RunLock) -> RunDir:
+def _decide_locked(cfg: GyreConfig, world_size: int, restart: int, elastic: Any, lock: RunLock) -> RunDir:
     # A restart waits a moment for the previous attempt's rank 0 (torchrun has stopped it; a
     # Slurm requeue's may still be exiting on another node).
     path = decide(cfg, lock=lock, lock_wait_s=30.0 if restart else 0.0)
@@ -452,7 +448,7 @@ def _decide_locked(cfg: Any, world_size: int, restart: int, elastic: Any, lock: 
                   lock=lock)
 
 
-def resolve(cfg: Any, rank: int, world_size: int, store: Any, *, restart: int = 0, elastic: Any = None) -> RunDir:
+def resolve(cfg: GyreConfig, rank: int, world_size: int, store: Any, *, restart: int = 0, elastic: Any = None) -> RunDir:
     """Every rank: the run's directory, attempt and resume point, decided by rank 0 and shared
     through `store`. `restart` counts torchrun's restarts of this job (TORCHELASTIC_RESTART_COUNT);
     `elastic` is a store that outlives them (where rank 0 finds the directory it chose before).

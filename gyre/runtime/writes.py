@@ -11,7 +11,7 @@ write the run depends on reports to one place, the controller's `write_failed`:
                         its execution is excluded (`Controller._records` counts them), and the
                         run stops
     metrics, journal    `Guarded(obj, what, path, ...)`: every call's OSError is reported
-    checkpoints         `gyre.runtime.checkpoint.write` raises `WriteFailed`; the core's worker
+    checkpoints         `gyre.checkpoint.write` raises `WriteFailed`; the core's worker
                         reports it as its `Failed` (the controller states it)
 
 The first error becomes the run's error (`WriteFailed`, a `RunFailed`: logged once at the end
@@ -21,41 +21,14 @@ still can (summary, events, `ended` record) and names what it could not.
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from gyre.errors import RunFailed
+from gyre.errors import RunFailed, WriteFailed, describe, failure  # noqa: F401  (WriteFailed importable from here)
 
 logger = logging.getLogger(__name__)
-
-
-class WriteFailed(RunFailed):
-    """A write of the run failed; the message names what, the path and the errno."""
-
-
-def describe(exc: BaseException, what: str, path: str | Path | None = None) -> str:
-    """One sentence for a failed write: what, where, the errno by name and number, the fix.
-
-    >>> describe(OSError(28, "No space left on device"), "metrics.jsonl", "/r/metrics.jsonl")
-    'could not write metrics.jsonl (/r/metrics.jsonl): ENOSPC (errno 28) No space left on device'
-    """
-    where = getattr(exc, "filename", None) or path
-    code = getattr(exc, "errno", None)
-    if code is not None:
-        why = f"{errno.errorcode.get(code, '?')} (errno {code}) {getattr(exc, 'strerror', '') or exc}"
-    else:
-        why = f"{type(exc).__name__}: {exc}"
-    return f"could not write {what}" + (f" ({where})" if where else "") + f": {why}"
-
-
-def failure(exc: BaseException, what: str, path: str | Path | None = None) -> WriteFailed:
-    """The run's error for a failed write (the stop is what follows, and how to go on)."""
-    fix = (" — free space on that file system, then resume with --train.resume"
-           if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) else "")
-    return WriteFailed(f"{describe(exc, what, path)}; the run stopped{fix}")
 
 
 class Guarded:

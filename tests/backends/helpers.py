@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gyre.backends.models import build_model, model_config, packed_logits
+from gyre.backends.models.hf import build_model, model_config, packed_logits
 from gyre.trajectory.microstep import MicroStep
 
 VOCAB = 256

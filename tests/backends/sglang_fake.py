@@ -1,6 +1,6 @@
 """Conformance fake of SGLang 0.5.23's tokenizer-manager / scheduler boundary, for CPU tests.
 
-`gyre.backends.sglang_engine.SglangEngine` drives it exactly as it drives `sglang.Engine`
+`gyre.backends.engines.sglang_engine.SglangEngine` drives it exactly as it drives `sglang.Engine`
 (`API = SglangApi(FakeEngine, io_struct, serialize, frozenset(SERVER_ARGS))`). It generates real tokens and log-probs
 with Gyre's CPU decoder over the checkpoint at `model_path`, and holds the adapter to the
 semantics read in the sglang 0.5.23 wheel (`pip download --no-deps sglang==0.5.23`; paths under
@@ -79,8 +79,8 @@ from typing import Any
 
 import torch
 
-from gyre.backends.decoder import DecoderWeights, KVCache, extend
-from gyre.backends.sglang_engine import SglangApi
+from gyre.backends.engines.decoder import DecoderWeights, KVCache, extend
+from gyre.backends.engines.sglang_engine import SglangApi
 
 
 # ----------------------------------------------------------------------------- io_struct copies
@@ -842,7 +842,7 @@ class _Watchdog:
 
 
 def _children(pid: int) -> set[int]:
-    from gyre.backends.sglang_engine import _children as children
+    from gyre.backends.engines.sglang_engine import _children as children
 
     return children(pid)
 
@@ -855,7 +855,7 @@ def _load(model_path: str, load_format: str | None, dtype: str, attention_backen
     served = model_config_checks(config, dtype, attention_backend)
     state: dict[str, torch.Tensor] = {}
     if load_format == "dummy":
-        from gyre.backends.models import build_model
+        from gyre.backends.models.hf import build_model
 
         state = build_model(config, seed=0).state_dict()
     for f in sorted(glob.glob(os.path.join(model_path, "*.safetensors"))) if load_format != "dummy" else []:

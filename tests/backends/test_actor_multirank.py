@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gyre.backends.config import CpuActorConfig
+from gyre.backends.config import OptimizerConfig
 from gyre.loss import allreduce_exec_logratio_sums
-from gyre.backends.cpu_actor import CpuActor
-from gyre.backends.transfer import TorchDistTransport
+from gyre.backends.actors.cpu_actor import CpuActor
+from gyre.backends.transfer.snapshots import TorchDistTransport
 from tests.backends.helpers import random_step, tiny_model
 from tests.distributed import run_ranks
 
 STEPS, MICRO = 2, 4
-CONFIG = CpuActorConfig(lr=1e-2, max_grad_norm=0.05, weight_decay=0.01)
+CONFIG = OptimizerConfig(lr=1e-2, max_grad_norm=0.05, weight_decay=0.01)
 
 
 def _make_steps():

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyre.backends.cpu_actor import CpuActor
-from gyre.backends.cpu_engine import CpuEngine
-from gyre.backends.models import build_model, load_model
+from gyre.backends.actors.cpu_actor import CpuActor
+from gyre.backends.engines.cpu_engine import CpuEngine
+from gyre.backends.models.hf import build_model, load_model
 from tests.backends.helpers import finish_step, random_step
 from tests.realmodels import write_checkpoint
 

@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.backends.arch import family_of, shape_of
-from gyre.backends.decoder import DecoderWeights, KVCache, extend
+from gyre.backends.models.arch import family_of, shape_of
+from gyre.backends.engines.decoder import DecoderWeights, KVCache, extend
 from tests.realmodels import build_model
 
 FAMILIES = ["qwen2.5", "qwen3", "qwen3-coder", "qwen3-moe", "llama3.1"]  # qwen3-coder: Qwen3, untied head
@@ -74,7 +74,7 @@ def test_decoder_matches_hf_in_float64(family):
     """In float64 the forward is the same arithmetic as HF's to ~1e-12: a tolerance of 1e-4 in
     fp32 hides no systematic difference. (HF's eager attention takes its softmax in float32
     whatever the dtype, SDPA does not: the reference here is SDPA.)"""
-    from gyre.backends.models import fit_kernels
+    from gyre.backends.models.hf import fit_kernels
 
     model = fit_kernels(_model(family).double())
     model.set_attn_implementation("sdpa")
@@ -142,7 +142,7 @@ def test_llama3_rope_scaling_matches_transformers_and_matters():
 
 def test_moe_routes_per_token_and_renormalises():
     """The sparse MLP against a direct float64 per-token sum over every expert's SwiGLU."""
-    from gyre.backends.arch.qwen3_moe import sparse_mlp
+    from gyre.backends.models.arch.qwen3_moe import sparse_mlp
 
     model = _model("qwen3-moe")
     shape = shape_of(model.config)

@@ -11,9 +11,9 @@ import types
 import pytest
 import torch
 
-from gyre.backends import arch
-from gyre.backends.arch import SUPPORTED, UnsupportedArchitecture, family_of_checkpoint
-from gyre.backends.models import load_model, model_config
+from gyre.backends.models import arch
+from gyre.backends.models.arch import SUPPORTED, UnsupportedArchitecture, family_of_checkpoint
+from gyre.backends.models.hf import load_model, model_config
 from tests.realmodels import write_checkpoint
 
 VOCAB = 400  # tokenizer size of the tiny checkpoints (ids, special tokens included)
@@ -51,8 +51,8 @@ def test_engine_serves_checkpoint_with_hf_logits(checkpoints):
     forward matches transformers on the same directory."""
     from transformers import AutoModelForCausalLM
 
-    from gyre.backends.cpu_engine import CpuEngine
-    from gyre.backends.decoder import KVCache, extend
+    from gyre.backends.engines.cpu_engine import CpuEngine
+    from gyre.backends.engines.decoder import KVCache, extend
 
     for family in ("qwen3", "qwen3-moe"):
         path = str(checkpoints[family])
@@ -101,7 +101,7 @@ def _retag(src, dst, **fields):
 def test_unknown_architecture_refused_by_name_with_the_list(checkpoints, tmp_path, name, model_type):
     """Never loaded as another family: load_model, the engine and start-up validation all refuse,
     naming the architecture and listing the supported ones (even when model_type is known)."""
-    from gyre.backends.cpu_engine import CpuEngine
+    from gyre.backends.engines.cpu_engine import CpuEngine
     from gyre.backends.factory import check_model_checkpoint
     from gyre.config import ConfigError
 

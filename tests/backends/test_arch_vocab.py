@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gyre.backends.config import CpuEngineConfig
-from gyre.backends.cpu_engine import CpuEngine
+from gyre.backends.engines.cpu_engine import CpuEngine
 from gyre.backends.protocols import SamplingParams
 from tests.realmodels import build_model
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyre.backends.config import CpuActorConfig
-from gyre.backends.cpu_actor import CpuActor
-from gyre.backends.models import packed_logits
+from gyre.backends.config import OptimizerConfig
+from gyre.backends.actors.cpu_actor import CpuActor
+from gyre.backends.models.hf import packed_logits
 from gyre.backends.protocols import Actor
 from gyre.loss import LossConfig
 from tests.backends.helpers import finish_step, merge, random_step, tiny_model
@@ -80,7 +80,7 @@ def test_only_the_core_steps_and_clipping_applies(step):
     with pytest.raises(RuntimeError, match="satellite"):
         sat.optimizer_step(1.0)
     assert not sat.has_optimizer_state
-    core = CpuActor(tiny_model(seed=0, dtype=torch.float64), is_core=True, config=CpuActorConfig(lr=0.0))
+    core = CpuActor(tiny_model(seed=0, dtype=torch.float64), is_core=True, config=OptimizerConfig(lr=0.0))
     sums = sum(core.exec_logratio_partial_sums(ms) for ms in step)  # executions span the micro-steps
     for ms in step:
         core.forward_backward(ms, exec_logratio_sum=sums)
@@ -102,7 +102,7 @@ def test_linear_lr_decay_reaches_the_optimizer(step):
     """lr 1e-3 decaying over 3 steps to 0.1×: 1.0, 0.7, 0.4, 0.1, 0.1 (×1e-3), by version, so an
     actor resumed at version 2 continues at 0.4e-3. Adam's first update is lr·g/(|g|+eps), so the
     largest parameter move of a fresh optimizer's first step is the lr it used."""
-    cfg = CpuActorConfig(lr=1e-3, lr_decay_steps=3, min_lr_ratio=0.1, max_grad_norm=1e9)
+    cfg = OptimizerConfig(lr=1e-3, lr_decay_steps=3, min_lr_ratio=0.1, max_grad_norm=1e9)
     assert [cfg.lr_at(v) for v in range(5)] == pytest.approx([1e-3, 0.7e-3, 0.4e-3, 0.1e-3, 0.1e-3])
     for version, expected in ((0, 1e-3), (2, 0.4e-3)):
         actor = CpuActor(tiny_model(seed=0, dtype=torch.float64), is_core=True, config=cfg, version=version)
@@ -115,7 +115,7 @@ def test_linear_lr_decay_reaches_the_optimizer(step):
         assert out["lr"] == pytest.approx(expected) and moved == pytest.approx(expected, rel=1e-3)
     for bad in ({"lr_decay_steps": -1}, {"min_lr_ratio": 1.5}):
         with pytest.raises(ValueError, match=f"actor.{next(iter(bad))}"):
-            CpuActorConfig(**bad)
+            OptimizerConfig(**bad)
 
 
 def test_export_import_round_trip_and_errors():
@@ -138,7 +138,7 @@ def test_checkpoint_loads_in_transformers_and_generates(tmp_path, step):
     weights, its logits match, and `generate` runs greedily to the same tokens."""
     from transformers import AutoModelForCausalLM
 
-    actor = CpuActor(tiny_model(seed=0), is_core=True, config=CpuActorConfig(lr=1e-2))
+    actor = CpuActor(tiny_model(seed=0), is_core=True, config=OptimizerConfig(lr=1e-2))
     for ms in finish_step([step[0]]):
         actor.forward_backward(ms)
     actor.optimizer_step(1.0)
@@ -189,7 +189,7 @@ def _same(a, b) -> bool:
 def _trained_core(step):
     """A core after one AdamW step, with the next step's gradients accumulated (so params,
     grads, both moments and the step count are all live)."""
-    actor = CpuActor(tiny_model(seed=0, dtype=torch.float64), is_core=True, config=CpuActorConfig(lr=1e-2))
+    actor = CpuActor(tiny_model(seed=0, dtype=torch.float64), is_core=True, config=OptimizerConfig(lr=1e-2))
     train_bundle(actor, step)
     actor.optimizer_step(1.0)
     train_bundle(actor, step)

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre.backends.config import CpuEngineConfig
-from gyre.backends.cpu_actor import CpuActor
-from gyre.backends.cpu_engine import CpuEngine
+from gyre.backends.actors.cpu_actor import CpuActor
+from gyre.backends.engines.cpu_engine import CpuEngine
 from gyre.backends.protocols import RolloutEngine, SamplingParams
 from tests.backends.helpers import VOCAB, tiny_model
 
@@ -335,7 +335,7 @@ def test_bad_requests_are_rejected_with_the_field(model):
 def test_from_checkpoint_serves_the_saved_weights_and_stops_at_eos(tmp_path, model):
     """An engine built from the actor's HF checkpoint gives the same tokens/log-probs as one
     built from the model, and stops at the config's EOS id."""
-    from gyre.backends.models import save_checkpoint
+    from gyre.backends.models.hf import save_checkpoint
 
     save_checkpoint(model, str(tmp_path))
     sp = SamplingParams(max_tokens=20, seed=4)

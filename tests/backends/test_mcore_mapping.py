@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gyre.backends import mcore_mapping as mm
-from gyre.backends.mcore_mapping import (LazyCheckpoint, NameLayout, check_layout, family_of, hf_to_mcore, iter_hf_to_mcore,
+from gyre.backends.actors import mcore_mapping as mm
+from gyre.backends.actors.mcore_mapping import (LazyCheckpoint, NameLayout, check_layout, family_of, hf_to_mcore, iter_hf_to_mcore,
                                          mcore_shapes, mcore_to_hf, num_experts, shard, unshard_ep, unshard_tp)
 from tests.realmodels import build_model, model_config
 
@@ -31,7 +31,7 @@ def models():
 def test_importing_the_mapping_does_not_import_megatron():
     import subprocess
 
-    code = "import sys, gyre.backends.mcore_mapping; print(any(m.startswith('megatron') for m in sys.modules))"
+    code = "import sys, gyre.backends.actors.mcore_mapping; print(any(m.startswith('megatron') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
@@ -228,7 +228,7 @@ def _te_names_from_megatron_specs():
     from megatron.core.transformer.identity_op import IdentityOp
 
     from gyre.backends.config import MegatronConfig
-    from gyre.backends.megatron_actor import build_gpt_model, initialize_parallel_state, transformer_config_kwargs
+    from gyre.backends.actors.megatron_actor import build_gpt_model, initialize_parallel_state, transformer_config_kwargs
 
     tsp.is_te_min_version = lambda *a, **k: True  # TE is not installed: its version check would fail
     specs.TESpecProvider = tsp.TESpecProvider

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from gyre.backends.config import MegatronConfig
-from gyre.backends.megatron_actor import (gpt_model_kwargs, hf_to_mcore, mcore_to_hf, shard_for_tp, transformer_config_kwargs,
+from gyre.backends.actors.megatron_actor import (gpt_model_kwargs, hf_to_mcore, mcore_to_hf, shard_for_tp, transformer_config_kwargs,
                                           unshard_tp)
-from gyre.backends.models import ModelPreset, model_config
+from gyre.backends.models.hf import ModelPreset, model_config
 from tests.backends.helpers import tiny_model
 from tests.distributed import run_ranks
 
@@ -39,7 +39,7 @@ def test_transformer_config_translation():
 
 
 def test_transformer_config_translation_per_family():
-    from gyre.backends.mcore_mapping import NameLayout
+    from gyre.backends.actors.mcore_mapping import NameLayout
     from tests.realmodels import model_config as family_config
 
     mc = MegatronConfig(params_dtype="float32")
@@ -119,7 +119,7 @@ def _construct(tp: int):
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps
 
-    from gyre.backends.megatron_actor import build_gpt_model, initialize_parallel_state
+    from gyre.backends.actors.megatron_actor import build_gpt_model, initialize_parallel_state
 
     mc = MegatronConfig(tensor_model_parallel_size=tp, params_dtype="float32")
     initialize_parallel_state(mc)
@@ -156,7 +156,7 @@ def test_parallel_state_and_gpt_model_on_gloo_take_the_mapped_weights():
 
 # ---------------------------------------------------------------------------- fp32 main grads (pure)
 def test_main_grads_are_fp32_for_bf16_params_and_prefer_the_reduced_ones():
-    from gyre.backends.megatron_actor import main_grads_fp32
+    from gyre.backends.actors.megatron_actor import main_grads_fp32
 
     a, b, c = (torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16)) for _ in range(3))
     a.grad = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
@@ -169,7 +169,7 @@ def test_main_grads_are_fp32_for_bf16_params_and_prefer_the_reduced_ones():
 
 
 def test_grad_norm_and_clip_by_hand():
-    from gyre.backends.megatron_actor import clip_by_total_norm_, grad_norm_fp32
+    from gyre.backends.actors.megatron_actor import clip_by_total_norm_, grad_norm_fp32
 
     g = [torch.tensor([3.0]), torch.tensor([0.0, 4.0])]
     assert grad_norm_fp32(g) == 5.0
@@ -182,10 +182,10 @@ def test_grad_norm_and_clip_by_hand():
 def test_fp32_master_keeps_updates_that_bf16_rounds_away():
     """lr 1e-4 on weights near 1: one AdamW step moves a weight by ~1e-4, below bf16's resolution
     there (2^-7). The fp32 master steps exactly like fp32 AdamW; the bf16 params are its rounding."""
-    from gyre.backends.config import CpuActorConfig
-    from gyre.backends.megatron_actor import Fp32Master
+    from gyre.backends.config import OptimizerConfig
+    from gyre.backends.actors.megatron_actor import Fp32Master
 
-    opt = CpuActorConfig(lr=1e-4)
+    opt = OptimizerConfig(lr=1e-4)
     init = torch.linspace(0.9, 1.1, 8)
     p = torch.nn.Parameter(init.to(torch.bfloat16))
     ref = torch.nn.Parameter(init.to(torch.bfloat16).float())
@@ -270,7 +270,7 @@ def _layouts_and_actor():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from gyre.backends.megatron_actor import MegatronActor, initialize_parallel_state
+    from gyre.backends.actors.megatron_actor import MegatronActor, initialize_parallel_state
     from gyre.config import ParallelConfig
     from gyre.topology import Topology
 
@@ -352,7 +352,7 @@ def _forward_backward_matches_hf():
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from gyre.backends.megatron_actor import MegatronActor
+    from gyre.backends.actors.megatron_actor import MegatronActor
 
     torch.cuda.current_device = lambda: "cpu"  # shim (this spawned rank only)
     mc = MegatronConfig(tensor_model_parallel_size=2, params_dtype="float32")
@@ -393,7 +393,7 @@ def _offload_restore_bit_exact():
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps
 
-    from gyre.backends.megatron_actor import MegatronActor
+    from gyre.backends.actors.megatron_actor import MegatronActor
 
     mc = MegatronConfig(params_dtype="bfloat16")
     hf = tiny_model(seed=0)
@@ -457,8 +457,8 @@ def _family_import_matches_hf(cases, ckpt_root):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from gyre.backends.mcore_mapping import LazyCheckpoint
-    from gyre.backends.megatron_actor import MegatronActor
+    from gyre.backends.actors.mcore_mapping import LazyCheckpoint
+    from gyre.backends.actors.megatron_actor import MegatronActor
     from tests.realmodels import build_model
 
     torch.cuda.current_device = lambda: "cpu"  # shim (this spawned rank only)
@@ -485,7 +485,7 @@ def _family_import_matches_hf(cases, ckpt_root):
             want.pop("lm_head.weight")
         exact = set(exported) == set(want) and all(torch.equal(exported[k], want[k]) for k in want)
         # megatron's TP tags (what the grad norm's duplicate test reads) on exactly the sharded weights
-        from gyre.backends.mcore_mapping import _kind
+        from gyre.backends.actors.mcore_mapping import _kind
 
         if tp > 1:
             exact = exact and all(bool(getattr(p, "tensor_model_parallel", False)) == (_kind(k) != "replicated")
@@ -580,7 +580,7 @@ def test_import_names_slice_pipeline_stages_and_expert_ranks():
     no embedding; EP rank 1 of 2 holds experts 2..3 as 0..1. (PP needs TE to run: not here.)"""
     from types import SimpleNamespace
 
-    from gyre.backends.megatron_actor import MegatronActor
+    from gyre.backends.actors.megatron_actor import MegatronActor
     from tests.realmodels import model_config as family_config
 
     cfg = family_config("qwen3-moe", 128, num_hidden_layers=4)
@@ -607,8 +607,8 @@ def _moe_ep_grads_match_hf():
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from gyre.backends.mcore_mapping import NameLayout, shard
-    from gyre.backends.megatron_actor import MegatronActor
+    from gyre.backends.actors.mcore_mapping import NameLayout, shard
+    from gyre.backends.actors.megatron_actor import MegatronActor
     from tests.realmodels import build_model
 
     torch.cuda.current_device = lambda: "cpu"  # shim (this spawned rank only)

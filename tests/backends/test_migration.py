@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from gyre.backends.config import CpuEngineConfig
-from gyre.backends.cpu_engine import CpuEngine
-from gyre.backends.migration import (LocalKvTransport, MigrationPolicy, MigrationRefused, pack_state,
+from gyre.backends.engines.cpu_engine import CpuEngine
+from gyre.backends.transfer.migration import (LocalKvTransport, MigrationPolicy, MigrationRefused, pack_state,
                                      unpack_state)
 from gyre.backends.protocols import SamplingParams
 from tests.backends.helpers import tiny_model
@@ -171,8 +171,8 @@ def test_cost_rule():
 
 def test_long_prefill_in_query_blocks_matches_one_pass(model, monkeypatch):
     """Long contexts (what migration is for) prefill in query blocks; same logits as one pass."""
-    from gyre.backends import decoder
-    from gyre.backends.decoder import DecoderWeights, KVCache, extend
+    from gyre.backends.engines import decoder
+    from gyre.backends.engines.decoder import DecoderWeights, KVCache, extend
 
     w = DecoderWeights.from_state_dict(model.state_dict(), model.config)
     ids = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(3))

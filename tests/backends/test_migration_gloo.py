@@ -16,7 +16,7 @@ def _pull_twice() -> list:
     import torch
     import torch.distributed as dist
 
-    from gyre.backends.migration import GlooKvTransport
+    from gyre.backends.transfer.migration import GlooKvTransport
 
     store = dist.distributed_c10d._get_default_store()
     t = GlooKvTransport(store, dist.new_group(backend="gloo"))

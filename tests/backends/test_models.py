@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyre.backends.decoder import DecoderWeights, KVCache, extend
-from gyre.backends.models import (PRESETS, build_model, load_model, model_config, num_parameters, packed_logits,
+from gyre.backends.engines.decoder import DecoderWeights, KVCache, extend
+from gyre.backends.models.hf import (PRESETS, build_model, load_model, model_config, num_parameters, packed_logits,
                                   preset_of, save_checkpoint)
 from tests.backends.helpers import tiny_model
 
@@ -94,7 +94,7 @@ def test_decoder_validates_state_dict():
 
 
 def test_tied_embeddings_preset_round_trips(tmp_path):
-    from gyre.backends.models import ModelPreset
+    from gyre.backends.models.hf import ModelPreset
 
     cfg = model_config(ModelPreset(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, tie_word_embeddings=True), 100)
     model = build_model(cfg, seed=0)

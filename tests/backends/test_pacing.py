@@ -1,4 +1,4 @@
-"""Emulated accelerator knobs: CpuEngineConfig.min_decode_step_s, CpuActorConfig.min_s_per_ktok.
+"""Emulated accelerator knobs: CpuEngineConfig.min_decode_step_s, OptimizerConfig.min_s_per_ktok.
 
 A paced decode step / micro-step lasts at least its floor (a lower bound, which sleeping
 guarantees; no speed goal is tested here), pacing never changes tokens, log-probs or gradients,
@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-from gyre.backends import cpu_actor as cpu_actor_mod
-from gyre.backends.config import CpuActorConfig, CpuEngineConfig
-from gyre.backends.cpu_actor import CpuActor
-from gyre.backends.cpu_engine import CpuEngine
+from gyre.backends.actors import cpu_actor as cpu_actor_mod
+from gyre.backends.config import CpuEngineConfig, OptimizerConfig
+from gyre.backends.actors.cpu_actor import CpuActor
+from gyre.backends.engines.cpu_engine import CpuEngine
 from gyre.backends.protocols import SamplingParams
 from tests.backends.helpers import random_step, tiny_model
 
@@ -92,7 +92,7 @@ def test_paced_micro_step_lasts_at_least_tokens_times_the_rate_and_same_gradient
     ref_metrics = ref.forward_backward(ms)
     floor = max(0.15, 4 * (time.perf_counter() - t0))  # well above the compute, even on a loaded machine
     per_ktok = floor * 1000.0 / ms.num_tokens  # this micro-step's floor
-    actor = CpuActor(tiny_model(seed=0, dtype=torch.float64), is_core=True, config=CpuActorConfig(min_s_per_ktok=per_ktok))
+    actor = CpuActor(tiny_model(seed=0, dtype=torch.float64), is_core=True, config=OptimizerConfig(min_s_per_ktok=per_ktok))
     t0 = time.perf_counter()
     metrics = actor.forward_backward(ms)
     wall = time.perf_counter() - t0
@@ -116,6 +116,6 @@ def test_actor_floor_zero_never_sleeps(step, monkeypatch):
 
 def test_actor_floor_below_the_compute_is_counted_as_an_overrun(step, monkeypatch):
     monkeypatch.setattr(cpu_actor_mod.time, "sleep", lambda _: pytest.fail("slept past an overrun"))
-    actor = CpuActor(tiny_model(seed=0, dtype=torch.float64), is_core=True, config=CpuActorConfig(min_s_per_ktok=1e-12))
+    actor = CpuActor(tiny_model(seed=0, dtype=torch.float64), is_core=True, config=OptimizerConfig(min_s_per_ktok=1e-12))
     actor.forward_backward(step[0])
     assert actor.pace_overruns == 1 and actor.paced_s == 0.0

@@ -9,7 +9,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from gyre.backends.sampling import nucleus, sample_token
+from gyre.backends.engines.sampling import nucleus, sample_token
 
 logit_lists = st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=1, max_size=40)
 

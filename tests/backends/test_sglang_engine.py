@@ -11,11 +11,11 @@ import pytest
 
 from gyre.backends.config import SglangConfig
 from gyre.backends.protocols import RolloutEngine, SamplingParams
-from gyre.backends.sglang_engine import SglangEngine, match_stop, parse_chunk, parse_top, sampling_params, server_args
+from gyre.backends.engines.sglang_engine import SglangEngine, match_stop, parse_chunk, parse_top, sampling_params, server_args
 
 
 def test_import_does_not_pull_sglang_or_cuda_libraries():
-    code = "import sys, gyre.backends.sglang_engine, gyre.backends.megatron_actor, gyre.backends.transfer; " \
+    code = "import sys, gyre.backends.engines.sglang_engine, gyre.backends.actors.megatron_actor, gyre.backends.transfer.snapshots; " \
            "print(sorted(m for m in ('sglang', 'megatron', 'mooncake') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -90,7 +90,7 @@ import asyncio  # noqa: E402
 
 import torch  # noqa: E402
 
-from gyre.backends.sglang_engine import EngineState, prefix_free_rid, span_versions  # noqa: E402
+from gyre.backends.engines.sglang_engine import EngineState, prefix_free_rid, span_versions  # noqa: E402
 from tests.backends import sglang_fake  # noqa: E402
 from tests.backends.helpers import tiny_model  # noqa: E402
 from tests.backends.test_cpu_engine import actor_logprobs  # noqa: E402
@@ -100,7 +100,7 @@ PROMPT = [5, 6, 7, 8]
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from gyre.backends.models import save_checkpoint
+    from gyre.backends.models.hf import save_checkpoint
 
     path = tmp_path_factory.mktemp("sglang_ckpt")
     model = tiny_model(seed=0)
@@ -382,7 +382,7 @@ RESTART_SCRIPT = r"""
 import asyncio, subprocess, sys
 from gyre.backends.config import SglangConfig
 from gyre.backends.protocols import SamplingParams
-from gyre.backends.sglang_engine import SglangEngine
+from gyre.backends.engines.sglang_engine import SglangEngine
 from tests.backends import sglang_fake
 
 sglang_fake.FakeEngine.spawn_scheduler_process = True
@@ -457,7 +457,7 @@ def test_update_from_the_core_over_a_weight_update_group(ckpt):
     """The core hosts the group (WeightBroadcaster, gloo here, NCCL on GPUs), the engine joins it
     as SGLang's scheduler does and receives a broadcast mid-stream inside a session; later tokens
     carry the new weights' log-probs and version."""
-    from gyre.backends.sglang_engine import WeightBroadcaster
+    from gyre.backends.engines.sglang_engine import WeightBroadcaster
 
     path, model = ckpt
     new = tiny_model(seed=2)
@@ -547,7 +547,7 @@ def test_min_tokens_logprobs_are_sglangs_masked_ones_and_a_warning_says_so(ckpt,
         await eng.stop()
         return out
 
-    with caplog.at_level(logging.WARNING, logger="gyre.backends.sglang_engine"):
+    with caplog.at_level(logging.WARNING, logger="gyre.backends.engines.sglang_engine"):
         out = asyncio.run(go())
     lp, ref = torch.tensor([e.logprob for e in out]), _ref(model, PROMPT, out)
     assert (lp[:3] - ref[:3] > 1e-3).all()
@@ -634,8 +634,8 @@ def test_fake_server_args_and_architectures_are_sglangs():
     import ast
     import glob
 
-    from gyre.backends.sglang_checkpoint import SGLANG_ARCHITECTURES
-    from gyre.backends.sglang_engine import GYRE_OWNED_SERVER_ARGS
+    from gyre.backends.engines.sglang_checkpoint import SGLANG_ARCHITECTURES
+    from gyre.backends.engines.sglang_engine import GYRE_OWNED_SERVER_ARGS
 
     root = os.path.join(os.environ["GYRE_SGLANG_SRC"], "sglang", "srt")
     fields = set()

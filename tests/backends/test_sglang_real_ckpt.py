@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gyre.backends.protocols import SamplingParams
-from gyre.backends.sglang_engine import SglangEngine
+from gyre.backends.engines.sglang_engine import SglangEngine
 from gyre.config import parse_config
 from tests.backends import sglang_fake
 from tests.realmodels import FAMILIES, build_model, write_checkpoint
@@ -50,7 +50,7 @@ def _cfg(tmp_path, *flags):
 
 
 def _build(cfg, model_config, params, *, version=0, **kw):
-    from gyre.backends.sglang_checkpoint import build_sglang_engine
+    from gyre.backends.factory import build_sglang_engine
 
     return build_sglang_engine(cfg, model_config, params, version=version, eos_token_ids=[], name="r0", **kw)
 
@@ -128,7 +128,7 @@ def test_a_later_version_is_written_sharded_and_serves_its_weights(family, ckpts
 
 def test_a_preset_gets_a_config_naming_its_architecture(tmp_path):
     """--model.preset (no checkpoint): config.json gets architectures=[Qwen2ForCausalLM] and dtype."""
-    from gyre.backends.models import build_model as build_preset, model_config
+    from gyre.backends.models.hf import build_model as build_preset, model_config
 
     cfg = _cfg(tmp_path, "--model.preset", "tiny")
     mc = model_config("tiny", 256)
@@ -145,7 +145,7 @@ def test_the_fake_refuses_the_old_preset_config_as_sglang_does(tmp_path):
     from safetensors.torch import save_file
 
     from gyre.backends.config import SglangConfig
-    from gyre.backends.models import build_model as build_preset, model_config
+    from gyre.backends.models.hf import build_model as build_preset, model_config
 
     mc = model_config("tiny", 256)
     mc.architectures = None  # the preset configs before the architecture registry named none
@@ -252,7 +252,7 @@ def test_a_checkpoint_sglang_cannot_start_on_is_copied_not_served(ckpts, tmp_pat
     import logging
     import shutil
 
-    from gyre.backends.sglang_checkpoint import parse_size, startable_checkpoint
+    from gyre.backends.engines.sglang_checkpoint import parse_size, startable_checkpoint
 
     src = tmp_path / "bare"
     shutil.copytree(ckpts["llama3.1"], src)
@@ -262,7 +262,7 @@ def test_a_checkpoint_sglang_cannot_start_on_is_copied_not_served(ckpts, tmp_pat
     assert "architectures None" in startable_checkpoint(src) and startable_checkpoint(ckpts["llama3.1"]) is None
     cfg = _cfg(tmp_path, "--model.checkpoint", str(src))
     model = _hf(ckpts["llama3.1"])
-    with caplog.at_level(logging.WARNING, logger="gyre.backends.sglang_checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="gyre.backends.engines.sglang_checkpoint"):
         eng = _build(cfg, model.config, model.state_dict())
     assert eng.config.model_path != str(src) and "cannot be served as it is" in caplog.text
     assert len(asyncio.run(_serve(eng, [1, 2, 3]))) == 6

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from gyre.backends.config import CpuEngineConfig
-from gyre.backends.cpu_engine import CpuEngine
-from gyre.backends.det_engine import DeterministicEngine, sequence_hash
-from gyre.backends.engine_http import HttpEngine, serve_engine_async
-from gyre.backends.engine_mux import event_row, event_text, parse_event, parse_events, sampling_to_json
+from gyre.backends.engines.cpu_engine import CpuEngine
+from gyre.backends.engines.det_engine import DeterministicEngine, sequence_hash
+from gyre.backends.engines.engine_http import HttpEngine, serve_engine_async
+from gyre.backends.engines.engine_mux import event_row, event_text, parse_event, parse_events, sampling_to_json
 from gyre.backends.protocols import SamplingParams, TokenEvent
-from gyre.backends.sampling import nucleus, top_logprobs
+from gyre.backends.engines.sampling import nucleus, top_logprobs
 from tests.backends.helpers import tiny_model
 
 

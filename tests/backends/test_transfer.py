@@ -9,7 +9,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.backends.transfer import FlatLayout, TorchDistTransport, checksum, make_transport
+from gyre.backends.transfer.snapshots import FlatLayout, TorchDistTransport, checksum, make_transport
 from tests.distributed import netns_problem, run_ranks, run_ranks_in_netns
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
@@ -88,7 +88,7 @@ def test_torch_transport_is_bit_exact_on_every_rank():
 
 def _mooncake_share():
     """Runs inside the private network namespace (see the test below)."""
-    from gyre.backends.transfer import MooncakeTransport
+    from gyre.backends.transfer.snapshots import MooncakeTransport
 
     rank = dist.get_rank()
     t = MooncakeTransport(dist.group.WORLD, src=0)

@@ -3,7 +3,7 @@ error a failed read gives (both ends named). Pure: environments are passed in.""
 
 import pytest
 
-from gyre.backends.transfer import resolve_host, unreachable_message
+from gyre.backends.transfer.snapshots import resolve_host, unreachable_message
 
 
 def test_an_explicit_address_is_taken_as_is():
@@ -21,16 +21,16 @@ def test_auto_is_loopback_on_one_node():
 
 
 def test_auto_across_nodes_is_the_interface_that_routes_to_master_addr(monkeypatch):
-    import gyre.backends.engine_host as eh
+    from gyre import serving
 
-    monkeypatch.setattr(eh, "route_address", lambda peer: {"node0": "10.2.0.2"}[peer])
+    monkeypatch.setattr(serving, "route_address", lambda peer: {"node0": "10.2.0.2"}[peer])
     assert resolve_host("auto", {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node0"}) == "10.2.0.2"
 
 
 def test_auto_across_nodes_warns_of_a_loopback_route_and_refuses_without_master_addr(monkeypatch, caplog):
-    import gyre.backends.engine_host as eh
+    from gyre import serving
 
-    monkeypatch.setattr(eh, "route_address", lambda peer: "127.0.1.1")  # Debian's /etc/hosts for the own name
+    monkeypatch.setattr(serving, "route_address", lambda peer: "127.0.1.1")  # Debian's /etc/hosts for the own name
     # Said here, refused by the start-up probe on every rank together (not on this node's ranks alone).
     assert resolve_host("auto", {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node0"}) == "127.0.1.1"
     assert "GYRE_TRANSFER_HOST" in caplog.text
@@ -51,7 +51,7 @@ def _broadcast_from_an_unreachable_source():
     import torch
     import torch.distributed as dist
 
-    from gyre.backends.transfer import MooncakeTransport, PeerUnreachable
+    from gyre.backends.transfer.snapshots import MooncakeTransport, PeerUnreachable
 
     rank = dist.get_rank()
     t = MooncakeTransport(dist.group.WORLD, src=0, host="192.0.2.1" if rank == 0 else "127.0.0.1")

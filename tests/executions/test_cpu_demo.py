@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from gyre.backends.tokenizer import load_tokenizer
+from gyre.backends.models.tokenizer import load_tokenizer
 
 from examples.cpu_demo.harness import SUMMARY_PROMPT, SYSTEM_SUB, Reply
 from examples.cpu_demo.policy import scripted_reply, tool_call

@@ -33,7 +33,7 @@ import torch
 
 
 def _models(path: str):
-    from gyre.backends.models import build_model, model_config, save_checkpoint
+    from gyre.backends.models.hf import build_model, model_config, save_checkpoint
 
     cfg = model_config("small", 1024, eos_token_id=None, bos_token_id=0)
     old = build_model(cfg, seed=0)
@@ -55,7 +55,7 @@ def _gap(model, prompt, events, lo=0, hi=None) -> float:
 async def _checks(args, report) -> None:
     from gyre.backends.config import SglangConfig
     from gyre.backends.protocols import SamplingParams
-    from gyre.backends.sglang_engine import SglangApi, SglangEngine, WeightBroadcaster
+    from gyre.backends.engines.sglang_engine import SglangApi, SglangEngine, WeightBroadcaster
 
     path = tempfile.mkdtemp(prefix="gyre-sglang-check-")
     old, new = _models(path)

@@ -48,8 +48,8 @@ def test_megatron_step_matches_cpu_actor(tmp_path, dtype):
     import torch.distributed as dist
 
     from gyre.backends.config import MegatronConfig
-    from gyre.backends.cpu_actor import CpuActor
-    from gyre.backends.megatron_actor import MegatronActor, hf_to_mcore
+    from gyre.backends.actors.cpu_actor import CpuActor
+    from gyre.backends.actors.megatron_actor import MegatronActor, hf_to_mcore
     from tests.backends.helpers import random_step, tiny_model
 
     tol = TOL[dtype]

@@ -30,7 +30,7 @@ def nccl_world(tmp_path_factory):
 
 
 def test_decoder_on_cuda_gives_the_cpu_logits():
-    from gyre.backends.decoder import DecoderWeights, KVCache, extend
+    from gyre.backends.engines.decoder import DecoderWeights, KVCache, extend
     from tests.backends.helpers import tiny_model
 
     model = tiny_model(seed=0)
@@ -48,7 +48,7 @@ def test_decoder_on_cuda_gives_the_cpu_logits():
 
 
 def test_engine_on_cuda_samples_what_the_cpu_engine_samples():
-    from gyre.backends.cpu_engine import CpuEngine
+    from gyre.backends.engines.cpu_engine import CpuEngine
     from gyre.backends.protocols import SamplingParams
     from tests.backends.helpers import tiny_model
 
@@ -94,7 +94,7 @@ def _state(model, opt):
 
 
 def test_offload_goes_to_pinned_memory_frees_the_device_and_restores_bit_exact():
-    from gyre.backends.memory import ActorMemory
+    from gyre.backends.actors.memory import ActorMemory
 
     model, opt = _trained()
     params = list(model.parameters())
@@ -121,7 +121,7 @@ def test_offload_goes_to_pinned_memory_frees_the_device_and_restores_bit_exact()
 def test_megatron_actor_offload_restore_on_cuda(nccl_world):
     pytest.importorskip("megatron.core")
     from gyre.backends.config import MegatronConfig
-    from gyre.backends.megatron_actor import MegatronActor
+    from gyre.backends.actors.megatron_actor import MegatronActor
     from tests.backends.helpers import tiny_model
 
     hf = tiny_model(seed=0)
@@ -148,9 +148,9 @@ def test_megatron_actor_offload_restore_on_cuda(nccl_world):
 def test_collectives_on_a_multibackend_group_use_cuda_and_nccl(nccl_world):
     import torch.distributed as dist
 
-    from gyre.backends.cpu_actor import CpuActor
+    from gyre.backends.actors.cpu_actor import CpuActor
     from gyre.backends.devices import collective_device
-    from gyre.backends.transfer import TorchDistTransport
+    from gyre.backends.transfer.snapshots import TorchDistTransport
     from tests.backends.helpers import tiny_model
 
     assert collective_device(nccl_world) == torch.device("cuda", 0)

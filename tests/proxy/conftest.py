@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from gyre.backends.tokenizer import byte_token_ids, load_tokenizer
+from gyre.backends.models.tokenizer import byte_token_ids, load_tokenizer
 from gyre.proxy import Proxy, ProxyConfig, serve_proxy
-from gyre.backends.det_engine import DeterministicEngine
+from gyre.backends.engines.det_engine import DeterministicEngine
 
 TOOLS_OPENAI = [
     {

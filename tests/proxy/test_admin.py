@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from gyre.proxy.admin import AdminClient, AdminError
-from gyre.backends.det_engine import DeterministicEngine
-from gyre.backends.engine_http import serve_engine
+from gyre.backends.engines.det_engine import DeterministicEngine
+from gyre.backends.engines.engine_http import serve_engine
 from gyre.trajectory.store import TitoStore
 
 

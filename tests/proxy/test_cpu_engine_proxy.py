@@ -6,8 +6,8 @@ import asyncio
 import numpy as np
 import openai
 
-from gyre.backends.cpu_engine import CpuEngine
-from gyre.backends.tokenizer import VOCAB_SIZE
+from gyre.backends.engines.cpu_engine import CpuEngine
+from gyre.backends.models.tokenizer import VOCAB_SIZE
 from tests.backends.helpers import tiny_model
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from gyre.backends.protocols import RolloutEngine, SamplingParams
-from gyre.backends.det_engine import DeterministicEngine
-from gyre.backends.engine_http import HttpEngine, serve_engine
+from gyre.backends.engines.det_engine import DeterministicEngine
+from gyre.backends.engines.engine_http import HttpEngine, serve_engine
 
 
 @pytest.mark.parametrize("transport", ["ws", "http"])

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from gyre.proxy import ProxyConfig
-from gyre.backends.det_engine import DeterministicEngine
+from gyre.backends.engines.det_engine import DeterministicEngine
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 MSG = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

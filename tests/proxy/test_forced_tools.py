@@ -16,8 +16,8 @@ import numpy as np
 import openai
 import pytest
 
-from gyre.backends.det_engine import DeterministicEngine
-from gyre.backends.tokenizer import byte_token_ids, load_tokenizer
+from gyre.backends.engines.det_engine import DeterministicEngine
+from gyre.backends.models.tokenizer import byte_token_ids, load_tokenizer
 from gyre.proxy.textstream import tool_call_opening
 from gyre.trajectory.advantages import Outcome
 from gyre.trajectory.materialize import ScoredExecution, ScoredGroup, materialize_step

@@ -21,8 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gyre.backends.det_engine import DeterministicEngine
-from gyre.backends.tokenizer import byte_token_ids
+from gyre.backends.engines.det_engine import DeterministicEngine
+from gyre.backends.models.tokenizer import byte_token_ids
 from gyre.proxy import Proxy, ProxyConfig, serve_proxy
 from gyre.proxy.formats import FORMATS
 

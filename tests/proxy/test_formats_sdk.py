@@ -11,8 +11,8 @@ import anthropic
 import openai
 import pytest
 
-from gyre.backends.det_engine import DeterministicEngine
-from gyre.backends.tokenizer import byte_token_ids
+from gyre.backends.engines.det_engine import DeterministicEngine
+from gyre.backends.models.tokenizer import byte_token_ids
 from gyre.proxy import Proxy, ProxyConfig, serve_proxy
 from gyre.proxy.formats import FORMATS
 
@@ -271,7 +271,7 @@ def test_reasoning_sent_back_reaches_the_template():
 def test_special_reasoning_tokens_decode_for_the_parser():
     """A real model samples <think> / </think> / <tool_call> as their special ids: the byte table
     gives their text, so the parser sees them."""
-    from gyre.backends.tokenizer import token_bytes
+    from gyre.backends.models.tokenizer import token_bytes
     from gyre.proxy.formats import split_output
 
     tok = tokenizer("qwen3")

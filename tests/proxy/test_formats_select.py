@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from gyre.backends.tokenizer import load_tokenizer
+from gyre.backends.models.tokenizer import load_tokenizer
 from gyre.proxy import Proxy, ProxyConfig
 from gyre.proxy.formats import FORMATS, UnknownChatFormat, format_for
 from tests.realmodels import build_tokenizer, chat_template

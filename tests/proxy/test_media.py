@@ -11,9 +11,9 @@ import numpy as np
 import openai
 import pytest
 
-from gyre.backends.tokenizer import load_tokenizer
+from gyre.backends.models.tokenizer import load_tokenizer
 from gyre.proxy import ProxyConfig
-from gyre.backends.det_engine import DeterministicEngine
+from gyre.backends.engines.det_engine import DeterministicEngine
 from gyre.trajectory.record import Role
 from gyre.trajectory.tree import build_tree
 

@@ -6,7 +6,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.backends.tokenizer import byte_token_ids, load_tokenizer
+from gyre.backends.models.tokenizer import byte_token_ids, load_tokenizer
 from gyre.proxy.render import ChatRenderer, StoredTurn, turn_fingerprint
 
 

@@ -13,9 +13,9 @@ import numpy as np
 import openai
 import pytest
 
-from gyre.backends.tokenizer import load_tokenizer
-from gyre.backends.det_engine import DeterministicEngine
-from gyre.backends.engine_http import HttpEngine, serve_engine
+from gyre.backends.models.tokenizer import load_tokenizer
+from gyre.backends.engines.det_engine import DeterministicEngine
+from gyre.backends.engines.engine_http import HttpEngine, serve_engine
 
 from .conftest import reference_tokens
 

@@ -8,8 +8,8 @@ import httpx
 import openai
 import pytest
 
-from gyre.backends.tokenizer import byte_token_ids, load_tokenizer
-from gyre.backends.det_engine import DeterministicEngine
+from gyre.backends.models.tokenizer import byte_token_ids, load_tokenizer
+from gyre.backends.engines.det_engine import DeterministicEngine
 
 from .conftest import TOOL_ARGS, TOOLS_OPENAI, scripted_engine
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gyre.backends.tokenizer import byte_token_ids, load_tokenizer
-from gyre.backends.det_engine import DeterministicEngine
+from gyre.backends.models.tokenizer import byte_token_ids, load_tokenizer
+from gyre.backends.engines.det_engine import DeterministicEngine
 
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "codex" / "config.toml"
 CODEX = os.environ.get("GYRE_CODEX_BIN") or shutil.which("codex")

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from gyre.backends.protocols import SamplingParams
-from gyre.backends.det_engine import DeterministicEngine
+from gyre.backends.engines.det_engine import DeterministicEngine
 from gyre.proxy.router import RouteInfo, Router, SlotState
 
 from .conftest import reference_tokens as reference

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from gyre.backends.config import CpuEngineConfig
-from gyre.backends.cpu_engine import CpuEngine
-from gyre.backends.migration import LocalKvTransport, MigrationPolicy
+from gyre.backends.engines.cpu_engine import CpuEngine
+from gyre.backends.transfer.migration import LocalKvTransport, MigrationPolicy
 from gyre.backends.protocols import SamplingParams
 from gyre.proxy.router import Router
 from tests.backends.helpers import tiny_model
@@ -135,7 +135,7 @@ class _SourceDiesMidPull(LocalKvTransport):
     """The source's process dies while the target reads: its held memory is gone."""
 
     def pull(self, handle):
-        from gyre.backends import migration
+        from gyre.backends.transfer import migration
 
         migration._local[handle["source"]].close()
         return super().pull(handle)
@@ -231,7 +231,7 @@ def test_auto_mode_follows_the_cost_rule(model):
 def test_over_http_control_endpoints(model):
     """Engines in their own server threads, the router speaking HTTP: only the handle crosses the
     control endpoints (the KV goes over the engines' transport); the continuation is exact."""
-    from gyre.backends.engine_http import HttpEngine, serve_engine
+    from gyre.backends.engines.engine_http import HttpEngine, serve_engine
 
     src, dst = make(model, "c"), make(model, "p")
     hs, hd = serve_engine(src), serve_engine(dst)

@@ -7,9 +7,9 @@ import asyncio
 import numpy as np
 import openai
 
-from gyre.backends.cpu_engine import CpuEngine
-from gyre.backends.migration import LocalKvTransport
-from gyre.backends.tokenizer import VOCAB_SIZE
+from gyre.backends.engines.cpu_engine import CpuEngine
+from gyre.backends.transfer.migration import LocalKvTransport
+from gyre.backends.models.tokenizer import VOCAB_SIZE
 from gyre.proxy import ProxyConfig
 from tests.backends.helpers import tiny_model
 from tests.proxy.test_cpu_engine_proxy import DrainAfter

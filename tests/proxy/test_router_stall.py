@@ -5,7 +5,7 @@ gets no new calls until it answers a health check, and then gets them again."""
 import asyncio
 import time
 
-from gyre.backends.det_engine import DeterministicEngine
+from gyre.backends.engines.det_engine import DeterministicEngine
 from gyre.backends.protocols import SamplingParams
 from gyre.proxy.router import RouteInfo, Router
 

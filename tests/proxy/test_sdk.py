@@ -8,9 +8,9 @@ import anthropic
 import openai
 import pytest
 
-from gyre.backends.tokenizer import load_tokenizer
+from gyre.backends.models.tokenizer import load_tokenizer
 from gyre.proxy import ProxyConfig, StoreSink
-from gyre.backends.det_engine import DeterministicEngine
+from gyre.backends.engines.det_engine import DeterministicEngine
 from gyre.trajectory.record import Role
 
 from .conftest import TOOL_ARGS, TOOLS_ANTHROPIC, TOOLS_OPENAI, scripted_engine

@@ -6,7 +6,7 @@ import os
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.backends import tokenizer as T
+from gyre.backends.models import tokenizer as T
 
 
 def test_rebuild_is_byte_identical(tmp_path):

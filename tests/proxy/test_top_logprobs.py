@@ -9,10 +9,10 @@ import openai
 import pytest
 import torch
 
-from gyre.backends.cpu_engine import CpuEngine
-from gyre.backends.det_engine import DeterministicEngine, sequence_hash
-from gyre.backends.engine_http import HttpEngine, serve_engine
-from gyre.backends.tokenizer import VOCAB_SIZE, load_tokenizer, token_bytes
+from gyre.backends.engines.cpu_engine import CpuEngine
+from gyre.backends.engines.det_engine import DeterministicEngine, sequence_hash
+from gyre.backends.engines.engine_http import HttpEngine, serve_engine
+from gyre.backends.models.tokenizer import VOCAB_SIZE, load_tokenizer, token_bytes
 from tests.backends.helpers import tiny_model
 
 from .test_cpu_engine_proxy import DrainAfter

@@ -1,4 +1,4 @@
-"""The byte table of any tokenizers-backed tokenizer (gyre/backends/vocab.py) against the tokenizer's
+"""The byte table of any tokenizers-backed tokenizer (gyre/backends/models/vocab.py) against the tokenizer's
 own decode, over random id sequences (hypothesis), for each kind of decoder a chat model ships:
 
     byte-level BPE (the project's, Qwen-style from tests/realmodels)   ByteLevel
@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.backends import vocab as V
-from gyre.backends.tokenizer import load_tokenizer
+from gyre.backends.models import vocab as V
+from gyre.backends.models.tokenizer import load_tokenizer
 from gyre.proxy.textstream import Detokenizer
 from tests import realmodels
 
@@ -194,7 +194,9 @@ def test_a_qwen_sized_vocabulary_of_151665_ids():
     from transformers import PreTrainedTokenizerFast
 
     rng = random.Random(0)
-    tr = V._byte_level_translation()
+    from gyre.backends.models.bytetable import _byte_level_translation
+
+    tr = _byte_level_translation()
     alphabet = [chr(c) for c, v in tr.items() if v != "\uffff"]
     vocab = {a: i for i, a in enumerate(alphabet)}
     while len(vocab) < 151_643:

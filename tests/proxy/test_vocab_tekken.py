@@ -2,7 +2,7 @@
 tokens), shipped in the `mistral-common` wheel and loaded by transformers 5 from a `tekken.json`
 as a fast tokenizer. The byte table is built once, fast, gives every id bytes, and agrees with
 the tokenizer's own decode on random ids; a directory holding only tekken.json is a tokenizer
-directory for the run (gyre.backends.vocab.resolve_tokenizer_dir)."""
+directory for the run (gyre.backends.models.vocab.resolve_tokenizer_dir)."""
 
 import random
 import shutil
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.backends import vocab as V
+from gyre.backends.models import vocab as V
 from gyre.proxy.textstream import Detokenizer
 
 mistral_common = pytest.importorskip("mistral_common")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from gyre.runtime.cell import CellState
 from gyre.config import ParallelConfig
-from gyre.backends.weights import SnapshotBoard
+from gyre.backends.transfer.weights import SnapshotBoard
 from gyre.runtime.control import CONTROLLER, ControlPlane
 from gyre.runtime.messages import Load, Loaded, ToRollout
 from gyre.runtime.worker import CellWorker

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gyre.backends.weights import SnapshotBoard
+from gyre.backends.transfer.weights import SnapshotBoard
 from gyre.runtime.control import ControlPlane, default_store
 from tests.distributed import run_ranks
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gyre.backends.cpu_actor import CpuActor
+from gyre.backends.actors.cpu_actor import CpuActor
 from gyre.runtime import messages as m
 from gyre.runtime.ledger import RunLedger
 from gyre.runtime.worker import CellWorker

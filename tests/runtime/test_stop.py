@@ -1,5 +1,5 @@
 """The stop's parts without a job: write errors become one stated error (gyre.runtime.writes), the
-checkpoint's failure, timing and cut note (gyre.runtime.checkpoint), the stop budget's warning
+checkpoint's failure, timing and cut note (gyre.checkpoint), the stop budget's warning
 and the end-of-run lines (gyre.runtime.stop). The real-run cases are tests/faults/test_stop_edges.py."""
 
 import asyncio
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from gyre.errors import RunFailed
-from gyre.runtime import checkpoint
+from gyre import checkpoint
 from gyre.runtime.stop import budget_note, end_lines, quiet_cancelled
 from gyre.runtime.writes import FirstError, Guarded, WatchedSink, WriteFailed, watch_execution
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 
-from gyre.backends.det_engine import DeterministicEngine
+from gyre.backends.engines.det_engine import DeterministicEngine
 from gyre.proxy import ProxyConfig
 
 from tests.proxy.conftest import make_server  # noqa: F401  (fixture)

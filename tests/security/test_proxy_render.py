@@ -13,8 +13,8 @@ import numpy as np
 import openai
 import pytest
 
-from gyre.backends.det_engine import DeterministicEngine
-from gyre.backends.tokenizer import IM_END, IM_START, byte_token_ids, load_tokenizer
+from gyre.backends.engines.det_engine import DeterministicEngine
+from gyre.backends.models.tokenizer import IM_END, IM_START, byte_token_ids, load_tokenizer
 
 from tests.proxy.conftest import TOOLS_ANTHROPIC, make_server  # noqa: F401  (fixture)
 

@@ -17,7 +17,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-from gyre.backends.arch.base import Family, Moe, Shape, UnsupportedArchitecture, dense_shape, rope_of
+from gyre.backends.models.arch.base import Family, Moe, Shape, UnsupportedArchitecture, dense_shape, rope_of
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 

@@ -1,6 +1,6 @@
 """Model factory: HF causal LMs of the supported families, and Qwen2 size presets (no downloads).
 
-The class comes from the architecture registry (`gyre.backends.arch`): a Qwen3 checkpoint loads
+The class comes from the architecture registry (`gyre.backends.models.arch`): a Qwen3 checkpoint loads
 as `Qwen3ForCausalLM`, never as another family; an unsupported one is refused by name. Presets
 build `Qwen2ForCausalLM` from a `Qwen2Config` (with `architectures` set, as SGLang requires);
 checkpoints are the HF layout (`config.json` + `model.safetensors`) that `transformers` (and
@@ -103,8 +103,8 @@ def preset_of(config) -> ModelPreset:
 
 def rope_theta(config) -> float:
     """RoPE base of a plain-RoPE config (transformers 5 keeps it in `rope_parameters`); a scaled
-    RoPE (Llama 3.1's 'llama3') raises: its frequencies are `gyre.backends.arch` `Rope.inv_freq`."""
-    from gyre.backends.arch.base import rope_parameters
+    RoPE (Llama 3.1's 'llama3') raises: its frequencies are `gyre.backends.models.arch` `Rope.inv_freq`."""
+    from gyre.backends.models.arch.base import rope_parameters
 
     params = rope_parameters(config)
     if params["rope_type"] != "default":
@@ -112,14 +112,22 @@ def rope_theta(config) -> float:
     return float(params["rope_theta"])
 
 
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype a resolved `--model.dtype` or `--megatron.params-dtype` names."""
+    return DTYPES[name]
+
+
 def build_model(config, *, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A freshly initialised model of `config`'s family (`gyre.backends.arch.family_of`: e.g.
+    """A freshly initialised model of `config`'s family (`gyre.backends.models.arch.family_of`: e.g.
     `Qwen2ForCausalLM` for a preset, `Qwen3ForCausalLM` for a Qwen3 config), deterministic in `seed`.
 
     Initialisation uses the global torch RNG inside `fork_rng`, so the caller's RNG state is
     untouched and the same (config, seed) gives bit-identical weights on every rank.
     """
-    from gyre.backends.arch import family_of
+    from gyre.backends.models.arch import family_of
 
     family = family_of(config)
     family.shape(config)  # refuse a variant the built-in decoder lacks (rope type, sliding window) now
@@ -180,9 +188,9 @@ def save_checkpoint(model, path: str) -> None:
 
 def load_model(path: str, *, dtype: torch.dtype | None = None):
     """Load an HF checkpoint directory (written by `save_checkpoint`, or a user's) as its own
-    family's class (`gyre.backends.arch.check_checkpoint`: from config.json's architectures;
+    family's class (`gyre.backends.models.arch.check_checkpoint`: from config.json's architectures;
     an unsupported architecture raises UnsupportedArchitecture naming it)."""
-    from gyre.backends.arch import check_checkpoint
+    from gyre.backends.models.arch import check_checkpoint
 
     family = check_checkpoint(path)
     kwargs = {"attn_implementation": "sdpa"}

@@ -9,7 +9,7 @@ from functools import partial
 
 import torch
 
-from gyre.backends.arch.base import Family, Shape, dense_shape, rope_of
+from gyre.backends.models.arch.base import Family, Shape, dense_shape, rope_of
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, *, factor: float, low_freq_factor: float, high_freq_factor: float,

@@ -51,7 +51,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from gyre.backends.protocols import SamplingParams, TokenEvent
-from gyre.backends.transfer import FlatLayout, PeerUnreachable, TensorSpec, checksum
+from gyre.backends.transfer.snapshots import FlatLayout, PeerUnreachable, TensorSpec, checksum
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +88,6 @@ class RequestState:
 
     def sequence(self) -> list[int]:
         return self.prompt + [e.token_id for e in self.events]
-
-    def kv_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv_k + self.kv_v)
 
 
 def _event_row(ev: TokenEvent) -> list:
@@ -310,7 +307,7 @@ class MooncakeKvTransport:
         """`probe`: collective over the world, every rank reads from rank 0's engine now
         (`transfer.check_reachable`), so a wrong address fails the start instead of turning every
         migration into a recompute."""
-        from gyre.backends.transfer import MooncakeTransport, check_reachable
+        from gyre.backends.transfer.snapshots import MooncakeTransport, check_reachable
 
         self._mc = MooncakeTransport(host=host, protocol=protocol, device=device, verify=True)
         self._mc._ensure_engine()  # now, not inside the first migration's latency
@@ -394,9 +391,6 @@ class Tickets:
         self.transport.drop(key)
         return True
 
-    def held_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tickets.values())
-
 
 # ------------------------------------------------------------------------------------------ cost rule
 _DEFAULT_BANDWIDTH_BPS = 0.3e9  # until measured: the slower of gloo / Mooncake TCP here (backend_bench)
@@ -461,21 +455,9 @@ def build_kv_transport(kind: str, store: Any = None, group: Any = None, *, host:
         try:
             return MooncakeKvTransport(host=host, protocol=protocol, device=device, probe=True)
         except PeerUnreachable as e:  # an address (--transfer.host, GYRE_TRANSFER_HOST): a refused config
-            from gyre.config import ConfigError
+            from gyre.errors import ConfigError
 
             raise ConfigError(f"--proxy.migration-transport mooncake: {e}") from None
     if kind == "local":
         return LocalKvTransport(f"local-{secrets.token_hex(4)}")
     raise ValueError(f"KV transport must be gloo, mooncake or local, got {kind!r}")
-
-
-def calibrate_bandwidth(transport: KvTransport, nbytes: int = 16 << 20) -> float:
-    """Bytes/s of one hold + pull + drop of `nbytes` through `transport` (to itself)."""
-    buf = torch.zeros(nbytes, dtype=torch.uint8)
-    t0 = time.perf_counter()
-    handle = transport.hold("calibrate", buf)
-    try:
-        transport.pull(handle)
-    finally:
-        transport.drop("calibrate")
-    return nbytes / max(time.perf_counter() - t0, 1e-9)

@@ -1,6 +1,6 @@
 """Functional decoder forward over per-request KV caches: the compute kernel of the CPU engine.
 
-One forward serves every family of `gyre.backends.arch` (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama 3.x):
+One forward serves every family of `gyre.backends.models.arch` (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama 3.x):
 the family's Shape says which biases and q/k norms exist, the head dim, the RoPE frequencies
 (Llama 3.1's rewrite included) and which layers use the sparse MLP (`arch.qwen3_moe.sparse_mlp`).
 The transformers class of the family is the reference (the actor trains it; tests compare this
@@ -23,14 +23,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gyre.backends.arch import Shape, expected_shapes as _shapes_of, family_of
-from gyre.backends.arch.qwen3_moe import sparse_mlp
+from gyre.backends.models.arch import Shape, expected_shapes as _shapes_of, family_of
+from gyre.backends.models.arch.qwen3_moe import sparse_mlp
 
 
 @dataclass
 class DecoderWeights:
     """The tensors of a decoder, keyed like transformers' in-memory state dict, plus its Shape
-    (`gyre.backends.arch`: biases, q/k norms, head dim, RoPE, MoE layers come from the family)."""
+    (`gyre.backends.models.arch`: biases, q/k norms, head dim, RoPE, MoE layers come from the family)."""
 
     tensors: dict[str, torch.Tensor]
     shape: Shape
@@ -40,7 +40,7 @@ class DecoderWeights:
     def from_state_dict(cls, state_dict: dict[str, torch.Tensor], config, *, dtype: torch.dtype | None = None, copy: bool = True,
                         device: torch.device | str | None = None) -> "DecoderWeights":
         """Validate names and shapes against `config` (an HF config of a family in
-        `gyre.backends.arch.SUPPORTED`; any other is refused by name); copy unless `copy=False`.
+        `gyre.backends.models.arch.SUPPORTED`; any other is refused by name); copy unless `copy=False`.
         Names may be transformers' in-memory ones or the HF checkpoint's (per-expert MoE).
         `device`: where the weights (and so every cache and activation of `extend`) live; None
         keeps the tensors' own (a move is a copy whatever `copy` says)."""

@@ -1,4 +1,5 @@
-"""The checkpoint directory an embedded SGLang engine starts from, and the engine built from a run's config.
+"""The checkpoint directory an embedded SGLang engine starts from (`factory.build_sglang_engine`
+builds the engine on it from a run's config).
 
 SGLang loads a model from a directory at start (`Engine(model_path=...)`); its `ModelConfig`
 (sglang 0.5.23 configs/model_config.py) needs a config.json that
@@ -25,13 +26,13 @@ from typing import Any
 
 import torch
 
-from gyre.backends.arch import SUPPORTED, UnsupportedArchitecture, family_of
+from gyre.backends.models.arch import SUPPORTED, UnsupportedArchitecture, family_of
 
 logger = logging.getLogger(__name__)
 
 def sglang_architecture(model_config: Any) -> str:
     """The architecture name SGLang is to load `model_config` as: its family's
-    (`gyre.backends.arch`; the EntryClass names of sglang 0.5.23's models/qwen2.py:797,
+    (`gyre.backends.models.arch`; the EntryClass names of sglang 0.5.23's models/qwen2.py:797,
     qwen3.py:808, qwen3_moe.py:1298, llama.py:968, ModelRegistry keys in models/registry.py:118-150).
     A preset's config has no `architectures`: its model_type decides. Anything else is refused by
     name (SGLang would fall back to its Transformers backend, model_loader/utils.py:219-220, which
@@ -159,36 +160,3 @@ def sglang_model_dir(*, checkpoint: str | None, version: int, out_dir: str | os.
                        checkpoint, why, out_dir)
     return str(write_model_dir(out_dir, model_config, params, dtype=dtype, eos_token_ids=eos_token_ids,
                                max_shard_bytes=max_shard_bytes)), True
-
-
-def build_sglang_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *, version: int,
-                        eos_token_ids: list[int], name: str, sampleable_vocab: int | None = None) -> Any:
-    """The embedded SGLang engine of this cell (its first rank), from the run's config: the model
-    directory above (under RUN_DIR/sglang/<name>/ when written), tp = the cell size, the first GPU
-    this rank's, the dtype `--model.dtype` (auto resolved: bfloat16), `--sglang.*` options and
-    pass-through. `factory.build_engine` calls it for `--backend.engine sglang`."""
-    import tempfile
-
-    from gyre.backends.config import SglangConfig, SglangOptions
-    from gyre.backends.sglang_engine import SglangApi, SglangEngine
-    from gyre.config import resolve_model_dtype
-
-    dtype = resolve_model_dtype(cfg)
-    if cfg.run_dir:
-        out = Path(cfg.run_dir) / "sglang" / name
-    else:  # an engine built outside a run (tests, tools)
-        out = Path(tempfile.mkdtemp(prefix=f"gyre-sglang-{name}-"))
-    opts = getattr(cfg, "sglang", None) or SglangOptions()
-    path, written = sglang_model_dir(checkpoint=cfg.model.checkpoint, version=version, out_dir=out,
-                                     model_config=model_config, params=params, dtype=dtype,
-                                     eos_token_ids=list(eos_token_ids), max_shard_bytes=parse_size(opts.max_shard_size))
-    logger.info("sglang %s serves %s (%s, version %d, %s)", name, path, dtype, version,
-                "written by Gyre" if written else "the checkpoint directory itself")
-    sc = SglangConfig(model_path=path, tp_size=cfg.parallel.cell_size, mem_fraction_static=opts.mem_fraction_static,
-                      base_gpu_id=torch.cuda.current_device() if torch.cuda.is_available() else 0, dtype=dtype,
-                      enable_memory_saver=opts.enable_memory_saver, extra=dict(opts.extra))
-    from gyre.backends.factory import SGLANG_API_ENV
-
-    spec = os.environ.get(SGLANG_API_ENV)
-    return SglangEngine(sc, version=version, api=SglangApi.from_spec(spec) if spec else None,
-                        sampleable_vocab=sampleable_vocab, eos_token_ids=eos_token_ids)

@@ -31,7 +31,7 @@ E/EP experts renumbered from 0, as megatron's local modules are.
 
 Size (about 630 lines): one table of names, shapes and shards per family and name layout (local,
 TE fused norms, sequential / grouped experts), kept in one place so a family's whole mapping reads
-together; a fifth family would move the per-family tables into modules beside gyre/backends/arch/.
+together; a fifth family would move the per-family tables into modules beside gyre/backends/models/arch/.
 """
 
 from __future__ import annotations

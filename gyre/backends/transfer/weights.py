@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gyre.backends.transfer import (FlatLayout, MooncakeTransport, Retention, SnapshotDescriptor, TransferStats,
+from gyre.backends.transfer.snapshots import (FlatLayout, MooncakeTransport, Retention, SnapshotDescriptor, TransferStats,
                                     broadcast_counted, checksum)
 
 logger = logging.getLogger(__name__)
@@ -331,8 +331,8 @@ def _probe_or_refuse(mc: MooncakeTransport, owner: int) -> None:
     """`transfer.check_reachable` over the world; an unreachable engine is a refused config (every
     rank has it, rank 0 says it: gyre.run), since its cause is an address (--transfer.host,
     GYRE_TRANSFER_HOST)."""
-    from gyre.backends.transfer import PeerUnreachable, check_reachable
-    from gyre.config import ConfigError
+    from gyre.backends.transfer.snapshots import PeerUnreachable, check_reachable
+    from gyre.errors import ConfigError
 
     try:
         check_reachable(mc, owner)
@@ -348,7 +348,7 @@ class SnapshotBoard(_Pointers):
     Here the flat buffer itself lives in the store, so every byte of every snapshot passes through
     the one TCPStore server: fine for small CPU models, not for real ones (`--transfer.transport`
     torch or mooncake keep the bytes out of the store). Integrity: the CRC32 of the flat buffer.
-    Retention: `gyre.backends.transfer.Retention`. Only the core posts, so the poster's own
+    Retention: `gyre.backends.transfer.snapshots.Retention`. Only the core posts, so the poster's own
     `Retention` is the board's contents. The collective half (`broadcast`) is the flat buffer's
     torch.distributed broadcast over the prefix group.
     """

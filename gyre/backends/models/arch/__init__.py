@@ -8,7 +8,7 @@
 
 An architecture not in `SUPPORTED` raises `UnsupportedArchitecture` (a ValueError) naming it and
 listing the supported ones; it is never loaded as another family. `supported_table()` prints the
-table for the docs. Megatron name mappings live in `gyre.backends.mcore_mapping`, keyed by
+table for the docs. Megatron name mappings live in `gyre.backends.actors.mcore_mapping`, keyed by
 `Family.mcore_mapping` (the model_type).
 
 Families (one module each): qwen2 (Qwen2 / Qwen2.5), qwen3 (dense), qwen3_moe, llama (3.x).
@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 import os
 
-from gyre.backends.arch import llama, qwen2, qwen3, qwen3_moe
-from gyre.backends.arch.base import Family, Moe, Rope, Shape, UnsupportedArchitecture, expected_shapes
+from gyre.backends.models.arch import llama, qwen2, qwen3, qwen3_moe
+from gyre.backends.models.arch.base import Family, Moe, Rope, Shape, UnsupportedArchitecture, expected_shapes
 
 __all__ = ["Family", "Moe", "Rope", "Shape", "SUPPORTED", "UnsupportedArchitecture", "check_checkpoint",
            "expected_shapes", "family_of", "family_of_checkpoint", "shape_of", "supported_table"]

@@ -78,7 +78,7 @@ class DeterministicEngine:
         byte_ids: list[int] | None = None,
     ) -> None:
         if script is not None and byte_ids is None:
-            raise ValueError("DeterministicEngine: `script` needs `byte_ids` (gyre.backends.tokenizer.byte_token_ids)")
+            raise ValueError("DeterministicEngine: `script` needs `byte_ids` (gyre.backends.models.tokenizer.byte_token_ids)")
         self.name = name
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id

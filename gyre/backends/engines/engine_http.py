@@ -42,14 +42,13 @@ import hmac
 import json
 import logging
 import secrets
-import threading
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
 
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
+from gyre.backends.engines.engine_mux import MuxClient, parse_events, add_mux_route, event_row, event_text, parse_event, sampling_to_json
 from gyre.backends.protocols import EngineHealth, RolloutEngine, SamplingParams, TokenEvent
-from gyre.backends.engine_mux import MuxClient, parse_events, add_mux_route, event_row, event_text, parse_event, sampling_to_json
+from gyre.serving import ServerHandle, run_in_thread, start_app
 
 logger = logging.getLogger(__name__)
 
@@ -158,9 +157,9 @@ def _engine_app(engine: RolloutEngine, secret: str) -> web.Application:
         return web.json_response({"ok": True})
 
     async def migration(request: web.Request) -> web.Response:
-        """The KV-migration control messages (`gyre.backends.migration`): small JSON both ways;
+        """The KV-migration control messages (`gyre.backends.transfer.migration`): small JSON both ways;
         the KV itself moves over the engines' KV transport, never here. 409: refused."""
-        from gyre.backends.migration import MigrationRefused
+        from gyre.backends.transfer.migration import MigrationRefused
         from gyre.backends.protocols import can_migrate
 
         op = request.match_info["op"]
@@ -214,87 +213,6 @@ def _engine_app(engine: RolloutEngine, secret: str) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/info", info)
     return app
-
-
-@dataclass
-class ServerHandle:
-    """A running aiohttp server: bound `host`/`port`, `url`, and `stop()` (sync or `astop()`);
-    `secret` for an engine server (what its clients must send)."""
-
-    host: str
-    port: int
-    runner: web.AppRunner
-    loop: asyncio.AbstractEventLoop
-    thread: threading.Thread | None = None
-    secret: str | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    async def astop(self) -> None:
-        await self.runner.cleanup()
-
-    def stop(self) -> None:
-        """Stop the server (and its thread, if it has one). Call from outside its loop."""
-        if self.thread is None:
-            raise RuntimeError("stop(): server runs in the caller's loop; await handle.astop() instead")
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(timeout=30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=30)
-
-    def call(self, coro, timeout: float | None = None):
-        """Run a coroutine on the server's loop from another thread and wait for it."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=timeout)
-
-    def call_fn(self, fn, *args, timeout: float | None = None, **kwargs):
-        """Run a plain function on the server's loop thread (e.g. `proxy.close_execution`, which
-        must not race with calls being served) and return its result."""
-
-        async def run():
-            return fn(*args, **kwargs)
-
-        return self.call(run(), timeout=timeout)
-
-
-async def start_app(app: web.Application, host: str, port: int) -> ServerHandle:
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    # shutdown_timeout: how long stop() lets in-flight responses finish before closing them.
-    site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True, shutdown_timeout=2.0)
-    await site.start()
-    bound = runner.addresses[0][1]
-    return ServerHandle(host=host, port=bound, runner=runner, loop=asyncio.get_running_loop())
-
-
-def run_in_thread(make_app, host: str, port: int, name: str = "gyre-http") -> ServerHandle:
-    """Start `make_app()` (called inside the new loop) on a background thread; returns the handle."""
-    box: dict[str, Any] = {}
-    started = threading.Event()
-
-    def main() -> None:
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        try:
-            handle = loop.run_until_complete(start_app(make_app(), host, port))
-            box["handle"] = handle
-        except BaseException as e:  # surfaced to the caller below
-            box["error"] = e
-            started.set()
-            return
-        started.set()
-        loop.run_forever()
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()
-
-    thread = threading.Thread(target=main, name=name, daemon=True)
-    thread.start()
-    started.wait()
-    if "error" in box:
-        raise box["error"]
-    handle: ServerHandle = box["handle"]
-    handle.thread = thread
-    return handle
 
 
 async def serve_engine_async(engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0, *,
@@ -443,7 +361,7 @@ class HttpEngine:
     supports_migration = True
 
     async def _migration(self, op: str, body: dict | None = None) -> dict:
-        from gyre.backends.migration import MigrationRefused
+        from gyre.backends.transfer.migration import MigrationRefused
 
         call = self._sess().get(self.url + "/" + op) if body is None else self._sess().post(self.url + "/" + op, json=body)
         async with call as r:

@@ -15,7 +15,7 @@ One interface, two transports. Every member of `group` calls `share` at once; th
 
 Both move exact bytes: the receiver checks a CRC32 of the flat buffer against the source's
 (`verify=True`) and raises on a mismatch. These are the collective halves; the run's
-`WeightTransport`s (`gyre.backends.weights`, `gyre.backends.weights.SnapshotBoard`) add the one-sided half
+`WeightTransport`s (`gyre.backends.transfer.weights`, `gyre.backends.transfer.weights.SnapshotBoard`) add the one-sided half
 on top, with the retention rule (`Retention`) and byte counts (`TransferStats`) defined here.
 """
 
@@ -246,7 +246,7 @@ def resolve_host(host: str = AUTO_HOST, env: Mapping[str, str] | None = None) ->
     if not peer:
         raise ValueError(f"--transfer.host auto: a multi-node job without MASTER_ADDR; set {HOST_ENV} on each node "
                          "or --transfer.host to this node's address")
-    from gyre.backends.engine_host import is_loopback, route_address
+    from gyre.serving import is_loopback, route_address
 
     routed = route_address(peer)
     if is_loopback(routed):  # e.g. Debian's /etc/hosts maps the node's own name to 127.0.1.1
@@ -427,7 +427,7 @@ def check_reachable(mc: MooncakeTransport, owner: int, group: Any = None) -> Non
 def unreachable_message(own_host: str, session: str, rc: int) -> str:
     """Why a read from `session` failed, naming this rank's advertised host and the peer's."""
     peer = session.rsplit(":", 1)[0]
-    from gyre.backends.engine_host import is_loopback
+    from gyre.serving import is_loopback
 
     hint = ""
     if is_loopback(peer):  # the cross-node failure seen in practice: one --transfer.host 127.0.0.1 for all

@@ -53,7 +53,7 @@ ids masked (a warning says so once). `sampling_seed` is honoured only with
 `enable_deterministic_inference` (sampling_batch_info.py:157-170). Token-id stop sequences
 (SGLang's `stop` takes strings) are matched here: the request is aborted and cut after the match.
 
-Model directory, dtype, pass-through: `sglang_checkpoint.build_sglang_engine` gives the engine
+Model directory, dtype, pass-through: `factory.build_sglang_engine` gives the engine
 the --model.checkpoint directory itself at version 0, else one it writes (config.json with
 `architectures` and `dtype`, sharded safetensors in checkpoint names); `config.extra` is passed
 straight to ServerArgs, names checked against its fields (`server_args`). `update_weights` sends
@@ -97,7 +97,7 @@ from gyre.backends.protocols import EngineHealth, EngineState, SamplingParams, T
 logger = logging.getLogger(__name__)
 
 
-# ServerArgs fields Gyre derives itself (`server_args`, `build_sglang_engine`): a pass-through may
+# ServerArgs fields Gyre derives itself (`server_args`, `factory.build_sglang_engine`): a pass-through may
 # not set them (gyre.config.check_model_dtype refuses them up front, `server_args` again).
 GYRE_OWNED_SERVER_ARGS = {
     "model_path": "the --model.checkpoint directory, or the one Gyre writes",
@@ -522,7 +522,7 @@ class SglangEngine:
     def _checkpoint_names(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """SGLang's load_weights reads checkpoint names (per-expert MoE tensors), not transformers
         5's fused in-memory ones (sglang_checkpoint.checkpoint_names)."""
-        from gyre.backends.sglang_checkpoint import checkpoint_names
+        from gyre.backends.engines.sglang_checkpoint import checkpoint_names
 
         if self._hf_config is None:
             from transformers import AutoConfig

@@ -19,7 +19,7 @@ Real megatron-core APIs used (checked against megatron-core 0.16.1):
         megatron's clip_grads allocates on 'cuda' and asserts fp32 CUDA grads)
 
 The weight mapping HF ⇄ megatron per family (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama 3.x; TE and
-local layer-spec names) lives in `gyre.backends.mcore_mapping` (`hf_to_mcore`, `mcore_to_hf`,
+local layer-spec names) lives in `gyre.backends.actors.mcore_mapping` (`hf_to_mcore`, `mcore_to_hf`,
 `shard_for_tp`, `unshard_tp` stay importable here). The config translation
 (`transformer_config_kwargs`, `gpt_model_kwargs`) and the fp32 main-grad arithmetic
 (`main_grads_fp32`, `grad_norm_fp32`, `clip_by_total_norm_`, `Fp32Master`) are pure and
@@ -47,13 +47,14 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from gyre.backends import mcore_mapping as _mapping
-from gyre.backends.config import CpuActorConfig, MegatronConfig
-from gyre.backends.mcore_mapping import (LazyCheckpoint, NameLayout, check_layout, family_of, has_transformer_engine,
+from gyre.backends.actors import mcore_mapping as _mapping
+from gyre.backends.config import MegatronConfig, OptimizerConfig
+from gyre.backends.actors.mcore_mapping import (LazyCheckpoint, NameLayout, check_layout, family_of, has_transformer_engine,
                                          head_dim, moe_layers, num_experts, rope_settings, shard_experts, shard_tensor,
                                          unshard_ep, unshard_tp)
-from gyre.backends.mcore_mapping import shard, shard_for_tp  # noqa: F401  (importable from here, as before)
-from gyre.backends.memory import ActorMemory
+from gyre.backends.actors.mcore_mapping import shard, shard_for_tp  # noqa: F401  (importable from here, as before)
+from gyre.backends.actors.memory import ActorMemory
+from gyre.backends.models.hf import dtype_of
 from gyre.loss.config import LossConfig
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def transformer_config_kwargs(hf_config, mc: MegatronConfig, names: NameLayout |
         raise ValueError(f"megatron.tensor_model_parallel_size={tp} must divide attention heads {heads} and KV heads {kv}")
     if hf_config.num_hidden_layers % mc.pipeline_model_parallel_size:
         raise ValueError(f"megatron.pipeline_model_parallel_size={mc.pipeline_model_parallel_size} must divide {hf_config.num_hidden_layers} layers")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[mc.params_dtype]
+    dtype = dtype_of(mc.params_dtype)
     kw = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -144,7 +145,7 @@ def gpt_model_kwargs(hf_config) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- weight mapping
-# The per-family mapping lives in gyre.backends.mcore_mapping; these names stay importable here.
+# The per-family mapping lives in gyre.backends.actors.mcore_mapping; these names stay importable here.
 def hf_to_mcore(sd, hf_config, names: NameLayout | None = None) -> dict[str, torch.Tensor]:
     """Full (unsharded) megatron GPTModel state dict from an HF state dict (see mcore_mapping)."""
     return _mapping.hf_to_mcore(sd, hf_config, names)
@@ -297,7 +298,7 @@ class Fp32Master:
     """fp32 master copies of (possibly bf16) parameters and AdamW over them (the core only).
     For fp32 parameters the masters are the parameters themselves."""
 
-    def __init__(self, params: list[torch.Tensor], optim: CpuActorConfig):
+    def __init__(self, params: list[torch.Tensor], optim: OptimizerConfig):
         self.params = params
         self.separate = any(p.dtype != torch.float32 for p in params)
         self.masters = [p.detach().float().clone() for p in params] if self.separate else params
@@ -330,7 +331,7 @@ class MegatronActor:
     """Actor over a megatron GPTModel; same contract as `CpuActor` (see its docstring)."""
 
     def __init__(self, hf_config, hf_state_dict: Mapping[str, torch.Tensor] | None, *, is_core: bool,
-                 config: MegatronConfig | None = None, optim: CpuActorConfig | None = None,
+                 config: MegatronConfig | None = None, optim: OptimizerConfig | None = None,
                  loss: LossConfig | None = None, version: int = 0, seed: int = 0):
         """`hf_state_dict`: the HF weights (a dict, or `mcore_mapping.LazyCheckpoint(dir)`, read
         one tensor at a time), or None for a satellite whose weights come with its first import
@@ -345,7 +346,7 @@ class MegatronActor:
                      te=self.names.spec == "te", vocab_size=hf_config.vocab_size, training=False)
         # (training=False: MoE + TP builds, imports and exports; its training step is refused in
         # _run, and gyre.config refuses the layout for a run up front)
-        self.optim = optim or CpuActorConfig()  # AdamW, clip and lr schedule, as the CPU actor's
+        self.optim = optim or OptimizerConfig()  # AdamW, clip and lr schedule, as the CPU actor's
         self.loss = loss or LossConfig()
         self.hf_config, self.is_core, self.version = hf_config, is_core, version
         initialize_parallel_state(self.mc, seed=seed)  # no-op when gyre.run did it (every rank, at start-up)
@@ -381,7 +382,7 @@ class MegatronActor:
 
     @classmethod
     def from_checkpoint(cls, path: str, *, is_core: bool, config: MegatronConfig | None = None,
-                        optim: CpuActorConfig | None = None, loss: LossConfig | None = None, version: int = 0,
+                        optim: OptimizerConfig | None = None, loss: LossConfig | None = None, version: int = 0,
                         seed: int = 0) -> "MegatronActor":
         """An actor holding an HF checkpoint directory's weights, read lazily: its config.json
         shapes the model and each rank reads only the tensors it maps (`LazyCheckpoint`), never a
@@ -531,7 +532,7 @@ class MegatronActor:
     def offload(self) -> int:
         """Entering rollout: bf16/fp32 parameters, grads and fp32 main grads, the fp32 masters and
         their AdamW state to pinned host memory, then `torch.cuda.empty_cache()`
-        (`gyre.backends.memory`); bytes moved."""
+        (`gyre.backends.actors.memory`); bytes moved."""
         return self.memory.offload()
 
     def restore(self) -> int:
@@ -662,7 +663,7 @@ class MegatronActor:
         (`--train.resume-weights-only`); the version comes from the checkpoint's marker or name."""
         from pathlib import Path
 
-        from gyre.runtime import checkpoint
+        from gyre import checkpoint
 
         if self.optimizer is not None and not weights_only:
             raise FileNotFoundError(f"{path}: the Megatron actor's checkpoints hold no optimizer state; pass "

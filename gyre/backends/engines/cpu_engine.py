@@ -46,10 +46,10 @@ from typing import AsyncIterator
 import torch
 
 from gyre.backends.config import CpuEngineConfig
-from gyre.backends.decoder import DecoderWeights, KVCache, extend
-from gyre.backends.migration import KvTransport, MigrationRefused, RequestState, Tickets, pack_state, unpack_state
+from gyre.backends.engines.decoder import DecoderWeights, KVCache, extend
+from gyre.backends.transfer.migration import KvTransport, MigrationRefused, RequestState, Tickets, pack_state, unpack_state
 from gyre.backends.protocols import EngineHealth, EngineState, SamplingParams, TokenEvent
-from gyre.backends.sampling import sample_token, sampling_logprobs, top_logprobs
+from gyre.backends.engines.sampling import sample_token, sampling_logprobs, top_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class _Request:
 
 class CpuEngine:
     """The built-in RolloutEngine. `model_config` is the HF config of a supported family
-    (`gyre.backends.arch`), `state_dict` its HF weights.
+    (`gyre.backends.models.arch`), `state_dict` its HF weights.
     `device`: where weights, KV caches and the forward live (`--backend.device`, resolved by
     `gyre.backends.devices.engine_device`: cpu, or the rank's GPU); sampling reads the step's
     logits on CPU, so seeded requests sample alike on either.
@@ -110,7 +110,7 @@ class CpuEngine:
         self.tokens_generated = 0
         self.paced_s = 0.0  # seconds slept to hold decode steps at min_decode_step_s
         self.slow_steps = 0  # steps whose compute alone exceeded min_decode_step_s
-        # KV migration (`gyre.backends.migration`): off until a transport is attached
+        # KV migration (`gyre.backends.transfer.migration`): off until a transport is attached
         self._tickets: Tickets | None = None
         self._parked: dict[str, tuple[RequestState, KVCache, torch.Generator, float]] = {}
 
@@ -128,7 +128,7 @@ class CpuEngine:
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
-        from gyre.backends.arch import check_checkpoint
+        from gyre.backends.models.arch import check_checkpoint
 
         check_checkpoint(path)  # an unsupported architecture is refused by name, before reading weights
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -409,7 +409,7 @@ class CpuEngine:
         if reason is not None:
             self._finish(req, reason)
 
-    # ---------------------------------------------------------------- KV migration (gyre.backends.migration)
+    # ---------------------------------------------------------------- KV migration (gyre.backends.transfer.migration)
     def attach_kv_transport(self, transport: KvTransport, *, measure_prefill: bool = False) -> None:
         """Enable migration: held exports are served over `transport`, imports pulled with it.
         `measure_prefill`: time a 512-token prefill now (the cost rule's recompute rate)."""
@@ -499,9 +499,6 @@ class CpuEngine:
             return None
         return _Request(request_id, state.sequence(), sampling, gen, asyncio.Queue(), cache=cache, fed=cache.length)
 
-    def drop_import(self, request_id: str) -> bool:
-        return self._parked.pop(request_id, None) is not None
-
     async def migrate_out(self, request_id: str) -> tuple[list[TokenEvent], dict | None]:
         """Two-phase, source side: stop the request, hold its packed state on the KV transport.
         Returns (every event generated, handle for the target; None when packing failed, then the
@@ -536,11 +533,8 @@ class CpuEngine:
     def held_migrations(self) -> int:
         return len(self._tickets.tickets) if self._tickets is not None else 0
 
-    async def measure_prefill_tok_s(self, tokens: int = 512) -> float:
-        """Prefill throughput (tokens/s) of one `tokens`-long prompt on the current weights."""
-        return await asyncio.to_thread(self._prefill_rate, tokens)
-
     def _prefill_rate(self, tokens: int) -> float:
+        """Prefill throughput (tokens/s) of one `tokens`-long prompt on the current weights."""
         w = self._weights
         ids = torch.randint(0, self.model_config.vocab_size, (tokens,))
         cache = KVCache.empty(w, tokens)

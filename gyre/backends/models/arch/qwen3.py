@@ -4,7 +4,7 @@ alike), an explicit `head_dim` (transformers `models/qwen3/modeling_qwen3.py`, `
 
 from __future__ import annotations
 
-from gyre.backends.arch.base import Family, Shape, dense_shape, rope_of
+from gyre.backends.models.arch.base import Family, Shape, dense_shape, rope_of
 
 
 def shape(config) -> Shape:

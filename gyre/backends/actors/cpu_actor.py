@@ -3,7 +3,7 @@
 Every training cell runs forward/backward on the micro-steps it claims and accumulates
 gradients; `reduce_gradients(group)` sums them over the prefix group of the cells in the step;
 only the core (`is_core=True`) owns an optimizer and applies the one clipped AdamW update, then
-sends its parameters to the satellites (`gyre.backends.transfer`).
+sends its parameters to the satellites (`gyre.backends.transfer.snapshots`).
 
     actor = CpuActor(build_model(model_config("tiny", 1024)), is_core=rank == 0, loss=LossConfig())
     for ms in my_micro_steps:
@@ -12,7 +12,7 @@ sends its parameters to the satellites (`gyre.backends.transfer`).
     if actor.is_core:
         actor.optimizer_step(max_grad_norm=1.0, grad_scale=1.0)   # grad_scale: |E| rescale, below
 
-With `CpuActorConfig.min_s_per_ktok` > 0 (emulated accelerator, benchmarks only) a micro-step's
+With `OptimizerConfig.min_s_per_ktok` > 0 (emulated accelerator, benchmarks only) a micro-step's
 forward_backward lasts at least tokens/1000 × that: the actor sleeps the rest after computing.
 """
 
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gyre.backends.config import CpuActorConfig
-from gyre.backends.memory import ActorMemory
-from gyre.backends.models import packed_logits, save_checkpoint
+from gyre.backends.config import OptimizerConfig
+from gyre.backends.actors.memory import ActorMemory
+from gyre.backends.models.hf import packed_logits, save_checkpoint
 from gyre.loss.config import LossConfig
 from gyre.trajectory.microstep import MicroStep
 
@@ -39,19 +39,19 @@ logger = logging.getLogger(__name__)
 
 class CpuActor:
     """Actor over a `transformers` causal LM of a supported family (`models.build_model` /
-    `models.load_model` pick the class from `gyre.backends.arch`)."""
+    `models.load_model` pick the class from `gyre.backends.models.arch`)."""
 
-    def __init__(self, model, *, is_core: bool, config: CpuActorConfig | None = None, loss: LossConfig | None = None,
+    def __init__(self, model, *, is_core: bool, config: OptimizerConfig | None = None, loss: LossConfig | None = None,
                  version: int = 0):
-        from gyre.backends.arch import family_of
+        from gyre.backends.models.arch import family_of
 
         family = family_of(model.config)
         if type(model).__name__ != family.hf_class:  # e.g. a Qwen3 config under a Qwen2 class: wrong forward
             raise ValueError(f"CpuActor: model is {type(model).__name__} but its config's architecture is "
-                             f"{family.hf_class}; build it with gyre.backends.models.build_model/load_model")
+                             f"{family.hf_class}; build it with gyre.backends.models.hf.build_model/load_model")
         self.family = family
         self.model = model
-        self.config = config or CpuActorConfig()
+        self.config = config or OptimizerConfig()
         self.loss = loss or LossConfig()
         self.is_core = is_core
         self.version = version  # optimizer steps applied (docs/design.md §2: versions count steps)
@@ -175,7 +175,7 @@ class CpuActor:
 
     # ------------------------------------------------------------------ memory hand-over
     def offload(self) -> int:
-        """Parameters, grads and AdamW state to host memory (`gyre.backends.memory`); bytes moved."""
+        """Parameters, grads and AdamW state to host memory (`gyre.backends.actors.memory`); bytes moved."""
         return self.memory.offload()
 
     def restore(self) -> int:
@@ -222,7 +222,7 @@ class CpuActor:
         fresh optimizer, and a missing version is read from the checkpoint's marker or name."""
         from safetensors.torch import load_file
 
-        from gyre.runtime import checkpoint
+        from gyre import checkpoint
 
         opt, meta = os.path.join(path, "optimizer.pt"), os.path.join(path, "gyre_actor.json")
         for name, p, needed in (("optimizer state", opt, self.optimizer is not None), ("version", meta, True)):

@@ -3,7 +3,7 @@ biases, plain RoPE (transformers `models/qwen2/modeling_qwen2.py`, `Qwen2Attenti
 
 from __future__ import annotations
 
-from gyre.backends.arch.base import Family, Shape, dense_shape, rope_of
+from gyre.backends.models.arch.base import Family, Shape, dense_shape, rope_of
 
 
 def shape(config) -> Shape:

@@ -1,11 +1,11 @@
-"""`python -m gyre.backends.arch [DIR ...]`: the supported-architecture table, or each checkpoint
+"""`python -m gyre.backends.models.arch [DIR ...]`: the supported-architecture table, or each checkpoint
 directory's family (refusals print their reason and exit 1)."""
 
 from __future__ import annotations
 
 import sys
 
-from gyre.backends.arch import UnsupportedArchitecture, check_checkpoint, supported_table
+from gyre.backends.models.arch import UnsupportedArchitecture, check_checkpoint, supported_table
 
 
 def main(argv: list[str]) -> int:

@@ -78,7 +78,7 @@ class Shape:
 
 @dataclass(frozen=True)
 class Family:
-    """One supported checkpoint architecture (see `gyre.backends.arch.SUPPORTED`)."""
+    """One supported checkpoint architecture (see `gyre.backends.models.arch.SUPPORTED`)."""
 
     name: str
     architectures: tuple[str, ...]  # config.json "architectures"[0] values
@@ -90,7 +90,7 @@ class Family:
     # identity for dense families.
     to_model_names: Callable[[dict, Shape], dict] = field(default=lambda sd, shape: dict(sd))  # same names
     to_checkpoint_names: Callable[[dict, Shape], dict] = field(default=lambda sd, shape: dict(sd))  # same names
-    mcore_mapping: str = ""  # key of gyre.backends.mcore_mapping (its model_type dispatch)
+    mcore_mapping: str = ""  # key of gyre.backends.actors.mcore_mapping (its model_type dispatch)
     notes: str = ""
 
     def model_class(self):

@@ -1,6 +1,6 @@
 """A rollout engine served over HTTP from its own thread, driven synchronously by its cell.
 
-The proxy on rank 0 reaches every cell's engine through `gyre.backends.engine_http.HttpEngine`;
+The proxy on rank 0 reaches every cell's engine through `gyre.backends.engines.engine_http.HttpEngine`;
 the cell's worker thread calls `release()`, `resume()` and `update()` here when the cell
 switches roles or a new policy is published. The URL is announced in the store under
 `engine/<rank>` so the controller can find it; the engine's secret is not (`share_secret`, and
@@ -15,16 +15,15 @@ host (rank 0), never 0.0.0.0.
 from __future__ import annotations
 
 import base64
-import ipaddress
 import logging
 import secrets
-import socket
 from typing import Any
 
 import torch
 
+from gyre.backends.engines.engine_http import serve_engine
 from gyre.backends.protocols import RolloutEngine
-from gyre.backends.engine_http import serve_engine
+from gyre.serving import is_loopback, route_address
 
 _WILDCARDS = ("", "0.0.0.0", "::")
 
@@ -42,23 +41,6 @@ def share_secret(group: Any, src: int) -> str:
         buf = torch.frombuffer(bytearray(secrets.token_bytes(32)), dtype=torch.uint8)
     dist.broadcast(buf, src=src, group=group)
     return base64.urlsafe_b64encode(bytes(buf.tolist())).decode().rstrip("=")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def route_address(peer: str) -> str:
-    """This host's address on the interface that routes to `peer` (a UDP connect sends nothing)."""
-    family, _, _, _, addr = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect(addr)
-        return s.getsockname()[0]
 
 
 def bind_address(host: str, *, single_node: bool, peer: str | None) -> tuple[str, str]:
@@ -99,9 +81,6 @@ class EngineHost:
 
     def update(self, params: dict[str, torch.Tensor], version: int) -> None:
         self.handle.call(self.engine.update_weights(params, version), timeout=self.timeout)
-
-    def health(self) -> Any:
-        return self.handle.call(self.engine.health(), timeout=self.timeout)
 
     def stop(self) -> None:
         stop = getattr(self.engine, "stop", None)  # optional in RolloutEngine (see there)

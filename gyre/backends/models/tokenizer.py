@@ -26,12 +26,15 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from gyre.backends.models.bytetable import VocabError, byte_table, load_fast_tokenizer
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
 
-ASSET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tokenizer")
+_GYRE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ASSET_DIR = os.path.join(_GYRE_DIR, "assets", "tokenizer")   # gyre/assets/tokenizer
 CORPUS_FILE = "corpus.txt"
 
 VOCAB_SIZE = 1024
@@ -206,22 +209,20 @@ def _cached(path: str) -> "PreTrainedTokenizerFast":
 
 def load_tokenizer(path: str | None = None) -> "PreTrainedTokenizerFast":
     """The committed project tokenizer (None), or any `tokenizers`-backed tokenizer directory (a
-    checkpoint's: `gyre.backends.vocab.load_tokenizer_dir`). Cached per path; treat it as read-only.
-    Only the project's is held to VOCAB_SIZE ids."""
+    checkpoint's: `gyre.backends.models.bytetable.load_fast_tokenizer`). Cached per path; treat it
+    as read-only. Only the project's is held to VOCAB_SIZE ids."""
     if path is None or os.path.abspath(path) == os.path.abspath(ASSET_DIR):
         return _cached(os.path.abspath(ASSET_DIR))
-    from gyre.backends.vocab import load_tokenizer_dir
-
-    return load_tokenizer_dir(path)
+    if not os.path.isdir(path):
+        raise VocabError(f"tokenizer path {path}: no such directory")
+    return load_fast_tokenizer(os.path.abspath(path))
 
 
 def token_bytes(tokenizer: "PreTrainedTokenizerFast") -> list[bytes]:
     """bytes of each token id: `b"".join(table[i] for i in ids)` is the exact UTF-8 of the text.
 
     Special tokens map to their literal text (e.g. b"<|im_end|>"). Any fast tokenizer: the table
-    is `gyre.backends.vocab.byte_table` (a list; ids without bytes read b"")."""
-    from gyre.backends.vocab import byte_table
-
+    is `gyre.backends.models.bytetable.byte_table` (a list; ids without bytes read b"")."""
     return byte_table(tokenizer)
 
 

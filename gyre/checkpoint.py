@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from gyre.errors import failure
+
 logger = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
@@ -73,8 +75,6 @@ def write(root: str | Path, version: int, save: Callable[[str], None], *, finali
     complete checkpoints stay.
     """
     global last_write_s
-    from gyre.runtime.writes import failure
-
     t0 = time.monotonic()
     WRITING.update(version=version, since=t0)
     try:
