@@ -194,17 +194,23 @@ async def _proxy_load(url: str, pid: int, n: int, a) -> dict:
         tasks = [asyncio.ensure_future(run(h)) for h in harnesses]
         await asyncio.sleep(a.think_s * 1.5)  # every execution open and past its first call
         measuring[0] = True
-        cpu0, t0, calls0 = _cpu_s(pid), time.monotonic(), sum(h.ok for h in harnesses)
+        cpu0, t0, calls0, ccpu0 = _cpu_s(pid), time.monotonic(), sum(h.ok for h in harnesses), time.process_time()
+        health = []
         while time.monotonic() - t0 < a.window_s:
             await asyncio.sleep(0.5)
             samples.append(proc_stats(pid))
+            h0 = time.perf_counter()
+            async with session.get(url + "/health") as r:
+                await r.read()
+            health.append(time.perf_counter() - h0)
         cpu, calls = _cpu_s(pid) - cpu0, sum(h.ok for h in harnesses) - calls0
+        client_cpu = time.process_time() - ccpu0
         measuring[0] = False
         peak = samples[-1]  # every execution open, with the history it has built up
         stop.set()
         await asyncio.gather(*tasks)
     return {"base": base, "peak": {k: max(s[k] for s in samples) for k in base}, "end": peak, "lat": lat, "added": added,
-            "cpu_s": cpu, "window_calls": calls, "open": open_now[0],
+            "cpu_s": cpu, "window_calls": calls, "client_cpu_s": client_cpu, "health": health, "open": open_now[0],
             "ok": {h.eid: h.ok for h in harnesses} | {"warm": warm.ok}, "errors": sum(h.errors for h in harnesses)}
 
 
@@ -229,6 +235,8 @@ def proxy_series(a) -> list[dict]:
                    "added_ms_p50": round(_pct(res["added"], 50) * 1e3, 2), "added_ms_p99": round(_pct(res["added"], 99) * 1e3, 2),
                    "latency_ms_p50": round(_pct(res["lat"], 50) * 1e3, 2), "latency_ms_p99": round(_pct(res["lat"], 99) * 1e3, 2),
                    "proxy_cpu_ms_per_call": round(res["cpu_s"] / max(res["window_calls"], 1) * 1e3, 3),
+                   "proxy_cpu_fraction": round(res["cpu_s"] / a.window_s, 2), "client_cpu_fraction": round(res["client_cpu_s"] / a.window_s, 2),
+                   "health_ms_p50": round(_pct(res["health"], 50) * 1e3, 2), "health_ms_max": round(max(res["health"]) * 1e3, 2),
                    "rss_base_mib": round(b["rss"] / 2**20, 1), "rss_open_mib": round(e["rss"] / 2**20, 1),
                    "rss_kib_per_open_execution": round((e["rss"] - b["rss"]) / n / 1024, 1),
                    "fds_base": b["fds"], "fds_open": e["fds"], "fds_peak": res["peak"]["fds"],
