@@ -1,5 +1,6 @@
 """Cost as the work grows (issue 33): every series side by side in one run, each with a fitted
 growth exponent (least squares on log-log: cost ∝ size^b; b = 1 is linear, b = 0 flat).
+(Over 600 lines: the five series live side by side because the issue asks for them in one run.)
 
   * proxy      proxy + router + TITO store (a spawned process, deterministic engines inside it
                at `--token-delay` s/token, 8 and 64 engines) with N = 64 … 4,096 executions open
