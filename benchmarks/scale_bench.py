@@ -56,7 +56,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.proxy_bench import SYSTEM, TOOLS, _calibrate_ns, _cpu_s, _pct  # noqa: E402
+from benchmarks.proxy_bench import SYSTEM, TOOLS, _calibrate_ns, _cpu_s  # noqa: E402
+from benchmarks.proxy_bench import _pct as _pct_of  # noqa: E402
+
+
+def _pct(xs, p):
+    """Percentile p of xs (nan when there are none: a machine too loaded to finish a call)."""
+    return _pct_of(xs, p) if xs else float("nan")
 
 ADMIN = "scale-bench-admin"
 
@@ -183,8 +189,9 @@ async def _proxy_load(url: str, pid: int, n: int, a) -> dict:
             await asyncio.sleep(rng.uniform(0, a.think_s))  # staggered start
             open_now[0] += 1
             while not stop.is_set():
+                counted = measuring[0]  # calls started in the window count, whenever they end
                 got = await h.call(session, url)
-                if got is not None and measuring[0]:
+                if got is not None and counted:
                     lat.append(got[0])
                     added.append(got[0] - got[1] * a.token_delay)
                 try:
@@ -557,6 +564,8 @@ def main() -> None:
         res[name] = globals()[f"{name}_series" if name != "soak" else "soak"](a)
         calib.append(_calibrate_ns())
         print(f"[{name}: {time.monotonic() - t0:.0f} s]", flush=True)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # what is done so far survives a later failure
+        Path(a.out).write_text(json.dumps({"benchmark": "scale_bench", "partial": True, "config": vars(a), "series": res}, indent=2) + "\n")
     figures = summarize(res, a)
     figures["calibration_loop_ns_max"] = round(max(calib), 1)
     figures["wall_s"] = round(time.monotonic() - t_all, 1)
