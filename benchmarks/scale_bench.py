@@ -553,6 +553,8 @@ def main() -> None:
             a.out = a.out[: -len(".json")] + "_quick.json"
     from benchmarks.provenance import provenance, write_results
 
+    config = vars(a) | {"out": os.path.relpath(a.out, ROOT)}  # no machine paths in the results
+
     series = a.only or ["proxy", "scheduler", "store", "trajectory", "soak"]
     calib = [_calibrate_ns()]
     print(f"machine load check: {calib[0]:.0f} ns per empty loop iteration (idle core: ~15-30), "
@@ -565,11 +567,11 @@ def main() -> None:
         calib.append(_calibrate_ns())
         print(f"[{name}: {time.monotonic() - t0:.0f} s]", flush=True)
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # what is done so far survives a later failure
-        Path(a.out).write_text(json.dumps({"benchmark": "scale_bench", "partial": True, "config": vars(a), "series": res}, indent=2) + "\n")
+        Path(a.out).write_text(json.dumps({"benchmark": "scale_bench", "partial": True, "config": config, "series": res}, indent=2) + "\n")
     figures = summarize(res, a)
     figures["calibration_loop_ns_max"] = round(max(calib), 1)
     figures["wall_s"] = round(time.monotonic() - t_all, 1)
-    record = {"benchmark": "scale_bench", **provenance("aiohttp", "numpy"), "config": vars(a), "series": res, "figures": figures,
+    record = {"benchmark": "scale_bench", **provenance("aiohttp", "numpy"), "config": config, "series": res, "figures": figures,
               "left_out": ["a real model: engines are deterministic, instant apart from their token delay",
                            "other nodes: load generator, proxy, engines, store clients share this machine's cores "
                            "(timings on a loaded machine are the machine's: calibration_loop_ns_max)"]}
