@@ -544,13 +544,12 @@ def main() -> None:
     ap.add_argument("--soak-calls-per-exec", type=int, default=5)
     ap.add_argument("--soak-concurrency", type=int, default=32)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale_bench.json"))
+    if ap.parse_known_args()[0].quick:  # smaller defaults; sizes given on the command line still win
+        ap.set_defaults(open_executions=[64, 256, 1024], engines=[8], window_s=6.0, think_s=4.0, cells=[8, 32, 128],
+                        sched_steps=4, ranks=[16, 64], store_steps=5, store_procs=2, trajectory_copies=[1, 10],
+                        trajectory_repeats=1, soak_calls=5_000,
+                        out=str(ROOT / "benchmarks" / "results" / "scale_bench_quick.json"))
     a = ap.parse_args()
-    if a.quick:
-        a.open_executions, a.engines, a.window_s, a.think_s = [64, 256, 1024], [8], 6.0, 4.0
-        a.cells, a.sched_steps, a.ranks, a.store_steps, a.store_procs = [8, 32, 128], 4, [16, 64], 5, 2
-        a.trajectory_copies, a.trajectory_repeats, a.soak_calls = [1, 10], 1, 5_000
-        if a.out.endswith("scale_bench.json"):
-            a.out = a.out[: -len(".json")] + "_quick.json"
     from benchmarks.provenance import provenance, write_results
 
     config = vars(a) | {"out": os.path.relpath(a.out, ROOT)}  # no machine paths in the results
