@@ -26,8 +26,9 @@ growth exponent (least squares on log-log: cost ∝ size^b; b = 1 is linear, b =
                proxy + TITO store, `--soak-calls` calls in all, RSS/fds/threads sampled each
                second: growth after warm-up (the first 20 % of calls).
 
-    python benchmarks/scale_bench.py            # the full run (~10 min on an idle 2-core machine)
-    python benchmarks/scale_bench.py --quick    # short form (~2-3 min)
+    python benchmarks/scale_bench.py            # the full run (~10-12 min on an idle 2-core machine: an estimate,
+                                                # it was run in parts on a loaded one)
+    python benchmarks/scale_bench.py --quick    # short form (~5 min on a loaded 2-core machine)
 
 The last line printed is one JSON object with the figures. Left out: a real model (engines are
 instant apart from their token delay), other nodes (clients, proxy, engines share this machine's
