@@ -41,7 +41,7 @@ Engine slot lifecycle (`SlotState`):
     DRAINED  --remove_engine()--> (gone)      ACTIVE/DRAINING are drained first
 Any other transition raises.
 
-Size (about 610 lines): least-loaded routing, drain/reroute, stall detection and migration hand-off
+Size (about 660 lines): least-loaded routing, drain/reroute, stall detection (`_Progress`) and migration hand-off
 share the router's one lock and per-engine state; splitting them would spread that state.
 """
 
