@@ -94,7 +94,7 @@ def proc_stats(pid: int) -> dict:
 
 # ---- proxy: a spawned process with its engines inside ---------------------------------------------
 def _proxy_child(q, n_engines: int, token_delay: float, store_dir: str) -> None:
-    from gyre.backends.det_engine import DeterministicEngine
+    from gyre.backends.engines.det_engine import DeterministicEngine
     from gyre.proxy import Proxy, ProxyConfig, StoreSink, serve_proxy
     from gyre.trajectory.store import TitoStore
 

@@ -9,7 +9,7 @@ import tracemalloc
 
 import pytest
 
-from gyre.backends.tokenizer import load_tokenizer
+from gyre.backends.models.tokenizer import load_tokenizer
 from gyre.proxy.render import ChatRenderer
 
 WORDS = ["def", "return", "self", "import", "numpy", "the", "file", "src/main.py", "error:", "Traceback", "x = y + 1", "\n", "    "]

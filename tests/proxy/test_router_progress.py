@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from gyre.backends.det_engine import DeterministicEngine
+from gyre.backends.engines.det_engine import DeterministicEngine
 from gyre.backends.protocols import SamplingParams
 from gyre.proxy.router import NoEngineError, Router
 
