@@ -41,7 +41,7 @@ Engine slot lifecycle (`SlotState`):
     DRAINED  --remove_engine()--> (gone)      ACTIVE/DRAINING are drained first
 Any other transition raises.
 
-Size (about 610 lines): least-loaded routing, drain/reroute, stall detection and migration hand-off
+Size (about 660 lines): least-loaded routing, drain/reroute, stall detection (`_Progress`) and migration hand-off
 share the router's one lock and per-engine state; splitting them would spread that state.
 """
 
@@ -85,6 +85,39 @@ class EngineStalled(RuntimeError):
 
 
 @dataclass(eq=False)
+class _Progress:
+    """The progress limit of one engine stream: one timer per limit period, not one per token.
+
+    (`asyncio.wait_for` around each token made a task and a timer per token, ~20 µs: five times
+    the rest of routing a token, and the proxy's event loop routes every token of the run;
+    benchmarks/scale_bench.py.) While the consumer waits for a token, `waiting` is set and the
+    wait's start kept; the timer, when it fires, cancels the consumer task if that wait is older
+    than the limit and otherwise re-arms for the current wait's deadline. The cancel lands in the
+    awaited `anext`, the only place the task can be suspended while `waiting` is set."""
+
+    __slots__ = ("loop", "limit", "task", "since", "waiting", "fired", "handle")
+
+    def __init__(self, limit: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.limit = limit
+        self.task: asyncio.Task | None = None
+        self.since = self.loop.time()
+        self.waiting = self.fired = False
+        self.handle = self.loop.call_at(self.since + limit, self._check)
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        if self.waiting and now - self.since >= self.limit and self.task is not None:
+            self.fired = True
+            self.task.cancel()
+        else:
+            self.handle = self.loop.call_at((self.since if self.waiting else now) + self.limit, self._check)
+
+    def close(self) -> None:
+        self.handle.cancel()
+
+
+@dataclass
 class _Running:
     """One engine request of a routed call (a call has one per engine it ran on)."""
 
@@ -451,13 +484,14 @@ class Router:
             running.tokens = len(prompt)
             if call.handoff is not None:
                 await self._continue(call, slot, running.request_id, call_key, len(prompt))
+            progress = _Progress(self.progress_timeout_s) if self.progress_timeout_s else None
             try:
                 stream = slot.engine.generate(running.request_id, prompt, sp)
                 try:
                     finished = False
                     while True:
                         try:
-                            ev = await self._next_token(stream, slot, call_key, len(events))
+                            ev = await self._next_token(stream, slot, call_key, len(events), progress)
                         except StopAsyncIteration:
                             done = True
                             break
@@ -488,6 +522,8 @@ class Router:
                 logger.warning("router: engine %s failed on %s after %d tokens: %r", slot.name, call_key, len(events), e)
             finally:
                 slot.inflight.pop(running.request_id, None)
+                if progress is not None:
+                    progress.close()
             if call.record is not None:  # this engine ended before its first token: the reroute led nowhere
                 self._log_reroute(call, None)
             if running.drained and running.abort_result is not None:
@@ -521,14 +557,19 @@ class Router:
 
     # ---- gray failures ----------------------------------------------------------------------
     async def _next_token(self, stream: AsyncIterator[TokenEvent], slot: EngineSlot, call_key: str,
-                          have: int) -> TokenEvent:
-        """The stream's next event within the progress limit; EngineStalled (and the engine marked
-        stalled, a health check started) when none comes."""
-        if not self.progress_timeout_s:
+                          have: int, progress: _Progress | None = None) -> TokenEvent:
+        """The stream's next event within the progress limit (`progress`); EngineStalled (and the
+        engine marked stalled, a health check started) when none comes."""
+        if progress is None:
             return await anext(stream)
+        progress.task = asyncio.current_task()
+        progress.since = progress.loop.time()
+        progress.waiting = True
         try:
-            return await asyncio.wait_for(anext(stream), self.progress_timeout_s)
-        except asyncio.TimeoutError:
+            return await anext(stream)
+        except asyncio.CancelledError:
+            if not progress.fired or progress.task.uncancel() > 0:
+                raise  # cancelled from outside (client gone, execution closed): not a stall
             self.stalls += 1
             if not slot.stalled:
                 slot.stalled = True
@@ -537,6 +578,8 @@ class Router:
                                slot.name, self.progress_timeout_s, call_key, have)
                 self._spawn(asyncio.get_running_loop(), self._watch_stalled(slot))
             raise EngineStalled(f"engine {slot.name} sent no token for {self.progress_timeout_s:.1f}s") from None
+        finally:
+            progress.waiting = False
 
     async def _watch_stalled(self, slot: EngineSlot) -> None:
         """Health-check a stalled engine until it answers, then route to it again."""

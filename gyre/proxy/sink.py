@@ -31,12 +31,35 @@ class MemorySink:
         return [r for r in self.records if r.execution_id == execution_id]
 
 
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise this process's soft limit on open descriptors to its hard limit; returns (soft, hard).
+    A proxy holds one descriptor per open execution (its store file) plus one per open connection:
+    ~2 per open execution (benchmarks/scale_bench.py), past a common default soft limit of 1,024
+    at ~500 executions, where every new execution's first record would fail (EMFILE)."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return (-1, -1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as e:
+            logger.warning("store sink: could not raise the open-file limit from %d to %d (%s): a proxy holds ~2 "
+                           "descriptors per open execution", soft, want, e)
+    return soft, hard
+
+
 class StoreSink:
     """Appends to a `TitoStore` directory; one writer per execution, sealed by `close_execution`
     (the file becomes read-only; a record for a sealed execution raises `SealedError` and opens
-    nothing, so no descriptor is left behind)."""
+    nothing, so no descriptor is left behind). Raises the process's soft open-file limit to its
+    hard limit (`raise_fd_limit`): each open execution holds its file open."""
 
     def __init__(self, store) -> None:
+        raise_fd_limit()
         self.store = store
         self._writers: dict = {}
         self._sealed: set[str] = set()

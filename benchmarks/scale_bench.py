@@ -1,0 +1,628 @@
+"""Cost as the work grows (issue 33): every series side by side in one run, each with a fitted
+growth exponent (least squares on log-log: cost ∝ size^b; b = 1 is linear, b = 0 flat).
+(Over 600 lines: the five series live side by side because the issue asks for them in one run.)
+
+  * proxy      proxy + router + TITO store (a spawned process, deterministic engines inside it
+               at `--token-delay` s/token, 8 and 64 engines) with N = 64 … 4,096 executions open
+               at once: each an async client in this process, its own key, multi-turn (the whole
+               history re-sent each turn, assistant turns as the proxy returned them), lognormal
+               think times (`--think-s` mean). Added latency = call latency − tokens × token delay
+               (so any lag of the in-process engines counts against the proxy); proxy CPU s per
+               call; RSS, descriptors and threads of the proxy process, per open execution over
+               its idle baseline; TITO store bytes per recorded token; records lost (client 200s
+               minus records in the store: must be 0).
+  * scheduler  the decision core (gyre.scheduler.ElasticScheduler) driven by the simulator
+               (gyre.sim: the paper's 122B duration law, C_e = 144, B = 4 groups per cell) at
+               K = 8 … 256 cells; only the core's own calls are timed: time per event, per
+               optimizer step, and control-plane messages per step (see `_messages`).
+  * store      the control plane's TCPStore traffic at R = 64, 256 ranks (threads in a few client
+               processes, each its own store connection, as in benchmarks/store_poll_bench.py):
+               per step the controller sends every rank a command and waits for every reply;
+               store requests per step, per rank, the step's round trip and the server's CPU.
+  * trajectory gyre.trajectory (tree + selection + packing) on one execution of 636, 6,360 and
+               63,600 calls (10/100 copies of benchmarks/trajectory_bench.py's execution at 0.1
+               token scale: ~0.1M → ~10M unique tokens): time and peak memory (tracemalloc).
+  * soak       many short executions (key, `--soak-calls-per-exec` calls, close) through the
+               proxy + TITO store, `--soak-calls` calls in all, RSS/fds/threads sampled each
+               second: growth after warm-up (the first 20 % of calls).
+
+    python benchmarks/scale_bench.py            # the full run (~10-12 min on an idle 2-core machine: an estimate,
+                                                # it was run in parts on a loaded one)
+    python benchmarks/scale_bench.py --quick    # short form (~5 min on a loaded 2-core machine)
+
+The last line printed is one JSON object with the figures. Left out: a real model (engines are
+instant apart from their token delay), other nodes (clients, proxy, engines share this machine's
+cores, so latency on a loaded machine is the machine's: see `calibration_loop_ns`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.proxy_bench import SYSTEM, TOOLS, _calibrate_ns, _cpu_s  # noqa: E402
+from benchmarks.proxy_bench import _pct as _pct_of  # noqa: E402
+
+
+def _pct(xs, p):
+    """Percentile p of xs (nan when there are none: a machine too loaded to finish a call)."""
+    return _pct_of(xs, p) if xs else float("nan")
+
+ADMIN = "scale-bench-admin"
+
+
+# ---- shared helpers -----------------------------------------------------------------------------
+def fit_exponent(xs, ys) -> float | None:
+    """b of ys ≈ a·xs^b by least squares on log-log (None: fewer than 2 positive points)."""
+    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y and y > 0]
+    if len(pts) < 2:
+        return None
+    mx = sum(p[0] for p in pts) / len(pts)
+    my = sum(p[1] for p in pts) / len(pts)
+    sxx = sum((p[0] - mx) ** 2 for p in pts)
+    return round(sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx, 3) if sxx else None
+
+
+def proc_stats(pid: int) -> dict:
+    """RSS (bytes), open descriptors and threads of process `pid` (Linux /proc)."""
+    rss = threads = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+            elif line.startswith("Threads:"):
+                threads = int(line.split()[1])
+    return {"rss": rss, "fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": threads}
+
+
+# ---- proxy: a spawned process with its engines inside ---------------------------------------------
+def _proxy_child(q, n_engines: int, token_delay: float, store_dir: str) -> None:
+    from gyre.backends.engines.det_engine import DeterministicEngine
+    from gyre.proxy import Proxy, ProxyConfig, StoreSink, serve_proxy
+    from gyre.trajectory.store import TitoStore
+
+    proxy = Proxy(ProxyConfig(admin_token=ADMIN), sink=StoreSink(TitoStore(store_dir)))
+    for i in range(n_engines):
+        proxy.router.add_engine(DeterministicEngine(f"e{i}", token_delay=token_delay, salt=i), kind="cell", index=i)
+    h = serve_proxy(proxy)
+    q.put(h.port)
+    h.thread.join()
+
+
+def start_proxy(n_engines: int, token_delay: float, store_dir: str):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_proxy_child, args=(q, n_engines, token_delay, store_dir), daemon=True)
+    p.start()
+    return p, f"http://127.0.0.1:{q.get(timeout=180)}"
+
+
+async def _admin_key(session, url: str, eid: str) -> str:
+    async with session.post(url + "/admin/keys", json={"execution_id": eid}, headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+        assert r.status == 200, await r.text()
+        return (await r.json())["key"]
+
+
+async def _admin_close(session, url: str, eid: str) -> dict:
+    async with session.delete(url + f"/admin/executions/{eid}", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+class Harness:
+    """One execution: multi-turn chat, the whole history re-sent each turn."""
+
+    def __init__(self, eid: str, key: str, max_tokens: int, rng: random.Random) -> None:
+        self.eid, self.key, self.max_tokens, self.rng = eid, key, max_tokens, rng
+        self.messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{eid}: fix the failing test in src/"}]
+        self.ok = self.errors = 0
+
+    async def call(self, session, url: str) -> tuple[float, int] | None:
+        body = {"model": "m", "max_tokens": self.max_tokens, "tools": TOOLS, "messages": self.messages}
+        t0 = time.perf_counter()
+        async with session.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {self.key}"}) as r:
+            data = await r.json()
+            dt = time.perf_counter() - t0
+            if r.status != 200:
+                self.errors += 1
+                return None
+        self.ok += 1
+        msg = data["choices"][0]["message"]
+        self.messages.append({k: v for k, v in msg.items() if k in ("role", "content", "tool_calls") and v is not None})
+        tool_id = (msg.get("tool_calls") or [{}])[0].get("id")
+        result = f"output of step {self.ok}: " + "x" * self.rng.randrange(100, 400)
+        self.messages.append({"role": "tool", "tool_call_id": tool_id, "content": result} if tool_id else {"role": "user", "content": result})
+        return dt, data["usage"]["completion_tokens"]
+
+
+def _think(rng: random.Random, mean: float) -> float:
+    return rng.lognormvariate(math.log(mean) - 0.5 * 0.8**2, 0.8)  # mean `mean`, σ 0.8 in log space
+
+
+def store_records(store_dir: str) -> tuple[dict, int, int]:
+    """{execution: records} in the store, its bytes, and the tokens those records hold (Σ in+out)."""
+    from gyre.trajectory.store import load_execution
+
+    counts, size, tokens = {}, 0, 0
+    for p in Path(store_dir).glob("*.tito"):
+        recs = load_execution(p)
+        counts[p.stem] = len(recs)
+        size += p.stat().st_size
+        tokens += sum(len(r.input_ids) + len(r.output_ids) for r in recs)
+    return counts, size, tokens
+
+
+async def _proxy_load(url: str, pid: int, n: int, a) -> dict:
+    import aiohttp
+
+    rng = random.Random(n)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        warm = Harness("warm", await _admin_key(session, url, "warm"), a.max_tokens, rng)
+        for _ in range(5):  # first-call costs (render pool, caches) before the baseline
+            await warm.call(session, url)
+        harnesses = [Harness(f"x{i}", await _admin_key(session, url, f"x{i}"), a.max_tokens, random.Random(i)) for i in range(n)]
+        gc.collect()
+        await asyncio.sleep(0.5)
+        base = proc_stats(pid)
+        samples, lat, added = [], [], []
+        stop, measuring = asyncio.Event(), [False]
+        open_now = [0]
+
+        async def run(h: Harness) -> None:
+            await asyncio.sleep(rng.uniform(0, a.think_s))  # staggered start
+            open_now[0] += 1
+            while not stop.is_set():
+                counted = measuring[0]  # calls started in the window count, whenever they end
+                got = await h.call(session, url)
+                if got is not None and counted:
+                    lat.append(got[0])
+                    added.append(got[0] - got[1] * a.token_delay)
+                try:
+                    await asyncio.wait_for(stop.wait(), _think(h.rng, a.think_s))
+                except asyncio.TimeoutError:
+                    pass
+
+        tasks = [asyncio.ensure_future(run(h)) for h in harnesses]
+        await asyncio.sleep(a.think_s * 1.5)  # every execution open and past its first call
+        measuring[0] = True
+        cpu0, t0, calls0, ccpu0 = _cpu_s(pid), time.monotonic(), sum(h.ok for h in harnesses), time.process_time()
+        health = []
+        while time.monotonic() - t0 < a.window_s:
+            await asyncio.sleep(0.5)
+            samples.append(proc_stats(pid))
+            h0 = time.perf_counter()
+            async with session.get(url + "/health") as r:
+                await r.read()
+            health.append(time.perf_counter() - h0)
+        cpu, calls = _cpu_s(pid) - cpu0, sum(h.ok for h in harnesses) - calls0
+        client_cpu = time.process_time() - ccpu0
+        measuring[0] = False
+        peak = samples[-1]  # every execution open, with the history it has built up
+        stop.set()
+        await asyncio.gather(*tasks)
+    return {"base": base, "peak": {k: max(s[k] for s in samples) for k in base}, "end": peak, "lat": lat, "added": added,
+            "cpu_s": cpu, "window_calls": calls, "client_cpu_s": client_cpu, "health": health, "open": open_now[0],
+            "ok": {h.eid: h.ok for h in harnesses} | {"warm": warm.ok}, "errors": sum(h.errors for h in harnesses)}
+
+
+def proxy_series(a) -> list[dict]:
+    rows = []
+    for engines in a.engines:
+        for n in a.open_executions:
+            store = tempfile.mkdtemp(prefix="scale-proxy-")
+            p, url = start_proxy(engines, a.token_delay, store)
+            try:
+                res = asyncio.run(_proxy_load(url, p.pid, n, a))
+            finally:
+                p.terminate()
+                p.join(10)
+            counts, size, tokens = store_records(store)
+            shutil.rmtree(store, ignore_errors=True)
+            lost = sum(max(0, ok - counts.get(eid, 0)) for eid, ok in res["ok"].items())
+            extra = sum(max(0, counts.get(eid, 0) - ok) for eid, ok in res["ok"].items())
+            b, e = res["base"], res["end"]
+            row = {"engines": engines, "open_executions": n, "opened": res["open"], "window_calls": res["window_calls"],
+                   "calls_per_s": round(res["window_calls"] / a.window_s, 1),
+                   "added_ms_p50": round(_pct(res["added"], 50) * 1e3, 2), "added_ms_p99": round(_pct(res["added"], 99) * 1e3, 2),
+                   "latency_ms_p50": round(_pct(res["lat"], 50) * 1e3, 2), "latency_ms_p99": round(_pct(res["lat"], 99) * 1e3, 2),
+                   "proxy_cpu_ms_per_call": round(res["cpu_s"] / max(res["window_calls"], 1) * 1e3, 3),
+                   "proxy_cpu_fraction": round(res["cpu_s"] / a.window_s, 2), "client_cpu_fraction": round(res["client_cpu_s"] / a.window_s, 2),
+                   "health_ms_p50": round(_pct(res["health"], 50) * 1e3, 2), "health_ms_max": round(max(res["health"]) * 1e3, 2),
+                   "rss_base_mib": round(b["rss"] / 2**20, 1), "rss_open_mib": round(e["rss"] / 2**20, 1),
+                   "rss_kib_per_open_execution": round((e["rss"] - b["rss"]) / n / 1024, 1),
+                   "fds_base": b["fds"], "fds_open": e["fds"], "fds_peak": res["peak"]["fds"],
+                   "fds_per_open_execution": round((e["fds"] - b["fds"]) / n, 3),
+                   "threads_base": b["threads"], "threads_peak": res["peak"]["threads"],
+                   "tito_bytes_per_token": round(size / max(tokens, 1), 3), "records": sum(counts.values()),
+                   "records_lost": lost, "records_unexpected": extra, "errors": res["errors"]}
+            print("proxy", row, flush=True)
+            rows.append(row)
+    return rows
+
+
+# ---- scheduler decision core -------------------------------------------------------------------
+_TIMED = ("start", "on_execution_started", "on_execution_finished", "on_group_ready", "on_switch_done",
+          "request_work", "on_work_done", "on_step_done", "tick")
+
+
+def _messages(decisions, K: int) -> int:
+    """Control-plane messages the decisions cost: a switch = command + done report; an optimizer
+    step = one command to each cell of its reduce + its done; a publish = one per cell; a work
+    item = the claim + its done report (counted in request_work)."""
+    from gyre.scheduler import OptimizerStep, Publish, SwitchToRollout, SwitchToTrain
+
+    n = 0
+    for d in decisions:
+        if isinstance(d, (SwitchToTrain, SwitchToRollout)):
+            n += 2
+        elif isinstance(d, OptimizerStep):
+            n += len(d.cells) + 1
+        elif isinstance(d, Publish):
+            n += K
+    return n
+
+
+def scheduler_series(a) -> list[dict]:
+    from gyre.scheduler.config import SchedulerConfig
+    from gyre.sim.config import ClusterConfig, SimConfig
+    from gyre.sim.__main__ import build_durations
+    from gyre.sim.engine import Simulation
+
+    rows = []
+    for K in a.cells:
+        cfg = SimConfig(scheduler=SchedulerConfig(batch_groups=4 * K), cluster=ClusterConfig(num_cells=K), steps=a.sched_steps)
+        sim = Simulation(cfg, build_durations(cfg))
+        sched, acc = sim.sched, {"events": 0, "s": 0.0, "msgs": 0, "max_s": {}, "all": []}
+        for name in _TIMED:
+            fn = getattr(sched, name)
+
+            def timed(*args, _fn=fn, _name=name, **kw):
+                t0 = time.perf_counter()
+                out = _fn(*args, **kw)
+                dt = time.perf_counter() - t0
+                acc["events"] += 1
+                acc["s"] += dt
+                acc["max_s"][_name] = max(acc["max_s"].get(_name, 0.0), dt)
+                acc["all"].append(dt)
+                if _name == "request_work":
+                    acc["msgs"] += 2 if out is not None else 0
+                else:
+                    acc["msgs"] += _messages(out, K)
+                return out
+
+            setattr(sched, name, timed)
+        t0 = time.perf_counter()
+        sim.run()
+        wall = time.perf_counter() - t0
+        steps = sched.version
+        row = {"cells": K, "batch_groups": 4 * K, "steps": steps, "events": acc["events"],
+               "us_per_event": round(acc["s"] / acc["events"] * 1e6, 2),
+               "us_per_event_p99": round(_pct(acc["all"], 99) * 1e6, 2), "us_per_event_p9999": round(_pct(acc["all"], 99.99) * 1e6, 1), "max_ms_by_kind": {k: round(v * 1e3, 3) for k, v in acc["max_s"].items()},
+               "ms_per_step": round(acc["s"] / steps * 1e3, 2), "events_per_step": round(acc["events"] / steps),
+               "messages_per_step": round(acc["msgs"] / steps, 1), "sim_wall_s": round(wall, 1)}
+        print("scheduler", row, flush=True)
+        rows.append(row)
+    return rows
+
+
+# ---- control-plane store traffic ------------------------------------------------------------------
+def _step_clients(port: int, ranks: list[int], steps: int, out) -> None:
+    """One client process: a thread per simulated rank, each answering `steps` commands."""
+    from torch.distributed import TCPStore
+
+    from benchmarks.store_poll_bench import _Counted
+    from gyre.runtime.control import ControlPlane
+
+    calls, lock = [], threading.Lock()
+
+    def rank_main(rank: int) -> None:
+        store = _Counted(TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=120)))
+        cp = ControlPlane(store, rank)
+        store.inner.add("ready", 1)
+        per_step = []
+        for _ in range(steps):
+            c0 = store.calls
+            cmd = cp.recv(timeout=300)
+            cp.send("controller", (rank, cmd))
+            per_step.append(store.calls - c0)
+        with lock:
+            calls.append(per_step)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put(calls)
+
+
+def store_series(a) -> list[dict]:
+    from torch.distributed import TCPStore
+
+    from benchmarks.store_poll_bench import _Counted
+    from benchmarks.store_poll_bench import _cpu_s as server_cpu
+    from gyre.runtime.control import ControlPlane
+
+    rows = []
+    for R in a.ranks:
+        server = subprocess.Popen([sys.executable, "-m", "benchmarks.store_poll_bench", "--serve"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        port = int(server.stdout.readline())
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_step_clients, args=(port, list(range(i, R, a.store_procs)), a.store_steps, out))
+                 for i in range(a.store_procs)]
+        for p in procs:
+            p.start()
+        main = _Counted(TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=120)))
+        ctl = ControlPlane(main, "controller")
+        while int(main.inner.add("ready", 0)) < R:
+            time.sleep(0.05)
+        rtts, ctl_calls = [], []
+        cpu0 = server_cpu(server.pid)
+        for s in range(a.store_steps):
+            time.sleep(0.2)  # the ranks idle between steps (their poll backs off)
+            c0, t0 = main.calls, time.perf_counter()
+            for r in range(R):
+                ctl.send(r, ("step", s))
+            got = {ctl.recv(timeout=120)[0] for _ in range(R)}
+            rtts.append(time.perf_counter() - t0)
+            ctl_calls.append(main.calls - c0)
+            assert got == set(range(R)), "a reply went missing"
+        cpu = server_cpu(server.pid) - cpu0
+        rank_calls = []
+        for _ in procs:
+            rank_calls += out.get(timeout=120)
+        for p in procs:
+            p.join()
+        server.stdin.close()
+        server.wait()
+        rank_per_step = sum(sum(c) for c in rank_calls) / a.store_steps
+        row = {"ranks": R, "steps": a.store_steps, "controller_requests_per_step": round(sum(ctl_calls) / a.store_steps, 1),
+               "rank_requests_per_step": round(rank_per_step, 1),
+               "requests_per_step": round(sum(ctl_calls) / a.store_steps + rank_per_step, 1),
+               "requests_per_step_per_rank": round((sum(ctl_calls) / a.store_steps + rank_per_step) / R, 2),
+               "step_round_trip_ms_p50": round(_pct(rtts, 50) * 1e3, 1), "step_round_trip_ms_max": round(max(rtts) * 1e3, 1),
+               "store_ms_per_request": round(_pct(rtts, 50) / max(1.0, sum(ctl_calls) / a.store_steps) * 1e3, 3),
+               "server_cpu_s_per_step": round(cpu / a.store_steps, 4)}
+        print("store", row, flush=True)
+        rows.append(row)
+    return rows
+
+
+# ---- trajectory processor --------------------------------------------------------------------------
+def _execution(copies: int):
+    """One execution of copies × 636 calls: trajectory_bench's synthetic execution at token scale 0.1,
+    `copies` times (other seeds), its calls numbered on."""
+    import dataclasses
+
+    from benchmarks.trajectory_bench import synthesize
+
+    out = []
+    for c in range(copies):
+        for r in synthesize(c, 0.1):
+            out.append(dataclasses.replace(r, call_id=len(out)))
+    return out
+
+
+def trajectory_series(a) -> list[dict]:
+    from benchmarks.trajectory_bench import peak_memory, process, timed
+    from gyre.trajectory.tree import build_tree
+
+    rows = []
+    for copies in a.trajectory_copies:
+        recs = _execution(copies)
+        tree = build_tree(recs)
+        t, _ = timed(lambda: process(recs, 5, 0, 524_288), a.trajectory_repeats)
+        peak = peak_memory(lambda: process(recs, 5, 0, 524_288))
+        u = tree.stats.unique_tokens
+        row = {"calls": len(recs), "unique_tokens": u, "seconds": round(t, 3), "peak_mib": round(peak / 2**20, 1),
+               "us_per_unique_token": round(t / u * 1e6, 4), "peak_bytes_per_unique_token": round(peak / u, 1)}
+        print("trajectory", row, flush=True)
+        rows.append(row)
+        del recs, tree
+        gc.collect()
+    return rows
+
+
+# ---- soak ---------------------------------------------------------------------------------------------
+async def _soak_load(url: str, pid: int, a) -> dict:
+    import aiohttp
+
+    samples, done, errors = [], [0], [0]
+    stop = asyncio.Event()
+    lost = [0]
+    per_exec = a.soak_calls_per_exec
+    n_execs = math.ceil(a.soak_calls / per_exec)
+    next_exec = iter(range(n_execs))
+
+    async def sampler() -> None:
+        t0 = time.monotonic()
+        while not stop.is_set():
+            samples.append({"t": time.monotonic() - t0, "calls": done[0], **proc_stats(pid)})
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def worker(w: int) -> None:
+            for i in next_exec:
+                eid = f"s{i}"
+                h = Harness(eid, await _admin_key(session, url, eid), a.max_tokens, random.Random(i))
+                for _ in range(per_exec):
+                    await h.call(session, url)
+                done[0] += h.ok
+                errors[0] += h.errors
+                stats = await _admin_close(session, url, eid)
+                lost[0] += max(0, h.ok - stats["calls"])
+
+        s = asyncio.ensure_future(sampler())
+        await asyncio.gather(*(worker(w) for w in range(a.soak_concurrency)))
+        stop.set()
+        await s
+    return {"samples": samples, "calls": done[0], "errors": errors[0], "lost_by_stats": lost[0], "executions": n_execs}
+
+
+def soak(a) -> dict:
+    store = tempfile.mkdtemp(prefix="scale-soak-")
+    p, url = start_proxy(8, 0.0, store)
+    t0 = time.monotonic()
+    try:
+        res = asyncio.run(_soak_load(url, p.pid, a))
+    finally:
+        p.terminate()
+        p.join(10)
+    wall = time.monotonic() - t0
+    counts, size, tokens = store_records(store)
+    shutil.rmtree(store, ignore_errors=True)
+    sm = res["samples"]
+    warm = [s for s in sm if s["calls"] >= 0.2 * res["calls"]] or sm
+    w0, tail = warm[0], sm[-max(1, len(sm) // 10):]
+
+    def growth(k):
+        return (max(s[k] for s in tail) - w0[k]) / w0[k]
+
+    out = {"calls": res["calls"], "executions": res["executions"], "wall_s": round(wall, 1), "errors": res["errors"],
+           "records": sum(counts.values()), "records_lost": res["calls"] - sum(counts.values()),
+           "rss_mib_after_warmup": round(w0["rss"] / 2**20, 1), "rss_mib_end": round(tail[-1]["rss"] / 2**20, 1),
+           "rss_growth_pct": round(100 * growth("rss"), 2),
+           "rss_slope_kib_per_1k_calls": round(fit_slope([s["calls"] for s in warm], [s["rss"] for s in warm]) * 1000 / 1024, 2),
+           "fds_after_warmup": w0["fds"], "fds_max_tail": max(s["fds"] for s in tail),
+           "threads_after_warmup": w0["threads"], "threads_max_tail": max(s["threads"] for s in tail),
+           "tito_bytes_per_token": round(size / max(tokens, 1), 3),
+           "samples": [[round(s["t"], 1), s["calls"], s["rss"], s["fds"], s["threads"]] for s in sm]}
+    print("soak", {k: v for k, v in out.items() if k != "samples"}, flush=True)
+    return out
+
+
+def fit_slope(xs, ys) -> float:
+    """Least-squares slope of ys on xs (0 for fewer than 2 points)."""
+    if len(xs) < 2:
+        return 0.0
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+
+
+# ---- main -----------------------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="short form: smaller sizes, shorter windows")
+    ap.add_argument("--only", nargs="+", choices=["proxy", "scheduler", "store", "trajectory", "soak"], help="run only these series")
+    ap.add_argument("--open-executions", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    ap.add_argument("--engines", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--token-delay", type=float, default=0.02, help="engine seconds per token (50 tokens/s a stream)")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--think-s", type=float, default=10.0, help="mean think (tool) time between an execution's calls")
+    ap.add_argument("--window-s", type=float, default=15.0)
+    ap.add_argument("--cells", type=int, nargs="+", default=[8, 32, 128, 256])
+    ap.add_argument("--sched-steps", type=int, default=6)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--store-steps", type=int, default=10)
+    ap.add_argument("--store-procs", type=int, default=4)
+    ap.add_argument("--trajectory-copies", type=int, nargs="+", default=[1, 10, 100])
+    ap.add_argument("--trajectory-repeats", type=int, default=2)
+    ap.add_argument("--soak-calls", type=int, default=50_000)
+    ap.add_argument("--soak-calls-per-exec", type=int, default=5)
+    ap.add_argument("--soak-concurrency", type=int, default=32)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale_bench.json"))
+    if ap.parse_known_args()[0].quick:  # smaller defaults; sizes given on the command line still win
+        ap.set_defaults(open_executions=[64, 256, 1024], engines=[8], window_s=6.0, think_s=4.0, cells=[8, 32, 128],
+                        sched_steps=4, ranks=[16, 64], store_steps=5, store_procs=2, trajectory_copies=[1, 10],
+                        trajectory_repeats=1, soak_calls=5_000,
+                        out=str(ROOT / "benchmarks" / "results" / "scale_bench_quick.json"))
+    a = ap.parse_args()
+    from benchmarks.provenance import provenance, write_results
+
+    config = vars(a) | {"out": os.path.relpath(a.out, ROOT)}  # no machine paths in the results
+
+    series = a.only or ["proxy", "scheduler", "store", "trajectory", "soak"]
+    calib = [_calibrate_ns()]
+    print(f"machine load check: {calib[0]:.0f} ns per empty loop iteration (idle core: ~15-30), "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    res: dict = {}
+    t_all = time.monotonic()
+    for name in series:
+        t0 = time.monotonic()
+        res[name] = globals()[f"{name}_series" if name != "soak" else "soak"](a)
+        calib.append(_calibrate_ns())
+        print(f"[{name}: {time.monotonic() - t0:.0f} s]", flush=True)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # what is done so far survives a later failure
+        Path(a.out).write_text(json.dumps({"benchmark": "scale_bench", "partial": True, "config": config, "series": res}, indent=2) + "\n")
+    figures = summarize(res, a)
+    figures["calibration_loop_ns_max"] = round(max(calib), 1)
+    figures["wall_s"] = round(time.monotonic() - t_all, 1)
+    record = {"benchmark": "scale_bench", **provenance("aiohttp", "numpy"), "config": config, "series": res, "figures": figures,
+              "left_out": ["a real model: engines are deterministic, instant apart from their token delay",
+                           "other nodes: load generator, proxy, engines, store clients share this machine's cores "
+                           "(timings on a loaded machine are the machine's: calibration_loop_ns_max)"]}
+    write_results(a.out, record)
+
+
+def summarize(res: dict, a) -> dict:
+    f: dict = {}
+    if "proxy" in res:
+        rows = res["proxy"]
+        for e in sorted({r["engines"] for r in rows}):
+            rs = [r for r in rows if r["engines"] == e]
+            ns = [r["open_executions"] for r in rs]
+            top = rs[-1]
+            f[f"proxy_e{e}"] = {"open_executions": top["open_executions"], "added_ms_p50": top["added_ms_p50"],
+                                "added_ms_p99": top["added_ms_p99"], "cpu_ms_per_call": top["proxy_cpu_ms_per_call"],
+                                "rss_kib_per_open_execution": top["rss_kib_per_open_execution"], "fds_open": top["fds_open"],
+                                "threads_peak": top["threads_peak"], "tito_bytes_per_token": top["tito_bytes_per_token"],
+                                "exp_added_p99": fit_exponent(ns, [r["added_ms_p99"] for r in rs]),
+                                "exp_cpu_per_call": fit_exponent(ns, [r["proxy_cpu_ms_per_call"] for r in rs]),
+                                "exp_rss": fit_exponent(ns, [r["rss_open_mib"] - r["rss_base_mib"] for r in rs]),
+                                "exp_fds": fit_exponent(ns, [r["fds_open"] - r["fds_base"] for r in rs])}
+        f["proxy_records_lost"] = sum(r["records_lost"] for r in rows)
+        f["proxy_errors"] = sum(r["errors"] for r in rows)
+    if "scheduler" in res:
+        rs = res["scheduler"]
+        ks = [r["cells"] for r in rs]
+        f["scheduler"] = {"cells": ks[-1], "us_per_event": rs[-1]["us_per_event"], "us_per_event_p99": rs[-1]["us_per_event_p99"], "max_ms_by_kind": rs[-1]["max_ms_by_kind"],
+                          "ms_per_step": rs[-1]["ms_per_step"], "messages_per_step": rs[-1]["messages_per_step"],
+                          "exp_us_per_event": fit_exponent(ks, [r["us_per_event"] for r in rs]),
+                          "exp_messages_per_step": fit_exponent(ks, [r["messages_per_step"] for r in rs])}
+    if "store" in res:
+        rs = res["store"]
+        rk = [r["ranks"] for r in rs]
+        f["store"] = {"ranks": rk[-1], "requests_per_step": rs[-1]["requests_per_step"],
+                      "requests_per_step_per_rank": rs[-1]["requests_per_step_per_rank"],
+                      "step_round_trip_ms_p50": rs[-1]["step_round_trip_ms_p50"],
+                      "exp_requests_per_step": fit_exponent(rk, [r["requests_per_step"] for r in rs]),
+                      "exp_round_trip": fit_exponent(rk, [r["step_round_trip_ms_p50"] for r in rs])}
+    if "trajectory" in res:
+        rs = res["trajectory"]
+        u = [r["unique_tokens"] for r in rs]
+        f["trajectory"] = {"calls": rs[-1]["calls"], "unique_tokens": u[-1], "seconds": rs[-1]["seconds"], "peak_mib": rs[-1]["peak_mib"],
+                           "exp_time": fit_exponent(u, [r["seconds"] for r in rs]),
+                           "exp_memory": fit_exponent(u, [r["peak_mib"] for r in rs])}
+    if "soak" in res:
+        s = res["soak"]
+        f["soak"] = {k: s[k] for k in ("calls", "executions", "records_lost", "errors", "rss_growth_pct", "rss_slope_kib_per_1k_calls",
+                                       "fds_after_warmup", "fds_max_tail", "threads_after_warmup", "threads_max_tail")}
+    return f
+
+
+if __name__ == "__main__":
+    main()
