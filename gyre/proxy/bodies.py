@@ -76,6 +76,7 @@ def check_structure(body: dict, max_items: int, max_tools: int, max_depth: int) 
                        "(proxy.max_tools)", param="tools")
     d, path = _depth(body, max_depth)
     if d:
+        path = path if len(path) <= 120 else path[:60] + "..." + path[-57:]
         raise ApiError(400, "invalid_request", f"{path}: the JSON body nests more than {max_depth} levels deep; this proxy "
                        f"accepts at most {max_depth} (proxy.max_json_depth)", param=path.split(".")[0].split("[")[0])
 
