@@ -64,7 +64,7 @@ from gyre.proxy.config import ProxyConfig
 from gyre.proxy.formats import OutputParser, Reasoning, format_for
 from gyre.proxy.keys import KeyInfo, KeyRegistry
 from gyre.proxy.roles import RoleClassifier
-from gyre.proxy.render import UNMATCHED_KINDS, ChatRenderer, PromptTooLong, Rendered, StoredTurn, TurnStore, turn_fingerprint
+from gyre.proxy.render import UNMATCHED_KINDS, ChatRenderer, PromptTooLong, Rendered, StoredTurn, TurnStore, ids_digest, turn_fingerprint
 from gyre.backends.migration import MigrationPolicy
 from gyre.proxy.router import NoEngineError, RouteInfo, Router
 from gyre.proxy.sink import MemorySink, RecordSink
@@ -406,7 +406,8 @@ class Call:
             # prefix: re-sent, it splices back to exactly the tokens the model saw (the prefix
             # stays input there).
             n_ctx = len(self.rendered.ids) - len(self.forced_ids) - self.rendered.gen_prefix_ids
-            st.turns.add(fp, StoredTurn.of(self.call_id, self.rendered.ids[:n_ctx], self.rendered.ids[n_ctx:] + out_ids, self.content, calls))
+            st.turns.add(fp, StoredTurn.of(self.call_id, self.rendered.ids[:n_ctx], self.rendered.ids[n_ctx:] + out_ids, self.content, calls,
+                                           digest=self.rendered.ctx_digest))
         try:
             p.sink.on_record(self.record)
         except Exception as e:  # a failing sink must be loud, but the client already has its answer
@@ -675,6 +676,8 @@ class Proxy:
         if forced_ids:
             rendered.ids = rendered.ids + forced_ids
         n = len(rendered.ids)
+        if n > 1 << 16 and req.messages is not None:  # hashed here (a render thread), not on the loop at the call's end
+            rendered.ctx_digest = ids_digest(rendered.ids[: n - len(forced_ids) - rendered.gen_prefix_ids])
         if n == 0:
             raise ApiError(400, "invalid_request", "the prompt is empty", param="prompt")
         if n >= c.max_context_tokens:
