@@ -5,8 +5,8 @@
 `json.loads` and the adapters' field checks are pure CPU under the GIL (a thread would not free
 the event loop: 0.2-1.2 s for 10-15 MiB of small items). So a body's JSON values are counted first
 (`admission.value_count`, C speed); a body with fewer than `inline_parse_values` is parsed on the
-loop (about a millisecond), a larger one in a worker process (`parse_processes`, one pool per
-process, spawned on first use), which parses, checks the structural limits and validates it
+loop (about a millisecond), a larger one in a worker process (`parse_processes` plain
+subprocesses per proxy process, started on first use), which parses, checks the structural limits and validates it
 with the API's own parser, and sends back only the parsed request (bounded by the limits) or the
 error. Each execution has one such body in work at a time. Structural limits, a 400 naming the
 limit, far beyond any real harness: `max_body_items` messages / input items + content blocks,
@@ -17,25 +17,84 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing as mp
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
 import threading
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from gyre.proxy.admission import value_count
 from gyre.proxy.core import ApiError, ChatRequest
 
-_pools: dict[int, ProcessPoolExecutor] = {}
+
+class _Worker:
+    """One `python -m gyre.proxy.bodies` child: length-prefixed pickles over its stdin / stdout.
+    A plain subprocess (not multiprocessing): it works from a daemonic process and never
+    re-imports the embedding program's `__main__`."""
+
+    def __init__(self) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.proc = subprocess.Popen([sys.executable, "-m", "gyre.proxy.bodies"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+
+    def call(self, args: tuple) -> tuple:
+        data = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
+        self.proc.stdin.write(struct.pack("<Q", len(data)) + data)  # blocking pipe I/O releases the GIL
+        self.proc.stdin.flush()
+        head = self.proc.stdout.read(8)
+        if len(head) < 8:
+            raise EOFError("the body-parsing worker exited")
+        return pickle.loads(self.proc.stdout.read(struct.unpack("<Q", head)[0]))
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+class _Pool:
+    """`n` workers, started on first use, shared by every proxy in this process; calls run on
+    `n` threads that only wait on the pipes."""
+
+    def __init__(self, n: int) -> None:
+        self.idle: queue.Queue = queue.Queue()
+        self.started = 0
+        self.n = n
+        self.lock = threading.Lock()
+        self.threads = ThreadPoolExecutor(n, thread_name_prefix="gyre-parse")
+
+    def _call(self, args: tuple) -> tuple:
+        with self.lock:
+            if self.idle.empty() and self.started < self.n:
+                self.started += 1
+                self.idle.put(_Worker())
+        w = self.idle.get()
+        try:
+            out = w.call(args)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            w.kill()
+            with self.lock:
+                self.started -= 1
+            raise
+        self.idle.put(w)
+        return out
+
+    async def call(self, args: tuple) -> tuple:
+        return await asyncio.get_running_loop().run_in_executor(self.threads, self._call, args)
+
+
+_pools: dict[int, _Pool] = {}
 _pools_lock = threading.Lock()
 
 
-def _pool(n: int) -> ProcessPoolExecutor:
+def _pool(n: int) -> _Pool:
     with _pools_lock:
         pool = _pools.get(n)
         if pool is None:
-            pool = _pools[n] = ProcessPoolExecutor(max(1, n), mp_context=mp.get_context("spawn"))
+            pool = _pools[n] = _Pool(max(1, n))
         return pool
 
 
@@ -143,14 +202,30 @@ async def read_body(proxy, request, key, api: str) -> Parsed:
         state.render_lock = asyncio.Lock()
     async with state.render_lock:  # one large body per execution in work at a time
         try:
-            kind, out = await asyncio.wrap_future(_pool(c.parse_processes).submit(_work, raw, api, limits, vocab))
-        except BrokenProcessPool:
-            with _pools_lock:
-                _pools.pop(c.parse_processes, None)
-            raise ApiError(503, "overloaded", "the proxy's body parser restarted; retry the call", retry_after=1.0) from None
+            kind, out = await _pool(c.parse_processes).call((raw, api, limits, vocab))
+        except (OSError, EOFError, pickle.UnpicklingError) as e:
+            raise ApiError(503, "overloaded", f"the proxy's body parser failed ({type(e).__name__}) and restarts; retry the call",
+                           retry_after=1.0) from None
     if kind == "error":
         status, kind_, message, param, code = out
         raise ApiError(status, kind_, message, param=param, code=code)
     if kind == "body":
         return Parsed(out)
     return Parsed(*out)
+
+
+def _serve() -> None:
+    """The worker's loop (`python -m gyre.proxy.bodies`): until its stdin closes."""
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        head = inp.read(8)
+        if len(head) < 8:
+            return
+        args = pickle.loads(inp.read(struct.unpack("<Q", head)[0]))
+        data = pickle.dumps(_work(*args), protocol=pickle.HIGHEST_PROTOCOL)
+        out.write(struct.pack("<Q", len(data)) + data)
+        out.flush()
+
+
+if __name__ == "__main__":
+    _serve()

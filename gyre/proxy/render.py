@@ -272,19 +272,23 @@ class ChatRenderer:
         """Ids of a chunk holding escape markers: the template's special tokens as such, the text
         between them (markers back to their literal strings) with special-token matching off.
         Cutting at special tokens is what the tokenizer does itself (they never merge)."""
-        out: list[int] = []
+        parts: list[str | int] = []  # text to encode, or a special token's id
         pos = 0
-
-        def text(t: str) -> None:
-            if t:
-                t = self._lit_re.sub(lambda m: self._specials[int(m.group(1))], t)
-                out.extend(self.plain.encode(t, add_special_tokens=False).ids)
-
         for m in self._special_re.finditer(chunk):
-            text(chunk[pos : m.start()])
-            out.append(self._special_ids[m.group()])
+            parts.append(chunk[pos : m.start()])
+            parts.append(self._special_ids[m.group()])
             pos = m.end()
-        text(chunk[pos:])
+        parts.append(chunk[pos:])
+        texts = [self._lit_re.sub(lambda m: self._specials[int(m.group(1))], t) for t in parts if isinstance(t, str) and t]
+        # encode_batch releases the GIL while it encodes (encode does not): a long message never
+        # holds the event loop (issue 34)
+        encoded = iter(self.plain.encode_batch(texts, add_special_tokens=False))
+        out: list[int] = []
+        for t in parts:
+            if isinstance(t, int):
+                out.append(t)
+            elif t:
+                out.extend(next(encoded).ids)
         return out
 
     # ---- text -> ids ------------------------------------------------------------------------

@@ -94,7 +94,8 @@ def test_work_charging_debits_json_values(make_server):
     20 - 1 - 30 = -11, so the next small call is a 429 asking to wait (1 + 11) / 10 = 1.2 s; other
     executions are untouched."""
     proxy, h = make_server([(DeterministicEngine("e"), "cell", 0)],
-                           config=ProxyConfig(calls_per_second_per_key=10, body_values_per_call=1000))
+                           config=ProxyConfig(calls_per_second_per_key=10, body_values_per_call=1000,
+                                                              inline_parse_values=1 << 20))  # no worker start-up time to refill the bucket
     a, b = proxy.issue_key("ex-a"), proxy.issue_key("ex-b")
     body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "metadata_pad": [0] * 29_990}
     raw = json.dumps(body).encode()
