@@ -12,7 +12,9 @@ any body under the size limit passes a full bucket), plus one per `body_values_p
 values (`work_units`: known only once the body is read; debited uncapped, so the bucket goes
 negative and the execution's next calls wait for it). The value count is what parsing and
 validating a body costs (a 9 MiB body of 300k one-character blocks costs ~40x what 9 MiB of
-prompt text does), so an execution sending such bodies throttles itself and nobody else.
+prompt text does), so an execution sending such bodies throttles itself and nobody else. A
+request rendered on the thread pool (large prompts) is charged one unit per `render_ms_per_unit`
+of its render's wall time, likewise after the fact: tokenizing is GIL-free but takes cores.
 """
 
 from __future__ import annotations
@@ -83,6 +85,13 @@ class Admission:
         if not charged_bytes and c.body_bytes_per_call:
             units += len(raw) // c.body_bytes_per_call
         return units
+
+    def charge_render(self, execution_id: str, seconds: float) -> None:
+        """Debit a render that ran on the thread pool: one unit per `render_ms_per_unit` of its wall
+        time (tokenizing a 783k-token prompt takes ~1 s of a core; its execution pays for it)."""
+        ms = self.config.render_ms_per_unit
+        if ms > 0:
+            self.charge(execution_id, int(seconds * 1e3 / ms))
 
     def charge(self, execution_id: str, units: int) -> None:
         """Debit `units` from the execution's rate budget (uncapped: its next calls wait)."""

@@ -151,6 +151,11 @@ class ProxyConfig:
     its body (counted as `,` `{` `[` bytes: parse and validation work grows with them, not with
     bytes), debited after the body is read, uncapped: an execution sending 300k tiny items waits
     for them itself (gyre/proxy/admission.py). 0 = values are free."""
+    render_ms_per_unit: float = 20.0
+    """Work charging: a request rendered and tokenized on the thread pool also costs one unit per
+    this many milliseconds its render took (debited after it, uncapped), so an execution sending
+    huge prompts back to back is slowed to about one core's worth of rendering at the default
+    rate, not the others. 0 = renders are free."""
     inline_parse_values: int = 8192
     """Bodies with fewer JSON values than this are parsed on the event loop (about a millisecond);
     larger ones are parsed and validated in a worker process (`parse_processes`), so the GIL-bound

@@ -611,7 +611,9 @@ class Proxy:
         if state.render_lock is None:
             state.render_lock = asyncio.Lock()
         async with state.render_lock:
+            t0 = time.perf_counter()
             built = await asyncio.get_running_loop().run_in_executor(self.pool, self._build, req, state)
+            self.admission.charge_render(key.execution_id, time.perf_counter() - t0)
         return self._call(state, role, req, start, built)
 
     # ---- calls ------------------------------------------------------------------------------

@@ -145,3 +145,37 @@ def test_structural_limits_are_400s_naming_the_limit(limited):
     assert an.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": blocks[:49]}]).content is not None
     with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.role"):
         oa.chat.completions.create(model="m", messages=[{"role": "nobody", "content": "x"}], max_tokens=2)
+
+
+def test_render_time_is_charged_to_its_execution(make_server):
+    """A prompt rendered on the thread pool costs its execution one unit per render_ms_per_unit of
+    render time: at 1 us per unit any such render costs more than the bucket (20), so the
+    execution's next call waits; another execution is untouched. (Before: the next call passed.)"""
+    proxy, h = make_server([(DeterministicEngine("e"), "cell", 0)],
+                           config=ProxyConfig(calls_per_second_per_key=10, render_ms_per_unit=0.001, inline_render_chars=100))
+    a, b = proxy.issue_key("ex-a"), proxy.issue_key("ex-b")
+    big = json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "list the files " * 20}]}).encode()
+    assert _post(h, a, "/v1/chat/completions", big).status_code == 200
+    r = _post(h, a, "/v1/chat/completions", SMALL)
+    assert r.status_code == 429 and float(r.headers["Retry-After"]) > 2.0, r.text
+    assert _post(h, b, "/v1/chat/completions", SMALL).status_code == 200
+
+
+def test_chunked_conversions_equal_the_whole():
+    """The 64k-chunked digest and wire bytes are exactly the all-at-once ones (random lengths
+    around the chunk size)."""
+    import hashlib
+    import random
+
+    import numpy as np
+
+    from gyre.backends.engine_mux import _ids_bytes
+    from gyre.proxy.render import ids_digest
+
+    rng = random.Random(7)
+    for n in (0, 1, 5, 1 << 16, (1 << 16) + 1, 3 * (1 << 16) - 1, 200_003):
+        ids = [rng.randrange(1 << 31) for _ in range(n)]
+        whole = np.asarray(ids, dtype="<i4").tobytes()
+        assert asyncio.run(_ids_bytes(ids)) == whole
+        assert ids_digest(ids) == hashlib.blake2b(whole, digest_size=16).digest()
+        assert ids_digest(ids, chunk=7) == ids_digest(ids)
