@@ -39,7 +39,7 @@ by name; with several, the model writes the name, and a name that is not one of 
 returned as the model wrote it (a call the harness reports back as unknown, as with `auto`),
 logged and counted in the record's `payload_ref["forced_unknown_tool"]`.
 
-Size (about 760 lines): one call's whole path (render, route, stream, parse, record) is kept in one
+Size (about 730 lines): one call's whole path (render, route, stream, parse, record) is kept in one
 place so the exactness argument of TITO can be read end to end; the chat formats, rendering and
 byte tables already live in formats/, render.py and gyre/backends/vocab.py.
 """
