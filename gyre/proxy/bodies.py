@@ -33,13 +33,16 @@ from gyre.proxy.core import ApiError, ChatRequest
 
 
 class _Worker:
-    """One `python -m gyre.proxy.bodies` child: length-prefixed pickles over its stdin / stdout.
+    """One `gyre.proxy.bodies._serve` child: length-prefixed pickles over its stdin / stdout.
     A plain subprocess (not multiprocessing): it works from a daemonic process and never
     re-imports the embedding program's `__main__`."""
 
     def __init__(self) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = subprocess.Popen([sys.executable, "-m", "gyre.proxy.bodies"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        # The protocol's pipe is a copy of fd 1 taken first; fd 1 itself then points at stderr, so
+        # nothing an import prints can corrupt the protocol.
+        code = "import os, sys; fd = os.dup(1); os.dup2(2, 1); from gyre.proxy.bodies import _serve; _serve(fd)"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
 
     def call(self, args: tuple) -> tuple:
         data = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
@@ -214,9 +217,9 @@ async def read_body(proxy, request, key, api: str) -> Parsed:
     return Parsed(*out)
 
 
-def _serve() -> None:
-    """The worker's loop (`python -m gyre.proxy.bodies`): until its stdin closes."""
-    inp, out = sys.stdin.buffer, sys.stdout.buffer
+def _serve(fd: int) -> None:
+    """The worker's loop: requests on stdin, replies on `fd`, until stdin closes."""
+    inp, out = sys.stdin.buffer, os.fdopen(fd, "wb")
     while True:
         head = inp.read(8)
         if len(head) < 8:
@@ -226,6 +229,3 @@ def _serve() -> None:
         out.write(struct.pack("<Q", len(data)) + data)
         out.flush()
 
-
-if __name__ == "__main__":
-    _serve()
