@@ -182,6 +182,11 @@ def _work(raw: bytes, api: str, limits: tuple[int, int, int], vocab: int) -> tup
         return ("error", (e.status, e.kind, e.message, e.param, e.code))
     except RecursionError:
         return ("error", (400, "invalid_request", "the JSON body is nested too deeply", None, None))
+    except Exception as e:  # a bug, not the client's fault: a 500 (as the server answers it), the worker lives on
+        import traceback
+
+        traceback.print_exc()
+        return ("error", (500, "internal", f"internal error: {type(e).__name__}", None, None))
     if req is None:
         return ("body", body)
     return ("req", ({"model": body.get("model")}, req))
