@@ -391,7 +391,7 @@ def main() -> None:
     ap.add_argument("--stall-calls", type=int, default=240, help="victim calls per phase per shape in the stalls stage")
     ap.add_argument("--stall-shapes", default="all", help="comma-separated shape names of the stalls stage (benchmarks/proxy_stalls.py), or all")
     ap.add_argument("--stalls-only", action="store_true", help="run only the stalls stage")
-    ap.add_argument("--quick", action="store_true", help="fewer calls everywhere, no large vocabulary (minutes, noisier)")
+    ap.add_argument("--quick", action="store_true", help="fewer calls everywhere, no large vocabulary (minutes, noisier; sets the counts, overriding their flags)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "proxy_bench.json"))
     args = ap.parse_args()
     if args.quick:
