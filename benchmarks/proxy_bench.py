@@ -65,8 +65,8 @@ TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run",
 
 # ---- server processes ---------------------------------------------------------------------------
 def _engine_main(q, token_delay, vocab_size=1024, first_regular_id=7, eos_token_id=2):
-    from gyre.backends.det_engine import DeterministicEngine
-    from gyre.backends.engine_http import serve_engine
+    from gyre.backends.engines.det_engine import DeterministicEngine
+    from gyre.backends.engines.engine_http import serve_engine
 
     h = serve_engine(DeterministicEngine("bench", token_delay=token_delay, vocab_size=vocab_size,
                                          first_regular_id=first_regular_id, eos_token_id=eos_token_id))
@@ -77,13 +77,13 @@ def _engine_main(q, token_delay, vocab_size=1024, first_regular_id=7, eos_token_
 def _proxy_main(q, engine_url, n_keys, token_delay, store_dir, transport="ws", limits=False, engine_secret=None,
                 tokenizer_dir=None, config_kw=None):
     from gyre.proxy import Proxy, ProxyConfig, StoreSink, serve_proxy
-    from gyre.backends.det_engine import DeterministicEngine
-    from gyre.backends.engine_http import HttpEngine
+    from gyre.backends.engines.det_engine import DeterministicEngine
+    from gyre.backends.engines.engine_http import HttpEngine
     from gyre.trajectory.store import TitoStore
 
     kw = {}
     if tokenizer_dir:  # the large-vocabulary variant: that directory's tokenizer and stop ids
-        from gyre.backends.vocab import load_vocab
+        from gyre.backends.models.vocab import load_vocab
 
         vocab = load_vocab(None, tokenizer_dir)
         kw = {"tokenizer": vocab.tokenizer, "stop_ids": vocab.stop_ids}
@@ -266,7 +266,7 @@ def _large_vocab_dir(spec: str, root: str) -> str | None:
     `<|im_end|>` as its stop ids."""
     import shutil
 
-    from gyre.backends.tokenizer import CHAT_TEMPLATE
+    from gyre.backends.models.tokenizer import CHAT_TEMPLATE
 
     if spec == "none":
         return None
@@ -283,7 +283,7 @@ def _large_vocab_dir(spec: str, root: str) -> str | None:
         spec = str(found[-1])
     if Path(spec).is_dir():
         return spec
-    from gyre.backends.tokenizer import SPECIAL_TOKENS, load_tokenizer
+    from gyre.backends.models.tokenizer import SPECIAL_TOKENS, load_tokenizer
 
     raw, d = Path(root) / "large_vocab_raw", Path(root) / "large_vocab"
     raw.mkdir(parents=True, exist_ok=True)
@@ -302,7 +302,7 @@ def _large_vocab_dir(spec: str, root: str) -> str | None:
 def _large_vocab_startup(tokenizer_dir: str) -> dict:
     """What the large vocabulary costs once, at start: the tokenizer load (transformers), the
     byte table (best of 3) and a whole Proxy() (renderer included), in this process."""
-    from gyre.backends import vocab as V
+    from gyre.backends.models import vocab as V
     from gyre.proxy import Proxy, ProxyConfig
 
     t0 = time.perf_counter()
@@ -336,7 +336,7 @@ def _stalls_stage(args, engine_url, esecret, store, procs) -> dict:
     """Issue 34: each shape of benchmarks/proxy_stalls.py against victims, one proxy at its default
     limits (context 1M tokens) in front of the engine process."""
     from benchmarks import proxy_stalls as S
-    from gyre.backends.tokenizer import load_tokenizer
+    from gyre.backends.models.tokenizer import load_tokenizer
 
     built = S.shapes()
     names = list(built) if args.stall_shapes == "all" else args.stall_shapes.split(",")
@@ -398,7 +398,7 @@ def main() -> None:
         args.requests, args.latency_requests, args.rounds, args.streams = 200, 60, 1, 100
         args.fair_requests, args.stall_calls, args.large_vocab = 100, 80, "none"
 
-    from gyre.backends.tokenizer import load_tokenizer
+    from gyre.backends.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
     prompt_ids = tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "task 0: list the files in src/"}], tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -36,7 +36,7 @@ def _schema(depth: int) -> dict:
 def conversation(tokens: int) -> list[dict]:
     """A conversation of ~`tokens` tokens (the project's tokenizer): turns of 8,000 characters of
     the tokenizer's corpus (Python source), alternating user / assistant, ending on a user turn."""
-    from gyre.backends.tokenizer import ASSET_DIR, CORPUS_FILE
+    from gyre.backends.models.tokenizer import ASSET_DIR, CORPUS_FILE
 
     corpus = Path(ASSET_DIR, CORPUS_FILE).read_text()
     msgs, chars, pos, i = [{"role": "system", "content": "You are a coding agent."}], int(tokens * 2.9), 0, 0

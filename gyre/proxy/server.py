@@ -26,7 +26,7 @@ from gyre.proxy import anthropic_api, openai_api, responses_api
 from gyre.proxy.bodies import read_body
 from gyre.proxy.core import ApiError, Proxy
 from gyre.proxy.keys import KeyInfo
-from gyre.backends.engine_http import ServerHandle, run_in_thread, start_app
+from gyre.serving import ServerHandle, run_in_thread, start_app
 
 logger = logging.getLogger(__name__)
 

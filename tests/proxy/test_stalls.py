@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from gyre.backends.det_engine import DeterministicEngine
+from gyre.backends.engines.det_engine import DeterministicEngine
 from gyre.proxy import ProxyConfig
 
 
@@ -173,7 +173,7 @@ def test_chunked_conversions_equal_the_whole():
 
     import numpy as np
 
-    from gyre.backends.engine_mux import _ids_bytes
+    from gyre.backends.engines.engine_mux import _ids_bytes
     from gyre.proxy.render import ids_digest
 
     rng = random.Random(7)
