@@ -32,7 +32,15 @@ Each message differs per request, so the last turn is tokenized every call (the 
 hits the per-turn token cache, as a re-sent history does). The last line printed is one JSON
 object with the figures named in the issue.
 
+Stalls (issue 34, benchmarks/proxy_stalls.py): adversarial body shapes (3 MiB of nested tool
+schemas, 300k Anthropic blocks, 300k Responses items, 20k tools, 15 MiB of tiny messages) and a
+legitimate 783k-token prompt, each against victims quiet and loaded side by side in one run, the
+proxy at its default limits (context 1M tokens), the engine in its own process: `stall_p99_ratio`
+per shape (goal <= 2), the shape's added p50 beside the engine alone, proxy CPU per shape call.
+
     python benchmarks/proxy_bench.py [--requests 2000] [--concurrency 32] [--streams 1000] [--rounds 4] [--fair-requests 400]
+    python benchmarks/proxy_bench.py --quick            # a few minutes: fewer calls, no large vocabulary
+    python benchmarks/proxy_bench.py --stalls-only      # only the issue-34 stage
 """
 
 from __future__ import annotations
@@ -42,14 +50,14 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.provenance import provenance, write_results  # noqa: E402
 
 SYSTEM = "You are a coding agent. You can run shell commands with the bash tool. " * 4
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run", "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]
@@ -67,7 +75,7 @@ def _engine_main(q, token_delay, vocab_size=1024, first_regular_id=7, eos_token_
 
 
 def _proxy_main(q, engine_url, n_keys, token_delay, store_dir, transport="ws", limits=False, engine_secret=None,
-                tokenizer_dir=None):
+                tokenizer_dir=None, config_kw=None):
     from gyre.proxy import Proxy, ProxyConfig, StoreSink, serve_proxy
     from gyre.backends.engines.det_engine import DeterministicEngine
     from gyre.backends.engines.engine_http import HttpEngine
@@ -79,7 +87,8 @@ def _proxy_main(q, engine_url, n_keys, token_delay, store_dir, transport="ws", l
 
         vocab = load_vocab(None, tokenizer_dir)
         kw = {"tokenizer": vocab.tokenizer, "stop_ids": vocab.stop_ids}
-    proxy = Proxy(ProxyConfig() if limits else ProxyConfig(calls_per_second_per_key=0), sink=StoreSink(TitoStore(store_dir)), **kw)
+    ckw = dict(config_kw or {}) if limits else {"calls_per_second_per_key": 0, **(config_kw or {})}
+    proxy = Proxy(ProxyConfig(**ckw), sink=StoreSink(TitoStore(store_dir)), **kw)
     if engine_url:
         proxy.router.add_engine(HttpEngine(engine_url, name="bench", transport=transport, secret=engine_secret),
                                 kind="cell", index=0)
@@ -323,6 +332,47 @@ def _first_regular_id(tokenizer) -> int:
     return i
 
 
+def _stalls_stage(args, engine_url, esecret, store, procs) -> dict:
+    """Issue 34: each shape of benchmarks/proxy_stalls.py against victims, one proxy at its default
+    limits (context 1M tokens) in front of the engine process."""
+    from benchmarks import proxy_stalls as S
+    from gyre.backends.models.tokenizer import load_tokenizer
+
+    built = S.shapes()
+    names = list(built) if args.stall_shapes == "all" else args.stall_shapes.split(",")
+    p, (port, keys) = _start(_proxy_main, engine_url, args.fair_keys + len(names), 0.0, store + "/s", "ws", True, esecret, None,
+                             {"max_context_tokens": 1 << 20})
+    victims, attackers = keys[: args.fair_keys], keys[args.fair_keys :]  # a fresh attacker per shape: no debt carried over
+    procs.append(p)
+    url, out = f"http://127.0.0.1:{port}", {}
+    for i, name in enumerate(names):
+        path, raw = built[name]
+        out[name] = asyncio.run(S.run_shape(url, [attackers[i]] + victims, path, raw, args.stall_calls, p.pid))
+        if name == "prompt_783k":
+            tok = load_tokenizer()
+            ids = tok.apply_chat_template(json.loads(raw)["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            alone = asyncio.run(S.engine_alone_ms(engine_url, esecret, ids))
+            out[name].update(prompt_tokens=len(ids), engine_alone_p50_ms=alone,
+                             added_p50_ms=(out[name]["shape_p50_ms"] or float("nan")) - alone)
+        o = out[name]
+        print(f"stall {name:22s} victims p99 {o['quiet_p99_ms']:.1f} ms quiet, {o['loaded_p99_ms']:.1f} ms loaded: ratio {o['p99_ratio']:.2f} | "
+              f"shape {o['shape_body_mib']:.1f} MiB x{sum(o['shape_status'].values())} {o['shape_status']}, p50 {o['shape_p50_ms'] or 0:.0f} ms, "
+              f"proxy CPU {o['proxy_cpu_ms_per_shape_call'] or 0:.0f} ms/call" + (f", engine alone {o['engine_alone_p50_ms']:.0f} ms" if "engine_alone_p50_ms" in o else ""), flush=True)
+    p.terminate()
+    return out
+
+
+def _stall_figures(stalls: dict) -> dict:
+    f = {f"stall_p99_ratio_{k}": v["p99_ratio"] for k, v in stalls.items()}
+    f.update({f"stall_proxy_cpu_ms_per_call_{k}": v["proxy_cpu_ms_per_shape_call"] for k, v in stalls.items()})
+    f["stall_p99_ratio_max"] = max((v["p99_ratio"] for v in stalls.values()), default=None)
+    if "prompt_783k" in stalls:
+        f["prompt_783k_added_p50_ms"] = stalls["prompt_783k"].get("added_p50_ms")
+        f["prompt_783k_engine_alone_p50_ms"] = stalls["prompt_783k"].get("engine_alone_p50_ms")
+    return f
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=2000, help="requests per variant in the throughput runs (all rounds)")
@@ -338,8 +388,15 @@ def main() -> None:
     ap.add_argument("--fair-body-mb", type=int, default=15, help="prompt text per hostile body, MiB (the body limit is 16)")
     ap.add_argument("--large-vocab", default="auto", help="tokenizer of the large-vocabulary variant: auto (mistral-common's "
                     "Tekken, 131k ids), a tekken.json or tokenizer directory, or none")
+    ap.add_argument("--stall-calls", type=int, default=240, help="victim calls per phase per shape in the stalls stage")
+    ap.add_argument("--stall-shapes", default="all", help="comma-separated shape names of the stalls stage (benchmarks/proxy_stalls.py), or all")
+    ap.add_argument("--stalls-only", action="store_true", help="run only the stalls stage")
+    ap.add_argument("--quick", action="store_true", help="fewer calls everywhere, no large vocabulary (minutes, noisier; sets the counts, overriding their flags)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "proxy_bench.json"))
     args = ap.parse_args()
+    if args.quick:
+        args.requests, args.latency_requests, args.rounds, args.streams = 200, 60, 1, 100
+        args.fair_requests, args.stall_calls, args.large_vocab = 100, 80, "none"
 
     from gyre.backends.models.tokenizer import load_tokenizer
 
@@ -353,6 +410,11 @@ def main() -> None:
         p, (eport, esecret) = _start(_engine_main, 0.0)
         procs.append(p)
         engine_url = f"http://127.0.0.1:{eport}"
+        if args.stalls_only:
+            stalls = _stalls_stage(args, engine_url, esecret, store, procs)
+            write_results(args.out, {**provenance("aiohttp", "openai", "tokenizers"), "config": vars(args), "stalls": stalls,
+                                     "figures": _stall_figures(stalls)})
+            return
         p, (pport, keys) = _start(_proxy_main, engine_url, args.concurrency, 0.0, store + "/a", "ws", False, esecret)
         procs.append(p)
         p, (xport, xkeys) = _start(_proxy_main, "", args.concurrency, 0.0, store + "/b")
@@ -432,6 +494,7 @@ def main() -> None:
         print(f"fairness     victims p99 {fair['quiet_p99_ms']:.2f} ms quiet, {fair['loaded_p99_ms']:.2f} ms while one execution sent "
               f"{fair['hostile_bodies']} bodies of {args.fair_body_mb} MiB ({fair['hostile_status']}, refused in {fair['hostile_refusal_p50_ms']:.0f} ms p50): "
               f"ratio {fair['fair_p99_ratio']:.2f}", flush=True)
+        stalls = _stalls_stage(args, engine_url, esecret, store, procs)
     finally:
         for p in procs:
             if p.is_alive():
@@ -469,21 +532,14 @@ def main() -> None:
             "large_vocab_tokenizer_load_s": large["tokenizer_load_s"],
             "large_vocab_proxy_init_s": large["proxy_init_s"],
         })
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = "unknown"
-    import aiohttp
-    import openai
-
+    figures.update(_stall_figures(stalls))
     out = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor()},
-        "versions": {"python": platform.python_version(), "aiohttp": aiohttp.__version__, "openai": openai.__version__},
+        **provenance("aiohttp", "openai", "tokenizers"),
         "config": vars(args),
-        "git_commit": commit,
         "results": res,
         "streams": streams,
         "fairness": fair,
+        "stalls": stalls,
         "large_vocab": large,
         "figures": figures,
         "left_out": [
@@ -491,14 +547,12 @@ def main() -> None:
             "the load generator, proxy and engine share the same 2 cores (and other engineers' work: "
             "see calibration_loop_ns; server CPU per request is the less load-dependent figure)",
             "SGLang engines (GPU): the proxy reaches them through the same RolloutEngine protocol",
-            "fairness: the hostile client runs in this process beside the victims; each refused body is still read and "
-            "JSON-parsed on the proxy's event loop (~20 ms for 15 MiB, GIL-bound, so a thread would not help): "
-            "that is what fair_p99_ratio measures",
+            "fairness / stalls: the hostile client runs in this process beside the victims; a large body is parsed in "
+            "the proxy's worker process (gyre/proxy/bodies.py), so its parse competes with the victims for the cores, "
+            "not for the proxy's event loop",
         ],
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps(figures))
+    write_results(args.out, out)
 
 
 if __name__ == "__main__":

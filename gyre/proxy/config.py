@@ -146,10 +146,34 @@ class ProxyConfig:
     execution shares, so an execution sending them is slowed, not the others. At the defaults a
     200k-token prompt (~1 MB) costs 8 units; 16 MB bodies pass at most one per two seconds.
     0 = bytes are free."""
+    body_values_per_call: int = 4096
+    """Work charging: a call also costs one unit per whole multiple of this many JSON values in
+    its body (counted as `,` `{` `[` bytes: parse and validation work grows with them, not with
+    bytes), debited after the body is read, uncapped: an execution sending 300k tiny items waits
+    for them itself (gyre/proxy/admission.py). 0 = values are free."""
+    render_ms_per_unit: float = 20.0
+    """Work charging: a request rendered and tokenized on the thread pool also costs one unit per
+    this many milliseconds its render took (debited after it, uncapped), so an execution sending
+    huge prompts back to back is slowed to about one core's worth of rendering at the default
+    rate, not the others. 0 = renders are free."""
+    inline_parse_values: int = 8192
+    """Bodies with fewer JSON values than this are parsed on the event loop (about a millisecond);
+    larger ones are parsed and validated in a worker process (`parse_processes`), so the GIL-bound
+    `json.loads` and field checks of a huge body never stall other executions' calls."""
+    parse_processes: int = 1
+    """Worker processes that parse and validate large bodies (shared by all executions; each
+    execution has one large body in work at a time)."""
+    max_body_items: int = 20000
+    """Messages (or Responses input items) plus their content blocks one request may hold; more is
+    a 400 naming the limit. A 1M-token conversation of real turns holds a few thousand."""
+    max_tools: int = 1024
+    """Tools one request may declare; more is a 400 naming the limit."""
+    max_json_depth: int = 64
+    """How deeply a body's JSON may nest (tool schemas included); deeper is a 400 naming the limit."""
     render_threads: int = 4
-    """Threads that parse large bodies, render the template and tokenize, off the event loop, so
-    a huge prompt from one execution never stalls the calls of the others. Each execution renders
-    one request at a time (its others queue without holding a thread)."""
+    """Threads that render the template and tokenize (the tokenizer releases the GIL), off the
+    event loop, so a huge prompt from one execution never stalls the calls of the others. Each
+    execution renders one request at a time (its others queue without holding a thread)."""
     inline_render_chars: int = 16384
     """Requests with less text than this are rendered on the event loop (sub-millisecond work;
     a thread hand-off would cost more than it saves)."""

@@ -12,13 +12,12 @@ reasoning tags, from its template or --proxy.chat-format) decides the stop ids, 
 tool-call opening and how sampled text is parsed: `events()` yields text, `ToolCall`s and
 `Reasoning` pieces (thinking, which adapters return apart from the answer).
 
-Fair sharing (docs/design.md §4, untrusted callers: a hostile harness cannot hurt the run). One execution (all its keys) may
-have `max_calls_per_key` calls in flight and start `calls_per_second_per_key` calls a second
-(token bucket, burst 2x); past either it gets a 429 before its body is read (`Proxy.admit`). Text
-that cannot fit in the context (characters / the longest token > max_context_tokens) is refused
-before it is tokenized. Rendering and tokenizing run on a thread pool (`Proxy.aprepare`), one
-request per execution at a time, so a huge prompt never stalls another execution's call; small
-requests are rendered inline (cheaper than a thread hand-off).
+Fair sharing (docs/design.md §4, untrusted callers: a hostile harness cannot hurt the run). Admission (slots, the rate
+bucket, work charging) is gyre/proxy/admission.py; bodies are parsed and validated off the event
+loop when large (gyre/proxy/bodies.py). Text that cannot fit in the context (characters / the
+longest token > max_context_tokens) is refused before it is tokenized. Rendering and tokenizing
+run on a thread pool (`Proxy.aprepare`; the tokenizer's batch encode releases the GIL), one
+request per execution at a time; small requests are rendered inline (cheaper than a hand-off).
 
 Record lifecycle. A call whose client goes away is cancelled, stream or not (`abort_on_disconnect`):
 the engine request is aborted and the record says `abort`. `close_execution` revokes the keys,
@@ -40,7 +39,7 @@ by name; with several, the model writes the name, and a name that is not one of 
 returned as the model wrote it (a call the harness reports back as unknown, as with `auto`),
 logged and counted in the record's `payload_ref["forced_unknown_tool"]`.
 
-Size (about 760 lines): one call's whole path (render, route, stream, parse, record) is kept in one
+Size (about 730 lines): one call's whole path (render, route, stream, parse, record) is kept in one
 place so the exactness argument of TITO can be read end to end; the chat formats, rendering and
 byte tables already live in formats/, render.py and gyre/backends/models/vocab.py.
 """
@@ -50,23 +49,22 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterable
 
 from jinja2 import TemplateError
 
 from gyre.backends.protocols import SamplingParams, TokenEvent
 from gyre.backends.models.tokenizer import load_tokenizer
 from gyre.backends.models.vocab import byte_table, stop_token_ids
+from gyre.proxy.admission import Admission
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.formats import OutputParser, Reasoning, format_for
 from gyre.proxy.keys import KeyInfo, KeyRegistry
 from gyre.proxy.roles import RoleClassifier
-from gyre.proxy.render import UNMATCHED_KINDS, ChatRenderer, PromptTooLong, Rendered, StoredTurn, TurnStore, turn_fingerprint
+from gyre.proxy.render import UNMATCHED_KINDS, ChatRenderer, PromptTooLong, Rendered, StoredTurn, TurnStore, ids_digest, turn_fingerprint
 from gyre.backends.transfer.migration import MigrationPolicy
 from gyre.proxy.router import NoEngineError, RouteInfo, Router
 from gyre.proxy.sink import MemorySink, RecordSink
@@ -412,7 +410,8 @@ class Call:
             # prefix: re-sent, it splices back to exactly the tokens the model saw (the prefix
             # stays input there).
             n_ctx = len(self.rendered.ids) - len(self.forced_ids) - self.rendered.gen_prefix_ids
-            st.turns.add(fp, StoredTurn.of(self.call_id, self.rendered.ids[:n_ctx], self.rendered.ids[n_ctx:] + out_ids, self.content, calls))
+            st.turns.add(fp, StoredTurn.of(self.call_id, self.rendered.ids[:n_ctx], self.rendered.ids[n_ctx:] + out_ids, self.content, calls,
+                                           digest=self.rendered.ctx_digest))
         try:
             p.sink.on_record(self.record)
         except Exception as e:  # a failing sink must be loud, but the client already has its answer
@@ -462,6 +461,7 @@ class Proxy:
         self.late_records = 0  # calls that ended after their execution was closed (not recorded)
         self.closed_executions: set[str] = set()  # their ids cannot be issued again
         self._pool: ThreadPoolExecutor | None = None
+        self.admission = Admission(c, self._state)  # slots, rate and work charging (gyre/proxy/admission.py)
         self.unmatched_executions: dict[str, dict[str, Any]] = {}  # closed executions with unmatched turns (worst kept)
         self._serial = itertools.count()
 
@@ -576,45 +576,9 @@ class Proxy:
             state = self.executions[execution_id] = ExecutionState(execution_id=execution_id)
         return state
 
-    @contextmanager
-    def admit(self, key: KeyInfo, body_bytes: int = 0) -> Iterator[ExecutionState]:
-        """Hold one of the execution's call slots for the body of the `with` (the whole request,
-        from before its body is read): 429 past `max_calls_per_key` in flight or
-        `calls_per_second_per_key`, where a call costs 1 + ⌊body_bytes / `body_bytes_per_call`⌋
-        units (at most the bucket). Registers the current task so `close_execution` can abort it."""
-        c = self.config
-        state = self._state(key.execution_id)
-        if c.max_calls_per_key and len(state.tasks) >= c.max_calls_per_key:
-            raise ApiError(429, "rate_limit", f"this execution has {len(state.tasks)} calls in flight; the limit is "
-                           f"{c.max_calls_per_key} (proxy.max_calls_per_key)", retry_after=1.0)
-        rate = c.calls_per_second_per_key
-        if rate > 0:
-            now = time.monotonic()
-            burst = 2.0 * rate
-            state.bucket = burst if state.bucket is None else min(burst, state.bucket + (now - state.bucket_t) * rate)
-            state.bucket_t = now
-            cost = 1.0 + (body_bytes // c.body_bytes_per_call if c.body_bytes_per_call else 0)
-            cost = min(cost, burst)
-            if state.bucket < cost:
-                raise ApiError(429, "rate_limit", f"more than {rate:g} calls per second from this execution, a call "
-                               f"costing one more per {c.body_bytes_per_call} body bytes (proxy.calls_per_second_per_key, "
-                               "proxy.body_bytes_per_call)", retry_after=math.ceil((cost - state.bucket) / rate * 10) / 10)
-            state.bucket -= cost
-        task = asyncio.current_task()
-        state.tasks.add(task)
-        try:
-            yield state
-        finally:
-            state.tasks.discard(task)
-
-    def charge_body(self, key: KeyInfo, body_bytes: int) -> None:
-        """Debit a body whose size was not known at admission (chunked, no Content-Length) from
-        the execution's rate budget after it was read: its next calls wait for it."""
-        c = self.config
-        state = self.executions.get(key.execution_id)
-        if state is None or state.bucket is None or c.calls_per_second_per_key <= 0 or not c.body_bytes_per_call:
-            return
-        state.bucket -= body_bytes // c.body_bytes_per_call
+    def admit(self, key: KeyInfo, body_bytes: int = 0):
+        """`with proxy.admit(key, content_length) as state:` (gyre/proxy/admission.py)."""
+        return self.admission.admit(key, body_bytes)
 
     @property
     def pool(self) -> ThreadPoolExecutor:
@@ -651,7 +615,9 @@ class Proxy:
         if state.render_lock is None:
             state.render_lock = asyncio.Lock()
         async with state.render_lock:
+            t0 = time.perf_counter()
             built = await asyncio.get_running_loop().run_in_executor(self.pool, self._build, req, state)
+            self.admission.charge_render(key.execution_id, time.perf_counter() - t0)
         return self._call(state, role, req, start, built)
 
     # ---- calls ------------------------------------------------------------------------------
@@ -716,6 +682,8 @@ class Proxy:
         if forced_ids:
             rendered.ids = rendered.ids + forced_ids
         n = len(rendered.ids)
+        if n > 1 << 16 and req.messages is not None:  # hashed here (a render thread), not on the loop at the call's end
+            rendered.ctx_digest = ids_digest(rendered.ids[: n - len(forced_ids) - rendered.gen_prefix_ids])
         if n == 0:
             raise ApiError(400, "invalid_request", "the prompt is empty", param="prompt")
         if n >= c.max_context_tokens:

@@ -97,9 +97,14 @@ def turn_fingerprint(content: str | None, tool_calls: list[dict] | None) -> tupl
     return ((content or "").strip(), calls)
 
 
-def ids_digest(ids: list[int]) -> bytes:
-    """Digest of a token sequence (the context a stored turn was sampled in)."""
-    return hashlib.blake2b(np.asarray(ids, dtype=np.int32).tobytes(), digest_size=16).digest()
+def ids_digest(ids: list[int], chunk: int = 1 << 16) -> bytes:
+    """Digest of a token sequence (the context a stored turn was sampled in). Hashed `chunk` ids
+    at a time (the same digest as all at once): each conversion is a short GIL hold, so a 1M-id
+    context hashed on a render thread never holds the event loop for long."""
+    h = hashlib.blake2b(digest_size=16)
+    for i in range(0, len(ids), chunk):
+        h.update(np.asarray(ids[i : i + chunk], dtype=np.int32).tobytes())
+    return h.digest()
 
 
 @dataclass
@@ -118,8 +123,10 @@ class StoredTurn:
     tool_calls: list[dict] = field(default_factory=list)
 
     @classmethod
-    def of(cls, call_id: int, input_ids: list[int], output_ids: list[int], content: str = "", tool_calls: list[dict] | None = None) -> "StoredTurn":
-        return cls(call_id, len(input_ids), ids_digest(input_ids), list(output_ids), content, list(tool_calls or []))
+    def of(cls, call_id: int, input_ids: list[int], output_ids: list[int], content: str = "", tool_calls: list[dict] | None = None,
+           digest: bytes | None = None) -> "StoredTurn":
+        """`digest`: ids_digest(input_ids), when already computed (off the event loop, `Proxy._build`)."""
+        return cls(call_id, len(input_ids), digest or ids_digest(input_ids), list(output_ids), content, list(tool_calls or []))
 
 
 class TurnStore(dict):
@@ -162,6 +169,7 @@ class Rendered:
     stripped: int = 0  # stored turns rendered without their reasoning (past_reasoning="strip")
     gen_prefix: str = ""  # template text after the generation prompt (e.g. an empty think block): input
     gen_prefix_ids: int = 0  # its ids: the last ones of `ids` (the stored turn's start, gyre.proxy.core)
+    ctx_digest: bytes | None = None  # ids_digest of the stored turn's context, computed on the render thread for long prompts
 
 
 class PromptTooLong(ValueError):
@@ -267,19 +275,23 @@ class ChatRenderer:
         """Ids of a chunk holding escape markers: the template's special tokens as such, the text
         between them (markers back to their literal strings) with special-token matching off.
         Cutting at special tokens is what the tokenizer does itself (they never merge)."""
-        out: list[int] = []
+        parts: list[str | int] = []  # text to encode, or a special token's id
         pos = 0
-
-        def text(t: str) -> None:
-            if t:
-                t = self._lit_re.sub(lambda m: self._specials[int(m.group(1))], t)
-                out.extend(self.plain.encode(t, add_special_tokens=False).ids)
-
         for m in self._special_re.finditer(chunk):
-            text(chunk[pos : m.start()])
-            out.append(self._special_ids[m.group()])
+            parts.append(chunk[pos : m.start()])
+            parts.append(self._special_ids[m.group()])
             pos = m.end()
-        text(chunk[pos:])
+        parts.append(chunk[pos:])
+        texts = [self._lit_re.sub(lambda m: self._specials[int(m.group(1))], t) for t in parts if isinstance(t, str) and t]
+        # encode_batch releases the GIL while it encodes (encode does not): a long message never
+        # holds the event loop (issue 34)
+        encoded = iter(self.plain.encode_batch(texts, add_special_tokens=False))
+        out: list[int] = []
+        for t in parts:
+            if isinstance(t, int):
+                out.append(t)
+            elif t:
+                out.extend(next(encoded).ids)
         return out
 
     # ---- text -> ids ------------------------------------------------------------------------

@@ -5,8 +5,9 @@
 
 `handle.port`, `handle.url` (base, without /v1), `handle.call(coro)` runs a coroutine on the
 server's loop (e.g. `handle.call(proxy.router.drain("cell1"))` from a test thread).
-Each call is admitted (`Proxy.admit`: per-execution concurrency and rate, 429) before its body
-is read, and a client that disconnects aborts its call. `GET /health` answers `{"ok": true}` to
+Each call is admitted (`Proxy.admit`, gyre/proxy/admission.py: per-execution concurrency and
+rate, 429) before its body is read; its body is parsed and validated off the event loop when large
+(gyre/proxy/bodies.py); a client that disconnects aborts its call. `GET /health` answers `{"ok": true}` to
 anyone; the router's engines and counts only to the admin token or a valid execution key.
 Every failure a request can cause is a 4xx in the API's error body (OpenAI for /v1/chat/...,
 /v1/completions, /v1/responses, /v1/models; Anthropic for /v1/messages...); an unexpected exception is logged
@@ -17,12 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 
 from aiohttp import web
 
 from gyre.proxy import anthropic_api, openai_api, responses_api
+from gyre.proxy.bodies import read_body
 from gyre.proxy.core import ApiError, Proxy
 from gyre.proxy.keys import KeyInfo
 from gyre.serving import ServerHandle, run_in_thread, start_app
@@ -88,22 +89,6 @@ async def _errors(request: web.Request, handler):
 def build_app(proxy: Proxy) -> web.Application:
     cap = proxy.config.max_body_bytes
 
-    async def body_of(request: web.Request, key: KeyInfo) -> dict:
-        if request.content_length is not None and request.content_length > cap:
-            raise ApiError(413, "too_large", f"request body is {request.content_length} bytes; the limit is {cap}")
-        raw = await request.read()
-        if request.content_length is None:  # chunked: admission charged it as empty (Proxy.admit)
-            proxy.charge_body(key, len(raw))
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, "invalid_request", f"malformed JSON body: {e}") from None
-        except RecursionError:
-            raise ApiError(400, "invalid_request", "malformed JSON body: nested too deeply") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "invalid_request", "the JSON body must be an object")
-        return body
-
     def model_of(body: dict) -> str:
         m = body.get("model")
         return m if isinstance(m, str) and m else proxy.config.model_name
@@ -111,24 +96,23 @@ def build_app(proxy: Proxy) -> web.Application:
     async def chat(request: web.Request) -> web.StreamResponse:
         key = proxy.authenticate(_key_of(request))
         with proxy.admit(key, request.content_length or 0):
-            body = await body_of(request, key)
-            req = openai_api.parse_chat(body)
+            parsed = await read_body(proxy, request, key, "chat")
+            body, req = parsed.body, parsed.req
             call = await proxy.aprepare(key, request.headers, req)
             return await openai_api.respond_chat(request, call, model_of(body))
 
     async def completions(request: web.Request) -> web.StreamResponse:
         key = proxy.authenticate(_key_of(request))
         with proxy.admit(key, request.content_length or 0):
-            body = await body_of(request, key)
-            req = openai_api.parse_completion(body)
-            openai_api.validate_prompt_ids(req, len(proxy.token_table))
+            parsed = await read_body(proxy, request, key, "completions")
+            body, req = parsed.body, parsed.req
             call = await proxy.aprepare(key, request.headers, req)
             return await openai_api.respond_completion(request, call, model_of(body))
 
     async def responses(request: web.Request) -> web.StreamResponse:
         key = proxy.authenticate(_key_of(request))
         with proxy.admit(key, request.content_length or 0):
-            body = await body_of(request, key)
+            body = (await read_body(proxy, request, key, "responses")).body
             return await responses_api.create(request, proxy, key, body, model_of(body))
 
     async def get_response(request: web.Request) -> web.Response:
@@ -142,16 +126,15 @@ def build_app(proxy: Proxy) -> web.Application:
     async def messages(request: web.Request) -> web.StreamResponse:
         key = proxy.authenticate(_key_of(request))
         with proxy.admit(key, request.content_length or 0):
-            body = await body_of(request, key)
-            req = anthropic_api.parse_request(body)
+            parsed = await read_body(proxy, request, key, "messages")
+            body, req = parsed.body, parsed.req
             call = await proxy.aprepare(key, request.headers, req)
             return await anthropic_api.respond(request, call, model_of(body))
 
     async def count_tokens(request: web.Request) -> web.Response:
         key = proxy.authenticate(_key_of(request))
         with proxy.admit(key, request.content_length or 0):
-            body = await body_of(request, key)
-            req = anthropic_api.parse_request(body, count_only=True)
+            req = (await read_body(proxy, request, key, "count_tokens")).req
             if proxy.text_chars(req) < proxy.config.inline_render_chars:
                 return web.json_response({"input_tokens": proxy.count_tokens(key, req)})
             n = await asyncio.get_running_loop().run_in_executor(proxy.pool, proxy.count_tokens, key, req)

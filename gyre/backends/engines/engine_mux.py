@@ -177,6 +177,18 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
     app.on_shutdown.append(close_all)
 
 
+
+async def _ids_bytes(ids: list[int], chunk: int = 1 << 16) -> bytes:
+    """`ids` as little-endian int32 bytes, converted `chunk` ids at a time with the loop let run
+    in between: a 1M-id prompt is ~15 short GIL holds, not one of ~50 ms (issue 34)."""
+    if len(ids) <= chunk:
+        return np.asarray(ids, dtype="<i4").tobytes()
+    parts = []
+    for i in range(0, len(ids), chunk):
+        parts.append(np.asarray(ids[i : i + chunk], dtype="<i4").tobytes())
+        await asyncio.sleep(0)
+    return b"".join(parts)
+
 class MuxClient:
     """The client end: one websocket, a reader task, a queue per open stream."""
 
@@ -237,7 +249,7 @@ class MuxClient:
         self.queues[rid] = q
         ended = False
         try:
-            ids = base64.b64encode(np.asarray(input_ids, dtype="<i4").tobytes()).decode()
+            ids = base64.b64encode(await _ids_bytes(input_ids)).decode()
             await self.ws.send_str(json.dumps({"op": "generate", "rid": rid, "ids_b64": ids, "sampling": sampling_to_json(sampling)}))
             while True:
                 for item in await q.get():

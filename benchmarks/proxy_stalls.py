@@ -1,0 +1,166 @@
+"""Adversarial body shapes and a legitimate 783k-token prompt against the proxy (issue 34), the
+stall stage of `benchmarks/proxy_bench.py` (run it there; `--stalls-only` runs just this stage).
+
+For each shape, in one run and side by side: `--fair-keys` victim executions send small calls
+50 ms apart, first quiet, then while one more execution sends the shape as fast as its rate
+budget lets it (it waits out each 429's Retry-After). Per shape: victims' p99 loaded / quiet
+(goal <= 2), the shape's own p50 through the proxy and (the 783k prompt) the same ids sent to
+the engine alone, and the proxy's CPU per shape call (its process and its body-parsing worker).
+
+  nested_schemas_3mib   3 MiB of tool schemas nested 20 deep (within the limits: parsed off the loop, rendered, refused as over the context)
+  anthropic_300k_blocks 300k one-character Anthropic content blocks (refused: proxy.max_body_items)
+  responses_300k_items  300k Responses input items (refused: proxy.max_body_items)
+  tools_20k             20k tools (refused: proxy.max_tools)
+  tiny_messages_15mib   15 MiB of one-character messages (refused: proxy.max_body_items)
+  prompt_783k           a legitimate 783k-token conversation (~290 turns of code), answered
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+NESTED_DEPTH = 20
+
+
+def _schema(depth: int) -> dict:
+    s: dict = {"type": "string", "description": "a leaf"}
+    for i in range(depth):
+        s = {"type": "object", "description": f"level {i}", "properties": {f"field_{i}": s, "count": {"type": "integer"}}, "required": [f"field_{i}"]}
+    return s
+
+
+def conversation(tokens: int) -> list[dict]:
+    """A conversation of ~`tokens` tokens (the project's tokenizer): turns of 8,000 characters of
+    the tokenizer's corpus (Python source), alternating user / assistant, ending on a user turn."""
+    from gyre.backends.models.tokenizer import ASSET_DIR, CORPUS_FILE
+
+    corpus = Path(ASSET_DIR, CORPUS_FILE).read_text()
+    msgs, chars, pos, i = [{"role": "system", "content": "You are a coding agent."}], int(tokens * 2.9), 0, 0
+    while chars > 0:
+        if pos + 8000 > len(corpus):
+            pos = 0
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": f"[{i}] " + corpus[pos : pos + 8000]})
+        pos, i, chars = pos + 8000, i + 1, chars - 8000
+    if msgs[-1]["role"] != "user":
+        msgs.append({"role": "user", "content": "go on"})
+    return msgs
+
+
+def shapes(prompt_tokens: int = 783_000) -> dict[str, tuple[str, bytes]]:
+    """name -> (path, body bytes)."""
+    one = {"type": "function", "function": {"name": "t", "description": "d", "parameters": _schema(NESTED_DEPTH)}}
+    n = (3 << 20) // len(json.dumps(one))
+    tiny = {"role": "user", "content": "x"}
+    out = {
+        "nested_schemas_3mib": ("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                                                         "tools": [{"type": "function", "function": dict(one["function"], name=f"t{i % 1000}_{i}")} for i in range(n)]}),
+        "anthropic_300k_blocks": ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 300_000}]}),
+        "responses_300k_items": ("/v1/responses", {"model": "m", "max_output_tokens": 16, "input": [tiny] * 300_000}),
+        "tools_20k": ("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                                               "tools": [{"type": "function", "function": {"name": f"t{i}", "description": "d", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}} for i in range(20_000)]}),
+        "tiny_messages_15mib": ("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": [tiny] * ((15 << 20) // len(json.dumps(tiny)) - 16)}),
+        "prompt_783k": ("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": conversation(prompt_tokens)}),
+    }
+    return {k: (p, json.dumps(b).encode()) for k, (p, b) in out.items()}
+
+
+def tree_cpu_s(pid: int) -> float:
+    """utime + stime of `pid` and its live children (the proxy and its body-parsing worker)."""
+    def one(p: str) -> float:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    total = one(str(pid))
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid:
+                total += one(p)
+    return total
+
+
+def _pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+async def run_shape(url: str, keys: list[str], path: str, raw: bytes, per_phase: int, proxy_pid: int, max_tokens: int = 8) -> dict:
+    """Quiet victims, then victims while keys[0] sends `raw` to `path` within its rate budget."""
+    import aiohttp
+
+    small = {"model": "m", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "task: list the files"}]}
+    hdr0 = {"Authorization": f"Bearer {keys[0]}", "x-api-key": keys[0], "anthropic-version": "2023-06-01", "Content-Type": "application/json"}
+    shape = {"s": [], "codes": {}, "cpu_s": 0.0}
+
+    async def victims(session):
+        lat: list[float] = []
+        per = max(1, per_phase // (len(keys) - 1))
+
+        async def one(key):
+            for _ in range(per):
+                t0 = time.perf_counter()
+                async with session.post(url + "/v1/chat/completions", json=small, headers={"Authorization": f"Bearer {key}"}) as r:
+                    await r.read()
+                    assert r.status == 200, r.status
+                lat.append(time.perf_counter() - t0)
+                await asyncio.sleep(0.05)
+        await asyncio.gather(*(one(k) for k in keys[1:]))
+        return lat
+
+    async def attacker(session, stop):
+        while not stop.is_set():
+            c0, t0 = tree_cpu_s(proxy_pid), time.perf_counter()
+            try:
+                async with session.post(url + path, data=raw, headers=hdr0) as r:
+                    await r.read()
+                    status, wait = r.status, float(r.headers.get("Retry-After", 0) or 0)
+            except aiohttp.ClientError:
+                status, wait = "closed", 0.5
+            shape["codes"][status] = shape["codes"].get(status, 0) + 1
+            if status != 429 and status != "closed":
+                shape["s"].append(time.perf_counter() - t0)
+                shape["cpu_s"] += tree_cpu_s(proxy_pid) - c0
+            if wait:
+                await asyncio.sleep(wait)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600)) as session:
+        quiet = await victims(session)
+        stop = asyncio.Event()
+        att = asyncio.ensure_future(attacker(session, stop))
+        await asyncio.sleep(0.3)
+        loud = await victims(session)
+        stop.set()
+        await att
+    n = len(shape["s"])
+    return {"quiet_p99_ms": _pct(quiet, 99) * 1e3, "loaded_p99_ms": _pct(loud, 99) * 1e3, "p99_ratio": _pct(loud, 99) / _pct(quiet, 99),
+            "quiet_p50_ms": _pct(quiet, 50) * 1e3, "loaded_p50_ms": _pct(loud, 50) * 1e3, "victim_calls": len(loud),
+            "shape_calls": n, "shape_status": {str(k): v for k, v in shape["codes"].items()}, "shape_body_mib": len(raw) / 2**20,
+            "shape_p50_ms": _pct(shape["s"], 50) * 1e3 if n else None, "proxy_cpu_ms_per_shape_call": shape["cpu_s"] / n * 1e3 if n else None}
+
+
+async def engine_alone_ms(engine_url: str, secret: str, ids: list[int], n: int = 3) -> float:
+    """p50 of sending `ids` straight to the engine (/generate) and reading 4 tokens."""
+    import aiohttp
+
+    lat = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        for i in range(n):
+            body = json.dumps({"request_id": f"alone{i}", "input_ids": ids, "sampling": {"max_tokens": 4}})
+            t0 = time.perf_counter()
+            async with session.post(engine_url + "/generate", data=body, headers={"Authorization": f"Bearer {secret}"}) as r:
+                await r.read()
+                assert r.status == 200, r.status
+            lat.append(time.perf_counter() - t0)
+    return _pct(lat, 50) * 1e3

@@ -1,0 +1,103 @@
+"""Admission: what one execution may cost the proxy every execution shares (issue 20, issue 34).
+
+    with proxy.admit(key, content_length) as state:   429 past the slots or the rate, before the body is read
+        body = ...read...
+        proxy.admission.charge(state, units)            the body's bytes / values, debited once known
+
+One execution (all its keys) may have `max_calls_per_key` calls in flight and start
+`calls_per_second_per_key` units a second (a token bucket holding 2x that, so bursts pass); past
+either it gets a 429 with Retry-After before its body is read. A call costs one unit, plus one
+per `body_bytes_per_call` bytes (known at admission from Content-Length, capped at the bucket so
+any body under the size limit passes a full bucket), plus one per `body_values_per_call` JSON
+values (`work_units`: known only once the body is read; debited uncapped, so the bucket goes
+negative and the execution's next calls wait for it). The value count is what parsing and
+validating a body costs (a 9 MiB body of 300k one-character blocks costs ~40x what 9 MiB of
+prompt text does), so an execution sending such bodies throttles itself and nobody else. A
+request rendered on the thread pool (large prompts) is charged one unit per `render_ms_per_unit`
+of its render's wall time, likewise after the fact: tokenizing is GIL-free but takes cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Callable, Iterator
+
+if TYPE_CHECKING:
+    from gyre.proxy.config import ProxyConfig
+    from gyre.proxy.core import ExecutionState
+    from gyre.proxy.keys import KeyInfo
+
+
+def value_count(raw: bytes) -> int:
+    """An upper bound on the JSON values in `raw`: its `,` `{` `[` bytes (C speed: ~2 ms for 15 MiB).
+    Separators inside strings count too, so prose costs a little more than it parses; never less."""
+    return raw.count(b",") + raw.count(b"{") + raw.count(b"[")
+
+
+class Admission:
+    def __init__(self, config: "ProxyConfig", state_of: Callable[[str], "ExecutionState"]) -> None:
+        self.config = config
+        self.state_of = state_of
+
+    def _refill(self, state: "ExecutionState", now: float) -> None:
+        rate = self.config.calls_per_second_per_key
+        burst = 2.0 * rate
+        state.bucket = burst if state.bucket is None else min(burst, state.bucket + (now - state.bucket_t) * rate)
+        state.bucket_t = now
+
+    @contextmanager
+    def admit(self, key: "KeyInfo", body_bytes: int = 0) -> Iterator["ExecutionState"]:
+        """Hold one of the execution's call slots for the body of the `with` (the whole request,
+        from before its body is read): 429 past `max_calls_per_key` in flight or past the rate
+        budget. Registers the current task so `close_execution` can abort it."""
+        from gyre.proxy.core import ApiError
+
+        c = self.config
+        state = self.state_of(key.execution_id)
+        if c.max_calls_per_key and len(state.tasks) >= c.max_calls_per_key:
+            raise ApiError(429, "rate_limit", f"this execution has {len(state.tasks)} calls in flight; the limit is "
+                           f"{c.max_calls_per_key} (proxy.max_calls_per_key)", retry_after=1.0)
+        rate = c.calls_per_second_per_key
+        if rate > 0:
+            self._refill(state, time.monotonic())
+            cost = min(1.0 + (body_bytes // c.body_bytes_per_call if c.body_bytes_per_call else 0), 2.0 * rate)
+            if state.bucket < cost:
+                raise ApiError(429, "rate_limit", f"more than {rate:g} calls per second from this execution, a call "
+                               f"costing one more per {c.body_bytes_per_call} body bytes and per {c.body_values_per_call} "
+                               "JSON values (proxy.calls_per_second_per_key, proxy.body_bytes_per_call, "
+                               "proxy.body_values_per_call)", retry_after=math.ceil((cost - state.bucket) / rate * 10) / 10)
+            state.bucket -= cost
+        task = asyncio.current_task()
+        state.tasks.add(task)
+        try:
+            yield state
+        finally:
+            state.tasks.discard(task)
+
+    def work_units(self, raw: bytes, charged_bytes: bool) -> int:
+        """Units a read body owes beyond what admission charged: its JSON values, and its bytes
+        when admission did not know them (chunked, no Content-Length)."""
+        c = self.config
+        units = value_count(raw) // c.body_values_per_call if c.body_values_per_call else 0
+        if not charged_bytes and c.body_bytes_per_call:
+            units += len(raw) // c.body_bytes_per_call
+        return units
+
+    def charge_render(self, execution_id: str, seconds: float) -> None:
+        """Debit a render that ran on the thread pool: one unit per `render_ms_per_unit` of its wall
+        time (tokenizing a 783k-token prompt takes ~1 s of a core; its execution pays for it)."""
+        ms = self.config.render_ms_per_unit
+        if ms > 0:
+            self.charge(execution_id, int(seconds * 1e3 / ms))
+
+    def charge(self, execution_id: str, units: int) -> None:
+        """Debit `units` from the execution's rate budget (uncapped: its next calls wait)."""
+        state = self.state_of(execution_id)
+        if units <= 0 or self.config.calls_per_second_per_key <= 0:
+            return
+        if state.bucket is None:
+            self._refill(state, time.monotonic())
+        state.bucket -= units

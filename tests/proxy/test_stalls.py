@@ -1,0 +1,185 @@
+"""Issue 34, items 2-3: no body shape from one execution stalls the others' calls.
+
+The event loop's lag is measured with a 1 ms ticker on the server's own loop: while a heavy body
+is read, parsed and refused, the loop must keep ticking (its longest gap bounded relative to the
+gap measured on the same machine with only small calls). Work charging and the structural limits
+(400s naming the limit, through the official SDKs) are checked exactly.
+"""
+
+import asyncio
+import json
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from gyre.backends.engines.det_engine import DeterministicEngine
+from gyre.proxy import ProxyConfig
+
+
+class LoopLag:
+    """The longest gap between 1 ms ticks of the server's loop while it runs: `lag` in wall time,
+    `cpu` in the loop thread's CPU time (work done on the loop between two ticks: what a call
+    blocks it with; unlike `lag`, not inflated when a loaded machine deschedules the thread)."""
+
+    def __init__(self, h):
+        self.h = h
+
+    async def _start(self):
+        self.max, self.cpu_max, self.done = 0.0, 0.0, False
+        self.task = asyncio.ensure_future(self._run())
+
+    async def _run(self):
+        loop = asyncio.get_running_loop()
+        last, last_cpu = loop.time(), time.thread_time()
+        while not self.done:
+            await asyncio.sleep(0.001)
+            now, cpu = loop.time(), time.thread_time()
+            self.max = max(self.max, now - last - 0.001)
+            self.cpu_max = max(self.cpu_max, cpu - last_cpu)
+            last, last_cpu = now, cpu
+
+    async def _stop(self):
+        self.done = True
+        await self.task
+        return self.max, self.cpu_max
+
+    def __enter__(self):
+        self.h.call(self._start())
+        return self
+
+    def __exit__(self, *exc):
+        self.lag, self.cpu = self.h.call(self._stop())
+
+
+def _post(h, key, path, raw):
+    return httpx.post(h.url + path, content=raw, timeout=60,
+                      headers={"Authorization": f"Bearer {key}", "x-api-key": key, "content-type": "application/json",
+                               "anthropic-version": "2023-06-01"})
+
+
+@pytest.fixture
+def srv(make_server):
+    proxy, h = make_server([(DeterministicEngine("e"), "cell", 0)], config=ProxyConfig(calls_per_second_per_key=0))
+    return proxy, h, proxy.issue_key("ex-heavy"), proxy.issue_key("ex-victim")
+
+
+SMALL = json.dumps({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+@pytest.mark.parametrize("shape", ["tiny_messages", "anthropic_blocks", "responses_items"])
+def test_heavy_body_does_not_stall_the_loop(srv, shape):
+    """~8 MiB of tiny items: before, json.loads + validation held the loop 0.18-0.28 s of CPU per body
+    (now ~0.02-0.03 s: reading the body and counting its values)."""
+    proxy, h, heavy, victim = srv
+    n = 250_000
+    path, body = {
+        "tiny_messages": ("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}] * n}),
+        "anthropic_blocks": ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * n}]}),
+        "responses_items": ("/v1/responses", {"model": "m", "input": [{"role": "user", "content": "x"}] * n}),
+    }[shape]
+    raw = json.dumps(body).encode()
+    _post(h, heavy, path, raw)  # the worker pool starts once (spawn); not what is measured
+    with LoopLag(h) as quiet:
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.3:
+            assert _post(h, victim, "/v1/chat/completions", SMALL).status_code == 200
+    with LoopLag(h) as loaded:
+        r = _post(h, heavy, path, raw)
+    assert loaded.cpu < max(0.08, 4 * quiet.cpu), (loaded.cpu, quiet.cpu, loaded.lag, quiet.lag)
+    assert r.status_code == 400 and "proxy.max_body_items" in r.text, r.text
+
+
+def test_work_charging_debits_json_values(make_server):
+    """A body's JSON values cost its execution rate units (1 per body_values_per_call), debited
+    after the read: at 10 calls/s (bucket 20) a 30k-value, 60 kB body leaves the bucket at
+    20 - 1 - 30 = -11, so the next small call is a 429 asking to wait (1 + 11) / 10 = 1.2 s; other
+    executions are untouched."""
+    proxy, h = make_server([(DeterministicEngine("e"), "cell", 0)],
+                           config=ProxyConfig(calls_per_second_per_key=10, body_values_per_call=1000,
+                                                              inline_parse_values=1 << 20))  # no worker start-up time to refill the bucket
+    a, b = proxy.issue_key("ex-a"), proxy.issue_key("ex-b")
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "metadata_pad": [0] * 29_990}
+    raw = json.dumps(body).encode()
+    assert 29_990 <= raw.count(b",") + raw.count(b"{") + raw.count(b"[") < 31_000
+    assert _post(h, a, "/v1/chat/completions", raw).status_code == 200
+    r = _post(h, a, "/v1/chat/completions", SMALL)
+    assert r.status_code == 429, r.text
+    assert 1.0 <= float(r.headers["Retry-After"]) <= 1.2
+    assert "proxy.body_values_per_call" in r.json()["error"]["message"]
+    assert _post(h, b, "/v1/chat/completions", SMALL).status_code == 200
+
+
+@pytest.fixture(params=["inline", "worker"])
+def limited(request, make_server):
+    """Small limits; `worker`: every body goes through the parse worker process."""
+    cfg = ProxyConfig(max_tools=8, max_body_items=50, max_json_depth=12, inline_parse_values=1 if request.param == "worker" else 8192)
+    proxy, h = make_server([(DeterministicEngine("e"), "cell", 0)], config=cfg)
+    return h, proxy.issue_key("ex")
+
+
+def _schema(depth):
+    s = {"type": "string"}
+    for i in range(depth):
+        s = {"type": "object", "properties": {f"p{i}": s}}
+    return s
+
+
+def test_structural_limits_are_400s_naming_the_limit(limited):
+    h, key = limited
+    oa = openai.OpenAI(base_url=h.url + "/v1", api_key=key, max_retries=0)
+    an = anthropic.Anthropic(base_url=h.url, api_key=key, max_retries=0)
+    msgs = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": {"type": "object"}}} for i in range(9)]
+    with pytest.raises(openai.BadRequestError, match=r"tools: 9 tools; this proxy accepts at most 8 \(proxy.max_tools\)") as e:
+        oa.chat.completions.create(model="m", messages=msgs, tools=tools, max_tokens=2)
+    assert e.value.body["param"] == "tools"
+    deep = [{"type": "function", "function": {"name": "t", "parameters": _schema(8)}}]  # body -> tools -> [0] -> function -> ... > 12
+    with pytest.raises(openai.BadRequestError, match=r"tools\[0\]\.function\.parameters.*more than 12 levels.*proxy.max_json_depth"):
+        oa.chat.completions.create(model="m", messages=msgs, tools=deep, max_tokens=2)
+    blocks = [{"type": "text", "text": "x"}] * 50  # 1 message + 50 blocks = 51 items
+    with pytest.raises(anthropic.BadRequestError, match=r"messages: 51 items .* at most 50 \(proxy.max_body_items\)"):
+        an.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": blocks}])
+    with pytest.raises(openai.BadRequestError, match=r"input: 51 items .* at most 50 \(proxy.max_body_items\)"):
+        oa.responses.create(model="m", input=[{"role": "user", "content": "x"}] * 51)
+    # Within the limits, both paths answer (and validate: a bad field is still named).
+    assert oa.chat.completions.create(model="m", messages=msgs, tools=tools[:8], max_tokens=2).choices[0].message is not None
+    assert an.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": blocks[:49]}]).content is not None
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.role"):
+        oa.chat.completions.create(model="m", messages=[{"role": "nobody", "content": "x"}], max_tokens=2)
+
+
+def test_render_time_is_charged_to_its_execution(make_server):
+    """A prompt rendered on the thread pool costs its execution one unit per render_ms_per_unit of
+    render time: at 1 us per unit any such render costs more than the bucket (20), so the
+    execution's next call waits; another execution is untouched. (Before: the next call passed.)"""
+    proxy, h = make_server([(DeterministicEngine("e"), "cell", 0)],
+                           config=ProxyConfig(calls_per_second_per_key=10, render_ms_per_unit=0.001, inline_render_chars=100))
+    a, b = proxy.issue_key("ex-a"), proxy.issue_key("ex-b")
+    big = json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "list the files " * 20}]}).encode()
+    assert _post(h, a, "/v1/chat/completions", big).status_code == 200
+    r = _post(h, a, "/v1/chat/completions", SMALL)
+    assert r.status_code == 429 and float(r.headers["Retry-After"]) > 2.0, r.text
+    assert _post(h, b, "/v1/chat/completions", SMALL).status_code == 200
+
+
+def test_chunked_conversions_equal_the_whole():
+    """The 64k-chunked digest and wire bytes are exactly the all-at-once ones (random lengths
+    around the chunk size)."""
+    import hashlib
+    import random
+
+    import numpy as np
+
+    from gyre.backends.engines.engine_mux import _ids_bytes
+    from gyre.proxy.render import ids_digest
+
+    rng = random.Random(7)
+    for n in (0, 1, 5, 1 << 16, (1 << 16) + 1, 3 * (1 << 16) - 1, 200_003):
+        ids = [rng.randrange(1 << 31) for _ in range(n)]
+        whole = np.asarray(ids, dtype="<i4").tobytes()
+        assert asyncio.run(_ids_bytes(ids)) == whole
+        assert ids_digest(ids) == hashlib.blake2b(whole, digest_size=16).digest()
+        assert ids_digest(ids, chunk=7) == ids_digest(ids)
