@@ -194,7 +194,7 @@ def test_a_qwen_sized_vocabulary_of_151665_ids():
     from transformers import PreTrainedTokenizerFast
 
     rng = random.Random(0)
-    from gyre.backends.models.hf.bytetable import _byte_level_translation
+    from gyre.backends.models.bytetable import _byte_level_translation
 
     tr = _byte_level_translation()
     alphabet = [chr(c) for c, v in tr.items() if v != "\uffff"]

@@ -26,7 +26,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from gyre.backends.models.hf.bytetable import VocabError, byte_table, load_fast_tokenizer
+from gyre.backends.models.bytetable import VocabError, byte_table, load_fast_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -209,7 +209,7 @@ def _cached(path: str) -> "PreTrainedTokenizerFast":
 
 def load_tokenizer(path: str | None = None) -> "PreTrainedTokenizerFast":
     """The committed project tokenizer (None), or any `tokenizers`-backed tokenizer directory (a
-    checkpoint's: `gyre.backends.models.hf.bytetable.load_fast_tokenizer`). Cached per path; treat it
+    checkpoint's: `gyre.backends.models.bytetable.load_fast_tokenizer`). Cached per path; treat it
     as read-only. Only the project's is held to VOCAB_SIZE ids."""
     if path is None or os.path.abspath(path) == os.path.abspath(ASSET_DIR):
         return _cached(os.path.abspath(ASSET_DIR))
@@ -222,7 +222,7 @@ def token_bytes(tokenizer: "PreTrainedTokenizerFast") -> list[bytes]:
     """bytes of each token id: `b"".join(table[i] for i in ids)` is the exact UTF-8 of the text.
 
     Special tokens map to their literal text (e.g. b"<|im_end|>"). Any fast tokenizer: the table
-    is `gyre.backends.models.hf.bytetable.byte_table` (a list; ids without bytes read b"")."""
+    is `gyre.backends.models.bytetable.byte_table` (a list; ids without bytes read b"")."""
     return byte_table(tokenizer)
 
 

@@ -10,7 +10,7 @@ which ids end a turn, which ids may be sampled, and which tokenizer a run uses.
     id_count(tokenizer)                                →  one past the largest id (what sampleable_vocab is)
 
 The byte table of a tokenizer (every id's exact bytes) and the check that a tokenizer can be
-streamed are `gyre.backends.models.hf.bytetable` (re-exported here: `byte_table`, `ByteTable`,
+streamed are `gyre.backends.models.bytetable` (re-exported here: `byte_table`, `ByteTable`,
 `id_count`, `VocabError`).
 """
 
@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from gyre.backends.models.hf.bytetable import ByteTable, VocabError, byte_table, id_count  # noqa: F401  (re-exported)
+from gyre.backends.models.bytetable import ByteTable, VocabError, byte_table, id_count  # noqa: F401  (re-exported)
 from gyre.backends.models.tokenizer import ASSET_DIR, ENDOFTEXT, IM_END, load_tokenizer
 
 logger = logging.getLogger(__name__)
