@@ -26,7 +26,10 @@ outputs (`output_format`, `output_config.format`) are a 400 naming the field.
 Streams follow
 Anthropic's event sequence: message_start, per block content_block_start / _delta / _stop
 (text_delta, input_json_delta), message_delta (stop_reason, usage), message_stop. Errors use
-Anthropic's body: {"type": "error", "error": {"type", "message"}}.
+Anthropic's body: {"type": "error", "error": {"type", "message"}}; a prompt over the context is
+Anthropic's `prompt is too long: N tokens > M maximum` (gyre/proxy/limits.py), which Claude Code
+answers by compacting. Claude Code's `x-anthropic-billing-header:` system line (billing metadata
+that changes at compaction) is left out of the prompt.
 """
 
 from __future__ import annotations
@@ -109,13 +112,25 @@ def _text_blocks(v: Any, field: str, media: list[str] | None = None) -> str:
     return "\n".join(out)
 
 
+_BILLING = "x-anthropic-billing-header:"
+
+
+def _drop_billing(text: str) -> str:
+    """The system text without Claude Code's `x-anthropic-billing-header:` line: request metadata
+    for Anthropic's billing (its hash changes at compaction), never model input; kept, it would
+    change the prompt's first tokens between the agent's calls and lose their shared prefix."""
+    if _BILLING not in text:
+        return text
+    return "\n".join(ln for ln in text.split("\n") if not ln.lstrip().startswith(_BILLING))
+
+
 def parse_messages(raw: Any, system: Any, media: list[str] | None = None) -> list[dict]:
     """Messages -> normalized chat messages; the fields of media blocks turned into text are
     appended to `media`."""
     media = [] if media is None else media
     msgs: list[dict] = []
     if system is not None:
-        sys_text = _text_blocks(system, "system")
+        sys_text = _drop_billing(_text_blocks(system, "system"))
         if sys_text:
             msgs.append({"role": "system", "content": sys_text})
     if raw is None:

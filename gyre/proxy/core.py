@@ -65,6 +65,7 @@ from gyre.backends.vocab import byte_table, stop_token_ids
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.formats import OutputParser, Reasoning, format_for
 from gyre.proxy.keys import KeyInfo, KeyRegistry
+from gyre.proxy.limits import context_overflow_message
 from gyre.proxy.roles import RoleClassifier
 from gyre.proxy.render import UNMATCHED_KINDS, ChatRenderer, PromptTooLong, Rendered, StoredTurn, TurnStore, turn_fingerprint
 from gyre.backends.migration import MigrationPolicy
@@ -632,8 +633,8 @@ class Proxy:
 
     def _too_long(self, n: int, at_least: bool = False) -> None:
         c = self.config
-        raise ApiError(400, "invalid_request", f"prompt is {'at least ' if at_least else ''}{n} tokens; this model's context limit "
-                       f"is {c.max_context_tokens} tokens", param="messages", code="context_length_exceeded")
+        raise ApiError(400, "invalid_request", context_overflow_message(n, c.max_context_tokens, at_least), param="messages",
+                       code="context_length_exceeded")
 
     async def aprepare(self, key: KeyInfo, headers, req: ChatRequest) -> Call:
         """`prepare` for the server: the size check first, then rendering and tokenizing on the
@@ -681,7 +682,7 @@ class Proxy:
                     last_user = m["content"]
                     break
         try:
-            role = self.classifier.classify(state, system, last_user, headers.get(c.roles.header), key, req.max_tokens)
+            role = self.classifier.classify(state, system, last_user, headers.get(c.roles.header), key, req.max_tokens, bool(req.tools))
         except ValueError as e:
             raise ApiError(400, "invalid_request", f"header {c.roles.header}: {e}", param=c.roles.header) from None
         return state, role

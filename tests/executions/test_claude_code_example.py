@@ -117,3 +117,23 @@ def test_real_claude_code_writes_the_answer_through_the_proxy(tmp_path):
     recs = sink.for_execution("cc-0")
     assert len(recs) >= 2, logs
     assert [r.role.name for r in recs] == ["MAIN"] * len(recs), logs  # both turns of the one agent
+
+
+def test_claude_code_is_told_the_proxy_context_so_it_compacts_in_time():
+    """Claude Code takes a window from the model name (200k / 1M); run_claude.py gives it the
+    proxy's (GYRE_MAX_CONTEXT_TOKENS, which the runner sets from the proxy's config) as its
+    auto-compact window, and caps its output to leave the prompt room."""
+    from examples.claude_code.run_claude import claude_env
+    from gyre.executions.runner import GyreProxyAccess
+    from gyre.proxy.config import ProxyConfig
+
+    env = claude_env("m", api_timeout_ms=1, bash_timeout_ms=1, max_output_tokens=32000, context_tokens=65536)
+    assert env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "65536" and env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "16384"
+    env = claude_env("m", api_timeout_ms=1, bash_timeout_ms=1, max_output_tokens=32000, context_tokens=None)
+    assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "32000" and "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in {
+        k for k in env if k not in os.environ}
+
+    class P:
+        config = ProxyConfig(max_context_tokens=98304)
+
+    assert GyreProxyAccess(P(), "http://x").context_tokens == 98304
