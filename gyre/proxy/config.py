@@ -160,6 +160,10 @@ class ProxyConfig:
     inline_render_chars: int = 16384
     """Requests with less text than this are rendered on the event loop (sub-millisecond work;
     a thread hand-off would cost more than it saves)."""
+    responses_store_bytes: int = 16 << 20
+    """Stored `/v1/responses` kept per execution (JSON bytes of their messages and bodies), least
+    recently used evicted first; `previous_response_id` naming an evicted one is a 400
+    `previous_response_not_found` (the client re-sends the full input). 0 = unbounded."""
     close_wait_s: float = 2.0
     """`aclose_execution` (the admin DELETE) lets in-flight calls finish this long, then aborts
     them (recorded `abort`) before sealing the execution's record."""

@@ -79,6 +79,7 @@ logger = logging.getLogger(__name__)
 _UNMATCHED_WHY = {
     "split": "the harness sends an assistant turn's text and its tool calls as separate messages",
     "text_dropped": "the harness drops the assistant's text from turns that have tool calls",
+    "reordered": "the harness reorders a turn's parallel tool calls",
     "edited": "the harness edits the text of turns (same tool calls, other text)",
     "unknown": "the harness edits turns' text or tool arguments, or sends turns this policy did not produce",
 }

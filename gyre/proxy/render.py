@@ -51,7 +51,7 @@ Unmatched turns are diagnosed by comparing them with the stored turns (`Rendered
 `split` (a run of consecutive assistant messages that together are one stored turn: the harness
 sent its text and its tool calls as separate messages), `text_dropped` (the tool calls of a
 stored turn, exactly, with no text: the harness dropped the text of a turn with tool calls),
-`edited` (a stored turn's exact tool calls with other text), `unknown` (matches nothing: edited
+`reordered` (a stored turn's parallel tool calls in another order), `edited` (a stored turn's exact tool calls with other text), `unknown` (matches nothing: edited
 text or arguments, or a turn this proxy did not produce). With `splice="tolerant"` the first two
 are spliced like a match: the run, or the message, is replaced by the stored turn's sampled ids,
 all of them, so the later prompt holds exactly what the model conditioned on and saw itself
@@ -145,7 +145,11 @@ def _calls_index(turns: dict) -> dict[tuple, list[StoredTurn]]:
     return by
 
 
-UNMATCHED_KINDS = ("split", "text_dropped", "edited", "unknown")  # most telling first
+UNMATCHED_KINDS = ("split", "text_dropped", "reordered", "edited", "unknown")  # most telling first
+# An assistant message may name the call whose output it is (the Responses adapter does, for a
+# turn from a `previous_response_id` chain): among stored turns with its text, that call's ids
+# are spliced, even where forks sampled the same text with other ids. Never shown to the template.
+SPLICE_CALL = "_gyre_call_id"
 
 
 @dataclass
@@ -249,6 +253,7 @@ class ChatRenderer:
 
     def _escape_message(self, m: dict) -> dict:
         out = dict(m)
+        out.pop(SPLICE_CALL, None)
         if isinstance(m.get("content"), str):
             out["content"] = self.escape(m["content"])
         if isinstance(m.get("reasoning_content"), str):
@@ -354,6 +359,9 @@ class ChatRenderer:
         tail (an empty answer: another turn's ids spliced in). Then the answer part (`_answer`)."""
         calls = m.get("tool_calls")
         cands = turns.get(turn_fingerprint(m.get("content"), calls))
+        if cands and SPLICE_CALL in m:  # the parent the client named: exactly its sample
+            named = [c for c in cands if c.call_id == m[SPLICE_CALL]]
+            return named or cands
         if cands:
             return cands
         answer = self._answer(m.get("content"))
@@ -414,6 +422,8 @@ class ChatRenderer:
         stored = by_calls.get(calls) if calls else None
         if stored:
             return ("edited", 1, None) if (m.get("content") or "").strip() else ("text_dropped", 1, stored)
+        if len(calls) > 1 and any(len(k) == len(calls) and sorted(k) == sorted(calls) for k in by_calls):
+            return "reordered", 1, None  # a stored turn's parallel calls, in another order (never spliced)
         return "unknown", 1, None
 
     def _render(self, messages: list[dict], tools: list[dict] | None, turns: dict | None, no_tolerate: set[int], max_tokens: int | None,
