@@ -43,6 +43,7 @@ from aiohttp import web
 
 from gyre.proxy import validate as V
 from gyre.proxy.core import ApiError, Call, ChatRequest, ToolForce, abort_on_disconnect, object_arguments
+from gyre.proxy.endings import told
 from gyre.proxy.formats import Reasoning
 from gyre.proxy.textstream import ToolCall
 
@@ -307,7 +308,7 @@ async def respond(request: web.Request, call: Call, model: str) -> web.StreamRes
     mid = "msg_" + secrets.token_hex(12)
     if not call.req.stream:
         with abort_on_disconnect(request):
-            async with aclosing(call.events()) as events:
+            async with aclosing(told(call)) as events:
                 async for _ in events:
                     pass
         content: list[dict] = []
@@ -345,7 +346,7 @@ async def respond(request: web.Request, call: Call, model: str) -> web.StreamRes
     text_open = False
     open_kind = None  # the open block: "text" | "thinking"
     try:
-        async with aclosing(call.events()) as events:
+        async with aclosing(told(call)) as events:
             async for item in events:
                 if isinstance(item, Reasoning):
                     out = b""

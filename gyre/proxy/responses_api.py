@@ -75,6 +75,7 @@ from aiohttp import web
 from gyre.proxy import validate as V
 from gyre.proxy.core import ApiError, Call, ChatRequest, ExecutionState, Proxy, ToolForce, abort_on_disconnect
 from gyre.proxy.keys import KeyInfo
+from gyre.proxy.endings import told
 from gyre.proxy.formats import Reasoning
 from gyre.proxy.openai_api import _lp_entries, _text_of, error_body, template_kwargs
 from gyre.proxy.render import SPLICE_CALL
@@ -554,7 +555,7 @@ async def create(request: web.Request, proxy: Proxy, key: KeyInfo, body: dict, m
 
     if not req.chat.stream:
         with abort_on_disconnect(request):
-            async with aclosing(call.events()) as events:
+            async with aclosing(told(call)) as events:
                 async for item in events:  # the SSE bytes are dropped: only the items are kept
                     if isinstance(item, ToolCall):
                         out.tool(item)
@@ -571,7 +572,7 @@ async def create(request: web.Request, proxy: Proxy, key: KeyInfo, body: dict, m
     await resp.prepare(request)
     await resp.write(out.event("response.created", response=response("in_progress", output=[])) + out.event("response.in_progress", response=response("in_progress", output=[])))
     try:
-        async with aclosing(call.events()) as events:
+        async with aclosing(told(call)) as events:
             async for item in events:
                 await resp.write(out.tool(item) if isinstance(item, ToolCall) else out.reasoning(item.text) if isinstance(item, Reasoning)
                                  else out.text(item))
