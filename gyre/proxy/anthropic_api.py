@@ -20,6 +20,11 @@ on, `disabled` off, absent the template's default (Qwen3: on). `budget_tokens` c
 (max_tokens bounds the whole answer). With a format without reasoning no thinking block is ever
 returned, as with a model that chose not to think.
 
+A trailing assistant message (a prefill: harnesses use it to force JSON or to resume) is continued
+as Anthropic continues it: its text is input after the generation prompt, the reply holds only the
+continuation, and the record's output_ids continue it (`payload_ref["prefill"]`: its ids, the last
+of input_ids). Re-sent as one assistant message (prefill + continuation) it splices back exactly.
+
 `tool_choice` any / tool forces a tool call by a forced prefix (gyre.proxy.core); structured
 outputs (`output_format`, `output_config.format`) are a 400 naming the field.
 
@@ -249,6 +254,7 @@ def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
     V.req_str(body, "model")
     req = ChatRequest(api="anthropic")
     req.messages = parse_messages(body.get("messages"), body.get("system"), req.media)
+    _prefill(req, len(body["messages"]) - 1)
     req.tools = parse_tools(body.get("tools"))
     _thinking(body, req)  # count_tokens renders the same prompt
     if count_only:
@@ -273,6 +279,20 @@ def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
     if md is not None and not isinstance(md, dict):
         raise V.bad("metadata", "must be an object")
     return req
+
+
+def _prefill(req: ChatRequest, index: int) -> None:
+    """A trailing assistant message with text (no tool_use) is a prefill: the answer continues it,
+    as Anthropic's API does. Its text becomes `req.prefill` (input after the generation prompt;
+    the reply holds only the continuation). Trailing whitespace is refused as Anthropic refuses it."""
+    last = req.messages[-1]
+    if last["role"] != "assistant" or last.get("tool_calls") or len(req.messages) < 2:
+        return
+    req.messages.pop()
+    text = last["content"]
+    if text != text.rstrip():
+        raise V.bad(f"messages[{index}].content", "final assistant content cannot end with trailing whitespace")
+    req.prefill = text  # count_tokens counts it too: the prefill's tokens are input
 
 
 def _thinking(body: dict, req: ChatRequest) -> None:
@@ -314,8 +334,9 @@ async def respond(request: web.Request, call: Call, model: str) -> web.StreamRes
         content: list[dict] = []
         if call.reasoning:
             content.append({"type": "thinking", "thinking": call.reasoning, "signature": ""})
-        if call.content:
-            content.append({"type": "text", "text": call.content})
+        text = call.content[len(call.req.prefill):] if call.content.startswith(call.req.prefill) else call.content
+        if text:
+            content.append({"type": "text", "text": text})
         content += [_tool_block(tc) for tc in call.tool_calls]
         body = {
             "id": mid,
@@ -343,6 +364,7 @@ async def respond(request: web.Request, call: Call, model: str) -> web.StreamRes
     }
     await resp.write(_event("message_start", {"type": "message_start", "message": start}))
     index = -1
+    skip = len(call.req.prefill)  # the prefill comes first in the parsed text; the client has it
     text_open = False
     open_kind = None  # the open block: "text" | "thinking"
     try:
@@ -372,6 +394,11 @@ async def respond(request: web.Request, call: Call, model: str) -> web.StreamRes
                     out += _event("content_block_stop", {"type": "content_block_stop", "index": index})
                     await resp.write(out)
                     continue
+                if skip:
+                    cut = min(skip, len(item))
+                    item, skip = item[cut:], skip - cut
+                    if not item:
+                        continue
                 out = b""
                 if open_kind != "text":
                     if text_open:

@@ -176,6 +176,7 @@ class ChatRequest:
     force: ToolForce | None = None  # tool_choice required / named: see the module docstring
     media: list[str] = field(default_factory=list)  # fields of media parts rendered as text placeholders
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs (enable_thinking, ...)
+    prefill: str = ""  # the answer's start, continued (Anthropic's trailing assistant message; render.ChatRenderer.render)
 
 
 @dataclass
@@ -397,7 +398,8 @@ class Call:
                 "forced_tool": None if self.req.force is None else (self.req.force.name or "*"),
                 "forced_unknown_tool": unknown,
                 "chat_format": p.format.name,
-                "reasoning_prefix": self.rendered.gen_prefix_ids,  # input_ids' ids the generation prompt added after the header
+                "reasoning_prefix": self.rendered.gen_prefix_ids,  # input_ids' ids after the header (+ the prefill): the turn's start
+                "prefill": self.rendered.prefill_ids,  # of those, the last n: the client's prefill, continued by output_ids
                 "stripped_turns": self.rendered.stripped,  # turns rendered without their reasoning (past_reasoning=strip)
             },
         )
@@ -701,7 +703,7 @@ class Proxy:
         if req.messages is not None:
             try:
                 rendered = self.renderer.render(req.messages, req.tools, state.turns, max_tokens=c.max_context_tokens,
-                                                template_kwargs=req.template_kwargs)
+                                                template_kwargs=req.template_kwargs, prefill=req.prefill)
             except PromptTooLong as e:
                 self._too_long(e.min_tokens, at_least=True)
             except TemplateError as e:  # the chat template itself refuses (e.g. Llama 3.1: one tool call per turn)
@@ -755,7 +757,7 @@ class Proxy:
         self._check_size(self.text_chars(req))
         state = self.executions.get(key.execution_id)
         try:
-            return len(self.renderer.render(req.messages or [], req.tools, state.turns if state else None, max_tokens=self.config.max_context_tokens,
+            return len(self.renderer.render(req.messages or [], req.tools, state.turns if state else None, max_tokens=self.config.max_context_tokens, prefill=req.prefill,
                                             template_kwargs=req.template_kwargs).ids)
         except PromptTooLong as e:
             self._too_long(e.min_tokens, at_least=True)

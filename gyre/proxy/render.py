@@ -165,6 +165,7 @@ class Rendered:
     stripped: int = 0  # stored turns rendered without their reasoning (past_reasoning="strip")
     gen_prefix: str = ""  # template text after the generation prompt (e.g. an empty think block): input
     gen_prefix_ids: int = 0  # its ids: the last ones of `ids` (the stored turn's start, gyre.proxy.core)
+    prefill_ids: int = 0  # of gen_prefix_ids: the client's prefill (the last ones), see `ChatRenderer.render`
 
 
 class PromptTooLong(ValueError):
@@ -393,18 +394,28 @@ class ChatRenderer:
 
     # ---- chat -> ids with splicing ----------------------------------------------------------
     def render(self, messages: list[dict], tools: list[dict] | None, turns: dict[tuple, list[StoredTurn]] | None,
-               max_tokens: int | None = None, template_kwargs: dict | None = None) -> Rendered:
+               max_tokens: int | None = None, template_kwargs: dict | None = None, prefill: str = "") -> Rendered:
         """`messages` are normalized chat messages (role, content str, tool_calls [{name, arguments}]).
         `turns` maps a turn fingerprint to the stored turns of this execution (None: no splicing).
         With `max_tokens`, text that cannot fit in that many tokens raises `PromptTooLong` before
-        it is tokenized (the slow part)."""
+        it is tokenized (the slow part). `prefill`: the start of the answer, given by the client
+        (Anthropic's trailing assistant message): appended after the generation prompt as input,
+        and part of the turn the model continues (`Rendered.gen_prefix`, `prefill_ids`)."""
         no_tolerate: set[int] = set()
         tools = self.escape_obj(tools) if tools else tools
         while True:
             try:
-                return self._render(messages, tools, turns, no_tolerate, max_tokens, template_kwargs)
+                out = self._render(messages, tools, turns, no_tolerate, max_tokens, template_kwargs)
+                break
             except _Ambiguous as e:  # rare: render again with that message as text
                 no_tolerate.add(e.index)
+        if prefill:  # plain text: special-token strings in it are never control tokens
+            ids = self.plain.encode(prefill, add_special_tokens=False).ids
+            out.ids.extend(ids)
+            out.gen_prefix += prefill
+            out.gen_prefix_ids += len(ids)
+            out.prefill_ids = len(ids)
+        return out
 
     def _diagnose(self, messages: list[dict], i: int, turns: dict, by_calls: dict) -> tuple[str, int, list[StoredTurn] | None]:
         """Why assistant message i matched nothing: (kind, messages it covers, stored turns it is)."""
