@@ -527,8 +527,11 @@ class Router:
         if not self.progress_timeout_s:
             return await anext(stream)
         try:
-            return await asyncio.wait_for(anext(stream), self.progress_timeout_s)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the token and swallows a
+            # cancellation that lands as the token arrives, so a close or a client gone went unnoticed.
+            async with asyncio.timeout(self.progress_timeout_s):
+                return await anext(stream)
+        except TimeoutError:
             self.stalls += 1
             if not slot.stalled:
                 slot.stalled = True
