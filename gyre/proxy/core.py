@@ -67,7 +67,7 @@ from gyre.proxy.formats import OutputParser, Reasoning, format_for
 from gyre.proxy.keys import KeyInfo, KeyRegistry
 from gyre.proxy.limits import context_overflow_message
 from gyre.proxy.roles import RoleClassifier
-from gyre.proxy.render import UNMATCHED_KINDS, ChatRenderer, PromptTooLong, Rendered, StoredTurn, TurnStore, turn_fingerprint
+from gyre.proxy.render import UNMATCHED_KINDS, UNMATCHED_WHY, ChatRenderer, PromptTooLong, Rendered, StoredTurn, TurnStore, turn_fingerprint
 from gyre.backends.migration import MigrationPolicy
 from gyre.proxy.router import NoEngineError, RouteInfo, Router
 from gyre.proxy.sink import MemorySink, RecordSink
@@ -75,14 +75,6 @@ from gyre.proxy.textstream import Detokenizer, StopMatcher, ToolCall
 from gyre.trajectory.record import CallRecord, Role
 
 logger = logging.getLogger(__name__)
-
-_UNMATCHED_WHY = {
-    "split": "the harness sends an assistant turn's text and its tool calls as separate messages",
-    "text_dropped": "the harness drops the assistant's text from turns that have tool calls",
-    "reordered": "the harness reorders a turn's parallel tool calls",
-    "edited": "the harness edits the text of turns (same tool calls, other text)",
-    "unknown": "the harness edits turns' text or tool arguments, or sends turns this policy did not produce",
-}
 
 
 class ApiError(Exception):
@@ -567,7 +559,7 @@ class Proxy:
                        "tokenized from text, so their sampled ids are lost and the trajectory branches there. Likely: %s%s. "
                        "Warned once per execution; counts in the execution's stats and summary.json.",
                        state.execution_id, len(rendered.unmatched_kinds), ", ".join(sorted(set(rendered.unmatched_kinds))),
-                       _UNMATCHED_WHY[kind], hint)
+                       UNMATCHED_WHY[kind], hint)
 
     # ---- admission ----------------------------------------------------------------------------
     def _state(self, execution_id: str) -> ExecutionState:

@@ -146,6 +146,14 @@ def _calls_index(turns: dict) -> dict[tuple, list[StoredTurn]]:
 
 
 UNMATCHED_KINDS = ("split", "text_dropped", "reordered", "edited", "unknown")  # most telling first
+# The likely harness behaviour behind each kind (the once-per-execution warning, gyre.proxy.core).
+UNMATCHED_WHY = {
+    "split": "the harness sends an assistant turn's text and its tool calls as separate messages",
+    "text_dropped": "the harness drops the assistant's text from turns that have tool calls",
+    "reordered": "the harness reorders a turn's parallel tool calls",
+    "edited": "the harness edits the text of turns (same tool calls, other text)",
+    "unknown": "the harness edits turns' text or tool arguments, or sends turns this policy did not produce",
+}
 # An assistant message may name the call whose output it is (the Responses adapter does, for a
 # turn from a `previous_response_id` chain): among stored turns with its text, that call's ids
 # are spliced, even where forks sampled the same text with other ids. Never shown to the template.
