@@ -194,6 +194,7 @@ class ExecutionState:
     bucket_t: float = 0.0
     render_lock: asyncio.Lock | None = None
     closed: bool = False  # close_execution ran: records are no longer written
+    closing: bool = False  # aclose_execution is aborting its calls: their clients are told (gyre/proxy/endings.py)
 
 
 class Call:
@@ -530,6 +531,7 @@ class Proxy:
         if st is not None and st.tasks:
             wait_s = self.config.close_wait_s if wait_s is None else wait_s
             _, rest = await asyncio.wait(list(st.tasks), timeout=wait_s)
+            st.closing = True
             for task in rest:
                 task.cancel()
             if rest:

@@ -7,9 +7,10 @@ must not take for a complete answer into an `ApiError` the adapter sends in its 
 - the engine ended the call early (its stream stopped without a finish reason, or it said
   `error`): the record says `error`; the client gets HTTP 500 / an error event, never
   `stop` / `end_turn` with a truncated answer;
-- the execution was closed while the call ran (`Proxy.close_execution`: the harness's time is up
-  or the run is ending): the call is aborted (not recorded, as before) and the client gets an
-  error body or event instead of a cut connection.
+- the execution was closed while the call ran (`Proxy.close_execution` / `aclose_execution`: the
+  harness's time is up or the run is ending): the call is aborted (recorded `abort` by
+  `aclose_execution`, not recorded by `close_execution`, as before) and the client gets an error
+  body or event instead of a cut connection.
 
 A client that went away gets nothing (there is no one to tell): that stays `ClientGone`.
 """
@@ -44,7 +45,7 @@ async def told(call: "Call") -> AsyncIterator:
                 yield item
     except asyncio.CancelledError:
         task = asyncio.current_task()
-        if call.state.closed and task is not None and task.cancelling() == 1:
+        if (call.state.closed or call.state.closing) and task is not None and task.cancelling() == 1:
             task.uncancel()  # the close's own cancellation: answered as an error instead
             raise _closed() from None
         raise

@@ -198,7 +198,9 @@ class ToolCallParser:
                 out.append(emit)
                 self.buf = self.buf[len(emit) :]
                 break
-            out.append(self.buf[:k].rstrip())
+            head = self.buf[:k].rstrip()
+            out.append(head)
+            self.ws = self.buf[len(head) : k]
             self.buf = self.buf[k:]
         return [x for x in out if not (isinstance(x, str) and not x)]
 

@@ -48,8 +48,8 @@ def test_an_early_engine_end_is_an_error_in_every_api(make_server):
     assert len(recs) == 6 and all(r.finish_reason == "error" and len(r.output_ids) == 3 for r in recs)
 
 
-@pytest.mark.parametrize("api", ["anthropic", "openai"])
-def test_closing_an_execution_tells_its_streaming_clients(make_server, api):
+@pytest.mark.parametrize("api,how", [("anthropic", "close"), ("openai", "close"), ("openai", "aclose")])
+def test_closing_an_execution_tells_its_streaming_clients(make_server, api, how):
     eng = DeterministicEngine("slow", token_delay=0.01)
     proxy, h = make_server([(eng, "cell", 0)])
     key = proxy.issue_key("ex-close")
@@ -75,7 +75,11 @@ def test_closing_an_execution_tells_its_streaming_clients(make_server, api):
     while len(seen) < 5 and time.time() < end:
         time.sleep(0.02)
     assert len(seen) >= 5, seen
-    h.call_fn(proxy.close_execution, "ex-close")
+    if how == "close":
+        h.call_fn(proxy.close_execution, "ex-close")
+    else:  # the admin DELETE's path: waits, then aborts (and records) the call
+        h.call(proxy.aclose_execution("ex-close", wait_s=0.05))
+        assert [r.finish_reason for r in proxy.sink.for_execution("ex-close")] == ["abort"]
     t.join(10)
     err = seen[-1]
     assert isinstance(err, (anthropic.APIStatusError, openai.APIError)), repr(err)  # not a cut connection

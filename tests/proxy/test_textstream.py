@@ -43,6 +43,8 @@ def test_parser_hand_cases():
     assert _run_parser(["Write the tag:\n<tool_call>not json</tool_call>\n"]) == ["Write the tag:\n<tool_call>not json</tool_call>\n"]
     assert _run_parser(['a\n<tool_call>x</tool_call> \n<tool_call>{"name": "f", "arguments": {}}</tool_call>']) == [
         "a\n<tool_call>x</tool_call>", ("f", "{}")]
+    lit = "<tool_call></tool_call></tool_call>\n<tool_call>"  # text between blocks keeps its whitespace too
+    assert _run_parser([lit]) == [lit]
     # no tool calls: text passes through exactly, trailing whitespace included
     assert _run_parser(["a <tool", "x> b \n"]) == ["a <toolx> b \n"]
     assert _run_parser([t], enabled=False) == [t]
