@@ -112,7 +112,7 @@ class ProxyConfig:
     (prompt + generated) on its new engine; `always` moves its KV cache, sampling state and
     tokens there instead (two-phase: the source frees it only after the target's ack; any failure
     falls back to recompute); `auto` moves it where that is cheaper: KV bytes / transport bandwidth
-    < prefill tokens / the engine's prefill throughput (gyre/backends/migration.py)."""
+    < prefill tokens / the engine's prefill throughput (gyre/backends/transfer/migration.py)."""
     migration_transport: Literal["gloo", "mooncake"] = "gloo"
     """How migrated KV moves between engine ranks: gloo point-to-point on a group of its own, or
     the Mooncake Transfer Engine (TCP here, RDMA on clusters). Never through the proxy."""

@@ -42,7 +42,7 @@ logged and counted in the record's `payload_ref["forced_unknown_tool"]`.
 
 Size (about 760 lines): one call's whole path (render, route, stream, parse, record) is kept in one
 place so the exactness argument of TITO can be read end to end; the chat formats, rendering and
-byte tables already live in formats/, render.py and gyre/backends/vocab.py.
+byte tables already live in formats/, render.py and gyre/backends/models/vocab.py.
 """
 
 from __future__ import annotations
@@ -60,15 +60,15 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator
 from jinja2 import TemplateError
 
 from gyre.backends.protocols import SamplingParams, TokenEvent
-from gyre.backends.tokenizer import load_tokenizer
-from gyre.backends.vocab import byte_table, stop_token_ids
+from gyre.backends.models.tokenizer import load_tokenizer
+from gyre.backends.models.vocab import byte_table, stop_token_ids
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.formats import OutputParser, Reasoning, format_for
 from gyre.proxy.keys import KeyInfo, KeyRegistry
 from gyre.proxy.limits import context_overflow_message
 from gyre.proxy.roles import RoleClassifier
 from gyre.proxy.render import UNMATCHED_KINDS, UNMATCHED_WHY, ChatRenderer, PromptTooLong, Rendered, StoredTurn, TurnStore, turn_fingerprint
-from gyre.backends.migration import MigrationPolicy
+from gyre.backends.transfer.migration import MigrationPolicy
 from gyre.proxy.router import NoEngineError, RouteInfo, Router
 from gyre.proxy.sink import MemorySink, RecordSink
 from gyre.proxy.textstream import Detokenizer, StopMatcher, ToolCall
@@ -420,9 +420,9 @@ class Proxy:
 
     def __init__(self, config: ProxyConfig | None = None, *, router: Router | None = None, sink: RecordSink | None = None, tokenizer=None,
                  stop_ids: Iterable[int] | None = None, model_config: Any = None) -> None:
-        """`tokenizer`: the run's (`gyre.backends.vocab.load_vocab`; default `--proxy.tokenizer-path`,
+        """`tokenizer`: the run's (`gyre.backends.models.vocab.load_vocab`; default `--proxy.tokenizer-path`,
         else the project's); `stop_ids`: the ids that end a turn (default: from the tokenizer's
-        directory, `gyre.backends.vocab.stop_token_ids`), beside the chat format's own;
+        directory, `gyre.backends.models.vocab.stop_token_ids`), beside the chat format's own;
         `model_config`: the checkpoint's HF config (helps choose the chat format)."""
         self.config = config or ProxyConfig()
         c = self.config

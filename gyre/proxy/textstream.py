@@ -30,12 +30,12 @@ def tool_call_opening(name: str | None) -> str:
 
 
 class Detokenizer:
-    """Exact bytes of each token (`gyre.backends.vocab.byte_table`), UTF-8 decoded incrementally.
+    """Exact bytes of each token (`gyre.backends.models.vocab.byte_table`), UTF-8 decoded incrementally.
 
     Any id is accepted: one the tokenizer has no token for (a hole, a padding row of an embedding
     larger than the tokenizer, anything out of range) shows nothing and is counted in
     `undecodable`; the record keeps the id itself. The bytes are continuation bytes: no
-    SentencePiece leading-space strip, since an output continues its prompt (gyre/backends/vocab.py)."""
+    SentencePiece leading-space strip, since an output continues its prompt (gyre/backends/models/vocab.py)."""
 
     def __init__(self, table: list[bytes], hidden_ids: frozenset[int]) -> None:
         self.table = table

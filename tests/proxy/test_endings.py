@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from gyre.backends.det_engine import DeterministicEngine
+from gyre.backends.engines.det_engine import DeterministicEngine
 from gyre.backends.protocols import TokenEvent
 
 MSG = [{"role": "user", "content": "hi"}]

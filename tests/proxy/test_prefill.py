@@ -6,8 +6,8 @@ re-sent whole (prefill + continuation) splices back to exactly those ids."""
 import anthropic
 import pytest
 
-from gyre.backends.det_engine import DeterministicEngine
-from gyre.backends.tokenizer import load_tokenizer
+from gyre.backends.engines.det_engine import DeterministicEngine
+from gyre.backends.models.tokenizer import load_tokenizer
 
 from .test_sdk import _visible_text
 

@@ -9,8 +9,8 @@ import tracemalloc
 import openai
 import pytest
 
-from gyre.backends.det_engine import DeterministicEngine
-from gyre.backends.tokenizer import byte_token_ids, load_tokenizer
+from gyre.backends.engines.det_engine import DeterministicEngine
+from gyre.backends.models.tokenizer import byte_token_ids, load_tokenizer
 from gyre.proxy import ProxyConfig
 from gyre.proxy.core import ExecutionState
 from gyre.proxy.render import ChatRenderer, StoredTurn, TurnStore, turn_fingerprint

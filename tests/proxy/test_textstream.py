@@ -5,7 +5,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.backends.tokenizer import load_tokenizer, token_bytes
+from gyre.backends.models.tokenizer import load_tokenizer, token_bytes
 from gyre.proxy.textstream import Detokenizer, StopMatcher, ToolCall, ToolCallParser
 
 

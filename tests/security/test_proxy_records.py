@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from gyre.backends.det_engine import DeterministicEngine
+from gyre.backends.engines.det_engine import DeterministicEngine
 from gyre.backends.protocols import TokenEvent
 from gyre.proxy import ProxyConfig, StoreSink
 from gyre.trajectory.store import TitoStore, is_sealed
