@@ -20,7 +20,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def claude_env(model: str, *, api_timeout_ms: int, bash_timeout_ms: int, max_output_tokens: int) -> dict[str, str]:
+def claude_env(model: str, *, api_timeout_ms: int, bash_timeout_ms: int, max_output_tokens: int,
+               context_tokens: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     # One policy serves every role: the main agent, sub-agents (Task tool), compaction summaries
     # and the "small/fast" aliases Claude Code uses for helper calls.
@@ -41,6 +42,12 @@ def claude_env(model: str, *, api_timeout_ms: int, bash_timeout_ms: int, max_out
         "DISABLE_PROMPT_CACHING": "1",
         "IS_SANDBOX": "1",  # root inside a sandbox may skip permission prompts
     })
+    if context_tokens:
+        # Claude Code takes a model's window from its name (200k, 1M for some): told nothing, it
+        # never compacts before the proxy's smaller context is full. This is the window its
+        # auto-compaction measures against; the output cap leaves the prompt room below it.
+        env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(context_tokens)
+        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(min(max_output_tokens, max(1, context_tokens // 4)))
     return env
 
 
@@ -53,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-timeout-ms", type=int, default=int(env_("GYRE_CLAUDE_API_TIMEOUT_MS", "3600000")))
     p.add_argument("--bash-timeout-ms", type=int, default=int(env_("GYRE_CLAUDE_BASH_TIMEOUT_MS", "600000")))
     p.add_argument("--max-output-tokens", type=int, default=int(env_("GYRE_CLAUDE_MAX_OUTPUT_TOKENS", "32000")))
+    # The proxy's context (the runner sets GYRE_MAX_CONTEXT_TOKENS from --proxy.max-context-tokens).
+    p.add_argument("--context-tokens", type=int, default=int(env_("GYRE_MAX_CONTEXT_TOKENS", "0")) or None)
     a = p.parse_args(argv)
     claude = env_("GYRE_CLAUDE_BIN") or shutil.which("claude")  # GYRE_CLAUDE_BIN: a pinned binary
     if claude is None:
@@ -68,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     argv_ = [claude, "-p", instruction, "--model", model, "--max-turns", str(a.max_turns),
              "--permission-mode", "bypassPermissions", "--output-format", "stream-json", "--verbose"]  # the event stream lands in stdout.log
     env = claude_env(model, api_timeout_ms=a.api_timeout_ms, bash_timeout_ms=a.bash_timeout_ms,
-                     max_output_tokens=a.max_output_tokens)
+                     max_output_tokens=a.max_output_tokens, context_tokens=a.context_tokens)
     os.execvpe(argv_[0], argv_, env)
     return 127  # not reached
 

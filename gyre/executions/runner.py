@@ -129,6 +129,11 @@ class GyreProxyAccess:
         self.calls: dict[str, int] = {}
         self.recorded: dict[str, tuple[int, int]] = {}  # execution -> (calls, records the sink failed to write)
 
+    @property
+    def context_tokens(self) -> int | None:
+        """The proxy's context limit (`--proxy.max-context-tokens`), given to harnesses as GYRE_MAX_CONTEXT_TOKENS."""
+        return getattr(getattr(self.proxy, "config", None), "max_context_tokens", None)
+
     def open_execution(self, execution_id: str, group_id: str) -> str:
         return self.proxy.issue_key(execution_id)
 
@@ -365,6 +370,9 @@ class HarnessRunner:
             GYRE_EXECUTION_ID=spec.execution_id, GYRE_GROUP_ID=spec.group_id, GYRE_TASK_ID=spec.task.task_id,
             GYRE_WORKSPACE=str(ws), GYRE_INSTRUCTION_FILE=str(exec_dir / "instruction.md"), GYRE_TIMEOUT_S=str(timeout),
         )
+        ctx = getattr(self.proxy, "context_tokens", None)  # the proxy's context: harnesses that size their own window read it
+        if ctx:
+            env["GYRE_MAX_CONTEXT_TOKENS"] = str(ctx)
         if self.cfg.home == "per_execution":
             env["HOME"] = str(exec_dir / "home")
         env.update(self.cfg.env)

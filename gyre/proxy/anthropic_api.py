@@ -20,13 +20,21 @@ on, `disabled` off, absent the template's default (Qwen3: on). `budget_tokens` c
 (max_tokens bounds the whole answer). With a format without reasoning no thinking block is ever
 returned, as with a model that chose not to think.
 
+A trailing assistant message (a prefill: harnesses use it to force JSON or to resume) is continued
+as Anthropic continues it: its text is input after the generation prompt, the reply holds only the
+continuation, and the record's output_ids continue it (`payload_ref["prefill"]`: its ids, the last
+of input_ids). Re-sent as one assistant message (prefill + continuation) it splices back exactly.
+
 `tool_choice` any / tool forces a tool call by a forced prefix (gyre.proxy.core); structured
 outputs (`output_format`, `output_config.format`) are a 400 naming the field.
 
 Streams follow
 Anthropic's event sequence: message_start, per block content_block_start / _delta / _stop
 (text_delta, input_json_delta), message_delta (stop_reason, usage), message_stop. Errors use
-Anthropic's body: {"type": "error", "error": {"type", "message"}}.
+Anthropic's body: {"type": "error", "error": {"type", "message"}}; a prompt over the context is
+Anthropic's `prompt is too long: N tokens > M maximum` (gyre/proxy/limits.py), which Claude Code
+answers by compacting. Claude Code's `x-anthropic-billing-header:` system line (billing metadata
+that changes at compaction) is left out of the prompt.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from aiohttp import web
 
 from gyre.proxy import validate as V
 from gyre.proxy.core import ApiError, Call, ChatRequest, ToolForce, abort_on_disconnect, object_arguments
+from gyre.proxy.endings import told
 from gyre.proxy.formats import Reasoning
 from gyre.proxy.textstream import ToolCall
 
@@ -109,13 +118,25 @@ def _text_blocks(v: Any, field: str, media: list[str] | None = None) -> str:
     return "\n".join(out)
 
 
+_BILLING = "x-anthropic-billing-header:"
+
+
+def _drop_billing(text: str) -> str:
+    """The system text without Claude Code's `x-anthropic-billing-header:` line: request metadata
+    for Anthropic's billing (its hash changes at compaction), never model input; kept, it would
+    change the prompt's first tokens between the agent's calls and lose their shared prefix."""
+    if _BILLING not in text:
+        return text
+    return "\n".join(ln for ln in text.split("\n") if not ln.lstrip().startswith(_BILLING))
+
+
 def parse_messages(raw: Any, system: Any, media: list[str] | None = None) -> list[dict]:
     """Messages -> normalized chat messages; the fields of media blocks turned into text are
     appended to `media`."""
     media = [] if media is None else media
     msgs: list[dict] = []
     if system is not None:
-        sys_text = _text_blocks(system, "system")
+        sys_text = _drop_billing(_text_blocks(system, "system"))
         if sys_text:
             msgs.append({"role": "system", "content": sys_text})
     if raw is None:
@@ -233,6 +254,7 @@ def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
     V.req_str(body, "model")
     req = ChatRequest(api="anthropic")
     req.messages = parse_messages(body.get("messages"), body.get("system"), req.media)
+    _prefill(req, len(body["messages"]) - 1)
     req.tools = parse_tools(body.get("tools"))
     _thinking(body, req)  # count_tokens renders the same prompt
     if count_only:
@@ -257,6 +279,20 @@ def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
     if md is not None and not isinstance(md, dict):
         raise V.bad("metadata", "must be an object")
     return req
+
+
+def _prefill(req: ChatRequest, index: int) -> None:
+    """A trailing assistant message with text (no tool_use) is a prefill: the answer continues it,
+    as Anthropic's API does. Its text becomes `req.prefill` (input after the generation prompt;
+    the reply holds only the continuation). Trailing whitespace is refused as Anthropic refuses it."""
+    last = req.messages[-1]
+    if last["role"] != "assistant" or last.get("tool_calls") or len(req.messages) < 2:
+        return
+    req.messages.pop()
+    text = last["content"]
+    if text != text.rstrip():
+        raise V.bad(f"messages[{index}].content", "final assistant content cannot end with trailing whitespace")
+    req.prefill = text  # count_tokens counts it too: the prefill's tokens are input
 
 
 def _thinking(body: dict, req: ChatRequest) -> None:
@@ -292,14 +328,15 @@ async def respond(request: web.Request, call: Call, model: str) -> web.StreamRes
     mid = "msg_" + secrets.token_hex(12)
     if not call.req.stream:
         with abort_on_disconnect(request):
-            async with aclosing(call.events()) as events:
+            async with aclosing(told(call)) as events:
                 async for _ in events:
                     pass
         content: list[dict] = []
         if call.reasoning:
             content.append({"type": "thinking", "thinking": call.reasoning, "signature": ""})
-        if call.content:
-            content.append({"type": "text", "text": call.content})
+        text = call.content[len(call.req.prefill):] if call.content.startswith(call.req.prefill) else call.content
+        if text:
+            content.append({"type": "text", "text": text})
         content += [_tool_block(tc) for tc in call.tool_calls]
         body = {
             "id": mid,
@@ -327,10 +364,11 @@ async def respond(request: web.Request, call: Call, model: str) -> web.StreamRes
     }
     await resp.write(_event("message_start", {"type": "message_start", "message": start}))
     index = -1
+    skip = len(call.req.prefill)  # the prefill comes first in the parsed text; the client has it
     text_open = False
     open_kind = None  # the open block: "text" | "thinking"
     try:
-        async with aclosing(call.events()) as events:
+        async with aclosing(told(call)) as events:
             async for item in events:
                 if isinstance(item, Reasoning):
                     out = b""
@@ -356,6 +394,11 @@ async def respond(request: web.Request, call: Call, model: str) -> web.StreamRes
                     out += _event("content_block_stop", {"type": "content_block_stop", "index": index})
                     await resp.write(out)
                     continue
+                if skip:
+                    cut = min(skip, len(item))
+                    item, skip = item[cut:], skip - cut
+                    if not item:
+                        continue
                 out = b""
                 if open_kind != "text":
                     if text_open:

@@ -22,6 +22,8 @@ DEFAULT_HELPER_SYSTEM_MARKERS = (
     "Summarize this coding conversation in under 50 characters",  # Claude Code: terminal title (older versions)
     "<gyre:helper>",
 )
+# Per-request metadata some harnesses send as a system-prompt line: not the prompt's identity.
+DEFAULT_VOLATILE_SYSTEM_LINES = ("x-anthropic-billing-header:",)  # Claude Code 2.1.x: cc_version, cch hash
 DEFAULT_HELPER_USER_MARKERS = (
     "Bash command prefix detection",  # Claude Code: the <policy_spec> of the bash prefix check
     "word title for the following conversation",  # Claude Code: "Please write a 5-10 word title for ..."
@@ -60,6 +62,11 @@ class RoleRulesConfig:
     helper_max_tokens: int = 1
     """A call asking for at most this many tokens is a helper (Claude Code's start-up quota probe
     sends max_tokens=1); 0 turns the rule off."""
+    volatile_system_lines: tuple[str, ...] = DEFAULT_VOLATILE_SYSTEM_LINES
+    """System-prompt lines starting with one of these are ignored when system prompts are compared
+    (and left out of the rendered prompt by the Anthropic adapter): per-request metadata a harness
+    puts there, such as Claude Code's `x-anthropic-billing-header:` line, which changes at
+    compaction and would make the main agent's later calls look like a sub-agent's."""
 
 
 @dataclass(kw_only=True)
@@ -177,6 +184,10 @@ class ProxyConfig:
     inline_render_chars: int = 16384
     """Requests with less text than this are rendered on the event loop (sub-millisecond work;
     a thread hand-off would cost more than it saves)."""
+    responses_store_bytes: int = 16 << 20
+    """Stored `/v1/responses` kept per execution (JSON bytes of their messages and bodies), least
+    recently used evicted first; `previous_response_id` naming an evicted one is a 400
+    `previous_response_not_found` (the client re-sends the full input). 0 = unbounded."""
     close_wait_s: float = 2.0
     """`aclose_execution` (the admin DELETE) lets in-flight calls finish this long, then aborts
     them (recorded `abort`) before sealing the execution's record."""

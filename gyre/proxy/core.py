@@ -63,8 +63,9 @@ from gyre.proxy.admission import Admission
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.formats import OutputParser, Reasoning, format_for
 from gyre.proxy.keys import KeyInfo, KeyRegistry
+from gyre.proxy.limits import context_overflow_message
 from gyre.proxy.roles import RoleClassifier
-from gyre.proxy.render import UNMATCHED_KINDS, ChatRenderer, PromptTooLong, Rendered, StoredTurn, TurnStore, ids_digest, turn_fingerprint
+from gyre.proxy.render import UNMATCHED_KINDS, UNMATCHED_WHY, ChatRenderer, PromptTooLong, Rendered, StoredTurn, TurnStore, ids_digest, turn_fingerprint
 from gyre.backends.transfer.migration import MigrationPolicy
 from gyre.proxy.router import NoEngineError, RouteInfo, Router
 from gyre.proxy.sink import MemorySink, RecordSink
@@ -72,13 +73,6 @@ from gyre.proxy.textstream import Detokenizer, StopMatcher, ToolCall
 from gyre.trajectory.record import CallRecord, Role
 
 logger = logging.getLogger(__name__)
-
-_UNMATCHED_WHY = {
-    "split": "the harness sends an assistant turn's text and its tool calls as separate messages",
-    "text_dropped": "the harness drops the assistant's text from turns that have tool calls",
-    "edited": "the harness edits the text of turns (same tool calls, other text)",
-    "unknown": "the harness edits turns' text or tool arguments, or sends turns this policy did not produce",
-}
 
 
 class ApiError(Exception):
@@ -176,6 +170,7 @@ class ChatRequest:
     force: ToolForce | None = None  # tool_choice required / named: see the module docstring
     media: list[str] = field(default_factory=list)  # fields of media parts rendered as text placeholders
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs (enable_thinking, ...)
+    prefill: str = ""  # the answer's start, continued (Anthropic's trailing assistant message; render.ChatRenderer.render)
 
 
 @dataclass
@@ -201,6 +196,7 @@ class ExecutionState:
     bucket_t: float = 0.0
     render_lock: asyncio.Lock | None = None
     closed: bool = False  # close_execution ran: records are no longer written
+    closing: bool = False  # aclose_execution is aborting its calls: their clients are told (gyre/proxy/endings.py)
 
 
 class Call:
@@ -397,7 +393,8 @@ class Call:
                 "forced_tool": None if self.req.force is None else (self.req.force.name or "*"),
                 "forced_unknown_tool": unknown,
                 "chat_format": p.format.name,
-                "reasoning_prefix": self.rendered.gen_prefix_ids,  # input_ids' ids the generation prompt added after the header
+                "reasoning_prefix": self.rendered.gen_prefix_ids,  # input_ids' ids after the header (+ the prefill): the turn's start
+                "prefill": self.rendered.prefill_ids,  # of those, the last n: the client's prefill, continued by output_ids
                 "stripped_turns": self.rendered.stripped,  # turns rendered without their reasoning (past_reasoning=strip)
             },
         )
@@ -538,6 +535,7 @@ class Proxy:
         if st is not None and st.tasks:
             wait_s = self.config.close_wait_s if wait_s is None else wait_s
             _, rest = await asyncio.wait(list(st.tasks), timeout=wait_s)
+            st.closing = True
             for task in rest:
                 task.cancel()
             if rest:
@@ -567,7 +565,7 @@ class Proxy:
                        "tokenized from text, so their sampled ids are lost and the trajectory branches there. Likely: %s%s. "
                        "Warned once per execution; counts in the execution's stats and summary.json.",
                        state.execution_id, len(rendered.unmatched_kinds), ", ".join(sorted(set(rendered.unmatched_kinds))),
-                       _UNMATCHED_WHY[kind], hint)
+                       UNMATCHED_WHY[kind], hint)
 
     # ---- admission ----------------------------------------------------------------------------
     def _state(self, execution_id: str) -> ExecutionState:
@@ -600,8 +598,8 @@ class Proxy:
 
     def _too_long(self, n: int, at_least: bool = False) -> None:
         c = self.config
-        raise ApiError(400, "invalid_request", f"prompt is {'at least ' if at_least else ''}{n} tokens; this model's context limit "
-                       f"is {c.max_context_tokens} tokens", param="messages", code="context_length_exceeded")
+        raise ApiError(400, "invalid_request", context_overflow_message(n, c.max_context_tokens, at_least), param="messages",
+                       code="context_length_exceeded")
 
     async def aprepare(self, key: KeyInfo, headers, req: ChatRequest) -> Call:
         """`prepare` for the server: the size check first, then rendering and tokenizing on the
@@ -651,7 +649,7 @@ class Proxy:
                     last_user = m["content"]
                     break
         try:
-            role = self.classifier.classify(state, system, last_user, headers.get(c.roles.header), key, req.max_tokens)
+            role = self.classifier.classify(state, system, last_user, headers.get(c.roles.header), key, req.max_tokens, bool(req.tools))
         except ValueError as e:
             raise ApiError(400, "invalid_request", f"header {c.roles.header}: {e}", param=c.roles.header) from None
         return state, role
@@ -669,7 +667,7 @@ class Proxy:
         if req.messages is not None:
             try:
                 rendered = self.renderer.render(req.messages, req.tools, state.turns, max_tokens=c.max_context_tokens,
-                                                template_kwargs=req.template_kwargs)
+                                                template_kwargs=req.template_kwargs, prefill=req.prefill)
             except PromptTooLong as e:
                 self._too_long(e.min_tokens, at_least=True)
             except TemplateError as e:  # the chat template itself refuses (e.g. Llama 3.1: one tool call per turn)
@@ -725,7 +723,7 @@ class Proxy:
         self._check_size(self.text_chars(req))
         state = self.executions.get(key.execution_id)
         try:
-            return len(self.renderer.render(req.messages or [], req.tools, state.turns if state else None, max_tokens=self.config.max_context_tokens,
+            return len(self.renderer.render(req.messages or [], req.tools, state.turns if state else None, max_tokens=self.config.max_context_tokens, prefill=req.prefill,
                                             template_kwargs=req.template_kwargs).ids)
         except PromptTooLong as e:
             self._too_long(e.min_tokens, at_least=True)

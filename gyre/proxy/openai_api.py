@@ -38,6 +38,7 @@ from aiohttp import web
 
 from gyre.proxy import validate as V
 from gyre.proxy.core import ApiError, Call, ChatRequest, ToolForce, abort_on_disconnect
+from gyre.proxy.endings import told
 from gyre.proxy.formats import Reasoning
 from gyre.proxy.textstream import ToolCall
 
@@ -338,7 +339,7 @@ async def respond_chat(request: web.Request, call: Call, model: str) -> web.Stre
     want_lp = call.req.logprobs
     if not call.req.stream:
         with abort_on_disconnect(request):
-            async with aclosing(call.events()) as events:
+            async with aclosing(told(call)) as events:
                 async for _ in events:
                     pass
         ids: dict[int, str] = {}
@@ -366,7 +367,7 @@ async def respond_chat(request: web.Request, call: Call, model: str) -> web.Stre
 
     await resp.write(chunk({"role": "assistant", "content": ""}))
     try:
-        async with aclosing(call.events()) as events:
+        async with aclosing(told(call)) as events:
             async for item in events:
                 if isinstance(item, ToolCall):
                     await resp.write(chunk({"tool_calls": [{"index": item.index, **_tool_json(item, ids)}]}))
@@ -403,7 +404,7 @@ async def respond_completion(request: web.Request, call: Call, model: str) -> we
 
     if not call.req.stream:
         with abort_on_disconnect(request):
-            async with aclosing(call.events()) as events:
+            async with aclosing(told(call)) as events:
                 async for _ in events:
                     pass
         choice = {"index": 0, "text": call.content, "logprobs": lp_block(0, len(call.tokens)), "finish_reason": _finish(call)}
@@ -411,7 +412,7 @@ async def respond_completion(request: web.Request, call: Call, model: str) -> we
     resp = await _sse_start(request)
     seen = 0
     try:
-        async with aclosing(call.events()) as events:
+        async with aclosing(told(call)) as events:
             async for item in events:
                 ch = {"index": 0, "text": item, "logprobs": lp_block(seen, len(call.tokens)), "finish_reason": None}
                 seen = len(call.tokens)

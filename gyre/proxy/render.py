@@ -51,7 +51,7 @@ Unmatched turns are diagnosed by comparing them with the stored turns (`Rendered
 `split` (a run of consecutive assistant messages that together are one stored turn: the harness
 sent its text and its tool calls as separate messages), `text_dropped` (the tool calls of a
 stored turn, exactly, with no text: the harness dropped the text of a turn with tool calls),
-`edited` (a stored turn's exact tool calls with other text), `unknown` (matches nothing: edited
+`reordered` (a stored turn's parallel tool calls in another order), `edited` (a stored turn's exact tool calls with other text), `unknown` (matches nothing: edited
 text or arguments, or a turn this proxy did not produce). With `splice="tolerant"` the first two
 are spliced like a match: the run, or the message, is replaced by the stored turn's sampled ids,
 all of them, so the later prompt holds exactly what the model conditioned on and saw itself
@@ -153,7 +153,19 @@ def _calls_index(turns: dict) -> dict[tuple, list[StoredTurn]]:
     return by
 
 
-UNMATCHED_KINDS = ("split", "text_dropped", "edited", "unknown")  # most telling first
+UNMATCHED_KINDS = ("split", "text_dropped", "reordered", "edited", "unknown")  # most telling first
+# The likely harness behaviour behind each kind (the once-per-execution warning, gyre.proxy.core).
+UNMATCHED_WHY = {
+    "split": "the harness sends an assistant turn's text and its tool calls as separate messages",
+    "text_dropped": "the harness drops the assistant's text from turns that have tool calls",
+    "reordered": "the harness reorders a turn's parallel tool calls",
+    "edited": "the harness edits the text of turns (same tool calls, other text)",
+    "unknown": "the harness edits turns' text or tool arguments, or sends turns this policy did not produce",
+}
+# An assistant message may name the call whose output it is (the Responses adapter does, for a
+# turn from a `previous_response_id` chain): among stored turns with its text, that call's ids
+# are spliced, even where forks sampled the same text with other ids. Never shown to the template.
+SPLICE_CALL = "_gyre_call_id"
 
 
 @dataclass
@@ -170,6 +182,7 @@ class Rendered:
     gen_prefix: str = ""  # template text after the generation prompt (e.g. an empty think block): input
     gen_prefix_ids: int = 0  # its ids: the last ones of `ids` (the stored turn's start, gyre.proxy.core)
     ctx_digest: bytes | None = None  # ids_digest of the stored turn's context, computed on the render thread for long prompts
+    prefill_ids: int = 0  # of gen_prefix_ids: the client's prefill (the last ones), see `ChatRenderer.render`
 
 
 class PromptTooLong(ValueError):
@@ -260,6 +273,7 @@ class ChatRenderer:
 
     def _escape_message(self, m: dict) -> dict:
         out = dict(m)
+        out.pop(SPLICE_CALL, None)
         if isinstance(m.get("content"), str):
             out["content"] = self.escape(m["content"])
         if isinstance(m.get("reasoning_content"), str):
@@ -369,6 +383,9 @@ class ChatRenderer:
         tail (an empty answer: another turn's ids spliced in). Then the answer part (`_answer`)."""
         calls = m.get("tool_calls")
         cands = turns.get(turn_fingerprint(m.get("content"), calls))
+        if cands and SPLICE_CALL in m:  # the parent the client named: exactly its sample
+            named = [c for c in cands if c.call_id == m[SPLICE_CALL]]
+            return named or cands
         if cands:
             return cands
         answer = self._answer(m.get("content"))
@@ -400,18 +417,28 @@ class ChatRenderer:
 
     # ---- chat -> ids with splicing ----------------------------------------------------------
     def render(self, messages: list[dict], tools: list[dict] | None, turns: dict[tuple, list[StoredTurn]] | None,
-               max_tokens: int | None = None, template_kwargs: dict | None = None) -> Rendered:
+               max_tokens: int | None = None, template_kwargs: dict | None = None, prefill: str = "") -> Rendered:
         """`messages` are normalized chat messages (role, content str, tool_calls [{name, arguments}]).
         `turns` maps a turn fingerprint to the stored turns of this execution (None: no splicing).
         With `max_tokens`, text that cannot fit in that many tokens raises `PromptTooLong` before
-        it is tokenized (the slow part)."""
+        it is tokenized (the slow part). `prefill`: the start of the answer, given by the client
+        (Anthropic's trailing assistant message): appended after the generation prompt as input,
+        and part of the turn the model continues (`Rendered.gen_prefix`, `prefill_ids`)."""
         no_tolerate: set[int] = set()
         tools = self.escape_obj(tools) if tools else tools
         while True:
             try:
-                return self._render(messages, tools, turns, no_tolerate, max_tokens, template_kwargs)
+                out = self._render(messages, tools, turns, no_tolerate, max_tokens, template_kwargs)
+                break
             except _Ambiguous as e:  # rare: render again with that message as text
                 no_tolerate.add(e.index)
+        if prefill:  # plain text: special-token strings in it are never control tokens
+            ids = self.plain.encode(prefill, add_special_tokens=False).ids
+            out.ids.extend(ids)
+            out.gen_prefix += prefill
+            out.gen_prefix_ids += len(ids)
+            out.prefill_ids = len(ids)
+        return out
 
     def _diagnose(self, messages: list[dict], i: int, turns: dict, by_calls: dict) -> tuple[str, int, list[StoredTurn] | None]:
         """Why assistant message i matched nothing: (kind, messages it covers, stored turns it is)."""
@@ -429,6 +456,8 @@ class ChatRenderer:
         stored = by_calls.get(calls) if calls else None
         if stored:
             return ("edited", 1, None) if (m.get("content") or "").strip() else ("text_dropped", 1, stored)
+        if len(calls) > 1 and any(len(k) == len(calls) and sorted(k) == sorted(calls) for k in by_calls):
+            return "reordered", 1, None  # a stored turn's parallel calls, in another order (never spliced)
         return "unknown", 1, None
 
     def _render(self, messages: list[dict], tools: list[dict] | None, turns: dict | None, no_tolerate: set[int], max_tokens: int | None,

@@ -35,11 +35,15 @@ prompt (Codex sends `web_search` on every call). Other tool types (`local_shell`
 
 State: the proxy keeps nothing across calls except per execution. A response with `store` (the
 API's default, true) is kept in the execution's state — its new input messages and its output
-turn, linked to its parent — until the execution closes; `previous_response_id` prepends that
+turn, linked to its parent — at most `proxy.responses_store_bytes` per execution, least recently
+used evicted first (gyre/proxy/responses_store.py); `previous_response_id` prepends that
 chain (the previous response's `instructions` are not carried over, as in OpenAI's API), and
-`GET /v1/responses/{id}` returns it. `store: false` keeps nothing, and a later reference to it is
-a 400 `previous_response_not_found`. Clients that re-send the full history (Codex, the Agents SDK
-by default) are stored as a delta against the execution's last kept response when it is a prefix.
+`GET /v1/responses/{id}` returns it. `store: false` keeps nothing, and a later reference to it, or
+to an evicted one, is a 400 `previous_response_not_found`. Clients that re-send the full history
+(Codex, the Agents SDK by default) are stored as a delta against the execution's last kept
+response when it is a prefix. The chain's output turns name their calls, so continuing one of
+two forks that sampled the same text with different ids splices the named fork's ids; input
+items that re-send the end of the chain (its output included) are taken once, not twice.
 
 `tool_choice` `required` or a named function / custom tool forces a call by a forced prefix
 (gyre.proxy.core); `top_logprobs` k returns k alternatives per token in `output_text.logprobs`
@@ -71,8 +75,11 @@ from aiohttp import web
 from gyre.proxy import validate as V
 from gyre.proxy.core import ApiError, Call, ChatRequest, ExecutionState, Proxy, ToolForce, abort_on_disconnect
 from gyre.proxy.keys import KeyInfo
+from gyre.proxy.endings import told
 from gyre.proxy.formats import Reasoning
 from gyre.proxy.openai_api import _lp_entries, _text_of, error_body, template_kwargs
+from gyre.proxy.render import SPLICE_CALL
+from gyre.proxy.responses_store import Evicted, ResponseStore, plain
 from gyre.proxy.textstream import ToolCall
 
 _MESSAGE_ROLES = {"system", "developer", "user", "assistant"}
@@ -94,15 +101,6 @@ class ResponsesRequest:
     instructions: str | None = None
     new_messages: list[dict] = field(default_factory=list)  # the input items, without instructions
     echo: dict = field(default_factory=dict)  # request fields the Response object repeats
-
-
-@dataclass
-class KeptResponse:
-    """A stored response: the messages it added after its parent's history, and its body."""
-
-    parent: str | None
-    messages: list[dict]
-    body: dict
 
 
 # ---- request ------------------------------------------------------------------------------
@@ -339,40 +337,57 @@ def parse_request(body: dict) -> ResponsesRequest:
     return req
 
 
-# ---- kept responses -----------------------------------------------------------------------
-def history(state: ExecutionState, response_id: str) -> list[dict]:
-    """The messages a kept response's input and output add up to (its chain, oldest first)."""
-    chain: list[list[dict]] = []
-    rid: str | None = response_id
-    while rid is not None:
-        kept = state.responses[rid]
-        chain.append(kept.messages)
-        rid = kept.parent
-    return [m for msgs in reversed(chain) for m in msgs]
+# ---- kept responses (gyre/proxy/responses_store.py) ---------------------------------------
+def store_of(state: ExecutionState, limit_bytes: int) -> ResponseStore:
+    if not isinstance(state.responses, ResponseStore):
+        state.responses = ResponseStore(limit_bytes)
+    return state.responses
 
 
-def _keep(state: ExecutionState, rid: str, parent: str | None, messages: list[dict], body: dict) -> None:
-    if parent is None and state.responses:
+def _not_found(rid: str, limit: int) -> ApiError:
+    return ApiError(400, "invalid_request", f"Previous response with id '{rid}' not found (previous_response_id). This proxy keeps an execution's stored "
+                    f"responses up to {limit} bytes, least recently used evicted first (proxy.responses_store_bytes); "
+                    "send the full input instead.", param="previous_response_id", code="previous_response_not_found")
+
+
+def _keep(store: ResponseStore, rid: str, parent: str | None, messages: list[dict], body: dict) -> None:
+    if parent is None and store.newest is not None:
         # A client re-sending the whole history: store it as a delta on the last response.
-        last = next(reversed(state.responses))
-        prefix = history(state, last)
-        if len(messages) >= len(prefix) and messages[: len(prefix)] == prefix:
-            parent, messages = last, messages[len(prefix) :]
-    state.responses[rid] = KeptResponse(parent, messages, body)
+        try:
+            prefix = plain(store.history(store.newest))
+        except Evicted:
+            prefix = None
+        if prefix is not None and len(messages) >= len(prefix) and plain(messages[: len(prefix)]) == prefix:
+            parent, messages = store.newest, messages[len(prefix) :]
+    store.put(rid, parent, messages, body)
 
 
 def _previous(proxy: Proxy, key: KeyInfo, rid: str) -> list[dict]:
-    state = proxy.executions.get(key.execution_id)
-    if state is None or rid not in state.responses:
-        raise ApiError(400, "invalid_request", f"previous_response_id: no stored response {rid!r} in this execution", param="previous_response_id", code="previous_response_not_found")
-    return history(state, rid)
+    limit = proxy.config.responses_store_bytes
+    try:
+        return store_of(proxy._state(key.execution_id), limit).history(rid)
+    except Evicted as e:
+        raise _not_found(e.rid, limit) from None
+
+
+def _overlap(prior: list[dict], new: list[dict]) -> int:
+    """How many of `new`'s first items re-send the end of the `previous_response_id` chain (its
+    output turn included): a client that sends both gets them once, never spliced twice."""
+    if not prior or not new or prior[-1]["role"] != "assistant":
+        return 0
+    p, n = plain(prior), plain(new)
+    for k in range(min(len(p), len(n)), 0, -1):
+        if n[:k] == p[-k:]:
+            return k
+    return 0
 
 
 def retrieve(proxy: Proxy, key: KeyInfo, rid: str) -> dict:
     state = proxy.executions.get(key.execution_id)
-    if state is None or rid not in state.responses:
+    kept = store_of(state, proxy.config.responses_store_bytes).get(rid) if state is not None else None
+    if kept is None:
         raise ApiError(404, "not_found", f"no stored response {rid!r} in this execution", param="response_id")
-    return state.responses[rid].body
+    return kept.body
 
 
 # ---- response -----------------------------------------------------------------------------
@@ -502,7 +517,7 @@ def _usage(call: Call) -> dict:
 
 def _turn(call: Call) -> dict:
     """The output as the normalized assistant message the core stored (so it splices re-sent)."""
-    msg: dict[str, Any] = {"role": "assistant", "content": call.content}
+    msg: dict[str, Any] = {"role": "assistant", "content": call.content, SPLICE_CALL: call.call_id}
     if call.reasoning:
         msg["reasoning_content"] = call.reasoning
     if call.tool_calls:
@@ -514,6 +529,7 @@ async def create(request: web.Request, proxy: Proxy, key: KeyInfo, body: dict, m
     """`POST /v1/responses`: parse, prepare the call (render + splice), answer, keep if stored."""
     req = parse_request(body)
     prior = _previous(proxy, key, req.previous_response_id) if req.previous_response_id else []
+    req.new_messages = req.new_messages[_overlap(prior, req.new_messages) :]
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     req.chat.messages = system + prior + req.new_messages
     if not req.chat.messages:
@@ -534,11 +550,12 @@ async def create(request: web.Request, proxy: Proxy, key: KeyInfo, body: dict, m
 
     def keep(body_: dict) -> None:
         if req.store:
-            _keep(call.state, rid, req.previous_response_id, req.new_messages + [_turn(call)], body_)
+            _keep(store_of(call.state, proxy.config.responses_store_bytes), rid, req.previous_response_id,
+                  req.new_messages + [_turn(call)], body_)
 
     if not req.chat.stream:
         with abort_on_disconnect(request):
-            async with aclosing(call.events()) as events:
+            async with aclosing(told(call)) as events:
                 async for item in events:  # the SSE bytes are dropped: only the items are kept
                     if isinstance(item, ToolCall):
                         out.tool(item)
@@ -555,7 +572,7 @@ async def create(request: web.Request, proxy: Proxy, key: KeyInfo, body: dict, m
     await resp.prepare(request)
     await resp.write(out.event("response.created", response=response("in_progress", output=[])) + out.event("response.in_progress", response=response("in_progress", output=[])))
     try:
-        async with aclosing(call.events()) as events:
+        async with aclosing(told(call)) as events:
             async for item in events:
                 await resp.write(out.tool(item) if isinstance(item, ToolCall) else out.reasoning(item.text) if isinstance(item, Reasoning)
                                  else out.text(item))

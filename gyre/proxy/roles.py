@@ -8,9 +8,11 @@ main agent's tree; helper calls are recorded but never trained (`build_tree` lea
 Decided, first match wins, by: an explicit header (`proxy.roles.header`), the helper rules
 (markers in the system prompt or the last user turn, a tiny `max_tokens`), the role hint the
 execution's key was issued with, then the configured markers in the last user message and
-whether the system prompt differs from the execution's first main-agent system prompt
-(`RoleRulesConfig`). A helper call never fixes the main system prompt, so a harness whose first
-call is a helper still gets its main agent right.
+whether the system prompt differs from the execution's first non-empty main-agent system prompt
+(`RoleRulesConfig`), compared without volatile lines (Claude Code's `x-anthropic-billing-header:`
+changes at compaction). A helper call never fixes the main system prompt, so a harness whose first
+call is a helper still gets its main agent right; nor does an empty one. A helper marker in the
+last user turn counts only near its start and in a call without tools (`is_helper`).
 
 Adding a rule for a new harness: capture one request of the background call (`python -m
 gyre.proxy` logs nothing of bodies; record with the harness's own debug log or a logging proxy),
@@ -61,25 +63,40 @@ class RoleClassifier:
         self._sub = tuple(m.lower() for m in rules.sub_agent_markers if m)
         self._helper_system = tuple(m.lower() for m in rules.helper_system_markers if m)
         self._helper_user = tuple(m.lower() for m in rules.helper_user_markers if m)
+        self._volatile = tuple(p for p in rules.volatile_system_lines if p)
+
+    def stable_system(self, system: str) -> str:
+        """The system prompt without its volatile lines (`RoleRulesConfig.volatile_system_lines`)."""
+        if not self._volatile or not any(p in system for p in self._volatile):
+            return system
+        return "\n".join(ln for ln in system.split("\n") if not ln.lstrip().startswith(self._volatile))
 
     def _key(self, system: str) -> str:
+        system = self.stable_system(system)
         if self.rules.system_prompt_match == "prefix":
             return system[: self.rules.system_prompt_prefix_chars]
         return system
 
-    def is_helper(self, system: str, last_user: str, max_tokens: int | None = None) -> bool:
+    def is_helper(self, system: str, last_user: str, max_tokens: int | None = None, has_tools: bool = False) -> bool:
+        """A user-turn marker counts only in a call without tools (a harness's background calls
+        send none; its agent always does) and within the turn's first `HELPER_USER_CHARS`
+        characters (where the background prompts state their job): task text that merely mentions
+        a marker does not make the main agent's call a helper."""
         if max_tokens is not None and max_tokens <= self.rules.helper_max_tokens:
             return True
         if self._helper_system and any(m in system.lower() for m in self._helper_system):
             return True
-        return bool(self._helper_user) and any(m in last_user.lower() for m in self._helper_user)
+        head = last_user[: self.HELPER_USER_CHARS].lower()
+        return bool(self._helper_user) and not has_tools and any(m in head for m in self._helper_user)
+
+    HELPER_USER_CHARS = 256
 
     def classify(self, state, system: str, last_user: str, header_value: str | None, key: KeyInfo | None,
-                 max_tokens: int | None = None) -> Role:
+                 max_tokens: int | None = None, has_tools: bool = False) -> Role:
         """`state` is the execution's state (`main_system` is read and set here)."""
         if header_value:
             role = parse_role(header_value)  # ValueError -> 400 upstream
-        elif self.is_helper(system, last_user, max_tokens):
+        elif self.is_helper(system, last_user, max_tokens, has_tools):
             role = Role.HELPER
         elif key is not None and key.role_hint is not None and self.rules.use_key_hint:
             role = key.role_hint
@@ -93,6 +110,8 @@ class RoleClassifier:
                 role = Role.SUB_SUMMARY if is_summary else Role.SUB
             else:
                 role = Role.MAIN_SUMMARY if is_summary else Role.MAIN
-        if role is Role.MAIN and state.main_system is None:
+        if role is Role.MAIN and state.main_system is None and self._key(system).strip():
+            # An empty system prompt fixes nothing: a later call with the harness's real one is
+            # the main agent (the first call of some harnesses has no instructions yet).
             state.main_system = self._key(system)
         return role

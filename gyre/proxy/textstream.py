@@ -132,7 +132,8 @@ class ToolCallParser:
     """Hermes/Qwen tool calls out of streamed text. `push`/`flush` return a list of str | ToolCall.
 
     Content is the text before the first `<tool_call>` with its trailing whitespace removed (the
-    chat template puts a newline between content and the first call). Blocks that are not valid
+    chat template puts a newline between content and the first call); a block that turns out not
+    to be a call keeps the whitespace before it. Blocks that are not valid
     JSON `{"name": ..., "arguments": {...}}` come back as text, never dropped. With
     `enabled=False` all text passes through.
     """
@@ -140,6 +141,7 @@ class ToolCallParser:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self.buf = ""
+        self.ws = ""  # whitespace held back before a `<tool_call>` block: dropped if it is a call, kept if not
         self.in_tools = False
         self.ncalls = 0
 
@@ -167,6 +169,7 @@ class ToolCallParser:
             head = self.buf[:i].rstrip()
             if head:
                 out.append(head)
+            self.ws = self.buf[len(head) : i]
             self.buf = self.buf[i:]
             self.in_tools = True
         while self.buf:
@@ -174,13 +177,16 @@ class ToolCallParser:
             if not body:
                 break  # whitespace: dropped if a call follows, kept if text follows
             if body.startswith(TOOL_START):
+                lead = self.buf[: len(self.buf) - len(body)]
                 j = body.find(TOOL_END)
                 if j < 0:
+                    self.ws += lead
                     self.buf = body
                     break
                 raw = body[: j + len(TOOL_END)]
                 tc = _parse_block(body[len(TOOL_START) : j].strip())
-                out.append(self._call(tc) if tc is not None else raw)
+                out.append(self._call(tc) if tc is not None else self.ws + lead + raw)  # not a call: its text, as written
+                self.ws = ""
                 self.buf = body[j + len(TOOL_END) :]
                 continue
             if TOOL_START.startswith(body):
@@ -192,14 +198,17 @@ class ToolCallParser:
                 out.append(emit)
                 self.buf = self.buf[len(emit) :]
                 break
-            out.append(self.buf[:k].rstrip())
+            head = self.buf[:k].rstrip()
+            out.append(head)
+            self.ws = self.buf[len(head) : k]
             self.buf = self.buf[k:]
         return [x for x in out if not (isinstance(x, str) and not x)]
 
     def flush(self) -> list:
         out, self.buf = self.buf, ""
+        ws, self.ws = self.ws, ""
         if not out:
             return []
-        if self.in_tools and not out.strip():
-            return []
-        return [out]
+        if self.in_tools and not out.strip() and self.ncalls:
+            return []  # whitespace after the last call: the template's
+        return [ws + out]

@@ -117,3 +117,76 @@ def test_real_claude_code_writes_the_answer_through_the_proxy(tmp_path):
     recs = sink.for_execution("cc-0")
     assert len(recs) >= 2, logs
     assert [r.role.name for r in recs] == ["MAIN"] * len(recs), logs  # both turns of the one agent
+
+
+def test_claude_code_is_told_the_proxy_context_so_it_compacts_in_time():
+    """Claude Code takes a window from the model name (200k / 1M); run_claude.py gives it the
+    proxy's (GYRE_MAX_CONTEXT_TOKENS, which the runner sets from the proxy's config) as its
+    auto-compact window, and caps its output to leave the prompt room."""
+    from examples.claude_code.run_claude import claude_env
+    from gyre.executions.runner import GyreProxyAccess
+    from gyre.proxy.config import ProxyConfig
+
+    env = claude_env("m", api_timeout_ms=1, bash_timeout_ms=1, max_output_tokens=32000, context_tokens=65536)
+    assert env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "65536" and env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "16384"
+    env = claude_env("m", api_timeout_ms=1, bash_timeout_ms=1, max_output_tokens=32000, context_tokens=None)
+    assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "32000" and "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in {
+        k for k in env if k not in os.environ}
+
+    class P:
+        config = ProxyConfig(max_context_tokens=98304)
+
+    assert GyreProxyAccess(P(), "http://x").context_tokens == 98304
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CLAUDE is None, reason="no claude binary (npm install -g @anthropic-ai/claude-code, or set GYRE_CLAUDE_BIN)")
+def test_real_claude_code_compacts_past_the_proxy_context_and_keeps_its_roles(tmp_path):
+    """Issue 34: the real CLI fills the proxy's context with long tool outputs, gets Anthropic's
+    `prompt is too long` 400, compacts, and finishes; its compaction is recorded `main_summary`
+    and the calls after it `main` (its billing line changes at compaction)."""
+    from gyre.backends.engines.det_engine import DeterministicEngine
+    from gyre.backends.models.tokenizer import byte_token_ids, load_tokenizer
+    from gyre.executions.config import EvaluatorConfig, RunnerConfig
+    from gyre.executions.evaluator import Evaluator, Outcome
+    from gyre.executions.runner import GyreProxyAccess, HarnessRunner
+    from gyre.executions.tasks import ExecutionSpec, Task
+    from gyre.proxy import MemorySink, Proxy, ProxyConfig, serve_proxy
+    from gyre.trajectory.record import Role
+
+    tok = load_tokenizer()
+    big = {"name": "Bash", "arguments": {"command": "python3 -c \"print('word ' * 5000)\"", "description": "print a lot"}}
+    write = {"name": "Bash", "arguments": {"command": "echo apple > answer.txt", "description": "write the answer"}}
+
+    def script(ids):
+        text = tok.decode(ids)
+        last_user = text.rsplit("<|im_start|>user", 1)[-1]
+        if "summary of the conversation" in last_user.lower():
+            return "<summary>The user wants the word apple in answer.txt; long outputs were printed.</summary>"
+        if "continued from a previous conversation" in text and "<tool_response>" not in text.rsplit("continued from", 1)[-1]:
+            return "Writing it now.\n<tool_call>\n" + json.dumps(write) + "\n</tool_call>"
+        if "<tool_response>" in last_user and "apple" in last_user:
+            return "Done: apple."
+        return "More output first.\n<tool_call>\n" + json.dumps(big) + "\n</tool_call>"
+
+    sink = MemorySink()
+    proxy = Proxy(ProxyConfig(max_context_tokens=65536), sink=sink)
+    proxy.router.add_engine(DeterministicEngine("det", script=script, byte_ids=byte_token_ids(tok)), kind="cell", index=0)
+    handle = serve_proxy(proxy)
+    try:
+        task = Task.from_json(make_tasks(1)[0] | {"timeout_s": 600, "harness": ["{python}", str(EXAMPLE / "run_claude.py"),
+                                                                                 "--max-turns", "40", "--max-output-tokens", "512"]})
+        runner = HarnessRunner(RunnerConfig(run_dir=str(tmp_path / "runs"), timeout_s=600, home="per_execution",
+                                            env={"GYRE_CLAUDE_BIN": CLAUDE},
+                                            sandbox_ro_paths=[str(EXAMPLE / "settings.json"), str(Path(CLAUDE).resolve().parent)]),
+                               Evaluator(EvaluatorConfig()), GyreProxyAccess(proxy, handle.url))
+        res = asyncio.run(runner.dispatch(ExecutionSpec("cc-full", task, "g")))
+    finally:
+        handle.stop()
+    logs = (res.exec_dir / "stdout.log").read_text()[-3000:] + (res.exec_dir / "stderr.log").read_text()[-2000:]
+    assert res.outcome is Outcome.COMPLETED, logs
+    roles = [r.role for r in sink.for_execution("cc-full") if r.role is not Role.HELPER]
+    assert Role.MAIN_SUMMARY in roles, (roles, logs)
+    after = roles[roles.index(Role.MAIN_SUMMARY) + 1:]
+    assert after and set(after) == {Role.MAIN}, (roles, logs)
+    assert Role.SUB not in roles and Role.SUB_SUMMARY not in roles, roles

@@ -184,3 +184,17 @@ def family_tokenizer(family):
     from tests.realmodels import build_tokenizer
 
     return build_tokenizer("qwen3", template="qwen3.5") if family == "qwen3.5" else build_tokenizer(family)
+
+
+def test_coder_text_without_calls_comes_back_exactly():
+    """Issue 34 item 8: a `<tool_call>` block that is not a call keeps the whitespace before it
+    (qwen3-coder / qwen3.5 syntax), chunked or not; a real call's is still the template's."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}}]
+    for text in ["See:\n<tool_call>not a function</tool_call>\n", "x \n<tool_call>\n<function=f>\n"]:
+        for chunks in ([text], list(text)):
+            p = XmlToolParser(tools)
+            out = [x for c in chunks for x in p.push(c)] + p.flush()
+            assert "".join(out) == text, (chunks[:3], out)
+    p = XmlToolParser(tools)
+    out = p.push("ok\n<tool_call>\n<function=f>\n<parameter=a>\nv\n</parameter>\n</function>\n</tool_call>") + p.flush()
+    assert out[0] == "ok" and out[1].name == "f" and len(out) == 2

@@ -69,7 +69,7 @@ systems = st.sampled_from(["System A: main", "System A: other", "System B", ""])
 def test_rule_order_invariant(calls):
     """With no header and no hint, a call is a summary iff its last user turn has a summary marker,
     and a sub-agent call iff it has a sub-agent marker or a main system prompt was fixed and this
-    one differs from it in its first 8 characters."""
+    one differs from it in its first 8 characters; only a non-empty system prompt is fixed."""
     c, s = RoleClassifier(RULES), _state()
     for system, user in calls:
         before = s.main_system
@@ -78,7 +78,8 @@ def test_rule_order_invariant(calls):
         sub = "[sub]" in user.lower() or (before is not None and system[:8] != before)
         assert role is {(False, False): Role.MAIN, (False, True): Role.MAIN_SUMMARY,
                         (True, False): Role.SUB, (True, True): Role.SUB_SUMMARY}[(sub, summary)]
-        assert s.main_system == (before if before is not None or role is not Role.MAIN else system[:8])
+        fixes = before is None and role is Role.MAIN and system[:8].strip() != ""
+        assert s.main_system == (system[:8] if fixes else before)
 
 
 CC_MAIN = "You are Claude Code, Anthropic's official CLI for Claude.\nYou are an interactive CLI tool that helps users with software engineering tasks."
@@ -112,3 +113,25 @@ def test_helper_rules_are_configurable_and_can_be_turned_off():
     assert c.classify(s, "Codex-like: Generate a TITLE for this thread", "hi", None, None) is Role.HELPER
     assert c.classify(s, "Main agent", "[BG] check something", None, None) is Role.HELPER
     assert c.classify(s, CC_TOPIC, "hi", None, None) is Role.SUB  # the defaults were replaced
+
+
+def test_an_empty_first_system_prompt_fixes_nothing():
+    """Issue 34 item 7: a first call without instructions must not make "" the main system
+    prompt (the harness's real calls would all become SUB)."""
+    c, s = RoleClassifier(RULES), _state()
+    assert c.classify(s, "", "hello", None, None) is Role.MAIN
+    assert s.main_system is None
+    assert c.classify(s, "You are the main agent", "fix the bug", None, None) is Role.MAIN
+    assert c.classify(s, "You are the main agent", "go on", None, None) is Role.MAIN
+    assert c.classify(s, "A helper for search", "find x", None, None) is Role.SUB
+
+
+def test_task_text_mentioning_a_helper_marker_leaves_the_main_call_main():
+    """Issue 34 item 7: a user-turn helper marker counts only in a call without tools, near the
+    start of the turn; the main agent's task that mentions one stays MAIN."""
+    c, s = RoleClassifier(RoleRulesConfig()), _state()
+    task = "Implement Bash command prefix detection in src/policy.py; <gyre:helper> is a literal tag there."
+    assert c.classify(s, CC_MAIN, task, None, None, 32000, True) is Role.MAIN  # the agent's call has tools
+    late = "Fix the parser. " + "x" * 300 + " Please write a 5-10 word title for the following conversation"
+    assert c.classify(s, CC_MAIN, late, None, None, 32000, False) is Role.MAIN  # far from the start
+    assert c.classify(s, "", CC_PREFIX_USER, None, None, 512, False) is Role.HELPER  # the real helper still is

@@ -37,8 +37,14 @@ def test_parser_hand_cases():
     # invalid JSON stays text, nothing dropped
     bad = "<tool_call>\n{not json}\n</tool_call>"
     assert _run_parser([bad]) == [bad]
-    # unterminated call (max_tokens hit) stays text (the whitespace before a call is the template's)
-    assert _run_parser(["ok <tool_call>\n{\"name\": "]) == ['ok<tool_call>\n{"name": ']
+    # unterminated call (max_tokens hit) stays text, the whitespace before it included (issue 34)
+    assert _run_parser(["ok <tool_call>\n{\"name\": "]) == ['ok <tool_call>\n{"name": ']
+    # a literal tag that is not a call keeps the whitespace before it; a call's is the template's
+    assert _run_parser(["Write the tag:\n<tool_call>not json</tool_call>\n"]) == ["Write the tag:\n<tool_call>not json</tool_call>\n"]
+    assert _run_parser(['a\n<tool_call>x</tool_call> \n<tool_call>{"name": "f", "arguments": {}}</tool_call>']) == [
+        "a\n<tool_call>x</tool_call>", ("f", "{}")]
+    lit = "<tool_call></tool_call></tool_call>\n<tool_call>"  # text between blocks keeps its whitespace too
+    assert _run_parser([lit]) == [lit]
     # no tool calls: text passes through exactly, trailing whitespace included
     assert _run_parser(["a <tool", "x> b \n"]) == ["a <toolx> b \n"]
     assert _run_parser([t], enabled=False) == [t]
@@ -100,3 +106,14 @@ def test_detokenizer_hides_eos():
     d = Detokenizer(token_bytes(tok), frozenset([eos]))
     ids = tok.encode("ok", add_special_tokens=False) + [eos]
     assert "".join(d.push(i) for i in ids) + d.flush() == "ok"
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(pieces, max_size=14), st.data())
+def test_text_without_calls_reaches_the_client_exactly(parts, data):
+    """Issue 34 item 8: whatever the chunking, text in which no tool call is found (a literal
+    `<tool_call>` tag, broken JSON, whitespace around them) comes back exactly as sampled."""
+    text = "".join(parts)
+    out = _run_parser([text])
+    if not any(isinstance(x, tuple) for x in out):
+        assert "".join(out) == text

@@ -160,7 +160,7 @@ def test_early_ended_stream_is_not_recorded_as_stop(make_server):
     proxy, h = make_server([(EarlyEndEngine("e"), "cell", 0)])
     k = proxy.issue_key("x")
     r = httpx.post(h.url + "/v1/chat/completions", json={**SMALL, "max_tokens": 50}, headers={"Authorization": f"Bearer {k}"})
-    assert r.status_code == 200
+    assert r.status_code == 500 and "ended this call early" in r.json()["error"]["message"]  # the client is told too (issue 34)
     rec = proxy.sink.records[0]
     assert len(rec.output_ids) == 3 and rec.finish_reason == "error", rec.finish_reason
 

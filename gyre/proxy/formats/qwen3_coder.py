@@ -181,6 +181,7 @@ class XmlToolParser:
     def __init__(self, tools: list[dict] | None = None) -> None:
         self.tools = tools
         self.buf = ""
+        self.ws = ""  # whitespace held back before a block: dropped if it is a call, kept if not
         self.in_tools = False
         self.ncalls = 0
 
@@ -198,11 +199,14 @@ class XmlToolParser:
                         out.append(emit)
                     self.buf = self.buf[len(emit):]
                     break
-                if self.buf[:i].rstrip():
-                    out.append(self.buf[:i].rstrip())
+                head = self.buf[:i].rstrip()
+                if head:
+                    out.append(head)
+                self.ws = self.buf[len(head) : i]
                 self.buf = self.buf[i:]
                 self.in_tools = True
             body = self.buf.lstrip()
+            lead = self.buf[: len(self.buf) - len(body)]
             if not body or (TOOL_START.startswith(body) and body != TOOL_START):
                 break  # whitespace or a partial opening: wait
             if not body.startswith(TOOL_START):
@@ -210,6 +214,7 @@ class XmlToolParser:
                 continue
             j = body.find(TOOL_END)
             if j < 0:
+                self.ws += lead
                 self.buf = body
                 break
             calls = parse_block(body[len(TOOL_START) : j], self.tools)
@@ -218,15 +223,17 @@ class XmlToolParser:
                     out.append(ToolCall(name=name, arguments=args, index=self.ncalls))
                     self.ncalls += 1
             else:
-                out.append(body[: j + len(TOOL_END)])
+                out.append(self.ws + lead + body[: j + len(TOOL_END)])  # not a call: its text, as written
+            self.ws = ""
             self.buf = body[j + len(TOOL_END):]
         return out
 
     def flush(self) -> list:
         out, self.buf = self.buf, ""
-        if not out or (self.in_tools and not out.strip()):
+        ws, self.ws = self.ws, ""
+        if not out or (self.in_tools and not out.strip() and self.ncalls):
             return []
-        return [out]
+        return [ws + out]
 
 
 def tool_call_opening(name: str | None) -> str:
