@@ -36,12 +36,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-import numpy as np
-
 from gyre.runtime.ledger import GroupPhase
 from gyre.runtime.messages import Failed, Stop
-from gyre.runtime.outputs import append_events, plot_role_timeline, read_metrics, reward_trend, train_fractions
+from gyre.runtime.outputs import append_events, plot_role_timeline, read_metrics, train_fractions
 from gyre.runtime.rundir import end_attempt
+from gyre.runtime.summary import RunEnd, build_summary
 
 if TYPE_CHECKING:
     from gyre.runtime.controller import Controller
@@ -102,6 +101,25 @@ def quiet_cancelled(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) ->
         logger.debug("cancelled by the stop: %s", context.get("message"))
         return
     loop.default_exception_handler(context)
+
+
+def close_loop(loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+    """Cancel what is left on the controller's loop and close it, waiting at most `timeout`.
+
+    `asyncio.run` would wait without limit for every task to take its cancellation; one that
+    does not (a call stuck in a library) would keep the run from exiting after its summary
+    is written. Here it is named in the log and left behind instead.
+    """
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        _, stuck = loop.run_until_complete(asyncio.wait(tasks, timeout=timeout))
+        if stuck:
+            logger.warning("controller: %d tasks did not stop within %.0fs and are abandoned: %s", len(stuck), timeout,
+                           ", ".join(sorted(t.get_name() for t in stuck)))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
 
 
 class _Phases:
@@ -188,7 +206,7 @@ async def stop_run(ctl: Controller, failed: bool) -> None:
     end = time.time()
     intervals = phases.run("the timeline", lambda: ctl.ledger.intervals(end), default={})
     fractions = phases.run("the training fractions", lambda: train_fractions(intervals), default={})
-    ctl.summary = phases.run("the summary", lambda: build_summary(ctl, end, fractions, cancelled, missing), default={})
+    ctl.summary = phases.run("the summary", lambda: _summary(ctl, end, fractions, cancelled, missing), default={})
     ctl.summary["write_errors_after_the_first"] = ctl.writes.later
     try:  # this attempt's record in run.json; the run's totals over every attempt so far
         ctl.summary["run"] = end_attempt(ctl.run_dir, ctl.attempt, ctl.summary)
@@ -271,61 +289,20 @@ def _track_timeline(ctl: Controller, fractions: dict[int, float]) -> None:
     ctl.trackers.image("role_timeline", str(ctl.run_dir / "role_timeline.png"), ctl.steps_done)
 
 
-def build_summary(ctl: Controller, end: float, fractions: dict[int, float], cancelled: int,
-                  missing: list[int]) -> dict[str, Any]:
-    """summary.json: what the attempt did (run.json's `ended` record keeps `ENDED_FIELDS` of it)."""
-    stats = ctl.proxy.router.stats()
-    totals = ctl.access.totals
-    summary = {
-        "steps": ctl.steps_done,
-        "wall_s": end - ctl.ledger.t_start,
-        "mode": ctl.cfg.scheduler.mode,
-        "train_fraction": {str(c): f for c, f in fractions.items()},
-        "switch_latency_s": {k: (float(np.mean(v)) if v else None) for k, v in ctl.latencies.items()},
-        "handover_s": ctl.ledger.handover_summary(),  # the switches' parts: actor offload / restore, ...
-        "reroutes": stats["reroutes"],
-        "migration": stats["migration"],  # reroutes by KV migration vs recompute: counts, tokens, bytes, latency
-        "calls": totals["calls"],
-        "aborted_calls": totals["aborted_calls"],
-        "spliced_turns": totals["spliced_turns"],
-        "unmatched_turns": totals["unmatched_turns"],
-        "tolerated_turns": totals["tolerated_turns"],  # spliced by --proxy.splice tolerant
-        "worst_unmatched_executions": ctl.proxy.worst_unmatched(10),  # [{execution_id, unmatched_turns, calls, unmatched_kinds}]
-        "engine_failures": stats["engine_failures"],
-        "execution_outcomes": dict(ctl.outcomes),
-        "cancelled_at_end": cancelled,
-        # executions of earlier attempts in this run directory that were still running (or not all
-        # evaluated) when their attempt ended, so not trained into the checkpoint resumed from: their
-        # tasks ran again first in this one. Evaluated groups were carried over instead. See run.json's
-        # attempts and groups.jsonl.
-        "attempt": ctl.attempt,
-        "lost_in_flight": ctl.run.lost_in_flight,
-        "redispatched_groups": len(ctl.run.redo_tasks),
-        "carried_over_groups": ctl.carried_over,  # evaluated in an earlier attempt, trained in this one
-        "measured_staleness_mean": float(np.mean(ctl.sched.staleness)) if ctl.sched.staleness else None,
-        "staleness_by_step": ctl.ledger.staleness_by_step(),
-        "expected_staleness": ctl.cfg.scheduler.expected_staleness,
-        "failed_executions": dict(ctl.health.counts),
-        "error": str(ctl.task_error) if ctl.task_error is not None else None,
-        "interrupted": ctl.interrupted,  # "SIGINT" / "SIGTERM": a signal stopped the run
-        "silent_rank": ctl.silent_rank,  # a rank that stopped answering (--train.control-timeout-s)
-        "ranks_not_stopped": missing,
-        "engine_stalls": stats["engine_stalls"],  # calls moved off an engine that sent no token in time
-        "sink_errors": ctl.proxy.sink_errors,
-        "incomplete_tito": dict(ctl.incomplete_tito),  # execution -> what is missing; excluded from training
-        "last_checkpoint_s": ctl.last_checkpoint_s,  # the last periodic checkpoint's write (the stop budget)
-        "shutdown_timeout_s": ctl.cfg.train.shutdown_timeout_s,
-    }
+def _summary(ctl: Controller, end: float, fractions: dict[int, float], cancelled: int,
+             missing: list[int]) -> dict[str, Any]:
+    """summary.json from the ledger and its named sources (`gyre.runtime.summary.build_summary`)."""
     try:
         rows = read_metrics(str(ctl.run_dir / "metrics.jsonl"))
     except OSError:
         rows = []
-    if len(rows) >= 2:
-        try:
-            summary["reward_trend"] = reward_trend(rows, max(1, len(rows) // 4), seed=ctl.cfg.seed)
-        except ValueError as e:
-            logger.warning("reward trend not computed: %s", e)
-    return summary
+    how = RunEnd(steps=ctl.steps_done, end=end, cancelled_at_end=cancelled, ranks_not_stopped=missing,
+                 error=str(ctl.task_error) if ctl.task_error is not None else None, interrupted=ctl.interrupted,
+                 silent_rank=ctl.silent_rank, last_checkpoint_s=ctl.last_checkpoint_s)
+    return build_summary(ctl.ledger, how, cfg=ctl.cfg, fractions=fractions, router=ctl.proxy.router.stats(),
+                         proxy_totals=ctl.access.totals, worst_unmatched=ctl.proxy.worst_unmatched(10),
+                         sink_errors=ctl.proxy.sink_errors, health=ctl.health.counts,
+                         measured_staleness=ctl.sched.staleness, run=ctl.run, rows=rows)
 
 
 def end_lines(summary: dict[str, Any], run_dir: Any, failed_phases: list[str] = ()) -> list[str]:

@@ -130,7 +130,7 @@ def test_metrics_row_and_summary_carry_unmatched_turns(make_server):
     row (GyreProxyAccess.totals); summary.json lists the worst executions (Proxy.worst_unmatched)."""
     from types import SimpleNamespace
 
-    from gyre.executions.runner import GyreProxyAccess
+    from gyre.runtime.proxy_access import GyreProxyAccess
     from gyre.runtime.controller import Controller
 
     proxy, h = make_server([(scripted_engine(), "cell", 0)], config=ProxyConfig(splice="exact"))

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gyre.executions.evaluator import RewardResult, RewardStatus
 from gyre.runtime.cell import CellState, LEGAL, time_per_state, timeline_intervals
 from gyre.executions.tasks import ExecutionSpec, Group, Task
 from gyre.runtime.ledger import GroupPhase, LedgerError, RunLedger, StepPhase
@@ -22,8 +23,10 @@ def _spec(gid: str, n: int) -> Group:
 
 
 class _Result:  # the fields of a runner ExecutionResult the ledger reads
-    def __init__(self, execution_id: str) -> None:
+    def __init__(self, execution_id: str, reward: RewardResult | None = None) -> None:
         self.execution_id = execution_id
+        self.index = int(execution_id.rsplit(".", 1)[1])
+        self.reward = reward
 
 
 # ----------------------------------------------------------------------------- timeline
@@ -87,7 +90,7 @@ def _ledger_with_two_ready_groups() -> RunLedger:
     led.add_group(1, _spec("b", 2), version=1)
     for eid in ("a.0", "a.1", "b.1", "b.0"):
         led.evaluated(_Result(eid))
-    led.set_work(0, GroupWork([["ms0"], ["ms1"]], [1.0, None], {"excluded": 1}))
+    led.set_work(0, GroupWork([["ms0"], ["ms1"]], [1.0, None], dropped_trajectories=2))
     led.set_work(1, GroupWork([["ms2"]], [0.0, 0.5]))
     return led
 
@@ -127,6 +130,7 @@ def test_a_step_row_from_claims_metrics_and_decision_by_hand():
     assert row["group_rewards"] == [[0.0, 0.5], [1.0]] and row["rewards"] == [0.0, 0.5, 1.0]
     assert row["reward_mean"] == pytest.approx(0.5) and row["reward_count"] == 3 and row["executions_valid"] == 3
     assert row["staleness"] == [2, 3] and row["staleness_mean"] == 2.5
+    assert row["dropped_trajectories"] == 2  # group 0's 2, group 1's none
     assert row["loss"] == pytest.approx(0.75 * 4 / 3) and row["clip_frac"] == pytest.approx(1 / 3)
     assert row["micro_steps"] == 3.0
     assert row["cell_time_s"] == {"0": {"rollout": 10.0}, "1": {"rollout": 10.0}}
