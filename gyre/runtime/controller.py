@@ -1,10 +1,9 @@
 """The controller: rank 0's own thread and asyncio loop (docs/design.md §1–3).
 
-It owns the data plane (the proxy and the harness runner) and drives
-`gyre.scheduler.ElasticScheduler`, the same decision object the simulator drives. Like the
-scheduler it only translates: events in (the cells' reports, the runner's execution events),
-entries into the run's ledger (`gyre.runtime.ledger`) and scheduler calls, commands out. Each
-decision has one handler (`DECISIONS`):
+It owns the data plane (the proxy and the harness runner, `gyre.runtime.proxy_access`) and
+drives `gyre.scheduler.ElasticScheduler`, as the simulator does. It only translates: events in
+(the cells' reports, the runner's execution events), entries into the run's ledger
+(`gyre.runtime.ledger`) and scheduler calls, commands out. One handler per decision (`DECISIONS`):
 
     Dispatch(groups)        start N harness executions per group (boundary dispatch); an earlier
                             attempt's evaluated group is carried over instead (gyre.runtime.rundir)
@@ -15,13 +14,11 @@ decision has one handler (`DECISIONS`):
     SwitchToRollout(cell)   send the cell `ToRollout` with the published version
     Publish(version)        send every rollout engine `Load` of the version
 
-Cells talk back through the controller's mailbox (`gyre.runtime.control.CONTROLLER`), one
-handler per report type (`HANDLERS`); the commands, reports and who waits for what are in
-`gyre.runtime.messages`. Every command that is answered (its type's `reply`) is watched
-(`ReplyWatch`). Work requests the scheduler cannot serve yet are kept and retried after every
-event. An execution's accounting (its calls, sink errors, outcome, reward, what is missing from
-its TITO) lives in its ledger record; an execution whose TITO is incomplete is excluded from
-training. Each step's metrics row and the summary are built by `gyre.runtime.summary`.
+Cells report to the controller's mailbox, one handler per report type (`HANDLERS`; the protocol
+is in `gyre.runtime.messages`); every command that is answered (its `reply`) is watched
+(`ReplyWatch`). Work requests the scheduler cannot serve yet are retried after every event. An
+execution's accounting lives in its ledger record (one whose TITO is incomplete is not trained);
+each step's metrics row and the summary are built by `gyre.runtime.summary`.
 
 Every end takes one ordered stop sequence (`gyre.runtime.stop.stop_run`): the last step done, a
 worker's `Failed`, a health stop, a rank silent past `train.control_timeout_s`, a write error
@@ -40,15 +37,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
-from gyre.backends.engine_http import HttpEngine
 from gyre.errors import RunFailed
-from gyre.executions.evaluator import Evaluator
 from gyre.executions.health import HealthMonitor
 from gyre.executions.runner import EventKind, ExecutionEvent, HarnessRunner
 from gyre.executions.tasks import Dataset
-from gyre.proxy import Proxy, StoreSink, start_proxy
+from gyre.proxy import Proxy
 from gyre.runtime import rundir, stop
 from gyre.runtime.control import CONTROLLER, ControlPlane, ReplyWatch
 from gyre.runtime.ledger import RunLedger
@@ -56,11 +50,11 @@ from gyre.runtime.messages import (Command, Failed, Interrupted, Joined, Load, L
                                    RolledBack, StepDone, Stop, Stopped, ToRollout, ToTrain, TrainWork, Transition,
                                    WorkDone, handler_for)
 from gyre.runtime.outputs import MetricsWriter, make_trackers
-from gyre.runtime.proxy_access import GyreProxyAccess
+from gyre.runtime.proxy_access import GyreProxyAccess, start_data_plane
 from gyre.runtime.rundir import JOURNAL, GroupJournal, RunDir
-from gyre.runtime.samples import group_work, step_denominator, tito_records
-from gyre.runtime.summary import step_row
-from gyre.runtime.writes import FirstError, Guarded, WatchedSink, watch_execution
+from gyre.runtime.samples import audit_bundle, group_work, step_denominator, tito_records
+from gyre.runtime.summary import ProgressLine, step_line, step_row
+from gyre.runtime.writes import FirstError, Guarded, watch_execution
 from gyre.scheduler import (CellRole, Dispatch, ElasticScheduler, OptimizerStep, Publish, SwitchToRollout,
                             SwitchToTrain, WallClock, Work)
 from gyre.topology import Topology
@@ -71,19 +65,14 @@ logger = logging.getLogger(__name__)
 
 class Controller:
     """Start with `start()` on rank 0 after the workers' engines are announced; `join()` waits.
-
-    The run ends after `train.steps` optimizer steps: no more dispatch, executions still running
-    get `train.drain_at_end_s` to finish (then they are cancelled and reported as such), every
-    rank is told to stop, and the timeline and summary are written.
-    """
+    The run ends after `train.steps` optimizer steps (the stop sequence: `gyre.runtime.stop`)."""
 
     def __init__(self, cfg: Any, topo: Topology, store: Any, start_version: int = 0, engine_secret: str | None = None,
                  run: RunDir | None = None) -> None:
         """Build the run's state: everything that does not need the controller's loop.
         `engine_secret`: what the engines' servers want (`engine_host.share_secret`); `run`: this
         launch's attempt in the run directory and what earlier attempts lost (`gyre.runtime.rundir`)."""
-        self.cfg, self.topo, self.store = cfg, topo, store
-        self.engine_secret = engine_secret
+        self.cfg, self.topo, self.store, self.engine_secret = cfg, topo, store, engine_secret
         sc, tc = cfg.scheduler, cfg.train
         self.start_version = start_version  # > 0 when resuming: steps and versions count on from it
         self.run_dir = Path(cfg.run_dir)
@@ -106,6 +95,7 @@ class Controller:
         self.sched = ElasticScheduler(sc, topo.num_cells, tc.cell_concurrency,
                                       topo.num_pool_engines * tc.cell_concurrency, clock=WallClock(),
                                       start_version=start_version)
+        self.nominal = sc.batch_groups * sc.n_per_group  # B·N: the |E| every group is packed with (samples.py)
         hc = cfg.executions.health
         self.health = HealthMonitor(hc.window or sc.n_per_group * sc.batch_groups, hc.stop_fraction)
         self.ledger = RunLedger(topo.num_cells)
@@ -145,8 +135,7 @@ class Controller:
         self.interrupted: str | None = None  # "SIGTERM" once a rank reported one
         self._interrupt_t = 0.0
         self.silent_rank: int | None = None
-        self._last_progress: tuple | None = None  # the last progress line's picture, and when it was logged
-        self._last_progress_t = 0.0
+        self.progress = ProgressLine()
 
     # ------------------------------------------------------------------ thread
     def start(self) -> None:
@@ -172,27 +161,21 @@ class Controller:
                 logger.exception("the run failed: the controller raised; stopping every rank")
             self.error = e
             if not self.stop_sent:
-                cp = ControlPlane(self.store.clone(), CONTROLLER)
-                for r in range(self.topo.world_size):
-                    cp.send(r, Stop(failed=True, checkpoint=self.interrupted is not None))
+                stop.stop_every_rank(self.store, self.topo.world_size, checkpoint=self.interrupted is not None)
         finally:
             self.trackers.close(failed=self.error is not None)
             stop.close_loop(loop, timeout=3.0 if self.interrupted else 30.0)  # an interrupt's stop is bounded
 
     # ------------------------------------------------------------------ set-up
-    def _cell_ranks(self, cell: int) -> list[int]:
-        return self.topo.cell_ranks(cell)
-
     def _send_cell(self, cell: int, msg: Command) -> None:
-        for r in self._cell_ranks(cell):
+        for r in self.topo.cell_ranks(cell):
             self._command(r, msg)
 
     def _command(self, rank: int, msg: Command) -> None:
-        """Send `msg` to `rank`, noting the report it owes (`ReplyWatch`: a silent rank fails the run):
-        `Stop` is answered by every rank, `Reduce` by the core, the others by a cell's (or pool
-        engine's) first rank."""
+        """Send `msg` to `rank`, noting the report it owes (`ReplyWatch`): `Stop` is answered by every
+        rank, `Reduce` by the core, the others by a cell's (or pool engine's) first rank."""
         self.cp.send(rank, msg)
-        owes = rank == self._cell_ranks(0)[0] if isinstance(msg, Reduce) else rank in self._reporters
+        owes = rank == self.topo.cell_ranks(0)[0] if isinstance(msg, Reduce) else rank in self._reporters
         if isinstance(msg, Stop) or owes:
             self.watch.expect(rank, type(msg), time.monotonic())
 
@@ -203,48 +186,20 @@ class Controller:
         silent = self.watch.silent(time.monotonic(), limit) if limit > 0 else None
         if silent is None or self.silent_rank is not None:
             return
-        rank, command, quiet = silent
-        self.silent_rank = rank
-        msg = (f"rank {rank} has sent nothing for {quiet:.0f}s while it owes an answer to {command.__name__} "
-               f"(--train.control-timeout-s {limit:g}): it is frozen or gone (SIGSTOP, a hung collective or "
-               f"driver, a lost node); stopping the run")
-        logger.error("%s", msg)
+        self.silent_rank = silent[0]
+        logger.error("%s", msg := stop.silent_error(*silent, limit))
         self._fail(RunFailed(msg))
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException | None) -> None:
         """Stop the run; the first error becomes the run's."""
         if self.task_error is None:
             self.task_error = error
         self.stopping = True
 
-    async def _engine_url(self, rank: int) -> str:
-        key = f"engine/{rank}"
-        start = time.monotonic()
-        while not self.store_t.check([key]):
-            if time.monotonic() - start > 600:
-                raise TimeoutError(f"rank {rank} never announced its engine")
-            await asyncio.sleep(0.01)
-        return self.store_t.get(key).decode()
-
     async def _run(self) -> None:
-        cfg, topo = self.cfg, self.topo
-        from gyre.backends.vocab import load_vocab
-
-        vocab = load_vocab(cfg.model.checkpoint, cfg.proxy.tokenizer_path)  # the job's (cached per path)
-        self.proxy = Proxy(cfg.proxy, sink=WatchedSink(StoreSink(self.tito), self.tito.path_for, self._error),
-                           tokenizer=vocab.tokenizer, stop_ids=vocab.stop_ids)
-        self.proxy_handle = await start_proxy(self.proxy)
-        logger.info("proxy listening at %s", self.proxy_handle.url)
-        engines = [("cell", c, self._cell_ranks(c)[0]) for c in range(topo.num_cells)]
-        engines += [("pool", e, topo.pool_engine_ranks(e)[0]) for e in range(topo.num_pool_engines)]
-        for kind, index, rank in engines:
-            url = await self._engine_url(rank)
-            self.proxy.router.add_engine(HttpEngine(url, name=f"{kind}{index}", secret=self.engine_secret),
-                                         kind=kind, index=index)
-        runner_cfg = dataclasses.replace(cfg.executions.runner, run_dir=str(self.run_dir / "executions"))
-        self.access = GyreProxyAccess(self.proxy, self.proxy_handle.url, self.ledger)
-        self.runner = HarnessRunner(runner_cfg, Evaluator(cfg.executions.evaluator, runner_cfg), proxy=self.access,
-                                    on_event=self._on_exec_event)
+        self.proxy, self.proxy_handle, self.access, self.runner = await start_data_plane(
+            self.cfg, self.run_dir, self.ledger, self.tito, self.store_t, self.topo, self.engine_secret,
+            on_error=self._error, on_event=self._on_exec_event)
         self.ledger.begin(time.time())
         self.last_step_t = self.ledger.t_start
 
@@ -256,9 +211,10 @@ class Controller:
                     self._on_message(msg)
                 if time.monotonic() >= next_tick:
                     self._apply(self.sched.tick())
-                    self._progress()
+                    if line := self.progress(self.sched, self.steps_done, self.cfg.train.steps, time.monotonic()):
+                        logger.info("%s", line)
                     self._check_silent()
-                    next_tick = time.monotonic() + cfg.scheduler.tick_s
+                    next_tick = time.monotonic() + self.cfg.scheduler.tick_s
                 self._serve_pending()
                 await asyncio.sleep(0.003)
         except Exception as e:  # noqa: BLE001 - the stop sequence still runs (summary, events, ended)
@@ -281,9 +237,7 @@ class Controller:
         err = self.writes.note(exc, what, path)
         if err is not None and self.task_error is not None:  # already stopping for another reason: say it once
             logger.error("%s", err)
-        elif err is not None:
-            self.task_error = err
-        self.stopping = True
+        self._fail(err)
 
     # ------------------------------------------------------------------ decisions
     def _apply(self, decisions: list) -> None:
@@ -347,7 +301,7 @@ class Controller:
         if d.cells != tuple(range(len(d.cells))):
             raise RuntimeError(f"step {d.step}: reduce cells {d.cells} are not a prefix 0..k−1")
         valid, grad_scale = step_denominator([self.ledger.groups[g].rewards for g in d.groups],
-                                             nominal=self._nominal_executions(), loss=self.cfg.loss)
+                                             nominal=self.nominal, loss=self.cfg.loss)
         self.ledger.decide(d.step, d.cells, d.groups, d.final_in_burst, valid, grad_scale)
         for c in d.cells:
             self.pending.discard(c)
@@ -355,12 +309,10 @@ class Controller:
                                       stay=self.cfg.scheduler.mode == "async", grad_scale=grad_scale))
 
     def _publish(self, d: Publish) -> None:
-        for c in range(self.topo.num_cells):
-            if self.sched.roles[c] is CellRole.ROLLOUT:
-                self._send_cell(c, Load(version=d.version))
-        for e in range(self.topo.num_pool_engines):
-            for r in self.topo.pool_engine_ranks(e):
-                self._command(r, Load(version=d.version))
+        ranks = [r for c in range(self.topo.num_cells) if self.sched.roles[c] is CellRole.ROLLOUT
+                 for r in self.topo.cell_ranks(c)]
+        for r in ranks + [r for e in range(self.topo.num_pool_engines) for r in self.topo.pool_engine_ranks(e)]:
+            self._command(r, Load(version=d.version))
 
     def _serve_pending(self) -> None:
         for cell in sorted(self.pending):
@@ -370,11 +322,9 @@ class Controller:
             self.pending.discard(cell)
             bundle = self.ledger.groups[w.group].work.bundles[w.item]
             self.ledger.claim(w.step, cell)
-            if self.cfg.train.audit_dir:  # --train.audit-dir: every bundle as trained, for offline checks
-                path = Path(self.cfg.train.audit_dir) / f"step_{w.step:06d}"
-                path.mkdir(parents=True, exist_ok=True)
-                torch.save({"cell": cell, "bundle": bundle}, path / f"bundle_{w.group}_{w.item}.pt")
-            for r in self._cell_ranks(cell):
+            if self.cfg.train.audit_dir:
+                audit_bundle(self.cfg.train.audit_dir, w.step, w.group, w.item, cell, bundle)
+            for r in self.topo.cell_ranks(cell):
                 key = f"ms/{w.step}/{w.group}/{w.item}/{r}"
                 self.cp.put_blob(key, bundle)
                 self._command(r, TrainWork(step=w.step, group=w.group, item=w.item, key=key, version=w.step))
@@ -413,16 +363,11 @@ class Controller:
         self.metrics.write(row)
         self.trackers.log(row, msg.step)
         if "checkpoint_s" in msg.stats:  # the core wrote a periodic checkpoint: does a stop still fit it?
-            budget = self.cfg.train.shutdown_timeout_s
-            first = self.last_checkpoint_s is None or stop.budget_note(self.last_checkpoint_s, budget) is None
-            self.last_checkpoint_s = float(msg.stats["checkpoint_s"])
-            if first and (note := stop.budget_note(self.last_checkpoint_s, budget)) is not None:
-                logger.warning("%s", note)
+            self.last_checkpoint_s = stop.checkpointed(self.last_checkpoint_s, float(msg.stats["checkpoint_s"]),
+                                                       self.cfg.train.shutdown_timeout_s)
         self.last_step_t = now
         self.steps_done += 1
-        logger.info("step %d done: reward %.3f  loss %.4g  clip %.2f  d %.2f  cells %d  (%.1fs)", msg.step,
-                    row["reward_mean"] if row["reward_mean"] is not None else float("nan"), row["loss"],
-                    row["clip_frac"], row["staleness_mean"] or 0.0, len(rec.cells), row["step_time_s"])
+        logger.info("%s", step_line(row))
         self._apply(self.sched.on_step_done(msg.step))
         if self.steps_done >= self.cfg.train.steps:
             self.stopping = True
@@ -452,10 +397,7 @@ class Controller:
         if self.interrupted is not None:
             return
         self.interrupted, self._interrupt_t = msg.signal, stop.signalled_at(time.monotonic())
-        logger.warning("interrupted by %s (rank %d): stopping the run (at most %.0fs)", msg.signal, msg.rank,
-                       self.cfg.train.shutdown_timeout_s)
-        if (note := stop.budget_note(self.last_checkpoint_s, self.cfg.train.shutdown_timeout_s)) is not None:
-            logger.warning("%s", note)
+        stop.warn_interrupted(msg.signal, msg.rank, self.cfg.train.shutdown_timeout_s, self.last_checkpoint_s)
         self._fail(RunFailed(f"interrupted by {msg.signal} (received by rank {msg.rank}); stopped gracefully after "
                              f"{self.steps_done} steps"))
 
@@ -475,36 +417,17 @@ class Controller:
             if len(rec.evaluated) == self.cfg.scheduler.n_per_group:
                 self._spawn(self._make_work(rec.index))
 
-    def _nominal_executions(self) -> int:
-        """B·N: the |E| every group is packed with (samples.py: streaming packs before E is known)."""
-        return self.cfg.scheduler.batch_groups * self.cfg.scheduler.n_per_group
-
     async def _make_work(self, g: int) -> None:
         """The group's scored executions (an incomplete TITO excluded: the ledger) → its bundles."""
         rec, tc = self.ledger.groups[g], self.cfg.train
         scored = self.ledger.scored(g, functools.partial(tito_records, self.tito))
-        work = await asyncio.to_thread(
-            group_work, rec.group_id, rec.version, scored, num_executions=self._nominal_executions(),
-            max_tokens=tc.max_tokens, j_max=tc.j_max, normalize_std=tc.normalize_std,
-            rng=np.random.default_rng([self.cfg.seed, g]),
-        )
+        work = await asyncio.to_thread(group_work, rec.group_id, rec.version, scored, num_executions=self.nominal,
+                                       max_tokens=tc.max_tokens, j_max=tc.j_max, normalize_std=tc.normalize_std,
+                                       rng=np.random.default_rng([self.cfg.seed, g]))
         self.ledger.set_work(g, work)
         self._apply(self.sched.on_group_ready(g, len(work.bundles)))
 
-    def _progress(self) -> None:
-        """One progress line when the picture changed, or every 15 s while nothing moves."""
-        s = self.sched
-        state = (self.steps_done, s.ready_unassigned, s.water_level, s.cells_in_training, s.started, s.finished)
-        now = time.monotonic()
-        if state == self._last_progress and now - self._last_progress_t < 15.0:
-            return
-        self._last_progress, self._last_progress_t = state, now
-        logger.info("step %d/%d | groups ready %d | water level %d (C_R %d) | cells training %d | d/p/f %d/%d/%d",
-                    self.steps_done, self.cfg.train.steps, s.ready_unassigned, s.water_level, s.rollout_capacity,
-                    s.cells_in_training, s.dispatched, s.started, s.finished)
-
-    # One handler per scheduler decision and per report type (tests/runtime/test_messages.py
-    # checks the report table is complete).
+    # One handler per scheduler decision and per report type (tests/runtime/test_messages.py).
     DECISIONS: dict[type, Callable[[Controller, Any], None]] = {
         Dispatch: _dispatch,
         SwitchToTrain: _switch_to_train,

@@ -82,6 +82,16 @@ def bundle_micro_steps(micro_steps: Sequence[MicroStep]) -> list[list[MicroStep]
     return list(comps.values())
 
 
+def audit_bundle(audit_dir: str, step: int, group: int, item: int, cell: int, bundle: Sequence[MicroStep]) -> None:
+    """--train.audit-dir: a bundle as it is sent to be trained, for offline checks."""
+    import torch
+    from pathlib import Path
+
+    path = Path(audit_dir) / f"step_{step:06d}"
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save({"cell": cell, "bundle": bundle}, path / f"bundle_{group}_{item}.pt")
+
+
 def tito_records(tito: Any, execution_id: str) -> tuple[list, bool]:
     """An execution's TITO records in `tito` (a `gyre.trajectory.store.TitoStore`) and whether its
     file's tail was torn; ([], False) when it has no file (its harness never made a call)."""

@@ -93,6 +93,39 @@ def budget_note(checkpoint_s: float | None, budget_s: float) -> str | None:
             f"see docs/cluster.md)")
 
 
+def checkpointed(previous_s: float | None, took_s: float, budget_s: float) -> float:
+    """The core wrote a periodic checkpoint in `took_s`: `budget_note` is logged once, when the
+    previous one still fitted the budget (or there was none). Returns `took_s`, the new last."""
+    if previous_s is None or budget_note(previous_s, budget_s) is None:
+        if (note := budget_note(took_s, budget_s)) is not None:
+            logger.warning("%s", note)
+    return took_s
+
+
+def warn_interrupted(signal_name: str, rank: int, budget_s: float, last_checkpoint_s: float | None) -> None:
+    """The first interrupt's lines in the log: the stop's budget, and whether the checkpoint fits it."""
+    logger.warning("interrupted by %s (rank %d): stopping the run (at most %.0fs)", signal_name, rank, budget_s)
+    if (note := budget_note(last_checkpoint_s, budget_s)) is not None:
+        logger.warning("%s", note)
+
+
+def silent_error(rank: int, command: type, quiet: float, limit: float) -> str:
+    """The run's error when `rank` owes an answer to `command` and has said nothing for `quiet` s."""
+    return (f"rank {rank} has sent nothing for {quiet:.0f}s while it owes an answer to {command.__name__} "
+            f"(--train.control-timeout-s {limit:g}): it is frozen or gone (SIGSTOP, a hung collective or "
+            f"driver, a lost node); stopping the run")
+
+
+def stop_every_rank(store: Any, world_size: int, checkpoint: bool) -> None:
+    """The controller raised before the stop sequence sent Stop: tell every rank, over a fresh
+    connection, that the run failed (so none waits for a command forever)."""
+    from gyre.runtime.control import CONTROLLER, ControlPlane
+
+    cp = ControlPlane(store.clone(), CONTROLLER)
+    for r in range(world_size):
+        cp.send(r, Stop(failed=True, checkpoint=checkpoint))
+
+
 def quiet_cancelled(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     """The controller loop's exception handler: a task cancelled by the stop is not an error.
     (asyncio's stream servers call `task.exception()` on their cancelled connection tasks and log
@@ -239,7 +272,7 @@ async def _wait_for_ranks(ctl: Controller, failed: bool, checkpoint: bool, deadl
     if deadline is not None:
         wait_until = min(wait_until, deadline)
     world = set(range(ctl.topo.world_size))
-    core, silent_told = set(ctl._cell_ranks(0)), False
+    core, silent_told = set(ctl.topo.cell_ranks(0)), False
     while len(ctl.stopped) < ctl.topo.world_size and time.monotonic() < wait_until:
         _handle_reports(ctl)
         if deadline is not None and core <= set(ctl.stopped):

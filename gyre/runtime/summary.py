@@ -39,7 +39,7 @@ from gyre.runtime.outputs import reroute_fields, reward_trend
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunEnd", "build_summary", "step_row"]
+__all__ = ["ProgressLine", "RunEnd", "build_summary", "step_line", "step_row"]
 
 
 def step_row(ledger: RunLedger, step: int, now: float, *, step_time_s: float, scheduler: Any,
@@ -66,6 +66,13 @@ def step_row(ledger: RunLedger, step: int, now: float, *, step_time_s: float, sc
         **ledger.step_fields(step, now),
         **{k: float(v) for k, v in stats.items() if k != "version"},
     }
+
+
+def step_line(row: dict[str, Any]) -> str:
+    """A step's row as one line of the log."""
+    reward = row["reward_mean"] if row["reward_mean"] is not None else float("nan")
+    return (f"step {row['step']} done: reward {reward:.3f}  loss {row['loss']:.4g}  clip {row['clip_frac']:.2f}  "
+            f"d {row['staleness_mean'] or 0.0:.2f}  cells {row['cells_in_step']}  ({row['step_time_s']:.1f}s)")
 
 
 @dataclass
@@ -138,3 +145,23 @@ def build_summary(ledger: RunLedger, how: RunEnd, *, cfg: Any, fractions: dict[i
         except ValueError as e:
             logger.warning("reward trend not computed: %s", e)
     return summary
+
+
+class ProgressLine:
+    """The controller's progress line for the log: when the picture changed, or every `every_s`
+    seconds while nothing moves (None otherwise). `sched`: the scheduler (its counters now)."""
+
+    def __init__(self, every_s: float = 15.0) -> None:
+        self.every_s = every_s
+        self._last: tuple | None = None
+        self._last_t = 0.0
+
+    def __call__(self, sched: Any, steps_done: int, steps: int, now: float) -> str | None:
+        s = sched
+        state = (steps_done, s.ready_unassigned, s.water_level, s.cells_in_training, s.started, s.finished)
+        if state == self._last and now - self._last_t < self.every_s:
+            return None
+        self._last, self._last_t = state, now
+        return (f"step {steps_done}/{steps} | groups ready {s.ready_unassigned} | water level {s.water_level} "
+                f"(C_R {s.rollout_capacity}) | cells training {s.cells_in_training} | "
+                f"d/p/f {s.dispatched}/{s.started}/{s.finished}")

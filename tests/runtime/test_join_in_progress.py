@@ -25,7 +25,7 @@ pytestmark = pytest.mark.multirank
 VOCAB = 64
 # Every step's executions are scored (6 of B·N = 6), so the |E| rescale is 1: the replay below
 # calls optimizer_step() with its default.
-EVERY_EXECUTION_VALID = dict(valid_executions=6, grad_scale=1.0)
+EVERY_EXECUTION_VALID = dict(grad_scale=1.0)
 
 
 def _config():
