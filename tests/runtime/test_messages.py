@@ -15,6 +15,7 @@ from gyre.runtime import messages
 from gyre.runtime.controller import Controller
 from gyre.runtime.messages import Command, Report, UnknownMessage
 from gyre.runtime.worker import CellWorker
+from gyre.scheduler import Work
 
 
 def _defined(base: type) -> set[type]:
@@ -43,6 +44,19 @@ def test_every_message_type_has_exactly_one_handler(owner, base):
         # The handler's signature names the message type, so a grep for it finds the handler.
         assert inspect.signature(handler).parameters["msg"].annotation == cls.__name__, handler.__name__
     assert len({h.__name__ for h in table.values()}) == len(table)
+
+
+def test_every_scheduler_decision_has_exactly_one_controller_handler():
+    from typing import get_args
+
+    from gyre.scheduler.events import Decision
+
+    assert set(Controller.DECISIONS) == set(get_args(Decision))
+    for cls, handler in Controller.DECISIONS.items():
+        assert getattr(Controller, handler.__name__) is handler
+        assert inspect.signature(handler).parameters["d"].annotation == cls.__name__, handler.__name__
+    with pytest.raises(UnknownMessage, match="no handler for Work"):
+        Controller.__new__(Controller)._apply([Work(0, 0, 0)])  # a work grant is not a decision
 
 
 def _samples() -> list:
