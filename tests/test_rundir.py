@@ -111,7 +111,7 @@ def _launch(cfg, rank, world, store, **kw):
 
 
 def _complete_checkpoint(run, version):
-    from gyre.runtime import checkpoint
+    from gyre import checkpoint
 
     def save(path):
         for name in ("config.json", "model.safetensors", "optimizer.pt"):

@@ -10,7 +10,7 @@ Small things travel here:
   cell it was granted to; the grant message on the same store connection comes after the put,
   so the taker always finds it.
 * **Weight-transport pointers.** Version pointers, read requests and descriptors of the weight
-  transports (`gyre.backends.weights`); with `--transfer.transport store` the snapshots too.
+  transports (`gyre.backends.transfer.weights`); with `--transfer.transport store` the snapshots too.
 
 Waiting is polling with a backed-off sleep (`Backoff`): 2 ms after a message, doubling while
 nothing comes, up to `max_poll` (50 ms). Polling keeps the store's own timeout machinery (and its
@@ -65,7 +65,7 @@ class SignedStore:
     mailboxes and blobs are unpickled (a forged one would run code in the trainer), engine URLs
     tell the proxy where to send model calls, version pointers tell ranks which weights to load.
     So each value carries HMAC-SHA256(secret, key ∥ value), with the run's secret broadcast over
-    the job's gloo group (`gyre.backends.engine_host.share_secret`), never through the store; a read
+    the job's gloo group (`gyre.backends.engines.engine_host.share_secret`), never through the store; a read
     whose tag does not match raises `TamperedStore` before anything is unpickled or trusted. What
     this does not stop: replaying a value captured from the same key earlier in the run, and
     deleting keys or queue entries (a denial of service) — keep harnesses off the store's port

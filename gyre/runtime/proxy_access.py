@@ -24,7 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
-from gyre.backends.engine_http import HttpEngine
+from gyre.backends.engines.engine_http import HttpEngine
 from gyre.executions.evaluator import Evaluator
 from gyre.executions.runner import HarnessRunner
 from gyre.proxy import Proxy, StoreSink, start_proxy
@@ -84,7 +84,7 @@ async def start_data_plane(cfg: Any, run_dir: Path, ledger: RunLedger, tito: Any
     (`gyre.runtime.writes`); on_event: the runner's execution events."""
     engines = [("cell", c, topo.cell_ranks(c)[0]) for c in range(topo.num_cells)]
     engines += [("pool", e, topo.pool_engine_ranks(e)[0]) for e in range(topo.num_pool_engines)]
-    from gyre.backends.vocab import load_vocab
+    from gyre.backends.models.vocab import load_vocab
 
     vocab = load_vocab(cfg.model.checkpoint, cfg.proxy.tokenizer_path)  # the job's (cached per path)
     proxy = Proxy(cfg.proxy, sink=WatchedSink(StoreSink(tito), tito.path_for, on_error), tokenizer=vocab.tokenizer,

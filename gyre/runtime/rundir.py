@@ -48,7 +48,8 @@ from typing import Any, Iterator
 
 from gyre.executions.evaluator import RewardResult, RewardStatus
 from gyre.executions.tasks import Dataset, ExecutionSpec, Group
-from gyre.runtime import checkpoint, peers
+from gyre import checkpoint
+from gyre.runtime import peers
 from gyre.runtime.runlock import RunLock, RunLocked
 from gyre.runtime.outputs import events_until, metrics_until, truncate_jsonl
 

@@ -30,7 +30,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from gyre.backends.protocols import Actor, WeightTransport
-from gyre.runtime import checkpoint
+from gyre import checkpoint
 from gyre.runtime.cell import CellState, CellStateMachine
 from gyre.runtime.control import CONTROLLER, ControlPlane
 from gyre.runtime.messages import (Command, Joined, Load, Loaded, Reduce, Report, RequestWork, RolledBack, StepDone,
@@ -39,7 +39,7 @@ from gyre.runtime.samples import train_bundle
 from gyre.topology import Groups, Topology
 
 if TYPE_CHECKING:
-    from gyre.backends.engine_host import EngineHost
+    from gyre.backends.engines.engine_host import EngineHost
 
 logger = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ class CellWorker:
         self.version = version
 
     def _checkpoint(self) -> float | None:
-        """The core's checkpoint of its current version, written atomically (`gyre.runtime.checkpoint`:
+        """The core's checkpoint of its current version, written atomically (`gyre.checkpoint`:
         a crash leaves the previous checkpoints intact and no half-written one to resume from).
         A version already written (the end right after a periodic checkpoint) is not written twice,
         and version 0 not at all (the starting weights: a run stopped before its first step used to

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from gyre.backends.tokenizer import ENDOFTEXT, IM_END, load_tokenizer
+from gyre.backends.models.tokenizer import ENDOFTEXT, IM_END, load_tokenizer
 from gyre.executions.config import EvaluatorConfig, RunnerConfig
 from gyre.executions.evaluator import Evaluator, Outcome, RewardStatus
 from gyre.executions.runner import HarnessRunner
@@ -25,8 +25,8 @@ from examples.cpu_demo.task import harness_command, make_task
 
 @pytest.mark.slow
 def test_warm_started_model_drives_the_harness_through_proxy_and_cpu_engine(tmp_path):
-    from gyre.backends.cpu_engine import CpuEngine
-    from gyre.backends.models import load_model
+    from gyre.backends.engines.cpu_engine import CpuEngine
+    from gyre.backends.models.hf import load_model
 
     ckpt = os.environ.get("GYRE_CPU_DEMO_CKPT")
     if not ckpt:

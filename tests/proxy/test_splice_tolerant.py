@@ -104,7 +104,7 @@ def test_whole_turns_still_splice_and_count_nothing(make_server):
 def test_tolerant_never_guesses_between_samples_with_the_same_tool_calls():
     """Two stored turns with the same tool call and different text: a dropped-text re-send is
     spliced only with the one sampled in exactly this context; otherwise it stays text."""
-    r = ChatRenderer(__import__("gyre.backends.tokenizer", fromlist=["x"]).load_tokenizer(), splice="tolerant")
+    r = ChatRenderer(__import__("gyre.backends.models.tokenizer", fromlist=["x"]).load_tokenizer(), splice="tolerant")
     tok = r.tokenizer
     calls = [{"name": "bash", "arguments": {"cmd": "pytest"}}]
     call_text = '\n<tool_call>\n{"name": "bash", "arguments": {"cmd": "pytest"}}\n</tool_call>'

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gyre.backends.weights import SnapshotBoard
+from gyre.backends.transfer.weights import SnapshotBoard
 from gyre.runtime.control import CONTROLLER, ControlPlane, default_store
 from gyre.runtime.messages import (Joined, Reduce, RequestWork, RolledBack, StepDone, Stop, ToRollout, ToTrain,
                                    TrainWork, Transition, WorkDone)
@@ -29,7 +29,7 @@ EVERY_EXECUTION_VALID = dict(grad_scale=1.0)
 
 
 def _config():
-    from gyre.backends.models import model_config
+    from gyre.backends.models.hf import model_config
 
     return model_config("tiny", VOCAB)
 
@@ -117,8 +117,8 @@ def _drive(cp: ControlPlane, steps: list[list], audit: dict) -> None:
 
 
 def _rank(tmp: str):
-    from gyre.backends.cpu_actor import CpuActor
-    from gyre.backends.models import build_model
+    from gyre.backends.actors.cpu_actor import CpuActor
+    from gyre.backends.models.hf import build_model
     from gyre.runtime.worker import CellWorker
     from gyre.config import ParallelConfig
     from gyre.topology import Topology
@@ -158,8 +158,8 @@ def _rank(tmp: str):
 
 
 def test_satellite_joins_mid_step_and_matches_core_alone(tmp_path):
-    from gyre.backends.cpu_actor import CpuActor
-    from gyre.backends.models import build_model
+    from gyre.backends.actors.cpu_actor import CpuActor
+    from gyre.backends.models.hf import build_model
     from gyre.runtime.samples import train_bundle
 
     out = run_ranks(_rank, 3, str(tmp_path))

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from gyre.backends.config import CpuActorConfig
-from gyre.backends.cpu_actor import CpuActor
+from gyre.backends.config import OptimizerConfig
+from gyre.backends.actors.cpu_actor import CpuActor
 from gyre.executions.evaluator import RewardResult, RewardStatus
 from gyre.executions.tasks import ExecutionSpec, Group, Task
 from gyre.loss import LossConfig
@@ -192,7 +192,7 @@ def test_excluded_execution_leaves_the_denominator():
     for denominator, factor in (("valid", 1.0), ("nominal", 2 / 3)):
         loss_cfg = LossConfig(denominator=denominator)
         actor = CpuActor(tiny_model(seed=1, dtype=torch.float64, vocab=VOCAB), is_core=True,
-                         config=CpuActorConfig(max_grad_norm=1e9), loss=loss_cfg)  # no clipping
+                         config=OptimizerConfig(max_grad_norm=1e9), loss=loss_cfg)  # no clipping
         for b in work.bundles:
             train_bundle(actor, b)
         valid, scale = step_denominator([work.rewards], nominal=3, loss=loss_cfg)

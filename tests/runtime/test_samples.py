@@ -33,9 +33,9 @@ def _target_logprob_sum(actor, bundles, eid_index):
 
 
 def test_one_step_raises_the_better_execution_and_lowers_the_worse():
-    from gyre.backends.cpu_actor import CpuActor
-    from gyre.backends.config import CpuActorConfig
-    from gyre.backends.models import build_model, model_config
+    from gyre.backends.actors.cpu_actor import CpuActor
+    from gyre.backends.config import OptimizerConfig
+    from gyre.backends.models.hf import build_model, model_config
     from gyre.loss import LossConfig
 
     rng = np.random.default_rng(0)
@@ -44,7 +44,7 @@ def test_one_step_raises_the_better_execution_and_lowers_the_worse():
     work = group_work("g", 0, items, num_executions=2, max_tokens=64, j_max=5, normalize_std=True,
                       rng=np.random.default_rng(1))
     actor = CpuActor(build_model(model_config("tiny", VOCAB), seed=0), is_core=True,
-                     config=CpuActorConfig(lr=1e-2),
+                     config=OptimizerConfig(lr=1e-2),
                      loss=LossConfig(eps_low=10.0, eps_high=10.0))  # no clipping at step 0 anyway
     before = [_target_logprob_sum(actor, work.bundles, i) for i in (0, 1)]
     for b in work.bundles:

@@ -50,7 +50,7 @@ BACKENDS = [pytest.param("bwrap", marks=needs_bwrap), pytest.param("unshare", ma
 
 @pytest.fixture
 def proxy_server():
-    from gyre.backends.det_engine import DeterministicEngine
+    from gyre.backends.engines.det_engine import DeterministicEngine
     from gyre.proxy import MemorySink, Proxy, ProxyConfig, serve_proxy
 
     handles = []
