@@ -367,3 +367,42 @@ def test_an_attempt_stopped_by_torchruns_sigterm_names_the_rank_that_died_first(
     assert summary["error"] == error and "dead_ranks" not in summary
     # Another host's rank cannot be looked up: never named dead.
     assert peers.dead([{**ident, "host": "elsewhere"}]) == []
+
+
+# ----------------------------------------------------------------------------- carry-over, in-process
+def _dataset(*task_ids):
+    from gyre.executions.tasks import Dataset, Task
+
+    return Dataset([Task.from_json({"task_id": t, "instruction": "x", "harness": ["true"],
+                                    "evaluator": {"command": ["true"]}}) for t in task_ids])
+
+
+def test_an_attempt_dispatches_the_lost_tasks_first_then_fresh_ones_with_ids_of_its_own(tmp_path, caplog):
+    run = rundir.RunDir(tmp_path, attempt=2, start_version=4, redo_tasks=("b", "gone", "a"))
+    groups = rundir.attempt_groups(run, _dataset("a", "b", "c"), 2, shuffle=False, seed=0)
+    first = [next(groups) for _ in range(5)]
+    # the lost tasks in order (one that left the dataset is named and skipped), then the dataset's order
+    assert [g.group_id for g in first] == ["b.a2.g0", "a.a2.g1", "a.a2.g2", "b.a2.g3", "c.a2.g4"]
+    assert [e.execution_id for e in first[0].executions] == ["b.a2.g0.0", "b.a2.g0.1"]
+    assert [e.index for e in first[4].executions] == [0, 1] and first[4].executions[1].group_id == "c.a2.g4"
+    assert "task gone of a lost group is no longer in the dataset" in caplog.text
+
+
+def test_only_groups_whose_task_and_n_are_unchanged_are_carried_and_their_rewards_come_from_disk(tmp_path, caplog):
+    from gyre.executions.evaluator import RewardStatus
+
+    rows = ({"group_id": "a.a0.g0", "task_id": "a", "version": 1, "executions": ["a.a0.g0.0", "a.a0.g0.1"]},
+            {"group_id": "z.a0.g1", "task_id": "z", "version": 1, "executions": ["z.a0.g1.0", "z.a0.g1.1"]},
+            {"group_id": "b.a0.g2", "task_id": "b", "version": 0, "executions": ["b.a0.g2.0"]})
+    run = rundir.RunDir(tmp_path, attempt=1, start_version=2, carried=rows)
+    kept = rundir.carriable(run, _dataset("a", "b"), 2)
+    assert kept == [rows[0]]  # z left the dataset; b was sampled with N = 1
+    assert "2 groups of earlier attempts cannot be carried over" in caplog.text
+    _result(tmp_path, "a.a0.g0.0", {"status": "valid", "reward": 1.0})
+    _result(tmp_path, "a.a0.g0.1", {"status": "placeholder", "reward": 0.0})
+    group, results = rundir.carried_group(tmp_path, _dataset("a", "b"), rows[0])
+    assert group.group_id == "a.a0.g0" and group.task.task_id == "a"
+    assert [(e.execution_id, e.index, e.dispatch_version) for e in group.executions] == [
+        ("a.a0.g0.0", 0, 1), ("a.a0.g0.1", 1, 1)]  # v_d stays the version it was sampled at
+    assert [(r.execution_id, r.index, r.reward.status, r.reward.reward) for r in results] == [
+        ("a.a0.g0.0", 0, RewardStatus.VALID, 1.0), ("a.a0.g0.1", 1, RewardStatus.PLACEHOLDER, 0.0)]

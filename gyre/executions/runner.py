@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections import defaultdict
 import json
 import logging
 import os
@@ -114,51 +113,6 @@ class LocalKeys:
         return None  # no proxy: unknown
 
 
-class GyreProxyAccess:
-    """`ProxyAccess` over Gyre's own proxy (`gyre.proxy.Proxy` + the handle `serve_proxy`
-    returned): keys from `proxy.issue_key`, revoked (and the execution's store file closed)
-    by `proxy.close_execution` when the harness ends. It keeps what closing reports: `totals`,
-    the integer per-execution proxy stats summed over every closed execution (calls,
-    aborted_calls, spliced_turns, ...), and `calls`, each closed execution's model calls until
-    the health check takes them (`take_calls`)."""
-
-    def __init__(self, proxy: Any, url: str) -> None:
-        self.proxy = proxy
-        self.url = url.rstrip("/")
-        self.totals: dict[str, int] = defaultdict(int)
-        self.calls: dict[str, int] = {}
-        self.recorded: dict[str, tuple[int, int]] = {}  # execution -> (calls, records the sink failed to write)
-
-    @property
-    def context_tokens(self) -> int | None:
-        """The proxy's context limit (`--proxy.max-context-tokens`), given to harnesses as GYRE_MAX_CONTEXT_TOKENS."""
-        return getattr(getattr(self.proxy, "config", None), "max_context_tokens", None)
-
-    def open_execution(self, execution_id: str, group_id: str) -> str:
-        return self.proxy.issue_key(execution_id)
-
-    def close_execution(self, execution_id: str) -> None:
-        stats = self.proxy.close_execution(execution_id) or {}
-        if "calls" in stats:
-            self.calls[execution_id] = stats["calls"]
-            self.recorded[execution_id] = (stats["calls"], stats.get("sink_errors", 0))
-        for k, v in stats.items():
-            if isinstance(v, int):
-                self.totals[k] += v
-
-    def take_recorded(self, execution_id: str) -> tuple[int, int] | None:
-        """(calls, sink errors) of a closed execution, to check its TITO file against; forgotten after."""
-        return self.recorded.pop(execution_id, None)
-
-    def calls_made(self, execution_id: str) -> int | None:
-        """The closed execution's model calls (not forgotten: `take_calls` does that)."""
-        return self.calls.get(execution_id)
-
-    def take_calls(self, execution_id: str) -> int | None:
-        """The execution's model calls (None when it was never closed here); forgotten after."""
-        return self.calls.pop(execution_id, None)
-
-
 class ExecutionState(enum.Enum):
     DISPATCHED = "dispatched"
     STARTED = "started"
@@ -183,21 +137,11 @@ class EventKind(enum.Enum):
 
 @dataclass
 class Counters:
-    """Cumulative d(t), p(t), f(t) (docs/design.md §3); water level w = d − f."""
+    """Cumulative d(t), p(t), f(t) (docs/design.md §3; the scheduler keeps the water level)."""
 
     dispatched: int = 0
     started: int = 0
     finished: int = 0
-
-    @property
-    def water_level(self) -> int:
-        return self.dispatched - self.finished
-
-    @property
-    def running(self) -> int:
-        return self.started - self.finished_started
-
-    finished_started: int = 0  # finished executions that had started (so running = p − this)
 
     def snapshot(self) -> tuple[int, int, int]:
         return self.dispatched, self.started, self.finished
@@ -304,10 +248,6 @@ class HarnessRunner:
 
     def in_flight(self) -> list[str]:
         return [eid for eid, live in self._live.items() if live.state in (ExecutionState.DISPATCHED, ExecutionState.STARTED)]
-
-    async def wait_all(self) -> list[ExecutionResult]:
-        results = await asyncio.gather(*self._tasks.values())
-        return list(results)
 
     async def shutdown(self, evaluate: bool = True, timeout: float | None = None) -> None:
         """Stop every in-flight execution (outcome CANCELLED) and wait for all of them. Their
@@ -522,8 +462,6 @@ class HarnessRunner:
         spec = live.spec
         if key_opened:
             self.proxy.close_execution(spec.execution_id)
-        if live.state is ExecutionState.STARTED:
-            self.counters.finished_started += 1
         live.move(ExecutionState.ENDED)
         self.counters.finished += 1
         result = ExecutionResult(

@@ -19,7 +19,8 @@ states make the switch visible and measurable:
     RESUMING    the engine resumes its memory and loads the published weights.
 
 Any other transition raises `IllegalTransition`. Every transition is recorded with its
-timestamp (from an injectable clock), so switch latencies and time per role come from the log.
+timestamp (from an injectable clock) and reported to the controller, whose ledger keeps the
+timeline (`timeline_intervals`, `time_per_state`: time per role, the training fractions).
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ LEGAL: dict[CellState, frozenset[CellState]] = {
     CellState.RESUMING: frozenset({CellState.ROLLOUT}),
 }
 
-# States in which the cell's GPUs do rollout work vs training work (for timelines and fractions).
-ROLLOUT_STATES = frozenset({CellState.ROLLOUT})
+# States in which the cell's GPUs do training work (for the training fractions).
 TRAIN_STATES = frozenset({CellState.JOINING, CellState.TRAIN, CellState.PUBLISHING})
 
 
@@ -99,11 +99,6 @@ class CellStateMachine:
     clock: Callable[[], float] = time.monotonic
     state: CellState = CellState.ROLLOUT
     log: list[Transition] = field(default_factory=list)
-    born: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.born is None:
-            self.born = self.clock()
 
     @property
     def is_core(self) -> bool:
@@ -119,38 +114,3 @@ class CellStateMachine:
         self.state = dst
         self.log.append(t)
         return t
-
-    # ------------------------------------------------------------------ measurements
-    def switch_latencies(self) -> dict[str, list[float]]:
-        """Seconds spent switching: to_train = leaving ROLLOUT until JOINING (ready to train);
-        to_rollout = leaving TRAIN/PUBLISHING/JOINING until back in ROLLOUT."""
-        out: dict[str, list[float]] = {"to_train": [], "to_rollout": []}
-        start_train = start_rollout = None
-        for t in self.log:
-            if t.src is CellState.ROLLOUT:
-                start_train = t.time
-            if t.dst is CellState.JOINING and start_train is not None:
-                out["to_train"].append(t.time - start_train)
-                start_train = None
-            if t.dst is CellState.RESUMING:
-                start_rollout = t.time
-            if t.dst is CellState.ROLLOUT and start_rollout is not None:
-                out["to_rollout"].append(t.time - start_rollout)
-                start_rollout = None
-        return out
-
-    def intervals(self, until: float | None = None) -> list[tuple[CellState, float, float]]:
-        """(state, start, end) intervals from birth to `until` (default: now)."""
-        end = self.clock() if until is None else until
-        ivs = timeline_intervals(((t.dst, t.time) for t in self.log), self.born, end)
-        return [iv for iv in ivs if iv[2] > iv[1]]
-
-    def time_in(self, until: float | None = None) -> dict[str, float]:
-        """Seconds spent in each state (every state, 0.0 where never visited)."""
-        return {s.value: 0.0 for s in CellState} | time_per_state(self.intervals(until))
-
-    def train_fraction(self, until: float | None = None) -> float:
-        ivs = self.intervals(until)
-        total = sum(b - a for _, a, b in ivs)
-        train = sum(b - a for s, a, b in ivs if s in TRAIN_STATES)
-        return train / total if total > 0 else 0.0

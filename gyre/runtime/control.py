@@ -183,30 +183,34 @@ class ReplyWatch:
     """Which rank owes the controller a report, and for how long it has said nothing (a frozen
     rank: SIGSTOP, a hung driver or collective, a lost node). Pure bookkeeping, the caller's clock.
 
-    `expect(rank, command, reply, now)` when a command that is answered is sent (ToTrain → Joined,
-    Load → Loaded, Stop → Stopped, ...); `heard(rank, report, now)` for every report, which also
-    settles the oldest debt of that report type; `silent(now, timeout)` names the rank that owes
-    something and has sent nothing for `timeout` seconds (counted from the later of the debt and
-    the rank's last report, so a rank busy with a long command that still reports is not silent).
+    `expect(rank, command, now)` when a command that is answered is sent (its type's `reply`:
+    ToTrain → Joined, Load → Loaded, Stop → Stopped, ...); `heard(rank, report, now)` for every
+    report type, which also settles the oldest debt it answers; `silent(now, timeout)` names the
+    rank that owes something and has sent nothing for `timeout` seconds (counted from the later of
+    the debt and the rank's last report, so a rank busy with a long command that still reports is
+    not silent).
 
-    >>> w = ReplyWatch(); w.expect(1, "Load", "Loaded", now=0.0)
-    >>> w.silent(now=5.0, timeout=10.0) is None, w.silent(now=11.0, timeout=10.0)[0]
-    (True, 1)
+    >>> from gyre.runtime.messages import Load
+    >>> w = ReplyWatch(); w.expect(1, Load, now=0.0)
+    >>> w.silent(now=5.0, timeout=10.0) is None, w.silent(now=11.0, timeout=10.0)[:2]
+    (True, (1, <class 'gyre.runtime.messages.Load'>))
     """
 
     def __init__(self) -> None:
-        self._owed: dict[int, deque[tuple[str, str, float]]] = {}  # rank -> (command, reply, sent at)
+        self._owed: dict[int, deque[tuple[type, float]]] = {}  # rank -> (command type, sent at)
         self._last: dict[int, float] = {}
 
-    def expect(self, rank: int, command: str, reply: str, now: float) -> None:
-        self._owed.setdefault(rank, deque()).append((command, reply, now))
+    def expect(self, rank: int, command: type, now: float) -> None:
+        if command.reply is None:
+            raise ValueError(f"{command.__name__} is not answered: nothing to expect")
+        self._owed.setdefault(rank, deque()).append((command, now))
 
-    def heard(self, rank: int, report: str, now: float) -> None:
+    def heard(self, rank: int, report: type, now: float) -> None:
         self._last[rank] = now
         owed = self._owed.get(rank)
         if owed:
-            for i, (_, reply, _) in enumerate(owed):
-                if reply == report:
+            for i, (command, _) in enumerate(owed):
+                if command.reply is report:
                     del owed[i]
                     break
 
@@ -214,16 +218,16 @@ class ReplyWatch:
         """The rank is gone (it reported a failure): it owes nothing any more."""
         self._owed.pop(rank, None)
 
-    def owed(self, rank: int) -> list[str]:
-        return [command for command, _, _ in self._owed.get(rank, ())]
+    def owed(self, rank: int) -> list[type]:
+        return [command for command, _ in self._owed.get(rank, ())]
 
-    def silent(self, now: float, timeout: float) -> tuple[int, str, float] | None:
-        """(rank, command, seconds silent) of the longest-silent rank past `timeout`, else None."""
+    def silent(self, now: float, timeout: float) -> tuple[int, type, float] | None:
+        """(rank, command type, seconds silent) of the longest-silent rank past `timeout`, else None."""
         worst = None
         for rank, owed in self._owed.items():
             if not owed:
                 continue
-            command, _, sent = owed[0]
+            command, sent = owed[0]
             quiet = now - max(sent, self._last.get(rank, float("-inf")))
             if quiet > timeout and (worst is None or quiet > worst[2]):
                 worst = (rank, command, quiet)

@@ -1,149 +1,78 @@
 """The controller: rank 0's own thread and asyncio loop (docs/design.md §1–3).
 
-It owns the data plane (the proxy and the harness runner), turns finished groups into training
-work, and drives `gyre.scheduler.ElasticScheduler` — the same decision object the simulator
-drives — by feeding it events and carrying out its decisions:
+It owns the data plane (the proxy and the harness runner, `gyre.runtime.proxy_access`) and
+drives `gyre.scheduler.ElasticScheduler`, as the simulator does. It only translates: events in
+(the cells' reports, the runner's execution events), entries into the run's ledger
+(`gyre.runtime.ledger`) and scheduler calls, commands out. One handler per decision (`DECISIONS`):
 
-    Dispatch(groups)        start N harness executions per group (boundary dispatch)
+    Dispatch(groups)        start N harness executions per group (boundary dispatch); an earlier
+                            attempt's evaluated group is carried over instead (gyre.runtime.rundir)
     SwitchToTrain(cell)     drain the cell's engine in the proxy (its in-flight calls continue
                             on retained engines), then send the cell `ToTrain`
     OptimizerStep(step)     send `Reduce` to the decision's cells (0..k−1, decided by the
-                            scheduler) over their prefix group; the core steps
+                            scheduler, with the step's groups) over their prefix group; the core steps
     SwitchToRollout(cell)   send the cell `ToRollout` with the published version
     Publish(version)        send every rollout engine `Load` of the version
 
-Cells talk back through the controller's mailbox (`gyre.runtime.control.CONTROLLER`): state
-transitions, joined / rolled back, work requests and results, step done; each report type has
-one handler (`HANDLERS`). The commands and reports, and a diagram of who waits for what, are in
-`gyre.runtime.messages`. Work requests the scheduler cannot serve yet are kept and retried after
-every event. What happened to every group and step, and the cells' timeline, is written to the
-run's ledger (`gyre.runtime.ledger`), from which the metrics rows and the summary are read.
+Cells report to the controller's mailbox, one handler per report type (`HANDLERS`; the protocol
+is in `gyre.runtime.messages`); every command that is answered (its `reply`) is watched
+(`ReplyWatch`). Work requests the scheduler cannot serve yet are retried after every event. An
+execution's accounting lives in its ledger record (one whose TITO is incomplete is not trained);
+each step's metrics row and the summary are built by `gyre.runtime.summary`.
 
 Every end takes one ordered stop sequence (`gyre.runtime.stop.stop_run`): the last step done, a
-worker's `Failed`, a health stop, a rank silent past `train.control_timeout_s` (`ReplyWatch`), a
-write error (`gyre.runtime.writes`: results, TITO, metrics, journal, checkpoints), an exception
-here, or a signal (`Interrupted`: SIGINT/SIGTERM on any rank, within `train.shutdown_timeout_s`):
-harness trees killed, every rank sent `Stop`, the core's checkpoint (unless a worker failed), the
-timeline, summary and event log written, the journal closed last, and the error raised for
-`gyre.run` to exit non-zero. An execution whose TITO record is incomplete is excluded from
-training (`incomplete_tito`).
-
-Size (about 670 lines): the open house issue (controller only translates) moves its scheduling and
-bookkeeping out; until then nothing new is added here.
+worker's `Failed`, a health stop, a rank silent past `train.control_timeout_s`, a write error
+(`gyre.runtime.writes`), an exception here, or a signal (`Interrupted`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
-import json
+import functools
 import logging
 import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
-from gyre.runtime.control import CONTROLLER, ControlPlane, ReplyWatch
-from gyre.executions.evaluator import Evaluator, RewardResult, RewardStatus
 from gyre.errors import RunFailed
 from gyre.executions.health import HealthMonitor
-from gyre.executions.runner import EventKind, ExecutionEvent, GyreProxyAccess, HarnessRunner
-from gyre.executions.tasks import Dataset, ExecutionSpec, Group
-from gyre.runtime import stop
-from gyre.runtime.outputs import MetricsWriter, make_trackers, reroute_fields
-from gyre.runtime.writes import FirstError, Guarded, WatchedSink, watch_execution
-from gyre.proxy import Proxy, StoreSink, start_proxy
-from gyre.backends.engines.engine_http import HttpEngine
+from gyre.executions.runner import EventKind, ExecutionEvent, HarnessRunner
+from gyre.executions.tasks import Dataset
+from gyre.proxy import Proxy
+from gyre.runtime import rundir, stop
+from gyre.runtime.control import CONTROLLER, ControlPlane, ReplyWatch
+from gyre.runtime.ledger import RunLedger
 from gyre.runtime.messages import (Command, Failed, Interrupted, Joined, Load, Loaded, Reduce, Report, RequestWork,
                                    RolledBack, StepDone, Stop, Stopped, ToRollout, ToTrain, TrainWork, Transition,
                                    WorkDone, handler_for)
-from gyre.runtime.ledger import RunLedger
+from gyre.runtime.outputs import MetricsWriter, make_trackers
+from gyre.runtime.proxy_access import GyreProxyAccess, start_data_plane
 from gyre.runtime.rundir import JOURNAL, GroupJournal, RunDir
-from gyre.runtime.samples import group_work, step_denominator
-from gyre.scheduler.core import CellRole, ElasticScheduler
-from gyre.scheduler.events import Dispatch, OptimizerStep, Publish, SwitchToRollout, SwitchToTrain, WallClock, Work
+from gyre.runtime.samples import audit_bundle, group_work, step_denominator, tito_records
+from gyre.runtime.summary import ProgressLine, step_line, step_row
+from gyre.runtime.writes import FirstError, Guarded, watch_execution
+from gyre.scheduler import (CellRole, Dispatch, ElasticScheduler, OptimizerStep, Publish, SwitchToRollout,
+                            SwitchToTrain, WallClock, Work)
 from gyre.topology import Topology
-from gyre.trajectory.advantages import Outcome
 from gyre.trajectory.store import TitoStore
 
 logger = logging.getLogger(__name__)
 
-# The report that answers a command, from the first rank of the cell (or pool engine) it went to;
-# `Reduce` is answered by the core alone (StepDone), `Stop` by every rank (Stopped).
-_REPLY: dict[type[Command], str] = {ToTrain: "Joined", TrainWork: "WorkDone", ToRollout: "RolledBack", Load: "Loaded"}
-
-
-def _close_loop(loop: asyncio.AbstractEventLoop, timeout: float) -> None:
-    """Cancel what is left on the controller's loop and close it, waiting at most `timeout`.
-
-    `asyncio.run` would wait without limit for every task to take its cancellation; one that
-    does not (a call stuck in a library) would keep the run from exiting after its summary
-    is written. Here it is named in the log and left behind instead.
-    """
-    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
-    for t in tasks:
-        t.cancel()
-    if tasks:
-        _, stuck = loop.run_until_complete(asyncio.wait(tasks, timeout=timeout))
-        if stuck:
-            logger.warning("controller: %d tasks did not stop within %.0fs and are abandoned: %s", len(stuck), timeout,
-                           ", ".join(sorted(t.get_name() for t in stuck)))
-    loop.run_until_complete(loop.shutdown_asyncgens())
-    loop.close()
-
-
-def _outcome(reward: Any) -> Outcome:
-    """Runner reward result → the trajectory processor's outcome (docs/design.md §5)."""
-    if reward is None or reward.status is RewardStatus.EXCLUDED:
-        return Outcome.eval_failed()
-    if reward.status is RewardStatus.PLACEHOLDER:
-        return Outcome.harness_failed()
-    return Outcome.scored(reward.reward)
-
-
-@dataclasses.dataclass(frozen=True)
-class CarriedResult:
-    """What `_make_work` reads of an execution evaluated in an earlier attempt (its result.json)."""
-
-    execution_id: str
-    index: int
-    reward: RewardResult
-
-
-def _groups_of(dataset: Dataset, task_ids: tuple[str, ...], n: int, attempt: int) -> list[Group]:
-    """Groups of `n` executions of the given tasks (those earlier attempts lost), ids g0, g1, ..."""
-    by_id = {t.task_id: t for t in dataset.tasks}
-    groups = []
-    for task_id in task_ids:
-        if task_id not in by_id:
-            logger.warning("task %s of a lost group is no longer in the dataset; not dispatched again", task_id)
-            continue
-        gid = f"{task_id}.a{attempt}.g{len(groups)}"
-        task = by_id[task_id]
-        groups.append(Group(gid, task, [ExecutionSpec(f"{gid}.{i}", task, gid, i) for i in range(n)]))
-    return groups
-
 
 class Controller:
     """Start with `start()` on rank 0 after the workers' engines are announced; `join()` waits.
-
-    The run ends after `train.steps` optimizer steps: no more dispatch, executions still running
-    get `train.drain_at_end_s` to finish (then they are cancelled and reported as such), every
-    rank is told to stop, and the timeline and summary are written.
-    """
+    The run ends after `train.steps` optimizer steps (the stop sequence: `gyre.runtime.stop`)."""
 
     def __init__(self, cfg: Any, topo: Topology, store: Any, start_version: int = 0, engine_secret: str | None = None,
                  run: RunDir | None = None) -> None:
         """Build the run's state: everything that does not need the controller's loop.
         `engine_secret`: what the engines' servers want (`engine_host.share_secret`); `run`: this
         launch's attempt in the run directory and what earlier attempts lost (`gyre.runtime.rundir`)."""
-        self.cfg, self.topo, self.store = cfg, topo, store
-        self.engine_secret = engine_secret
+        self.cfg, self.topo, self.store, self.engine_secret = cfg, topo, store, engine_secret
         sc, tc = cfg.scheduler, cfg.train
         self.start_version = start_version  # > 0 when resuming: steps and versions count on from it
         self.run_dir = Path(cfg.run_dir)
@@ -156,26 +85,17 @@ class Controller:
         if not ds.path:
             raise ValueError("executions.dataset.path is empty: give a JSONL of tasks (see examples/cpu_demo)")
         self.dataset = Dataset.from_jsonl(ds.path)
-        # Execution ids are <task>.a<attempt>.g<group>.<index>: unique over every launch into the run
-        # directory (a resume, a second resume from the same checkpoint, a restart), whose executions/
-        # and tito/ they name. The tasks of groups earlier attempts lost come first; then a fresh task
-        # order (seeded by the start version).
+        # This launch's attempt: the groups earlier attempts lost come first, their evaluated
+        # groups are carried over into the first dispatch slots (gyre.runtime.rundir).
         self.run = run or RunDir(self.run_dir, attempt=0, start_version=start_version)
-        self.attempt = attempt = self.run.attempt
-        redo = _groups_of(self.dataset, self.run.redo_tasks, sc.n_per_group, attempt)
-        fresh = self.dataset.iter_groups(sc.n_per_group, shuffle=ds.shuffle, seed=cfg.seed + start_version,
-                                         make_id=lambda task, k: f"{task.task_id}.a{attempt}.g{k + len(redo)}")
-        self.group_iter = itertools.chain(redo, fresh)
-        # Earlier attempts' evaluated groups take the first dispatch slots (same N, task still there).
-        known = {t.task_id for t in self.dataset.tasks}
-        self.carried = [r for r in self.run.carried if r["task_id"] in known and len(r["executions"]) == sc.n_per_group]
-        if len(self.carried) < len(self.run.carried):
-            logger.warning("%d groups of earlier attempts cannot be carried over (their task left the dataset, or "
-                           "--scheduler.n-per-group changed); they are not trained",
-                           len(self.run.carried) - len(self.carried))
+        self.attempt = self.run.attempt
+        self.group_iter = rundir.attempt_groups(self.run, self.dataset, sc.n_per_group, shuffle=ds.shuffle,
+                                                seed=cfg.seed + start_version)
+        self.carried = rundir.carriable(self.run, self.dataset, sc.n_per_group)
         self.sched = ElasticScheduler(sc, topo.num_cells, tc.cell_concurrency,
                                       topo.num_pool_engines * tc.cell_concurrency, clock=WallClock(),
                                       start_version=start_version)
+        self.nominal = sc.batch_groups * sc.n_per_group  # B·N: the |E| every group is packed with (samples.py)
         hc = cfg.executions.health
         self.health = HealthMonitor(hc.window or sc.n_per_group * sc.batch_groups, hc.stop_fraction)
         self.ledger = RunLedger(topo.num_cells)
@@ -203,16 +123,11 @@ class Controller:
 
         # Run state.
         self.pending: set[int] = set()  # cells that asked for work and got none yet
-        self.unmatched_seen = 0  # proxy unmatched turns already reported in a metrics row
-        self.switch_sent: dict[int, float] = {}
-        self.latencies: dict[str, list[float]] = {"to_train": [], "to_rollout": []}
         self.steps_done = start_version  # train.steps counts the whole run, across resumes
         self.stopping = False
         self.task_error: BaseException | None = None
         self.stopped: dict[int, Stopped | Failed] = {}
         self.last_step_t = 0.0  # set when the loop starts (the ledger's clock)
-        self.outcomes: dict[str, int] = defaultdict(int)
-        self.carried_over = 0  # groups of earlier attempts trained in this one
         # Failure path (docs/design.md §1): who owes a report, and whether a signal stopped the run.
         self.watch = ReplyWatch()
         self._reporters = {topo.cell_ranks(c)[0] for c in range(topo.num_cells)} | {
@@ -220,12 +135,7 @@ class Controller:
         self.interrupted: str | None = None  # "SIGTERM" once a rank reported one
         self._interrupt_t = 0.0
         self.silent_rank: int | None = None
-        # Honest accounting (docs/design.md §5): an execution whose TITO record is incomplete (the
-        # sink failed, a torn tail, fewer records than calls) has no trajectory to train: excluded.
-        self.expected_records: dict[str, tuple[int, int]] = {}  # execution -> (calls, sink errors)
-        self.incomplete_tito: dict[str, str] = {}  # execution -> what is missing
-        self._last_progress: tuple | None = None  # the last progress line's picture, and when it was logged
-        self._last_progress_t = 0.0
+        self.progress = ProgressLine()
 
     # ------------------------------------------------------------------ thread
     def start(self) -> None:
@@ -251,32 +161,23 @@ class Controller:
                 logger.exception("the run failed: the controller raised; stopping every rank")
             self.error = e
             if not self.stop_sent:
-                cp = ControlPlane(self.store.clone(), CONTROLLER)
-                for r in range(self.topo.world_size):
-                    cp.send(r, Stop(failed=True, checkpoint=self.interrupted is not None))
+                stop.stop_every_rank(self.store, self.topo.world_size, checkpoint=self.interrupted is not None)
         finally:
             self.trackers.close(failed=self.error is not None)
-            _close_loop(loop, timeout=3.0 if self.interrupted else 30.0)  # an interrupt's stop is bounded
+            stop.close_loop(loop, timeout=3.0 if self.interrupted else 30.0)  # an interrupt's stop is bounded
 
     # ------------------------------------------------------------------ set-up
-    def _cell_ranks(self, cell: int) -> list[int]:
-        return self.topo.cell_ranks(cell)
-
     def _send_cell(self, cell: int, msg: Command) -> None:
-        for r in self._cell_ranks(cell):
+        for r in self.topo.cell_ranks(cell):
             self._command(r, msg)
 
     def _command(self, rank: int, msg: Command) -> None:
-        """Send `msg` to `rank`, noting the report it owes (`ReplyWatch`: a silent rank fails the run)."""
+        """Send `msg` to `rank`, noting the report it owes (`ReplyWatch`): `Stop` is answered by every
+        rank, `Reduce` by the core, the others by a cell's (or pool engine's) first rank."""
         self.cp.send(rank, msg)
-        if isinstance(msg, Stop):
-            reply = "Stopped"
-        elif isinstance(msg, Reduce):
-            reply = "StepDone" if rank == self._cell_ranks(0)[0] else None
-        else:
-            reply = _REPLY.get(type(msg)) if rank in self._reporters else None
-        if reply is not None:
-            self.watch.expect(rank, type(msg).__name__, reply, time.monotonic())
+        owes = rank == self.topo.cell_ranks(0)[0] if isinstance(msg, Reduce) else rank in self._reporters
+        if isinstance(msg, Stop) or owes:
+            self.watch.expect(rank, type(msg), time.monotonic())
 
     def _check_silent(self) -> None:
         """Fail the run, naming the rank, when one owes a report and has said nothing for
@@ -285,44 +186,20 @@ class Controller:
         silent = self.watch.silent(time.monotonic(), limit) if limit > 0 else None
         if silent is None or self.silent_rank is not None:
             return
-        rank, command, quiet = silent
-        self.silent_rank = rank
-        msg = (f"rank {rank} has sent nothing for {quiet:.0f}s while it owes an answer to {command} "
-               f"(--train.control-timeout-s {limit:g}): it is frozen or gone (SIGSTOP, a hung collective or "
-               f"driver, a lost node); stopping the run")
-        logger.error("%s", msg)
+        self.silent_rank = silent[0]
+        logger.error("%s", msg := stop.silent_error(*silent, limit))
+        self._fail(RunFailed(msg))
+
+    def _fail(self, error: BaseException | None) -> None:
+        """Stop the run; the first error becomes the run's."""
         if self.task_error is None:
-            self.task_error = RunFailed(msg)
+            self.task_error = error
         self.stopping = True
 
-    async def _engine_url(self, rank: int) -> str:
-        key = f"engine/{rank}"
-        start = time.monotonic()
-        while not self.store_t.check([key]):
-            if time.monotonic() - start > 600:
-                raise TimeoutError(f"rank {rank} never announced its engine")
-            await asyncio.sleep(0.01)
-        return self.store_t.get(key).decode()
-
     async def _run(self) -> None:
-        cfg, topo = self.cfg, self.topo
-        from gyre.backends.models.vocab import load_vocab
-
-        vocab = load_vocab(cfg.model.checkpoint, cfg.proxy.tokenizer_path)  # the job's (cached per path)
-        self.proxy = Proxy(cfg.proxy, sink=WatchedSink(StoreSink(self.tito), self.tito.path_for, self._error),
-                           tokenizer=vocab.tokenizer, stop_ids=vocab.stop_ids)
-        self.proxy_handle = await start_proxy(self.proxy)
-        logger.info("proxy listening at %s", self.proxy_handle.url)
-        for c in range(topo.num_cells):
-            url = await self._engine_url(self._cell_ranks(c)[0])
-            self.proxy.router.add_engine(HttpEngine(url, name=f"cell{c}", secret=self.engine_secret), kind="cell", index=c)
-        for e in range(topo.num_pool_engines):
-            url = await self._engine_url(topo.pool_engine_ranks(e)[0])
-            self.proxy.router.add_engine(HttpEngine(url, name=f"pool{e}", secret=self.engine_secret), kind="pool", index=e)
-        runner_cfg = dataclasses.replace(cfg.executions.runner, run_dir=str(self.run_dir / "executions"))
-        self.access = GyreProxyAccess(self.proxy, self.proxy_handle.url)
-        self.runner = HarnessRunner(runner_cfg, Evaluator(cfg.executions.evaluator, runner_cfg), proxy=self.access,
-                                    on_event=self._on_exec_event)
+        self.proxy, self.proxy_handle, self.access, self.runner = await start_data_plane(
+            self.cfg, self.run_dir, self.ledger, self.tito, self.store_t, self.topo, self.engine_secret,
+            on_error=self._error, on_event=self._on_exec_event)
         self.ledger.begin(time.time())
         self.last_step_t = self.ledger.t_start
 
@@ -334,9 +211,10 @@ class Controller:
                     self._on_message(msg)
                 if time.monotonic() >= next_tick:
                     self._apply(self.sched.tick())
-                    self._progress()
+                    if line := self.progress(self.sched, self.steps_done, self.cfg.train.steps, time.monotonic()):
+                        logger.info("%s", line)
                     self._check_silent()
-                    next_tick = time.monotonic() + cfg.scheduler.tick_s
+                    next_tick = time.monotonic() + self.cfg.scheduler.tick_s
                 self._serve_pending()
                 await asyncio.sleep(0.003)
         except Exception as e:  # noqa: BLE001 - the stop sequence still runs (summary, events, ended)
@@ -357,36 +235,14 @@ class Controller:
         """An error the run stops on (a failed write names its path and errno: `gyre.runtime.writes`);
         the first becomes the run's, stated once when the run ends."""
         err = self.writes.note(exc, what, path)
-        if err is not None:
-            if self.task_error is None:
-                self.task_error = err
-            else:  # the run was already stopping for another reason: say this one too, once
-                logger.error("%s", err)
-        self.stopping = True
+        if err is not None and self.task_error is not None:  # already stopping for another reason: say it once
+            logger.error("%s", err)
+        self._fail(err)
 
     # ------------------------------------------------------------------ decisions
     def _apply(self, decisions: list) -> None:
         for d in decisions:
-            if isinstance(d, Dispatch):
-                self._dispatch(d)
-            elif isinstance(d, SwitchToTrain):
-                self.switch_sent[d.cell] = time.time()
-                self._spawn(self._switch_to_train(d.cell))
-            elif isinstance(d, SwitchToRollout):
-                self.pending.discard(d.cell)  # no more work for it this burst
-                self.switch_sent[d.cell] = time.time()
-                self._send_cell(d.cell, ToRollout(version=self.sched.published))
-            elif isinstance(d, OptimizerStep):
-                self._optimizer_step(d)
-            elif isinstance(d, Publish):
-                for c in range(self.topo.num_cells):
-                    if self.sched.roles[c] is CellRole.ROLLOUT:
-                        self._send_cell(c, Load(version=d.version))
-                for e in range(self.topo.num_pool_engines):
-                    for r in self.topo.pool_engine_ranks(e):
-                        self._command(r, Load(version=d.version))
-            else:
-                raise TypeError(f"unknown scheduler decision {d!r}")
+            handler_for(self.DECISIONS, d, "controller (scheduler decisions)")(self, d)
 
     def _dispatch(self, d: Dispatch) -> None:
         if self.steps_done >= self.cfg.train.steps or self.stopping:
@@ -408,47 +264,55 @@ class Controller:
                     d.version, self.sched.water_level)
 
     def _carry_over(self, g: int, row: dict[str, Any]) -> None:
-        """Take an earlier attempt's evaluated group (a `groups.jsonl` row) as dispatch slot `g`:
-        its executions start and finish at once for the scheduler, their results and TITO come
-        from the run directory, and it becomes work like any group. Its v_d stays the version it
-        was sampled at (the ledger's staleness; the scheduler counts it from now)."""
-        task = next(t for t in self.dataset.tasks if t.task_id == row["task_id"])
-        specs = [ExecutionSpec(e, task, row["group_id"], i, dispatch_version=row["version"])
-                 for i, e in enumerate(row["executions"])]
-        rec = self.ledger.add_group(g, Group(row["group_id"], task, specs), row["version"])
+        """Take an earlier attempt's evaluated group (a `groups.jsonl` row) as dispatch slot `g`: its
+        executions start and finish at once for the scheduler, and it becomes work like any group.
+        Its v_d stays the version it was sampled at (the ledger's staleness)."""
+        group, results = rundir.carried_group(self.run_dir, self.dataset, row)
+        self.ledger.add_group(g, group, row["version"], carried=True)
         self.journal.dispatched(row["group_id"], row["task_id"], row["version"], row["executions"])
-        for spec in specs:
-            self._apply(self.sched.on_execution_started(g, spec.index))
-            self._apply(self.sched.on_execution_finished(g, spec.index))
-            saved = json.loads((self.run_dir / "executions" / spec.execution_id / "result.json").read_text())["reward"]
-            reward = RewardResult(spec.execution_id, RewardStatus(saved["status"]), saved["reward"])
-            self.ledger.evaluated(CarriedResult(spec.execution_id, spec.index, reward))
-        self.carried_over += 1
+        for result in results:
+            self._apply(self.sched.on_execution_started(g, result.index))
+            self._apply(self.sched.on_execution_finished(g, result.index))
+            self.ledger.evaluated(result)
         logger.info("group %s (dispatched at version %d in an earlier attempt) carried over as group %d",
-                    rec.group_id, row["version"], g)
+                    group.group_id, row["version"], g)
         self._spawn(self._make_work(g))
 
-    async def _switch_to_train(self, cell: int) -> None:
-        moved = await self.proxy.router.drain(f"cell{cell}")  # in-flight calls continue elsewhere
-        logger.info("cell %d drained (%d calls rerouted); switching to train", cell, moved)
-        self._send_cell(cell, ToTrain())
+    def _switch_to_train(self, d: SwitchToTrain) -> None:
+        self.ledger.switch_sent(d.cell, time.time())
+
+        async def drain_then_send() -> None:
+            moved = await self.proxy.router.drain(f"cell{d.cell}")  # in-flight calls continue elsewhere
+            logger.info("cell %d drained (%d calls rerouted); switching to train", d.cell, moved)
+            self._send_cell(d.cell, ToTrain())
+
+        self._spawn(drain_then_send())
+
+    def _switch_to_rollout(self, d: SwitchToRollout) -> None:
+        self.pending.discard(d.cell)  # no more work for it this burst
+        self.ledger.switch_sent(d.cell, time.time())
+        self._send_cell(d.cell, ToRollout(version=self.sched.published))
 
     def _optimizer_step(self, d: OptimizerStep) -> None:
         """Send `Reduce` to exactly the decision's cells: the scheduler decides the membership
-        (the TRAIN prefix 0..k−1 when the step was decided), the prefix group is k = len(cells)."""
+        (the TRAIN prefix 0..k−1 when the step was decided), the prefix group is k = len(cells).
+        The step's |E| is known only now (its groups were packed with |E| = B·N): the core
+        rescales the summed gradient by B·N/valid, or skips the update when nothing is valid."""
         if d.cells != tuple(range(len(d.cells))):
             raise RuntimeError(f"step {d.step}: reduce cells {d.cells} are not a prefix 0..k−1")
-        groups = list(self.sched.step.assigned)
-        # The step's E is known only now (its groups were packed with |E| = B·N): the core
-        # rescales the summed gradient by B·N/valid, or skips the update when nothing is valid.
-        valid, grad_scale = step_denominator([self.ledger.groups[g].rewards for g in groups],
-                                             nominal=self._nominal_executions(), loss=self.cfg.loss)
-        self.ledger.decide(d.step, d.cells, groups, d.final_in_burst, valid, grad_scale)
+        valid, grad_scale = step_denominator([self.ledger.groups[g].rewards for g in d.groups],
+                                             nominal=self.nominal, loss=self.cfg.loss)
+        self.ledger.decide(d.step, d.cells, d.groups, d.final_in_burst, valid, grad_scale)
         for c in d.cells:
             self.pending.discard(c)
             self._send_cell(c, Reduce(step=d.step, k=len(d.cells), final=d.final_in_burst,
-                                      stay=self.cfg.scheduler.mode == "async",
-                                      valid_executions=valid, grad_scale=grad_scale))
+                                      stay=self.cfg.scheduler.mode == "async", grad_scale=grad_scale))
+
+    def _publish(self, d: Publish) -> None:
+        ranks = [r for c in range(self.topo.num_cells) if self.sched.roles[c] is CellRole.ROLLOUT
+                 for r in self.topo.cell_ranks(c)]
+        for r in ranks + [r for e in range(self.topo.num_pool_engines) for r in self.topo.pool_engine_ranks(e)]:
+            self._command(r, Load(version=d.version))
 
     def _serve_pending(self) -> None:
         for cell in sorted(self.pending):
@@ -459,10 +323,8 @@ class Controller:
             bundle = self.ledger.groups[w.group].work.bundles[w.item]
             self.ledger.claim(w.step, cell)
             if self.cfg.train.audit_dir:
-                path = Path(self.cfg.train.audit_dir) / f"step_{w.step:06d}"
-                path.mkdir(parents=True, exist_ok=True)
-                torch.save({"cell": cell, "bundle": bundle}, path / f"bundle_{w.group}_{w.item}.pt")  # debug dump
-            for r in self._cell_ranks(cell):
+                audit_bundle(self.cfg.train.audit_dir, w.step, w.group, w.item, cell, bundle)
+            for r in self.topo.cell_ranks(cell):
                 key = f"ms/{w.step}/{w.group}/{w.item}/{r}"
                 self.cp.put_blob(key, bundle)
                 self._command(r, TrainWork(step=w.step, group=w.group, item=w.item, key=key, version=w.step))
@@ -471,18 +333,17 @@ class Controller:
     def _on_message(self, msg: Report) -> None:
         """Handle one report; UnknownMessage for a type `HANDLERS` does not hold."""
         handler = handler_for(self.HANDLERS, msg, "controller")
-        self.watch.heard(msg.rank, type(msg).__name__, time.monotonic())  # any report: the rank is alive
+        self.watch.heard(msg.rank, type(msg), time.monotonic())  # any report: the rank is alive
         handler(self, msg)
 
     def _on_transition(self, msg: Transition) -> None:
         self.ledger.transition(msg.cell, msg.dst, msg.t)
 
     def _on_joined(self, msg: Joined) -> None:
-        cell = msg.cell
         self.ledger.handover(msg.handover_s)
-        if self.sched.roles[cell] is CellRole.TO_TRAIN:
-            self.latencies["to_train"].append(time.time() - self.switch_sent.pop(cell, time.time()))
-        self._apply(self.sched.on_switch_done(cell, "train"))  # superseded if the burst already ended
+        if self.sched.roles[msg.cell] is CellRole.TO_TRAIN:
+            self.ledger.switched(msg.cell, "to_train", time.time())
+        self._apply(self.sched.on_switch_done(msg.cell, "train"))  # superseded if the burst already ended
 
     def _on_request_work(self, msg: RequestWork) -> None:
         self.pending.add(msg.cell)
@@ -492,14 +353,30 @@ class Controller:
         self._apply(self.sched.on_work_done(msg.cell, Work(msg.step, msg.group, msg.item)))
 
     def _on_step_done(self, msg: StepDone) -> None:
-        self._step_done(msg.step, msg.stats)
+        rec = self.ledger.close(msg.step)
+        self.journal.trained([self.ledger.groups[g].group_id for g in rec.groups], msg.step)
+        now = time.time()
+        row = step_row(self.ledger, msg.step, now, step_time_s=now - self.last_step_t, scheduler=self.sched,
+                       reroutes=self.proxy.router.reroutes, rerouted=self.proxy.router.take_reroutes(),
+                       unmatched_turns=self.access.take_unmatched() if self.access is not None else 0,
+                       sink_errors=self.proxy.sink_errors, stats=msg.stats)
+        self.metrics.write(row)
+        self.trackers.log(row, msg.step)
+        if "checkpoint_s" in msg.stats:  # the core wrote a periodic checkpoint: does a stop still fit it?
+            self.last_checkpoint_s = stop.checkpointed(self.last_checkpoint_s, float(msg.stats["checkpoint_s"]),
+                                                       self.cfg.train.shutdown_timeout_s)
+        self.last_step_t = now
+        self.steps_done += 1
+        logger.info("%s", step_line(row))
+        self._apply(self.sched.on_step_done(msg.step))
+        if self.steps_done >= self.cfg.train.steps:
+            self.stopping = True
 
     def _on_rolled_back(self, msg: RolledBack) -> None:
-        cell = msg.cell
         self.ledger.handover(msg.handover_s)
-        self.latencies["to_rollout"].append(time.time() - self.switch_sent.pop(cell, time.time()))
-        self.proxy.router.resume(f"cell{cell}")
-        self._apply(self.sched.on_switch_done(cell, "rollout"))
+        self.ledger.switched(msg.cell, "to_rollout", time.time())
+        self.proxy.router.resume(f"cell{msg.cell}")
+        self._apply(self.sched.on_switch_done(msg.cell, "rollout"))
 
     def _on_loaded(self, msg: Loaded) -> None:
         pass  # nothing waits for it: an engine serves the old version until it has loaded the new
@@ -510,10 +387,8 @@ class Controller:
     def _on_failed(self, msg: Failed) -> None:  # a worker raised; it exits after this report
         self.stopped[msg.rank] = msg
         self.watch.forget(msg.rank)
-        if self.task_error is None:
-            self.task_error = RunFailed(f"rank {msg.rank} failed while handling {msg.command!r}: "
-                                        f"{msg.error} (its traceback is in rank {msg.rank}'s log)")
-        self.stopping = True
+        self._fail(RunFailed(f"rank {msg.rank} failed while handling {msg.command!r}: {msg.error} (its traceback "
+                             f"is in rank {msg.rank}'s log)"))
 
     def _on_interrupted(self, msg: Interrupted) -> None:
         """SIGINT/SIGTERM on a rank (every rank gets torchrun's; the first report counts): stop
@@ -522,139 +397,44 @@ class Controller:
         if self.interrupted is not None:
             return
         self.interrupted, self._interrupt_t = msg.signal, stop.signalled_at(time.monotonic())
-        logger.warning("interrupted by %s (rank %d): stopping the run (at most %.0fs)", msg.signal, msg.rank,
-                       self.cfg.train.shutdown_timeout_s)
-        if (note := stop.budget_note(self.last_checkpoint_s, self.cfg.train.shutdown_timeout_s)) is not None:
-            logger.warning("%s", note)
-        if self.task_error is None:
-            self.task_error = RunFailed(f"interrupted by {msg.signal} (received by rank {msg.rank}); stopped "
-                                        f"gracefully after {self.steps_done} steps")
-        self.stopping = True
-
-    def _take_unmatched(self) -> int:
-        total = self.access.totals["unmatched_turns"] if self.access is not None else 0
-        new, self.unmatched_seen = total - self.unmatched_seen, total
-        return new
-
-    def _step_done(self, step: int, stats: dict[str, float]) -> None:
-        tc = self.cfg.train
-        rec = self.ledger.close(step)
-        self.journal.trained([self.ledger.groups[g].group_id for g in rec.groups], step)
-        now = time.time()
-        row = {
-            "step": step,
-            "version": step + 1,
-            "time_s": now - self.ledger.t_start,
-            "step_time_s": now - self.last_step_t,
-            "water_level": self.sched.water_level,
-            "dispatched": self.sched.dispatched,
-            "finished": self.sched.finished,
-            "reroutes": self.proxy.router.reroutes,
-            **reroute_fields(self.proxy.router.take_reroutes()),  # KV migration vs recompute
-            # re-sent assistant turns that matched no sampled turn (gyre/proxy/render.py), summed over
-            # the executions closed since the previous row
-            "unmatched_turns": self._take_unmatched(),
-            "sink_errors": self.proxy.sink_errors,  # TITO records the proxy failed to write, so far
-            "incomplete_tito": len(self.incomplete_tito),  # executions excluded for it, so far
-            "switch_to_train_s": self.latencies["to_train"][-1] if self.latencies["to_train"] else None,
-            "switch_to_rollout_s": self.latencies["to_rollout"][-1] if self.latencies["to_rollout"] else None,
-            **self.ledger.step_fields(step, now),
-            **{k: float(v) for k, v in stats.items() if k != "version"},
-        }
-        self.metrics.write(row)
-        self.trackers.log(row, step)
-        if "checkpoint_s" in stats:  # the core wrote a periodic checkpoint: does a stop still fit it?
-            first = self.last_checkpoint_s is None or stop.budget_note(self.last_checkpoint_s, tc.shutdown_timeout_s) is None
-            self.last_checkpoint_s = float(stats["checkpoint_s"])
-            if first and (note := stop.budget_note(self.last_checkpoint_s, tc.shutdown_timeout_s)) is not None:
-                logger.warning("%s", note)
-        self.last_step_t = now
-        self.steps_done += 1
-        logger.info("step %d done: reward %.3f  loss %.4g  clip %.2f  d %.2f  cells %d  (%.1fs)", step,
-                    row["reward_mean"] if row["reward_mean"] is not None else float("nan"), row["loss"],
-                    row["clip_frac"], row["staleness_mean"] or 0.0, len(rec.cells), row["step_time_s"])
-        self._apply(self.sched.on_step_done(step))
-        if self.steps_done >= self.cfg.train.steps:
-            self.stopping = True
+        stop.warn_interrupted(msg.signal, msg.rank, self.cfg.train.shutdown_timeout_s, self.last_checkpoint_s)
+        self._fail(RunFailed(f"interrupted by {msg.signal} (received by rank {msg.rank}); stopped gracefully after "
+                             f"{self.steps_done} steps"))
 
     # ------------------------------------------------------------------ executions
     def _on_exec_event(self, ev: ExecutionEvent) -> None:
         rec, index = self.ledger.of_execution(ev.execution_id)
-        g = rec.index
         if ev.kind is EventKind.STARTED:
-            self._apply(self.sched.on_execution_started(g, index))
+            self._apply(self.sched.on_execution_started(rec.index, index))
         elif ev.kind is EventKind.FINISHED:
-            self.outcomes[ev.result.outcome.value] += 1
-            self._apply(self.sched.on_execution_finished(g, index))
+            self.ledger.finished(ev.execution_id, ev.result.outcome.value)
+            self._apply(self.sched.on_execution_finished(rec.index, index))
         elif ev.kind is EventKind.EVALUATED:
-            problem = self.health.observe(ev.result, self.access.take_calls(ev.execution_id))
-            if problem is not None and self.task_error is None:
-                self.task_error = RunFailed(problem)
-                self.stopping = True
-            recorded = self.access.take_recorded(ev.execution_id)
-            if recorded is not None:
-                self.expected_records[ev.execution_id] = recorded
+            problem = self.health.observe(ev.result, self.ledger.execution(ev.execution_id).calls)
+            if problem is not None:
+                self._fail(RunFailed(problem))
             self.ledger.evaluated(ev.result)
             if len(rec.evaluated) == self.cfg.scheduler.n_per_group:
-                self._spawn(self._make_work(g))
-
-    def _records(self, execution_id: str) -> tuple[list, str | None]:
-        """The execution's TITO records (none when its harness never made a call), and what is
-        missing from them when they are not all its calls (then it must not be trained)."""
-        calls, sink_errors = self.expected_records.pop(execution_id, (None, 0))
-        records, torn = [], False
-        if self.tito.path_for(execution_id).is_file():
-            read = self.tito.read(execution_id)
-            records, torn = read.records, read.torn
-        if sink_errors:
-            return records, f"the proxy could not write {sink_errors} of its {calls} call records"
-        if torn:
-            return records, "a torn record at the end of its TITO file"
-        if calls is not None and len(records) != calls:
-            return records, f"{len(records)} TITO records for its {calls} calls"
-        return records, None
-
-    def _scored(self, result: Any) -> tuple[str, Outcome, list]:
-        """(id, outcome, records) for the trajectory processor: excluded when its TITO is incomplete."""
-        records, missing = self._records(result.execution_id)
-        if missing is None:
-            return result.execution_id, _outcome(result.reward), records
-        self.incomplete_tito[result.execution_id] = missing
-        logger.warning("execution %s: %s; excluded from training and from its group's baseline (counted in "
-                       "summary.json incomplete_tito)", result.execution_id, missing)
-        return result.execution_id, Outcome.eval_failed(), []
-
-    def _nominal_executions(self) -> int:
-        """B·N: the |E| every group is packed with (samples.py: streaming packs before E is known)."""
-        return self.cfg.scheduler.batch_groups * self.cfg.scheduler.n_per_group
+                self._spawn(self._make_work(rec.index))
 
     async def _make_work(self, g: int) -> None:
-        rec = self.ledger.groups[g]
-        results = sorted(rec.evaluated, key=lambda r: r.index)
-        items = [self._scored(r) for r in results]
-        tc = self.cfg.train
-        work = await asyncio.to_thread(
-            group_work, rec.group_id, rec.version, items,
-            num_executions=self._nominal_executions(), max_tokens=tc.max_tokens, j_max=tc.j_max,
-            normalize_std=tc.normalize_std, rng=np.random.default_rng([self.cfg.seed, g]),
-        )
+        """The group's scored executions (an incomplete TITO excluded: the ledger) → its bundles."""
+        rec, tc = self.ledger.groups[g], self.cfg.train
+        scored = self.ledger.scored(g, functools.partial(tito_records, self.tito))
+        work = await asyncio.to_thread(group_work, rec.group_id, rec.version, scored, num_executions=self.nominal,
+                                       max_tokens=tc.max_tokens, j_max=tc.j_max, normalize_std=tc.normalize_std,
+                                       rng=np.random.default_rng([self.cfg.seed, g]))
         self.ledger.set_work(g, work)
         self._apply(self.sched.on_group_ready(g, len(work.bundles)))
 
-    # ------------------------------------------------------------------ progress and the end
-    def _progress(self) -> None:
-        """One progress line when the picture changed, or every 15 s while nothing moves."""
-        s = self.sched
-        state = (self.steps_done, s.ready_unassigned, s.water_level, s.cells_in_training, s.started, s.finished)
-        now = time.monotonic()
-        if state == self._last_progress and now - self._last_progress_t < 15.0:
-            return
-        self._last_progress, self._last_progress_t = state, now
-        logger.info("step %d/%d | groups ready %d | water level %d (C_R %d) | cells training %d | d/p/f %d/%d/%d",
-                    self.steps_done, self.cfg.train.steps, s.ready_unassigned, s.water_level, s.rollout_capacity,
-                    s.cells_in_training, s.dispatched, s.started, s.finished)
-
-    # One handler per report type (tests/runtime/test_messages.py checks the table is complete).
+    # One handler per scheduler decision and per report type (tests/runtime/test_messages.py).
+    DECISIONS: dict[type, Callable[[Controller, Any], None]] = {
+        Dispatch: _dispatch,
+        SwitchToTrain: _switch_to_train,
+        SwitchToRollout: _switch_to_rollout,
+        OptimizerStep: _optimizer_step,
+        Publish: _publish,
+    }
     HANDLERS: dict[type[Report], Callable[[Controller, Any], None]] = {
         Transition: _on_transition,
         Joined: _on_joined,

@@ -1,6 +1,12 @@
-"""The run's ledger: one record per dispatched group, one per optimizer step, and the cell
-timeline (docs/design.md §2–3). The controller writes it as events arrive and reads its step
-rows and summary from it; nothing here does IO, waits, or talks to the scheduler.
+"""The run's ledger: one record per dispatched group, one per execution, one per optimizer step,
+and the cell timeline (docs/design.md §2–3, §5). The controller writes it as events arrive;
+`gyre.runtime.summary` reads the step rows and the summary from it. Nothing here does IO (the
+TITO reader is passed in), waits, or talks to the scheduler.
+
+An execution's record (`ExecutionRecord`) holds its accounting, in one place: the model calls and
+sink errors the proxy counted when it closed it (`closed`), how its harness ended (`finished`),
+its reward (`evaluated`) and, when its TITO records are not all its calls, what is missing
+(`scored`: then it is excluded from training and from its group's baseline).
 
 A group's record (`GroupRecord`) and its lifecycle:
 
@@ -31,18 +37,24 @@ Example::
 from __future__ import annotations
 
 import enum
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from gyre import dispatch as D
 from gyre.runtime.cell import CellState, time_per_state, timeline_intervals
 from gyre.executions.tasks import Group
-from gyre.runtime.samples import GroupWork, merge_metrics, summarize_metrics
+from gyre.runtime.samples import GroupWork, merge_metrics, outcome, summarize_metrics
+from gyre.trajectory.advantages import Outcome
+from gyre.trajectory.materialize import ScoredExecution
 
-__all__ = ["GroupPhase", "GroupRecord", "LedgerError", "RunLedger", "StepPhase", "StepRecord"]
+__all__ = ["ExecutionRecord", "GroupPhase", "GroupRecord", "LedgerError", "RunLedger", "StepPhase", "StepRecord",
+           "missing_records"]
+
+logger = logging.getLogger(__name__)
 
 
 class LedgerError(RuntimeError):
@@ -62,6 +74,37 @@ class StepPhase(enum.Enum):
 
 
 @dataclass
+class ExecutionRecord:
+    """One dispatched execution's accounting (docs/design.md §5)."""
+
+    execution_id: str
+    group: int  # its group's scheduler index
+    index: int  # its index in the group
+    calls: int | None = None  # model calls the proxy counted when it closed it (None: not closed here)
+    sink_errors: int = 0  # of those, call records the proxy failed to write
+    outcome: str | None = None  # how its harness ended in this attempt (the runner's Outcome value)
+    reward: Any = None  # its RewardResult once evaluated (here, or in an earlier attempt)
+    incomplete_tito: str | None = None  # what is missing from its TITO records: excluded from training
+
+
+def missing_records(calls: int | None, sink_errors: int, records: int, torn: bool) -> str | None:
+    """What is missing from an execution's TITO records, None when they are all its calls.
+
+    >>> missing_records(3, 0, 3, False) is None, missing_records(None, 0, 1, False) is None
+    (True, True)
+    >>> missing_records(3, 0, 2, False)
+    '2 TITO records for its 3 calls'
+    """
+    if sink_errors:
+        return f"the proxy could not write {sink_errors} of its {calls} call records"
+    if torn:
+        return "a torn record at the end of its TITO file"
+    if calls is not None and records != calls:
+        return f"{records} TITO records for its {calls} calls"
+    return None
+
+
+@dataclass
 class GroupRecord:
     """One dispatched group: the spec the runner got, the scheduler's index for it, v_d, its
     evaluated executions and, once ready, its work (bundles, per-execution rewards, stats)."""
@@ -72,6 +115,7 @@ class GroupRecord:
     evaluated: list[Any] = field(default_factory=list)  # runner ExecutionResults, in evaluation order
     work: GroupWork | None = None
     phase: GroupPhase = GroupPhase.RUNNING
+    carried: bool = False  # evaluated in an earlier attempt (its results read from the run directory)
 
     @property
     def group_id(self) -> str:
@@ -121,39 +165,88 @@ class RunLedger:
         self.steps: dict[int, StepRecord] = {}
         self.transitions: dict[int, list[tuple[str, float]]] = {c: [] for c in range(num_cells)}
         self.t_start: float | None = None  # every cell is in ROLLOUT from here
-        self._by_execution: dict[str, tuple[int, int]] = {}  # execution id → (group index, index in group)
+        self.executions: dict[str, ExecutionRecord] = {}  # every dispatched execution, by id
         # the memory hand-over's parts per switch ("actor_restore", "actor_offload", ...), in arrival order
         self.handovers: dict[str, list[float]] = {}
+        # switch latencies as the controller sees them: the switch sent → the cell's answer
+        self.switch_latencies: dict[str, list[float]] = {"to_train": [], "to_rollout": []}
+        self._switch_sent: dict[int, float] = {}
 
     def begin(self, t: float) -> None:
         """Start the run's clock: the timeline's origin."""
         self.t_start = t
 
     # ------------------------------------------------------------------ groups
-    def add_group(self, index: int, spec: Group, version: int) -> GroupRecord:
+    def add_group(self, index: int, spec: Group, version: int, carried: bool = False) -> GroupRecord:
         if index in self.groups:
             raise LedgerError(f"group {index} dispatched twice")
-        rec = self.groups[index] = GroupRecord(index, spec, version)
+        rec = self.groups[index] = GroupRecord(index, spec, version, carried=carried)
         for e in spec.executions:
-            if e.execution_id in self._by_execution:
+            if e.execution_id in self.executions:
                 raise LedgerError(f"execution {e.execution_id} dispatched twice")
-            self._by_execution[e.execution_id] = (index, e.index)
+            self.executions[e.execution_id] = ExecutionRecord(e.execution_id, index, e.index)
         return rec
+
+    def execution(self, execution_id: str) -> ExecutionRecord:
+        if execution_id not in self.executions:
+            raise LedgerError(f"unknown execution {execution_id}")
+        return self.executions[execution_id]
 
     def of_execution(self, execution_id: str) -> tuple[GroupRecord, int]:
         """(its group's record, its index within the group)."""
-        if execution_id not in self._by_execution:
-            raise LedgerError(f"unknown execution {execution_id}")
-        g, i = self._by_execution[execution_id]
-        return self.groups[g], i
+        e = self.execution(execution_id)
+        return self.groups[e.group], e.index
+
+    # ------------------------------------------------------------------ executions
+    def closed(self, execution_id: str, calls: int, sink_errors: int = 0) -> None:
+        """The proxy closed the execution (its harness ended): its calls and unwritten records."""
+        e = self.execution(execution_id)
+        e.calls, e.sink_errors = calls, sink_errors
+
+    def finished(self, execution_id: str, outcome: str) -> None:
+        """Its harness ended (`outcome`: the runner's Outcome value)."""
+        self.execution(execution_id).outcome = outcome
 
     def evaluated(self, result: Any) -> GroupRecord:
-        """Record an evaluated execution (a runner ExecutionResult); returns its group."""
+        """Record an evaluated execution (a runner ExecutionResult, or an earlier attempt's
+        `gyre.runtime.rundir.CarriedResult`); returns its group."""
         rec, _ = self.of_execution(result.execution_id)
         if rec.phase is not GroupPhase.RUNNING:
             raise LedgerError(f"group {rec.index}: execution {result.execution_id} evaluated while {rec.phase.value}")
         rec.evaluated.append(result)
+        self.executions[result.execution_id].reward = result.reward
         return rec
+
+    def scored(self, index: int, read: Callable[[str], tuple[list, bool]]) -> list[ScoredExecution]:
+        """The group's evaluated executions in index order, for the trajectory processor.
+        `read(execution_id)` → (its TITO records, whether the file's tail was torn). One whose
+        records are not all its calls is excluded (`Outcome.eval_failed`, no records), and what
+        is missing is kept in its record."""
+        out = []
+        for result in sorted(self.groups[index].evaluated, key=lambda r: r.index):
+            e = self.executions[result.execution_id]
+            records, torn = read(e.execution_id)
+            e.incomplete_tito = missing_records(e.calls, e.sink_errors, len(records), torn)
+            if e.incomplete_tito is None:
+                out.append(ScoredExecution(e.execution_id, outcome(result.reward), records=list(records)))
+                continue
+            logger.warning("execution %s: %s; excluded from training and from its group's baseline (counted in "
+                           "summary.json incomplete_tito)", e.execution_id, e.incomplete_tito)
+            out.append(ScoredExecution(e.execution_id, Outcome.eval_failed(), records=[]))
+        return out
+
+    def outcomes(self) -> dict[str, int]:
+        """How this attempt's harnesses ended: outcome → executions."""
+        return dict(Counter(e.outcome for e in self.executions.values() if e.outcome is not None))
+
+    def incomplete_tito(self) -> dict[str, str]:
+        """Execution → what is missing from its TITO records (excluded from training)."""
+        return {e.execution_id: e.incomplete_tito for e in self.executions.values() if e.incomplete_tito is not None}
+
+    @property
+    def carried_over(self) -> int:
+        """Groups evaluated in an earlier attempt and taken into this one."""
+        return sum(g.carried for g in self.groups.values())
 
     def set_work(self, index: int, work: GroupWork) -> None:
         rec = self.groups[index]
@@ -209,6 +302,9 @@ class RunLedger:
         rewards = [r for g in by_group for r in g]
         counts = Counter(rec.claims)
         return {
+            # the latest switch each way, as the controller saw it (None before the first)
+            "switch_to_train_s": self._latest(self.switch_latencies["to_train"]),
+            "switch_to_rollout_s": self._latest(self.switch_latencies["to_rollout"]),
             "cells_in_step": len(rec.cells),
             "claims_by_cell": {str(c): counts[c] for c in sorted(counts)},
             "claim_order": list(rec.claims),
@@ -221,6 +317,8 @@ class RunLedger:
             "group_rewards": by_group,
             "staleness_mean": float(np.mean(rec.staleness)) if rec.staleness else None,
             "staleness": list(rec.staleness),
+            # selected trajectories of the step's groups that claimed no target (docs/design.md §5)
+            "dropped_trajectories": sum(self.groups[g].work.dropped_trajectories for g in rec.groups),
             "cell_time_s": self.cell_times(end),
             # the latest switch's memory hand-over on a cell's first rank (None before the first)
             "actor_restore_s": self._last("actor_restore"),
@@ -238,9 +336,19 @@ class RunLedger:
         for k, v in parts.items():
             self.handovers.setdefault(k, []).append(float(v))
 
-    def _last(self, part: str) -> float | None:
-        seen = self.handovers.get(part)
+    def switch_sent(self, cell: int, t: float) -> None:
+        self._switch_sent[cell] = t
+
+    def switched(self, cell: int, direction: str, t: float) -> None:
+        """The cell answered its switch ("to_train" / "to_rollout"): its latency (0 when unsent)."""
+        self.switch_latencies[direction].append(t - self._switch_sent.pop(cell, t))
+
+    @staticmethod
+    def _latest(seen: list[float] | None) -> float | None:
         return seen[-1] if seen else None
+
+    def _last(self, part: str) -> float | None:
+        return self._latest(self.handovers.get(part))
 
     def handover_summary(self) -> dict[str, dict[str, float]]:
         """part → {mean, max, count} over the run (the summary's `handover_s`; the paper reports

@@ -38,7 +38,7 @@ a report and sends nothing for `--train.control-timeout-s` (frozen) fails the ru
                                                   TRAIN on the first)
         ◀── [Transition], WorkDone(step, group, item, metrics), RequestWork
     OptimizerStep(step): to every rank of cells 0..k−1
-        ── Reduce(step, k, final, stay, valid_executions, grad_scale) ─▶
+        ── Reduce(step, k, final, stay, grad_scale) ─────▶
                                                   all-reduce gradients over prefix group k
                                                   (blocks until cells 0..k−1 all enter); the
                                                   core scales, steps, puts the snapshot on the
@@ -56,7 +56,7 @@ a report and sends nothing for `--train.control-timeout-s` (frozen) fails the ru
     the run's end, or a failure: every rank
         ── Stop(failed, checkpoint) ─────────────▶  checkpoint (core, not after a failure unless
                                                   `checkpoint`), stop the engine, leave the loop
-        ◀── Stopped(time_in, latencies)
+        ◀── Stopped()
     a handler raised on some rank                 that rank reports, then exits
         ◀── Failed(command, error)                (the controller stops every other rank)
     SIGINT/SIGTERM on some rank                   its handler reports; it serves on until Stop
@@ -67,7 +67,7 @@ a report and sends nothing for `--train.control-timeout-s` (frozen) fails the ru
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 
 class UnknownMessage(TypeError):
@@ -81,62 +81,6 @@ def handler_for(table: dict[type, Callable], msg: Any, where: str) -> Callable:
         known = ", ".join(sorted(t.__name__ for t in table))
         raise UnknownMessage(f"{where}: no handler for {type(msg).__name__} ({msg!r}); it handles {known}")
     return handler
-
-
-# ----------------------------------------------------------------------------- commands
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Command:
-    """Controller → a rank's mailbox."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ToTrain(Command):
-    """Leave rollout: release the engine, get the actor ready, join the training set."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainWork(Command):
-    """Train one micro-step bundle of the scheduler's `Work(step, group, item)`."""
-
-    step: int
-    group: int
-    item: int
-    key: str  # the blob the bundle was put under (`ControlPlane.take_blob`)
-    version: int  # the policy version the step trains at (a satellite behind pulls it from the board)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Reduce(Command):
-    """Sum gradients over the prefix group of cells 0..k−1; the core steps (docs/design.md §3, §6)."""
-
-    step: int
-    k: int  # cells in the step: the prefix group 0..k−1
-    final: bool  # the burst's last step: its version is published
-    stay: bool = False  # async mode: training cells keep training after a publish
-    valid_executions: int  # |E|: the step's executions with a valid reward
-    grad_scale: float | None  # B·N / |E| for the core's update; None: nothing valid, no update
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ToRollout(Command):
-    """Back to rollout: the engine resumes and loads published `version`."""
-
-    version: int
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Load(Command):
-    """A rollout engine loads published `version` between decode steps."""
-
-    version: int
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Stop(Command):
-    """Report, checkpoint (the core, unless `failed` and not `checkpoint`), stop the engine, leave the loop."""
-
-    failed: bool = False  # the controller stopped the run early (it reports why)
-    checkpoint: bool = False  # checkpoint even though failed (an interrupt: the weights are sound)
 
 
 # ----------------------------------------------------------------------------- reports
@@ -207,10 +151,7 @@ class Loaded(Report):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Stopped(Report):
-    """The rank stopped: its seconds per cell state and its switch latencies."""
-
-    time_in: dict[str, float]
-    latencies: dict[str, list[float]]
+    """The rank stopped (its checkpoint, when it writes one, is complete)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -228,6 +169,77 @@ class Interrupted(Report):
     non-zero. The rank keeps serving commands until its `Stop`."""
 
     signal: str  # "SIGINT" / "SIGTERM"
+
+
+# ----------------------------------------------------------------------------- commands
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Command:
+    """Controller → a rank's mailbox. `reply`: the report that answers it (None: none), from the
+    first rank of the cell or pool engine it went to; `Reduce` is answered by the core alone,
+    `Stop` by every rank (`gyre.runtime.control.ReplyWatch` holds the debts)."""
+
+    reply: ClassVar[type[Report] | None] = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ToTrain(Command):
+    """Leave rollout: release the engine, get the actor ready, join the training set."""
+
+    reply: ClassVar[type[Report] | None] = Joined
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainWork(Command):
+    """Train one micro-step bundle of the scheduler's `Work(step, group, item)`."""
+
+    reply: ClassVar[type[Report] | None] = WorkDone
+
+    step: int
+    group: int
+    item: int
+    key: str  # the blob the bundle was put under (`ControlPlane.take_blob`)
+    version: int  # the policy version the step trains at (a satellite behind pulls it from the board)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Reduce(Command):
+    """Sum gradients over the prefix group of cells 0..k−1; the core steps (docs/design.md §3, §6)."""
+
+    reply: ClassVar[type[Report] | None] = StepDone
+
+    step: int
+    k: int  # cells in the step: the prefix group 0..k−1
+    final: bool  # the burst's last step: its version is published
+    stay: bool = False  # async mode: training cells keep training after a publish
+    grad_scale: float | None  # B·N / |E| for the core's update; None: nothing valid, no update
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ToRollout(Command):
+    """Back to rollout: the engine resumes and loads published `version`."""
+
+    reply: ClassVar[type[Report] | None] = RolledBack
+
+    version: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Load(Command):
+    """A rollout engine loads published `version` between decode steps."""
+
+    reply: ClassVar[type[Report] | None] = Loaded
+
+    version: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Stop(Command):
+    """Report, checkpoint (the core, unless `failed` and not `checkpoint`), stop the engine, leave the loop."""
+
+    reply: ClassVar[type[Report] | None] = Stopped
+
+    failed: bool = False  # the controller stopped the run early (it reports why)
+    checkpoint: bool = False  # checkpoint even though failed (an interrupt: the weights are sound)
 
 
 COMMANDS: tuple[type[Command], ...] = (ToTrain, TrainWork, Reduce, ToRollout, Load, Stop)

@@ -35,6 +35,7 @@ refusal is raised on every rank, before any engine, proxy or harness exists.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -43,10 +44,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from gyre import checkpoint
 from gyre.config import GyreConfig, runs_root
+from gyre.executions.evaluator import RewardResult, RewardStatus
+from gyre.executions.tasks import Dataset, ExecutionSpec, Group
 from gyre.runtime import peers
 from gyre.runtime.runlock import RunLock, RunLocked
 from gyre.runtime.outputs import events_until, metrics_until, truncate_jsonl
@@ -362,6 +365,58 @@ def evaluated(run_dir: Path, row: dict[str, Any], version: int) -> bool:
         if result.get("reward") is None:
             return False
     return True
+
+
+# ----------------------------------------------------------------------------- carry-over
+@dataclass(frozen=True)
+class CarriedResult:
+    """An execution evaluated in an earlier attempt, as the ledger takes it (its result.json)."""
+
+    execution_id: str
+    index: int
+    reward: RewardResult
+
+
+def attempt_groups(run: RunDir, dataset: Dataset, n: int, *, shuffle: bool, seed: int) -> Iterator[Group]:
+    """The groups this attempt dispatches, in order: the tasks of the groups earlier attempts lost
+    first, then a fresh task order (seeded). Ids are <task>.a<attempt>.g<k>.<i>: unique over every
+    launch into the run directory (a resume, a second resume from the same checkpoint, a restart),
+    whose executions/ and tito/ they name."""
+    by_id, redo = {t.task_id: t for t in dataset.tasks}, []
+    for task_id in run.redo_tasks:
+        if task_id not in by_id:
+            logger.warning("task %s of a lost group is no longer in the dataset; not dispatched again", task_id)
+            continue
+        gid = f"{task_id}.a{run.attempt}.g{len(redo)}"
+        redo.append(Group(gid, by_id[task_id], [ExecutionSpec(f"{gid}.{i}", by_id[task_id], gid, i) for i in range(n)]))
+    fresh = dataset.iter_groups(n, shuffle=shuffle, seed=seed,
+                                make_id=lambda task, k: f"{task.task_id}.a{run.attempt}.g{k + len(redo)}")
+    return itertools.chain(redo, fresh)
+
+
+def carriable(run: RunDir, dataset: Dataset, n: int) -> list[dict[str, Any]]:
+    """Earlier attempts' evaluated groups (journal rows) this attempt can train: its task still in
+    the dataset and N unchanged. They take the first dispatch slots; the others are named."""
+    known = {t.task_id for t in dataset.tasks}
+    rows = [r for r in run.carried if r["task_id"] in known and len(r["executions"]) == n]
+    if len(rows) < len(run.carried):
+        logger.warning("%d groups of earlier attempts cannot be carried over (their task left the dataset, or "
+                       "--scheduler.n-per-group changed); they are not trained", len(run.carried) - len(rows))
+    return rows
+
+
+def carried_group(run_dir: Path, dataset: Dataset, row: dict[str, Any]) -> tuple[Group, list[CarriedResult]]:
+    """An earlier attempt's evaluated group (a `groups.jsonl` row) as it was dispatched (its v_d
+    the version it was sampled at) and its executions' rewards, read from their result.json."""
+    task = next(t for t in dataset.tasks if t.task_id == row["task_id"])
+    specs = [ExecutionSpec(e, task, row["group_id"], i, dispatch_version=row["version"])
+             for i, e in enumerate(row["executions"])]
+    results = []
+    for spec in specs:
+        saved = json.loads((run_dir / "executions" / spec.execution_id / "result.json").read_text())["reward"]
+        results.append(CarriedResult(spec.execution_id, spec.index,
+                                     RewardResult(spec.execution_id, RewardStatus(saved["status"]), saved["reward"])))
+    return Group(row["group_id"], task, specs), results
 
 
 def _resume_point(cfg: GyreConfig, path: Path, *, restart: bool) -> tuple[str, int, list[str]]:

@@ -17,11 +17,12 @@ multiplies the summed gradient before clipping (`Actor.optimizer_step(grad_scale
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
+from gyre.executions.evaluator import RewardStatus
 from gyre.loss.config import LossConfig
 from gyre.trajectory.advantages import Outcome
 from gyre.trajectory.materialize import ScoredExecution, ScoredGroup, materialize_step
@@ -32,7 +33,18 @@ from gyre.trajectory.microstep import MicroStep
 class GroupWork:
     bundles: list[list[MicroStep]]
     rewards: list[float | None]  # per execution, None when excluded (not in E)
-    stats: dict[str, Any] = field(default_factory=dict)
+    dropped_trajectories: int = 0  # selected trajectories that claimed no target (the step row's)
+
+
+def outcome(reward: Any) -> Outcome:
+    """A runner reward result (`gyre.executions.evaluator.RewardResult`, None when there is none)
+    → the trajectory processor's outcome (docs/design.md §5): EXCLUDED leaves E, a PLACEHOLDER
+    (the harness failed) stays in it at 0.0."""
+    if reward is None or reward.status is RewardStatus.EXCLUDED:
+        return Outcome.eval_failed()
+    if reward.status is RewardStatus.PLACEHOLDER:
+        return Outcome.harness_failed()
+    return Outcome.scored(reward.reward)
 
 
 def step_denominator(rewards_by_group: Sequence[Sequence[float | None]], *, nominal: int,
@@ -70,10 +82,29 @@ def bundle_micro_steps(micro_steps: Sequence[MicroStep]) -> list[list[MicroStep]
     return list(comps.values())
 
 
+def audit_bundle(audit_dir: str, step: int, group: int, item: int, cell: int, bundle: Sequence[MicroStep]) -> None:
+    """--train.audit-dir: a bundle as it is sent to be trained, for offline checks."""
+    import torch
+    from pathlib import Path
+
+    path = Path(audit_dir) / f"step_{step:06d}"
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save({"cell": cell, "bundle": bundle}, path / f"bundle_{group}_{item}.pt")
+
+
+def tito_records(tito: Any, execution_id: str) -> tuple[list, bool]:
+    """An execution's TITO records in `tito` (a `gyre.trajectory.store.TitoStore`) and whether its
+    file's tail was torn; ([], False) when it has no file (its harness never made a call)."""
+    if not tito.path_for(execution_id).is_file():
+        return [], False
+    read = tito.read(execution_id)
+    return read.records, read.torn
+
+
 def group_work(
     group_id: str,
     dispatch_version: int,
-    results: Sequence[tuple[str, Outcome, list]],
+    executions: Sequence[ScoredExecution],
     *,
     num_executions: int,
     max_tokens: int,
@@ -81,21 +112,12 @@ def group_work(
     normalize_std: bool,
     rng: np.random.Generator,
 ) -> GroupWork:
-    """results: (execution id, outcome, CallRecords) for each of the group's N executions."""
-    g = ScoredGroup(group_id, dispatch_version,
-                    [ScoredExecution(eid, outcome, records=list(records)) for eid, outcome, records in results])
+    """The group's N scored executions (records given) → its bundles and per-execution rewards."""
+    g = ScoredGroup(group_id, dispatch_version, list(executions))
     batch = materialize_step([g], max_tokens=max_tokens, rng=rng, j_max=j_max, normalize_std=normalize_std,
                              num_executions=num_executions)
     bundles = bundle_micro_steps(batch.micro_steps) or [[]]  # an empty item keeps the group countable
-    stats = {
-        "excluded": len(batch.excluded),
-        "all_equal": bool(batch.all_equal_groups),
-        "dropped_trajectories": batch.dropped_trajectories,
-        "targets": batch.num_targets,
-        "tokens": batch.num_tokens,
-        "tree": batch.tree_stats,
-    }
-    return GroupWork(bundles, [o.value for _, o, _ in results], stats)
+    return GroupWork(bundles, [e.outcome.value for e in executions], batch.dropped_trajectories)
 
 
 SUMMABLE = ("loss", "tokens", "num_executions", "num_targets", "num_clipped", "num_omega_capped", "abs_delta_sum")

@@ -36,12 +36,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-import numpy as np
-
 from gyre.runtime.ledger import GroupPhase
 from gyre.runtime.messages import Failed, Stop
-from gyre.runtime.outputs import append_events, plot_role_timeline, read_metrics, reward_trend, train_fractions
+from gyre.runtime.outputs import append_events, plot_role_timeline, read_metrics, train_fractions
 from gyre.runtime.rundir import end_attempt
+from gyre.runtime.summary import RunEnd, build_summary
 
 if TYPE_CHECKING:
     from gyre.runtime.controller import Controller
@@ -94,6 +93,39 @@ def budget_note(checkpoint_s: float | None, budget_s: float) -> str | None:
             f"see docs/cluster.md)")
 
 
+def checkpointed(previous_s: float | None, took_s: float, budget_s: float) -> float:
+    """The core wrote a periodic checkpoint in `took_s`: `budget_note` is logged once, when the
+    previous one still fitted the budget (or there was none). Returns `took_s`, the new last."""
+    if previous_s is None or budget_note(previous_s, budget_s) is None:
+        if (note := budget_note(took_s, budget_s)) is not None:
+            logger.warning("%s", note)
+    return took_s
+
+
+def warn_interrupted(signal_name: str, rank: int, budget_s: float, last_checkpoint_s: float | None) -> None:
+    """The first interrupt's lines in the log: the stop's budget, and whether the checkpoint fits it."""
+    logger.warning("interrupted by %s (rank %d): stopping the run (at most %.0fs)", signal_name, rank, budget_s)
+    if (note := budget_note(last_checkpoint_s, budget_s)) is not None:
+        logger.warning("%s", note)
+
+
+def silent_error(rank: int, command: type, quiet: float, limit: float) -> str:
+    """The run's error when `rank` owes an answer to `command` and has said nothing for `quiet` s."""
+    return (f"rank {rank} has sent nothing for {quiet:.0f}s while it owes an answer to {command.__name__} "
+            f"(--train.control-timeout-s {limit:g}): it is frozen or gone (SIGSTOP, a hung collective or "
+            f"driver, a lost node); stopping the run")
+
+
+def stop_every_rank(store: Any, world_size: int, checkpoint: bool) -> None:
+    """The controller raised before the stop sequence sent Stop: tell every rank, over a fresh
+    connection, that the run failed (so none waits for a command forever)."""
+    from gyre.runtime.control import CONTROLLER, ControlPlane
+
+    cp = ControlPlane(store.clone(), CONTROLLER)
+    for r in range(world_size):
+        cp.send(r, Stop(failed=True, checkpoint=checkpoint))
+
+
 def quiet_cancelled(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     """The controller loop's exception handler: a task cancelled by the stop is not an error.
     (asyncio's stream servers call `task.exception()` on their cancelled connection tasks and log
@@ -102,6 +134,25 @@ def quiet_cancelled(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) ->
         logger.debug("cancelled by the stop: %s", context.get("message"))
         return
     loop.default_exception_handler(context)
+
+
+def close_loop(loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+    """Cancel what is left on the controller's loop and close it, waiting at most `timeout`.
+
+    `asyncio.run` would wait without limit for every task to take its cancellation; one that
+    does not (a call stuck in a library) would keep the run from exiting after its summary
+    is written. Here it is named in the log and left behind instead.
+    """
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        _, stuck = loop.run_until_complete(asyncio.wait(tasks, timeout=timeout))
+        if stuck:
+            logger.warning("controller: %d tasks did not stop within %.0fs and are abandoned: %s", len(stuck), timeout,
+                           ", ".join(sorted(t.get_name() for t in stuck)))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
 
 
 class _Phases:
@@ -188,7 +239,7 @@ async def stop_run(ctl: Controller, failed: bool) -> None:
     end = time.time()
     intervals = phases.run("the timeline", lambda: ctl.ledger.intervals(end), default={})
     fractions = phases.run("the training fractions", lambda: train_fractions(intervals), default={})
-    ctl.summary = phases.run("the summary", lambda: build_summary(ctl, end, fractions, cancelled, missing), default={})
+    ctl.summary = phases.run("the summary", lambda: _summary(ctl, end, fractions, cancelled, missing), default={})
     ctl.summary["write_errors_after_the_first"] = ctl.writes.later
     try:  # this attempt's record in run.json; the run's totals over every attempt so far
         ctl.summary["run"] = end_attempt(ctl.run_dir, ctl.attempt, ctl.summary)
@@ -221,7 +272,7 @@ async def _wait_for_ranks(ctl: Controller, failed: bool, checkpoint: bool, deadl
     if deadline is not None:
         wait_until = min(wait_until, deadline)
     world = set(range(ctl.topo.world_size))
-    core, silent_told = set(ctl._cell_ranks(0)), False
+    core, silent_told = set(ctl.topo.cell_ranks(0)), False
     while len(ctl.stopped) < ctl.topo.world_size and time.monotonic() < wait_until:
         _handle_reports(ctl)
         if deadline is not None and core <= set(ctl.stopped):
@@ -271,61 +322,20 @@ def _track_timeline(ctl: Controller, fractions: dict[int, float]) -> None:
     ctl.trackers.image("role_timeline", str(ctl.run_dir / "role_timeline.png"), ctl.steps_done)
 
 
-def build_summary(ctl: Controller, end: float, fractions: dict[int, float], cancelled: int,
-                  missing: list[int]) -> dict[str, Any]:
-    """summary.json: what the attempt did (run.json's `ended` record keeps `ENDED_FIELDS` of it)."""
-    stats = ctl.proxy.router.stats()
-    totals = ctl.access.totals
-    summary = {
-        "steps": ctl.steps_done,
-        "wall_s": end - ctl.ledger.t_start,
-        "mode": ctl.cfg.scheduler.mode,
-        "train_fraction": {str(c): f for c, f in fractions.items()},
-        "switch_latency_s": {k: (float(np.mean(v)) if v else None) for k, v in ctl.latencies.items()},
-        "handover_s": ctl.ledger.handover_summary(),  # the switches' parts: actor offload / restore, ...
-        "reroutes": stats["reroutes"],
-        "migration": stats["migration"],  # reroutes by KV migration vs recompute: counts, tokens, bytes, latency
-        "calls": totals["calls"],
-        "aborted_calls": totals["aborted_calls"],
-        "spliced_turns": totals["spliced_turns"],
-        "unmatched_turns": totals["unmatched_turns"],
-        "tolerated_turns": totals["tolerated_turns"],  # spliced by --proxy.splice tolerant
-        "worst_unmatched_executions": ctl.proxy.worst_unmatched(10),  # [{execution_id, unmatched_turns, calls, unmatched_kinds}]
-        "engine_failures": stats["engine_failures"],
-        "execution_outcomes": dict(ctl.outcomes),
-        "cancelled_at_end": cancelled,
-        # executions of earlier attempts in this run directory that were still running (or not all
-        # evaluated) when their attempt ended, so not trained into the checkpoint resumed from: their
-        # tasks ran again first in this one. Evaluated groups were carried over instead. See run.json's
-        # attempts and groups.jsonl.
-        "attempt": ctl.attempt,
-        "lost_in_flight": ctl.run.lost_in_flight,
-        "redispatched_groups": len(ctl.run.redo_tasks),
-        "carried_over_groups": ctl.carried_over,  # evaluated in an earlier attempt, trained in this one
-        "measured_staleness_mean": float(np.mean(ctl.sched.staleness)) if ctl.sched.staleness else None,
-        "staleness_by_step": ctl.ledger.staleness_by_step(),
-        "expected_staleness": ctl.cfg.scheduler.expected_staleness,
-        "failed_executions": dict(ctl.health.counts),
-        "error": str(ctl.task_error) if ctl.task_error is not None else None,
-        "interrupted": ctl.interrupted,  # "SIGINT" / "SIGTERM": a signal stopped the run
-        "silent_rank": ctl.silent_rank,  # a rank that stopped answering (--train.control-timeout-s)
-        "ranks_not_stopped": missing,
-        "engine_stalls": stats["engine_stalls"],  # calls moved off an engine that sent no token in time
-        "sink_errors": ctl.proxy.sink_errors,
-        "incomplete_tito": dict(ctl.incomplete_tito),  # execution -> what is missing; excluded from training
-        "last_checkpoint_s": ctl.last_checkpoint_s,  # the last periodic checkpoint's write (the stop budget)
-        "shutdown_timeout_s": ctl.cfg.train.shutdown_timeout_s,
-    }
+def _summary(ctl: Controller, end: float, fractions: dict[int, float], cancelled: int,
+             missing: list[int]) -> dict[str, Any]:
+    """summary.json from the ledger and its named sources (`gyre.runtime.summary.build_summary`)."""
     try:
         rows = read_metrics(str(ctl.run_dir / "metrics.jsonl"))
     except OSError:
         rows = []
-    if len(rows) >= 2:
-        try:
-            summary["reward_trend"] = reward_trend(rows, max(1, len(rows) // 4), seed=ctl.cfg.seed)
-        except ValueError as e:
-            logger.warning("reward trend not computed: %s", e)
-    return summary
+    how = RunEnd(steps=ctl.steps_done, end=end, cancelled_at_end=cancelled, ranks_not_stopped=missing,
+                 error=str(ctl.task_error) if ctl.task_error is not None else None, interrupted=ctl.interrupted,
+                 silent_rank=ctl.silent_rank, last_checkpoint_s=ctl.last_checkpoint_s)
+    return build_summary(ctl.ledger, how, cfg=ctl.cfg, fractions=fractions, router=ctl.proxy.router.stats(),
+                         proxy_totals=ctl.access.totals, worst_unmatched=ctl.proxy.worst_unmatched(10),
+                         sink_errors=ctl.proxy.sink_errors, health=ctl.health.counts,
+                         measured_staleness=ctl.sched.staleness, run=ctl.run, rows=rows)
 
 
 def end_lines(summary: dict[str, Any], run_dir: Any, failed_phases: list[str] = ()) -> list[str]:

@@ -304,8 +304,7 @@ class CellWorker:
             self._checkpoint()  # between commands: the weights and optimizer state of actor.version
         if self.engine is not None:
             self.engine.stop()
-        self.cp.send(CONTROLLER, Stopped(cell=self.cell, rank=self.topo.rank, time_in=self.sm.time_in(),
-                                         latencies=self.sm.switch_latencies()))  # every rank, not only the first
+        self.cp.send(CONTROLLER, Stopped(cell=self.cell, rank=self.topo.rank))  # every rank, not only the first
         return False
 
     # One handler per command type (tests/runtime/test_messages.py checks the table is complete).

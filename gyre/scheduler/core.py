@@ -372,7 +372,7 @@ class ElasticScheduler:
             final = self.burst_pos == self.cfg.mu - 1
             self.log.add(self.clock(), "optimizer_step", step=st.index, cells=list(cells),
                          participants=sorted(st.participants), final=final)
-            out.append(OptimizerStep(st.index, cells, final))
+            out.append(OptimizerStep(st.index, cells, final, tuple(st.assigned)))
         if (
             self.cfg.mode == "colocate"
             and all(r is CellRole.ROLLOUT for r in self.roles)

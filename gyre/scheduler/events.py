@@ -84,12 +84,14 @@ class OptimizerStep:
     """All work of `step` is done: `cells` = (0, …, k−1), the cells in the TRAIN prefix when the
     step was decided, reduce over prefix group k — the reduce membership, decided only here
     (every cell that trained part of the step is in it; one that switched in after the last
-    claim joins with zero gradients). The core clips and steps. Report `on_step_done(step)` when
-    the update (and, on a non-final step of a burst, the parameter send to satellites) is finished."""
+    claim joins with zero gradients). `groups`: the step's B groups, in assignment order. The core
+    clips and steps. Report `on_step_done(step)` when the update (and, on a non-final step of a
+    burst, the parameter send to satellites) is finished."""
 
     step: int
     cells: tuple[int, ...]
     final_in_burst: bool
+    groups: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,8 @@ def test_real_claude_code_writes_the_answer_through_the_proxy(tmp_path):
     from gyre.backends.models.tokenizer import byte_token_ids, load_tokenizer
     from gyre.executions.config import EvaluatorConfig, RunnerConfig
     from gyre.executions.evaluator import Evaluator, Outcome
-    from gyre.executions.runner import GyreProxyAccess, HarnessRunner
+    from gyre.executions.runner import HarnessRunner
+    from gyre.runtime.proxy_access import GyreProxyAccess
     from gyre.executions.tasks import ExecutionSpec, Task
     from gyre.proxy import MemorySink, Proxy, ProxyConfig, serve_proxy
 

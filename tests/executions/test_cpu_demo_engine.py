@@ -13,7 +13,8 @@ import pytest
 from gyre.backends.models.tokenizer import ENDOFTEXT, IM_END, load_tokenizer
 from gyre.executions.config import EvaluatorConfig, RunnerConfig
 from gyre.executions.evaluator import Evaluator, Outcome, RewardStatus
-from gyre.executions.runner import GyreProxyAccess, HarnessRunner
+from gyre.executions.runner import HarnessRunner
+from gyre.runtime.proxy_access import GyreProxyAccess
 from gyre.executions.tasks import ExecutionSpec, Task
 from gyre.proxy import MemorySink, Proxy, ProxyConfig, serve_proxy
 from gyre.trajectory.record import Role

@@ -12,7 +12,8 @@ import pytest
 
 from gyre.executions.config import EvaluatorConfig, RunnerConfig
 from gyre.executions.evaluator import Evaluator, Outcome, RewardStatus
-from gyre.executions.runner import EventKind, ExecutionState, GyreProxyAccess, HarnessRunner, LocalKeys, _Live
+from gyre.executions.runner import EventKind, ExecutionState, HarnessRunner, LocalKeys, _Live
+from gyre.runtime.proxy_access import GyreProxyAccess
 from gyre.executions.tasks import EvaluatorSpec, Task
 
 from tests.executions.helpers import spec, wait_dead, write_script
@@ -116,7 +117,6 @@ def test_launch_failure_is_placeholder_and_counted(tmp_path):
     assert res.outcome is Outcome.LAUNCH_FAILED and "no-such-harness" in res.error
     assert res.reward.status is RewardStatus.PLACEHOLDER and res.reward.reward == 0.0
     assert runner.counters.snapshot() == (1, 0, 1)
-    assert runner.counters.water_level == 0 and runner.counters.running == 0
     # missing template directory is a launch failure too, naming the path
     bad = Task(task_id="u", instruction="x", evaluator=EvaluatorSpec("python", lambda ws, t: 1.0),
                harness=[sys.executable, "-c", "pass"], workspace=str(tmp_path / "missing-template"))
@@ -308,11 +308,17 @@ def test_remote_mode_plumbing_with_local_shell(tmp_path):
         assert (r.workspace / ".host").read_text().strip() == r.host
 
 
-def test_gyre_proxy_access_sums_closed_executions_and_hands_each_call_count_out_once():
-    """The controller's totals (summary.json: calls, aborted_calls, ...) and the health check's
-    per-execution call count come from what the proxy reports when an execution closes."""
-    closing = {"e0": {"calls": 3, "aborted_calls": 1, "spliced_turns": 2, "roles": {"main": 3}},
-               "e1": {"calls": 2, "aborted_calls": 0, "spliced_turns": 0, "roles": {}}}
+def test_gyre_proxy_access_sums_closed_executions_and_puts_each_call_count_in_the_ledger():
+    """The controller's totals (summary.json: calls, aborted_calls, ...; the rows' unmatched turns)
+    and each execution's calls and unwritten records (the health check, the TITO completeness
+    check) come from what the proxy reports when an execution closes; the latter live in the
+    execution's ledger record, the one place the controller reads them."""
+    from gyre.executions.tasks import ExecutionSpec, Group
+    from gyre.runtime.ledger import LedgerError, RunLedger
+
+    closing = {"e0": {"calls": 3, "aborted_calls": 1, "spliced_turns": 2, "unmatched_turns": 1, "roles": {"main": 3}},
+               "e1": {"calls": 2, "aborted_calls": 0, "spliced_turns": 0, "unmatched_turns": 2, "sink_errors": 1},
+               "e2": {}}
 
     class Proxy:
         def issue_key(self, execution_id):
@@ -321,10 +327,20 @@ def test_gyre_proxy_access_sums_closed_executions_and_hands_each_call_count_out_
         def close_execution(self, execution_id):
             return closing.pop(execution_id)
 
-    access = GyreProxyAccess(Proxy(), "http://127.0.0.1:9/")
+    task = Task(task_id="t", instruction="x", evaluator=EvaluatorSpec("python", lambda ws, t: 1.0), harness=["true"])
+    ledger = RunLedger(num_cells=1)
+    ledger.add_group(0, Group("g", task, [ExecutionSpec(f"e{i}", task, "g", i) for i in range(3)]), version=0)
+    access = GyreProxyAccess(Proxy(), "http://127.0.0.1:9/", ledger)
     assert access.url == "http://127.0.0.1:9" and access.open_execution("e0", "g") == "key-e0"
     access.close_execution("e0")
+    assert access.take_unmatched() == 1 and access.take_unmatched() == 0
     access.close_execution("e1")
-    assert dict(access.totals) == {"calls": 5, "aborted_calls": 1, "spliced_turns": 2}
-    assert access.take_calls("e0") == 3 and access.take_calls("e0") is None
-    assert access.take_calls("never-closed") is None and access.calls == {"e1": 2}
+    access.close_execution("e2")  # closed without stats (never opened): nothing known of it
+    assert dict(access.totals) == {"calls": 5, "aborted_calls": 1, "spliced_turns": 2, "unmatched_turns": 3,
+                                   "sink_errors": 1}
+    assert access.take_unmatched() == 2
+    assert [(e.calls, e.sink_errors) for e in ledger.executions.values()] == [(3, 0), (2, 1), (None, 0)]
+    assert access.calls_made("e0") == 3 and access.calls_made("e2") is None
+    with pytest.raises(LedgerError, match="unknown execution"):
+        access.calls_made("never-dispatched")
+    assert GyreProxyAccess(Proxy(), "http://x").calls_made("e0") is None  # no ledger: unknown, as LocalKeys

@@ -30,8 +30,11 @@ from gyre.executions import logcap
 from gyre.executions.config import EvaluatorConfig, RunnerConfig
 from gyre.executions.evaluator import Evaluator, Outcome, RewardStatus
 from gyre.executions.health import classify
-from gyre.executions.runner import GyreProxyAccess, HarnessRunner
-from gyre.executions.tasks import EvaluatorSpec, Task
+from gyre.executions.runner import HarnessRunner
+from gyre.executions.tasks import EvaluatorSpec, Group, Task
+from gyre.runtime.ledger import RunLedger
+from gyre.runtime.proxy_access import GyreProxyAccess
+from gyre.runtime.samples import outcome
 from tests.executions.helpers import spec, write_script
 from tests.jobs import marked
 
@@ -203,8 +206,6 @@ class _Proxy:
 
 @pytest.mark.parametrize("calls", [0, 1])
 def test_a_harness_killed_before_its_first_call_is_excluded_not_a_valid_zero(tmp_path, calls):
-    from gyre.runtime.controller import _outcome
-
     script = write_script(tmp_path, "h.py", """
         import os, time
         open("pid", "w").write(str(os.getpid()))
@@ -212,7 +213,9 @@ def test_a_harness_killed_before_its_first_call_is_excluded_not_a_valid_zero(tmp
     """)
     task = Task(task_id="t", instruction="x", evaluator=EvaluatorSpec("python", lambda ws, t: 0.0),
                 harness=[sys.executable, str(script)], timeout_s=60)
-    runner = _runner(tmp_path, proxy=GyreProxyAccess(_Proxy(calls), "http://127.0.0.1:9"))
+    ledger = RunLedger(num_cells=1)  # where the controller's access keeps each execution's calls
+    ledger.add_group(0, Group("g0", task, [spec(task, "e0")]), version=0)
+    runner = _runner(tmp_path, proxy=GyreProxyAccess(_Proxy(calls), "http://127.0.0.1:9", ledger))
 
     async def main():
         t = runner.dispatch(spec(task, "e0"))
@@ -227,11 +230,11 @@ def test_a_harness_killed_before_its_first_call_is_excluded_not_a_valid_zero(tmp
     written = json.loads((res.exec_dir / "result.json").read_text())
     if calls == 0:
         assert res.reward.status is RewardStatus.EXCLUDED and not res.reward.attempts  # not evaluated
-        assert _outcome(res.reward).valid is False  # out of its group's statistics and of E
+        assert outcome(res.reward).valid is False  # out of its group's statistics and of E
         assert "before its first model call" in written["error"]
         assert written["reward"]["status"] == "excluded" and "first model call" in written["reward"]["detail"]["excluded"]
         failure = classify(res, calls)
         assert failure.reason == "no_model_calls" and "first model call" in failure.detail
     else:  # it had called the model: its workspace is evaluated, as after a timeout
         assert res.reward.status is RewardStatus.VALID and res.reward.reward == 0.0
-        assert _outcome(res.reward).valid is True and "first model call" not in written["error"]
+        assert outcome(res.reward).valid is True and "first model call" not in written["error"]

@@ -67,9 +67,7 @@ def test_a_linked_workspace_is_not_scored_from_there_nor_written_there(tmp_path,
         specs += [ExecutionSpec(f"{gid}.{i}", task, gid, i) for i in range(2)]
 
     async def main():
-        for s in specs:
-            runner.dispatch(s)
-        return await runner.wait_all()
+        return await asyncio.gather(*[runner.dispatch(s) for s in specs])
 
     results = asyncio.run(main())
     assert [r.outcome.value for r in results] == ["completed"] * 4, [r.error for r in results]

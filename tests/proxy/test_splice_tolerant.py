@@ -127,21 +127,18 @@ def test_tolerant_never_guesses_between_samples_with_the_same_tool_calls():
 
 def test_metrics_row_and_summary_carry_unmatched_turns(make_server):
     """The controller's per-step `unmatched_turns` is the sum over executions closed since the last
-    row (GyreProxyAccess.totals); summary.json lists the worst executions (Proxy.worst_unmatched)."""
-    from types import SimpleNamespace
-
-    from gyre.executions.runner import GyreProxyAccess
-    from gyre.runtime.controller import Controller
+    row (GyreProxyAccess.take_unmatched over its totals); summary.json lists the worst executions
+    (Proxy.worst_unmatched)."""
+    from gyre.runtime.proxy_access import GyreProxyAccess
 
     proxy, h = make_server([(scripted_engine(), "cell", 0)], config=ProxyConfig(splice="exact"))
     access = GyreProxyAccess(proxy, h.url)
-    ctl = SimpleNamespace(access=access, unmatched_seen=0)
     c = openai.OpenAI(base_url=h.url + "/v1", api_key=access.open_execution("ex-a", "g"), max_retries=0)
     r = c.chat.completions.create(model="m", messages=[SYSTEM, USER], tools=TOOLS_OPENAI, max_tokens=200)
     c.chat.completions.create(model="m", messages=[SYSTEM, USER] + _resend("split", 0, r.choices[0].message.content), tools=TOOLS_OPENAI, max_tokens=200)
-    assert Controller._take_unmatched(ctl) == 0  # not closed yet
+    assert access.take_unmatched() == 0  # not closed yet
     access.close_execution("ex-a")
     access.close_execution("ex-empty")
-    assert Controller._take_unmatched(ctl) == 2 and Controller._take_unmatched(ctl) == 0
+    assert access.take_unmatched() == 2 and access.take_unmatched() == 0
     assert access.totals["tolerated_turns"] == 0
     assert [w["execution_id"] for w in proxy.worst_unmatched(10)] == ["ex-a"]

@@ -5,7 +5,7 @@ import asyncio
 import logging
 import time
 
-from gyre.runtime.controller import _close_loop
+from gyre.runtime.stop import close_loop
 
 
 def test_close_loop_cancels_and_abandons_a_stubborn_task(caplog):
@@ -34,7 +34,7 @@ def test_close_loop_cancels_and_abandons_a_stubborn_task(caplog):
     loop.run_until_complete(start())
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="gyre.runtime.controller"):
-        _close_loop(loop, timeout=0.5)
+        close_loop(loop, timeout=0.5)
     assert time.monotonic() - t0 < 5.0
     assert loop.is_closed()
     assert sorted(cancelled) == ["polite", "stubborn"]

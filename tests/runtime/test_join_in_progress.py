@@ -25,7 +25,7 @@ pytestmark = pytest.mark.multirank
 VOCAB = 64
 # Every step's executions are scored (6 of B·N = 6), so the |E| rescale is 1: the replay below
 # calls optimizer_step() with its default.
-EVERY_EXECUTION_VALID = dict(valid_executions=6, grad_scale=1.0)
+EVERY_EXECUTION_VALID = dict(grad_scale=1.0)
 
 
 def _config():
@@ -53,11 +53,13 @@ def _bundles(seed: int):
     """Two groups of three executions → micro-step bundles (one execution per micro-step)."""
     from gyre.runtime.samples import group_work
     from gyre.trajectory.advantages import Outcome
+    from gyre.trajectory.materialize import ScoredExecution
 
     rng = np.random.default_rng(seed)
     bundles = []
     for g in range(2):
-        items = [(f"g{g}e{i}", Outcome.scored(float(rng.uniform())), _records(rng, f"g{g}e{i}")) for i in range(3)]
+        items = [ScoredExecution(f"g{g}e{i}", Outcome.scored(float(rng.uniform())), records=_records(rng, f"g{g}e{i}"))
+                 for i in range(3)]
         work = group_work(f"g{g}", 0, items, num_executions=6, max_tokens=40, j_max=5, normalize_std=True,
                           rng=np.random.default_rng(seed + g))
         bundles.extend(work.bundles)

@@ -1,5 +1,6 @@
 """The run ledger on its own, against hand-computed values: group and step lifecycles, a step's
-metrics fields, and the cell timeline (time per state; intervals tile the wall interval)."""
+metrics fields, each execution's accounting (calls, sink errors, outcome, reward, an incomplete
+TITO), switch latencies, and the cell timeline (time per state; intervals tile the wall interval)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gyre.executions.evaluator import RewardResult, RewardStatus
 from gyre.runtime.cell import CellState, LEGAL, time_per_state, timeline_intervals
 from gyre.executions.tasks import ExecutionSpec, Group, Task
-from gyre.runtime.ledger import GroupPhase, LedgerError, RunLedger, StepPhase
+from gyre.runtime.ledger import GroupPhase, LedgerError, RunLedger, StepPhase, missing_records
 from gyre.runtime.samples import GroupWork
 
 R, D, J, T, P, S = (CellState.ROLLOUT, CellState.DRAINING, CellState.JOINING, CellState.TRAIN, CellState.PUBLISHING,
@@ -22,8 +24,10 @@ def _spec(gid: str, n: int) -> Group:
 
 
 class _Result:  # the fields of a runner ExecutionResult the ledger reads
-    def __init__(self, execution_id: str) -> None:
+    def __init__(self, execution_id: str, reward: RewardResult | None = None) -> None:
         self.execution_id = execution_id
+        self.index = int(execution_id.rsplit(".", 1)[1])
+        self.reward = reward
 
 
 # ----------------------------------------------------------------------------- timeline
@@ -87,7 +91,7 @@ def _ledger_with_two_ready_groups() -> RunLedger:
     led.add_group(1, _spec("b", 2), version=1)
     for eid in ("a.0", "a.1", "b.1", "b.0"):
         led.evaluated(_Result(eid))
-    led.set_work(0, GroupWork([["ms0"], ["ms1"]], [1.0, None], {"excluded": 1}))
+    led.set_work(0, GroupWork([["ms0"], ["ms1"]], [1.0, None], dropped_trajectories=2))
     led.set_work(1, GroupWork([["ms2"]], [0.0, 0.5]))
     return led
 
@@ -127,6 +131,7 @@ def test_a_step_row_from_claims_metrics_and_decision_by_hand():
     assert row["group_rewards"] == [[0.0, 0.5], [1.0]] and row["rewards"] == [0.0, 0.5, 1.0]
     assert row["reward_mean"] == pytest.approx(0.5) and row["reward_count"] == 3 and row["executions_valid"] == 3
     assert row["staleness"] == [2, 3] and row["staleness_mean"] == 2.5
+    assert row["dropped_trajectories"] == 2  # group 0's 2, group 1's none
     assert row["loss"] == pytest.approx(0.75 * 4 / 3) and row["clip_frac"] == pytest.approx(1 / 3)
     assert row["micro_steps"] == 3.0
     assert row["cell_time_s"] == {"0": {"rollout": 10.0}, "1": {"rollout": 10.0}}
@@ -142,3 +147,51 @@ def test_a_step_without_valid_executions_logs_zero_loss_and_an_open_step_has_no_
     led.claim(1, 0)  # step 1 is open at the end of the run
     assert led.steps[0].loss_metrics()["loss"] == 0.0
     assert led.staleness_by_step() == {"0": [0]}
+
+
+# ----------------------------------------------------------------------------- executions
+def test_an_executions_accounting_lives_in_its_record():
+    led = RunLedger(num_cells=1)
+    led.add_group(0, _spec("a", 3), version=0)
+    led.add_group(1, _spec("b", 1), version=0, carried=True)
+    led.closed("a.0", calls=2)
+    led.closed("a.1", calls=3, sink_errors=1)
+    for eid, outcome in (("a.0", "completed"), ("a.1", "completed"), ("a.2", "timed_out")):
+        led.finished(eid, outcome)
+    ok = RewardResult("a.0", RewardStatus.VALID, 1.0)
+    led.evaluated(_Result("a.0", ok))
+    led.evaluated(_Result("a.2", RewardResult("a.2", RewardStatus.PLACEHOLDER, 0.0)))
+    led.evaluated(_Result("a.1", RewardResult("a.1", RewardStatus.VALID, 0.5)))
+    e0 = led.execution("a.0")
+    assert (e0.group, e0.index, e0.calls, e0.sink_errors, e0.outcome, e0.reward) == (0, 0, 2, 0, "completed", ok)
+    assert led.outcomes() == {"completed": 2, "timed_out": 1}  # b.0 (carried) did not run here
+    assert led.carried_over == 1
+    with pytest.raises(LedgerError, match="unknown execution zzz"):
+        led.closed("zzz", calls=1)
+
+    # a.0: its 2 records; a.1: the sink lost one; a.2: no file (it never called the model)
+    tito = {"a.0": (["r0", "r1"], False), "a.1": (["r0", "r1"], False)}
+    scored = led.scored(0, lambda eid: tito.get(eid, ([], False)))
+    assert [(s.execution_id, s.outcome.value, s.records) for s in scored] == [
+        ("a.0", 1.0, ["r0", "r1"]), ("a.1", None, []), ("a.2", 0.0, [])]
+    assert led.incomplete_tito() == {"a.1": "the proxy could not write 1 of its 3 call records"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.none(), st.integers(0, 5)), st.integers(0, 2), st.integers(0, 5), st.booleans())
+def test_records_are_complete_exactly_when_nothing_failed_tore_or_went_missing(calls, sink_errors, records, torn):
+    missing = missing_records(calls, sink_errors, records, torn)
+    complete = not sink_errors and not torn and (calls is None or records == calls)
+    assert (missing is None) == complete
+
+
+def test_switch_latencies_are_measured_from_the_command_to_the_answer_and_reach_the_row():
+    led = _ledger_with_two_ready_groups()
+    led.switch_sent(1, 10.0)
+    led.switched(1, "to_train", 12.5)
+    led.switched(0, "to_rollout", 20.0)  # no switch sent (the burst ended first): 0
+    led.decide(0, cells=(0,), groups=[0], final_in_burst=False, valid=1, grad_scale=4.0)
+    led.close(0)
+    row = led.step_fields(0, end=30.0)
+    assert led.switch_latencies == {"to_train": [2.5], "to_rollout": [0.0]}
+    assert row["switch_to_train_s"] == 2.5 and row["switch_to_rollout_s"] == 0.0

@@ -50,7 +50,6 @@ def _worker(queued, kept):
     topo = SimpleNamespace(rank=1, cell=1, position=0, is_core=False)
     cp, board, engine = ListControl(queued), Board(kept), Engine()
     w = CellWorker(topo, None, cp, board, engine, make_actor=lambda core: None)
-    w.sm = SimpleNamespace(time_in=lambda: {}, switch_latencies=lambda: {})
     return w, cp, board, engine
 
 

@@ -1,6 +1,7 @@
 """The loss at the runtime's seams, through the real glue, against hand values or float64 formulas.
 
-  * `controller._outcome` → `samples.group_work`: which executions leave E (EXCLUDED) and which
+  * the ledger's `scored` (`samples.outcome` of each reward, the TITO completeness check) →
+    `samples.group_work`: which executions leave E (EXCLUDED, or an incomplete TITO) and which
     stay in it at reward 0 (PLACEHOLDER), with their advantages and |E|;
   * a whole execution split over two micro-steps, trained by `samples.train_bundle` on a real
     CpuActor, has the loss and gradients of docs/design.md §6 computed directly in float64;
@@ -25,10 +26,13 @@ import torch
 from gyre.backends.config import OptimizerConfig
 from gyre.backends.actors.cpu_actor import CpuActor
 from gyre.executions.evaluator import RewardResult, RewardStatus
+from gyre.executions.tasks import ExecutionSpec, Group, Task
 from gyre.loss import LossConfig
+from gyre.runtime.ledger import RunLedger
 from gyre.runtime.messages import Reduce, StepDone
-from gyre.runtime.samples import group_work, step_denominator, train_bundle
+from gyre.runtime.samples import group_work, outcome, step_denominator, train_bundle
 from gyre.trajectory.advantages import Outcome
+from gyre.trajectory.materialize import ScoredExecution
 from gyre.trajectory.record import CallRecord, Role
 from tests.backends.helpers import tiny_model
 
@@ -76,35 +80,43 @@ def _assert_grads_close(got, want, what=""):
 
 
 # ----------------------------------------------------------------------------- the outcome glue
-def test_excluded_leave_e_and_placeholders_stay_at_zero_through_the_controller_glue():
-    """Four executions, B·N = 8: e0 scored 1.0; e1, e2 evaluation failed after running (records);
-    e3 harness crashed before its first call (placeholder, no records).
+def test_excluded_leave_e_and_placeholders_stay_at_zero_through_the_ledger_glue():
+    """Five executions, B·N = 8: e0 scored 1.0; e1, e2 evaluation failed after running (records);
+    e3 harness crashed before its first call (placeholder, no records); e4 scored 1.0 but the
+    proxy counted 2 calls and its TITO holds 1 record (incomplete: excluded like e1, e2).
 
     Valid: e0 (1.0) and e3 (0.0): mean 0.5, so A = (+0.5, −0.5) without std; the table is
     [e0 (L = 3), e3 (L = 0)], e0's tokens weigh −0.5/(8·3) = −1/48, |E| = 2, grad_scale 8/2 = 4.
     (EXCLUDED and PLACEHOLDER swapped, e1 and e2 would be valid zeros and e3 excluded: A =
-    (2/3, −1/3, −1/3), |E| = 3.)
+    (2/3, −1/3, −1/3), |E| = 3; e4 trained despite its lost record: A = (1/3, ..), |E| = 3.)
     """
-    from gyre.runtime.controller import _outcome
-
     prompt = [1, 2, 3, 4]
     recs = {e: [_call(e, 0, Role.MAIN, prompt, [10 + k, 20 + k, 30 + k], [-1.0, -1.5, -2.0])] for e, k in
-            (("e0", 0), ("e1", 1), ("e2", 2))}
+            (("e0", 0), ("e1", 1), ("e2", 2), ("e4", 4))}
     rewards = [
         RewardResult("e0", RewardStatus.VALID, 1.0),
         RewardResult("e1", RewardStatus.EXCLUDED, None),
         RewardResult("e2", RewardStatus.EXCLUDED, None),
         RewardResult("e3", RewardStatus.PLACEHOLDER, 0.0),
+        RewardResult("e4", RewardStatus.VALID, 1.0),
     ]
-    outcomes = [_outcome(r) for r in rewards]
-    assert outcomes == [Outcome.scored(1.0), Outcome.eval_failed(), Outcome.eval_failed(), Outcome.harness_failed()]
-    assert _outcome(None) == Outcome.eval_failed()  # no reward result at all: not in E either
+    assert [outcome(r) for r in rewards[:4]] == [Outcome.scored(1.0), Outcome.eval_failed(), Outcome.eval_failed(),
+                                                 Outcome.harness_failed()]
+    assert outcome(None) == Outcome.eval_failed()  # no reward result at all: not in E either
 
-    items = [(r.execution_id, o, recs.get(r.execution_id, [])) for r, o in zip(rewards, outcomes)]
-    work = group_work("g", 0, items, num_executions=8, max_tokens=64, j_max=5, normalize_std=False,
+    task = Task.from_json({"task_id": "t", "instruction": "x", "harness": ["true"], "evaluator": {"command": ["true"]}})
+    ledger = RunLedger(num_cells=1)
+    ledger.add_group(0, Group("g", task, [ExecutionSpec(r.execution_id, task, "g", i) for i, r in enumerate(rewards)]),
+                     version=0)
+    for i, r in reversed(list(enumerate(rewards))):  # evaluation order is not execution order
+        ledger.closed(r.execution_id, calls=2 if r.execution_id == "e4" else len(recs.get(r.execution_id, [])))
+        ledger.evaluated(SimpleNamespace(execution_id=r.execution_id, index=i, reward=r))
+    scored = ledger.scored(0, lambda eid: (recs.get(eid, []), False))
+    assert [e.execution_id for e in scored] == ["e0", "e1", "e2", "e3", "e4"]
+    assert ledger.incomplete_tito() == {"e4": "1 TITO records for its 2 calls"}
+    work = group_work("g", 0, scored, num_executions=8, max_tokens=64, j_max=5, normalize_std=False,
                       rng=np.random.default_rng(0))
-    assert work.rewards == [1.0, None, None, 0.0]
-    assert work.stats["excluded"] == 2
+    assert work.rewards == [1.0, None, None, 0.0, None]
     (bundle,) = work.bundles
     (ms,) = bundle
     assert ms.advantages.tolist() == [0.5, -0.5]
@@ -130,7 +142,8 @@ def test_execution_split_over_two_micro_steps_trains_like_the_formula():
         behavior = {e: [(p, o, (_target_logprobs(model, p, o) - d).tolist()) for p, o, d in cs] for e, cs in calls.items()}
     records = {e: [_call(e, i, Role.MAIN if i == 0 else Role.SUB, p, o, b) for i, (p, o, b) in enumerate(cs)]
                for e, cs in behavior.items()}
-    items = [("x", Outcome.scored(1.0), records["x"]), ("y", Outcome.scored(0.0), records["y"])]
+    items = [ScoredExecution("x", Outcome.scored(1.0), records=records["x"]),
+             ScoredExecution("y", Outcome.scored(0.0), records=records["y"])]
     work = group_work("g", 0, items, num_executions=2, max_tokens=16, j_max=5, normalize_std=True,
                       rng=np.random.default_rng(0))
     split = [b for b in work.bundles if len(b) > 1]
@@ -167,7 +180,8 @@ def test_excluded_execution_leaves_the_denominator():
         behavior = {e: [(p, o, (_target_logprobs(model, p, o) - torch.tensor(d)).tolist()) for p, o, d in cs]
                     for e, cs in calls.items()}
     outcomes = {"e0": Outcome.scored(1.0), "e1": Outcome.scored(0.0), "e2": Outcome.eval_failed()}
-    items = [(e, outcomes[e], [_call(e, 0, Role.MAIN, p, o, b) for p, o, b in behavior[e]]) for e in ("e0", "e1", "e2")]
+    items = [ScoredExecution(e, outcomes[e], records=[_call(e, 0, Role.MAIN, p, o, b) for p, o, b in behavior[e]])
+             for e in ("e0", "e1", "e2")]
     work = group_work("g", 0, items, num_executions=3, max_tokens=64, j_max=5, normalize_std=True,
                       rng=np.random.default_rng(0))
 
@@ -252,7 +266,7 @@ def test_a_step_with_no_valid_execution_makes_no_update(caplog):
     before = actor.export_parameters()
     worker, rec = _core_worker(actor)
     with caplog.at_level(logging.WARNING, logger="gyre.runtime.worker"):
-        worker.handle(Reduce(step=4, k=1, final=True, valid_executions=0, grad_scale=None))
+        worker.handle(Reduce(step=4, k=1, final=True, grad_scale=None))
     assert "step 4: no execution has a valid reward" in caplog.text and "no update" in caplog.text
     assert actor.version == 5 and not actor.has_optimizer_state
     assert all(p.grad is None for p in actor.model.parameters())
@@ -269,5 +283,5 @@ def test_reduce_passes_the_grad_scale_to_the_core_update():
     calls = []
     actor.optimizer_step = lambda max_grad_norm=None, *, grad_scale=1.0: calls.append(grad_scale) or {"grad_norm": 0.0}
     worker, _ = _core_worker(actor)
-    worker.handle(Reduce(step=0, k=1, final=True, valid_executions=6, grad_scale=8 / 6))
+    worker.handle(Reduce(step=0, k=1, final=True, grad_scale=8 / 6))
     assert calls == [8 / 6]

@@ -15,6 +15,7 @@ from gyre.runtime import messages
 from gyre.runtime.controller import Controller
 from gyre.runtime.messages import Command, Report, UnknownMessage
 from gyre.runtime.worker import CellWorker
+from gyre.scheduler import Work
 
 
 def _defined(base: type) -> set[type]:
@@ -45,22 +46,44 @@ def test_every_message_type_has_exactly_one_handler(owner, base):
     assert len({h.__name__ for h in table.values()}) == len(table)
 
 
+def test_every_scheduler_decision_has_exactly_one_controller_handler():
+    from typing import get_args
+
+    from gyre.scheduler.events import Decision
+
+    assert set(Controller.DECISIONS) == set(get_args(Decision))
+    for cls, handler in Controller.DECISIONS.items():
+        assert getattr(Controller, handler.__name__) is handler
+        assert inspect.signature(handler).parameters["d"].annotation == cls.__name__, handler.__name__
+    with pytest.raises(UnknownMessage, match="no handler for Work"):
+        Controller.__new__(Controller)._apply([Work(0, 0, 0)])  # a work grant is not a decision
+
+
 def _samples() -> list:
     m = messages
     me = dict(cell=1, rank=3)
     return [
         m.ToTrain(), m.TrainWork(step=2, group=5, item=1, key="ms/2/5/1/3", version=2),
-        m.Reduce(step=2, k=2, final=False, stay=True, valid_executions=7, grad_scale=8 / 7),
-        m.Reduce(step=3, k=1, final=True, valid_executions=0, grad_scale=None),
+        m.Reduce(step=2, k=2, final=False, stay=True, grad_scale=8 / 7),
+        m.Reduce(step=3, k=1, final=True, grad_scale=None),
         m.ToRollout(version=4), m.Load(version=4), m.Stop(), m.Stop(failed=True),
         m.Transition(**me, src="rollout", dst="draining", t=12.5), m.Joined(**me, version=3), m.RequestWork(**me),
         m.WorkDone(**me, step=2, group=5, item=1, metrics={"loss": 0.25, "compute_s": 0.1}),
         m.StepDone(cell=0, rank=0, step=2, stats={"grad_norm": 1.5}), m.RolledBack(**me, version=4),
         m.Loaded(cell=None, rank=6, version=4),
-        m.Stopped(**me, time_in={"rollout": 3.0}, latencies={"to_train": [0.5], "to_rollout": []}),
+        m.Stopped(**me),
         m.Failed(**me, command="Reduce", error="RuntimeError: boom"),
         m.Interrupted(**me, signal="SIGTERM"),
     ]
+
+
+def test_every_command_names_the_report_that_answers_it_as_a_type():
+    replies = {cls: cls.reply for cls in messages.COMMANDS}
+    assert replies == {messages.ToTrain: messages.Joined, messages.TrainWork: messages.WorkDone,
+                       messages.Reduce: messages.StepDone, messages.ToRollout: messages.RolledBack,
+                       messages.Load: messages.Loaded, messages.Stop: messages.Stopped}
+    assert all(r in messages.REPORTS for r in replies.values())
+    assert "reply" not in {f.name for cls in messages.COMMANDS for f in dataclasses.fields(cls)}  # not sent
 
 
 def test_samples_cover_every_message_type():
@@ -82,7 +105,7 @@ def test_messages_are_immutable_and_keyword_only():
         msg.version = 2
     with pytest.raises(TypeError):
         messages.Load(1)
-    assert messages.Reduce(step=0, k=1, final=True, valid_executions=1, grad_scale=1.0).stay is False
+    assert messages.Reduce(step=0, k=1, final=True, grad_scale=1.0).stay is False
     assert messages.Stop().failed is False
 
 

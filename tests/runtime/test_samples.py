@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from gyre.runtime.samples import bundle_micro_steps, group_work, merge_metrics, summarize_metrics, train_bundle
 from gyre.trajectory.advantages import Outcome
+from gyre.trajectory.materialize import ScoredExecution
 from gyre.trajectory.record import CallRecord, Role
 
 VOCAB = 64
@@ -38,7 +39,8 @@ def test_one_step_raises_the_better_execution_and_lowers_the_worse():
     from gyre.loss import LossConfig
 
     rng = np.random.default_rng(0)
-    items = [("good", Outcome.scored(1.0), _execution(rng, "good")), ("bad", Outcome.scored(0.0), _execution(rng, "bad"))]
+    items = [ScoredExecution("good", Outcome.scored(1.0), records=_execution(rng, "good")),
+             ScoredExecution("bad", Outcome.scored(0.0), records=_execution(rng, "bad"))]
     work = group_work("g", 0, items, num_executions=2, max_tokens=64, j_max=5, normalize_std=True,
                       rng=np.random.default_rng(1))
     actor = CpuActor(build_model(model_config("tiny", VOCAB), seed=0), is_core=True,
@@ -57,8 +59,8 @@ def test_one_step_raises_the_better_execution_and_lowers_the_worse():
 @given(st.integers(0, 10_000), st.integers(2, 5), st.integers(20, 80))
 def test_bundles_keep_each_execution_whole(seed, n_exec, max_tokens):
     rng = np.random.default_rng(seed)
-    items = [(f"e{i}", Outcome.scored(float(rng.uniform())), _execution(rng, f"e{i}", int(rng.integers(1, 4))))
-             for i in range(n_exec)]
+    items = [ScoredExecution(f"e{i}", Outcome.scored(float(rng.uniform())),
+                             records=_execution(rng, f"e{i}", int(rng.integers(1, 4)))) for i in range(n_exec)]
     try:
         work = group_work("g", 0, items, num_executions=n_exec, max_tokens=max_tokens, j_max=5,
                           normalize_std=False, rng=np.random.default_rng(seed))

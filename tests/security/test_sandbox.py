@@ -25,7 +25,8 @@ from gyre.executions import evaluator as evaluator_module
 from gyre.executions import sandbox, scratch
 from gyre.executions.config import EvaluatorConfig, RunnerConfig
 from gyre.executions.evaluator import Evaluator, Outcome, RewardStatus
-from gyre.executions.runner import GyreProxyAccess, HarnessRunner
+from gyre.executions.runner import HarnessRunner
+from gyre.runtime.proxy_access import GyreProxyAccess
 from gyre.executions.tasks import EvaluatorSpec, ExecutionSpec, Task
 
 REPO = Path(__file__).resolve().parents[2]

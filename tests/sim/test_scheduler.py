@@ -125,7 +125,7 @@ def test_a_cell_switched_in_after_the_last_claim_is_in_the_reduce():
     s.on_switch_done(1, "train")  # cell 1 arrives after step 0's last claim
     assert s.request_work(1) is None  # nothing left to claim in step 0
     outs = [s.on_work_done(0, w) for w in got]
-    assert outs[-1] == [OptimizerStep(0, (0, 1), final_in_burst=False)]
+    assert outs[-1] == [OptimizerStep(0, (0, 1), final_in_burst=False, groups=(0, 1))]
     (ev,) = s.log.of("optimizer_step")
     assert ev["cells"] == [0, 1] and ev["participants"] == [0]
     s.on_step_done(0)
@@ -158,7 +158,7 @@ def test_a_train_cell_outside_the_train_prefix_gets_no_work():
     rest = [w for c in (1, 0, 1) if (w := s.request_work(c)) is not None]
     assert len(rest) == 2 and s.log.of("all_claimed")
     out = [s.on_work_done(0, w) for w in [w0, w2, *rest]]
-    assert out[-1] == [OptimizerStep(0, (0, 1, 2), final_in_burst=True)]
+    assert out[-1] == [OptimizerStep(0, (0, 1, 2), final_in_burst=True, groups=(0, 1))]
 
 
 def test_step_burst_publish_cycle_by_hand():
@@ -172,7 +172,7 @@ def test_step_burst_publish_cycle_by_hand():
     for step in range(2):
         while (w := s.request_work(0)) is not None:
             out = s.on_work_done(0, w)
-        assert out == [OptimizerStep(step, (0,), final_in_burst=(step == 1))]
+        assert out == [OptimizerStep(step, (0,), final_in_burst=(step == 1), groups=(2 * step, 2 * step + 1))]
         out = s.on_step_done(step)
     assert out[:3] == [SwitchToRollout(0), Publish(2), Dispatch(4, 4, 2)]
     assert [e["d"] for e in s.log.of("assign")] == [0, 0, 1, 1]
@@ -290,7 +290,7 @@ def test_colocate_trains_every_step_on_every_cell_however_late_a_switch_finishes
     works = [(c, w) for c in (0, 1, 2, 0) if (w := s.request_work(c)) is not None]
     assert len(works) == 4
     out = [s.on_work_done(c, w) for c, w in works]
-    assert out[-1] == [OptimizerStep(0, (0, 1, 2), final_in_burst=True)]
+    assert out[-1] == [OptimizerStep(0, (0, 1, 2), final_in_burst=True, groups=(0, 1))]
 
 
 def test_seeded_runs_are_deterministic():

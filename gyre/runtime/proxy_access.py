@@ -1,0 +1,106 @@
+"""The runtime's adapter between the harness runner and Gyre's own proxy, and the data plane's
+start on rank 0 (docs/design.md §1, §5): `start_data_plane` builds the proxy over the run's TITO
+store, adds every cell's and pool engine's server to its router once the rank announced it, and
+starts the harness runner with a `GyreProxyAccess`.
+
+`GyreProxyAccess` is the runner's `ProxyAccess` (`gyre.executions.runner`): keys come from
+`Proxy.issue_key` and are revoked (the execution's store file closed) by `Proxy.close_execution`
+when the harness ends. What closing reports goes to its owners: the execution's model calls and
+the call records the sink failed to write into its `ExecutionRecord` in the run's ledger (the
+health check and the TITO completeness check read them there), and every integer stat summed
+into `totals` (calls, aborted_calls, spliced_turns, unmatched_turns, ...: the summary's proxy
+totals, and the step rows' unmatched turns). Without a ledger (the runner's own tests, tools that
+run harnesses outside a training run) nothing is kept per execution: `calls_made` is None
+(unknown), as with the runner's `LocalKeys`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+from gyre.backends.engines.engine_http import HttpEngine
+from gyre.executions.evaluator import Evaluator
+from gyre.executions.runner import HarnessRunner
+from gyre.proxy import Proxy, StoreSink, start_proxy
+from gyre.runtime.ledger import RunLedger
+from gyre.runtime.writes import WatchedSink
+
+logger = logging.getLogger(__name__)
+
+
+class GyreProxyAccess:
+    """`ProxyAccess` over `proxy` (a `gyre.proxy.Proxy`) served at `url`, writing to `ledger`."""
+
+    def __init__(self, proxy: Any, url: str, ledger: RunLedger | None = None) -> None:
+        self.proxy = proxy
+        self.url = url.rstrip("/")
+        self.ledger = ledger
+        self.totals: dict[str, int] = defaultdict(int)
+        self._unmatched_seen = 0  # unmatched turns already reported in a step row
+
+    @property
+    def context_tokens(self) -> int | None:
+        """The proxy's context limit (`--proxy.max-context-tokens`), given to harnesses as GYRE_MAX_CONTEXT_TOKENS."""
+        return getattr(getattr(self.proxy, "config", None), "max_context_tokens", None)
+
+    def open_execution(self, execution_id: str, group_id: str) -> str:
+        return self.proxy.issue_key(execution_id)
+
+    def close_execution(self, execution_id: str) -> None:
+        stats = self.proxy.close_execution(execution_id) or {}
+        if "calls" in stats and self.ledger is not None:
+            self.ledger.closed(execution_id, stats["calls"], stats.get("sink_errors", 0))
+        for k, v in stats.items():
+            if isinstance(v, int):
+                self.totals[k] += v
+
+    def calls_made(self, execution_id: str) -> int | None:
+        """The closed execution's model calls (None: it was not closed here)."""
+        return self.ledger.execution(execution_id).calls if self.ledger is not None else None
+
+    def take_unmatched(self) -> int:
+        """Unmatched turns of the executions closed since the last call."""
+        total = self.totals["unmatched_turns"]
+        new, self._unmatched_seen = total - self._unmatched_seen, total
+        return new
+
+
+async def engine_url(store: Any, rank: int, timeout: float = 600.0) -> str:
+    """The URL `rank` announced for its engine's server (`engine/<rank>` in the store)."""
+    key, start = f"engine/{rank}", time.monotonic()
+    while not store.check([key]):
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(f"rank {rank} never announced its engine")
+        await asyncio.sleep(0.01)
+    return store.get(key).decode()
+
+
+async def start_data_plane(cfg: Any, run_dir: Path, ledger: RunLedger, tito: Any, store: Any, topo: Any,
+                           secret: str | None, on_error: Callable[..., None],
+                           on_event: Callable[[Any], None]) -> tuple:
+    """(proxy, its server handle, access, runner): every cell's engine and every pool engine (the
+    server on its first rank, `topo`) behind the proxy's router. on_error: a failed TITO write
+    (`gyre.runtime.writes`); on_event: the runner's execution events."""
+    engines = [("cell", c, topo.cell_ranks(c)[0]) for c in range(topo.num_cells)]
+    engines += [("pool", e, topo.pool_engine_ranks(e)[0]) for e in range(topo.num_pool_engines)]
+    from gyre.backends.models.vocab import load_vocab
+
+    vocab = load_vocab(cfg.model.checkpoint, cfg.proxy.tokenizer_path)  # the job's (cached per path)
+    proxy = Proxy(cfg.proxy, sink=WatchedSink(StoreSink(tito), tito.path_for, on_error), tokenizer=vocab.tokenizer,
+                  stop_ids=vocab.stop_ids)
+    handle = await start_proxy(proxy)
+    logger.info("proxy listening at %s", handle.url)
+    for kind, index, rank in engines:
+        url = await engine_url(store, rank)
+        proxy.router.add_engine(HttpEngine(url, name=f"{kind}{index}", secret=secret), kind=kind, index=index)
+    runner_cfg = dataclasses.replace(cfg.executions.runner, run_dir=str(run_dir / "executions"))
+    access = GyreProxyAccess(proxy, handle.url, ledger)
+    runner = HarnessRunner(runner_cfg, Evaluator(cfg.executions.evaluator, runner_cfg), proxy=access,
+                           on_event=on_event)
+    return proxy, handle, access, runner

@@ -1,0 +1,116 @@
+"""The step row and summary.json from a hand-built ledger and hand-built sources, against
+hand-computed values (no job: `gyre.runtime.summary` is pure)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from gyre.config import GyreConfig
+from gyre.executions.evaluator import RewardResult, RewardStatus
+from gyre.executions.tasks import ExecutionSpec, Group, Task
+from gyre.proxy.router import RerouteRecord
+from gyre.runtime.ledger import RunLedger
+from gyre.runtime.rundir import RunDir
+from gyre.runtime.samples import GroupWork
+from gyre.runtime.summary import ProgressLine, RunEnd, build_summary, step_line, step_row
+
+
+def _spec(gid: str, n: int) -> Group:
+    task = Task.from_json({"task_id": gid, "instruction": "x", "harness": ["true"], "evaluator": {"command": ["true"]}})
+    return Group(gid, task, [ExecutionSpec(f"{gid}.{i}", task, gid, i) for i in range(n)])
+
+
+def _ledger() -> RunLedger:
+    """Two groups of 2 trained in step 0 at t = 100..110; a.1's TITO lost a record."""
+    led = RunLedger(num_cells=2)
+    led.begin(100.0)
+    led.add_group(0, _spec("a", 2), version=0)
+    led.add_group(1, _spec("b", 2), version=0, carried=True)
+    led.closed("a.0", calls=1)
+    led.closed("a.1", calls=2)
+    for eid, outcome in (("a.0", "completed"), ("a.1", "crashed")):
+        led.finished(eid, outcome)
+    for eid, r in (("a.0", 1.0), ("a.1", 0.0), ("b.0", 0.5), ("b.1", 0.0)):
+        led.evaluated(SimpleNamespace(execution_id=eid, index=int(eid[-1]), reward=RewardResult(eid, RewardStatus.VALID, r)))
+    led.scored(0, lambda eid: (["rec"], False))  # a.1: 1 record for its 2 calls
+    led.set_work(0, GroupWork([["ms"]], [1.0, None], dropped_trajectories=1))
+    led.set_work(1, GroupWork([["ms"]], [0.5, 0.0]))
+    led.claim(0, 0)
+    led.merge_metrics(0, {"loss": 0.3, "num_executions": 3.0, "micro_steps": 2.0})
+    led.transition(1, "draining", 104.0)
+    led.switch_sent(1, 103.0)
+    led.switched(1, "to_train", 104.5)
+    led.handover({"actor_restore": 0.25})
+    led.decide(0, cells=(0,), groups=[0, 1], final_in_burst=True, valid=3, grad_scale=4 / 3)
+    led.close(0)
+    return led
+
+
+def test_the_step_row_from_the_ledger_and_its_named_sources_by_hand():
+    led = _ledger()
+    sched = SimpleNamespace(water_level=4, dispatched=12, finished=8)
+    rerouted = [RerouteRecord("c1", "cell1", "cell0", "recompute", 7, 0, 0.5),
+                RerouteRecord("c2", "cell1", "pool0", "migrate", 0, 4096, 0.25)]
+    row = step_row(led, 0, 110.0, step_time_s=10.0, scheduler=sched, reroutes=5, rerouted=rerouted,
+                   unmatched_turns=2, sink_errors=1, stats={"grad_norm": 0.5, "version": 7})
+    assert (row["step"], row["version"], row["time_s"], row["step_time_s"]) == (0, 1, 10.0, 10.0)
+    assert (row["water_level"], row["dispatched"], row["finished"]) == (4, 12, 8)
+    assert row["reroutes"] == 5 and row["reroutes_migrated"] == 1 and row["reroutes_recomputed"] == 1
+    assert row["reroute_tokens_recomputed"] == 7 and row["reroute_bytes_moved"] == 4096
+    assert row["reroute_latency_s_migrated"] == 0.25 and row["reroute_latency_s_recomputed"] == 0.5
+    assert row["unmatched_turns"] == 2 and row["sink_errors"] == 1 and row["incomplete_tito"] == 1
+    assert row["switch_to_train_s"] == 1.5 and row["switch_to_rollout_s"] is None
+    assert row["rewards"] == [1.0, 0.5, 0.0] and row["reward_mean"] == pytest.approx(0.5)
+    assert row["executions_valid"] == 3 and row["dropped_trajectories"] == 1
+    assert row["loss"] == pytest.approx(0.3 * 4 / 3) and row["micro_steps"] == 2.0
+    assert row["actor_restore_s"] == 0.25
+    assert row["cell_time_s"] == {"0": {"rollout": 10.0}, "1": {"rollout": 4.0, "draining": 6.0}}
+    assert row["grad_norm"] == 0.5 and row["version"] == 1  # step + 1; the actor's own "version" is not copied
+    assert step_line(row) == "step 0 done: reward 0.500  loss 0.4  clip 0.00  d 0.00  cells 1  (10.0s)"
+
+
+def test_summary_json_from_the_ledger_and_its_named_sources_by_hand():
+    led = _ledger()
+    cfg = GyreConfig()
+    how = RunEnd(steps=1, end=130.0, cancelled_at_end=2, ranks_not_stopped=[3], error="boom",
+                 interrupted="SIGTERM", silent_rank=3, last_checkpoint_s=1.5)
+    router = {"reroutes": 5, "migration": {"mode": "off"}, "engine_failures": 1, "engine_stalls": 0}
+    run = RunDir(Path("unused"), attempt=2, start_version=0, redo_tasks=("x", "y"), lost_in_flight=4)
+    rows = [{"step": s, "rewards": r, "group_rewards": [r]} for s, r in enumerate(([0.0, 0.0], [1.0, 1.0]))]
+    summary = build_summary(led, how, cfg=cfg, fractions={0: 0.25, 1: 0.0}, router=router,
+                            proxy_totals={"calls": 9, "aborted_calls": 1}, worst_unmatched=[], sink_errors=1,
+                            health={"crashed": 1}, measured_staleness=[0, 1], run=run, rows=rows)
+    assert summary["steps"] == 1 and summary["wall_s"] == 30.0 and summary["mode"] == cfg.scheduler.mode
+    assert summary["train_fraction"] == {"0": 0.25, "1": 0.0}
+    assert summary["switch_latency_s"] == {"to_train": 1.5, "to_rollout": None}
+    assert summary["handover_s"] == {"actor_restore": {"mean": 0.25, "max": 0.25, "count": 1}}
+    assert (summary["reroutes"], summary["engine_failures"], summary["engine_stalls"]) == (5, 1, 0)
+    assert summary["calls"] == 9 and summary["aborted_calls"] == 1 and summary["spliced_turns"] == 0
+    assert summary["execution_outcomes"] == {"completed": 1, "crashed": 1}  # the carried group did not run here
+    assert summary["incomplete_tito"] == {"a.1": "1 TITO records for its 2 calls"} and summary["sink_errors"] == 1
+    assert (summary["attempt"], summary["lost_in_flight"], summary["redispatched_groups"]) == (2, 4, 2)
+    assert summary["carried_over_groups"] == 1 and summary["cancelled_at_end"] == 2
+    assert summary["measured_staleness_mean"] == 0.5 and summary["staleness_by_step"] == {"0": [0, 0]}
+    assert summary["failed_executions"] == {"crashed": 1}
+    assert (summary["error"], summary["interrupted"], summary["silent_rank"]) == ("boom", "SIGTERM", 3)
+    assert summary["ranks_not_stopped"] == [3] and summary["last_checkpoint_s"] == 1.5
+    assert summary["shutdown_timeout_s"] == cfg.train.shutdown_timeout_s
+    assert summary["reward_trend"]["diff"] == pytest.approx(1.0)  # 0.0 → 1.0 over the two rows
+    one_row = build_summary(led, how, cfg=cfg, fractions={}, router=router, proxy_totals={}, worst_unmatched=[],
+                            sink_errors=0, health={}, measured_staleness=[], run=run, rows=rows[:1])
+    assert "reward_trend" not in one_row and one_row["measured_staleness_mean"] is None and one_row["calls"] == 0
+
+
+def test_the_progress_line_comes_when_the_picture_changes_or_every_15_s():
+    sched = SimpleNamespace(ready_unassigned=1, water_level=3, rollout_capacity=8, cells_in_training=0, dispatched=4,
+                            started=4, finished=1)
+    line = ProgressLine()
+    assert line(sched, 0, 5, now=0.0) == ("step 0/5 | groups ready 1 | water level 3 (C_R 8) | cells training 0 | "
+                                          "d/p/f 4/4/1")
+    assert line(sched, 0, 5, now=10.0) is None
+    assert line(sched, 0, 5, now=15.0) is not None  # nothing moved for 15 s: said again
+    sched.finished = 2
+    assert line(sched, 0, 5, now=16.0).endswith("d/p/f 4/4/2")
