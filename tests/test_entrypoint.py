@@ -45,6 +45,7 @@ def test_unknown_preset_is_a_clear_error():
     assert "nope" in str(e.value) and "cpu-demo" in str(e.value)
 
 
+@pytest.mark.jobs
 @pytest.mark.multirank
 def test_torchrun_smoke_run_exits_zero():
     r = subprocess.run(

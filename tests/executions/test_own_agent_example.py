@@ -56,6 +56,7 @@ def test_make_tasks_writes_loadable_tasks_with_the_word_in_the_workspace(tmp_pat
         assert task.evaluator.target == "examples.own_agent.evaluate:evaluate"
 
 
+@pytest.mark.jobs
 def test_the_documented_command_trains_two_steps_on_the_example(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     tasks = tmp_path / "runs" / "own-agent" / "tasks.jsonl"

@@ -28,7 +28,7 @@ from gyre.executions import scratch
 from tests.jobs import (AWK_EVALUATOR, SLEEPER, command_in, marked, reap, start, tiny_task, wait_for,
                         write_task_rows)
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
 
 SHUTDOWN_S = 25.0
 

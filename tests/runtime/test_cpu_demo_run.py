@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.slow, pytest.mark.multirank]
+pytestmark = [pytest.mark.slow, pytest.mark.multirank, pytest.mark.jobs]
 
 
 def test_cpu_demo_reward_rises(tmp_path):

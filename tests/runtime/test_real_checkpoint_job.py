@@ -23,7 +23,7 @@ import pytest
 from tests import realmodels
 from tests.jobs import ROOT, env
 
-pytestmark = pytest.mark.multirank  # about 60 s on 2 loaded cores
+pytestmark = [pytest.mark.multirank, pytest.mark.jobs]  # about 60 s on 2 loaded cores
 
 FAMILIES = ["qwen2.5", "qwen3", "llama3.1"]
 

@@ -26,7 +26,7 @@ STEPS = 4
 SESSION = ["PauseGenerationReqInput", "BeginWeightUpdateReqInput", "UpdateWeightsFromTensorReqInput",
            "EndWeightUpdateReqInput", "ContinueGenerationReqInput"]
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
 
 
 def _tasks(path: Path) -> Path:

@@ -171,6 +171,7 @@ def _rows(run_dir: Path) -> list[dict]:
     return rows
 
 
+@pytest.mark.jobs
 @pytest.mark.multirank
 def test_tensorboard_scalars_equal_the_metrics_rows(tracked_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -231,6 +232,7 @@ def _wandb_records(path: Path) -> list:
     return records
 
 
+@pytest.mark.jobs
 @pytest.mark.multirank
 def test_wandb_offline_history_equals_the_metrics_rows(tracked_run):
     if not _have("wandb"):
@@ -262,6 +264,7 @@ def test_wandb_offline_history_equals_the_metrics_rows(tracked_run):
     assert exit_rec.exit_code == 0
 
 
+@pytest.mark.jobs
 @pytest.mark.multirank
 def test_gyre_report_renders_the_real_run(tracked_run, tmp_path):
     from gyre.report import render

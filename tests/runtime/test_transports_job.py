@@ -79,12 +79,14 @@ def _check(stats: dict, transport: str) -> None:
             assert s["bytes_by_path"]["store"] == 0, (rank, s)  # no parameter byte through the store
 
 
+@pytest.mark.jobs
 @pytest.mark.multirank
 @pytest.mark.parametrize("transport", ["store", "torch"])
 def test_a_tiny_job_per_transport(tmp_path, transport):
     _check(_run(tmp_path, transport), transport)
 
 
+@pytest.mark.jobs
 @pytest.mark.multirank
 def test_a_tiny_job_over_mooncake_inside_a_private_netns(tmp_path):
     problem = netns_problem()

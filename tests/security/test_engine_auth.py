@@ -224,6 +224,7 @@ def test_the_secret_reaches_every_rank_and_not_the_store(tmp_path):
     assert base64.urlsafe_b64decode(s0 + "=") not in raw
 
 
+@pytest.mark.jobs
 def test_a_job_trains_with_auth_on_and_a_hostile_harness_is_refused(tmp_path):
     steps = 2
     report = tmp_path / "report"
