@@ -8,8 +8,9 @@
   replaced by any `-m` on the command line, and `-m "not jobs"` (the inner loop) must not bring
   the slow tier back.
 * `finished_run`: one finished tiny run (tests/jobs.py `RUNS["finished"]`: 2 ranks, 2 steps, a
-  checkpoint after each), built once per test session on first use. Resume and damaged-checkpoint
-  tests copy it (`copy_of`) instead of each starting their own first run.
+  checkpoint after each, TensorBoard on, and W&B offline where wandb is installed), built once per
+  test session on first use. Resume and damaged-checkpoint tests copy it (`copy_of`) instead of
+  each starting their own first run; the tracking tests read its tracker files.
 """
 
 from __future__ import annotations
@@ -78,12 +79,20 @@ class FinishedRun:
 
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory) -> FinishedRun:
+    import importlib.util
+
     from tests.jobs import RUNS, env, log_of, write_tasks
 
     base = tmp_path_factory.mktemp("finished_run")
     tasks, run = write_tasks(base / "tasks.jsonl"), base / "run"
     spec = RUNS["finished"]
-    proc = subprocess.run(spec.command(tasks, run), cwd=base, capture_output=True, text=True, timeout=300, env=env())
+    tracking = []  # tests/runtime/test_tracking.py reads them (it skips without the packages)
+    if importlib.util.find_spec("tensorboard") is not None:
+        tracking += ["--tracking.tensorboard"]
+    if importlib.util.find_spec("wandb") is not None:
+        tracking += ["--tracking.wandb", "--tracking.wandb-project", "gyre-test", "--tracking.wandb-mode", "offline"]
+    proc = subprocess.run(spec.command(tasks, run, *tracking), cwd=base, capture_output=True, text=True, timeout=300,
+                          env={**env(), "WANDB_SILENT": "true", "WANDB_DISABLE_CODE": "true"})
     assert proc.returncode == 0, log_of(proc)[-4000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
     return FinishedRun(run, tasks, spec.settings["steps"])

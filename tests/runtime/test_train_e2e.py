@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import RUNS, ROOT, env, tiny_task, write_task_rows
+from tests.jobs import RUNS, ROOT, env, nothing_aborted_but_the_cancelled_at_the_end, tiny_task, write_task_rows
 
 PHI, MU, STEPS = 0.5, 2, 6
 
@@ -57,15 +57,6 @@ def _command(run_dir: Path, tasks: Path, *, nproc: int, steps: int, phi: float =
     return RUNS["e2e"].command(tasks, run_dir, *extra, nproc=nproc, steps=steps, phi=phi, mu=mu)
 
 
-def _nothing_aborted_but_the_cancelled_at_the_end(s: dict) -> None:
-    """No execution was aborted by a role switch: every one completed except those the 5 s drain
-    at the end cancelled (a call aborted under a harness makes it crash: it retries nothing), and
-    no call was aborted beyond one per cancelled execution (a harness makes one call at a time)."""
-    outcomes, cancelled = s["execution_outcomes"], s["cancelled_at_end"]
-    assert set(outcomes) <= {"completed", "cancelled"} and outcomes.get("cancelled", 0) == cancelled, s
-    assert outcomes.get("completed", 0) > 0 and s["aborted_calls"] <= cancelled, s
-
-
 def test_outputs_are_well_formed(run):
     rows = run["rows"]
     assert [r["step"] for r in rows] == list(range(STEPS))
@@ -81,7 +72,7 @@ def test_outputs_are_well_formed(run):
 
 def test_no_execution_aborted_while_calls_were_rerouted(run):
     s = run["summary"]
-    _nothing_aborted_but_the_cancelled_at_the_end(s)
+    nothing_aborted_but_the_cancelled_at_the_end(s)
     assert s["reroutes"] > 0, "no call was in flight on a cell when it left rollout; the run proves nothing"
 
 
@@ -137,7 +128,7 @@ def test_baselines_run_in_the_same_code(tmp_path, mode):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     s = json.loads((run_dir / "summary.json").read_text())
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and s["mode"] == mode
-    _nothing_aborted_but_the_cancelled_at_the_end(s)
+    nothing_aborted_but_the_cancelled_at_the_end(s)
     training = {"colocate": {"0", "1", "2", "3"}, "async": {"0", "1"}}[mode]
     assert all(set(r["claims_by_cell"]) <= training and r["cells_in_step"] == len(training) for r in rows), rows
     assert {c for c, f in s["train_fraction"].items() if f > 0} == training, s["train_fraction"]

@@ -19,42 +19,25 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import netns_problem
+from tests.jobs import RUNS, env, tiny_task, write_task_rows
 
 ROOT = Path(__file__).resolve().parents[2]
-HARNESS = Path(__file__).resolve().with_name("tiny_harness.py")
-AWK_EVALUATOR = ["awk", "{n++; if (length($0) % 2 == 0) e++} END {print (n ? e / n : 0)}", "answer.txt"]
 STEPS = 2
 
 
-def _tasks(path: Path) -> Path:
-    with path.open("w") as f:
-        for i in range(4):
-            f.write(json.dumps({"task_id": f"t{i}", "instruction": "say words",
-                                "harness": [sys.executable, str(HARNESS), "1", "24"],
-                                "evaluator": {"command": AWK_EVALUATOR}}) + "\n")
-    return path
-
-
 def _command(run_dir: Path, tasks: Path, transport: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m", "gyre.run",
-            "--job", "train", "--run-dir", str(run_dir), "--model.preset", "tiny", "--seed", "1",
-            "--executions.dataset.path", str(tasks), "--executions.runner.timeout-s", "120",
-            "--scheduler.mode", "async", "--scheduler.async-train-cells", "2", "--scheduler.n-per-group", "2", "--scheduler.batch-groups", "2",
-            "--scheduler.mu", str(STEPS), "--scheduler.phi", "0.5", "--scheduler.tick-s", "0.1",
-            "--train.steps", str(STEPS), "--train.max-tokens", "512", "--train.drain-at-end-s", "5",
-            # A paced actor (~0.5 s a micro-step) keeps the core from claiming every item of a step
-            # before cell 1 (whose first actor build takes seconds) asks for work: cell 1 joins.
-            "--actor.min-s-per-ktok", "4",
-            "--transfer.transport", transport]
+    # tests/jobs.py RUNS["transports"]: 3 ranks, Async with 2 training cells, a paced actor (~0.5 s
+    # a micro-step) that keeps the core from claiming every item of a step before cell 1 (whose
+    # first actor build takes seconds) asks for work: cell 1 joins.
+    return RUNS["transports"].command(tasks, run_dir, "--transfer.transport", transport, steps=STEPS)
 
 
 def _run(tmp_path: Path, transport: str, prefix: list[str] = ()) -> dict:
     run_dir = tmp_path / "run"
-    cmd = _command(run_dir, _tasks(tmp_path / "tasks.jsonl"), transport)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = _command(run_dir, write_task_rows(tmp_path / "tasks.jsonl", [tiny_task(1, 24)] * 4), transport)
     if prefix:  # inside a private network namespace: bring loopback up first
         cmd = [*prefix, "sh", "-c", "ip link set lo up && exec " + " ".join(f"'{c}'" for c in cmd)]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env())
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
