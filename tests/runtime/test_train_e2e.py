@@ -6,6 +6,7 @@ One short run (module fixture), several properties checked on what it leaves beh
   * measured staleness after the first burst equals φ + (μ−1)/2 (within 0.1), and over the
     whole run the finite-run value with the first burst's transient;
   * metrics.jsonl, summary.json and the role timeline PNG are well formed;
+  * the default weight transport (torch) moved no parameter byte through torchrun's store;
   * `--train.resume` on a smaller world continues the versions, steps and metrics of the run
     (a resume already at --train.steps is refused in-process: tests/test_rundir.py).
 The Colocate and Async baselines run in the same code (their own short runs): every cell or the
@@ -90,6 +91,17 @@ def test_staleness_over_the_whole_run_matches_its_finite_run_value(run):
     2s, 2s+1, so d = 0 0 | 1 1 | 2 0 | 1 1 | 2 0 | 1 1, mean 10/12 (1.0 in the limit). The
     completion order moves single d's, not their mean (docs/theory.md)."""
     assert abs(run["summary"]["measured_staleness_mean"] - 10 / 12) <= 0.1, run["summary"]
+
+
+def test_the_default_torch_transport_moved_no_parameter_byte_through_the_store(run):
+    """The weight transport every job uses unless told (`--transfer.transport torch`): the
+    satellites read the core's snapshots one-sidedly from its server, and a broadcast over a
+    prefix group happened (tests/runtime/test_transports_job.py checks store and mooncake)."""
+    from tests.runtime.test_transports_job import check_stats
+
+    stats = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in (run["dir"] / "transport").glob("rank_*.json")}
+    assert sorted(stats) == [0, 1, 2, 3], stats
+    check_stats(stats, "torch", steps=STEPS)
 
 
 def test_resume_continues_versions_on_a_smaller_world(run):
