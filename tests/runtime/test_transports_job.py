@@ -28,7 +28,7 @@ STEPS = 2
 
 
 def _command(run_dir: Path, tasks: Path, transport: str) -> list[str]:
-    # tests/jobs.py RUNS["transports"]: 3 ranks, Async with 2 training cells, a paced actor (~0.5 s
+    # tests/jobs.py RUNS["transports"]: 3 ranks, Async with 2 training cells, a paced actor (~1 s
     # a micro-step) that keeps the core from claiming every item of a step before cell 1 (whose
     # first actor build takes seconds) asks for work: cell 1 joins.
     return RUNS["transports"].command(tasks, run_dir, "--transfer.transport", transport, steps=STEPS)
