@@ -31,9 +31,11 @@ def write_task_rows(path: Path, tasks: list[dict]) -> Path:
     return path
 
 
-def tiny_task(turns: int = 1, tokens: int = 8) -> dict:
-    """A task for the tiny harness: `turns` chat turns of at most `tokens` tokens each."""
-    return {"harness": [sys.executable, str(HARNESS), str(turns), str(tokens)], "evaluator": {"command": AWK_EVALUATOR}}
+def tiny_task(turns: int = 1, tokens: int = 8, sdk: bool = False) -> dict:
+    """A task for the tiny harness: `turns` chat turns of at most `tokens` tokens each (`sdk`:
+    through the openai SDK instead of urllib)."""
+    return {"harness": [sys.executable, str(HARNESS), str(turns), str(tokens), *(["sdk"] if sdk else [])],
+            "evaluator": {"command": AWK_EVALUATOR}}
 
 
 def write_tasks(path: Path, harness: list[str] | None = None, n: int = 4) -> Path:
@@ -106,10 +108,11 @@ RUNS: dict[str, Run] = {
     "async": Run("2 ranks, Async with one training cell, B 2, one burst (μ = steps): engine auth",
                  dict(steps=2, seed=1, groups=2, mu=2, phi=0.5, sandbox=None),
                  ("--scheduler.mode", "async", "--scheduler.async-train-cells", "1")),
-    "transports": Run("3 ranks, Async with two training cells, a paced actor (~1 s a micro-step) so cell 1 joins "
-                      "before the core claims every item (tests/runtime/test_transports_job.py)",
+    "transports": Run("3 ranks, Async with two training cells, a paced actor (~0.5 s a micro-step) so cell 1 joins "
+                      "before the core claims every item (tests/runtime/test_transports_job.py; its harness still "
+                      "goes through the SDK: with the stdlib one cell 1 did not join)",
                       dict(nproc=3, steps=2, seed=1, groups=2, mu=2, phi=0.5, sandbox=None),
-                      ("--scheduler.mode", "async", "--scheduler.async-train-cells", "2", "--actor.min-s-per-ktok", "10")),
+                      ("--scheduler.mode", "async", "--scheduler.async-train-cells", "2", "--actor.min-s-per-ktok", "4")),
     "sglang": Run("3 ranks through the SGLang adapter (fake SGLang API), N 3, B 2, μ 2; τ 30 and a decode floor in "
                   "the fake keep calls in flight at switches, as the test asserts reroutes (tests/runtime/test_sglang_job.py)",
                   dict(nproc=3, steps=4, seed=1, n=3, groups=2, mu=2, phi=0.5, tau=30, max_tokens=1400, timeout_s=300,

@@ -28,15 +28,17 @@ STEPS = 2
 
 
 def _command(run_dir: Path, tasks: Path, transport: str) -> list[str]:
-    # tests/jobs.py RUNS["transports"]: 3 ranks, Async with 2 training cells, a paced actor (~1 s
+    # tests/jobs.py RUNS["transports"]: 3 ranks, Async with 2 training cells, a paced actor (~0.5 s
     # a micro-step) that keeps the core from claiming every item of a step before cell 1 (whose
-    # first actor build takes seconds) asks for work: cell 1 joins.
+    # first actor build takes seconds) asks for work: cell 1 joins. The harness goes through the
+    # openai SDK here: with the stdlib tiny harness cell 1 did not join (twice, on a loaded
+    # machine; the cause is not understood yet: the run's timing, not the wire, is the suspect).
     return RUNS["transports"].command(tasks, run_dir, "--transfer.transport", transport, steps=STEPS)
 
 
 def _run(tmp_path: Path, transport: str, prefix: list[str] = ()) -> dict:
     run_dir = tmp_path / "run"
-    cmd = _command(run_dir, write_task_rows(tmp_path / "tasks.jsonl", [tiny_task(1, 24)] * 4), transport)
+    cmd = _command(run_dir, write_task_rows(tmp_path / "tasks.jsonl", [tiny_task(1, 24, sdk=True)] * 4), transport)
     if prefix:  # inside a private network namespace: bring loopback up first
         cmd = [*prefix, "sh", "-c", "ip link set lo up && exec " + " ".join(f"'{c}'" for c in cmd)]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env())
