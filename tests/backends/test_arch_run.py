@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.multirank, pytest.mark.slow, pytest.mark.jobs]
 def test_run_on_a_real_family_checkpoint(tmp_path, family, cls):
     from transformers import AutoModelForCausalLM
 
-    from gyre.backends.models import load_model
+    from gyre.backends.models.hf import load_model
 
     ckpt = write_checkpoint(tmp_path / family, family, vocab_size=1024, template="qwen2.5")
     tasks = write_task_rows(tmp_path / "tasks.jsonl", [tiny_task(t, n) for t, n in [(1, 40), (2, 60)]])

@@ -77,8 +77,8 @@ def test_the_readme_cpu_smoke_command_trains_two_steps_through_the_stand_in(tmp_
 
 @pytest.mark.skipif(CLAUDE is None, reason="no claude binary (npm install -g @anthropic-ai/claude-code, or set GYRE_CLAUDE_BIN)")
 def test_real_claude_code_writes_the_answer_through_the_proxy(tmp_path):
-    from gyre.backends.det_engine import DeterministicEngine
-    from gyre.backends.tokenizer import byte_token_ids, load_tokenizer
+    from gyre.backends.engines.det_engine import DeterministicEngine
+    from gyre.backends.models.tokenizer import byte_token_ids, load_tokenizer
     from gyre.executions.config import EvaluatorConfig, RunnerConfig
     from gyre.executions.evaluator import Evaluator, Outcome
     from gyre.executions.runner import GyreProxyAccess, HarnessRunner

@@ -1,4 +1,4 @@
-"""Atomic checkpoints (gyre/runtime/checkpoint.py) and what a resume does with broken ones.
+"""Atomic checkpoints (gyre/checkpoint.py) and what a resume does with broken ones.
 
 Unit tests: the marker is written last and records sizes; a crash inside `save` leaves no
 `step_*`; leftovers are removed; the newest complete checkpoint is chosen among random sets of
@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre.config import parse_config
-from gyre.runtime import checkpoint
-from gyre.runtime.checkpoint import MARKER, CheckpointError
+from gyre import checkpoint
+from gyre.checkpoint import MARKER, CheckpointError
 
 
 def _save_like_the_cpu_actor(version, optimizer=True):
@@ -126,12 +126,12 @@ def test_select_with_nothing_usable_says_what_it_found(tmp_path):
 
 
 def _tiny_actor():
-    from gyre.backends.cpu_actor import CpuActor
-    from gyre.backends.config import CpuActorConfig
-    from gyre.backends.models import build_model, model_config
+    from gyre.backends.actors.cpu_actor import CpuActor
+    from gyre.backends.config import OptimizerConfig
+    from gyre.backends.models.hf import build_model, model_config
 
     model = build_model(model_config("tiny", 300), seed=0, dtype=torch.float32)
-    return CpuActor(model, is_core=True, config=CpuActorConfig())
+    return CpuActor(model, is_core=True, config=OptimizerConfig())
 
 
 @pytest.mark.parametrize("missing", ["optimizer.pt", "gyre_actor.json"])

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.runtime import checkpoint
+from gyre import checkpoint
 from tests.jobs import (AWK_EVALUATOR, SLEEPER, command_in, reap, rows, start, tiny_task, wait_for,
                         write_task_rows)
 

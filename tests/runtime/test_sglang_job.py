@@ -1,5 +1,5 @@
 """The whole job with `--backend.engine sglang` on 3 real gloo ranks (torchrun): every cell's
-engine is the SGLang adapter (`gyre.backends.sglang_engine`) over the conformance fake of SGLang
+engine is the SGLang adapter (`gyre.backends.engines.sglang_engine`) over the conformance fake of SGLang
 0.5.23 (tests/backends/sglang_fake.py, named by the factory's test-only GYRE_SGLANG_API hook),
 the actors are CPU actors. Cells flip between rollout and training, so the adapter is driven
 through start under torchrun, generation for harness subprocesses, drains with calls in flight,

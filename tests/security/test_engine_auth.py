@@ -25,9 +25,9 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from gyre.backends.det_engine import DeterministicEngine
-from gyre.backends.engine_host import EngineHost, bind_address, route_address
-from gyre.backends.engine_http import HttpEngine, serve_engine
+from gyre.backends.engines.det_engine import DeterministicEngine
+from gyre.backends.engines.engine_host import EngineHost, bind_address, route_address
+from gyre.backends.engines.engine_http import HttpEngine, serve_engine
 from gyre.backends.protocols import SamplingParams
 from gyre.proxy.router import Router
 from tests.jobs import RUNS, write_tasks
@@ -198,7 +198,7 @@ def test_bind_loopback_on_one_node_and_announce_a_routable_address_across_nodes(
 def _share(rank: int, init: str, out: str) -> None:
     import torch.distributed as dist
 
-    from gyre.backends.engine_host import share_secret
+    from gyre.backends.engines.engine_host import share_secret
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     dist.PrefixStore("gyre/", dist.distributed_c10d._get_default_store()).set(f"engine/{rank}", "http://127.0.0.1:1")
