@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from gyre.config import GyreConfig, parse_config
+from tests.jobs import env, launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,12 +46,12 @@ def test_unknown_preset_is_a_clear_error():
     assert "nope" in str(e.value) and "cpu-demo" in str(e.value)
 
 
+@pytest.mark.jobs
 @pytest.mark.multirank
 def test_torchrun_smoke_run_exits_zero():
     r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "gyre.run",
-         "--preset", "smoke", "--parallel.cell-size", "2", "--parallel.tp", "2"],
-        capture_output=True, text=True, cwd=ROOT, timeout=180,
+        [*launcher(4), "--preset", "smoke", "--parallel.cell-size", "2", "--parallel.tp", "2"],
+        capture_output=True, text=True, cwd=ROOT, timeout=180, env=env(),
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("prefix all-reduce ok") == 4

@@ -36,7 +36,9 @@ def _check_prefix_sums(world):
     return results
 
 
-@pytest.mark.parametrize("world", [4, 8])
+# 8 ranks on 2 cores is about a minute and proves nothing the pure Topology tests
+# (tests/test_topology.py) and the 4-rank world do not: slow tier.
+@pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_prefix_allreduce_sums_exactly_cells_0_to_k_minus_1(world):
     out = run_ranks(_check_prefix_sums, world, world)
     seen = 0

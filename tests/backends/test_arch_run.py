@@ -22,7 +22,7 @@ from tests.jobs import tiny_task, write_task_rows
 from tests.realmodels import write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+pytestmark = [pytest.mark.multirank, pytest.mark.slow, pytest.mark.jobs]
 
 
 @pytest.mark.parametrize("family,cls", [("qwen3", "Qwen3ForCausalLM"), ("qwen3-moe", "Qwen3MoeForCausalLM")])

@@ -29,7 +29,7 @@ from tests.cluster.netns import TwoNodes, problem
 from tests.distributed import netns_problem
 from tests.jobs import env, rows, tiny_task, write_task_rows
 
-pytestmark = [pytest.mark.slow, pytest.mark.multirank]
+pytestmark = [pytest.mark.slow, pytest.mark.multirank, pytest.mark.jobs]
 PORT = 29500  # the namespaces are fresh: nothing else can hold a port in them
 STEPS = 2
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.jobs import command, rows, write_tasks
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.jobs]
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -47,6 +47,7 @@ def test_evaluate_gives_half_for_the_file_plus_closeness_and_reads_the_final_ans
     assert evaluate(ws, None, expected="apple") == {"reward": pytest.approx(0.5 + 0.5 * 0.76), "answer": "appel"}
 
 
+@pytest.mark.jobs
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_the_readme_cpu_smoke_command_trains_two_steps_through_the_stand_in(tmp_path):

@@ -66,6 +66,7 @@ def test_tasks_are_loadable_and_name_the_evaluator():
         assert t.evaluator.kwargs["expected"] in t.instruction
 
 
+@pytest.mark.jobs
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_the_readme_command_trains_two_steps_through_mini_swe_agent(tmp_path):

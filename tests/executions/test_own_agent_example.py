@@ -13,12 +13,10 @@ import pytest
 
 from examples.own_agent.evaluate import evaluate, score
 from tests.executions.helpers import assert_trained
+from tests.jobs import command
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "own_agent"
-
-pytestmark = pytest.mark.multirank
-
 
 @pytest.mark.parametrize("got, want, reward", [
     ("olleh", "olleh", 1.0),
@@ -56,21 +54,18 @@ def test_make_tasks_writes_loadable_tasks_with_the_word_in_the_workspace(tmp_pat
         assert task.evaluator.target == "examples.own_agent.evaluate:evaluate"
 
 
+@pytest.mark.multirank
+@pytest.mark.jobs
 def test_the_documented_command_trains_two_steps_on_the_example(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     tasks = tmp_path / "runs" / "own-agent" / "tasks.jsonl"
     subprocess.run([sys.executable, str(EXAMPLE / "make_tasks.py"), "--out", str(tasks)], check=True, cwd=tmp_path,
                    env=env, capture_output=True)
     run = tmp_path / "runs" / "own-agent" / "run1"
-    # The command of docs/train-your-own-agent.md, with 2 ranks, 2 steps and small groups.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gyre.run",
-           "--job", "train", "--model.preset", "tiny",
-           "--executions.dataset.path", str(tasks),
-           "--executions.runner.harness-command", "{python}", str(EXAMPLE / "harness.py"),
-           "--scheduler.n-per-group", "2", "--scheduler.batch-groups", "1", "--scheduler.mu", "1",
-           "--scheduler.phi", "0", "--scheduler.tick-s", "0.1",
-           "--train.steps", "2", "--train.max-tokens", "1024", "--train.drain-at-end-s", "5",
-           "--executions.runner.timeout-s", "120", "--run-dir", str(run)]
+    # The command of docs/train-your-own-agent.md, with 2 ranks, 2 steps and small groups (the
+    # builder's: N 2, B 1, μ 1, φ 0, a 5 s drain).
+    cmd = command(tasks, "--executions.runner.harness-command", "{python}", str(EXAMPLE / "harness.py"),
+                  steps=2, nproc=2, max_tokens=1024, run_dir=run, sandbox=None)
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]

@@ -24,7 +24,7 @@ import pytest
 
 from tests.jobs import FAULTS, SLEEPER, command_in, reap, start, wait_for, write_task_rows
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
 
 ONE_LINE = ["sh", "-c", "if test -s answer.txt; then echo 1; else echo 0; fi"]  # the partial credit: an answer written
 

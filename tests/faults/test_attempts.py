@@ -1,4 +1,5 @@
-"""Every launch into a run directory is an attempt of its own (real torchrun jobs, 2 ranks).
+"""Every launch into a run directory is an attempt of its own (real torchrun jobs, 2 ranks, each
+resuming a copy of the shared finished run: tests/conftest.py `finished_run`).
 
 Resuming twice from one checkpoint used to relaunch executions under the ids the first resume
 had used (ids depended only on the seed and the start version): every launch failed with
@@ -10,15 +11,13 @@ import json
 
 import pytest
 
-from tests.jobs import gyre, log_of, rows, write_tasks
+from tests.jobs import gyre, log_of, rows
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
 
 
-def test_resuming_twice_from_one_checkpoint_trains_on_real_rewards_and_keeps_one_row_per_step(tmp_path):
-    tasks, run = write_tasks(tmp_path / "tasks.jsonl"), tmp_path / "run"
-    first = gyre(tmp_path, tasks, "--run-dir", str(run), steps=2)
-    assert first.returncode == 0, log_of(first)[-4000:]
+def test_resuming_twice_from_one_checkpoint_trains_on_real_rewards_and_keeps_one_row_per_step(finished_run, tmp_path):
+    tasks, run = finished_run.tasks, finished_run.copy_of(tmp_path / "run")
     ck = run / "checkpoints" / "step_000002"
     for _ in range(2):  # the same checkpoint, twice: the second resume also replaces steps 2 and 3's rows
         again = gyre(tmp_path, tasks, "--run-dir", str(run), "--train.resume-from", str(ck), steps=4)
@@ -45,10 +44,8 @@ def test_resuming_twice_from_one_checkpoint_trains_on_real_rewards_and_keeps_one
                                          for r in results), results
 
 
-def test_a_group_evaluated_but_not_in_the_checkpoint_is_trained_again_without_running_it_again(tmp_path):
-    tasks, run = write_tasks(tmp_path / "tasks.jsonl"), tmp_path / "run"
-    first = gyre(tmp_path, tasks, "--run-dir", str(run), "--train.checkpoint-every", "1", steps=2)
-    assert first.returncode == 0, log_of(first)[-4000:]
+def test_a_group_evaluated_but_not_in_the_checkpoint_is_trained_again_without_running_it_again(finished_run, tmp_path):
+    tasks, run = finished_run.tasks, finished_run.copy_of(tmp_path / "run")
     step1 = rows(run / "metrics.jsonl")[1]
     # Resume from version 1: the group step 1 trained is not in that checkpoint, but its
     # executions were evaluated (results and TITO are in the run directory).

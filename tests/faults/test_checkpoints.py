@@ -3,8 +3,9 @@
 Unit tests: the marker is written last and records sizes; a crash inside `save` leaves no
 `step_*`; leftovers are removed; the newest complete checkpoint is chosen among random sets of
 complete and broken directories (hypothesis), with every newer one named with its reason; a
-missing optimizer or version file is an error unless weights-only. The torchrun cases at the
-end damage a real run's checkpoints and resume from them.
+missing optimizer or version file is an error unless weights-only; a resume's decision over a
+damaged newest checkpoint (rank 0's `rundir.resolve`) and the actor loading what it chose. Two
+real jobs at the end damage copies of the shared finished run and resume from them.
 """
 
 import json
@@ -16,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gyre.config import parse_config
 from gyre import checkpoint
 from gyre.checkpoint import MARKER, CheckpointError
 
@@ -147,41 +149,96 @@ def test_the_cpu_actor_refuses_a_checkpoint_without_its_optimizer_or_version(tmp
     assert b.version == 5
 
 
+# ----------------------------------------------------------------------------- resume decisions
+# What a resume does with a run whose newest checkpoint is damaged, in-process: rank 0's decision
+# (`rundir.resolve`, as gyre/run.py calls it before anything starts) over checkpoints the real
+# CpuActor wrote, then the actor loading what was chosen. One real job (the end of this file)
+# proves the same through torchrun for one damage, and the weights-only resume.
+
+def _run_with_two_actor_checkpoints(root: Path) -> tuple[Path, dict]:
+    """A run directory (first attempt recorded) with the tiny CpuActor's checkpoints of versions
+    1 and 2 (atomic, with their markers) and 2 metrics rows; the weights of version 1."""
+    import torch.distributed as dist
+
+    from gyre.runtime import rundir
+
+    run = root / "run"
+    rundir.resolve(parse_config(["--job", "train", "--run-dir", str(run), "--train.steps", "2"]), 0, 1,
+                   dist.HashStore()).lock.release()
+    a = _tiny_actor()
+    weights = {}
+    for v in (1, 2):
+        with torch.no_grad():
+            next(a.model.parameters()).add_(1.0)  # each version's weights differ
+        a.version = v
+        checkpoint.write(run / "checkpoints", v, a.save_checkpoint)
+        weights[v] = {k: t.clone() for k, t in a.model.state_dict().items()}
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "version": s + 1}) + "\n" for s in range(2)))
+    return run, weights[1]
+
+
+@pytest.mark.parametrize("damage", ["truncated model", "model deleted", "optimizer deleted", "version deleted"])
+def test_a_damaged_newest_checkpoint_is_skipped_by_name_and_the_older_one_chosen_and_loaded(tmp_path, damage):
+    import torch.distributed as dist
+
+    from gyre.runtime import rundir
+
+    run, weights = _run_with_two_actor_checkpoints(tmp_path)
+    DAMAGE[damage][0](run / "checkpoints" / "step_000002")
+    got = rundir.resolve(parse_config(["--job", "train", "--run-dir", str(run), "--train.resume", "--train.steps", "3"]),
+                         0, 1, dist.HashStore())
+    got.lock.release()
+    assert (got.attempt, got.start_version) == (1, 1) and got.checkpoint.endswith("step_000001"), got
+    attempt = json.loads((run / "run.json").read_text())["attempts"][-1]
+    assert attempt["resumed_from"] == got.checkpoint
+    assert [why.split(":")[0] for why in attempt["skipped_checkpoints"]] == ["step_000002"]  # the lineage names it
+    assert DAMAGE[damage][1] in attempt["skipped_checkpoints"][0], attempt
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0]  # step 1's row cut
+    b = _tiny_actor()
+    b.load_checkpoint(got.checkpoint)  # the chosen one loads whole: weights, optimizer state, version
+    assert b.version == 1
+    assert all(torch.equal(t, weights[k]) for k, t in b.model.state_dict().items())
+
+
+def test_without_any_complete_checkpoint_the_resume_is_refused_before_anything_is_written(tmp_path):
+    """Rank 0's decision refuses (RunDirError: gyre/run.py exits 2 with it, said once; the wiring
+    is the real job in tests/faults/test_config.py), naming every checkpoint and the flag that
+    takes weights alone; nothing in the run directory changes. With the flag, the newest
+    readable weights are chosen."""
+    import torch.distributed as dist
+
+    from gyre.runtime import rundir
+
+    run, _ = _run_with_two_actor_checkpoints(tmp_path)
+    for step in (run / "checkpoints").iterdir():
+        (step / "optimizer.pt").unlink()
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    argv = ["--job", "train", "--run-dir", str(run), "--train.resume", "--train.steps", "3"]
+    with pytest.raises(rundir.RunDirError) as e:
+        rundir.resolve(parse_config(argv), 0, 1, dist.HashStore())
+    assert "no complete checkpoint" in str(e.value) and "step_000002: optimizer.pt is missing" in str(e.value)
+    assert "--train.resume-weights-only" in str(e.value)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "run.lock"} == \
+        {p: b for p, b in before.items() if p.name != "run.lock"}  # refused: nothing touched
+    got = rundir.resolve(parse_config([*argv, "--train.resume-weights-only"]), 0, 1, dist.HashStore())
+    got.lock.release()
+    assert got.checkpoint.endswith("step_000002") and got.start_version == 2
+
+
 # ----------------------------------------------------------------------------- real runs
-# One 2-step run with a checkpoint after every step; each case damages a copy of it and resumes.
-
-@pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory):
-    from tests.jobs import gyre, log_of, write_tasks
-
-    base = tmp_path_factory.mktemp("ck_run")
-    tasks = write_tasks(base / "tasks.jsonl")
-    proc = gyre(base, tasks, "--run-dir", str(base / "run"), "--train.checkpoint-every", "1", steps=2)
-    assert proc.returncode == 0, log_of(proc)[-4000:]
-    assert sorted(p.name for p in (base / "run" / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
-    return base, tasks
-
-
-def _damaged_copy(two_checkpoints, tmp_path, hurt):
-    import shutil
-
-    base, tasks = two_checkpoints
-    run = tmp_path / "run"
-    shutil.copytree(base / "run", run, symlinks=True)
-    hurt(run / "checkpoints")
-    return run, tasks
-
+# The shared finished run (tests/conftest.py: 2 steps, a checkpoint after each), copied and damaged.
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("damage", ["truncated model", "model deleted", "optimizer deleted", "version deleted"])
-def test_a_damaged_newest_checkpoint_is_skipped_by_name_and_the_older_one_resumed(two_checkpoints, tmp_path, damage):
+@pytest.mark.jobs
+def test_a_real_resume_skips_a_truncated_newest_checkpoint_by_name_and_resumes_the_older_one(finished_run, tmp_path):
     from tests.jobs import gyre, log_of, rows
 
-    run, tasks = _damaged_copy(two_checkpoints, tmp_path, lambda ck: DAMAGE[damage][0](ck / "step_000002"))
-    proc = gyre(tmp_path, tasks, "--run-dir", str(run), "--train.resume", steps=3)
+    run = finished_run.copy_of(tmp_path / "run")
+    DAMAGE["truncated model"][0](run / "checkpoints" / "step_000002")
+    proc = gyre(tmp_path, finished_run.tasks, "--run-dir", str(run), "--train.resume", steps=3)
     log = log_of(proc)
     assert proc.returncode == 0, log[-4000:]
-    assert f"step_000002 skipped: {DAMAGE[damage][1]}" in log, log[-4000:]
+    assert f"step_000002 skipped: {DAMAGE['truncated model'][1]}" in log, log[-4000:]
     assert "SafetensorError" not in log
     attempt = json.loads((run / "run.json").read_text())["attempts"][-1]
     assert attempt["start_version"] == 1 and attempt["resumed_from"].endswith("step_000001")
@@ -191,23 +248,15 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_name_and_the_older_one_resume
 
 
 @pytest.mark.multirank
-def test_without_any_complete_checkpoint_the_resume_is_refused_before_anything_starts(two_checkpoints, tmp_path):
+@pytest.mark.jobs
+def test_a_weights_only_resume_trains_on_with_a_fresh_optimizer(finished_run, tmp_path):
     from tests.jobs import gyre, log_of, rows
 
-    def drop_every_optimizer(ck):
-        for step in ck.iterdir():
-            (step / "optimizer.pt").unlink()
-
-    run, tasks = _damaged_copy(two_checkpoints, tmp_path, drop_every_optimizer)
-    metrics_before = (run / "metrics.jsonl").read_text()
-    proc = gyre(tmp_path, tasks, "--run-dir", str(run), "--train.resume", steps=3, timeout=120)
-    log = log_of(proc)
-    assert proc.returncode != 0 and "exitcode  : 2" in log, log[-3000:]
-    assert "no complete checkpoint" in log and "step_000002: optimizer.pt is missing" in log
-    assert "--train.resume-weights-only" in log and "proxy listening" not in log
-    assert (run / "metrics.jsonl").read_text() == metrics_before  # refused: nothing touched
-    # The flag accepts the newest readable weights, with a fresh optimizer.
-    proc = gyre(tmp_path, tasks, "--run-dir", str(run), "--train.resume", "--train.resume-weights-only", steps=3)
+    run = finished_run.copy_of(tmp_path / "run")
+    for step in (run / "checkpoints").iterdir():
+        (step / "optimizer.pt").unlink()
+    proc = gyre(tmp_path, finished_run.tasks, "--run-dir", str(run), "--train.resume", "--train.resume-weights-only",
+                steps=3)
     assert proc.returncode == 0, log_of(proc)[-4000:]
     assert "optimizer.pt (optimizer state) is missing; --train.resume-weights-only" in log_of(proc)
     assert [r["step"] for r in rows(run / "metrics.jsonl")] == [0, 1, 2]

@@ -1,6 +1,10 @@
-"""A config that cannot work is refused on every rank before any work starts (real torchrun, 2
-ranks): exit 2, one message naming the flag, said once by rank 0, and nothing left behind (no
-run directory, no prepared data, no engine, proxy or harness started).
+"""A config that cannot work is refused on every rank before any work starts: one message naming
+the flag, and nothing left behind (no run directory, no prepared data, no engine, proxy or
+harness started).
+
+The messages come from `check_train_config`, which every rank runs before the run directory is
+decided: each bad value is proven in-process (milliseconds). The wiring is proven once, by a real
+job (torchrun, 2 ranks; the last test): a refusal exits 2, said once by rank 0, nothing started.
 
 Before, these surfaced only after preparation, engine start and proxy bind, and left a
 step_000000 checkpoint behind in a run directory of their own.
@@ -10,8 +14,6 @@ step_000000 checkpoint behind in a run directory of their own.
 import pytest
 
 from tests.jobs import gyre, log_of, write_tasks
-
-pytestmark = pytest.mark.multirank
 
 
 def _bad_tasks(tmp_path):
@@ -37,17 +39,22 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_a_bad_value_is_refused_up_front_with_exit_2_naming_the_flag(tmp_path, case):
+def test_a_bad_value_is_refused_up_front_naming_the_flag(tmp_path, monkeypatch, case):
+    """In-process, what every rank runs before the run directory is decided (gyre/run.py: parse,
+    then `check_train_config`); the message starts with the flag and nothing is written. Exit 2
+    and "said once by rank 0" are the wiring: the real job at the end of this file."""
     make, message = CASES[case]
-    tasks = write_tasks(tmp_path / "tasks.jsonl")
     work = tmp_path / "cwd"
     work.mkdir()
-    proc = gyre(work, tasks, *make(tmp_path), timeout=120)
-    log = log_of(proc)
-    assert proc.returncode != 0 and "exitcode  : 2" in log, log[-3000:]
-    assert log.count(message.format(tmp=tmp_path)) == 1, log[-3000:]  # once: rank 0 says it
-    for started in ("run directory:", "proxy listening", "dispatched", "preparing"):
-        assert started not in log
+    monkeypatch.chdir(work)
+    tasks = write_tasks(tmp_path / "tasks.jsonl")
+    from gyre.config import ConfigError, check_train_config, parse_config
+
+    argv = ["--job", "train", "--model.preset", "tiny", "--executions.dataset.path", str(tasks),
+            "--executions.runner.sandbox", "none", *make(tmp_path)]
+    with pytest.raises(ConfigError) as e:
+        check_train_config(parse_config(argv), 1)
+    assert str(e.value).startswith(message.format(tmp=tmp_path)), str(e.value)
     assert list(work.iterdir()) == []  # no runs/, no run directory, no checkpoint
 
 
@@ -162,8 +169,11 @@ def _write_tasks_only(prepare_dir, seed=0, with_checkpoint=True):
     return str(write_tasks(Path(prepare_dir) / "tasks.jsonl"))
 
 
+@pytest.mark.multirank
+@pytest.mark.jobs
 def test_a_checkpoint_the_prepare_hook_does_not_write_is_refused_before_run_json(tmp_path):
-    """The one real launch: `--model.checkpoint` under `--train.prepare-dir` is left to the hook;
+    """The one real launch (the wiring of every refusal above: exit 2, said once by rank 0,
+    nothing started): `--model.checkpoint` under `--train.prepare-dir` is left to the hook;
     one it does not write is refused after it ran, on every rank, before the run directory exists
     (before: a loader's message after run.json, and the corrected command refused)."""
     data, run = tmp_path / "data", tmp_path / "run"
@@ -175,6 +185,8 @@ def test_a_checkpoint_the_prepare_hook_does_not_write_is_refused_before_run_json
     log = log_of(proc)
     message = f"--model.checkpoint {data}/warm_start: no such directory (--train.prepare"
     assert proc.returncode != 0 and "exitcode  : 2" in log, log[-3000:]
-    assert log.count(message) == 1, log[-3000:]
+    assert log.count(message) == 1, log[-3000:]  # once: rank 0 says it
+    for started in ("run directory:", "proxy listening", "dispatched"):
+        assert started not in log
     assert (data / "tasks.jsonl").is_file()  # the hook ran
     assert not run.exists() and list(work.iterdir()) == []  # no run.json: the corrected command is not refused

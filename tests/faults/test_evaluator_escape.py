@@ -75,6 +75,7 @@ def test_a_linked_workspace_is_not_scored_from_there_nor_written_there(tmp_path,
     _check_group(runner.run_dir, "host", host)
 
 
+@pytest.mark.jobs
 @pytest.mark.multirank
 def test_a_real_run_excludes_steered_executions_and_writes_nothing_where_they_point(tmp_path):
     """Default sandbox (bwrap here, else none): step 0 links to the sibling, step 1 to a host directory."""

@@ -21,7 +21,7 @@ import pytest
 
 from tests.jobs import command_in, reap, start, tiny_task, wait_for, write_task_rows
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
 
 PROGRESS_S, CONTROL_S = 3.0, 15.0
 

@@ -22,7 +22,7 @@ import pytest
 
 from tests.jobs import AWK_EVALUATOR, FAULTS, SLEEPER, command_in, marked, reap, start, wait_for, write_task_rows
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
 
 CAP = 4096
 

@@ -20,7 +20,7 @@ import pytest
 
 from tests.jobs import ROOT, command, env, rows, worker_pid, write_tasks
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
 
 
 @pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.slow)], ids=["satellite", "core"])

@@ -33,7 +33,7 @@ from gyre import checkpoint
 from tests.jobs import (AWK_EVALUATOR, SLEEPER, command_in, reap, rows, start, tiny_task, wait_for,
                         write_task_rows)
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
 
 
 def _tasks(path: Path, marker: str | None = None) -> Path:

@@ -13,21 +13,21 @@ the last step minus at the first, with a bootstrap over whole groups. Five seeds
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.jobs import launcher
+
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.slow, pytest.mark.multirank]
+pytestmark = [pytest.mark.slow, pytest.mark.multirank, pytest.mark.jobs]
 
 
 def test_cpu_demo_reward_rises(tmp_path):
     data = os.environ.get("GYRE_CPU_DEMO_DATA") or str(tmp_path / "data")
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "gyre.run",
-           "--preset", "cpu-demo", "--run-dir", str(run_dir), "--train.prepare-dir", data,
+    cmd = [*launcher(4), "--preset", "cpu-demo", "--run-dir", str(run_dir), "--train.prepare-dir", data,
            "--model.checkpoint", f"{data}/warm_start", "--executions.dataset.path", f"{data}/tasks.jsonl"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]

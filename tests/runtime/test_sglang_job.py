@@ -4,7 +4,7 @@ engine is the SGLang adapter (`gyre.backends.engines.sglang_engine`) over the co
 the actors are CPU actors. Cells flip between rollout and training, so the adapter is driven
 through start under torchrun, generation for harness subprocesses, drains with calls in flight,
 release, resume and published weight updates. Checked on what the run leaves behind:
-  * the run completes its steps, no harness call was aborted, and calls were rerouted;
+  * the run completes its steps, no harness call was aborted by a switch, and calls were rerouted;
   * every control call the fake saw (its trace) succeeded: each weight update inside a
     pause → begin → update → end → continue session, no release refused by the scheduler's
     idle assertion (the fake stays dead after one, and the run would fail);
@@ -12,21 +12,19 @@ release, resume and published weight updates. Checked on what the run leaves beh
 """
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.jobs import tiny_task, write_task_rows
+from tests.jobs import RUNS, nothing_aborted_but_the_cancelled_at_the_end, tiny_task, write_task_rows
+from tests.jobs import env as jobs_env
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
 SESSION = ["PauseGenerationReqInput", "BeginWeightUpdateReqInput", "UpdateWeightsFromTensorReqInput",
            "EndWeightUpdateReqInput", "ContinueGenerationReqInput"]
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
 
 
 def _tasks(path: Path) -> Path:
@@ -37,16 +35,8 @@ def _tasks(path: Path) -> Path:
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sglang_job")
     run_dir, trace = tmp / "run", tmp / "trace.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m", "gyre.run",
-           "--job", "train", "--run-dir", str(run_dir), "--model.preset", "tiny", "--seed", "1",
-           "--backend.engine", "sglang",
-           "--executions.dataset.path", str(_tasks(tmp / "tasks.jsonl")), "--executions.runner.timeout-s", "300",
-           "--executions.runner.max-concurrency", "12",
-           "--scheduler.n-per-group", "3", "--scheduler.batch-groups", "2", "--scheduler.mu", "2",
-           "--scheduler.phi", "0.5", "--scheduler.tick-s", "0.1", "--scheduler.tau", "30", "--scheduler.rho-min", "0.5",
-           "--train.steps", str(STEPS), "--train.max-tokens", "1400", "--train.cell-concurrency", "8"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "GYRE_SGLANG_API": "tests.backends.sglang_fake:API", "GYRE_FAKE_SGLANG_TRACE": str(trace),
+    cmd = RUNS["sglang"].command(_tasks(tmp / "tasks.jsonl"), run_dir, steps=STEPS)
+    env = {**jobs_env(), "GYRE_SGLANG_API": "tests.backends.sglang_fake:API", "GYRE_FAKE_SGLANG_TRACE": str(trace),
            "GYRE_FAKE_SGLANG_STEP_S": "0.01"}  # a decode-step floor keeps calls in flight at switches
     proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=900, env=env)
     (tmp / "log.txt").write_text(proc.stdout + proc.stderr)
@@ -60,7 +50,7 @@ def run(tmp_path_factory):
 def test_the_job_runs_through_the_sglang_adapter_without_aborting_a_call(run):
     assert [r["step"] for r in run["rows"]] == list(range(STEPS))
     s = run["summary"]
-    assert s["aborted_calls"] == 0 and set(s["execution_outcomes"]) == {"completed"}, s["execution_outcomes"]
+    nothing_aborted_but_the_cancelled_at_the_end(s)
     assert s["reroutes"] > 0, "no call was in flight on a cell when it left rollout; the run proves nothing"
 
 

@@ -1,6 +1,6 @@
 """The experiment trackers (`--tracking.tensorboard`, `--tracking.wandb`) are copies of
-metrics.jsonl: a real tiny job (torchrun, 2 gloo ranks, tiny model, 2 steps) writes TensorBoard
-event files, read back with TensorBoard's own reader, whose scalars equal metrics.jsonl's rows;
+metrics.jsonl: the shared finished run (tests/conftest.py; torchrun, 2 gloo ranks, tiny model, 2
+steps) writes TensorBoard event files, read back with TensorBoard's own reader, whose scalars equal metrics.jsonl's rows;
 where `wandb` is installed the same job also writes an offline W&B run, whose history is read back
 from its `.wandb` log. Plus the pure parts: flattening a row, the fan-out, the config check.
 """
@@ -19,8 +19,6 @@ from gyre.config import ConfigError, TrackingConfig, check_tracking
 from gyre.runtime.outputs import Trackers, flatten_numeric
 
 ROOT = Path(__file__).resolve().parents[2]
-HARNESS = Path(__file__).resolve().with_name("tiny_harness.py")
-AWK_EVALUATOR = ["awk", "{n++; if (length($0) % 2 == 0) e++} END {print (n ? e / n : 0)}", "answer.txt"]
 STEPS = 2
 
 
@@ -133,36 +131,14 @@ def test_the_missing_package_stops_the_run_before_it_starts_with_exit_2(tmp_path
 
 
 # ----------------------------------------------------------------------------- a real job
-def _tasks(path: Path) -> Path:
-    with path.open("w") as f:
-        for i in range(4):
-            f.write(json.dumps({"task_id": f"t{i}", "instruction": "say words",
-                                "harness": [sys.executable, str(HARNESS), "1", "16"],
-                                "evaluator": {"command": AWK_EVALUATOR}}) + "\n")
-    return path
-
-
-@pytest.fixture(scope="module")
-def tracked_run(tmp_path_factory) -> Path:
-    """A tiny job with TensorBoard on (and W&B offline where wandb is installed); its run dir."""
+@pytest.fixture
+def tracked_run(finished_run) -> Path:
+    """The shared finished run (tests/conftest.py: 2 ranks, 2 steps, TensorBoard on, and W&B
+    offline where wandb is installed); its run dir."""
     if not _have("tensorboard"):
         pytest.skip("tensorboard is not installed (pip install -e '.[test]')")
-    tmp = tmp_path_factory.mktemp("tracked")
-    run_dir = tmp / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gyre.run",
-           "--job", "train", "--run-dir", str(run_dir), "--model.preset", "tiny", "--seed", "1",
-           "--executions.dataset.path", str(_tasks(tmp / "tasks.jsonl")), "--executions.runner.timeout-s", "120",
-           "--scheduler.mode", "async", "--scheduler.async-train-cells", "1", "--scheduler.n-per-group", "2",
-           "--scheduler.batch-groups", "2", "--scheduler.mu", str(STEPS), "--scheduler.phi", "0.5",
-           "--scheduler.tick-s", "0.1", "--train.steps", str(STEPS), "--train.max-tokens", "512",
-           "--train.drain-at-end-s", "5", "--tracking.tensorboard"]
-    if _have("wandb"):
-        cmd += ["--tracking.wandb", "--tracking.wandb-project", "gyre-test", "--tracking.wandb-mode", "offline"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "WANDB_SILENT": "true", "WANDB_DISABLE_CODE": "true"}
-    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    return run_dir
+    assert finished_run.steps == STEPS
+    return finished_run.dir
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -171,6 +147,7 @@ def _rows(run_dir: Path) -> list[dict]:
     return rows
 
 
+@pytest.mark.jobs
 @pytest.mark.multirank
 def test_tensorboard_scalars_equal_the_metrics_rows(tracked_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -231,6 +208,7 @@ def _wandb_records(path: Path) -> list:
     return records
 
 
+@pytest.mark.jobs
 @pytest.mark.multirank
 def test_wandb_offline_history_equals_the_metrics_rows(tracked_run):
     if not _have("wandb"):
@@ -262,6 +240,7 @@ def test_wandb_offline_history_equals_the_metrics_rows(tracked_run):
     assert exit_rec.exit_code == 0
 
 
+@pytest.mark.jobs
 @pytest.mark.multirank
 def test_gyre_report_renders_the_real_run(tracked_run, tmp_path):
     from gyre.report import render

@@ -6,6 +6,8 @@ job writes (run_dir/transport/rank_<r>.json):
   * satellites read snapshots one-sidedly (their engines' first weights, the published version),
     and a broadcast over a prefix group happened;
   * torch and mooncake: not one parameter byte went through torchrun's store.
+The torch transport (the default) is checked on tests/runtime/test_train_e2e.py's run instead of
+a job of its own.
 Mooncake runs inside a private network namespace (it listens on every interface) or is skipped.
 Also: `python -m gyre.run --help` documents the transfer options and their choices.
 """
@@ -19,42 +21,27 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import netns_problem
+from tests.jobs import RUNS, env, tiny_task, write_task_rows
 
 ROOT = Path(__file__).resolve().parents[2]
-HARNESS = Path(__file__).resolve().with_name("tiny_harness.py")
-AWK_EVALUATOR = ["awk", "{n++; if (length($0) % 2 == 0) e++} END {print (n ? e / n : 0)}", "answer.txt"]
 STEPS = 2
 
 
-def _tasks(path: Path) -> Path:
-    with path.open("w") as f:
-        for i in range(4):
-            f.write(json.dumps({"task_id": f"t{i}", "instruction": "say words",
-                                "harness": [sys.executable, str(HARNESS), "1", "24"],
-                                "evaluator": {"command": AWK_EVALUATOR}}) + "\n")
-    return path
-
-
 def _command(run_dir: Path, tasks: Path, transport: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m", "gyre.run",
-            "--job", "train", "--run-dir", str(run_dir), "--model.preset", "tiny", "--seed", "1",
-            "--executions.dataset.path", str(tasks), "--executions.runner.timeout-s", "120",
-            "--scheduler.mode", "async", "--scheduler.async-train-cells", "2", "--scheduler.n-per-group", "2", "--scheduler.batch-groups", "2",
-            "--scheduler.mu", str(STEPS), "--scheduler.phi", "0.5", "--scheduler.tick-s", "0.1",
-            "--train.steps", str(STEPS), "--train.max-tokens", "512", "--train.drain-at-end-s", "5",
-            # A paced actor (~0.5 s a micro-step) keeps the core from claiming every item of a step
-            # before cell 1 (whose first actor build takes seconds) asks for work: cell 1 joins.
-            "--actor.min-s-per-ktok", "4",
-            "--transfer.transport", transport]
+    # tests/jobs.py RUNS["transports"]: 3 ranks, Async with 2 training cells, a paced actor (~0.5 s
+    # a micro-step) that keeps the core from claiming every item of a step before cell 1 (whose
+    # first actor build takes seconds) asks for work: cell 1 joins. The harness goes through the
+    # openai SDK here: with the stdlib tiny harness cell 1 did not join (twice, on a loaded
+    # machine; the cause is not understood yet: the run's timing, not the wire, is the suspect).
+    return RUNS["transports"].command(tasks, run_dir, "--transfer.transport", transport, steps=STEPS)
 
 
 def _run(tmp_path: Path, transport: str, prefix: list[str] = ()) -> dict:
     run_dir = tmp_path / "run"
-    cmd = _command(run_dir, _tasks(tmp_path / "tasks.jsonl"), transport)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = _command(run_dir, write_task_rows(tmp_path / "tasks.jsonl", [tiny_task(1, 24, sdk=True)] * 4), transport)
     if prefix:  # inside a private network namespace: bring loopback up first
         cmd = [*prefix, "sh", "-c", "ip link set lo up && exec " + " ".join(f"'{c}'" for c in cmd)]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env())
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -64,10 +51,14 @@ def _run(tmp_path: Path, transport: str, prefix: list[str] = ()) -> dict:
     return stats
 
 
-def _check(stats: dict, transport: str) -> None:
+def check_stats(stats: dict, transport: str, steps: int = STEPS) -> None:
+    """What every rank's run_dir/transport/rank_<r>.json must show after `steps` steps (rank 0 the
+    core, every other rank a satellite). tests/runtime/test_train_e2e.py checks the default
+    transport (torch) on its 4-rank run with this too."""
     assert all(s["transport"] == transport for s in stats.values())
-    assert stats[0]["posts"] == STEPS + 1  # version 0 and one per step
-    satellites = [stats[1], stats[2]]
+    assert stats[0]["posts"] == steps + 1  # version 0 and one per step
+    satellites = [s for r, s in stats.items() if r != 0]
+    assert satellites
     assert all(s["fetches"] >= 1 for s in satellites)  # one-sided reads by the satellites
     assert stats[0]["broadcasts"] >= 1 and any(s["broadcasts"] >= 1 for s in satellites)
     path = {"store": "store", "torch": "torch", "mooncake": "mooncake"}[transport]
@@ -79,19 +70,22 @@ def _check(stats: dict, transport: str) -> None:
             assert s["bytes_by_path"]["store"] == 0, (rank, s)  # no parameter byte through the store
 
 
+@pytest.mark.jobs
 @pytest.mark.multirank
-@pytest.mark.parametrize("transport", ["store", "torch"])
-def test_a_tiny_job_per_transport(tmp_path, transport):
-    _check(_run(tmp_path, transport), transport)
+def test_a_tiny_job_over_the_store(tmp_path):
+    """The store transport (parameters through torchrun's store). The default, torch, is checked
+    on the 4-rank run of tests/runtime/test_train_e2e.py (no job of its own)."""
+    check_stats(_run(tmp_path, "store"), "store")
 
 
+@pytest.mark.jobs
 @pytest.mark.multirank
 def test_a_tiny_job_over_mooncake_inside_a_private_netns(tmp_path):
     problem = netns_problem()
     if problem:
         pytest.skip(problem)
     prefix = ["unshare", "--net"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
-    _check(_run(tmp_path, "mooncake", prefix), "mooncake")
+    check_stats(_run(tmp_path, "mooncake", prefix), "mooncake")
 
 
 def test_help_lists_the_transfer_options_and_their_choices():

@@ -15,7 +15,6 @@ the run). Real servers (`serve_engine` with the deterministic engine), real HTTP
 
 import asyncio
 import json
-import os
 import re
 import subprocess
 import sys
@@ -32,8 +31,9 @@ from gyre.backends.engines.engine_http import HttpEngine, serve_engine
 from gyre.backends.protocols import SamplingParams
 from gyre.proxy.router import Router
 from gyre.serving import route_address
+from tests.jobs import RUNS, write_tasks
+from tests.jobs import env as jobs_env
 
-ROOT = Path(__file__).resolve().parents[2]
 WEIGHTS = st_save({"w": torch.ones(2)})
 BAD = {"none": {}, "wrong": {"Authorization": "Bearer not-the-secret"}, "empty bearer": {"Authorization": "Bearer "},
        "no scheme": None}  # None: the right secret without "Bearer " (filled in below)
@@ -211,6 +211,7 @@ def _share(rank: int, init: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 def test_the_secret_reaches_every_rank_and_not_the_store(tmp_path):
     import torch.multiprocessing as mp
 
@@ -225,28 +226,19 @@ def test_the_secret_reaches_every_rank_and_not_the_store(tmp_path):
     assert base64.urlsafe_b64decode(s0 + "=") not in raw
 
 
+@pytest.mark.jobs
 def test_a_job_trains_with_auth_on_and_a_hostile_harness_is_refused(tmp_path):
     steps = 2
     report = tmp_path / "report"
     report.mkdir()
     harness = Path(__file__).with_name("hostile_harness.py")
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({"task_id": f"t{i}", "instruction": "say words", "harness": [sys.executable, str(harness), str(report)],
-                                         "evaluator": {"command": ["awk", "{n++; if (length($0) % 2 == 0) e++} END {print (n ? e / n : 0)}", "answer.txt"]}}) + "\n"
-                             for i in range(4)))
+    tasks = write_tasks(tmp_path / "tasks.jsonl", [sys.executable, str(harness), str(report)])
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gyre.run",
-           "--job", "train", "--run-dir", str(run_dir), "--model.preset", "tiny", "--seed", "1",
-           "--executions.dataset.path", str(tasks), "--executions.runner.timeout-s", "120",
-           "--scheduler.mode", "async", "--scheduler.async-train-cells", "1", "--scheduler.n-per-group", "2",
-           "--scheduler.batch-groups", "2", "--scheduler.mu", str(steps), "--scheduler.phi", "0.5",
-           "--scheduler.tick-s", "0.1", "--train.steps", str(steps), "--train.max-tokens", "512",
-           "--train.drain-at-end-s", "5", "--proxy.host", "0.0.0.0",  # one node: engines bind loopback anyway
-           # the worst case for the engines: a harness outside any sandbox (a sandboxed one cannot
-           # even reach them: tests/security/test_sandbox.py)
-           "--executions.runner.sandbox", "none"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    # tests/jobs.py RUNS["async"]; the worst case for the engines: a harness outside any sandbox
+    # (a sandboxed one cannot even reach them: tests/security/test_sandbox.py).
+    cmd = RUNS["async"].command(tasks, run_dir, "--proxy.host", "0.0.0.0",  # one node: engines bind loopback anyway
+                                steps=steps, sandbox="none")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=jobs_env())
     log, urls = [], []
     for line in proc.stdout:  # hand the engines' URLs to the hostile harness as they are announced
         log.append(line)

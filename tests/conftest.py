@@ -1,0 +1,103 @@
+"""What every test shares: the `jobs` marker kept truthful, and the finished tiny run.
+
+* A test that starts a real job (torchrun running `gyre.run --job train` or a preset) without
+  `@pytest.mark.jobs` fails at the launch, naming the marker: the tiers in README "Tests" select
+  on it (`-m "not jobs"` is the inner loop), so a job without it would silently make that tier
+  slow again.
+* every `multirank` test (a multi-process gloo world) is a `jobs` test too: measured, the gloo
+  worlds were about a third of the `-m "not jobs"` tier's time.
+* `slow` tests run only when the `-m` expression names `slow`: pytest.ini's `-m "not slow"` is
+  replaced by any `-m` on the command line, and `-m "not jobs"` (the inner loop) must not bring
+  the slow tier back.
+* `finished_run`: one finished tiny run (tests/jobs.py `RUNS["finished"]`: 2 ranks, 2 steps, a
+  checkpoint after each, TensorBoard on, and W&B offline where wandb is installed), built once per
+  test session on first use. Resume and damaged-checkpoint tests copy it (`copy_of`) instead of
+  each starting their own first run; the tracking tests read its tracker files.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+_current: list[pytest.Item] = []
+
+
+def _is_job(args) -> bool:
+    argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+    launcher = "torch.distributed.run" in argv or any(Path(a).name == "torchrun" for a in argv[:1])
+    return launcher and "gyre.run" in argv
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:  # a gloo world is a job too: the inner loop (-m "not jobs") leaves both out
+        if item.get_closest_marker("multirank") is not None and item.get_closest_marker("jobs") is None:
+            item.add_marker(pytest.mark.jobs)
+    if "slow" in (config.option.markexpr or ""):
+        return
+    slow = [i for i in items if i.get_closest_marker("slow") is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [i for i in items if i.get_closest_marker("slow") is None]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current.append(item)
+    try:
+        return (yield)
+    finally:
+        _current.pop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _jobs_are_marked():
+    real = subprocess.Popen.__init__
+
+    def init(self, args, *a, **kw):
+        item = _current[-1] if _current else None
+        if item is not None and item.get_closest_marker("jobs") is None and _is_job(args):
+            raise AssertionError(f"{item.nodeid} starts a real job (torchrun -m gyre.run) without "
+                                 "@pytest.mark.jobs; README 'Tests' tiers select on it")
+        real(self, args, *a, **kw)
+
+    subprocess.Popen.__init__ = init
+    yield
+    subprocess.Popen.__init__ = real
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    dir: Path  # the run directory: checkpoints/step_000001, step_000002, metrics.jsonl, run.json, ...
+    tasks: Path  # the tasks file it trained on (4 tiny-harness tasks)
+    steps: int
+
+    def copy_of(self, dest: Path) -> Path:
+        """A private copy of the run directory at `dest` (symlinks kept as links)."""
+        shutil.copytree(self.dir, dest, symlinks=True)
+        return dest
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory) -> FinishedRun:
+    import importlib.util
+
+    from tests.jobs import RUNS, env, log_of, write_tasks
+
+    base = tmp_path_factory.mktemp("finished_run")
+    tasks, run = write_tasks(base / "tasks.jsonl"), base / "run"
+    spec = RUNS["finished"]
+    tracking = []  # tests/runtime/test_tracking.py reads them (it skips without the packages)
+    if importlib.util.find_spec("tensorboard") is not None:
+        tracking += ["--tracking.tensorboard"]
+    if importlib.util.find_spec("wandb") is not None:
+        tracking += ["--tracking.wandb", "--tracking.wandb-project", "gyre-test", "--tracking.wandb-mode", "offline"]
+    proc = subprocess.run(spec.command(tasks, run, *tracking), cwd=base, capture_output=True, text=True, timeout=300,
+                          env={**env(), "WANDB_SILENT": "true", "WANDB_DISABLE_CODE": "true"})
+    assert proc.returncode == 0, log_of(proc)[-4000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    return FinishedRun(run, tasks, spec.settings["steps"])
