@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -14,6 +15,8 @@ def _env_and_sum():
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]), t.item()
 
 
+@pytest.mark.multirank
+@pytest.mark.jobs  # a gloo world
 def test_ranks_get_torchrun_env_and_allreduce():
     out = run_ranks(_env_and_sum, 3)
     assert [o[0] for o in out] == [0, 1, 2]

@@ -489,6 +489,7 @@ def test_update_from_the_core_over_a_weight_update_group(ckpt):
     assert (lp[k:] - _ref(new, PROMPT, out)[k:]).abs().max() < 1e-4
 
 
+@pytest.mark.jobs  # runs the whole device-check script
 def test_the_gpu_check_script_passes_against_the_fake(tmp_path):
     """tests/gpu/sglang_check.py (the first command on a GPU box) is itself exercised here, with
     the fake standing in for sglang: its checks hold where SGLang follows the fake's semantics."""

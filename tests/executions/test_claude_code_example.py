@@ -126,7 +126,7 @@ def test_claude_code_is_told_the_proxy_context_so_it_compacts_in_time():
     proxy's (GYRE_MAX_CONTEXT_TOKENS, which the runner sets from the proxy's config) as its
     auto-compact window, and caps its output to leave the prompt room."""
     from examples.claude_code.run_claude import claude_env
-    from gyre.executions.runner import GyreProxyAccess
+    from gyre.runtime.proxy_access import GyreProxyAccess
     from gyre.proxy.config import ProxyConfig
 
     env = claude_env("m", api_timeout_ms=1, bash_timeout_ms=1, max_output_tokens=32000, context_tokens=65536)
@@ -151,7 +151,7 @@ def test_real_claude_code_compacts_past_the_proxy_context_and_keeps_its_roles(tm
     from gyre.backends.models.tokenizer import byte_token_ids, load_tokenizer
     from gyre.executions.config import EvaluatorConfig, RunnerConfig
     from gyre.executions.evaluator import Evaluator, Outcome
-    from gyre.executions.runner import GyreProxyAccess, HarnessRunner
+    from gyre.runtime.proxy_access import GyreProxyAccess, HarnessRunner
     from gyre.executions.tasks import ExecutionSpec, Task
     from gyre.proxy import MemorySink, Proxy, ProxyConfig, serve_proxy
     from gyre.trajectory.record import Role

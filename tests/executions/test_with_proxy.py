@@ -179,6 +179,7 @@ def _task(tid, script, arg):
                 evaluator=EvaluatorSpec("python", lambda ws, t: 1.0))
 
 
+@pytest.mark.jobs  # a real harness runs to its timeout against the built-in engine: a whole execution end to end
 def test_timed_out_cpu_demo_execution_gets_partial_reward(tmp_path, proxy_server):
     """Acceptance: the cpu_demo harness writes three of its six files, then the model stalls
     (endless text, never a tool call) until the runner's timeout kills the harness. The

@@ -117,6 +117,7 @@ def test_a_tracker_without_its_package_is_a_config_error(monkeypatch, flag):
     check_tracking(TrackingConfig())  # off: nothing is needed
 
 
+@pytest.mark.jobs  # launches python -m gyre.run (it exits before any rank starts)
 def test_the_missing_package_stops_the_run_before_it_starts_with_exit_2(tmp_path):
     """`python -m gyre.run` (a world of one) with the package hidden: rank 0 says it once, exit 2."""
     code = ("import sys; sys.modules['tensorboard'] = None; from gyre.run import main; "
