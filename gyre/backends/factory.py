@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from gyre.backends.config import SGLANG_API_ENV
+from gyre.backends.config import SGLANG_API_ENV, BuildConfig
 from gyre.backends.protocols import Actor, RolloutEngine, WeightTransport
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def runnable(kinds: dict[str, str | None], *, cuda: bool = False) -> list[str]:
     return [k for k in kinds if why_not(kinds, k, cuda=cuda) is None]
 
 
-def check_backends(cfg: Any) -> None:
+def check_backends(cfg: BuildConfig) -> None:
     """Refuse a backend choice that cannot run, before anything starts (gyre.config.ConfigError,
     naming the flag)."""
     from gyre.errors import ConfigError
@@ -119,14 +119,14 @@ def check_model_checkpoint(path: str) -> None:
         raise ConfigError(f"--model.checkpoint {path}: {e}") from None
 
 
-def set_threads(cfg: Any) -> None:
+def set_threads(cfg: BuildConfig) -> None:
     """torch intra-op threads for this process (`--train.torch-threads`; 0 leaves torch's)."""
     if cfg.train.torch_threads > 0:
         torch.set_num_threads(cfg.train.torch_threads)
 
 
 # ----------------------------------------------------------------------------- models
-def model_config_of(cfg: Any, vocab: int) -> Any:
+def model_config_of(cfg: BuildConfig, vocab: int) -> Any:
     """The model architecture: the checkpoint's own config.json when `--model.checkpoint` is
     given (its family checked against `gyre.backends.models.arch`), else the preset's Qwen2 config."""
     if cfg.model.checkpoint:
@@ -141,7 +141,7 @@ def model_config_of(cfg: Any, vocab: int) -> Any:
     return model_config(cfg.model.preset, vocab)
 
 
-def _initial_model(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Any, Path | None]:
+def _initial_model(cfg: BuildConfig, vocab: int, checkpoint_dir: Path) -> tuple[Any, Path | None]:
     """The core's starting model: the newest checkpoint (resume), the given one, or a preset."""
     from gyre.backends.models.hf import build_model, dtype_of, load_model
     from gyre.logging_utils import ONCE
@@ -162,7 +162,7 @@ def _initial_model(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Any, Pat
 
 
 # ----------------------------------------------------------------------------- actors and engines
-def build_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Actor, Any]:
+def build_core_actor(cfg: BuildConfig, vocab: int, checkpoint_dir: Path) -> tuple[Actor, Any]:
     """The core's actor (authoritative weights and optimizer state, docs/design.md §1) and its
     model config: the newest checkpoint with optimizer state and version (`--train.resume`),
     `--model.checkpoint`, or the preset's seeded weights."""
@@ -180,7 +180,7 @@ def build_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Actor,
     return actor, model.config
 
 
-def build_actor(cfg: Any, model_config: Any, *, is_core: bool) -> Actor:
+def build_actor(cfg: BuildConfig, model_config: Any, *, is_core: bool) -> Actor:
     """A fresh actor of `--backend.actor` for `model_config` (its weights come from a snapshot:
     version -1 until the first import)."""
     if cfg.backend.actor == "megatron":  # shaped from the config alone: no HF-sized model is built
@@ -198,7 +198,7 @@ def build_actor(cfg: Any, model_config: Any, *, is_core: bool) -> Actor:
     return actor
 
 
-def megatron_config_of(cfg: Any) -> Any:
+def megatron_config_of(cfg: BuildConfig) -> Any:
     """The Megatron layout of a cell: `--parallel.tp/pp/cp/ep` (one fact, one place), parameter
     dtype `--model.dtype`."""
     from gyre.backends.config import MegatronConfig
@@ -208,7 +208,7 @@ def megatron_config_of(cfg: Any) -> Any:
                           context_parallel_size=p.cp, expert_model_parallel_size=p.ep, params_dtype=cfg.model.dtype)
 
 
-def _megatron_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Actor, Any]:
+def _megatron_core_actor(cfg: BuildConfig, vocab: int, checkpoint_dir: Path) -> tuple[Actor, Any]:
     """The core's MegatronActor: a checkpoint (the resumed one, else `--model.checkpoint`) is read
     one tensor at a time into the rank's shards (`MegatronActor.from_checkpoint`), never as a whole
     HF model in host memory; a preset is small and built as before."""
@@ -238,7 +238,7 @@ def _megatron_core_actor(cfg: Any, vocab: int, checkpoint_dir: Path) -> tuple[Ac
     return actor, actor.hf_config
 
 
-def _megatron_actor(cfg: Any, model: Any, *, is_core: bool) -> Actor:
+def _megatron_actor(cfg: BuildConfig, model: Any, *, is_core: bool) -> Actor:
     """A MegatronActor (imported here: megatron is a GPU extra) holding `model`'s HF weights."""
     from gyre.backends.actors.megatron_actor import MegatronActor
 
@@ -246,7 +246,7 @@ def _megatron_actor(cfg: Any, model: Any, *, is_core: bool) -> Actor:
                          optim=cfg.actor, loss=cfg.loss, seed=cfg.model.seed)
 
 
-def build_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *, version: int,
+def build_engine(cfg: BuildConfig, model_config: Any, params: dict[str, torch.Tensor], *, version: int,
                  eos_token_ids: list[int], name: str, sampleable_vocab: int | None = None) -> RolloutEngine:
     """A rollout engine of `--backend.engine` serving `params` as `version` (not started).
     `sampleable_vocab`: ids >= it are never sampled (the tokenizer's size when the checkpoint
@@ -265,7 +265,7 @@ def build_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *
     return engine
 
 
-def build_sglang_engine(cfg: Any, model_config: Any, params: dict[str, torch.Tensor], *, version: int,
+def build_sglang_engine(cfg: BuildConfig, model_config: Any, params: dict[str, torch.Tensor], *, version: int,
                         eos_token_ids: list[int], name: str, sampleable_vocab: int | None = None) -> RolloutEngine:
     """The embedded SGLang engine of this cell (its first rank), from the run's config: the model
     directory above (under RUN_DIR/sglang/<name>/ when written), tp = the cell size, the first GPU
@@ -297,7 +297,7 @@ def build_sglang_engine(cfg: Any, model_config: Any, params: dict[str, torch.Ten
 
 
 # ----------------------------------------------------------------------------- weight transport
-def build_transport(cfg: Any, topo: Any, store: Any) -> WeightTransport:
+def build_transport(cfg: BuildConfig, topo: Any, store: Any) -> WeightTransport:
     """This rank's `--transfer.transport`. Collective for 'torch' (it creates the transport's gloo
     group): every rank calls it at the same point of start-up. The core's rank at this rank's
     position posts; with the CPU backends (cell_size 1) that is rank 0."""
@@ -322,7 +322,7 @@ def build_transport(cfg: Any, topo: Any, store: Any) -> WeightTransport:
     raise ValueError(f"transfer.transport: unknown {tc.transport!r}")  # check_backends refused it already
 
 
-def build_kv_transport(cfg: Any, topo: Any, store: Any) -> Any:
+def build_kv_transport(cfg: BuildConfig, topo: Any, store: Any) -> Any:
     """The engines' KV-migration transport (`--proxy.migration` auto|always over
     `--proxy.migration-transport`), or None when migration is off. Collective for 'gloo' (it
     creates the transport's gloo group): every rank calls it at the same point of start-up.

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from gyre.config import GyreConfig
 from gyre.errors import RunFailed
 from gyre.executions.health import HealthMonitor
 from gyre.executions.runner import EventKind, ExecutionEvent, HarnessRunner
@@ -67,7 +68,7 @@ class Controller:
     """Start with `start()` on rank 0 after the workers' engines are announced; `join()` waits.
     The run ends after `train.steps` optimizer steps (the stop sequence: `gyre.runtime.stop`)."""
 
-    def __init__(self, cfg: Any, topo: Topology, store: Any, start_version: int = 0, engine_secret: str | None = None,
+    def __init__(self, cfg: GyreConfig, topo: Topology, store: Any, start_version: int = 0, engine_secret: str | None = None,
                  run: RunDir | None = None) -> None:
         """Build the run's state: everything that does not need the controller's loop.
         `engine_secret`: what the engines' servers want (`engine_host.share_secret`); `run`: this

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gyre.backends.engines.engine_http import HttpEngine
+from gyre.config import GyreConfig
 from gyre.executions.evaluator import Evaluator
 from gyre.executions.runner import HarnessRunner
 from gyre.proxy import Proxy, StoreSink, start_proxy
@@ -81,7 +82,7 @@ async def engine_url(store: Any, rank: int, timeout: float = 600.0) -> str:
     return store.get(key).decode()
 
 
-async def start_data_plane(cfg: Any, run_dir: Path, ledger: RunLedger, tito: Any, store: Any, topo: Any,
+async def start_data_plane(cfg: GyreConfig, run_dir: Path, ledger: RunLedger, tito: Any, store: Any, topo: Any,
                            secret: str | None, on_error: Callable[..., None],
                            on_event: Callable[[Any], None]) -> tuple:
     """(proxy, its server handle, access, runner): every cell's engine and every pool engine (the

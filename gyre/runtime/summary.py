@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from gyre.config import GyreConfig
 from gyre.runtime.ledger import RunLedger
 from gyre.runtime.outputs import reroute_fields, reward_trend
 
@@ -89,7 +90,7 @@ class RunEnd:
     last_checkpoint_s: float | None = None  # the last periodic checkpoint's write (the stop budget)
 
 
-def build_summary(ledger: RunLedger, how: RunEnd, *, cfg: Any, fractions: dict[int, float],
+def build_summary(ledger: RunLedger, how: RunEnd, *, cfg: GyreConfig, fractions: dict[int, float],
                   router: dict[str, Any], proxy_totals: dict[str, int], worst_unmatched: list[dict[str, Any]],
                   sink_errors: int, health: dict[str, int], measured_staleness: Sequence[int], run: Any,
                   rows: list[dict[str, Any]]) -> dict[str, Any]:
