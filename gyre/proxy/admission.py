@@ -25,6 +25,8 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from gyre.proxy.errors import ApiError
+
 if TYPE_CHECKING:
     from gyre.proxy.config import ProxyConfig
     from gyre.proxy.core import ExecutionState
@@ -53,8 +55,6 @@ class Admission:
         """Hold one of the execution's call slots for the body of the `with` (the whole request,
         from before its body is read): 429 past `max_calls_per_key` in flight or past the rate
         budget. Registers the current task so `close_execution` can abort it."""
-        from gyre.proxy.core import ApiError
-
         c = self.config
         state = self.state_of(key.execution_id)
         if c.max_calls_per_key and len(state.tasks) >= c.max_calls_per_key:

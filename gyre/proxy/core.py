@@ -60,6 +60,7 @@ from gyre.backends.protocols import SamplingParams, TokenEvent
 from gyre.backends.models.tokenizer import load_tokenizer
 from gyre.backends.models.vocab import byte_table, stop_token_ids
 from gyre.proxy.admission import Admission
+from gyre.proxy.errors import ApiError  # noqa: F401  (re-exported: adapters import it from here)
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.formats import OutputParser, Reasoning, format_for
 from gyre.proxy.keys import KeyInfo, KeyRegistry
@@ -75,18 +76,6 @@ from gyre.trajectory.record import CallRecord, Role
 logger = logging.getLogger(__name__)
 
 
-class ApiError(Exception):
-    """A client-visible error; adapters format it in their API's own error body."""
-
-    def __init__(self, status: int, kind: str, message: str, param: str | None = None, code: str | None = None,
-                 retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind  # invalid_request | authentication | not_found | too_large | rate_limit | overloaded | internal
-        self.message = message
-        self.param = param
-        self.code = code
-        self.retry_after = retry_after  # seconds, sent as Retry-After (429)
 
 
 def object_arguments(args: Any) -> dict:

@@ -21,7 +21,7 @@ import asyncio
 from contextlib import aclosing
 from typing import TYPE_CHECKING, AsyncIterator
 
-from gyre.proxy.core import ApiError
+from gyre.proxy.errors import ApiError
 
 if TYPE_CHECKING:
     from gyre.proxy.core import Call

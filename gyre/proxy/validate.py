@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gyre.proxy.core import ApiError
+from gyre.proxy.errors import ApiError
 
 _MISSING = object()
 
