@@ -244,7 +244,7 @@ _ENDED = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(attempts=st.lists(st.one_of(st.none(), _ENDED), min_size=1, max_size=5))
 def test_the_summary_adds_up_every_attempt_that_ended_and_names_those_that_did_not(tmp_path_factory, attempts):
     """summary.json's "run": each attempt that reached its end is recorded in run.json and added

@@ -404,6 +404,7 @@ print("harness", harness.pid)
 """
 
 
+@pytest.mark.jobs  # a harness's whole life across two engine restarts and the engine's exit
 def test_a_harness_started_on_rank_0_survives_engine_restarts_and_exit(ckpt, tmp_path):
     """SGLang's Engine.shutdown kills every child of the rank and runs at exit (engine.py:1491,
     326); the fake does the same. The adapter ends only the engine's own processes."""

@@ -38,6 +38,7 @@ def test_default_law_is_the_papers_workload():
     assert draw_plan(8, "e1") != plans[1] and draw_plan(7, "e2") != plans[1]
 
 
+@pytest.mark.jobs  # harnesses run to their timeout: whole executions end to end
 def test_runs_through_runner_with_timeout_tail(tmp_path):
     """Scaled so 4 h lasts 4 s: the executions whose plan exceeds 4 h time out, and all get a
     reward equal to their finished share of turns."""
