@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import math
 
+import pytest
+
 from gyre.executions.config import EvaluatorConfig, RunnerConfig
 from gyre.executions.evaluator import Evaluator, Outcome, RewardStatus
 from gyre.executions.runner import HarnessRunner
