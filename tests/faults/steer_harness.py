@@ -14,13 +14,12 @@ target = sys.argv[1]
 turns = int(sys.argv[2]) if len(sys.argv) > 2 else 0
 max_tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 8
 if turns:
-    from pathlib import Path
+    from openai import OpenAI
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-    from tiny_harness import chat
-
+    client = OpenAI(base_url=os.environ["OPENAI_BASE_URL"], api_key=os.environ["OPENAI_API_KEY"], max_retries=0)
     for _ in range(turns):
-        chat([{"role": "user", "content": "Say a word."}], max_tokens)
+        client.chat.completions.create(model=os.environ.get("GYRE_MODEL", "gyre-policy"), max_tokens=max_tokens,
+                                       messages=[{"role": "user", "content": "Say a word."}])
 if os.environ["GYRE_EXECUTION_ID"].endswith(".0"):
     os.chdir("..")
     shutil.rmtree("workspace")
