@@ -7,19 +7,21 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-from tiny_harness import chat  # noqa: E402  (stdlib only: no SDK import per harness)
+from openai import OpenAI
 
 
 def main() -> int:
     marker = sys.argv[1]
     calls = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     subprocess.Popen(["sleep", f"{3000 + os.getpid() % 1000}.{marker}"], start_new_session=False)
+    client = OpenAI(base_url=os.environ["OPENAI_BASE_URL"], api_key=os.environ["OPENAI_API_KEY"], max_retries=0, timeout=600)
     with open("answer.txt", "a") as f:
         for _ in range(calls):
-            f.write(chat([{"role": "user", "content": "Say a word."}], 8) + "\n")
+            r = client.chat.completions.create(model=os.environ.get("GYRE_MODEL", "gyre-policy"),
+                                               messages=[{"role": "user", "content": "Say a word."}],
+                                               max_tokens=8, temperature=1.0)
+            f.write((r.choices[0].message.content or "") + "\n")
             f.flush()
     (open("called", "w")).close()
     while True:
