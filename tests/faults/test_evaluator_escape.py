@@ -85,7 +85,9 @@ def test_a_real_run_excludes_steered_executions_and_writes_nothing_where_they_po
         {"harness": [sys.executable, str(STEER), str(host), "1"], "evaluator": {"command": MARKING}},
     ])
     run = tmp_path / "run"
-    proc = start(command_in(tasks, run, steps=2), tmp_path, tmp_path / "log.txt")
+    # Each group's steering execution is excluded by design; a health window of every execution (4)
+    # keeps two such in a row (their order against their siblings' is timing) from stopping the run.
+    proc = start(command_in(tasks, run, "--executions.health.window", "4", steps=2), tmp_path, tmp_path / "log.txt")
     try:
         rc = proc.wait(300)
     finally:
