@@ -58,6 +58,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.provenance import provenance, write_results  # noqa: E402
+from benchmarks.proxy_stalls import quiet_then_loaded  # noqa: E402
 
 SYSTEM = "You are a coding agent. You can run shell commands with the bash tool. " * 4
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run", "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]
@@ -246,13 +247,7 @@ async def _fairness(url, keys, n, body_mb, max_tokens):
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await victims(session)  # warm-up
-        quiet = await victims(session)
-        stop = asyncio.Event()
-        att = asyncio.ensure_future(attacker(session, stop))
-        await asyncio.sleep(0.3)
-        loud = await victims(session)
-        stop.set()
-        await att
+        quiet, loud = await quiet_then_loaded(session, victims, attacker)
     return {"quiet_p50_ms": _pct(quiet, 50) * 1e3, "quiet_p99_ms": _pct(quiet, 99) * 1e3, "loaded_p50_ms": _pct(loud, 50) * 1e3,
             "loaded_p99_ms": _pct(loud, 99) * 1e3, "fair_p99_ratio": _pct(loud, 99) / _pct(quiet, 99), "victim_calls": len(loud),
             "hostile_bodies": hostile["sent"], "hostile_body_mb": body_mb, "hostile_status": hostile["codes"],

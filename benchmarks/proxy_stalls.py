@@ -96,6 +96,19 @@ def _pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
+async def quiet_then_loaded(session, victims, attacker) -> tuple[list[float], list[float]]:
+    """The victims' latencies alone, then while `attacker(session, stop)` runs (started 0.3 s
+    before they are measured again): side by side in one run."""
+    quiet = await victims(session)
+    stop = asyncio.Event()
+    att = asyncio.ensure_future(attacker(session, stop))
+    await asyncio.sleep(0.3)
+    loud = await victims(session)
+    stop.set()
+    await att
+    return quiet, loud
+
+
 async def run_shape(url: str, keys: list[str], path: str, raw: bytes, per_phase: int, proxy_pid: int, max_tokens: int = 8) -> dict:
     """Quiet victims, then victims while keys[0] sends `raw` to `path` within its rate budget."""
     import aiohttp
@@ -136,13 +149,7 @@ async def run_shape(url: str, keys: list[str], path: str, raw: bytes, per_phase:
                 await asyncio.sleep(wait)
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600)) as session:
-        quiet = await victims(session)
-        stop = asyncio.Event()
-        att = asyncio.ensure_future(attacker(session, stop))
-        await asyncio.sleep(0.3)
-        loud = await victims(session)
-        stop.set()
-        await att
+        quiet, loud = await quiet_then_loaded(session, victims, attacker)
     n = len(shape["s"])
     return {"quiet_p99_ms": _pct(quiet, 99) * 1e3, "loaded_p99_ms": _pct(loud, 99) * 1e3, "p99_ratio": _pct(loud, 99) / _pct(quiet, 99),
             "quiet_p50_ms": _pct(quiet, 50) * 1e3, "loaded_p50_ms": _pct(loud, 50) * 1e3, "victim_calls": len(loud),

@@ -77,14 +77,9 @@ def test_the_readme_cpu_smoke_command_trains_two_steps_through_the_stand_in(tmp_
 
 @pytest.mark.skipif(CLAUDE is None, reason="no claude binary (npm install -g @anthropic-ai/claude-code, or set GYRE_CLAUDE_BIN)")
 def test_real_claude_code_writes_the_answer_through_the_proxy(tmp_path):
-    from gyre.backends.engines.det_engine import DeterministicEngine
-    from gyre.backends.models.tokenizer import byte_token_ids, load_tokenizer
-    from gyre.executions.config import EvaluatorConfig, RunnerConfig
-    from gyre.executions.evaluator import Evaluator, Outcome
-    from gyre.executions.runner import HarnessRunner
-    from gyre.runtime.proxy_access import GyreProxyAccess
-    from gyre.executions.tasks import ExecutionSpec, Task
-    from gyre.proxy import MemorySink, Proxy, ProxyConfig, serve_proxy
+    from gyre.backends.models.tokenizer import load_tokenizer
+    from gyre.executions.evaluator import Outcome
+    from gyre.proxy import MemorySink
 
     tok = load_tokenizer()
 
@@ -95,25 +90,7 @@ def test_real_claude_code_writes_the_answer_through_the_proxy(tmp_path):
         return "Done: apple."
 
     sink = MemorySink()
-    proxy = Proxy(ProxyConfig(max_context_tokens=65536), sink=sink)
-    proxy.router.add_engine(DeterministicEngine("det", script=script, byte_ids=byte_token_ids(tok)), kind="cell", index=0)
-    handle = serve_proxy(proxy)
-    try:
-        task = Task.from_json(make_tasks(1)[0] | {"timeout_s": 240, "harness": ["{python}", str(EXAMPLE / "run_claude.py"),
-                                                                                 "--max-turns", "4", "--max-output-tokens", "512"]})
-        cli_dir = str(Path(CLAUDE).resolve().parent)  # outside /usr: the sandbox must be told about it
-        runner = HarnessRunner(RunnerConfig(run_dir=str(tmp_path / "runs"), timeout_s=240, home="per_execution",
-                                            env={"GYRE_CLAUDE_BIN": CLAUDE},
-                                            sandbox_ro_paths=[str(EXAMPLE / "settings.json"), cli_dir]),
-                               Evaluator(EvaluatorConfig()), GyreProxyAccess(proxy, handle.url))
-
-        async def main():
-            return await runner.dispatch(ExecutionSpec("cc-0", task, "g"))
-
-        res = asyncio.run(main())
-    finally:
-        handle.stop()
-    logs = (res.exec_dir / "stdout.log").read_text()[-3000:] + (res.exec_dir / "stderr.log").read_text()[-2000:]
+    res, logs = _run_real_cli(tmp_path, sink, script, tok, "cc-0", max_turns=4, timeout_s=240)
     assert res.outcome is Outcome.COMPLETED, logs
     assert res.reward.reward == 1.0, logs
     recs = sink.for_execution("cc-0")
@@ -147,13 +124,9 @@ def test_real_claude_code_compacts_past_the_proxy_context_and_keeps_its_roles(tm
     """Issue 34: the real CLI fills the proxy's context with long tool outputs, gets Anthropic's
     `prompt is too long` 400, compacts, and finishes; its compaction is recorded `main_summary`
     and the calls after it `main` (its billing line changes at compaction)."""
-    from gyre.backends.engines.det_engine import DeterministicEngine
-    from gyre.backends.models.tokenizer import byte_token_ids, load_tokenizer
-    from gyre.executions.config import EvaluatorConfig, RunnerConfig
-    from gyre.executions.evaluator import Evaluator, Outcome
-    from gyre.runtime.proxy_access import GyreProxyAccess, HarnessRunner
-    from gyre.executions.tasks import ExecutionSpec, Task
-    from gyre.proxy import MemorySink, Proxy, ProxyConfig, serve_proxy
+    from gyre.backends.models.tokenizer import load_tokenizer
+    from gyre.executions.evaluator import Outcome
+    from gyre.proxy import MemorySink
     from gyre.trajectory.record import Role
 
     tok = load_tokenizer()
@@ -172,23 +145,39 @@ def test_real_claude_code_compacts_past_the_proxy_context_and_keeps_its_roles(tm
         return "More output first.\n<tool_call>\n" + json.dumps(big) + "\n</tool_call>"
 
     sink = MemorySink()
-    proxy = Proxy(ProxyConfig(max_context_tokens=65536), sink=sink)
-    proxy.router.add_engine(DeterministicEngine("det", script=script, byte_ids=byte_token_ids(tok)), kind="cell", index=0)
-    handle = serve_proxy(proxy)
-    try:
-        task = Task.from_json(make_tasks(1)[0] | {"timeout_s": 600, "harness": ["{python}", str(EXAMPLE / "run_claude.py"),
-                                                                                 "--max-turns", "40", "--max-output-tokens", "512"]})
-        runner = HarnessRunner(RunnerConfig(run_dir=str(tmp_path / "runs"), timeout_s=600, home="per_execution",
-                                            env={"GYRE_CLAUDE_BIN": CLAUDE},
-                                            sandbox_ro_paths=[str(EXAMPLE / "settings.json"), str(Path(CLAUDE).resolve().parent)]),
-                               Evaluator(EvaluatorConfig()), GyreProxyAccess(proxy, handle.url))
-        res = asyncio.run(runner.dispatch(ExecutionSpec("cc-full", task, "g")))
-    finally:
-        handle.stop()
-    logs = (res.exec_dir / "stdout.log").read_text()[-3000:] + (res.exec_dir / "stderr.log").read_text()[-2000:]
+    res, logs = _run_real_cli(tmp_path, sink, script, tok, "cc-full", max_turns=40, timeout_s=600)
     assert res.outcome is Outcome.COMPLETED, logs
     roles = [r.role for r in sink.for_execution("cc-full") if r.role is not Role.HELPER]
     assert Role.MAIN_SUMMARY in roles, (roles, logs)
     after = roles[roles.index(Role.MAIN_SUMMARY) + 1:]
     assert after and set(after) == {Role.MAIN}, (roles, logs)
     assert Role.SUB not in roles and Role.SUB_SUMMARY not in roles, roles
+
+
+def _run_real_cli(tmp_path, sink, script, tok, execution_id: str, *, max_turns: int, timeout_s: int):
+    """One execution of the real Claude Code CLI (run_claude.py) through a real proxy (64k context)
+    whose deterministic engine answers with `script`; its result and the tail of its logs."""
+    from gyre.backends.engines.det_engine import DeterministicEngine
+    from gyre.backends.models.tokenizer import byte_token_ids
+    from gyre.executions.config import EvaluatorConfig, RunnerConfig
+    from gyre.executions.evaluator import Evaluator
+    from gyre.executions.runner import HarnessRunner
+    from gyre.executions.tasks import ExecutionSpec, Task
+    from gyre.proxy import Proxy, ProxyConfig, serve_proxy
+    from gyre.runtime.proxy_access import GyreProxyAccess
+
+    proxy = Proxy(ProxyConfig(max_context_tokens=65536), sink=sink)
+    proxy.router.add_engine(DeterministicEngine("det", script=script, byte_ids=byte_token_ids(tok)), kind="cell", index=0)
+    handle = serve_proxy(proxy)
+    try:
+        task = Task.from_json(make_tasks(1)[0] | {"timeout_s": timeout_s, "harness": [
+            "{python}", str(EXAMPLE / "run_claude.py"), "--max-turns", str(max_turns), "--max-output-tokens", "512"]})
+        cli_dir = str(Path(CLAUDE).resolve().parent)  # outside /usr: the sandbox must be told about it
+        runner = HarnessRunner(RunnerConfig(run_dir=str(tmp_path / "runs"), timeout_s=timeout_s, home="per_execution",
+                                            env={"GYRE_CLAUDE_BIN": CLAUDE},
+                                            sandbox_ro_paths=[str(EXAMPLE / "settings.json"), cli_dir]),
+                               Evaluator(EvaluatorConfig()), GyreProxyAccess(proxy, handle.url))
+        res = asyncio.run(runner.dispatch(ExecutionSpec(execution_id, task, "g")))
+    finally:
+        handle.stop()
+    return res, (res.exec_dir / "stdout.log").read_text()[-3000:] + (res.exec_dir / "stderr.log").read_text()[-2000:]
