@@ -158,16 +158,17 @@ async def run_shape(url: str, keys: list[str], path: str, raw: bytes, per_phase:
 
 
 async def engine_alone_ms(engine_url: str, secret: str, ids: list[int], n: int = 3) -> float:
-    """p50 of sending `ids` straight to the engine (/generate) and reading 4 tokens."""
-    import aiohttp
+    """p50 of handing `ids` straight to the engine, the way the proxy does (one websocket, the ids
+    as an int32 frame, `HttpEngine`), and reading 4 tokens."""
+    from gyre.backends.engines.engine_http import HttpEngine
+    from gyre.backends.protocols import SamplingParams
 
+    client = HttpEngine(engine_url, name="alone", transport="ws", secret=secret)
     lat = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        for i in range(n):
-            body = json.dumps({"request_id": f"alone{i}", "input_ids": ids, "sampling": {"max_tokens": 4}})
-            t0 = time.perf_counter()
-            async with session.post(engine_url + "/generate", data=body, headers={"Authorization": f"Bearer {secret}"}) as r:
-                await r.read()
-                assert r.status == 200, r.status
-            lat.append(time.perf_counter() - t0)
+    for i in range(n):
+        t0 = time.perf_counter()
+        out = [ev async for ev in client.generate(f"alone{i}", ids, SamplingParams(max_tokens=4))]
+        assert out, "the engine sent no token"
+        lat.append(time.perf_counter() - t0)
+    await client.close()
     return _pct(lat, 50) * 1e3

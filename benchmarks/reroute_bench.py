@@ -59,7 +59,7 @@ def _transport(kind: str):
 
 async def _one_call(router, L: int, recompute: bool) -> dict:
     """One call of L prompt tokens: migrated c → p, then (if `recompute`) recomputed p → c."""
-    from gyre.backends.transfer.migration import MigrationPolicy
+    from gyre.backends.transfer.migration_policy import MigrationPolicy
     from gyre.backends.protocols import SamplingParams
 
     prompt = torch.randint(0, VOCAB, (L,), generator=torch.Generator().manual_seed(L)).tolist()

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, runtime_checkable
 
-import torch
+import numpy as np
 
+if TYPE_CHECKING:  # annotations only: the proxy (and its body-parsing workers) never import torch
+    import torch
 
 
 class EngineState(enum.Enum):
@@ -62,6 +64,40 @@ class SamplingParams:
     # Also report the k most likely tokens at each position (`TokenEvent.top`), from the same
     # distribution as `TokenEvent.logprob`. 0: not computed (no cost).
     top_logprobs: int = 0
+
+
+class TokenIds(list):
+    """A prompt's token ids: a plain list to every reader, that also holds them packed as
+    little-endian int32 (`packed`). The proxy builds it on a render thread for long prompts, so
+    that shipping the ids to an engine (`gyre.backends.engines.engine_mux`) or recording them
+    never converts ~1M Python ints on the event loop in one GIL hold (issue 34). Any list
+    operation on it (`ids + more`, a slice) gives a plain list."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, ids, packed: np.ndarray) -> None:
+        super().__init__(ids)
+        if packed.dtype != np.dtype("<i4") or len(packed) != len(self):
+            raise ValueError(f"TokenIds: packed must be {len(self)} little-endian int32 ids, got {len(packed)} {packed.dtype}")
+        self.packed = packed
+
+    @classmethod
+    def pack(cls, ids: list[int], chunk: int = 1 << 14) -> "TokenIds":
+        """`ids` copied, with their packed copy, `chunk` ids at a time: off the event loop each
+        step is a short GIL hold (~0.5 ms) the loop's thread can take turns with."""
+        packed = np.empty(len(ids), dtype="<i4")
+        out = cls((), packed[:0])
+        for i in range(0, len(ids), chunk):
+            part = ids[i : i + chunk]
+            packed[i : i + chunk] = part
+            out.extend(part)
+        out.packed = packed
+        return out
+
+
+def int32_ids(ids: list[int]) -> np.ndarray:
+    """`ids` as a little-endian int32 array: `TokenIds.packed` as it is, else converted."""
+    return ids.packed if isinstance(ids, TokenIds) else np.asarray(ids, dtype="<i4")
 
 
 @dataclass

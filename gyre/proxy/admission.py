@@ -77,13 +77,14 @@ class Admission:
         finally:
             state.tasks.discard(task)
 
-    def work_units(self, raw: bytes, charged_bytes: bool) -> int:
-        """Units a read body owes beyond what admission charged: its JSON values, and its bytes
-        when admission did not know them (chunked, no Content-Length)."""
+    def work_units(self, nbytes: int, values: int, charged_bytes: bool) -> int:
+        """Units a read body of `nbytes` with `values` JSON values (`value_count`) owes beyond what
+        admission charged: its values, and its bytes when admission did not know them (chunked,
+        no Content-Length)."""
         c = self.config
-        units = value_count(raw) // c.body_values_per_call if c.body_values_per_call else 0
+        units = values // c.body_values_per_call if c.body_values_per_call else 0
         if not charged_bytes and c.body_bytes_per_call:
-            units += len(raw) // c.body_bytes_per_call
+            units += nbytes // c.body_bytes_per_call
         return units
 
     def charge_render(self, execution_id: str, seconds: float) -> None:

@@ -6,7 +6,7 @@
 the event loop: 0.2-1.2 s for 10-15 MiB of small items). So a body's JSON values are counted first
 (`admission.value_count`, C speed); a body with fewer than `inline_parse_values` is parsed on the
 loop (about a millisecond), a larger one in a worker process (`parse_processes` plain
-subprocesses per proxy process, started on first use), which parses, checks the structural limits and validates it
+subprocesses per proxy process, started when the proxy starts serving), which parses, checks the structural limits and validates it
 with the API's own parser, and sends back only the parsed request (bounded by the limits) or the
 error. Each execution has one such body in work at a time. Structural limits, a 400 naming the
 limit, far beyond any real harness: `max_body_items` messages / input items + content blocks,
@@ -59,7 +59,7 @@ class _Worker:
 
 
 class _Pool:
-    """`n` workers, started on first use, shared by every proxy in this process; calls run on
+    """`n` workers (`warm`, or on first use), shared by every proxy in this process; calls run on
     `n` threads that only wait on the pipes."""
 
     def __init__(self, n: int) -> None:
@@ -68,6 +68,14 @@ class _Pool:
         self.n = n
         self.lock = threading.Lock()
         self.threads = ThreadPoolExecutor(n, thread_name_prefix="gyre-parse")
+
+    def warm(self) -> None:
+        """Start the workers now (the proxy calls it on a thread at serve time), so that the first
+        large body does not pay a worker's start-up beside other executions' calls."""
+        with self.lock:
+            while self.started < self.n:
+                self.started += 1
+                self.idle.put(_Worker())
 
     def _call(self, args: tuple) -> tuple:
         with self.lock:
@@ -93,7 +101,8 @@ _pools: dict[int, _Pool] = {}
 _pools_lock = threading.Lock()
 
 
-def _pool(n: int) -> _Pool:
+def parse_pool(n: int) -> _Pool:
+    """The process's pool of `n` body-parsing workers (one per `n`, shared)."""
     with _pools_lock:
         pool = _pools.get(n)
         if pool is None:
@@ -198,10 +207,11 @@ async def read_body(proxy, request, key, api: str) -> Parsed:
     if request.content_length is not None and request.content_length > c.max_body_bytes:
         raise ApiError(413, "too_large", f"request body is {request.content_length} bytes; the limit is {c.max_body_bytes}")
     raw = await request.read()
-    proxy.admission.charge(key.execution_id, proxy.admission.work_units(raw, request.content_length is not None))
+    values = value_count(raw)
+    proxy.admission.charge(key.execution_id, proxy.admission.work_units(len(raw), values, request.content_length is not None))
     limits = (c.max_body_items, c.max_tools, c.max_json_depth)
     vocab = len(proxy.token_table)
-    if value_count(raw) < c.inline_parse_values:
+    if values < c.inline_parse_values:
         body = loads(raw)
         check_structure(body, *limits)
         return Parsed(body, None if api == "responses" else parse_api(body, api, vocab))
@@ -210,7 +220,7 @@ async def read_body(proxy, request, key, api: str) -> Parsed:
         state.render_lock = asyncio.Lock()
     async with state.render_lock:  # one large body per execution in work at a time
         try:
-            kind, out = await _pool(c.parse_processes).call((raw, api, limits, vocab))
+            kind, out = await parse_pool(c.parse_processes).call((raw, api, limits, vocab))
         except (OSError, EOFError, pickle.UnpicklingError) as e:
             raise ApiError(503, "overloaded", f"the proxy's body parser failed ({type(e).__name__}) and restarts; retry the call",
                            retry_after=1.0) from None

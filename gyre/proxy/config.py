@@ -181,6 +181,12 @@ class ProxyConfig:
     """Threads that render the template and tokenize (the tokenizer releases the GIL), off the
     event loop, so a huge prompt from one execution never stalls the calls of the others. Each
     execution renders one request at a time (its others queue without holding a thread)."""
+    gil_switch_ms: float = 0.5
+    """The interpreter's GIL switch interval in the proxy's process (`sys.setswitchinterval`),
+    lowered to this at serve time, never raised: a render thread busy with a long prompt hands the
+    GIL back to the event loop within it. At Python's default 5 ms each wait of the loop for the
+    GIL adds up to 5 ms to every other execution's call (3-5x their p99 beside a 783k-token
+    prompt, benchmarks/proxy_stalls.py). 0 = leave it as it is."""
     inline_render_chars: int = 16384
     """Requests with less text than this are rendered on the event loop (sub-millisecond work;
     a thread hand-off would cost more than it saves)."""

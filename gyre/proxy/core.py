@@ -52,11 +52,11 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterable
+from typing import Any, AsyncIterator, Iterable
 
 from jinja2 import TemplateError
 
-from gyre.backends.protocols import SamplingParams, TokenEvent
+from gyre.backends.protocols import SamplingParams, TokenEvent, TokenIds, int32_ids
 from gyre.backends.models.tokenizer import load_tokenizer
 from gyre.backends.models.vocab import byte_table, stop_token_ids
 from gyre.proxy.admission import Admission
@@ -67,7 +67,7 @@ from gyre.proxy.keys import KeyInfo, KeyRegistry
 from gyre.proxy.limits import context_overflow_message
 from gyre.proxy.roles import RoleClassifier
 from gyre.proxy.render import UNMATCHED_KINDS, UNMATCHED_WHY, ChatRenderer, PromptTooLong, Rendered, StoredTurn, TurnStore, ids_digest, turn_fingerprint
-from gyre.backends.transfer.migration import MigrationPolicy
+from gyre.backends.transfer.migration_policy import MigrationPolicy
 from gyre.proxy.router import NoEngineError, RouteInfo, Router
 from gyre.proxy.sink import MemorySink, RecordSink
 from gyre.proxy.textstream import Detokenizer, StopMatcher, ToolCall
@@ -356,7 +356,7 @@ class Call:
             execution_id=st.execution_id,
             call_id=self.call_id,
             role=self.role,
-            input_ids=self.rendered.ids,
+            input_ids=int32_ids(self.rendered.ids),
             output_ids=out_ids,
             output_logprobs=[e.logprob for e in self.tokens],
             policy_version=self.tokens[0].version if self.tokens else p.policy_version,
@@ -396,8 +396,9 @@ class Call:
             # prefix: re-sent, it splices back to exactly the tokens the model saw (the prefix
             # stays input there).
             n_ctx = len(self.rendered.ids) - len(self.forced_ids) - self.rendered.gen_prefix_ids
-            st.turns.add(fp, StoredTurn.of(self.call_id, self.rendered.ids[:n_ctx], self.rendered.ids[n_ctx:] + out_ids, self.content, calls,
-                                           digest=self.rendered.ctx_digest))
+            ids = self.rendered.ids
+            st.turns.add(fp, StoredTurn(self.call_id, n_ctx, self.rendered.ctx_digest or ids_digest(ids[:n_ctx]), ids[n_ctx:] + out_ids,
+                                        self.content, calls))
         try:
             p.sink.on_record(self.record)
         except Exception as e:  # a failing sink must be loud, but the client already has its answer
@@ -669,8 +670,10 @@ class Proxy:
         if forced_ids:
             rendered.ids = rendered.ids + forced_ids
         n = len(rendered.ids)
-        if n > 1 << 16 and req.messages is not None:  # hashed here (a render thread), not on the loop at the call's end
-            rendered.ctx_digest = ids_digest(rendered.ids[: n - len(forced_ids) - rendered.gen_prefix_ids])
+        if n > 1 << 16:  # packed and hashed here (a render thread), not on the event loop (issue 34)
+            rendered.ids = TokenIds.pack(rendered.ids)
+            if req.messages is not None:
+                rendered.ctx_digest = ids_digest(rendered.ids.packed[: n - len(forced_ids) - rendered.gen_prefix_ids])
         if n == 0:
             raise ApiError(400, "invalid_request", "the prompt is empty", param="prompt")
         if n >= c.max_context_tokens:

@@ -103,7 +103,7 @@ def ids_digest(ids: list[int], chunk: int = 1 << 16) -> bytes:
     context hashed on a render thread never holds the event loop for long."""
     h = hashlib.blake2b(digest_size=16)
     for i in range(0, len(ids), chunk):
-        h.update(np.asarray(ids[i : i + chunk], dtype=np.int32).tobytes())
+        h.update(np.asarray(ids[i : i + chunk], dtype="<i4").tobytes())
     return h.digest()
 
 

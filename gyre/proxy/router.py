@@ -24,7 +24,7 @@ limit) goes unanswered, and is used again as soon as one is answered. Each of it
 on within `progress_timeout_s` of its last token, so a frozen engine costs a call at most that
 long, never the harness's own timeout.
 
-Migration (`migration`, a `gyre.backends.transfer.migration.MigrationPolicy`; off by default): on drain, a
+Migration (`migration`, a `gyre.backends.transfer.migration_policy.MigrationPolicy`; off by default): on drain, a
 call whose engine can export it (`protocols.can_migrate`) and for which the cost rule says moving
 its KV beats recomputing its prefix is paused with `migrate_out` instead of `abort` (same events
 back, plus a handle). When the call resumes on its target, the target pulls the KV
@@ -54,7 +54,7 @@ import secrets
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Literal
 
-from gyre.backends.transfer.migration import MigrationPolicy
+from gyre.backends.transfer.migration_policy import MigrationPolicy
 from gyre.backends.protocols import RolloutEngine, SamplingParams, TokenEvent, can_migrate
 
 logger = logging.getLogger(__name__)

@@ -19,10 +19,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import sys
+import threading
 
 from aiohttp import web
 
 from gyre.proxy import anthropic_api, openai_api, responses_api
+from gyre.proxy import bodies
 from gyre.proxy.bodies import read_body
 from gyre.proxy.core import ApiError, Proxy
 from gyre.proxy.keys import KeyInfo
@@ -174,4 +177,7 @@ def serve_proxy(proxy: Proxy, host: str | None = None, port: int | None = None) 
     """Serve on a background thread with its own event loop. Engines the proxy routes to must be
     usable from that loop (in-process engines are; `HttpEngine` opens its session there)."""
     c = proxy.config
+    if 0 < c.gil_switch_ms / 1e3 < sys.getswitchinterval():
+        sys.setswitchinterval(c.gil_switch_ms / 1e3)
+    threading.Thread(target=bodies.parse_pool(c.parse_processes).warm, name="gyre-parse-warm", daemon=True).start()
     return run_in_thread(lambda: build_app(proxy), host or c.host, c.port if port is None else port, name="gyre-proxy")

@@ -10,7 +10,8 @@ import torch
 
 from gyre.backends.config import CpuEngineConfig
 from gyre.backends.engines.cpu_engine import CpuEngine
-from gyre.backends.transfer.migration import (LocalKvTransport, MigrationPolicy, MigrationRefused, pack_state,
+from gyre.backends.transfer.migration_policy import MigrationPolicy
+from gyre.backends.transfer.migration import (LocalKvTransport, MigrationRefused, pack_state,
                                      unpack_state)
 from gyre.backends.protocols import SamplingParams
 from tests.backends.helpers import tiny_model

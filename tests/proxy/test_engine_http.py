@@ -79,3 +79,60 @@ def test_engine_process_going_away_fails_open_streams():
         await client.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_ws_ships_each_prompt_exactly_as_an_int32_frame(packed):
+    """Issue 34: the websocket carries a prompt as one binary frame of little-endian int32 ids;
+    the engine gets exactly the ids sent (random ids up to 2^31 - 1, lengths around the 16k
+    conversion chunk), from a plain list or a `TokenIds` packed off the loop."""
+    import random
+
+    from gyre.backends.protocols import TokenIds
+
+    got: list[list[int]] = []
+    handle = serve_engine(DeterministicEngine("rec", script=lambda ids: got.append(ids), byte_ids=list(range(256))))
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1 << 31) for _ in range(n)] for n in (1, 7, (1 << 14) + 1, 100_003)]
+    try:
+        client = HttpEngine(handle.url, transport="ws")
+
+        async def main():
+            for i, ids in enumerate(prompts):
+                sent = TokenIds.pack(ids) if packed else ids
+                assert [ev async for ev in client.generate(f"p{i}", sent, SamplingParams(max_tokens=2))]
+            await client.close()
+
+        asyncio.run(main())
+    finally:
+        handle.stop()
+    assert got == prompts
+
+
+def test_ws_refuses_a_broken_frame_and_still_takes_a_json_list():
+    """A binary frame whose ids are not whole int32s gets an `x` (bad request) line naming the
+    byte count, the connection stays up, and a text frame with "input_ids" as a JSON list still
+    generates (the older form)."""
+    import json
+
+    import aiohttp
+
+    handle = serve_engine(DeterministicEngine("e"))
+
+    async def main():
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {handle.secret}"}) as s:
+            async with s.ws_connect(handle.url + "/ws") as ws:
+                await ws.send_bytes(json.dumps({"op": "generate", "rid": "bad", "sampling": {"max_tokens": 2}}).encode() + b"\n" + b"\x01" * 7)
+                bad = (await ws.receive_str()).strip()
+                await ws.send_str(json.dumps({"op": "generate", "rid": "ok", "input_ids": [5, 6, 7], "sampling": {"max_tokens": 2}}))
+                lines = []
+                while not any(line.startswith("e ok") for line in lines):
+                    lines += (await ws.receive_str()).splitlines()
+                return bad, lines
+
+    try:
+        bad, lines = asyncio.run(main())
+    finally:
+        handle.stop()
+    assert bad.startswith("x bad bad request:") and "7 bytes" in bad, bad
+    assert [line.split()[0] for line in lines] == ["t", "t", "e"], lines

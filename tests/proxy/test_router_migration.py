@@ -11,7 +11,8 @@ import torch
 
 from gyre.backends.config import CpuEngineConfig
 from gyre.backends.engines.cpu_engine import CpuEngine
-from gyre.backends.transfer.migration import LocalKvTransport, MigrationPolicy
+from gyre.backends.transfer.migration import LocalKvTransport
+from gyre.backends.transfer.migration_policy import MigrationPolicy
 from gyre.backends.protocols import SamplingParams
 from gyre.proxy.router import Router
 from tests.backends.helpers import tiny_model

@@ -185,3 +185,79 @@ def test_chunked_conversions_equal_the_whole():
         assert asyncio.run(_ids_bytes(ids)) == whole
         assert ids_digest(ids) == hashlib.blake2b(whole, digest_size=16).digest()
         assert ids_digest(ids, chunk=7) == ids_digest(ids)
+
+
+def _conversation(chars: int) -> list[dict]:
+    """A long conversation: turns of 8,000 characters of the tokenizer's corpus (Python source),
+    user and assistant in turn, ending on a user turn (~2.9 characters a token)."""
+    from pathlib import Path
+
+    from gyre.backends.models.tokenizer import ASSET_DIR, CORPUS_FILE
+
+    corpus = Path(ASSET_DIR, CORPUS_FILE).read_text()
+    msgs = [{"role": "system", "content": "You are a coding agent."}]
+    for i in range(-(-chars // 8000) | 1):
+        pos = (i * 8000) % max(1, len(corpus) - 8000)
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": f"[{i}] " + corpus[pos : pos + 8000]})
+    return msgs
+
+
+def test_long_prompt_holds_the_loop_only_briefly(make_server):
+    """Issue 34, item 3: a ~400k-token prompt, answered through an engine behind the websocket
+    transport (as in a run), holds the proxy's event loop at most 2x as long at a time as small
+    calls do, or 10 ms (its ids are packed on the render thread and shipped as one int32 frame;
+    the record takes the packed array). With the packing planted out the loop is held ~30 ms at a
+    time (the record's conversion); before this, base64 + JSON of the ids held it too."""
+    from gyre.backends.engines.engine_http import HttpEngine, serve_engine
+
+    eh = serve_engine(DeterministicEngine("far"))
+    try:
+        proxy, h = make_server([(HttpEngine(eh.url, name="far", transport="ws", secret=eh.secret), "cell", 0)],
+                               config=ProxyConfig(calls_per_second_per_key=0, max_context_tokens=1 << 20))
+        heavy, victim = proxy.issue_key("ex-long"), proxy.issue_key("ex-small")
+        raw = json.dumps({"model": "m", "max_tokens": 4, "messages": _conversation(1_200_000)}).encode()
+        assert _post(h, heavy, "/v1/chat/completions", raw).status_code == 200  # tokenized once (cached after)
+        with LoopLag(h) as quiet:
+            t = time.perf_counter()
+            while time.perf_counter() - t < 0.3:
+                assert _post(h, victim, "/v1/chat/completions", SMALL).status_code == 200
+        with LoopLag(h) as loaded:
+            for _ in range(2):
+                assert _post(h, heavy, "/v1/chat/completions", raw).status_code == 200
+        rec = proxy.sink.for_execution("ex-long")[-1]
+        assert len(rec.input_ids) > 300_000 and rec.input_ids.dtype.str == "<i4"
+        assert loaded.cpu < max(0.010, 2 * quiet.cpu), (loaded.cpu, quiet.cpu, loaded.lag, quiet.lag)
+    finally:
+        eh.stop()
+
+
+def test_token_ids_pack_equals_the_list_and_list_operations_stay_lists():
+    """`TokenIds.pack` (16k ids at a time) holds the same ids as the list and as packed int32;
+    slicing and concatenation give plain lists (a router continuing a call after a reroute
+    builds `ids + tokens`)."""
+    import random
+
+    import numpy as np
+
+    from gyre.backends.protocols import TokenIds, int32_ids
+
+    rng = random.Random(11)
+    for n in (0, 1, (1 << 14) - 1, 1 << 14, 3 * (1 << 14) + 5):
+        ids = [rng.randrange(1 << 31) for _ in range(n)]
+        t = TokenIds.pack(ids)
+        assert t == ids and t.packed.tolist() == ids and int32_ids(t) is t.packed
+        assert type(t + [1]) is list and type(t[:2]) is list
+        assert int32_ids(ids).tobytes() == np.asarray(ids, dtype="<i4").tobytes()
+    with pytest.raises(ValueError, match="packed"):
+        TokenIds([1, 2], np.zeros(3, dtype="<i4"))
+
+
+def test_the_proxy_and_its_parse_workers_import_no_torch():
+    """A body-parsing worker imports the proxy (`gyre.proxy.bodies`); torch cost it ~4 s of CPU
+    to start beside other executions' calls. Nothing the proxy serves with needs torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, gyre.proxy.server, gyre.proxy.bodies; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])

@@ -5,10 +5,12 @@ thousands of calls per second to a few engines, so `HttpEngine` (transport="ws",
 keeps one websocket per engine and event loop instead. Tokens produced back to back are
 coalesced into one frame.
 
-Client -> server, one JSON text frame each:
-    {"op": "generate", "rid", "ids_b64", "sampling"}        {"op": "abort", "rid"}
-    (ids_b64: base64 of little-endian int32 token ids; prompts run to ~1M tokens, and a JSON list
-    of ints costs ~10x more to write and read; "input_ids" as a JSON list is also accepted)
+Client -> server, one frame each:
+    generate: a binary frame, `{"op": "generate", "rid", "sampling"}` as JSON, a newline, then
+              the prompt's token ids as little-endian int32 (prompts run to ~1M tokens: a JSON
+              list of ints, or base64 inside JSON, costs ~10x more to write and read, on both
+              event loops); a text frame with "input_ids" as a JSON list is also accepted
+    abort:    a text frame, {"op": "abort", "rid"}
 Server -> client, text frames of newline-terminated lines:
     t <rid> <token_id> <logprob repr> <version> [finish_reason] [top=<id>:<lp>,...]   a token
     e <rid>                                                          the stream ended
@@ -25,7 +27,6 @@ router then continues those calls elsewhere) and makes the server abort their re
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import json
 import logging
@@ -35,7 +36,7 @@ from typing import AsyncIterator
 import numpy as np
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from gyre.backends.protocols import RolloutEngine, SamplingParams, TokenEvent
+from gyre.backends.protocols import RolloutEngine, SamplingParams, TokenEvent, TokenIds, int32_ids
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,9 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
                     out.clear()
                     await ws.send_str(data)
 
-        async def run(rid: str, ids: list[int], sp: SamplingParams) -> None:
+        async def run(rid: str, ids: list[int] | np.ndarray, sp: SamplingParams) -> None:
+            if isinstance(ids, np.ndarray):
+                ids = await _ids_list(ids)
             stream = engine.generate(rid, ids, sp)
             try:
                 async for ev in stream:
@@ -142,16 +145,21 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
         flush_task = asyncio.create_task(flusher())
         try:
             async for msg in ws:
-                if msg.type != WSMsgType.TEXT:
+                if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
                     continue
+                d = None
                 try:
-                    d = json.loads(msg.data)
+                    if msg.type == WSMsgType.BINARY:
+                        head, _, raw = msg.data.partition(b"\n")
+                        d = json.loads(head)
+                        if len(raw) % 4:
+                            raise ValueError(f"the prompt's {len(raw)} bytes are not whole int32 ids")
+                        ids = np.frombuffer(raw, dtype="<i4")
+                    else:
+                        d = json.loads(msg.data)
+                        ids = [int(t) for t in d["input_ids"]] if d["op"] == "generate" else []
                     rid = str(d["rid"])
                     if d["op"] == "generate":
-                        if "ids_b64" in d:
-                            ids = np.frombuffer(base64.b64decode(d["ids_b64"]), dtype="<i4").tolist()
-                        else:
-                            ids = [int(t) for t in d["input_ids"]]
                         tasks[rid] = asyncio.create_task(run(rid, ids, sampling_from_json(d.get("sampling", {}))))
                     elif d["op"] == "abort":
                         tasks_abort = asyncio.create_task(abort(rid))
@@ -179,15 +187,28 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
 
 
 async def _ids_bytes(ids: list[int], chunk: int = 1 << 16) -> bytes:
-    """`ids` as little-endian int32 bytes, converted `chunk` ids at a time with the loop let run
-    in between: a 1M-id prompt is ~15 short GIL holds, not one of ~50 ms (issue 34)."""
-    if len(ids) <= chunk:
-        return np.asarray(ids, dtype="<i4").tobytes()
+    """`ids` as little-endian int32 bytes (`TokenIds`: as packed off the loop), else converted
+    `chunk` ids at a time with the loop let run in between: a 1M-id prompt is ~15 short GIL
+    holds, not one of ~50 ms (issue 34)."""
+    if isinstance(ids, TokenIds) or len(ids) <= chunk:
+        return int32_ids(ids).tobytes()
     parts = []
     for i in range(0, len(ids), chunk):
         parts.append(np.asarray(ids[i : i + chunk], dtype="<i4").tobytes())
         await asyncio.sleep(0)
     return b"".join(parts)
+
+
+async def _ids_list(ids: np.ndarray, chunk: int = 1 << 14) -> list[int]:
+    """The inverse on the server: a received prompt as Python ints, `chunk` at a time with the
+    loop let run in between (other requests' tokens keep flowing while a 1M-id prompt lands)."""
+    if len(ids) <= chunk:
+        return ids.tolist()
+    out: list[int] = []
+    for i in range(0, len(ids), chunk):
+        out.extend(ids[i : i + chunk].tolist())
+        await asyncio.sleep(0)
+    return out
 
 class MuxClient:
     """The client end: one websocket, a reader task, a queue per open stream."""
@@ -249,8 +270,8 @@ class MuxClient:
         self.queues[rid] = q
         ended = False
         try:
-            ids = base64.b64encode(await _ids_bytes(input_ids)).decode()
-            await self.ws.send_str(json.dumps({"op": "generate", "rid": rid, "ids_b64": ids, "sampling": sampling_to_json(sampling)}))
+            head = json.dumps({"op": "generate", "rid": rid, "sampling": sampling_to_json(sampling)}).encode()
+            await self.ws.send_bytes(head + b"\n" + await _ids_bytes(input_ids))
             while True:
                 for item in await q.get():
                     if item is _END:
