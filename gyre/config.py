@@ -68,8 +68,6 @@ class TrainConfig:
     """J_max: trajectories selected per execution (docs/design.md §5)."""
     normalize_std: bool = True
     """Group-relative advantages divided by the group's reward std (off: mean-centred only)."""
-    cell_concurrency: int = 8
-    """C_e: concurrent executions one rollout cell is counted for in the water level."""
     checkpoint_every: int = 8
     """Save a checkpoint every this many steps, and always at the end (0: only at the end). 8 by
     default: a crash or a restart (torchrun --max-restarts, a Slurm requeue) loses at most 8
@@ -208,7 +206,7 @@ def check_train_config(cfg: GyreConfig, num_cells: int) -> None:
 # rate", an evaluator that never ran), after run.json had claimed the directory.
 BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "train.steps": (1, True, None), "train.max-tokens": (1, True, None), "train.j-max": (1, True, None),
-    "train.cell-concurrency": (1, True, None), "train.checkpoint-every": (0, True, None),
+    "train.checkpoint-every": (0, True, None),
     "train.torch-threads": (0, True, None), "train.drain-at-end-s": (0, True, None),
     "train.shutdown-timeout-s": (0, False, None), "train.control-timeout-s": (0, True, None),
     "actor.lr": (0, False, None), "actor.eps": (0, False, None), "actor.weight-decay": (0, True, None),
@@ -220,6 +218,7 @@ BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "executions.evaluator.timeout-s": (0, False, None), "executions.evaluator.max-attempts": (1, True, None),
     "executions.evaluator.retry-backoff-s": (0, True, None), "executions.evaluator.concurrency": (1, True, None),
     "executions.health.window": (0, True, None), "executions.health.stop-fraction": (0, False, None),
+    "scheduler.cell-concurrency": (1, True, None),
     "proxy.port": (0, True, 65535), "proxy.max-context-tokens": (1, True, None),
     "proxy.default-max-tokens": (1, True, None), "proxy.max-body-bytes": (1, True, None),
     "proxy.affinity-slack": (0, True, None), "proxy.max-reroutes": (0, True, None),
@@ -539,9 +538,10 @@ def cpu_demo() -> GyreConfig:
     """The CPU demo: 4 cells of 1 rank train a small warm-started model on examples/cpu_demo."""
     data = "runs/cpu-demo/data"  # written by examples.cpu_demo.prepare on the first run
     cfg = GyreConfig(preset="cpu-demo", job="train")  # runs/cpu-demo/<timestamp>/, data beside them
-    cfg.train = TrainConfig(steps=32, max_tokens=4096, cell_concurrency=12, checkpoint_every=8,
+    cfg.train = TrainConfig(steps=32, max_tokens=4096, checkpoint_every=8,
                             prepare="examples.cpu_demo.prepare:prepare", prepare_dir=data, drain_at_end_s=30.0)
-    cfg.scheduler = SchedulerConfig(mode="gyre", phi=0.5, mu=2, n_per_group=4, batch_groups=4, tick_s=0.5, tau=2, rho_min=0.5)
+    cfg.scheduler = SchedulerConfig(mode="gyre", phi=0.5, mu=2, n_per_group=4, batch_groups=4, tick_s=0.5, tau=2, rho_min=0.5,
+                                    cell_concurrency=12)
     cfg.model = ModelConfig(preset="small", checkpoint=f"{data}/warm_start")
     cfg.executions.dataset.path = f"{data}/tasks.jsonl"
     cfg.executions.runner.harness_command = ["{python}", str(REPO / "examples" / "cpu_demo" / "harness.py")]
