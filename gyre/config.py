@@ -7,7 +7,7 @@ Every rank parses the same command line into the same `GyreConfig`:
 `--preset NAME` picks a Python function below that returns a whole config; every other flag
 overrides a field of it. `python -m gyre.run --help` lists every option with its docstring.
 
-Size (about 615 lines): the dataclasses, the presets and every up-front refusal (`check_*`, run on
+Size (about 595 lines): the dataclasses, the presets and every up-front refusal (`check_*`, run on
 every rank before run.json) live together; the next split moves the `check_*` functions and
 `BOUNDS` to a module of their own (`ConfigError` itself lives in gyre/errors.py).
 """
@@ -31,28 +31,7 @@ from gyre.executions.config import ExecutionsConfig
 from gyre.loss.config import LossConfig
 from gyre.proxy.config import ProxyConfig
 from gyre.scheduler.config import SchedulerConfig
-
-
-@dataclass(kw_only=True)
-class ParallelConfig:
-    """How ranks form cells (docs/design.md §1)."""
-
-    cell_size: int = 1
-    """Ranks per cell, S. One cell = one complete model replica; must equal tp·pp·cp·ep."""
-    tp: int = 1
-    """Tensor-parallel size inside a cell."""
-    pp: int = 1
-    """Pipeline-parallel size inside a cell."""
-    cp: int = 1
-    """Context-parallel size inside a cell."""
-    ep: int = 1
-    """Expert-parallel size inside a cell."""
-    standalone_ranks: int = 0
-    """R: the last R ranks form a standalone rollout pool that never trains (multiple of cell_size)."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend. auto: with CUDA, each rank binds cuda:LOCAL_RANK and uses
-    'cpu:gloo,cuda:nccl' (CPU tensors over gloo, CUDA tensors over NCCL), else gloo; nccl: the same
-    multi-backend string, refused without CUDA; gloo: gloo for everything (a control run)."""
+from gyre.topology import ParallelConfig  # the topology's section (`--parallel.*`)
 
 
 @dataclass(kw_only=True)

@@ -24,12 +24,31 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from gyre.config import GyreConfig
+from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How ranks form cells (docs/design.md §1)."""
+
+    cell_size: int = 1
+    """Ranks per cell, S. One cell = one complete model replica; must equal tp·pp·cp·ep."""
+    tp: int = 1
+    """Tensor-parallel size inside a cell."""
+    pp: int = 1
+    """Pipeline-parallel size inside a cell."""
+    cp: int = 1
+    """Context-parallel size inside a cell."""
+    ep: int = 1
+    """Expert-parallel size inside a cell."""
+    standalone_ranks: int = 0
+    """R: the last R ranks form a standalone rollout pool that never trains (multiple of cell_size)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend. auto: with CUDA, each rank binds cuda:LOCAL_RANK and uses
+    'cpu:gloo,cuda:nccl' (CPU tensors over gloo, CUDA tensors over NCCL), else gloo; nccl: the same
+    multi-backend string, refused without CUDA; gloo: gloo for everything (a control run)."""
 
 
 class TopologyError(ValueError):
@@ -50,8 +69,8 @@ class Topology:
 
     # ---------------------------------------------------------------- construction
     @classmethod
-    def from_config(cls, cfg: GyreConfig, world_size: int, rank: int) -> "Topology":
-        """Validate `cfg` (a `gyre.config.ParallelConfig`) against the world and build the layout.
+    def from_config(cls, cfg: ParallelConfig, world_size: int, rank: int) -> "Topology":
+        """Validate `cfg` (`--parallel.*`) against the world and build the layout.
 
         Errors name the offending field: `parallel.cell_size`, `parallel.tp`, ...,
         `parallel.standalone_ranks`.
