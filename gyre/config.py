@@ -7,7 +7,7 @@ Every rank parses the same command line into the same `GyreConfig`:
 `--preset NAME` picks a Python function below that returns a whole config; every other flag
 overrides a field of it. `python -m gyre.run --help` lists every option with its docstring.
 
-Size (about 595 lines): the dataclasses, the presets and every up-front refusal (`check_*`, run on
+Size (about 600 lines): the dataclasses, the presets and every up-front refusal (`check_*`, run on
 every rank before run.json) live together; the next split moves the `check_*` functions and
 `BOUNDS` to a module of their own (`ConfigError` itself lives in gyre/errors.py).
 """
@@ -577,9 +577,15 @@ def _split_preset(argv: list[str]) -> tuple[str, list[str]]:
     return name, rest
 
 
+MOVED = {"--train.cell-concurrency": "--scheduler.cell-concurrency"}  # a flag that moved to its owner's section
+
+
 def parse_config(argv: list[str] | None = None) -> GyreConfig:
     """Parse a command line into a GyreConfig: preset first, then field overrides."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    for a in argv:
+        if a.split("=", 1)[0] in MOVED:
+            raise SystemExit(f"gyre: {a.split('=', 1)[0]} is now {MOVED[a.split('=', 1)[0]]}")
     name, rest = _split_preset(argv)
     if name not in PRESETS:
         raise SystemExit(f"gyre: unknown --preset {name!r}; " + _preset_epilog())
