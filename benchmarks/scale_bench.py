@@ -288,7 +288,8 @@ def scheduler_series(a) -> list[dict]:
 
     rows = []
     for K in a.cells:
-        cfg = SimConfig(scheduler=SchedulerConfig(batch_groups=4 * K), cluster=ClusterConfig(num_cells=K), steps=a.sched_steps)
+        cfg = SimConfig(scheduler=SchedulerConfig(batch_groups=4 * K, cell_concurrency=144), cluster=ClusterConfig(num_cells=K),
+                        steps=a.sched_steps)
         sim = Simulation(cfg, build_durations(cfg))
         sched, acc = sim.sched, {"events": 0, "s": 0.0, "msgs": 0, "max_s": {}, "all": []}
         for name in _TIMED:

@@ -7,7 +7,7 @@ Every rank parses the same command line into the same `GyreConfig`:
 `--preset NAME` picks a Python function below that returns a whole config; every other flag
 overrides a field of it. `python -m gyre.run --help` lists every option with its docstring.
 
-Size (about 615 lines): the dataclasses, the presets and every up-front refusal (`check_*`, run on
+Size (about 600 lines): the dataclasses, the presets and every up-front refusal (`check_*`, run on
 every rank before run.json) live together; the next split moves the `check_*` functions and
 `BOUNDS` to a module of their own (`ConfigError` itself lives in gyre/errors.py).
 """
@@ -31,28 +31,7 @@ from gyre.executions.config import ExecutionsConfig
 from gyre.loss.config import LossConfig
 from gyre.proxy.config import ProxyConfig
 from gyre.scheduler.config import SchedulerConfig
-
-
-@dataclass(kw_only=True)
-class ParallelConfig:
-    """How ranks form cells (docs/design.md §1)."""
-
-    cell_size: int = 1
-    """Ranks per cell, S. One cell = one complete model replica; must equal tp·pp·cp·ep."""
-    tp: int = 1
-    """Tensor-parallel size inside a cell."""
-    pp: int = 1
-    """Pipeline-parallel size inside a cell."""
-    cp: int = 1
-    """Context-parallel size inside a cell."""
-    ep: int = 1
-    """Expert-parallel size inside a cell."""
-    standalone_ranks: int = 0
-    """R: the last R ranks form a standalone rollout pool that never trains (multiple of cell_size)."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend. auto: with CUDA, each rank binds cuda:LOCAL_RANK and uses
-    'cpu:gloo,cuda:nccl' (CPU tensors over gloo, CUDA tensors over NCCL), else gloo; nccl: the same
-    multi-backend string, refused without CUDA; gloo: gloo for everything (a control run)."""
+from gyre.topology import ParallelConfig  # the topology's section (`--parallel.*`)
 
 
 @dataclass(kw_only=True)
@@ -68,8 +47,6 @@ class TrainConfig:
     """J_max: trajectories selected per execution (docs/design.md §5)."""
     normalize_std: bool = True
     """Group-relative advantages divided by the group's reward std (off: mean-centred only)."""
-    cell_concurrency: int = 8
-    """C_e: concurrent executions one rollout cell is counted for in the water level."""
     checkpoint_every: int = 8
     """Save a checkpoint every this many steps, and always at the end (0: only at the end). 8 by
     default: a crash or a restart (torchrun --max-restarts, a Slurm requeue) loses at most 8
@@ -208,7 +185,7 @@ def check_train_config(cfg: GyreConfig, num_cells: int) -> None:
 # rate", an evaluator that never ran), after run.json had claimed the directory.
 BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "train.steps": (1, True, None), "train.max-tokens": (1, True, None), "train.j-max": (1, True, None),
-    "train.cell-concurrency": (1, True, None), "train.checkpoint-every": (0, True, None),
+    "train.checkpoint-every": (0, True, None),
     "train.torch-threads": (0, True, None), "train.drain-at-end-s": (0, True, None),
     "train.shutdown-timeout-s": (0, False, None), "train.control-timeout-s": (0, True, None),
     "actor.lr": (0, False, None), "actor.eps": (0, False, None), "actor.weight-decay": (0, True, None),
@@ -539,9 +516,10 @@ def cpu_demo() -> GyreConfig:
     """The CPU demo: 4 cells of 1 rank train a small warm-started model on examples/cpu_demo."""
     data = "runs/cpu-demo/data"  # written by examples.cpu_demo.prepare on the first run
     cfg = GyreConfig(preset="cpu-demo", job="train")  # runs/cpu-demo/<timestamp>/, data beside them
-    cfg.train = TrainConfig(steps=32, max_tokens=4096, cell_concurrency=12, checkpoint_every=8,
+    cfg.train = TrainConfig(steps=32, max_tokens=4096, checkpoint_every=8,
                             prepare="examples.cpu_demo.prepare:prepare", prepare_dir=data, drain_at_end_s=30.0)
-    cfg.scheduler = SchedulerConfig(mode="gyre", phi=0.5, mu=2, n_per_group=4, batch_groups=4, tick_s=0.5, tau=2, rho_min=0.5)
+    cfg.scheduler = SchedulerConfig(mode="gyre", phi=0.5, mu=2, n_per_group=4, batch_groups=4, tick_s=0.5, tau=2, rho_min=0.5,
+                                    cell_concurrency=12)
     cfg.model = ModelConfig(preset="small", checkpoint=f"{data}/warm_start")
     cfg.executions.dataset.path = f"{data}/tasks.jsonl"
     cfg.executions.runner.harness_command = ["{python}", str(REPO / "examples" / "cpu_demo" / "harness.py")]
@@ -599,9 +577,15 @@ def _split_preset(argv: list[str]) -> tuple[str, list[str]]:
     return name, rest
 
 
+MOVED = {"--train.cell-concurrency": "--scheduler.cell-concurrency"}  # a flag that moved to its owner's section
+
+
 def parse_config(argv: list[str] | None = None) -> GyreConfig:
     """Parse a command line into a GyreConfig: preset first, then field overrides."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    for a in argv:
+        if a.split("=", 1)[0] in MOVED:
+            raise SystemExit(f"gyre: {a.split('=', 1)[0]} is now {MOVED[a.split('=', 1)[0]]}")
     name, rest = _split_preset(argv)
     if name not in PRESETS:
         raise SystemExit(f"gyre: unknown --preset {name!r}; " + _preset_epilog())

@@ -62,9 +62,9 @@ class Candidate:
     def sim_config(self, base: SimConfig, ref_nodes: int, ref_ce: int) -> SimConfig:
         ce = max(1, round(ref_ce * self.nodes_per_cell / ref_nodes))
         sc = replace(base.scheduler, mode=self.mode, phi=self.phi, mu=self.mu, rho_min=self.rho_min, tau=self.tau,
-                     serial_join=self.serial_join, streaming=self.mode == "gyre",
+                     serial_join=self.serial_join, streaming=self.mode == "gyre", cell_concurrency=ce,
                      async_train_cells=self.async_train_cells or base.scheduler.async_train_cells)
-        cl = replace(base.cluster, num_cells=self.num_cells, nodes_per_cell=self.nodes_per_cell, cell_concurrency=ce,
+        cl = replace(base.cluster, num_cells=self.num_cells, nodes_per_cell=self.nodes_per_cell,
                      standalone_concurrency=self.pool_cells * ce, standalone_nodes=self.pool_cells * self.nodes_per_cell)
         return replace(base, scheduler=sc, cluster=cl)
 
@@ -73,7 +73,7 @@ class Candidate:
         ce = max(1, round(ref_ce * self.nodes_per_cell / ref_nodes))
         size = self.nodes_per_cell * gpus_per_node
         flags = [f"--scheduler.mode {self.mode}", f"--scheduler.phi {self.phi:g}", f"--scheduler.mu {self.mu}",
-                 f"--parallel.cell-size {size}", f"--train.cell-concurrency {ce}"]
+                 f"--parallel.cell-size {size}", f"--scheduler.cell-concurrency {ce}"]
         if self.pool_cells:
             flags.append(f"--parallel.standalone-ranks {self.pool_cells * size}")
         if self.mode == "gyre":
@@ -141,7 +141,7 @@ class Planner:
         self.point = profile.point()
         self.durations = duration_model(self.point["durations"])
         self.ref_nodes = profile.cluster.get("nodes_per_cell", self.base.cluster.nodes_per_cell)
-        self.ref_ce = profile.cluster.get("cell_concurrency", self.base.cluster.cell_concurrency)
+        self.ref_ce = self.base.scheduler.cell_concurrency  # the profile's cluster.cell_concurrency (Profile.sim_config)
         self.seeds = seeds or [0, 1]
         self.cache: dict[tuple[Candidate, int], tuple[float, float, float]] = {}
         self.evaluated = 0

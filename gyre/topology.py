@@ -14,19 +14,41 @@ Example, W = 8, S = 2, R = 2:
     prefix k=2, p=0: {0, 2}     k=3, p=0: {0, 2, 4}     k=3, p=1: {1, 3, 5}
 
 `Topology.from_config` is pure (no torch.distributed). `Topology.create_groups()` creates every
-group up front, on every rank, in one fixed order — nothing creates a group later.
+group of the layout up front, on every rank, in one fixed order. The transports' own gloo groups
+over every rank (weights over `--transfer.transport torch`, KV over `--proxy.migration-transport
+gloo`) are created by `Groups.gloo_world` when the factory builds those transports, at the same
+point on every rank, and kept in the same `Groups`: every process group of a run is made here.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from gyre.config import GyreConfig
+from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How ranks form cells (docs/design.md §1)."""
+
+    cell_size: int = 1
+    """Ranks per cell, S. One cell = one complete model replica; must equal tp·pp·cp·ep."""
+    tp: int = 1
+    """Tensor-parallel size inside a cell."""
+    pp: int = 1
+    """Pipeline-parallel size inside a cell."""
+    cp: int = 1
+    """Context-parallel size inside a cell."""
+    ep: int = 1
+    """Expert-parallel size inside a cell."""
+    standalone_ranks: int = 0
+    """R: the last R ranks form a standalone rollout pool that never trains (multiple of cell_size)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend. auto: with CUDA, each rank binds cuda:LOCAL_RANK and uses
+    'cpu:gloo,cuda:nccl' (CPU tensors over gloo, CUDA tensors over NCCL), else gloo; nccl: the same
+    multi-backend string, refused without CUDA; gloo: gloo for everything (a control run)."""
 
 
 class TopologyError(ValueError):
@@ -47,8 +69,8 @@ class Topology:
 
     # ---------------------------------------------------------------- construction
     @classmethod
-    def from_config(cls, cfg: GyreConfig, world_size: int, rank: int) -> "Topology":
-        """Validate `cfg` (a `gyre.config.ParallelConfig`) against the world and build the layout.
+    def from_config(cls, cfg: ParallelConfig, world_size: int, rank: int) -> "Topology":
+        """Validate `cfg` (`--parallel.*`) against the world and build the layout.
 
         Errors name the offending field: `parallel.cell_size`, `parallel.tp`, ...,
         `parallel.standalone_ranks`.
@@ -190,6 +212,21 @@ class Groups:
     cells: list[Any]  # cells[c]: the ranks of cell c
     pool: list[Any]  # pool[e]: the ranks of standalone pool engine e
     prefix_by_k: dict[tuple[int, int], Any] = field(default_factory=dict)
+    transports: dict[str, Any] = field(default_factory=dict)  # name → gloo group over every rank (gloo_world)
+
+    def gloo_world(self, name: str, timeout_s: float) -> Any:
+        """A gloo group over every rank for one transport (`name`: 'weights', 'kv'), with its own
+        `timeout_s`, kept under `transports[name]`. Collective: every rank calls it at the same
+        point of start-up (gyre.backends.factory builds the transports there); once per name."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        if name in self.transports:
+            raise RuntimeError(f"Groups.gloo_world({name!r}): that group exists already (created once per run)")
+        group = dist.new_group(list(range(self.topology.world_size)), backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.transports[name] = group
+        return group
 
     def prefix(self, k: int, position: int | None = None) -> Any | None:
         """The group of cells 0..k−1 at `position` (default: this rank's). None for k = 1: the

@@ -104,7 +104,7 @@ RUNS: dict[str, Run] = {
                dict(nproc=4, steps=6, seed=1, n=3, groups=2, mu=2, phi=0.5, tau=30, max_tokens=1400, timeout_s=300,
                     sandbox=None),
                ("--executions.runner.max-concurrency", "12", "--scheduler.rho-min", "0.5", "--engine.max-batch", "4",
-                "--engine.min-decode-step-s", "0.01", "--train.cell-concurrency", "8")),
+                "--engine.min-decode-step-s", "0.01", "--scheduler.cell-concurrency", "8")),
     "async": Run("2 ranks, Async with one training cell, B 2, one burst (μ = steps): engine auth",
                  dict(steps=2, seed=1, groups=2, mu=2, phi=0.5, sandbox=None),
                  ("--scheduler.mode", "async", "--scheduler.async-train-cells", "1")),
@@ -118,7 +118,7 @@ RUNS: dict[str, Run] = {
                   dict(nproc=3, steps=4, seed=1, n=3, groups=2, mu=2, phi=0.5, tau=30, max_tokens=1400, timeout_s=300,
                        sandbox=None),
                   ("--backend.engine", "sglang", "--executions.runner.max-concurrency", "12", "--scheduler.rho-min", "0.5",
-                   "--train.cell-concurrency", "8")),
+                   "--scheduler.cell-concurrency", "8")),
 }
 
 

@@ -46,6 +46,15 @@ def test_unknown_preset_is_a_clear_error():
     assert "nope" in str(e.value) and "cpu-demo" in str(e.value)
 
 
+def test_a_flag_that_moved_to_its_owners_section_names_where_it_went():
+    for argv in (["--train.cell-concurrency", "8"], ["--preset", "cpu-demo", "--train.cell-concurrency=8"]):
+        with pytest.raises(SystemExit) as e:
+            parse_config(argv)
+        assert str(e.value) == "gyre: --train.cell-concurrency is now --scheduler.cell-concurrency"
+    assert parse_config(["--scheduler.cell-concurrency", "5"]).scheduler.cell_concurrency == 5
+    assert parse_config(["--preset", "cpu-demo"]).scheduler.cell_concurrency == 12  # the preset's C_e kept its value
+
+
 @pytest.mark.jobs
 @pytest.mark.multirank
 def test_torchrun_smoke_run_exits_zero():

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from gyre.config import ParallelConfig
-from gyre.topology import Topology, TopologyError
+from gyre.topology import Groups, Topology, TopologyError
 
 
 def test_layout_worked_example():
@@ -64,3 +64,14 @@ def test_prefix_groups_partition_and_nest(S, K, pool_engines, data):
                 assert set(t.prefix_ranks(k - 1, p)) < set(g)
     # Every rank is in exactly one cell or the pool.
     assert sum(t.cell_of(r) is None for r in range(W)) == pool_engines * S
+
+
+def test_a_transports_group_is_made_once_per_name():
+    """Groups.gloo_world is every rank's one collective per transport group: a second call for a
+    name would put the ranks' group-creation order out of step, so it is refused before any
+    collective (no torch.distributed needed to see it)."""
+    t = Topology.from_config(ParallelConfig(), 1, 0)
+    groups = Groups(t, control=None, cells=[None], pool=[], transports={"kv": "the kv group"})
+    with pytest.raises(RuntimeError, match="gloo_world\\('kv'\\): that group exists already"):
+        groups.gloo_world("kv", 600.0)
+    assert groups.transports == {"kv": "the kv group"}

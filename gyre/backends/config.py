@@ -258,7 +258,7 @@ class TrainView(Protocol):
 
 
 class ParallelView(Protocol):
-    """`--parallel.*` (gyre.config.ParallelConfig): cell size and the Megatron dimensions."""
+    """`--parallel.*` (gyre.topology.ParallelConfig): cell size and the Megatron dimensions."""
 
     @property
     def cell_size(self) -> int: ...

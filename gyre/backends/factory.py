@@ -5,8 +5,8 @@
     check_backends(cfg)                       every rank, before anything starts (ConfigError)
     set_threads(cfg)                          once per process, before the engine or actor is built
     actor, model_config = build_core_actor(cfg, vocab, checkpoint_dir)   the core only
-    transport = build_transport(cfg, topo, store)                        every rank, same point
-    kv = build_kv_transport(cfg, topo, store)                            every rank, same point (None: off)
+    transport = build_transport(cfg, groups, store)                      every rank, same point
+    kv = build_kv_transport(cfg, groups, store)                          every rank, same point (None: off)
     engine = build_engine(cfg, model_config, params, version=, eos_token_ids=, name=)
     actor = build_actor(cfg, model_config, is_core=False)
 
@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import logging
 import os
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gyre.backends.config import SGLANG_API_ENV, BuildConfig
 from gyre.backends.protocols import Actor, RolloutEngine, WeightTransport
+
+if TYPE_CHECKING:
+    from gyre.topology import Groups
 
 logger = logging.getLogger(__name__)
 
@@ -297,22 +299,20 @@ def build_sglang_engine(cfg: BuildConfig, model_config: Any, params: dict[str, t
 
 
 # ----------------------------------------------------------------------------- weight transport
-def build_transport(cfg: BuildConfig, topo: Any, store: Any) -> WeightTransport:
-    """This rank's `--transfer.transport`. Collective for 'torch' (it creates the transport's gloo
-    group): every rank calls it at the same point of start-up. The core's rank at this rank's
-    position posts; with the CPU backends (cell_size 1) that is rank 0."""
-    tc = cfg.transfer
+def build_transport(cfg: BuildConfig, groups: Groups, store: Any) -> WeightTransport:
+    """This rank's `--transfer.transport`. Collective for 'torch' (its gloo group is made by
+    `groups.gloo_world('weights', ...)`): every rank calls it at the same point of start-up. The
+    core's rank at this rank's position posts; with the CPU backends (cell_size 1) that is rank 0."""
+    tc, topo = cfg.transfer, groups.topology
     owner = topo.cell_ranks(0)[topo.position]
     if tc.transport == "store":
         from gyre.backends.transfer.weights import SnapshotBoard
 
         return SnapshotBoard(store, keep=tc.keep, verify=tc.verify)
     if tc.transport == "torch":
-        import torch.distributed as dist
-
         from gyre.backends.transfer.weights import TorchWeights
 
-        group = dist.new_group(list(range(topo.world_size)), backend="gloo", timeout=timedelta(seconds=tc.timeout_s))
+        group = groups.gloo_world("weights", tc.timeout_s)
         return TorchWeights(store, group, owner=owner, keep=tc.keep, verify=tc.verify)
     if tc.transport == "mooncake":
         from gyre.backends.transfer.weights import MooncakeWeights
@@ -322,10 +322,13 @@ def build_transport(cfg: BuildConfig, topo: Any, store: Any) -> WeightTransport:
     raise ValueError(f"transfer.transport: unknown {tc.transport!r}")  # check_backends refused it already
 
 
-def build_kv_transport(cfg: BuildConfig, topo: Any, store: Any) -> Any:
+KV_GROUP_TIMEOUT_S = 600.0  # the KV-migration gloo group's collective timeout
+
+
+def build_kv_transport(cfg: BuildConfig, groups: Groups, store: Any) -> Any:
     """The engines' KV-migration transport (`--proxy.migration` auto|always over
-    `--proxy.migration-transport`), or None when migration is off. Collective for 'gloo' (it
-    creates the transport's gloo group): every rank calls it at the same point of start-up.
+    `--proxy.migration-transport`), or None when migration is off. Collective for 'gloo' (its gloo
+    group is made by `groups.gloo_world('kv', ...)`): every rank calls it at the same point of start-up.
     Mooncake KV moves as the weight snapshots do: the same address, protocol and device."""
     if cfg.proxy.migration == "off":
         return None
@@ -333,9 +336,7 @@ def build_kv_transport(cfg: BuildConfig, topo: Any, store: Any) -> Any:
 
     group = None
     if cfg.proxy.migration_transport == "gloo":
-        import torch.distributed as dist
-
-        group = dist.new_group(list(range(topo.world_size)), backend="gloo", timeout=timedelta(seconds=600))
+        group = groups.gloo_world("kv", KV_GROUP_TIMEOUT_S)
     tc = cfg.transfer
     return build(cfg.proxy.migration_transport, store.clone(), group, host=tc.host, protocol=tc.mooncake_protocol,
                  device=tc.mooncake_device)

@@ -17,6 +17,9 @@ whether the harness ended, the runner stopped it, or the runner died (its parent
 `watch_parent` is the same promise one level up: a rank started by torchrun kills itself the
 moment torchrun is gone (a SIGKILLed torchrun otherwise leaves its ranks, and their harnesses,
 running for 5–20 s beside a relaunch).
+
+`child_pids` / `descendant_pids` / `terminate_pids` stop a tree found by parent pid instead: an
+embedded engine's subprocesses (SGLang's scheduler and detokenizer), children of the rank itself.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import select
 import signal
 import sys
 import threading
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +137,67 @@ async def kill_tree(leader: int, grace_s: float, proc: asyncio.subprocess.Proces
             return
         await asyncio.sleep(0.025)
     logger.warning("harness %d: processes %s still present after SIGKILL", leader, sorted(tree_pids(leader, False)))
+
+
+# ----------------------------------------------------------------------------- by parent pid
+# An embedded engine's own subprocesses (the SGLang adapter, gyre/backends/engines/sglang_engine.py):
+# they are this rank's children, not a session of their own, so they are found by parent pid.
+def child_pids(pid: int) -> set[int]:
+    """Direct children of `pid`, zombies included (Linux /proc)."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4, after "(comm)" and the state
+            out.add(int(entry))
+    return out
+
+
+def descendant_pids(pids: set[int]) -> set[int]:
+    """`pids` and every process below them by parent pid, as they are now."""
+    found, todo = set(), list(pids)
+    while todo:
+        p = todo.pop()
+        if p not in found:
+            found.add(p)
+            todo.extend(child_pids(p))
+    return found
+
+
+def terminate_pids(pids: set[int], grace_s: float) -> None:
+    """SIGTERM `pids`, SIGKILL those left after `grace_s` (blocking; this process's own children
+    are reaped as they end)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while pids and time.monotonic() < deadline:
+            pids = {p for p in pids if _alive(p)}
+            time.sleep(0.05)
+        if not pids:
+            return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)  # reap our own children
+        if done:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 # Leads a `none` harness's session (the runner starts it with start_new_session). argv: grace_s --

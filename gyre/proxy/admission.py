@@ -1,4 +1,5 @@
-"""Admission: what one execution may cost the proxy every execution shares (issue 20, issue 34).
+"""Admission: what one execution may cost the proxy every execution shares (docs/design.md §4,
+"Untrusted callers" and "No body shape stalls other executions").
 
     with proxy.admit(key, content_length) as state:   429 past the slots or the rate, before the body is read
         body = ...read...

@@ -1,4 +1,5 @@
-"""Request bodies: read, parse and validate without stalling other executions (issue 34).
+"""Request bodies: read, parse and validate without stalling other executions (docs/design.md §4,
+"No body shape stalls other executions").
 
     parsed = await read_body(proxy, request, key, api)   -> Parsed(body, req, model)
 

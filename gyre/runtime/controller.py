@@ -93,9 +93,8 @@ class Controller:
         self.group_iter = rundir.attempt_groups(self.run, self.dataset, sc.n_per_group, shuffle=ds.shuffle,
                                                 seed=cfg.seed + start_version)
         self.carried = rundir.carriable(self.run, self.dataset, sc.n_per_group)
-        self.sched = ElasticScheduler(sc, topo.num_cells, tc.cell_concurrency,
-                                      topo.num_pool_engines * tc.cell_concurrency, clock=WallClock(),
-                                      start_version=start_version)
+        self.sched = ElasticScheduler(sc, topo.num_cells, topo.num_pool_engines * sc.cell_concurrency,  # C_s
+                                      clock=WallClock(), start_version=start_version)
         self.nominal = sc.batch_groups * sc.n_per_group  # B·N: the |E| every group is packed with (samples.py)
         hc = cfg.executions.health
         self.health = HealthMonitor(hc.window or sc.n_per_group * sc.batch_groups, hc.stop_fraction)

@@ -50,8 +50,8 @@ def train(cfg: GyreConfig, topo: Topology, groups: Groups, run: RunDir, interrup
     secret = share_secret(groups.control, src=0)
     _record_ranks(topo, groups, run)  # blocking: every rank's process, in run.json (who died, at the end)
     store = SignedStore(default_store(), secret)
-    weights = factory.build_transport(cfg, topo, store)  # blocking (torch): every rank creates its group
-    kv = factory.build_kv_transport(cfg, topo, store)  # blocking (gloo): every rank creates the KV-migration group
+    weights = factory.build_transport(cfg, groups, store)  # blocking (torch): every rank creates its group
+    kv = factory.build_kv_transport(cfg, groups, store)  # blocking (gloo): every rank creates the KV-migration group
     try:
         _train(cfg, topo, groups, store, weights, secret, run, kv, interrupts)
     finally:

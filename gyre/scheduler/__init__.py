@@ -15,8 +15,7 @@ trajectory processor's input is `gyre.trajectory.materialize.ScoredGroup`.
 
 Protocol (each `on_*`/`tick`/`start` call returns a list of decisions to carry out in order)::
 
-    sched = ElasticScheduler(cfg, num_cells=K, cell_concurrency=C_e, standalone_concurrency=C_s,
-                             clock=clock)
+    sched = ElasticScheduler(cfg, num_cells=K, standalone_concurrency=C_s, clock=clock)  # C_e: cfg.cell_concurrency
     decisions = sched.start()                 # initial Dispatch((φ+μ)·B groups) [+ async split]
     # events, as they happen:
     sched.on_execution_started(group)         # p(t) += 1 (a harness began)

@@ -21,6 +21,9 @@ class SchedulerConfig:
     """φ: extra dispatch in batch units (φ·B must be an integer). E[d] = φ + (μ−1)/2."""
     mu: int = 3
     """μ: optimizer steps per burst; the policy is published after each burst."""
+    cell_concurrency: int = 8
+    """C_e: concurrent executions one rollout cell is counted for in the water level (a standalone
+    pool engine counts the same: the runtime's C_s is pool engines · C_e)."""
     n_per_group: int = 16
     """N: executions per query (one group)."""
     batch_groups: int = 16
@@ -45,6 +48,8 @@ class SchedulerConfig:
 
     def validate(self, num_cells: int | None = None) -> None:
         """Raise ValueError naming the field on inconsistent settings."""
+        if self.cell_concurrency < 1:
+            raise ValueError(f"scheduler.cell_concurrency (C_e) must be >= 1, got {self.cell_concurrency}")
         if self.mu < 1:
             raise ValueError(f"scheduler.mu must be >= 1, got {self.mu}")
         if self.n_per_group < 1:

@@ -85,9 +85,9 @@ class ElasticScheduler:
     """Decision logic for modes gyre / colocate / async. See `gyre.scheduler` for the protocol.
 
     Args:
-        cfg: the scheduler config (validated here).
+        cfg: the scheduler config (validated here); `cfg.cell_concurrency` is C_e, executions
+            one rollout cell serves at once.
         num_cells: K.
-        cell_concurrency: C_e, executions one rollout cell serves at once.
         standalone_concurrency: C_s, the standalone pool's concurrency (0 = no pool).
         clock: a `SimClock` or `WallClock`; every log entry carries clock time.
         log: event log to append to (a new one by default).
@@ -99,7 +99,6 @@ class ElasticScheduler:
         self,
         cfg: SchedulerConfig,
         num_cells: int,
-        cell_concurrency: int,
         standalone_concurrency: int = 0,
         *,
         clock: Clock,
@@ -107,14 +106,12 @@ class ElasticScheduler:
         start_version: int = 0,
     ) -> None:
         cfg.validate(num_cells)
-        if cell_concurrency < 1:
-            raise ValueError(f"cell_concurrency (C_e) must be >= 1, got {cell_concurrency}")
         if start_version < 0:
             raise ValueError(f"start_version must be >= 0, got {start_version}")
         if standalone_concurrency < 0:
             raise ValueError(f"standalone_concurrency (C_s) must be >= 0, got {standalone_concurrency}")
         self.cfg = cfg
-        self.K, self.C_e, self.C_s = num_cells, cell_concurrency, standalone_concurrency
+        self.K, self.C_e, self.C_s = num_cells, cfg.cell_concurrency, standalone_concurrency
         self.clock = clock
         self.log = log if log is not None else EventLog()
         self.roles = [CellRole.ROLLOUT] * num_cells  # read-only for drivers

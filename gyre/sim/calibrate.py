@@ -284,7 +284,8 @@ def calibrate(run_dirs: list[str], *, name: str = "", bootstrap: int = BOOTSTRAP
     n_per_group = int(sc.get("n_per_group") or max(len(g) for g in first.exec_dur.values()))
     cells = max(len(first.summary.get("train_fraction") or {}), len(first.sim_result.get("cell_training_fraction") or []),
                 first.cells_seen, 1)  # a cell that never trained appears in no switch event
-    c_e = int((first.config.get("train") or {}).get("cell_concurrency") or cfg.cluster.cell_concurrency)
+    c_e = int(sc.get("cell_concurrency") or (first.config.get("train") or {}).get("cell_concurrency")  # train: runs before 2026-12
+              or cfg.scheduler.cell_concurrency)
     fits = _diagnostics(runs, c_e, cells)
     return Profile(
         name=name or os.path.basename(os.path.normpath(run_dirs[0])),

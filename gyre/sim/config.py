@@ -10,14 +10,13 @@ from gyre.scheduler.config import SchedulerConfig
 
 @dataclass(kw_only=True)
 class ClusterConfig:
-    """Cells and rollout concurrency (the paper's 122B setting: 8 cells × 4 nodes, 144 each)."""
+    """Cells and the pool (the paper's 122B setting: 8 cells × 4 nodes; one cell's concurrency C_e,
+    144 there, is the scheduler's `--scheduler.cell-concurrency`)."""
 
     num_cells: int = 8
     """K: elastic cells (cell 0 is the core)."""
     nodes_per_cell: int = 4
     """Nodes per cell (GPU-budget accounting and reporting only)."""
-    cell_concurrency: int = 144
-    """C_e: executions one rollout cell serves at once."""
     standalone_concurrency: int = 0
     """C_s: concurrency of the standalone rollout pool (0 = no pool)."""
     standalone_nodes: int = 0
@@ -82,7 +81,7 @@ class DurationConfig:
 class SimConfig:
     """Discrete-event simulation of Gyre / Colocate / Async on a cluster of elastic cells."""
 
-    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(batch_groups=32))
+    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(batch_groups=32, cell_concurrency=144))
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     training: TrainingModel = field(default_factory=TrainingModel)
     durations: DurationConfig = field(default_factory=DurationConfig)

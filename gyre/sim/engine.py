@@ -120,7 +120,7 @@ class Simulation:
         self.clock = SimClock()
         self.log = EventLog(keep_ticks=False)
         self.sched = ElasticScheduler(
-            sc, cl.num_cells, cl.cell_concurrency, cl.standalone_concurrency, clock=self.clock, log=self.log
+            sc, cl.num_cells, cl.standalone_concurrency, clock=self.clock, log=self.log
         )
         self.rng = np.random.default_rng(cfg.seed)
         norm = np.random.default_rng(cfg.seed + 1_000_003)
@@ -227,9 +227,9 @@ class Simulation:
 
     def _reroute_share(self) -> None:
         """The draining cell's share of the running executions continue elsewhere, `reroute_s` later."""
-        cl, now = self.cfg.cluster, self.clock()
-        before = self.sched.rollout_capacity + cl.cell_concurrency
-        n = min(cl.cell_concurrency, round(len(self.running) * cl.cell_concurrency / max(before, 1)))
+        cl, now, c_e = self.cfg.cluster, self.clock(), self.cfg.scheduler.cell_concurrency
+        before = self.sched.rollout_capacity + c_e
+        n = min(c_e, round(len(self.running) * c_e / max(before, 1)))
         self.rerouted += n
         if cl.reroute_s <= 0 or n == 0:
             return
@@ -378,7 +378,7 @@ class Simulation:
             group_sojourn_h=sojourn,
             groups_in_system_area_h=self.area_groups / H,
             num_cells=self.cfg.cluster.num_cells,
-            cell_concurrency=self.cfg.cluster.cell_concurrency,
+            cell_concurrency=self.cfg.scheduler.cell_concurrency,
             standalone_concurrency=self.cfg.cluster.standalone_concurrency,
             log=self.log,
         )

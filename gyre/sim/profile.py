@@ -131,7 +131,10 @@ class Profile:
         draw = draw if draw is not None else self.point()
         base = SimConfig()
         cluster = {k: v for k, v in self.cluster.items() if k != "gpus_per_node"}  # the planner's, not the simulator's
-        parts = {"cluster": cluster, "scheduler": dict(self.scheduler), "training": dict(self.training)}
+        scheduler = dict(self.scheduler)
+        if "cell_concurrency" in cluster:  # the profile's cluster names C_e; the scheduler counts with it
+            scheduler["cell_concurrency"] = cluster.pop("cell_concurrency")
+        parts = {"cluster": cluster, "scheduler": scheduler, "training": dict(self.training)}
         for name, (section, fld) in COSTS.items():
             if name in draw:
                 parts[section][fld] = float(draw[name])

@@ -53,8 +53,9 @@ def _with(cfg: SimConfig, **changes) -> SimConfig:
 def variant_configs(base: SimConfig, tune_baselines: bool = False) -> dict[str, list[SimConfig]]:
     """Candidate configurations of each variant (the best candidate is reported).
 
-    `base.cluster` describes the E0 cluster (K cells of nodes_per_cell nodes, C_e each)."""
-    K, n, C = base.cluster.num_cells, base.cluster.nodes_per_cell, base.cluster.cell_concurrency
+    `base.cluster` describes the E0 cluster (K cells of nodes_per_cell nodes, C_e =
+    `base.scheduler.cell_concurrency` each)."""
+    K, n, C = base.cluster.num_cells, base.cluster.nodes_per_cell, base.scheduler.cell_concurrency
     pairs = STALENESS_PAIRS if tune_baselines else [BASELINE_PAIR]
     splits = range(1, max(2, K // 2 + 1)) if tune_baselines else [max(1, K // 2)]
     out: dict[str, list[SimConfig]] = {}
@@ -67,7 +68,7 @@ def variant_configs(base: SimConfig, tune_baselines: bool = False) -> dict[str, 
                 base,
                 **gyre,
                 **{"scheduler.phi": 0.5, "scheduler.mu": 3, "cluster.num_cells": K // 2,
-                   "cluster.nodes_per_cell": 2 * n, "cluster.cell_concurrency": 2 * C},
+                   "cluster.nodes_per_cell": 2 * n, "scheduler.cell_concurrency": 2 * C},
             )
         ]
     for name, streaming, pool in (("C0", False, False), ("C2", True, True)):

@@ -842,9 +842,9 @@ class _Watchdog:
 
 
 def _children(pid: int) -> set[int]:
-    from gyre.backends.engines.sglang_engine import _children as children
+    from gyre.executions.procs import child_pids
 
-    return children(pid)
+    return child_pids(pid)
 
 
 def _load(model_path: str, load_format: str | None, dtype: str, attention_backend: str | None):

@@ -29,7 +29,7 @@ def _build(kind: str):
     cfg.transfer.transport, cfg.transfer.keep = kind, 2
     topo = Topology.from_config(ParallelConfig(), dist.get_world_size(), dist.get_rank())
     groups = topo.create_groups()
-    return factory.build_transport(cfg, topo, default_store()), groups
+    return factory.build_transport(cfg, groups, default_store()), groups
 
 
 def _corrupt(w, version: int) -> None:

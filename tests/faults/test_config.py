@@ -91,6 +91,7 @@ LATE = {
     "grad norm 0": (["--actor.max-grad-norm", "0"], "--actor.max-grad-norm must be > 0, got 0"),
     "beta 1": (["--actor.betas", "0.9", "1.0"], "--actor.betas must both be in [0, 1), got 0.9 1"),
     "engine batch 0": (["--engine.max-batch", "0"], "--engine.max-batch must be >= 1, got 0"),
+    "C_e 0": (["--scheduler.cell-concurrency", "0"], "--scheduler.cell-concurrency (C_e) must be >= 1, got 0"),
     "proxy wait 0": (["--proxy.engine-wait-s", "0"], "--proxy.engine-wait-s must be > 0, got 0"),
     "missing checkpoint": (["--model.checkpoint", "{tmp}/no_model"], "--model.checkpoint {tmp}/no_model: no such directory"),
     "harness log cap under 1 KiB": (["--executions.runner.log-cap-bytes", "100"],

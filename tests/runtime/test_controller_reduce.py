@@ -46,7 +46,7 @@ def _controller(tmp_path, num_cells: int = 3) -> Controller:
     cfg = GyreConfig(run_dir=str(tmp_path / "run"))
     cfg.executions.dataset.path = str(tasks)
     cfg.scheduler = SchedulerConfig(n_per_group=2, batch_groups=1, phi=0, mu=2, tau=0, rho_min=0.0)
-    cfg.train.cell_concurrency = 8
+    cfg.scheduler.cell_concurrency = 8
     topo = Topology.from_config(ParallelConfig(cell_size=1), num_cells, 0)
     ctl = Controller(cfg, topo, _Store())
     ctl.cp = _RecordingPlane()

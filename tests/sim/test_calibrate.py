@@ -64,6 +64,7 @@ def _write_run(path, seed: int = 0, groups: int = 120, steps: int = 40) -> None:
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (path / "summary.json").write_text(json.dumps({"execution_outcomes": {"ok": groups * 4},
                                                    "train_fraction": {"0": 0.5, "1": 0.4, "2": 0.3}}))
+    # a run from before C_e moved to --scheduler.cell-concurrency recorded it under train
     (path / "run.json").write_text(json.dumps({"config": {"scheduler": {"n_per_group": 4, "batch_groups": 2},
                                                           "train": {"cell_concurrency": 8}}}))
 
@@ -120,8 +121,8 @@ def test_a_profile_fitted_on_one_seed_predicts_another(tmp_path):
     from gyre.sim.report import summary
 
     law = HierarchicalLogNormal(m=0.0, sigma_q=0.2, sigma_e=0.3, cap_h=3.0)
-    cfg = SimConfig(scheduler=SchedulerConfig(n_per_group=8, batch_groups=8),
-                    cluster=ClusterConfig(num_cells=4, cell_concurrency=48),
+    cfg = SimConfig(scheduler=SchedulerConfig(n_per_group=8, batch_groups=8, cell_concurrency=48),
+                    cluster=ClusterConfig(num_cells=4),
                     training=TrainingModel(cell_hours_per_step=0.5, optimizer_s=40.0, param_send_s=20.0,
                                            switch_to_train_s=15.0, switch_to_rollout_s=5.0, eval_s=30.0),
                     steps=24)
@@ -129,8 +130,7 @@ def test_a_profile_fitted_on_one_seed_predicts_another(tmp_path):
     res.log.write_jsonl(str(tmp_path / "events.jsonl"))
     (tmp_path / "result.json").write_text(json.dumps(summary(res)))
     # what gyre.run's run.json holds of the setting (C_e is not in the events)
-    (tmp_path / "run.json").write_text(json.dumps({"config": {"scheduler": dataclasses.asdict(cfg.scheduler),
-                                                              "train": {"cell_concurrency": 48}}}))
+    (tmp_path / "run.json").write_text(json.dumps({"config": {"scheduler": dataclasses.asdict(cfg.scheduler)}}))
     prof = calibrate([str(tmp_path)], bootstrap=50)
     for name, planted in (("switch_to_train_s", 15.0), ("switch_to_rollout_s", 5.0), ("optimizer_s", 40.0),
                           ("param_send_s", 20.0), ("eval_s", 30.0)):

@@ -62,7 +62,7 @@ def test_run_flags_name_the_configuration():
     flags = c.run_flags(gpus_per_node=8, ref_nodes=4, ref_ce=144, tick_s=30.0).split()
     assert flags[flags.index("--parallel.cell-size") + 1] == "16"
     assert flags[flags.index("--parallel.standalone-ranks") + 1] == "16"
-    assert flags[flags.index("--train.cell-concurrency") + 1] == "72"  # C_e scales with the cell's nodes
+    assert flags[flags.index("--scheduler.cell-concurrency") + 1] == "72"  # C_e scales with the cell's nodes
     assert flags[flags.index("--scheduler.mu") + 1] == "2" and "--scheduler.no-serial-join" in flags
 
 

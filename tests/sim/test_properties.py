@@ -32,8 +32,8 @@ def test_invariants_on_the_event_log(mode, streaming, K, C_e, C_s, N, B, phi_uni
     steps = 2 * mu
     cfg = SimConfig(
         scheduler=SchedulerConfig(mode=mode, streaming=streaming, n_per_group=N, batch_groups=B,
-                                  phi=phi_units, mu=mu, async_train_cells=1, tau=1, rho_min=0.5),
-        cluster=ClusterConfig(num_cells=K, cell_concurrency=C_e, standalone_concurrency=C_s),
+                                  phi=phi_units, mu=mu, async_train_cells=1, tau=1, rho_min=0.5, cell_concurrency=C_e),
+        cluster=ClusterConfig(num_cells=K, standalone_concurrency=C_s),
         training=TrainingModel(cell_hours_per_step=0.05),
         steps=steps,
         seed=seed,

@@ -24,9 +24,10 @@ from gyre.sim.engine import Simulation
 
 def make(**kw):
     cluster = {k: kw.pop(k) for k in ("K", "C_e", "C_s") if k in kw}
-    cfg = SchedulerConfig(**{"n_per_group": 2, "batch_groups": 2, "phi": 0, "mu": 1, "rho_min": 0.5, "tau": 3, **kw})
+    cfg = SchedulerConfig(**{"n_per_group": 2, "batch_groups": 2, "phi": 0, "mu": 1, "rho_min": 0.5, "tau": 3,
+                             "cell_concurrency": cluster.get("C_e", 4), **kw})
     clock = SimClock()
-    s = ElasticScheduler(cfg, cluster.get("K", 3), cluster.get("C_e", 4), cluster.get("C_s", 0), clock=clock)
+    s = ElasticScheduler(cfg, cluster.get("K", 3), cluster.get("C_s", 0), clock=clock)
     return s, clock
 
 
@@ -201,8 +202,8 @@ def test_illegal_roles_and_bad_events_raise():
 # ----------------------------------------------------------------------------- through the sim
 def _sim(mode, steps=6, seed=0, **sched):
     cfg = SimConfig(
-        scheduler=SchedulerConfig(mode=mode, batch_groups=8, **sched),
-        cluster=ClusterConfig(num_cells=4, cell_concurrency=144),
+        scheduler=SchedulerConfig(mode=mode, batch_groups=8, cell_concurrency=144, **sched),
+        cluster=ClusterConfig(num_cells=4),
         training=TrainingModel(cell_hours_per_step=2.0),
         steps=steps,
         seed=seed,
@@ -248,8 +249,8 @@ def test_gyre_never_pauses_a_harness_colocate_does():
 
 def test_colocate_with_pool_switches_when_the_pool_holds_the_rest():
     cfg = SimConfig(
-        scheduler=SchedulerConfig(mode="colocate", streaming=True, batch_groups=8),
-        cluster=ClusterConfig(num_cells=3, cell_concurrency=144, standalone_concurrency=144),
+        scheduler=SchedulerConfig(mode="colocate", streaming=True, batch_groups=8, cell_concurrency=144),
+        cluster=ClusterConfig(num_cells=3, standalone_concurrency=144),
         training=TrainingModel(cell_hours_per_step=2.0),
         steps=3,
     )

@@ -20,9 +20,9 @@ def _run(phi, mu, dispatch="boundary", seed=0, B=2):
     cfg = SimConfig(
         scheduler=SchedulerConfig(
             mode="async", async_train_cells=1, streaming=True, phi=phi, mu=mu, n_per_group=1,
-            batch_groups=B, dispatch=dispatch, tick_s=1e7,
+            batch_groups=B, dispatch=dispatch, tick_s=1e7, cell_concurrency=10_000,
         ),
-        cluster=ClusterConfig(num_cells=2, cell_concurrency=10_000),
+        cluster=ClusterConfig(num_cells=2),
         training=TrainingModel(cell_hours_per_step=0.01, optimizer_s=1.0, param_send_s=0.0, tokens_scale=False),
         steps=STEPS,
         seed=seed,

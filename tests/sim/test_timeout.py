@@ -32,8 +32,8 @@ def _run(hours: list[float], timeout_h: float, *, train_h: float = 5.0, kv_recom
     switch, optimizer and evaluation free: only executions and training take time."""
     cfg = SimConfig(
         scheduler=SchedulerConfig(mode="colocate", phi=1, mu=1, n_per_group=1, batch_groups=1, streaming=False,
-                                  tick_s=TICK_H * H, tau=1, rho_min=1.0),
-        cluster=ClusterConfig(num_cells=1, nodes_per_cell=4, cell_concurrency=1, kv_recompute_s=kv_recompute_h * H),
+                                  tick_s=TICK_H * H, tau=1, rho_min=1.0, cell_concurrency=1),
+        cluster=ClusterConfig(num_cells=1, nodes_per_cell=4, kv_recompute_s=kv_recompute_h * H),
         training=TrainingModel(cell_hours_per_step=train_h, reference_nodes=4, scaling_exponent=1.0, tokens_scale=tokens_scale,
                                optimizer_s=0.0, param_send_s=0.0, switch_to_train_s=0.0, switch_to_rollout_s=0.0, eval_s=0.0),
         steps=2, seed=0, wall_timeout_h=timeout_h)

@@ -71,7 +71,7 @@ Checked against the sglang 0.5.23 wheel's source and run against the conformance
 (tests/backends/sglang_fake.py); not yet run on a GPU. Nothing here imports sglang at module
 import; `SglangApi.real()` imports it when the engine starts.
 
-Size (about 770 lines): one adapter class mirroring SGLang's engine lifecycle (sessions, release /
+Size (about 720 lines): one adapter class mirroring SGLang's engine lifecycle (sessions, release /
 resume, weight updates, streamed generation) plus the pure request/ServerArgs helpers it is tested
 through; the next split is the ServerArgs pass-through and WeightBroadcaster into modules of their own.
 """
@@ -83,7 +83,6 @@ import atexit
 import importlib
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -93,6 +92,7 @@ import torch
 
 from gyre.backends.config import SglangConfig
 from gyre.backends.protocols import EngineHealth, EngineState, SamplingParams, TokenEvent
+from gyre.executions.procs import child_pids, descendant_pids, terminate_pids
 
 logger = logging.getLogger(__name__)
 
@@ -357,7 +357,7 @@ class SglangEngine:
                                free / 2**30, self.config.base_gpu_id, self.config.mem_fraction_static, total / 2**30)
         root = logging.getLogger()
         handlers, level = list(root.handlers), root.level
-        before = _children(os.getpid())
+        before = child_pids(os.getpid())
         agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # the scheduler inherits os.environ
         try:
             self._engine = await asyncio.to_thread(lambda: api.Engine(**args))
@@ -371,7 +371,7 @@ class SglangEngine:
             root.setLevel(level)
         # Only what the engine started; a harness is never one of them (its processes predate this
         # call, or are launched by the controller after the engine is up).
-        self._engine_pids = _children(os.getpid()) - before
+        self._engine_pids = child_pids(os.getpid()) - before
         atexit.unregister(getattr(self._engine, "shutdown", lambda: None))
         logger.info("sglang engine up (tp=%d, model=%s, version %d, %d engine processes)", self.config.tp_size,
                     self.config.model_path, self.version, len(self._engine_pids))
@@ -387,9 +387,9 @@ class SglangEngine:
         watchdog = getattr(getattr(self._engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
         if watchdog is not None:
             watchdog.stop()
-        pids = _descendants(self._engine_pids)
+        pids = descendant_pids(self._engine_pids)
         self._engine, self._engine_pids = None, set()
-        await asyncio.to_thread(_terminate, pids, 30.0)
+        await asyncio.to_thread(terminate_pids, pids, 30.0)
         self._requests.clear()
         self._aborting.clear()
 
@@ -686,63 +686,6 @@ class WeightBroadcaster:
         opts.rootRank = 0
         for name, tensor in params.items():
             self.group.broadcast([tensor.detach().to(device).contiguous()], opts).wait()
-
-
-# ----------------------------------------------------------------------------- processes
-def _children(pid: int) -> set[int]:
-    """Direct children of `pid` (Linux /proc)."""
-    out = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4, after "(comm)" and the state
-            out.add(int(entry))
-    return out
-
-
-def _descendants(pids: set[int]) -> set[int]:
-    found, todo = set(), list(pids)
-    while todo:
-        p = todo.pop()
-        if p not in found:
-            found.add(p)
-            todo.extend(_children(p))
-    return found
-
-
-def _terminate(pids: set[int], grace_s: float) -> None:
-    """SIGTERM `pids`, SIGKILL those left after `grace_s`."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in pids:
-            try:
-                os.kill(p, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace_s
-        while pids and time.monotonic() < deadline:
-            pids = {p for p in pids if _alive(p)}
-            time.sleep(0.05)
-        if not pids:
-            return
-
-
-def _alive(pid: int) -> bool:
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)  # reap our own children
-        if done:
-            return False
-    except ChildProcessError:
-        pass
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _vocab_size(model_path: str) -> int:
