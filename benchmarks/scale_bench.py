@@ -290,17 +290,28 @@ def scheduler_series(a) -> list[dict]:
     for K in a.cells:
         cfg = SimConfig(scheduler=SchedulerConfig(batch_groups=4 * K), cluster=ClusterConfig(num_cells=K), steps=a.sched_steps)
         sim = Simulation(cfg, build_durations(cfg))
-        sched, acc = sim.sched, {"events": 0, "s": 0.0, "msgs": 0, "max_s": {}, "all": []}
+        sched, acc = sim.sched, {"events": 0, "s": 0.0, "msgs": 0, "max_s": {}, "max_cpu": {}, "all": []}
+        gcs = {"n": 0, "t0": 0.0, "max": 0.0, "sum": 0.0}
+
+        def on_gc(phase, info, _g=gcs):  # a collection's pause: it lands in whichever call allocates
+            if phase == "start":
+                _g["t0"] = time.perf_counter()
+            else:
+                dt = time.perf_counter() - _g["t0"]
+                _g["n"], _g["sum"], _g["max"] = _g["n"] + 1, _g["sum"] + dt, max(_g["max"], dt)
+
         for name in _TIMED:
             fn = getattr(sched, name)
 
             def timed(*args, _fn=fn, _name=name, **kw):
-                t0 = time.perf_counter()
+                g0, c0, t0 = gcs["n"], time.thread_time(), time.perf_counter()
                 out = _fn(*args, **kw)
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.thread_time() - c0
                 acc["events"] += 1
                 acc["s"] += dt
                 acc["max_s"][_name] = max(acc["max_s"].get(_name, 0.0), dt)
+                if gcs["n"] == g0:  # the call's own CPU time, no collection inside it
+                    acc["max_cpu"][_name] = max(acc["max_cpu"].get(_name, 0.0), dc)
                 acc["all"].append(dt)
                 if _name == "request_work":
                     acc["msgs"] += 2 if out is not None else 0
@@ -309,13 +320,22 @@ def scheduler_series(a) -> list[dict]:
                 return out
 
             setattr(sched, name, timed)
+        gc.collect()
+        gc.callbacks.append(on_gc)
         t0 = time.perf_counter()
-        sim.run()
+        try:
+            sim.run()
+        finally:
+            gc.callbacks.remove(on_gc)
         wall = time.perf_counter() - t0
         steps = sched.version
         row = {"cells": K, "batch_groups": 4 * K, "steps": steps, "events": acc["events"],
                "us_per_event": round(acc["s"] / acc["events"] * 1e6, 2),
-               "us_per_event_p99": round(_pct(acc["all"], 99) * 1e6, 2), "us_per_event_p9999": round(_pct(acc["all"], 99.99) * 1e6, 1), "max_ms_by_kind": {k: round(v * 1e3, 3) for k, v in acc["max_s"].items()},
+               "us_per_event_p99": round(_pct(acc["all"], 99) * 1e6, 2), "us_per_event_p9999": round(_pct(acc["all"], 99.99) * 1e6, 1),
+               "max_ms_by_kind": {k: round(v * 1e3, 3) for k, v in acc["max_s"].items()},
+               "max_cpu_ms_by_kind_without_gc": {k: round(v * 1e3, 3) for k, v in acc["max_cpu"].items()},
+               "gc_collections": gcs["n"], "gc_pause_ms_max": round(gcs["max"] * 1e3, 1), "gc_pause_s_total": round(gcs["sum"], 2),
+               "event_log_len": len(sched.log),
                "ms_per_step": round(acc["s"] / steps * 1e3, 2), "events_per_step": round(acc["events"] / steps),
                "messages_per_step": round(acc["msgs"] / steps, 1), "sim_wall_s": round(wall, 1)}
         print("scheduler", row, flush=True)
@@ -599,7 +619,9 @@ def summarize(res: dict, a) -> dict:
     if "scheduler" in res:
         rs = res["scheduler"]
         ks = [r["cells"] for r in rs]
-        f["scheduler"] = {"cells": ks[-1], "us_per_event": rs[-1]["us_per_event"], "us_per_event_p99": rs[-1]["us_per_event_p99"], "max_ms_by_kind": rs[-1]["max_ms_by_kind"],
+        f["scheduler"] = {"cells": ks[-1], "us_per_event": rs[-1]["us_per_event"], "us_per_event_p99": rs[-1]["us_per_event_p99"],
+                          "max_ms_by_kind": rs[-1]["max_ms_by_kind"], "max_cpu_ms_by_kind_without_gc": rs[-1]["max_cpu_ms_by_kind_without_gc"],
+                          "gc_pause_ms_max": rs[-1]["gc_pause_ms_max"], "event_log_len": rs[-1]["event_log_len"],
                           "ms_per_step": rs[-1]["ms_per_step"], "messages_per_step": rs[-1]["messages_per_step"],
                           "exp_us_per_event": fit_exponent(ks, [r["us_per_event"] for r in rs]),
                           "exp_messages_per_step": fit_exponent(ks, [r["messages_per_step"] for r in rs])}
