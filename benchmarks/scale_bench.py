@@ -23,8 +23,10 @@ growth exponent (least squares on log-log: cost ∝ size^b; b = 1 is linear, b =
                63,600 calls (10/100 copies of benchmarks/trajectory_bench.py's execution at 0.1
                token scale: ~0.1M → ~10M unique tokens): time and peak memory (tracemalloc).
   * soak       many short executions (key, `--soak-calls-per-exec` calls, close) through the
-               proxy + TITO store, `--soak-calls` calls in all, RSS/fds/threads sampled each
-               second: growth after warm-up (the first 20 % of calls).
+               proxy + TITO store, `--soak-calls` calls in all (50,000: ~190 calls/s, ~4.5 min
+               on the 2-core machine), no new execution after `--soak-max-s` (the run says if
+               that bound cut it short), RSS/fds/threads sampled each second: growth after
+               warm-up (the first 20 % of calls).
 
     python benchmarks/scale_bench.py            # the full run (~10-12 min on an idle 2-core machine: an estimate,
                                                 # it was run in parts on a loaded one)
@@ -483,9 +485,15 @@ async def _soak_load(url: str, pid: int, a) -> dict:
             except asyncio.TimeoutError:
                 pass
 
+    deadline = time.monotonic() + a.soak_max_s
+    started, bound_hit = [0], [False]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         async def worker(w: int) -> None:
             for i in next_exec:
+                if time.monotonic() > deadline:  # the time bound: no new execution starts
+                    bound_hit[0] = True
+                    break
+                started[0] += 1
                 eid = f"s{i}"
                 h = Harness(eid, await _admin_key(session, url, eid), a.max_tokens, random.Random(i))
                 for _ in range(per_exec):
@@ -499,7 +507,8 @@ async def _soak_load(url: str, pid: int, a) -> dict:
         await asyncio.gather(*(worker(w) for w in range(a.soak_concurrency)))
         stop.set()
         await s
-    return {"samples": samples, "calls": done[0], "errors": errors[0], "lost_by_stats": lost[0], "executions": n_execs}
+    return {"samples": samples, "calls": done[0], "errors": errors[0], "lost_by_stats": lost[0],
+            "executions": started[0], "time_bound_hit": bound_hit[0]}
 
 
 def soak(a) -> dict:
@@ -521,7 +530,8 @@ def soak(a) -> dict:
     def growth(k):
         return (max(s[k] for s in tail) - w0[k]) / w0[k]
 
-    out = {"calls": res["calls"], "executions": res["executions"], "wall_s": round(wall, 1), "errors": res["errors"],
+    out = {"calls": res["calls"], "executions": res["executions"], "wall_s": round(wall, 1), "calls_per_s": round(res["calls"] / wall, 1),
+           "time_bound_hit": res["time_bound_hit"], "errors": res["errors"],
            "records": sum(counts.values()), "records_lost": res["calls"] - sum(counts.values()),
            "rss_mib_after_warmup": round(w0["rss"] / 2**20, 1), "rss_mib_end": round(tail[-1]["rss"] / 2**20, 1),
            "rss_growth_pct": round(100 * growth("rss"), 2),
@@ -564,6 +574,7 @@ def main() -> None:
     ap.add_argument("--soak-calls", type=int, default=50_000)
     ap.add_argument("--soak-calls-per-exec", type=int, default=5)
     ap.add_argument("--soak-concurrency", type=int, default=32)
+    ap.add_argument("--soak-max-s", type=float, default=480.0, help="no new soak execution starts after this many seconds")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale_bench.json"))
     if ap.parse_known_args()[0].quick:  # smaller defaults; sizes given on the command line still win
         ap.set_defaults(open_executions=[64, 256, 1024], engines=[8], window_s=6.0, think_s=4.0, cells=[8, 32, 128],
@@ -641,7 +652,7 @@ def summarize(res: dict, a) -> dict:
                            "exp_memory": fit_exponent(u, [r["peak_mib"] for r in rs])}
     if "soak" in res:
         s = res["soak"]
-        f["soak"] = {k: s[k] for k in ("calls", "executions", "records_lost", "errors", "rss_growth_pct", "rss_slope_kib_per_1k_calls",
+        f["soak"] = {k: s[k] for k in ("calls", "executions", "wall_s", "time_bound_hit", "records_lost", "errors", "rss_growth_pct", "rss_slope_kib_per_1k_calls",
                                        "fds_after_warmup", "fds_max_tail", "threads_after_warmup", "threads_max_tail")}
     return f
 
