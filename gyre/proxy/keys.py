@@ -17,6 +17,9 @@ from gyre.trajectory.record import Role
 
 logger = logging.getLogger(__name__)
 
+_GENERATED = "gyre-"  # the prefix of generated keys (reserved)
+
+
 @dataclass(frozen=True)
 class KeyInfo:
     key: str
@@ -30,9 +33,10 @@ class KeyRegistry:
     def __init__(self) -> None:
         self._keys: dict[str, KeyInfo] = {}
         self._by_execution: dict[str, set[str]] = {}
-        # revoked keys that were given (`issue(key=...)`), refused if given again; a generated
-        # key (192 random bits) never comes again, so remembering it would only grow the set by
-        # one key per execution for the whole run
+        # revoked keys that were given (`issue(key=...)`), refused if given again. A generated
+        # key (`_GENERATED` + 192 random bits) is never generated again and cannot be given (the
+        # prefix is reserved), so it is not remembered: that would grow the set by one key per
+        # execution for the whole run
         self._revoked: set[str] = set()
         self._given: set[str] = set()  # live keys that were given, not generated
 
@@ -41,11 +45,13 @@ class KeyRegistry:
         check_id(execution_id, "issue: execution_id")
         if isinstance(role_hint, str):
             role_hint = parse_role(role_hint)
+        if key is not None and key.startswith(_GENERATED):
+            raise ValueError(f"issue: key: {_GENERATED!r} starts the proxy's generated keys; a given key must not")
         if key is not None and (key in self._keys or key in self._revoked):
             raise ValueError("issue: key already in use")
         if key is not None:
             self._given.add(key)
-        key = key or f"gyre-{secrets.token_urlsafe(24)}"
+        key = key or f"{_GENERATED}{secrets.token_urlsafe(24)}"
         self._keys[key] = KeyInfo(key=key, execution_id=execution_id, role_hint=role_hint)
         self._by_execution.setdefault(execution_id, set()).add(key)
         return key

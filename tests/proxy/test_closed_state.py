@@ -76,3 +76,12 @@ def test_sealed_store_executions_are_not_remembered_in_memory(tmp_path):
     with pytest.raises(SealedError):
         sink.on_record(_record("never-called"))
     assert not (tmp_path / "never-called.tito").exists()
+
+
+def test_a_revoked_generated_key_cannot_be_given_back():
+    reg = KeyRegistry()
+    k = reg.issue("ex-1")
+    reg.revoke_execution("ex-1")
+    with pytest.raises(ValueError, match="key"):  # not remembered, but its prefix is reserved
+        reg.issue("ex-2", key=k)
+    assert reg.lookup(k) is None
