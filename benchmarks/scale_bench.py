@@ -650,11 +650,50 @@ def summarize(res: dict, a) -> dict:
         f["trajectory"] = {"calls": rs[-1]["calls"], "unique_tokens": u[-1], "seconds": rs[-1]["seconds"], "peak_mib": rs[-1]["peak_mib"],
                            "exp_time": fit_exponent(u, [r["seconds"] for r in rs]),
                            "exp_memory": fit_exponent(u, [r["peak_mib"] for r in rs])}
+    f["goals"] = goals(res, a)
     if "soak" in res:
         s = res["soak"]
         f["soak"] = {k: s[k] for k in ("calls", "executions", "wall_s", "time_bound_hit", "records_lost", "errors", "rss_growth_pct", "rss_slope_kib_per_1k_calls",
                                        "fds_after_warmup", "fds_max_tail", "threads_after_warmup", "threads_max_tail")}
     return f
+
+
+def goals(res: dict, a) -> dict:
+    """The issue's goals, each {"value", "goal", "met"}, for the series this run measured."""
+    g: dict = {}
+
+    def put(name, value, goal, met):
+        g[name] = {"value": value, "goal": goal, "met": bool(met)}
+
+    top = [r for r in res.get("proxy", []) if r["open_executions"] == max(x["open_executions"] for x in res["proxy"])]
+    for r in top:
+        e = r["engines"]
+        put(f"proxy_e{e}_added_ms_p99", r["added_ms_p99"], f"<= 5 at {r['open_executions']} open", r["added_ms_p99"] <= 5)
+        put(f"proxy_e{e}_kib_per_open_execution", r["rss_kib_per_open_execution"], "<= 1024", r["rss_kib_per_open_execution"] <= 1024)
+    if "proxy" in res or "soak" in res:
+        lost = sum(r["records_lost"] for r in res.get("proxy", [])) + (res["soak"]["records_lost"] if "soak" in res else 0)
+        put("records_lost", lost, "0", lost == 0)
+    if res.get("scheduler"):
+        r = res["scheduler"][-1]
+        put("decision_us_per_event", r["us_per_event"], f"<= 1000 at K = {r['cells']}", r["us_per_event"] <= 1000)
+        worst = max(r["max_cpu_ms_by_kind_without_gc"].values())
+        put("decision_max_cpu_ms_without_gc", worst, "<= 1 (one call, GC pauses apart: gc_pause_ms_max)", worst <= 1)
+    if len(res.get("store", [])) >= 2:
+        b = fit_exponent([r["ranks"] for r in res["store"]], [r["requests_per_step"] for r in res["store"]])
+        put("store_requests_exponent_in_ranks", b, "~1 (linear; 2 = O(ranks^2))", b is not None and b <= 1.2)
+    if len(res.get("trajectory", [])) >= 2:
+        u = [r["unique_tokens"] for r in res["trajectory"]]
+        for k, key in (("time", "seconds"), ("memory", "peak_mib")):
+            b = fit_exponent(u, [r[key] for r in res["trajectory"]])
+            put(f"trajectory_{k}_exponent", b, f"~1 (linear) to {max(u):,} unique tokens", b is not None and b <= 1.2)
+    if "soak" in res:
+        s = res["soak"]
+        put("soak_calls", s["calls"], ">= 50000", s["calls"] >= 50_000)
+        put("soak_rss_growth_pct", s["rss_growth_pct"], "<= 5 after warm-up", s["rss_growth_pct"] <= 5)
+        put("soak_fds_growth", s["fds_max_tail"] - s["fds_after_warmup"], "flat: within 2 per concurrent execution (its connection, its file)",
+            s["fds_max_tail"] <= s["fds_after_warmup"] + 2 * a.soak_concurrency)
+        put("soak_threads_growth", s["threads_max_tail"] - s["threads_after_warmup"], "0", s["threads_max_tail"] <= s["threads_after_warmup"])
+    return g
 
 
 if __name__ == "__main__":
