@@ -28,8 +28,8 @@ growth exponent (least squares on log-log: cost ∝ size^b; b = 1 is linear, b =
                that bound cut it short), RSS/fds/threads sampled each second: growth after
                warm-up (the first 20 % of calls).
 
-    python benchmarks/scale_bench.py            # the full run (~10-12 min on an idle 2-core machine: an estimate,
-                                                # it was run in parts on a loaded one)
+    python benchmarks/scale_bench.py            # the full run (~15 min on an idle 2-core machine: an estimate
+                                                # from its parts: proxy ~6 min, soak ~4.5 (at most 8), rest ~3)
     python benchmarks/scale_bench.py --quick    # short form (~5 min on a loaded 2-core machine)
 
 The last line printed is one JSON object with the figures. Left out: a real model (engines are
