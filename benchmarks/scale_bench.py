@@ -23,13 +23,13 @@ growth exponent (least squares on log-log: cost ∝ size^b; b = 1 is linear, b =
                63,600 calls (10/100 copies of benchmarks/trajectory_bench.py's execution at 0.1
                token scale: ~0.1M → ~10M unique tokens): time and peak memory (tracemalloc).
   * soak       many short executions (key, `--soak-calls-per-exec` calls, close) through the
-               proxy + TITO store, `--soak-calls` calls in all (50,000: ~190 calls/s, ~4.5 min
-               on the 2-core machine), no new execution after `--soak-max-s` (the run says if
+               proxy + TITO store, `--soak-calls` calls in all (50,000: ~94 s at ~530 calls/s on
+               the 2-core machine), no new execution after `--soak-max-s` (the run says if
                that bound cut it short), RSS/fds/threads sampled each second: growth after
                warm-up (the first 20 % of calls).
 
-    python benchmarks/scale_bench.py            # the full run (~15 min on an idle 2-core machine: an estimate
-                                                # from its parts: proxy ~6 min, soak ~4.5 (at most 8), rest ~3)
+    python benchmarks/scale_bench.py            # the full run (~12 min on an idle 2-core machine: an estimate
+                                                # from its parts: proxy ~6 min, soak ~1.5-3 (at most 8), rest ~3)
     python benchmarks/scale_bench.py --quick    # short form (~5 min on a loaded 2-core machine)
 
 The last line printed is one JSON object with the figures. Left out: a real model (engines are
