@@ -10,7 +10,7 @@ import logging
 from typing import Protocol, runtime_checkable
 
 from gyre.trajectory.record import CallRecord
-from gyre.trajectory.store import SealedError
+from gyre.trajectory.store import SealedError, is_sealed
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,11 @@ class StoreSink:
         else:
             self._sealed.add(execution_id)
 
+    def is_closed(self, execution_id: str) -> bool:
+        """Was the execution closed (through this sink, or its file sealed by an earlier one)?
+        What lets the proxy refuse a closed id without remembering every closed execution."""
+        return execution_id in self._sealed or is_sealed(self.store.path_for(execution_id))
+
     def close(self) -> None:
         """Close the open files (not sealed: their executions were not closed)."""
         for eid in list(self._writers):
@@ -101,3 +106,6 @@ class FanoutSink:
             close = getattr(s, "close_execution", None)
             if close is not None:
                 close(execution_id)
+
+    def is_closed(self, execution_id: str) -> bool:
+        return any(getattr(s, "is_closed", lambda _: False)(execution_id) for s in self.sinks)

@@ -85,3 +85,20 @@ def test_a_revoked_generated_key_cannot_be_given_back():
     with pytest.raises(ValueError, match="key"):  # not remembered, but its prefix is reserved
         reg.issue("ex-2", key=k)
     assert reg.lookup(k) is None
+
+
+def test_store_sink_knows_its_closed_executions_from_the_files(tmp_path):
+    """`is_closed` answers from the sealed files (and the few closed before any record), so the
+    proxy core can refuse a closed id without a set of every closed execution."""
+    sink = StoreSink(TitoStore(tmp_path))
+    sink.on_record(_record("done"))
+    sink.on_record(_record("open"))
+    sink.close_execution("done")
+    sink.close_execution("silent")  # closed before it recorded anything
+    assert sink.is_closed("done") and sink.is_closed("silent")
+    assert not sink.is_closed("open") and not sink.is_closed("never-seen")
+    later = StoreSink(TitoStore(tmp_path))  # another process over the same store: the file's seal
+    assert later.is_closed("done") and not later.is_closed("open")
+    from gyre.proxy.sink import FanoutSink, MemorySink
+
+    assert FanoutSink(MemorySink(), sink).is_closed("done") and not FanoutSink(MemorySink()).is_closed("done")
