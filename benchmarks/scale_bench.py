@@ -23,11 +23,13 @@ growth exponent (least squares on log-log: cost ∝ size^b; b = 1 is linear, b =
                63,600 calls (10/100 copies of benchmarks/trajectory_bench.py's execution at 0.1
                token scale: ~0.1M → ~10M unique tokens): time and peak memory (tracemalloc).
   * soak       many short executions (key, `--soak-calls-per-exec` calls, close) through the
-               proxy + TITO store, `--soak-calls` calls in all, RSS/fds/threads sampled each
-               second: growth after warm-up (the first 20 % of calls).
+               proxy + TITO store, `--soak-calls` calls in all (50,000: ~94 s at ~530 calls/s on
+               the 2-core machine), no new execution after `--soak-max-s` (the run says if
+               that bound cut it short), RSS/fds/threads sampled each second: growth after
+               warm-up (the first 20 % of calls).
 
-    python benchmarks/scale_bench.py            # the full run (~10-12 min on an idle 2-core machine: an estimate,
-                                                # it was run in parts on a loaded one)
+    python benchmarks/scale_bench.py            # the full run (~12 min on an idle 2-core machine: an estimate
+                                                # from its parts: proxy ~6 min, soak ~1.5-3 (at most 8), rest ~3)
     python benchmarks/scale_bench.py --quick    # short form (~5 min on a loaded 2-core machine)
 
 The last line printed is one JSON object with the figures. Left out: a real model (engines are
@@ -291,17 +293,28 @@ def scheduler_series(a) -> list[dict]:
         cfg = SimConfig(scheduler=SchedulerConfig(batch_groups=4 * K, cell_concurrency=144), cluster=ClusterConfig(num_cells=K),
                         steps=a.sched_steps)
         sim = Simulation(cfg, build_durations(cfg))
-        sched, acc = sim.sched, {"events": 0, "s": 0.0, "msgs": 0, "max_s": {}, "all": []}
+        sched, acc = sim.sched, {"events": 0, "s": 0.0, "msgs": 0, "max_s": {}, "max_cpu": {}, "all": []}
+        gcs = {"n": 0, "t0": 0.0, "max": 0.0, "sum": 0.0}
+
+        def on_gc(phase, info, _g=gcs):  # a collection's pause: it lands in whichever call allocates
+            if phase == "start":
+                _g["t0"] = time.perf_counter()
+            else:
+                dt = time.perf_counter() - _g["t0"]
+                _g["n"], _g["sum"], _g["max"] = _g["n"] + 1, _g["sum"] + dt, max(_g["max"], dt)
+
         for name in _TIMED:
             fn = getattr(sched, name)
 
             def timed(*args, _fn=fn, _name=name, **kw):
-                t0 = time.perf_counter()
+                g0, c0, t0 = gcs["n"], time.thread_time(), time.perf_counter()
                 out = _fn(*args, **kw)
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.thread_time() - c0
                 acc["events"] += 1
                 acc["s"] += dt
                 acc["max_s"][_name] = max(acc["max_s"].get(_name, 0.0), dt)
+                if gcs["n"] == g0:  # the call's own CPU time, no collection inside it
+                    acc["max_cpu"][_name] = max(acc["max_cpu"].get(_name, 0.0), dc)
                 acc["all"].append(dt)
                 if _name == "request_work":
                     acc["msgs"] += 2 if out is not None else 0
@@ -310,13 +323,22 @@ def scheduler_series(a) -> list[dict]:
                 return out
 
             setattr(sched, name, timed)
+        gc.collect()
+        gc.callbacks.append(on_gc)
         t0 = time.perf_counter()
-        sim.run()
+        try:
+            sim.run()
+        finally:
+            gc.callbacks.remove(on_gc)
         wall = time.perf_counter() - t0
         steps = sched.version
         row = {"cells": K, "batch_groups": 4 * K, "steps": steps, "events": acc["events"],
                "us_per_event": round(acc["s"] / acc["events"] * 1e6, 2),
-               "us_per_event_p99": round(_pct(acc["all"], 99) * 1e6, 2), "us_per_event_p9999": round(_pct(acc["all"], 99.99) * 1e6, 1), "max_ms_by_kind": {k: round(v * 1e3, 3) for k, v in acc["max_s"].items()},
+               "us_per_event_p99": round(_pct(acc["all"], 99) * 1e6, 2), "us_per_event_p9999": round(_pct(acc["all"], 99.99) * 1e6, 1),
+               "max_ms_by_kind": {k: round(v * 1e3, 3) for k, v in acc["max_s"].items()},
+               "max_cpu_ms_by_kind_without_gc": {k: round(v * 1e3, 3) for k, v in acc["max_cpu"].items()},
+               "gc_collections": gcs["n"], "gc_pause_ms_max": round(gcs["max"] * 1e3, 1), "gc_pause_s_total": round(gcs["sum"], 2),
+               "event_log_len": len(sched.log),
                "ms_per_step": round(acc["s"] / steps * 1e3, 2), "events_per_step": round(acc["events"] / steps),
                "messages_per_step": round(acc["msgs"] / steps, 1), "sim_wall_s": round(wall, 1)}
         print("scheduler", row, flush=True)
@@ -464,9 +486,15 @@ async def _soak_load(url: str, pid: int, a) -> dict:
             except asyncio.TimeoutError:
                 pass
 
+    deadline = time.monotonic() + a.soak_max_s
+    started, bound_hit = [0], [False]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         async def worker(w: int) -> None:
             for i in next_exec:
+                if time.monotonic() > deadline:  # the time bound: no new execution starts
+                    bound_hit[0] = True
+                    break
+                started[0] += 1
                 eid = f"s{i}"
                 h = Harness(eid, await _admin_key(session, url, eid), a.max_tokens, random.Random(i))
                 for _ in range(per_exec):
@@ -480,7 +508,8 @@ async def _soak_load(url: str, pid: int, a) -> dict:
         await asyncio.gather(*(worker(w) for w in range(a.soak_concurrency)))
         stop.set()
         await s
-    return {"samples": samples, "calls": done[0], "errors": errors[0], "lost_by_stats": lost[0], "executions": n_execs}
+    return {"samples": samples, "calls": done[0], "errors": errors[0], "lost_by_stats": lost[0],
+            "executions": started[0], "time_bound_hit": bound_hit[0]}
 
 
 def soak(a) -> dict:
@@ -502,7 +531,8 @@ def soak(a) -> dict:
     def growth(k):
         return (max(s[k] for s in tail) - w0[k]) / w0[k]
 
-    out = {"calls": res["calls"], "executions": res["executions"], "wall_s": round(wall, 1), "errors": res["errors"],
+    out = {"calls": res["calls"], "executions": res["executions"], "wall_s": round(wall, 1), "calls_per_s": round(res["calls"] / wall, 1),
+           "time_bound_hit": res["time_bound_hit"], "errors": res["errors"],
            "records": sum(counts.values()), "records_lost": res["calls"] - sum(counts.values()),
            "rss_mib_after_warmup": round(w0["rss"] / 2**20, 1), "rss_mib_end": round(tail[-1]["rss"] / 2**20, 1),
            "rss_growth_pct": round(100 * growth("rss"), 2),
@@ -545,6 +575,7 @@ def main() -> None:
     ap.add_argument("--soak-calls", type=int, default=50_000)
     ap.add_argument("--soak-calls-per-exec", type=int, default=5)
     ap.add_argument("--soak-concurrency", type=int, default=32)
+    ap.add_argument("--soak-max-s", type=float, default=480.0, help="no new soak execution starts after this many seconds")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale_bench.json"))
     if ap.parse_known_args()[0].quick:  # smaller defaults; sizes given on the command line still win
         ap.set_defaults(open_executions=[64, 256, 1024], engines=[8], window_s=6.0, think_s=4.0, cells=[8, 32, 128],
@@ -572,6 +603,7 @@ def main() -> None:
     figures = summarize(res, a)
     figures["calibration_loop_ns_max"] = round(max(calib), 1)
     figures["wall_s"] = round(time.monotonic() - t_all, 1)
+    figures["goals"] = goals(res, a)  # last: the line ends with what was met
     record = {"benchmark": "scale_bench", **provenance("aiohttp", "numpy"), "config": config, "series": res, "figures": figures,
               "left_out": ["a real model: engines are deterministic, instant apart from their token delay",
                            "other nodes: load generator, proxy, engines, store clients share this machine's cores "
@@ -600,7 +632,9 @@ def summarize(res: dict, a) -> dict:
     if "scheduler" in res:
         rs = res["scheduler"]
         ks = [r["cells"] for r in rs]
-        f["scheduler"] = {"cells": ks[-1], "us_per_event": rs[-1]["us_per_event"], "us_per_event_p99": rs[-1]["us_per_event_p99"], "max_ms_by_kind": rs[-1]["max_ms_by_kind"],
+        f["scheduler"] = {"cells": ks[-1], "us_per_event": rs[-1]["us_per_event"], "us_per_event_p99": rs[-1]["us_per_event_p99"],
+                          "max_ms_by_kind": rs[-1]["max_ms_by_kind"], "max_cpu_ms_by_kind_without_gc": rs[-1]["max_cpu_ms_by_kind_without_gc"],
+                          "gc_pause_ms_max": rs[-1]["gc_pause_ms_max"], "event_log_len": rs[-1]["event_log_len"],
                           "ms_per_step": rs[-1]["ms_per_step"], "messages_per_step": rs[-1]["messages_per_step"],
                           "exp_us_per_event": fit_exponent(ks, [r["us_per_event"] for r in rs]),
                           "exp_messages_per_step": fit_exponent(ks, [r["messages_per_step"] for r in rs])}
@@ -620,9 +654,47 @@ def summarize(res: dict, a) -> dict:
                            "exp_memory": fit_exponent(u, [r["peak_mib"] for r in rs])}
     if "soak" in res:
         s = res["soak"]
-        f["soak"] = {k: s[k] for k in ("calls", "executions", "records_lost", "errors", "rss_growth_pct", "rss_slope_kib_per_1k_calls",
+        f["soak"] = {k: s[k] for k in ("calls", "executions", "wall_s", "time_bound_hit", "records_lost", "errors", "rss_growth_pct", "rss_slope_kib_per_1k_calls",
                                        "fds_after_warmup", "fds_max_tail", "threads_after_warmup", "threads_max_tail")}
     return f
+
+
+def goals(res: dict, a) -> dict:
+    """The issue's goals, each {"value", "goal", "met"}, for the series this run measured."""
+    g: dict = {}
+
+    def put(name, value, goal, met):
+        g[name] = {"value": value, "goal": goal, "met": bool(met)}
+
+    top = [r for r in res.get("proxy", []) if r["open_executions"] == max(x["open_executions"] for x in res["proxy"])]
+    for r in top:
+        e = r["engines"]
+        put(f"proxy_e{e}_added_ms_p99", r["added_ms_p99"], f"<= 5 at {r['open_executions']} open", r["added_ms_p99"] <= 5)
+        put(f"proxy_e{e}_kib_per_open_execution", r["rss_kib_per_open_execution"], "<= 1024", r["rss_kib_per_open_execution"] <= 1024)
+    if "proxy" in res or "soak" in res:
+        lost = sum(r["records_lost"] for r in res.get("proxy", [])) + (res["soak"]["records_lost"] if "soak" in res else 0)
+        put("records_lost", lost, "0", lost == 0)
+    if res.get("scheduler"):
+        r = res["scheduler"][-1]
+        put("decision_us_per_event", r["us_per_event"], f"<= 1000 at K = {r['cells']}", r["us_per_event"] <= 1000)
+        worst = max(r["max_cpu_ms_by_kind_without_gc"].values())
+        put("decision_max_cpu_ms_without_gc", worst, "<= 1 (one call, GC pauses apart: gc_pause_ms_max)", worst <= 1)
+    if len(res.get("store", [])) >= 2:
+        b = fit_exponent([r["ranks"] for r in res["store"]], [r["requests_per_step"] for r in res["store"]])
+        put("store_requests_exponent_in_ranks", b, "~1 (linear; 2 = O(ranks^2))", b is not None and b <= 1.2)
+    if len(res.get("trajectory", [])) >= 2:
+        u = [r["unique_tokens"] for r in res["trajectory"]]
+        for k, key in (("time", "seconds"), ("memory", "peak_mib")):
+            b = fit_exponent(u, [r[key] for r in res["trajectory"]])
+            put(f"trajectory_{k}_exponent", b, f"~1 (linear) to {max(u):,} unique tokens", b is not None and b <= 1.2)
+    if "soak" in res:
+        s = res["soak"]
+        put("soak_calls", s["calls"], ">= 50000", s["calls"] >= 50_000)
+        put("soak_rss_growth_pct", s["rss_growth_pct"], "<= 5 after warm-up", s["rss_growth_pct"] <= 5)
+        put("soak_fds_growth", s["fds_max_tail"] - s["fds_after_warmup"], "flat: within 2 per concurrent execution (its connection, its file)",
+            s["fds_max_tail"] <= s["fds_after_warmup"] + 2 * a.soak_concurrency)
+        put("soak_threads_growth", s["threads_max_tail"] - s["threads_after_warmup"], "0", s["threads_max_tail"] <= s["threads_after_warmup"])
+    return g
 
 
 if __name__ == "__main__":

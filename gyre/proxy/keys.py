@@ -17,6 +17,9 @@ from gyre.trajectory.record import Role
 
 logger = logging.getLogger(__name__)
 
+_GENERATED = "gyre-"  # the prefix of generated keys (reserved)
+
+
 @dataclass(frozen=True)
 class KeyInfo:
     key: str
@@ -30,16 +33,25 @@ class KeyRegistry:
     def __init__(self) -> None:
         self._keys: dict[str, KeyInfo] = {}
         self._by_execution: dict[str, set[str]] = {}
+        # revoked keys that were given (`issue(key=...)`), refused if given again. A generated
+        # key (`_GENERATED` + 192 random bits) is never generated again and cannot be given (the
+        # prefix is reserved), so it is not remembered: that would grow the set by one key per
+        # execution for the whole run
         self._revoked: set[str] = set()
+        self._given: set[str] = set()  # live keys that were given, not generated
 
     def issue(self, execution_id: str, role_hint: Role | str | None = None, key: str | None = None) -> str:
         """A new key for `execution_id` (an explicit `key` may be given, e.g. from a harness config)."""
         check_id(execution_id, "issue: execution_id")
         if isinstance(role_hint, str):
             role_hint = parse_role(role_hint)
-        key = key or f"gyre-{secrets.token_urlsafe(24)}"
-        if key in self._keys or key in self._revoked:
+        if key is not None and key.startswith(_GENERATED):
+            raise ValueError(f"issue: key: {_GENERATED!r} starts the proxy's generated keys; a given key must not")
+        if key is not None and (key in self._keys or key in self._revoked):
             raise ValueError("issue: key already in use")
+        if key is not None:
+            self._given.add(key)
+        key = key or f"{_GENERATED}{secrets.token_urlsafe(24)}"
         self._keys[key] = KeyInfo(key=key, execution_id=execution_id, role_hint=role_hint)
         self._by_execution.setdefault(execution_id, set()).add(key)
         return key
@@ -53,7 +65,7 @@ class KeyRegistry:
         info = self._keys.pop(key, None)
         if info is None:
             raise KeyError("revoke: unknown key")
-        self._revoked.add(key)
+        self._forget(key)
         self._by_execution.get(info.execution_id, set()).discard(key)
 
     def revoke_execution(self, execution_id: str) -> int:
@@ -61,5 +73,10 @@ class KeyRegistry:
         keys = list(self._by_execution.pop(execution_id, ()))
         for k in keys:
             self._keys.pop(k, None)
-            self._revoked.add(k)
+            self._forget(k)
         return len(keys)
+
+    def _forget(self, key: str) -> None:
+        if key in self._given:
+            self._given.discard(key)
+            self._revoked.add(key)

@@ -10,7 +10,7 @@ import logging
 from typing import Protocol, runtime_checkable
 
 from gyre.trajectory.record import CallRecord
-from gyre.trajectory.store import SealedError
+from gyre.trajectory.store import SealedError, is_sealed
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +55,16 @@ def raise_fd_limit() -> tuple[int, int]:
 class StoreSink:
     """Appends to a `TitoStore` directory; one writer per execution, sealed by `close_execution`
     (the file becomes read-only; a record for a sealed execution raises `SealedError` and opens
-    nothing, so no descriptor is left behind). Raises the process's soft open-file limit to its
+    nothing, so no descriptor is left behind). The seal is the file's: only executions closed
+    before they wrote anything are remembered here, so a long run's closed executions cost no
+    memory. Raises the process's soft open-file limit to its
     hard limit (`raise_fd_limit`): each open execution holds its file open."""
 
     def __init__(self, store) -> None:
         raise_fd_limit()
         self.store = store
         self._writers: dict = {}
-        self._sealed: set[str] = set()
+        self._sealed: set[str] = set()  # closed with no writer here (no call recorded in this process)
 
     def on_record(self, record: CallRecord) -> None:
         w = self._writers.get(record.execution_id)
@@ -74,10 +76,16 @@ class StoreSink:
 
     def close_execution(self, execution_id: str) -> None:
         """Seal the execution's file (an execution that never wrote one gets none)."""
-        self._sealed.add(execution_id)
         w = self._writers.pop(execution_id, None)
         if w is not None:
-            w.seal()
+            w.seal()  # its file refuses any later writer (SealedError): nothing to remember here
+        else:
+            self._sealed.add(execution_id)
+
+    def is_closed(self, execution_id: str) -> bool:
+        """Was the execution closed (through this sink, or its file sealed by an earlier one)?
+        What lets the proxy refuse a closed id without remembering every closed execution."""
+        return execution_id in self._sealed or is_sealed(self.store.path_for(execution_id))
 
     def close(self) -> None:
         """Close the open files (not sealed: their executions were not closed)."""
@@ -98,3 +106,6 @@ class FanoutSink:
             close = getattr(s, "close_execution", None)
             if close is not None:
                 close(execution_id)
+
+    def is_closed(self, execution_id: str) -> bool:
+        return any(getattr(s, "is_closed", lambda _: False)(execution_id) for s in self.sinks)

@@ -70,6 +70,7 @@ _FRAME = struct.Struct("<III")
 # call_id, role, policy_version, start_time, end_time, ref, shared, n_in_tail, n_out, n_msg, meta_len
 _REC = struct.Struct("<qBqddiIIIII")
 _MIN_SHARED = 32  # shorter common prefixes are stored verbatim
+_MAX_SEGMENTS = 64  # a recent sequence in more pieces than this is joined (TitoWriter's window)
 
 
 class StoreCorruptError(RuntimeError):
@@ -249,6 +250,47 @@ def load_execution(path: str | os.PathLike) -> list[CallRecord]:
     return read_execution(path).records
 
 
+class _Seq:
+    """One full sequence (input + output) of a recent record, as int32 segments: the prefix it
+    shares with an earlier recent sequence is that one's segments (views, no copy), then its own
+    tail. Past `_MAX_SEGMENTS` segments it is joined into one array (one copy per that many calls)."""
+
+    __slots__ = ("parts", "n")
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.parts, self.n = parts, sum(len(p) for p in parts)
+
+    @classmethod
+    def extend(cls, base: "_Seq | None", shared: int, record: CallRecord) -> "_Seq":
+        tail = np.concatenate([np.asarray(record.input_ids[shared:], dtype=np.int32), np.asarray(record.output_ids, dtype=np.int32)])
+        parts = (base.prefix(shared) if base is not None else []) + [tail]
+        if len(parts) > _MAX_SEGMENTS:
+            parts = [np.concatenate(parts)]
+        return cls(parts)
+
+    def prefix(self, k: int) -> list[np.ndarray]:
+        out = []
+        for p in self.parts:
+            if k <= 0:
+                break
+            out.append(p if len(p) <= k else p[:k])
+            k -= len(p)
+        return out
+
+    def common_prefix(self, ids: np.ndarray) -> int:
+        """Length of the common prefix of this sequence and `ids`."""
+        off = 0
+        for p in self.parts:
+            m = min(len(p), len(ids) - off)
+            if m <= 0:
+                break
+            diff = np.flatnonzero(p[:m] != ids[off : off + m])
+            if diff.size:
+                return off + int(diff[0])
+            off += m
+        return off
+
+
 class TitoWriter:
     """Appends the records of one execution to its store file. Thread-safe.
 
@@ -257,7 +299,10 @@ class TitoWriter:
     without it a machine crash may lose the most recent records, never corrupt older ones.
     Records of another execution are refused (the proxy maps one API key to one execution).
     `delta_window` full sequences of the latest records are kept in memory to find a shared
-    prefix (0 disables prefix sharing; memory ≈ delta_window × 4 bytes × context length).
+    prefix (0 disables prefix sharing). A sequence that shares its prefix with an earlier one
+    holds that prefix as views of the earlier one's arrays (`_Seq`), so the window's memory is
+    ~4 bytes × the tokens its sequences do not share (one context length for a multi-turn
+    execution that only grows), not delta_window × 4 bytes × context length.
     """
 
     def __init__(self, path: str | os.PathLike, execution_id: str, *, fsync: bool = False, delta_window: int = 4) -> None:
@@ -268,7 +313,7 @@ class TitoWriter:
         self.execution_id = execution_id
         self.fsync = fsync
         self.delta_window = delta_window
-        self._recent: deque[tuple[int, np.ndarray]] = deque(maxlen=max(delta_window, 1))
+        self._recent: deque[tuple[int, _Seq]] = deque(maxlen=max(delta_window, 1))
         self._lock = threading.Lock()
         self.num_records = 0  # records in the file
         if is_sealed(self.path):
@@ -292,17 +337,15 @@ class TitoWriter:
         if self.fsync:
             os.fsync(self._fd)
 
-    def _best_prefix(self, input_ids: np.ndarray) -> tuple[int, int]:
-        best_ref, best = -1, 0
+    def _best_prefix(self, input_ids: np.ndarray) -> tuple[int, int, "_Seq | None"]:
+        best_ref, best, best_seq = -1, 0, None
         for idx, seq in self._recent:
-            m = min(len(seq), len(input_ids))
-            if m <= best:
+            if min(seq.n, len(input_ids)) <= best:
                 continue
-            diff = np.flatnonzero(seq[:m] != input_ids[:m])
-            k = int(diff[0]) if diff.size else m
+            k = seq.common_prefix(input_ids)
             if k > best:
-                best_ref, best = idx, k
-        return (best_ref, best) if best >= _MIN_SHARED else (-1, 0)
+                best_ref, best, best_seq = idx, k, seq
+        return (best_ref, best, best_seq) if best >= _MIN_SHARED else (-1, 0, None)
 
     def append(self, record: CallRecord) -> None:
         if record.execution_id != self.execution_id:
@@ -312,10 +355,10 @@ class TitoWriter:
         with self._lock:
             if self._fd < 0:
                 raise ValueError(f"{self.path}: writer is closed")
-            ref, shared = self._best_prefix(record.input_ids) if self.delta_window else (-1, 0)
+            ref, shared, base = self._best_prefix(record.input_ids) if self.delta_window else (-1, 0, None)
             self._write(encode_record(record, ref, shared))
             if self.delta_window:
-                self._recent.append((self.num_records, np.concatenate([record.input_ids, record.output_ids])))
+                self._recent.append((self.num_records, _Seq.extend(base, shared, record)))
             self.num_records += 1
 
     def close(self) -> None:

@@ -7,7 +7,9 @@ with the same salt continue each other exactly, which lets tests check a reroute
 one uninterrupted generation, and engines with different salts make "A's tokens + B's
 continuation" visible. Optionally `script(input_ids) -> str | None` makes the engine answer with
 a given text, spelled one byte-token per byte (a valid but non-canonical tokenization: re-encoding
-the text gives other ids, which is what TITO splicing has to survive). `token_delay` makes it slow.
+the text gives other ids, which is what TITO splicing has to survive). `token_delay` makes it slow:
+token k of a request is due `token_delay` × (k + 1) after its start, a steady rate (a late wake-up
+delays that token, not the rest: benchmarks measure the proxy's added latency against this).
 With `SamplingParams.top_logprobs` = k, each event carries k plausible alternatives (`top_tokens`):
 a proper distribution's top k, the sampled token among them with its own log-prob.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -27,6 +30,9 @@ from gyre.backends.protocols import EngineHealth, SamplingParams, TokenEvent
 logger = logging.getLogger(__name__)
 
 _MASK = (1 << 64) - 1
+
+
+_now = time.monotonic  # the token schedule's clock (a test replaces it)
 
 
 def _mix(h: int) -> int:
@@ -150,9 +156,13 @@ class DeterministicEngine:
             seq = list(input_ids[-2:])
             n = len(input_ids)
             stops = set(sampling.stop_token_ids)
+            due = _now()
             for k in range(sampling.max_tokens):
                 if self.token_delay > 0:
-                    await asyncio.sleep(self.token_delay)
+                    # token k is due token_delay × (k + 1) after the start: a late wake-up (timer
+                    # granularity, a busy loop) delays this token, not every later one as well
+                    due += self.token_delay
+                    await asyncio.sleep(max(0.0, due - _now()))
                 if req.aborted:
                     return
                 h = _state(self.salt, n, seq)
