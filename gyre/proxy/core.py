@@ -446,7 +446,9 @@ class Proxy:
         self.sink_errors = 0
         self.undecodable_tokens = 0  # sampled ids with no token (note_undecodable)
         self.late_records = 0  # calls that ended after their execution was closed (not recorded)
-        self.closed_executions: set[str] = set()  # their ids cannot be issued again
+        # Their ids cannot be issued again: held here until the sink knows them itself (`is_closed`,
+        # a store sink's sealed file), so a long run keeps nothing per closed execution (issue 33).
+        self.closed_executions: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
         self.admission = Admission(c, self._state)  # slots, rate and work charging (gyre/proxy/admission.py)
         self.unmatched_executions: dict[str, dict[str, Any]] = {}  # closed executions with unmatched turns (worst kept)
@@ -471,9 +473,13 @@ class Proxy:
     def issue_key(self, execution_id: str, role_hint: Role | str | None = None, key: str | None = None) -> str:
         """A key for `execution_id`. A closed execution's id is refused (ValueError): its record is
         sealed, and a second life would restart its call ids."""
-        if execution_id in self.closed_executions:
+        if execution_id in self.closed_executions or self._sink_closed(execution_id):
             raise ValueError(f"issue: execution {execution_id!r} was closed and its record sealed; use a new execution id")
         return self.keys.issue(execution_id, role_hint, key)
+
+    def _sink_closed(self, execution_id: str) -> bool:
+        is_closed = getattr(self.sink, "is_closed", None)
+        return is_closed is not None and is_closed(execution_id)
 
     def revoke_execution(self, execution_id: str) -> int:
         return self.keys.revoke_execution(execution_id)
@@ -515,6 +521,8 @@ class Proxy:
         close = getattr(self.sink, "close_execution", None)
         if close is not None:
             close(execution_id)
+        if getattr(self.sink, "is_closed", None) is not None:
+            self.closed_executions.discard(execution_id)  # the sink knows it from now on (its sealed file)
         return stats
 
     async def aclose_execution(self, execution_id: str, wait_s: float | None = None) -> dict[str, Any]:

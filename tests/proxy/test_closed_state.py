@@ -102,3 +102,24 @@ def test_store_sink_knows_its_closed_executions_from_the_files(tmp_path):
     from gyre.proxy.sink import FanoutSink, MemorySink
 
     assert FanoutSink(MemorySink(), sink).is_closed("done") and not FanoutSink(MemorySink()).is_closed("done")
+
+
+def test_the_proxy_refuses_a_closed_id_without_keeping_it_when_its_sink_knows(tmp_path):
+    """With a store sink the proxy core keeps no set entry per closed execution (the sealed file
+    answers), and still refuses the id; with a sink that cannot tell, it remembers the id."""
+    from gyre.proxy import Proxy, ProxyConfig
+    from gyre.proxy.sink import MemorySink
+
+    stored = Proxy(ProxyConfig(), sink=StoreSink(TitoStore(tmp_path)))
+    remembered = Proxy(ProxyConfig(), sink=MemorySink())
+    for proxy in (stored, remembered):
+        for i in range(50):
+            proxy.issue_key(f"ex-{i}")
+            if i % 2:
+                proxy.sink.on_record(_record(f"ex-{i}"))  # some recorded a call, some none
+            proxy.close_execution(f"ex-{i}")
+        for i in range(50):
+            with pytest.raises(ValueError, match="closed"):
+                proxy.issue_key(f"ex-{i}")
+        assert proxy.issue_key("ex-new")
+    assert len(stored.closed_executions) == 0 and len(remembered.closed_executions) == 50
