@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
 def test_resuming_twice_from_one_checkpoint_trains_on_real_rewards_and_keeps_one_row_per_step(finished_run, tmp_path):
     tasks, run = finished_run.tasks, finished_run.copy_of(tmp_path / "run")
     ck = run / "checkpoints" / "step_000002"
-    for _ in range(2):  # the same checkpoint, twice: the second resume also replaces step 2's row
-        again = gyre(tmp_path, tasks, "--run-dir", str(run), "--train.resume-from", str(ck), steps=3)
+    for _ in range(2):  # the same checkpoint, twice: the second resume also replaces steps 2 and 3's rows
+        again = gyre(tmp_path, tasks, "--run-dir", str(run), "--train.resume-from", str(ck), steps=4)
         assert again.returncode == 0, log_of(again)[-4000:]
         assert "FileExistsError" not in log_of(again)
         summary = json.loads((run / "summary.json").read_text())
@@ -33,7 +33,7 @@ def test_resuming_twice_from_one_checkpoint_trains_on_real_rewards_and_keeps_one
         assert summary["failed_executions"] == {}
 
     metrics = rows(run / "metrics.jsonl")
-    assert [r["step"] for r in metrics] == [0, 1, 2]  # once each: the second resume cut the first's rows
+    assert [r["step"] for r in metrics] == [0, 1, 2, 3]  # once each: the second resume cut the first's rows
     assert any(r["reward_mean"] > 0 for r in metrics)
     attempts = json.loads((run / "run.json").read_text())["attempts"]
     assert [(a["attempt"], a["start_version"]) for a in attempts] == [(0, 0), (1, 2), (2, 2)]
