@@ -120,10 +120,9 @@ RUNS: dict[str, Run] = {
                       "goes through the SDK: with the stdlib one cell 1 did not join)",
                       dict(nproc=3, steps=2, seed=1, groups=2, mu=2, phi=0.5, sandbox=None),
                       ("--scheduler.mode", "async", "--scheduler.async-train-cells", "2", "--actor.min-s-per-ktok", "4")),
-    "sglang": Run("3 ranks through the SGLang adapter (fake SGLang API), N 3, B 2, 2 steps of one burst each (μ 1: "
-                  "every cell back in rollout, updated, between them); τ 30 and a decode floor in the fake keep calls in "
-                  "flight at switches, as the test asserts reroutes (tests/runtime/test_sglang_job.py)",
-                  dict(nproc=3, steps=2, seed=1, n=3, groups=2, mu=1, phi=0.5, tau=30, max_tokens=1400, timeout_s=300,
+    "sglang": Run("3 ranks through the SGLang adapter (fake SGLang API), N 3, B 2, μ 2; τ 30 and a decode floor in "
+                  "the fake keep calls in flight at switches, as the test asserts reroutes (tests/runtime/test_sglang_job.py)",
+                  dict(nproc=3, steps=4, seed=1, n=3, groups=2, mu=2, phi=0.5, tau=30, max_tokens=1400, timeout_s=300,
                        sandbox=None),
                   ("--backend.engine", "sglang", "--executions.runner.max-concurrency", "12", "--scheduler.rho-min", "0.5",
                    "--train.cell-concurrency", "8")),

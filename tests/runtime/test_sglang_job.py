@@ -20,7 +20,7 @@ import pytest
 from tests.jobs import RUNS, nothing_aborted_but_the_cancelled_at_the_end, tiny_task, write_task_rows
 from tests.jobs import env as jobs_env
 
-STEPS = 2
+STEPS = 4
 SESSION = ["PauseGenerationReqInput", "BeginWeightUpdateReqInput", "UpdateWeightsFromTensorReqInput",
            "EndWeightUpdateReqInput", "ContinueGenerationReqInput"]
 
