@@ -3,9 +3,9 @@
 calls, and a random-init tiny model where the preset's hook puts its warm start, written as
 examples/cpu_demo/warm_start.py writes its own (`build_model`, `save_checkpoint`, the project
 tokenizer's vocabulary and ids). The preset's own hook (`prepare_smoke`) trains and evaluates a
-model for a minute or more on 2 cores; what the test proves (rank 0 writes, the others read only
+model for about a minute on 2 cores; what the test proves (rank 0 writes, the others read only
 after the barrier that follows) is the job's, whatever the hook writes. `prepare_smoke` itself runs
-in CI's newcomer stage (.ci/run) and, with its warm start, in the slow tier
+in CI's newcomer stage (.ci/run); the warm start it trains, in the slow tier
 (tests/executions/test_cpu_demo_engine.py)."""
 
 from __future__ import annotations
