@@ -105,6 +105,13 @@ RUNS: dict[str, Run] = {
                     sandbox=None),
                ("--executions.runner.max-concurrency", "12", "--scheduler.rho-min", "0.5", "--engine.max-batch", "4",
                 "--engine.min-decode-step-s", "0.01", "--scheduler.cell-concurrency", "8")),
+    "baselines": Run("the Colocate and Async baselines (tests/runtime/test_train_e2e.py, `--scheduler.mode` added): 3 "
+                     "ranks, φ 1, μ 1, B 2, no streaming, 2 steps; Async trains on cells 0, 1 and cell 2 only rolls out. "
+                     "The e2e run's long-tailed executions without its decode floor: a step's items must take the core "
+                     "long enough that cell 1 (whose first actor build takes seconds) joins it; with short executions "
+                     "the core trained step 0 alone (1 run in 3, loaded). A lightly paced actor adds margin",
+                     dict(nproc=3, steps=2, seed=1, groups=2, mu=1, phi=1.0, max_tokens=1400, timeout_s=300, sandbox=None),
+                     ("--scheduler.no-streaming", "--scheduler.async-train-cells", "2", "--actor.min-s-per-ktok", "2")),
     "async": Run("2 ranks, Async with one training cell, B 2, one burst (μ = steps): engine auth",
                  dict(steps=2, seed=1, groups=2, mu=2, phi=0.5, sandbox=None),
                  ("--scheduler.mode", "async", "--scheduler.async-train-cells", "1")),

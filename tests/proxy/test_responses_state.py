@@ -71,25 +71,27 @@ def test_items_re_sent_after_previous_response_id_are_taken_once(make_server):
 
 
 def test_a_looping_harness_holds_at_most_the_configured_bytes():
-    """10,000 stored calls of ~6 KB each into one execution's store (the function the endpoint
-    calls), bound 1 MiB: the store's own count, the JSON size of what it holds and the memory
-    traced while it ran all stay within the bound (the last with slack for Python objects)."""
+    """2,000 stored calls of ~6 KB each (12 MB, about twelve times what the bound holds) into one
+    execution's store (the function the endpoint calls), bound 1 MiB: the store's own count, the
+    JSON size of what it holds and the memory traced while it ran all stay within the bound (the
+    last with slack for Python objects, a quarter of what an unbounded store would grow by)."""
+    n = 2_000
     bound = 1 << 20
     state = ExecutionState(execution_id="loop")
     store = store_of(state, bound)
     filler = "x" * 3000
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    for i in range(10_000):
+    for i in range(n):
         msgs = [{"role": "user", "content": f"call {i} {filler}"}, {"role": "assistant", "content": filler, "_gyre_call_id": i}]
         _keep(store, f"resp_{i}", None, msgs, {"id": f"resp_{i}", "output": [{"type": "message", "text": "ok"}]})
     grown = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     held = sum(len(json.dumps(k.messages)) + len(json.dumps(k.body)) for k in store.items.values())
     assert store.nbytes == held <= bound
-    assert 100 < len(store) < 10_000 and store.evicted == 10_000 - len(store)
+    assert 100 < len(store) < n and store.evicted == n - len(store)
     assert grown < 3 * bound, grown
-    assert "resp_9999" in store and "resp_0" not in store
+    assert f"resp_{n - 1}" in store and "resp_0" not in store
 
 
 def test_an_evicted_parent_is_previous_response_not_found(make_server):

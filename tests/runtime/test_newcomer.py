@@ -6,7 +6,8 @@
 * `--train.resume` with no --run-dir continues the latest run under runs/<preset>/ and leaves
   the others alone (one resume of two copies of the shared finished run; that each run gets its
   own directory and `latest` follows the newest is rank 0's `rundir.decide`, proven in-process in
-  tests/test_rundir.py);
+  tests/test_rundir.py); the same launch is the real weights-only resume (the latest run's
+  checkpoints lost their optimizer state; tests/faults/test_checkpoints.py has the rest of it);
 * an explicit --run-dir that holds a run is refused before anything is written, naming the flags
   that resume or overwrite it (in-process: rank 0's decision; the exit-2 wiring is the real job
   in tests/faults/test_config.py);
@@ -51,16 +52,19 @@ def test_a_harness_that_cannot_import_stops_the_run_with_the_missing_module_name
 
 @pytest.mark.multirank
 @pytest.mark.jobs
-def test_resume_without_a_run_dir_continues_the_latest_run_and_leaves_the_others(finished_run, tmp_path):
+def test_resume_without_a_run_dir_continues_the_latest_run_weights_only_and_leaves_the_others(finished_run, tmp_path):
     root = tmp_path / "runs" / "train"  # no --preset: runs/train/<timestamp>, `latest` the newest
     old = finished_run.copy_of(root / "20261201-100000")
     new = finished_run.copy_of(root / "20261201-100500")
     (root / "latest").symlink_to(new.name)
     old_rows = (old / "metrics.jsonl").read_text()
+    for step in (new / "checkpoints").iterdir():  # the latest run's optimizer state is lost: weights only
+        (step / "optimizer.pt").unlink()
 
-    # --train.resume with no --run-dir continues the latest run, to 3 steps in all.
-    third = _gyre(tmp_path, finished_run.tasks, "--train.resume", steps=3)
+    # --train.resume with no --run-dir continues the latest run, to 3 steps in all, with a fresh optimizer.
+    third = _gyre(tmp_path, finished_run.tasks, "--train.resume", "--train.resume-weights-only", steps=3)
     assert third.returncode == 0, (third.stdout + third.stderr)[-5000:]
+    assert "optimizer.pt (optimizer state) is missing; --train.resume-weights-only" in third.stdout + third.stderr
     assert sorted(p.name for p in root.iterdir()) == ["20261201-100000", "20261201-100500", "latest"]  # no new run
     rows = [json.loads(x) for x in (new / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -92,9 +96,13 @@ def test_an_explicit_run_dir_holding_a_run_is_refused_before_anything_is_written
 def test_the_smoke_preset_prepares_its_data_before_any_rank_reads_the_prepared_model(tmp_path):
     """The newcomer's first run prepares its data (a warm-start checkpoint and tasks) on rank 0 while
     the others wait; a rank that reads `--model.checkpoint` before that barrier finds nothing
-    there. (A refactor once moved that read before the barrier; only a fresh data dir shows it.)"""
+    there. (A refactor once moved that read before the barrier; only a fresh data dir shows it.)
+    The hook is tests/runtime/quick_prepare.py's (the preset's tasks, a random-init model where
+    its warm start goes, in seconds): the ordering is the job's, whatever the hook writes, and the
+    preset's own hook trains a warm start for a minute or more (CI's newcomer stage runs it)."""
     data, run_dir = tmp_path / "data", tmp_path / "run"
     cmd = [*launcher(2), "--preset", "cpu-demo-smoke", "--run-dir", str(run_dir), "--train.prepare-dir", str(data),
+           "--train.prepare", "tests.runtime.quick_prepare:prepare",
            "--model.checkpoint", f"{data}/warm_start", "--executions.dataset.path", f"{data}/tasks.jsonl",
            "--train.steps", "1"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=600)
@@ -102,3 +110,4 @@ def test_the_smoke_preset_prepares_its_data_before_any_rank_reads_the_prepared_m
     assert (data / "warm_start" / "config.json").exists()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["error"] is None
+    assert summary["execution_outcomes"].get("completed", 0) > 0, summary["execution_outcomes"]
