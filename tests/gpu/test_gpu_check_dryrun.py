@@ -54,7 +54,6 @@ def test_a_missing_test_file_fails_the_selection(gc):
     assert not (ROOT / "tests" / "gpu" / "test_not_there.py").exists()
 
 
-@pytest.mark.jobs  # runs the device check's dry run end to end (subprocess pytest and config checks)
 def test_the_wheel_set_must_be_recorded_and_under_the_cap(gc, tmp_path):
     manifest = tmp_path / "m.json"
     real = json.loads(gc.MANIFEST.read_text())
@@ -87,7 +86,6 @@ def test_wheel_files_on_disk_are_matched_by_name_and_summed(gc, tmp_path):
 
 
 @needs_megatron
-@pytest.mark.jobs  # runs the device check's dry run end to end (subprocess pytest and config checks)
 def test_the_run_config_is_checked_as_on_the_box(gc):
     res = gc.dry_run(None, nvcc=False, kernel_tests=[], megatron_tests=[], run_args=gc.RUN_ARGS + ["--train.steps", "2"])
     assert res["run_config"].status == "fail" and "train.steps 2 < 4" in res["run_config"].reason
