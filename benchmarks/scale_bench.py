@@ -130,9 +130,23 @@ def start_engines(n_engines: int, n_procs: int, token_delay: float) -> tuple[lis
     return procs, [e for q in qs for e in q.get(timeout=180)]
 
 
-def _proxy_child(q, engines: int | list, token_delay: float, store_dir: str) -> None:
+def _proxy_child(q, engines: int | list, token_delay: float, store_dir: str, gcs=None) -> None:
     """engines: [(url, secret)] of engine endpoints (reached as a run does: HttpEngine over the
-    websocket mux), or a count of DeterministicEngines run inside this process."""
+    websocket mux), or a count of DeterministicEngines run inside this process. gcs: a shared
+    array [collections, pause s in all, longest pause s] the garbage collector's pauses add to."""
+    if gcs is not None:
+        t0 = [0.0]
+
+        def on_gc(phase, info) -> None:
+            if phase == "start":
+                t0[0] = time.perf_counter()
+            else:
+                dt = time.perf_counter() - t0[0]
+                gcs[0] += 1
+                gcs[1] += dt
+                gcs[2] = max(gcs[2], dt)
+
+        gc.callbacks.append(on_gc)
     from gyre.backends.engines.det_engine import DeterministicEngine
     from gyre.backends.engines.engine_http import HttpEngine
     from gyre.proxy import Proxy, ProxyConfig, StoreSink, serve_proxy
@@ -150,12 +164,17 @@ def _proxy_child(q, engines: int | list, token_delay: float, store_dir: str) -> 
     h.thread.join()
 
 
-def start_proxy(engines: int | list, token_delay: float, store_dir: str):
+def start_proxy(engines: int | list, token_delay: float, store_dir: str, gcs=None):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_proxy_child, args=(q, engines, token_delay, store_dir), daemon=True)
+    p = ctx.Process(target=_proxy_child, args=(q, engines, token_delay, store_dir, gcs), daemon=True)
     p.start()
     return p, f"http://127.0.0.1:{q.get(timeout=180)}"
+
+
+def _children(pid: int) -> list[int]:
+    """Child processes of `pid`, whichever of its threads started them (Linux /proc)."""
+    return [int(c) for t in os.listdir(f"/proc/{pid}/task") for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
 
 
 async def _admin_key(session, url: str, eid: str) -> str:
@@ -213,7 +232,7 @@ def store_records(store_dir: str) -> tuple[dict, int, int]:
     return counts, size, tokens
 
 
-async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int]) -> dict:
+async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs) -> dict:
     import aiohttp
 
     rng = random.Random(n)
@@ -247,7 +266,10 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int]) -> 
         tasks = [asyncio.ensure_future(run(h)) for h in harnesses]
         await asyncio.sleep(a.think_s * 1.5)  # every execution open and past its first call
         measuring[0] = True
-        ecpu0 = sum(_cpu_s(e) for e in engine_pids)
+        gc0 = (gcs[0], gcs[1])
+        gcs[2] = 0.0  # the longest pause in the window
+        kids = _children(pid)  # the proxy's body-parse workers (large bodies only)
+        ecpu0, kcpu0 = sum(_cpu_s(e) for e in engine_pids), sum(_cpu_s(k) for k in kids)
         cpu0, t0, calls0, ccpu0 = _cpu_s(pid), time.monotonic(), sum(h.ok for h in harnesses), time.process_time()
         health = []
         while time.monotonic() - t0 < a.window_s:
@@ -260,12 +282,14 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int]) -> 
         cpu, calls = _cpu_s(pid) - cpu0, sum(h.ok for h in harnesses) - calls0
         client_cpu = time.process_time() - ccpu0
         engine_cpu = sum(_cpu_s(e) for e in engine_pids) - ecpu0
+        kids_cpu = sum(_cpu_s(k) for k in kids) - kcpu0
+        gc_win = (gcs[0] - gc0[0], gcs[1] - gc0[1], gcs[2])
         measuring[0] = False
         peak = samples[-1]  # every execution open, with the history it has built up
         stop.set()
         await asyncio.gather(*tasks)
     return {"base": base, "peak": {k: max(s[k] for s in samples) for k in base}, "end": peak, "lat": lat, "added": added,
-            "cpu_s": cpu, "window_calls": calls, "client_cpu_s": client_cpu, "engine_cpu_s": engine_cpu, "health": health, "open": open_now[0],
+            "cpu_s": cpu, "window_calls": calls, "client_cpu_s": client_cpu, "engine_cpu_s": engine_cpu, "proxy_children_cpu_s": kids_cpu, "gc": gc_win, "health": health, "open": open_now[0],
             "ok": {h.eid: h.ok for h in harnesses} | {"warm": warm.ok}, "errors": sum(h.errors for h in harnesses)}
 
 
@@ -276,9 +300,10 @@ def proxy_series(a) -> list[dict]:
             store = tempfile.mkdtemp(prefix="scale-proxy-")
             eprocs, endpoints = ([], engines) if a.in_process_engines else start_engines(engines, a.engine_procs, a.token_delay)
             try:
-                p, url = start_proxy(endpoints, a.token_delay, store)
+                gcs = mp.get_context("spawn").Array("d", 3, lock=False)
+                p, url = start_proxy(endpoints, a.token_delay, store, gcs)
                 try:
-                    res = asyncio.run(_proxy_load(url, p.pid, n, a, [q.pid for q in eprocs]))
+                    res = asyncio.run(_proxy_load(url, p.pid, n, a, [q.pid for q in eprocs], gcs))
                 finally:
                     p.terminate()
                     p.join(10)
@@ -300,6 +325,9 @@ def proxy_series(a) -> list[dict]:
                    "latency_ms_p50": round(_pct(res["lat"], 50) * 1e3, 2), "latency_ms_p99": round(_pct(res["lat"], 99) * 1e3, 2),
                    "proxy_cpu_ms_per_call": round(res["cpu_s"] / max(res["window_calls"], 1) * 1e3, 3),
                    "proxy_cpu_fraction": round(res["cpu_s"] / a.window_s, 2), "client_cpu_fraction": round(res["client_cpu_s"] / a.window_s, 2),
+                   "proxy_children_cpu_ms_per_call": round(res["proxy_children_cpu_s"] / max(res["window_calls"], 1) * 1e3, 3),
+                   "proxy_gc_collections": int(res["gc"][0]), "proxy_gc_ms_per_call": round(res["gc"][1] / max(res["window_calls"], 1) * 1e3, 3),
+                   "proxy_gc_pause_ms_max": round(res["gc"][2] * 1e3, 1),
                    "engine_cpu_ms_per_call": round(res["engine_cpu_s"] / max(res["window_calls"], 1) * 1e3, 3),
                    "engine_cpu_fraction": round(res["engine_cpu_s"] / a.window_s, 2),
                    "health_ms_p50": round(_pct(res["health"], 50) * 1e3, 2), "health_ms_max": round(max(res["health"]) * 1e3, 2),
