@@ -38,8 +38,8 @@ growth exponent (least squares on log-log: cost ∝ size^b; b = 1 is linear, b =
     python benchmarks/scale_bench.py --quick    # short form (~5 min on a loaded 2-core machine)
 
 The last line printed is one JSON object with the figures. Left out: a real model (engines are
-instant apart from their token delay), other nodes (clients, proxy, engines share this machine's
-cores, so latency on a loaded machine is the machine's: see `calibration_loop_ns`).
+instant apart from their token delay), other nodes (clients, proxy, engine processes share this
+machine's cores, so latency on a loaded machine is the machine's: see `calibration_loop_ns`).
 """
 
 from __future__ import annotations
@@ -133,7 +133,8 @@ def start_engines(n_engines: int, n_procs: int, token_delay: float) -> tuple[lis
 def _proxy_child(q, engines: int | list, token_delay: float, store_dir: str, gcs=None) -> None:
     """engines: [(url, secret)] of engine endpoints (reached as a run does: HttpEngine over the
     websocket mux), or a count of DeterministicEngines run inside this process. gcs: a shared
-    array [collections, pause s in all, longest pause s] the garbage collector's pauses add to."""
+    array [collections, pause s in all, longest pause s, full collections, longest full s] the
+    garbage collector's pauses add to."""
     if gcs is not None:
         t0 = [0.0]
 
@@ -145,6 +146,9 @@ def _proxy_child(q, engines: int | list, token_delay: float, store_dir: str, gcs
                 gcs[0] += 1
                 gcs[1] += dt
                 gcs[2] = max(gcs[2], dt)
+                if info["generation"] == 2:
+                    gcs[3] += 1
+                    gcs[4] = max(gcs[4], dt)
 
         gc.callbacks.append(on_gc)
     from gyre.backends.engines.det_engine import DeterministicEngine
@@ -266,8 +270,8 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
         tasks = [asyncio.ensure_future(run(h)) for h in harnesses]
         await asyncio.sleep(a.think_s * 1.5)  # every execution open and past its first call
         measuring[0] = True
-        gc0 = (gcs[0], gcs[1])
-        gcs[2] = 0.0  # the longest pause in the window
+        gc0 = (gcs[0], gcs[1], gcs[3])
+        gcs[2] = gcs[4] = 0.0  # the longest pauses in the window
         kids = _children(pid)  # the proxy's body-parse workers (large bodies only)
         ecpu0, kcpu0 = sum(_cpu_s(e) for e in engine_pids), sum(_cpu_s(k) for k in kids)
         cpu0, t0, calls0, ccpu0 = _cpu_s(pid), time.monotonic(), sum(h.ok for h in harnesses), time.process_time()
@@ -283,7 +287,7 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
         client_cpu = time.process_time() - ccpu0
         engine_cpu = sum(_cpu_s(e) for e in engine_pids) - ecpu0
         kids_cpu = sum(_cpu_s(k) for k in kids) - kcpu0
-        gc_win = (gcs[0] - gc0[0], gcs[1] - gc0[1], gcs[2])
+        gc_win = (gcs[0] - gc0[0], gcs[1] - gc0[1], gcs[2], gcs[3] - gc0[2], gcs[4])
         measuring[0] = False
         peak = samples[-1]  # every execution open, with the history it has built up
         stop.set()
@@ -300,7 +304,7 @@ def proxy_series(a) -> list[dict]:
             store = tempfile.mkdtemp(prefix="scale-proxy-")
             eprocs, endpoints = ([], engines) if a.in_process_engines else start_engines(engines, a.engine_procs, a.token_delay)
             try:
-                gcs = mp.get_context("spawn").Array("d", 3, lock=False)
+                gcs = mp.get_context("spawn").Array("d", 5, lock=False)
                 p, url = start_proxy(endpoints, a.token_delay, store, gcs)
                 try:
                     res = asyncio.run(_proxy_load(url, p.pid, n, a, [q.pid for q in eprocs], gcs))
@@ -327,7 +331,8 @@ def proxy_series(a) -> list[dict]:
                    "proxy_cpu_fraction": round(res["cpu_s"] / a.window_s, 2), "client_cpu_fraction": round(res["client_cpu_s"] / a.window_s, 2),
                    "proxy_children_cpu_ms_per_call": round(res["proxy_children_cpu_s"] / max(res["window_calls"], 1) * 1e3, 3),
                    "proxy_gc_collections": int(res["gc"][0]), "proxy_gc_ms_per_call": round(res["gc"][1] / max(res["window_calls"], 1) * 1e3, 3),
-                   "proxy_gc_pause_ms_max": round(res["gc"][2] * 1e3, 1),
+                   "proxy_gc_pause_ms_max": round(res["gc"][2] * 1e3, 1), "proxy_gc_full_collections": int(res["gc"][3]),
+                   "proxy_gc_full_pause_ms_max": round(res["gc"][4] * 1e3, 1),
                    "engine_cpu_ms_per_call": round(res["engine_cpu_s"] / max(res["window_calls"], 1) * 1e3, 3),
                    "engine_cpu_fraction": round(res["engine_cpu_s"] / a.window_s, 2),
                    "health_ms_p50": round(_pct(res["health"], 50) * 1e3, 2), "health_ms_max": round(max(res["health"]) * 1e3, 2),
@@ -692,7 +697,7 @@ def main() -> None:
     figures["goals"] = goals(res, a)  # last: the line ends with what was met
     record = {"benchmark": "scale_bench", **provenance("aiohttp", "numpy"), "config": config, "series": res, "figures": figures,
               "left_out": ["a real model: engines are deterministic, instant apart from their token delay",
-                           "other nodes: load generator, proxy, engines, store clients share this machine's cores "
+                           "other nodes: load generator, proxy, engine processes, store clients share this machine's cores "
                            "(timings on a loaded machine are the machine's: calibration_loop_ns_max)"]}
     write_results(a.out, record)
 
