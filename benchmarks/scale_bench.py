@@ -12,7 +12,9 @@ growth exponent (least squares on log-log: cost ∝ size^b; b = 1 is linear, b =
                returned them), lognormal think times (`--think-s` mean). Added latency = call
                latency − tokens × token delay (so any lag of the engines or their link counts
                against the proxy); CPU s per call of the proxy process and, apart, of the engine
-               processes; calls served vs offered (N / (think + token time)); RSS, descriptors and
+               processes; the proxy's garbage-collector pauses, and the share of the window it was
+               runnable but had no core (the machine's other work); calls served vs offered
+               (N / (think + token time)); RSS, descriptors and
                threads of the proxy process, per open execution over its idle baseline; TITO
                store bytes per recorded token; records lost (client 200s minus records in the
                store: must be 0).
@@ -176,6 +178,18 @@ def start_proxy(engines: int | list, token_delay: float, store_dir: str, gcs=Non
     return p, f"http://127.0.0.1:{q.get(timeout=180)}"
 
 
+def _run_wait_s(pid: int) -> float:
+    """Seconds the threads of `pid` have spent runnable but waiting for a core (Linux schedstat):
+    how much of a latency the machine's other work, not the process, caused."""
+    total = 0
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += int(Path(f"/proc/{pid}/task/{t}/schedstat").read_text().split()[1])
+        except (FileNotFoundError, IndexError, ValueError):
+            pass
+    return total / 1e9
+
+
 def _children(pid: int) -> list[int]:
     """Child processes of `pid`, whichever of its threads started them (Linux /proc)."""
     return [int(c) for t in os.listdir(f"/proc/{pid}/task") for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
@@ -273,7 +287,7 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
         gc0 = (gcs[0], gcs[1], gcs[3])
         gcs[2] = gcs[4] = 0.0  # the longest pauses in the window
         kids = _children(pid)  # the proxy's body-parse workers (large bodies only)
-        ecpu0, kcpu0 = sum(_cpu_s(e) for e in engine_pids), sum(_cpu_s(k) for k in kids)
+        ecpu0, kcpu0, wait0 = sum(_cpu_s(e) for e in engine_pids), sum(_cpu_s(k) for k in kids), _run_wait_s(pid)
         cpu0, t0, calls0, ccpu0 = _cpu_s(pid), time.monotonic(), sum(h.ok for h in harnesses), time.process_time()
         health = []
         while time.monotonic() - t0 < a.window_s:
@@ -287,13 +301,14 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
         client_cpu = time.process_time() - ccpu0
         engine_cpu = sum(_cpu_s(e) for e in engine_pids) - ecpu0
         kids_cpu = sum(_cpu_s(k) for k in kids) - kcpu0
+        run_wait = _run_wait_s(pid) - wait0
         gc_win = (gcs[0] - gc0[0], gcs[1] - gc0[1], gcs[2], gcs[3] - gc0[2], gcs[4])
         measuring[0] = False
         peak = samples[-1]  # every execution open, with the history it has built up
         stop.set()
         await asyncio.gather(*tasks)
     return {"base": base, "peak": {k: max(s[k] for s in samples) for k in base}, "end": peak, "lat": lat, "added": added,
-            "cpu_s": cpu, "window_calls": calls, "client_cpu_s": client_cpu, "engine_cpu_s": engine_cpu, "proxy_children_cpu_s": kids_cpu, "gc": gc_win, "health": health, "open": open_now[0],
+            "cpu_s": cpu, "window_calls": calls, "client_cpu_s": client_cpu, "engine_cpu_s": engine_cpu, "proxy_children_cpu_s": kids_cpu, "run_wait_s": run_wait, "gc": gc_win, "health": health, "open": open_now[0],
             "ok": {h.eid: h.ok for h in harnesses} | {"warm": warm.ok}, "errors": sum(h.errors for h in harnesses)}
 
 
@@ -328,7 +343,8 @@ def proxy_series(a) -> list[dict]:
                    "added_ms_p50": round(_pct(res["added"], 50) * 1e3, 2), "added_ms_p99": round(_pct(res["added"], 99) * 1e3, 2),
                    "latency_ms_p50": round(_pct(res["lat"], 50) * 1e3, 2), "latency_ms_p99": round(_pct(res["lat"], 99) * 1e3, 2),
                    "proxy_cpu_ms_per_call": round(res["cpu_s"] / max(res["window_calls"], 1) * 1e3, 3),
-                   "proxy_cpu_fraction": round(res["cpu_s"] / a.window_s, 2), "client_cpu_fraction": round(res["client_cpu_s"] / a.window_s, 2),
+                   "proxy_cpu_fraction": round(res["cpu_s"] / a.window_s, 2),
+                   "proxy_run_wait_fraction": round(res["run_wait_s"] / a.window_s, 2),  # runnable, no core free "client_cpu_fraction": round(res["client_cpu_s"] / a.window_s, 2),
                    "proxy_children_cpu_ms_per_call": round(res["proxy_children_cpu_s"] / max(res["window_calls"], 1) * 1e3, 3),
                    "proxy_gc_collections": int(res["gc"][0]), "proxy_gc_ms_per_call": round(res["gc"][1] / max(res["window_calls"], 1) * 1e3, 3),
                    "proxy_gc_pause_ms_max": round(res["gc"][2] * 1e3, 1), "proxy_gc_full_collections": int(res["gc"][3]),
