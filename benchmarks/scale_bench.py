@@ -2,15 +2,22 @@
 growth exponent (least squares on log-log: cost ∝ size^b; b = 1 is linear, b = 0 flat).
 (Over 600 lines: the five series live side by side because the issue asks for them in one run.)
 
-  * proxy      proxy + router + TITO store (a spawned process, deterministic engines inside it
-               at `--token-delay` s/token, 8 and 64 engines) with N = 64 … 4,096 executions open
-               at once: each an async client in this process, its own key, multi-turn (the whole
-               history re-sent each turn, assistant turns as the proxy returned them), lognormal
-               think times (`--think-s` mean). Added latency = call latency − tokens × token delay
-               (so any lag of the in-process engines counts against the proxy); proxy CPU s per
-               call; RSS, descriptors and threads of the proxy process, per open execution over
-               its idle baseline; TITO store bytes per recorded token; records lost (client 200s
-               minus records in the store: must be 0).
+  * proxy      proxy + router + TITO store (a spawned process) routing to 8 and 64 engine
+               endpoints, deterministic engines at `--token-delay` s/token served by
+               `--engine-procs` other processes (each engine its own port, reached as in a run:
+               HttpEngine over the websocket mux; `--in-process-engines`: inside the proxy
+               process instead, their CPU then counted as the proxy's) with N = 64 … 4,096
+               executions open at once: each an async client in this process, its own key,
+               multi-turn (the whole history re-sent each turn, assistant turns as the proxy
+               returned them), lognormal think times (`--think-s` mean). Added latency = call
+               latency − tokens × token delay (so any lag of the engines or their link counts
+               against the proxy); CPU s per call of the proxy process and, apart, of the engine
+               processes; the proxy's garbage-collector pauses, and the share of the window it was
+               runnable but had no core (the machine's other work); calls served vs offered
+               (N / (think + token time)); RSS, descriptors and
+               threads of the proxy process, per open execution over its idle baseline; TITO
+               store bytes per recorded token; records lost (client 200s minus records in the
+               store: must be 0).
   * scheduler  the decision core (gyre.scheduler.ElasticScheduler) driven by the simulator
                (gyre.sim: the paper's 122B duration law, C_e = 144, B = 4 groups per cell) at
                K = 8 … 256 cells; only the core's own calls are timed: time per event, per
@@ -33,8 +40,8 @@ growth exponent (least squares on log-log: cost ∝ size^b; b = 1 is linear, b =
     python benchmarks/scale_bench.py --quick    # short form (~5 min on a loaded 2-core machine)
 
 The last line printed is one JSON object with the figures. Left out: a real model (engines are
-instant apart from their token delay), other nodes (clients, proxy, engines share this machine's
-cores, so latency on a loaded machine is the machine's: see `calibration_loop_ns`).
+instant apart from their token delay), other nodes (clients, proxy, engine processes share this
+machine's cores, so latency on a loaded machine is the machine's: see `calibration_loop_ns`).
 """
 
 from __future__ import annotations
@@ -94,26 +101,98 @@ def proc_stats(pid: int) -> dict:
     return {"rss": rss, "fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": threads}
 
 
-# ---- proxy: a spawned process with its engines inside ---------------------------------------------
-def _proxy_child(q, n_engines: int, token_delay: float, store_dir: str) -> None:
+# ---- proxy: a spawned process; its engines in other processes (as in a run) or, flagged, inside it ----
+def _engines_child(q, first: int, count: int, token_delay: float) -> None:
+    """Engines e{first}…: each a DeterministicEngine served on its own port (`serve_engine_async`,
+    one endpoint each, as an engine rank serves), all on this process's one loop."""
     from gyre.backends.engines.det_engine import DeterministicEngine
+    from gyre.backends.engines.engine_http import serve_engine_async
+
+    async def main() -> None:
+        hs = [await serve_engine_async(DeterministicEngine(f"e{i}", token_delay=token_delay, salt=i))
+              for i in range(first, first + count)]
+        q.put([(h.url, h.secret) for h in hs])
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def start_engines(n_engines: int, n_procs: int, token_delay: float) -> tuple[list, list[tuple[str, str]]]:
+    """n_engines engine endpoints spread over n_procs spawned processes: (processes, [(url, secret)])."""
+    ctx = mp.get_context("spawn")
+    procs, qs, first = [], [], 0
+    for k in range(n_procs):
+        count = n_engines // n_procs + (k < n_engines % n_procs)
+        q = ctx.Queue()
+        p = ctx.Process(target=_engines_child, args=(q, first, count, token_delay), daemon=True)
+        p.start()
+        procs.append(p)
+        qs.append(q)
+        first += count
+    return procs, [e for q in qs for e in q.get(timeout=180)]
+
+
+def _proxy_child(q, engines: int | list, token_delay: float, store_dir: str, gcs=None) -> None:
+    """engines: [(url, secret)] of engine endpoints (reached as a run does: HttpEngine over the
+    websocket mux), or a count of DeterministicEngines run inside this process. gcs: a shared
+    array [collections, pause s in all, longest pause s, full collections, longest full s] the
+    garbage collector's pauses add to."""
+    if gcs is not None:
+        t0 = [0.0]
+
+        def on_gc(phase, info) -> None:
+            if phase == "start":
+                t0[0] = time.perf_counter()
+            else:
+                dt = time.perf_counter() - t0[0]
+                gcs[0] += 1
+                gcs[1] += dt
+                gcs[2] = max(gcs[2], dt)
+                if info["generation"] == 2:
+                    gcs[3] += 1
+                    gcs[4] = max(gcs[4], dt)
+
+        gc.callbacks.append(on_gc)
+    from gyre.backends.engines.det_engine import DeterministicEngine
+    from gyre.backends.engines.engine_http import HttpEngine
     from gyre.proxy import Proxy, ProxyConfig, StoreSink, serve_proxy
     from gyre.trajectory.store import TitoStore
 
     proxy = Proxy(ProxyConfig(admin_token=ADMIN), sink=StoreSink(TitoStore(store_dir)))
-    for i in range(n_engines):
-        proxy.router.add_engine(DeterministicEngine(f"e{i}", token_delay=token_delay, salt=i), kind="cell", index=i)
+    if isinstance(engines, int):
+        for i in range(engines):
+            proxy.router.add_engine(DeterministicEngine(f"e{i}", token_delay=token_delay, salt=i), kind="cell", index=i)
+    else:
+        for i, (url, secret) in enumerate(engines):
+            proxy.router.add_engine(HttpEngine(url, name=f"e{i}", transport="ws", secret=secret), kind="cell", index=i)
     h = serve_proxy(proxy)
     q.put(h.port)
     h.thread.join()
 
 
-def start_proxy(n_engines: int, token_delay: float, store_dir: str):
+def start_proxy(engines: int | list, token_delay: float, store_dir: str, gcs=None):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_proxy_child, args=(q, n_engines, token_delay, store_dir), daemon=True)
+    p = ctx.Process(target=_proxy_child, args=(q, engines, token_delay, store_dir, gcs), daemon=True)
     p.start()
     return p, f"http://127.0.0.1:{q.get(timeout=180)}"
+
+
+def _run_wait_s(pid: int) -> float:
+    """Seconds the threads of `pid` have spent runnable but waiting for a core (Linux schedstat):
+    how much of a latency the machine's other work, not the process, caused."""
+    total = 0
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += int(Path(f"/proc/{pid}/task/{t}/schedstat").read_text().split()[1])
+        except (FileNotFoundError, IndexError, ValueError):
+            pass
+    return total / 1e9
+
+
+def _children(pid: int) -> list[int]:
+    """Child processes of `pid`, whichever of its threads started them (Linux /proc)."""
+    return [int(c) for t in os.listdir(f"/proc/{pid}/task") for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
 
 
 async def _admin_key(session, url: str, eid: str) -> str:
@@ -171,7 +250,7 @@ def store_records(store_dir: str) -> tuple[dict, int, int]:
     return counts, size, tokens
 
 
-async def _proxy_load(url: str, pid: int, n: int, a) -> dict:
+async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs) -> dict:
     import aiohttp
 
     rng = random.Random(n)
@@ -205,6 +284,10 @@ async def _proxy_load(url: str, pid: int, n: int, a) -> dict:
         tasks = [asyncio.ensure_future(run(h)) for h in harnesses]
         await asyncio.sleep(a.think_s * 1.5)  # every execution open and past its first call
         measuring[0] = True
+        gc0 = (gcs[0], gcs[1], gcs[3])
+        gcs[2] = gcs[4] = 0.0  # the longest pauses in the window
+        kids = _children(pid)  # the proxy's body-parse workers (large bodies only)
+        ecpu0, kcpu0, wait0 = sum(_cpu_s(e) for e in engine_pids), sum(_cpu_s(k) for k in kids), _run_wait_s(pid)
         cpu0, t0, calls0, ccpu0 = _cpu_s(pid), time.monotonic(), sum(h.ok for h in harnesses), time.process_time()
         health = []
         while time.monotonic() - t0 < a.window_s:
@@ -216,12 +299,16 @@ async def _proxy_load(url: str, pid: int, n: int, a) -> dict:
             health.append(time.perf_counter() - h0)
         cpu, calls = _cpu_s(pid) - cpu0, sum(h.ok for h in harnesses) - calls0
         client_cpu = time.process_time() - ccpu0
+        engine_cpu = sum(_cpu_s(e) for e in engine_pids) - ecpu0
+        kids_cpu = sum(_cpu_s(k) for k in kids) - kcpu0
+        run_wait = _run_wait_s(pid) - wait0
+        gc_win = (gcs[0] - gc0[0], gcs[1] - gc0[1], gcs[2], gcs[3] - gc0[2], gcs[4])
         measuring[0] = False
         peak = samples[-1]  # every execution open, with the history it has built up
         stop.set()
         await asyncio.gather(*tasks)
     return {"base": base, "peak": {k: max(s[k] for s in samples) for k in base}, "end": peak, "lat": lat, "added": added,
-            "cpu_s": cpu, "window_calls": calls, "client_cpu_s": client_cpu, "health": health, "open": open_now[0],
+            "cpu_s": cpu, "window_calls": calls, "client_cpu_s": client_cpu, "engine_cpu_s": engine_cpu, "proxy_children_cpu_s": kids_cpu, "run_wait_s": run_wait, "gc": gc_win, "health": health, "open": open_now[0],
             "ok": {h.eid: h.ok for h in harnesses} | {"warm": warm.ok}, "errors": sum(h.errors for h in harnesses)}
 
 
@@ -230,23 +317,40 @@ def proxy_series(a) -> list[dict]:
     for engines in a.engines:
         for n in a.open_executions:
             store = tempfile.mkdtemp(prefix="scale-proxy-")
-            p, url = start_proxy(engines, a.token_delay, store)
+            eprocs, endpoints = ([], engines) if a.in_process_engines else start_engines(engines, a.engine_procs, a.token_delay)
             try:
-                res = asyncio.run(_proxy_load(url, p.pid, n, a))
+                gcs = mp.get_context("spawn").Array("d", 5, lock=False)
+                p, url = start_proxy(endpoints, a.token_delay, store, gcs)
+                try:
+                    res = asyncio.run(_proxy_load(url, p.pid, n, a, [q.pid for q in eprocs], gcs))
+                finally:
+                    p.terminate()
+                    p.join(10)
             finally:
-                p.terminate()
-                p.join(10)
+                for q in eprocs:
+                    q.terminate()
+                    q.join(10)
             counts, size, tokens = store_records(store)
             shutil.rmtree(store, ignore_errors=True)
             lost = sum(max(0, ok - counts.get(eid, 0)) for eid, ok in res["ok"].items())
             extra = sum(max(0, counts.get(eid, 0) - ok) for eid, ok in res["ok"].items())
             b, e = res["base"], res["end"]
-            row = {"engines": engines, "open_executions": n, "opened": res["open"], "window_calls": res["window_calls"],
+            engine_s = [x - y for x, y in zip(res["lat"], res["added"])] or [0.0]  # a call's token time
+            row = {"engines": engines, "engine_procs": 0 if a.in_process_engines else min(a.engine_procs, engines),
+                   "open_executions": n, "opened": res["open"], "window_calls": res["window_calls"],
                    "calls_per_s": round(res["window_calls"] / a.window_s, 1),
+                   "offered_calls_per_s": round(n / (a.think_s + sum(engine_s) / len(engine_s)), 1),  # at zero added latency
                    "added_ms_p50": round(_pct(res["added"], 50) * 1e3, 2), "added_ms_p99": round(_pct(res["added"], 99) * 1e3, 2),
                    "latency_ms_p50": round(_pct(res["lat"], 50) * 1e3, 2), "latency_ms_p99": round(_pct(res["lat"], 99) * 1e3, 2),
                    "proxy_cpu_ms_per_call": round(res["cpu_s"] / max(res["window_calls"], 1) * 1e3, 3),
-                   "proxy_cpu_fraction": round(res["cpu_s"] / a.window_s, 2), "client_cpu_fraction": round(res["client_cpu_s"] / a.window_s, 2),
+                   "proxy_cpu_fraction": round(res["cpu_s"] / a.window_s, 2),
+                   "proxy_run_wait_fraction": round(res["run_wait_s"] / a.window_s, 2),  # runnable, no core free "client_cpu_fraction": round(res["client_cpu_s"] / a.window_s, 2),
+                   "proxy_children_cpu_ms_per_call": round(res["proxy_children_cpu_s"] / max(res["window_calls"], 1) * 1e3, 3),
+                   "proxy_gc_collections": int(res["gc"][0]), "proxy_gc_ms_per_call": round(res["gc"][1] / max(res["window_calls"], 1) * 1e3, 3),
+                   "proxy_gc_pause_ms_max": round(res["gc"][2] * 1e3, 1), "proxy_gc_full_collections": int(res["gc"][3]),
+                   "proxy_gc_full_pause_ms_max": round(res["gc"][4] * 1e3, 1),
+                   "engine_cpu_ms_per_call": round(res["engine_cpu_s"] / max(res["window_calls"], 1) * 1e3, 3),
+                   "engine_cpu_fraction": round(res["engine_cpu_s"] / a.window_s, 2),
                    "health_ms_p50": round(_pct(res["health"], 50) * 1e3, 2), "health_ms_max": round(max(res["health"]) * 1e3, 2),
                    "rss_base_mib": round(b["rss"] / 2**20, 1), "rss_open_mib": round(e["rss"] / 2**20, 1),
                    "rss_kib_per_open_execution": round((e["rss"] - b["rss"]) / n / 1024, 1),
@@ -561,6 +665,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=["proxy", "scheduler", "store", "trajectory", "soak"], help="run only these series")
     ap.add_argument("--open-executions", type=int, nargs="+", default=[64, 256, 1024, 4096])
     ap.add_argument("--engines", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--engine-procs", type=int, default=2, help="processes serving the proxy series' engine endpoints")
+    ap.add_argument("--in-process-engines", action="store_true",
+                    help="proxy series: run the engines inside the proxy process (their CPU then counts as the proxy's)")
     ap.add_argument("--token-delay", type=float, default=0.02, help="engine seconds per token (50 tokens/s a stream)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--think-s", type=float, default=10.0, help="mean think (tool) time between an execution's calls")
@@ -606,7 +713,7 @@ def main() -> None:
     figures["goals"] = goals(res, a)  # last: the line ends with what was met
     record = {"benchmark": "scale_bench", **provenance("aiohttp", "numpy"), "config": config, "series": res, "figures": figures,
               "left_out": ["a real model: engines are deterministic, instant apart from their token delay",
-                           "other nodes: load generator, proxy, engines, store clients share this machine's cores "
+                           "other nodes: load generator, proxy, engine processes, store clients share this machine's cores "
                            "(timings on a loaded machine are the machine's: calibration_loop_ns_max)"]}
     write_results(a.out, record)
 
