@@ -70,19 +70,20 @@ class _Pool:
         self.lock = threading.Lock()
         self.threads = ThreadPoolExecutor(n, thread_name_prefix="gyre-parse")
 
-    def warm(self) -> None:
-        """Start the workers now (the proxy calls it on a thread at serve time), so that the first
-        large body does not pay a worker's start-up beside other executions' calls."""
+    def _start(self, all_of_them: bool) -> None:
+        """Start one worker (when none is idle), or every one not started yet, up to `n`."""
         with self.lock:
-            while self.started < self.n:
+            while self.started < self.n and (all_of_them or self.idle.empty()):
                 self.started += 1
                 self.idle.put(_Worker())
 
+    def warm(self) -> None:
+        """Start the workers now (the proxy calls it on a thread at serve time), so that the first
+        large body does not pay a worker's start-up beside other executions' calls."""
+        self._start(all_of_them=True)
+
     def _call(self, args: tuple) -> tuple:
-        with self.lock:
-            if self.idle.empty() and self.started < self.n:
-                self.started += 1
-                self.idle.put(_Worker())
+        self._start(all_of_them=False)
         w = self.idle.get()
         try:
             out = w.call(args)
