@@ -87,7 +87,7 @@ def test_starts_on_the_checkpoint_directory_itself_at_version_0(family, ckpts, t
     eng = _build(cfg, model.config, model.state_dict())
     assert eng.config.model_path == path and eng.config.dtype == "bfloat16"
     assert not (tmp_path / "run" / "sglang").exists()  # no copy
-    out = asyncio.run(_serve(eng, [5, 6, 7, 8]))
+    out = asyncio.run(_serve(eng, [5, 6, 7, 8], min_tokens=6))  # a random model may sample its EOS
     assert len(out) == 6 and all(0 <= e.token_id < VOCAB for e in out)
     served = sglang_fake.FakeEngine.instances[-1]
     assert served.model_config.architectures == [FAMILIES[family].architecture] and served.dtype == torch.bfloat16
@@ -134,7 +134,7 @@ def test_a_preset_gets_a_config_naming_its_architecture(tmp_path):
     mc = model_config("tiny", 256)
     mc.architectures = None  # as the old preset configs were: the written config must name it anyway
     eng = _build(cfg, mc, build_preset(mc, seed=0).state_dict())
-    assert len(asyncio.run(_serve(eng, [1, 2, 3]))) == 6  # the fake's ModelConfig checks passed
+    assert len(asyncio.run(_serve(eng, [1, 2, 3], min_tokens=6))) == 6  # the fake's ModelConfig checks passed
     config = json.loads(open(os.path.join(eng.config.model_path, "config.json")).read())
     assert config["architectures"] == ["Qwen2ForCausalLM"] and config["dtype"] == "bfloat16"
 
@@ -265,5 +265,5 @@ def test_a_checkpoint_sglang_cannot_start_on_is_copied_not_served(ckpts, tmp_pat
     with caplog.at_level(logging.WARNING, logger="gyre.backends.engines.sglang_checkpoint"):
         eng = _build(cfg, model.config, model.state_dict())
     assert eng.config.model_path != str(src) and "cannot be served as it is" in caplog.text
-    assert len(asyncio.run(_serve(eng, [1, 2, 3]))) == 6
+    assert len(asyncio.run(_serve(eng, [1, 2, 3], min_tokens=6))) == 6
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("100KB") == 100_000
