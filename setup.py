@@ -143,6 +143,8 @@ def main() -> None:
             "test": [
                 "pytest>=8",
                 "pytest-timeout",
+                # README command 2 runs two workers; the `jobs` tests stay on one (tests/conftest.py).
+                "pytest-xdist>=3.6",
                 "hypothesis>=6",
                 "anthropic>=0.40",
                 "mini-swe-agent",
