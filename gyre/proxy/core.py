@@ -1,5 +1,6 @@
 """The API-independent heart of the proxy: one model call from an authenticated, parsed request
 to a stream of text / tool calls for the client and one TITO record (docs/design.md §4).
+(Over 600 lines: a call's whole life, prepare → events → record, reads as one sequence here.)
 
     Proxy.prepare(key, headers, request)   role, render with splicing, limits  (errors are 4xx)
     async for item in call.events():        str pieces and ToolCall objects, as generated

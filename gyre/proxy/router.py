@@ -1,4 +1,5 @@
 """Routing of model calls to rollout engines, and rerouting in-flight calls on drain (docs/design.md §3).
+(Over 600 lines: selection, drain, failure backoff, gray-failure timeouts and migration share one call loop.)
 
 Selection: least-loaded among engines in rollout, with prefix affinity per execution (stay on the
 engine that holds the execution's KV unless it is `affinity_slack` calls busier than the least

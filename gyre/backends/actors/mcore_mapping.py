@@ -1,4 +1,5 @@
 """HF ⇄ Megatron-core (0.16.1) weight names and shapes, per model family; pure (no megatron import).
+(Over 600 lines: four families × two layer-spec layouts × two expert layouts, each mapping beside its inverse.)
 
     fam = family_of(hf_config)                       # refuses an unknown model_type by name
     names = NameLayout.of(hf_config, te=True)        # which megatron names (default: what is installed)

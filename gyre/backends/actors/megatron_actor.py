@@ -1,4 +1,5 @@
 """Megatron-core training actor (GPU; `pip install gyre[gpu]`).
+(Over 600 lines: the actor and its pure, CPU-tested config translation and fp32 grad arithmetic in one room.)
 
 A cell of S ranks holds one replica laid out by megatron's `parallel_state` (TP × PP × CP × EP
 = S). Gyre, not megatron, decides who reduces gradients with whom: megatron's own data-parallel

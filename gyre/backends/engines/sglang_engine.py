@@ -1,4 +1,5 @@
 """SGLang rollout engine embedded in a cell's first rank (GPU; `pip install gyre[gpu]`).
+(Over 600 lines: each engine state below is a request/answer pair with SGLang, documented where it is awaited.)
 
 Wraps the offline `sglang.Engine` (sglang 0.5.23, srt/entrypoints/engine.py). Its synchronous
 helpers call `loop.run_until_complete`, which cannot run inside Gyre's event loop, so the adapter

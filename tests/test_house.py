@@ -1,0 +1,145 @@
+"""The house rules of issue 31, held against the code's own imports (read with `ast`, nothing run):
+
+* every import between rooms of `gyre/` goes down the layers docs/design.md §0 draws (a lazy
+  import inside a function counts; a `TYPE_CHECKING` one does not);
+* no import cycle between modules (lazy imports count), a `TYPE_CHECKING`-only edge aside;
+* `runtime/controller.py` at most 450 lines; a module over 600 lines says why in its docstring.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+GYRE = Path(__file__).resolve().parents[1] / "gyre"
+
+# docs/design.md §0, lowest first: a room imports only from its own layer or those below it.
+LAYERS = [
+    {"errors", "ids", "backoff", "logging_utils", "serving", "topology", "checkpoint", "slurm", "dispatch", "_C"},
+    {"loss", "trajectory", "scheduler"},
+    {"executions", "sim"},
+    {"backends"},
+    {"proxy"},
+    {"config"},
+    {"runtime", "plan"},
+    {"run", "report"},
+]
+LAYER = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(GYRE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _room(module: str) -> str:
+    return module.split(".")[1] if "." in module else "gyre"
+
+
+def imports(path: Path) -> list[str]:
+    """The gyre modules `path` imports, anywhere in it but under `if TYPE_CHECKING:`."""
+    module, tree = _module(path), ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                base = ".".join(pkg[: len(pkg) - node.level + 1] + ([node.module] if node.module else []))
+            # `from gyre.x import y`: y may be a module of gyre.x
+            names = [f"{base}.{a.name}" if (GYRE.parent / f"{base}.{a.name}".replace(".", "/")).with_suffix(".py").exists()
+                     or (GYRE.parent / f"{base}.{a.name}".replace(".", "/")).is_dir() else base for a in node.names]
+        else:
+            continue
+        out += [n for n in names if n == "gyre" or n.startswith("gyre.")]
+    return out
+
+
+def graph() -> dict[str, list[str]]:
+    return {_module(p): imports(p) for p in GYRE.rglob("*.py")}
+
+
+def upward(g: dict[str, list[str]]) -> list[str]:
+    bad = []
+    for module, targets in g.items():
+        for target in targets:
+            a, b = _room(module), _room(target)
+            if a != b and b != "gyre" and LAYER[b] > LAYER[a]:
+                bad.append(f"{module} -> {target} ({a}: layer {LAYER[a]}, {b}: layer {LAYER[b]})")
+    return sorted(bad)
+
+
+def cycles(g: dict[str, list[str]]) -> list[list[str]]:
+    """Import cycles, lazy imports included (Tarjan's strongly connected components of more than one module)."""
+    edges = {m: sorted({t for t in ts if t in g and t != m}) for m, ts in g.items()}
+    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_room_is_in_a_layer():
+    rooms = {_room(m) for m in graph()} - {"gyre", "__main__"}
+    assert rooms <= set(LAYER), f"rooms with no layer in LAYERS (and docs/design.md §0): {sorted(rooms - set(LAYER))}"
+
+
+def test_no_import_goes_up_a_layer():
+    assert upward(graph()) == []
+
+
+def test_no_import_cycle():
+    assert cycles(graph()) == []
+
+
+def test_the_controller_translates_and_large_modules_say_why():
+    assert len((GYRE / "runtime" / "controller.py").read_text().splitlines()) <= 450
+    for p in GYRE.rglob("*.py"):
+        text = p.read_text()
+        if len(text.splitlines()) > 600:
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            assert "Over 600 lines:" in doc, f"{p.relative_to(GYRE.parent)}: over 600 lines and its docstring does not say why"
+
+
+@pytest.mark.parametrize("planted", ["up", "cycle"])
+def test_the_rules_catch_a_planted_import(planted):
+    """The checks above fail on the bug they exist for."""
+    g = graph()
+    if planted == "up":  # the backends reaching into the runtime (found by the house review)
+        g["gyre.backends.factory"] = g["gyre.backends.factory"] + ["gyre.runtime.rundir"]
+        assert upward(g) == ["gyre.backends.factory -> gyre.runtime.rundir (backends: layer 3, runtime: layer 6)"]
+    else:
+        g["gyre.errors"] = g["gyre.errors"] + ["gyre.ids"]  # a lazy import in a function counts too
+        g["gyre.ids"] = g["gyre.ids"] + ["gyre.errors"]
+        assert ["gyre.errors", "gyre.ids"] in cycles(g)
