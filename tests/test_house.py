@@ -1,6 +1,6 @@
 """The house rules of issue 31, held against the code's own imports (read with `ast`, nothing run):
 
-* every import between rooms of `gyre/` goes down the layers docs/design.md §0 draws (a lazy
+* every import between rooms of `gyre/` goes down the layers docs/design.md §8 draws (a lazy
   import inside a function counts; a `TYPE_CHECKING` one does not);
 * no import cycle between modules (lazy imports count), a `TYPE_CHECKING`-only edge aside;
 * `runtime/controller.py` at most 450 lines; a module over 600 lines says why in its docstring.
@@ -15,7 +15,7 @@ import pytest
 
 GYRE = Path(__file__).resolve().parents[1] / "gyre"
 
-# docs/design.md §0, lowest first: a room imports only from its own layer or those below it.
+# docs/design.md §8, lowest first: a room imports only from its own layer or those below it.
 LAYERS = [
     {"errors", "ids", "backoff", "logging_utils", "serving", "topology", "checkpoint", "slurm", "dispatch", "_C"},
     {"loss", "trajectory", "scheduler"},
@@ -112,7 +112,7 @@ def cycles(g: dict[str, list[str]]) -> list[list[str]]:
 
 def test_every_room_is_in_a_layer():
     rooms = {_room(m) for m in graph()} - {"gyre", "__main__"}
-    assert rooms <= set(LAYER), f"rooms with no layer in LAYERS (and docs/design.md §0): {sorted(rooms - set(LAYER))}"
+    assert rooms <= set(LAYER), f"rooms with no layer in LAYERS (and docs/design.md §8): {sorted(rooms - set(LAYER))}"
 
 
 def test_no_import_goes_up_a_layer():
