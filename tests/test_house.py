@@ -34,6 +34,11 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _is_module(name: str) -> bool:
+    path = GYRE.parent / name.replace(".", "/")
+    return path.with_suffix(".py").exists() or path.is_dir()
+
+
 def _room(module: str) -> str:
     return module.split(".")[1] if "." in module else "gyre"
 
@@ -55,8 +60,7 @@ def imports(path: Path) -> list[str]:
                 pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
                 base = ".".join(pkg[: len(pkg) - node.level + 1] + ([node.module] if node.module else []))
             # `from gyre.x import y`: y may be a module of gyre.x
-            names = [f"{base}.{a.name}" if (GYRE.parent / f"{base}.{a.name}".replace(".", "/")).with_suffix(".py").exists()
-                     or (GYRE.parent / f"{base}.{a.name}".replace(".", "/")).is_dir() else base for a in node.names]
+            names = [f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base for a in node.names]
         else:
             continue
         out += [n for n in names if n == "gyre" or n.startswith("gyre.")]
