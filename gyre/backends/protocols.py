@@ -94,6 +94,17 @@ class TokenIds(list):
         out.packed = packed
         return out
 
+    @classmethod
+    def from_array(cls, ids, chunk: int = 1 << 14) -> "TokenIds":
+        """From 4-byte C ints (an `array('i')` or any int32 buffer): packed as one copy, the list
+        filled `chunk` ids at a time (each a short GIL hold, as in `pack`)."""
+        packed = np.frombuffer(ids, dtype=np.intc).astype("<i4")
+        out = cls((), packed[:0])
+        for i in range(0, len(packed), chunk):
+            out.extend(packed[i : i + chunk].tolist())
+        out.packed = packed
+        return out
+
 
 def int32_ids(ids: list[int]) -> np.ndarray:
     """`ids` as a little-endian int32 array: `TokenIds.packed` as it is, else converted."""

@@ -666,7 +666,7 @@ class Proxy:
         if req.messages is not None:
             try:
                 rendered = self.renderer.render(req.messages, req.tools, state.turns, max_tokens=c.max_context_tokens,
-                                                template_kwargs=req.template_kwargs, prefill=req.prefill)
+                                                template_kwargs=req.template_kwargs, prefill=req.prefill, packed=True)
             except PromptTooLong as e:
                 self._too_long(e.min_tokens, at_least=True)
             except TemplateError as e:  # the chat template itself refuses (e.g. Llama 3.1: one tool call per turn)
@@ -677,12 +677,14 @@ class Proxy:
             rendered = Rendered(ids=self.renderer.encode(req.prompt_text or ""))
         forced_text, forced_ids = self._forced_prefix(req)
         if forced_ids:
-            rendered.ids = rendered.ids + forced_ids
+            rendered.ids.extend(forced_ids)
         n = len(rendered.ids)
         if n > 1 << 16:  # packed and hashed here (a render thread), not on the event loop (issue 34)
-            rendered.ids = TokenIds.pack(rendered.ids)
+            rendered.ids = TokenIds.from_array(rendered.ids) if req.messages is not None else TokenIds.pack(rendered.ids)
             if req.messages is not None:
                 rendered.ctx_digest = ids_digest(rendered.ids.packed[: n - len(forced_ids) - rendered.gen_prefix_ids])
+        elif req.messages is not None:
+            rendered.ids = rendered.ids.tolist()
         if n == 0:
             raise ApiError(400, "invalid_request", "the prompt is empty", param="prompt")
         if n >= c.max_context_tokens:

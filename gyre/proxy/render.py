@@ -312,13 +312,18 @@ class ChatRenderer:
     def encode(self, text: str, starts: list[int] | None = None, offset: int = 0) -> list[int]:
         """Token ids of `text` (special tokens recognised), cached per chat turn. Appends to
         `starts` the positions (+ `offset`) where a turn (the format's `turn_start`) begins."""
+        return self._encode(text, starts, offset).tolist()
+
+    def _encode(self, text: str, starts: list[int] | None = None, offset: int = 0) -> array:
+        """`encode` as 4-byte C ints: the cached turns are copied in whole (a memcpy each), not as
+        ~1M Python ints for a long conversation (issue 34)."""
+        out = array("i")
         if not text:
-            return []
+            return out
         ts = self.turn_start
         pieces = text.split(ts)
         chunks = [pieces[0]] + [ts + p for p in pieces[1:]] if len(pieces) > 1 else pieces
-        out: list[int] = []
-        have: dict[str, list[int]] = {}
+        have: dict[str, list[int] | array] = {}
         missing: list[str] = []
         cache = self._cache
         with self._lock:
@@ -401,14 +406,14 @@ class ChatRenderer:
                 return i
         return len(messages) - 1
 
-    def _gen_prefix(self, text: str, ids: list[int], out: Rendered) -> None:
+    def _gen_prefix(self, text: str, ids: array, out: Rendered) -> None:
         """Note what the template appended after the generation prompt (input the stored turn starts with)."""
         gp = self.format.generation_prompt
         k = text.rfind(gp)
         extra = text[k + len(gp):] if k >= 0 else ""
         if not extra:
             return
-        extra_ids = self.encode(extra)
+        extra_ids = self._encode(extra)
         if extra_ids and ids[-len(extra_ids):] == extra_ids:
             out.gen_prefix, out.gen_prefix_ids = extra, len(extra_ids)
         else:  # it merged with the header's tokens: the stored turn starts after the prefix instead
@@ -417,13 +422,15 @@ class ChatRenderer:
 
     # ---- chat -> ids with splicing ----------------------------------------------------------
     def render(self, messages: list[dict], tools: list[dict] | None, turns: dict[tuple, list[StoredTurn]] | None,
-               max_tokens: int | None = None, template_kwargs: dict | None = None, prefill: str = "") -> Rendered:
+               max_tokens: int | None = None, template_kwargs: dict | None = None, prefill: str = "", packed: bool = False) -> Rendered:
         """`messages` are normalized chat messages (role, content str, tool_calls [{name, arguments}]).
         `turns` maps a turn fingerprint to the stored turns of this execution (None: no splicing).
         With `max_tokens`, text that cannot fit in that many tokens raises `PromptTooLong` before
         it is tokenized (the slow part). `prefill`: the start of the answer, given by the client
         (Anthropic's trailing assistant message): appended after the generation prompt as input,
-        and part of the turn the model continues (`Rendered.gen_prefix`, `prefill_ids`)."""
+        and part of the turn the model continues (`Rendered.gen_prefix`, `prefill_ids`).
+        `packed`: `Rendered.ids` as an `array('i')` (the proxy makes its `TokenIds` from it, for
+        long prompts without ever holding them as a list of Python ints first); else a list."""
         no_tolerate: set[int] = set()
         tools = self.escape_obj(tools) if tools else tools
         while True:
@@ -438,6 +445,8 @@ class ChatRenderer:
             out.gen_prefix += prefill
             out.gen_prefix_ids += len(ids)
             out.prefill_ids = len(ids)
+        if not packed:
+            out.ids = out.ids.tolist()
         return out
 
     def _diagnose(self, messages: list[dict], i: int, turns: dict, by_calls: dict) -> tuple[str, int, list[StoredTurn] | None]:
@@ -505,7 +514,7 @@ class ChatRenderer:
             raise PromptTooLong(len(text), -(-len(text) // self.max_token_chars))
         starts: list[int] = []
         if not splices:
-            ids = self.encode(text, starts)
+            ids = self._encode(text, starts)
             out = Rendered(ids=ids, unmatched=len(kinds), message_starts=starts, unmatched_kinds=kinds, stripped=stripped)
             self._gen_prefix(text, ids, out)
             return out
@@ -518,7 +527,7 @@ class ChatRenderer:
             k = parts[j].rfind(gp)
             if k >= 0:
                 parts[j] = parts[j][: k + len(gp)]
-        ids = self.encode(parts[0], starts)
+        ids = self._encode(parts[0], starts)
         out = Rendered(ids=ids, unmatched=len(kinds), message_starts=starts, unmatched_kinds=kinds, stripped=stripped)
         for j in range(1, len(parts), 2):
             cands, tol_index = splices[int(parts[j])]
@@ -540,7 +549,7 @@ class ChatRenderer:
             drop = 0
             if turn.output_ids and turn.output_ids[-1] == self.end_of_turn_id and parts[j + 1].startswith(self.end_of_turn):
                 drop = 1  # the sampled end-of-turn token stands for the template's
-            rest = self.encode(parts[j + 1], starts, offset=len(ids) - drop)
+            rest = self._encode(parts[j + 1], starts, offset=len(ids) - drop)
             ids.extend(rest[drop:])
         self._gen_prefix(parts[-1], ids, out)
         return out

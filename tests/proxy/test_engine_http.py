@@ -83,9 +83,10 @@ def test_engine_process_going_away_fails_open_streams():
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_ws_ships_each_prompt_exactly_as_an_int32_frame(packed):
-    """Issue 34: the websocket carries a prompt as one binary frame of little-endian int32 ids;
-    the engine gets exactly the ids sent (random ids up to 2^31 - 1, lengths around the 16k
-    conversion chunk), from a plain list or a `TokenIds` packed off the loop."""
+    """Issue 34: the websocket carries a prompt as binary frames of little-endian int32 ids (one,
+    or `part` frames of PART_IDS ids before it for a long prompt); the engine gets exactly the ids
+    sent (random ids up to 2^31 - 1, lengths around the 16k conversion chunk and the part size),
+    from a plain list or a `TokenIds` packed off the loop."""
     import random
 
     from gyre.backends.protocols import TokenIds
@@ -93,7 +94,9 @@ def test_ws_ships_each_prompt_exactly_as_an_int32_frame(packed):
     got: list[list[int]] = []
     handle = serve_engine(DeterministicEngine("rec", script=lambda ids: got.append(ids), byte_ids=list(range(256))))
     rng = random.Random(3)
-    prompts = [[rng.randrange(1 << 31) for _ in range(n)] for n in (1, 7, (1 << 14) + 1, 100_003)]
+    from gyre.backends.engines.engine_mux import PART_IDS
+
+    prompts = [[rng.randrange(1 << 31) for _ in range(n)] for n in (1, 7, (1 << 14) + 1, PART_IDS, PART_IDS + 1, 2 * PART_IDS, 3 * PART_IDS + 5)]
     try:
         client = HttpEngine(handle.url, transport="ws")
 

@@ -232,10 +232,11 @@ def test_long_prompt_holds_the_loop_only_briefly(make_server):
 
 
 def test_token_ids_pack_equals_the_list_and_list_operations_stay_lists():
-    """`TokenIds.pack` (16k ids at a time) holds the same ids as the list and as packed int32;
+    """`TokenIds.pack` (16k ids at a time) and `from_array` hold the same ids as the list and as packed int32;
     slicing and concatenation give plain lists (a router continuing a call after a reroute
     builds `ids + tokens`)."""
     import random
+    from array import array
 
     import numpy as np
 
@@ -244,9 +245,9 @@ def test_token_ids_pack_equals_the_list_and_list_operations_stay_lists():
     rng = random.Random(11)
     for n in (0, 1, (1 << 14) - 1, 1 << 14, 3 * (1 << 14) + 5):
         ids = [rng.randrange(1 << 31) for _ in range(n)]
-        t = TokenIds.pack(ids)
-        assert t == ids and t.packed.tolist() == ids and int32_ids(t) is t.packed
-        assert type(t + [1]) is list and type(t[:2]) is list
+        for t in (TokenIds.pack(ids), TokenIds.from_array(array("i", ids)), TokenIds.from_array(array("i", ids), chunk=5)):
+            assert t == ids and t.packed.tolist() == ids and int32_ids(t) is t.packed and t.packed.dtype.str == "<i4"
+            assert type(t + [1]) is list and type(t[:2]) is list
         assert int32_ids(ids).tobytes() == np.asarray(ids, dtype="<i4").tobytes()
     with pytest.raises(ValueError, match="packed"):
         TokenIds([1, 2], np.zeros(3, dtype="<i4"))

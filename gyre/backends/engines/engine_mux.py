@@ -9,7 +9,11 @@ Client -> server, one frame each:
     generate: a binary frame, `{"op": "generate", "rid", "sampling"}` as JSON, a newline, then
               the prompt's token ids as little-endian int32 (prompts run to ~1M tokens: a JSON
               list of ints, or base64 inside JSON, costs ~10x more to write and read, on both
-              event loops); a text frame with "input_ids" as a JSON list is also accepted
+              event loops); a text frame with "input_ids" as a JSON list is also accepted.
+              A prompt over PART_IDS ids comes as `part` frames first, each
+              `{"op": "part", "rid"}`, a newline, then up to PART_IDS of its ids: the generate
+              frame's ids follow theirs. One frame of ~4 MB is copied and masked (the client
+              masks every frame) in one hold of the client's event loop; parts are short ones.
     abort:    a text frame, {"op": "abort", "rid"}
 Server -> client, text frames of newline-terminated lines:
     t <rid> <token_id> <logprob repr> <version> [finish_reason] [top=<id>:<lp>,...]   a token
@@ -103,6 +107,7 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
         out: list[str] = []
         wake = asyncio.Event()
         tasks: dict[str, asyncio.Task] = {}
+        parts: dict[str, list[np.ndarray]] = {}  # rid -> the prompt's ids sent ahead in `part` frames
 
         def push(line: str) -> None:
             out.append(line)
@@ -155,6 +160,11 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
                         if len(raw) % 4:
                             raise ValueError(f"the prompt's {len(raw)} bytes are not whole int32 ids")
                         ids = np.frombuffer(raw, dtype="<i4")
+                        if d["op"] == "part":
+                            parts.setdefault(str(d["rid"]), []).append(ids)
+                            continue
+                        if d["op"] == "generate" and str(d["rid"]) in parts:
+                            ids = np.concatenate(parts.pop(str(d["rid"])) + [ids])
                     else:
                         d = json.loads(msg.data)
                         ids = [int(t) for t in d["input_ids"]] if d["op"] == "generate" else []
@@ -162,6 +172,7 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
                     if d["op"] == "generate":
                         tasks[rid] = asyncio.create_task(run(rid, ids, sampling_from_json(d.get("sampling", {}))))
                     elif d["op"] == "abort":
+                        parts.pop(rid, None)
                         tasks_abort = asyncio.create_task(abort(rid))
                         tasks[f"abort:{rid}"] = tasks_abort
                         tasks_abort.add_done_callback(lambda _t, k=f"abort:{rid}": tasks.pop(k, None))
@@ -184,6 +195,9 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
     app.router.add_get("/ws", handler)
     app.on_shutdown.append(close_all)
 
+
+
+PART_IDS = 1 << 16  # ids per frame of a long prompt (256 KiB)
 
 
 async def _ids_bytes(ids: list[int], chunk: int = 1 << 16) -> bytes:
@@ -271,7 +285,15 @@ class MuxClient:
         ended = False
         try:
             head = json.dumps({"op": "generate", "rid": rid, "sampling": sampling_to_json(sampling)}).encode()
-            await self.ws.send_bytes(head + b"\n" + await _ids_bytes(input_ids))
+            raw = await _ids_bytes(input_ids)
+            if len(raw) > 4 * PART_IDS:
+                part = json.dumps({"op": "part", "rid": rid}).encode() + b"\n"
+                view, step = memoryview(raw), 4 * PART_IDS
+                for i in range(0, len(raw) - step, step):
+                    await self.ws.send_bytes(part + view[i : i + step])
+                    await asyncio.sleep(0)
+                raw = raw[i + step :]
+            await self.ws.send_bytes(head + b"\n" + raw)
             while True:
                 for item in await q.get():
                     if item is _END:
