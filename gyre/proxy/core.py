@@ -51,6 +51,7 @@ import asyncio
 import itertools
 import logging
 import time
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable
@@ -672,18 +673,18 @@ class Proxy:
             except TemplateError as e:  # the chat template itself refuses (e.g. Llama 3.1: one tool call per turn)
                 raise ApiError(400, "invalid_request", f"the model's chat template refused this conversation: {e}", param="messages") from None
         elif req.prompt_ids is not None:
-            rendered = Rendered(ids=list(req.prompt_ids))
+            rendered = Rendered(ids=array("i", req.prompt_ids))
         else:
-            rendered = Rendered(ids=self.renderer.encode(req.prompt_text or ""))
+            rendered = Rendered(ids=self.renderer.encode(req.prompt_text or "", packed=True))
         forced_text, forced_ids = self._forced_prefix(req)
         if forced_ids:
             rendered.ids.extend(forced_ids)
-        n = len(rendered.ids)
+        n = len(rendered.ids)  # rendered.ids is an array('i') until here: a list, or TokenIds when long
         if n > 1 << 16:  # packed and hashed here (a render thread), not on the event loop (issue 34)
-            rendered.ids = TokenIds.from_array(rendered.ids) if req.messages is not None else TokenIds.pack(rendered.ids)
+            rendered.ids = TokenIds.from_array(rendered.ids)
             if req.messages is not None:
                 rendered.ctx_digest = ids_digest(rendered.ids.packed[: n - len(forced_ids) - rendered.gen_prefix_ids])
-        elif req.messages is not None:
+        else:
             rendered.ids = rendered.ids.tolist()
         if n == 0:
             raise ApiError(400, "invalid_request", "the prompt is empty", param="prompt")

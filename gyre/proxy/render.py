@@ -309,10 +309,12 @@ class ChatRenderer:
         return out
 
     # ---- text -> ids ------------------------------------------------------------------------
-    def encode(self, text: str, starts: list[int] | None = None, offset: int = 0) -> list[int]:
+    def encode(self, text: str, starts: list[int] | None = None, offset: int = 0, packed: bool = False) -> list[int] | array:
         """Token ids of `text` (special tokens recognised), cached per chat turn. Appends to
-        `starts` the positions (+ `offset`) where a turn (the format's `turn_start`) begins."""
-        return self._encode(text, starts, offset).tolist()
+        `starts` the positions (+ `offset`) where a turn (the format's `turn_start`) begins.
+        `packed`: as an `array('i')` (see `render`)."""
+        ids = self._encode(text, starts, offset)
+        return ids if packed else ids.tolist()
 
     def _encode(self, text: str, starts: list[int] | None = None, offset: int = 0) -> array:
         """`encode` as 4-byte C ints: the cached turns are copied in whole (a memcpy each), not as

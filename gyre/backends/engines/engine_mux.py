@@ -285,10 +285,10 @@ class MuxClient:
         ended = False
         try:
             head = json.dumps({"op": "generate", "rid": rid, "sampling": sampling_to_json(sampling)}).encode()
-            raw = await _ids_bytes(input_ids)
-            if len(raw) > 4 * PART_IDS:
+            raw, step = await _ids_bytes(input_ids), 4 * PART_IDS
+            if len(raw) > step:
                 part = json.dumps({"op": "part", "rid": rid}).encode() + b"\n"
-                view, step = memoryview(raw), 4 * PART_IDS
+                view = memoryview(raw)
                 for i in range(0, len(raw) - step, step):
                     await self.ws.send_bytes(part + view[i : i + step])
                     await asyncio.sleep(0)
