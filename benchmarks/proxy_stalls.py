@@ -153,6 +153,7 @@ async def run_shape(url: str, keys: list[str], path: str, raw: bytes, per_phase:
     n = len(shape["s"])
     return {"quiet_p99_ms": _pct(quiet, 99) * 1e3, "loaded_p99_ms": _pct(loud, 99) * 1e3, "p99_ratio": _pct(loud, 99) / _pct(quiet, 99),
             "quiet_p50_ms": _pct(quiet, 50) * 1e3, "loaded_p50_ms": _pct(loud, 50) * 1e3, "victim_calls": len(loud),
+            "quiet_top_ms": [round(x * 1e3, 1) for x in sorted(quiet)[-8:]], "loaded_top_ms": [round(x * 1e3, 1) for x in sorted(loud)[-8:]],
             "shape_calls": n, "shape_status": {str(k): v for k, v in shape["codes"].items()}, "shape_body_mib": len(raw) / 2**20,
             "shape_p50_ms": _pct(shape["s"], 50) * 1e3 if n else None, "proxy_cpu_ms_per_shape_call": shape["cpu_s"] / n * 1e3 if n else None}
 

@@ -34,10 +34,19 @@ if TYPE_CHECKING:
     from gyre.proxy.keys import KeyInfo
 
 
+COUNT_WINDOW = 1 << 18  # bytes per count: ~0.25 ms of one GIL hold (~1 GB/s per separator)
+
+
 def value_count(raw: bytes) -> int:
-    """An upper bound on the JSON values in `raw`: its `,` `{` `[` bytes (C speed: ~2 ms for 15 MiB).
-    Separators inside strings count too, so prose costs a little more than it parses; never less."""
-    return raw.count(b",") + raw.count(b"{") + raw.count(b"[")
+    """An upper bound on the JSON values in `raw`: its `,` `{` `[` bytes (C speed, ~1 ms a MiB).
+    Separators inside strings count too, so prose costs a little more than it parses; never less.
+    Counted `COUNT_WINDOW` bytes at a time: run on a thread (`gyre.proxy.bodies`, bodies over one
+    window), each count is a short GIL hold the event loop takes turns with (issue 34)."""
+    n = 0
+    for i in range(0, len(raw), COUNT_WINDOW):
+        j = i + COUNT_WINDOW
+        n += raw.count(b",", i, j) + raw.count(b"{", i, j) + raw.count(b"[", i, j)
+    return n
 
 
 class Admission:

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from gyre.proxy.admission import value_count
+from gyre.proxy.admission import COUNT_WINDOW, value_count
 from gyre.proxy.core import ApiError, ChatRequest
 
 
@@ -209,7 +209,7 @@ async def read_body(proxy, request, key, api: str) -> Parsed:
     if request.content_length is not None and request.content_length > c.max_body_bytes:
         raise ApiError(413, "too_large", f"request body is {request.content_length} bytes; the limit is {c.max_body_bytes}")
     raw = await request.read()
-    values = value_count(raw)
+    values = value_count(raw) if len(raw) <= COUNT_WINDOW else await asyncio.get_running_loop().run_in_executor(proxy.pool, value_count, raw)
     proxy.admission.charge(key.execution_id, proxy.admission.work_units(len(raw), values, request.content_length is not None))
     limits = (c.max_body_items, c.max_tools, c.max_json_depth)
     vocab = len(proxy.token_table)

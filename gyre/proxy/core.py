@@ -215,10 +215,7 @@ class Call:
         # The forced tool-call opening: the last len(forced_ids) ids of rendered.ids (input).
         self.forced_text = forced_text
         self.forced_ids = list(forced_ids or [])
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.rendered.ids)
+        self.prompt_tokens = len(rendered.ids)
 
     @property
     def content(self) -> str:
@@ -287,6 +284,16 @@ class Call:
                 logger.debug("proxy: %s: engine stream not closed here (%s)", key, e)
             finally:  # recorded (or counted late) however the cleanup ends: an aborted call is never lost
                 self._finish(completed, stopper.matched, engine_error=engine_failed)
+                self._free_prompt()
+
+    def _free_prompt(self) -> None:
+        """A long prompt's ids, recorded (packed) and no longer needed as a list, are freed on a
+        render thread in short GIL holds (`TokenIds.free`); `rendered.ids` keeps the packed ids."""
+        ids = self.rendered.ids
+        if isinstance(ids, TokenIds):
+            box, self.rendered.ids = [ids], ids.packed
+            del ids
+            self.proxy.pool.submit(TokenIds.free, box)
 
     def _unknown_forced_tools(self) -> list[str]:
         """Names of calls a forced `required` turn made that are not among the request's tools."""

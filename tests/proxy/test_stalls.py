@@ -8,12 +8,15 @@ gap measured on the same machine with only small calls). Work charging and the s
 
 import asyncio
 import json
+import threading
 import time
 
 import anthropic
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gyre.backends.engines.det_engine import DeterministicEngine
 from gyre.proxy import ProxyConfig
@@ -202,14 +205,21 @@ def _conversation(chars: int) -> list[dict]:
     return msgs
 
 
-def test_long_prompt_holds_the_loop_only_briefly(make_server):
+def test_long_prompt_holds_the_loop_only_briefly(make_server, monkeypatch):
     """Issue 34, item 3: a ~400k-token prompt, answered through an engine behind the websocket
     transport (as in a run), holds the proxy's event loop at most 2x as long at a time as small
     calls do, or 10 ms (its ids are packed on the render thread and shipped as one int32 frame;
     the record takes the packed array). With the packing planted out the loop is held ~30 ms at a
     time (the record's conversion); before this, base64 + JSON of the ids held it too."""
     from gyre.backends.engines.engine_http import HttpEngine, serve_engine
+    from gyre.backends.protocols import TokenIds
 
+    freed = []  # (thread, freed?) of each finished long prompt: on a render thread, and no longer held by anyone
+
+    def spy(box, free=TokenIds.free):
+        freed.append((threading.current_thread().name, free(box)))
+
+    monkeypatch.setattr(TokenIds, "free", staticmethod(spy))
     eh = serve_engine(DeterministicEngine("far"))
     try:
         proxy, h = make_server([(HttpEngine(eh.url, name="far", transport="ws", secret=eh.secret), "cell", 0)],
@@ -227,6 +237,8 @@ def test_long_prompt_holds_the_loop_only_briefly(make_server):
         rec = proxy.sink.for_execution("ex-long")[-1]
         assert len(rec.input_ids) > 300_000 and rec.input_ids.dtype.str == "<i4"
         assert loaded.cpu < max(0.010, 2 * quiet.cpu), (loaded.cpu, quiet.cpu, loaded.lag, quiet.lag)
+        time.sleep(0.2)
+        assert len(freed) == 3 and all(t.startswith("gyre-render") and ok for t, ok in freed), freed
     finally:
         eh.stop()
 
@@ -251,6 +263,43 @@ def test_token_ids_pack_equals_the_list_and_list_operations_stay_lists():
         assert int32_ids(ids).tobytes() == np.asarray(ids, dtype="<i4").tobytes()
     with pytest.raises(ValueError, match="packed"):
         TokenIds([1, 2], np.zeros(3, dtype="<i4"))
+
+
+def test_token_ids_free_empties_only_an_unshared_list():
+    """`TokenIds.free` empties the ids (in chunks) only when the box held the last reference:
+    ids an engine or a stored turn still holds are left whole."""
+    from array import array
+
+    from gyre.backends.protocols import TokenIds
+
+    ids = list(range(100_003))
+    t = TokenIds.from_array(array("i", ids))
+    kept = t
+    assert TokenIds.free([t], chunk=1000) is False and kept == ids  # still held by `kept`
+    del t
+    assert TokenIds.free([kept]) is False and kept == ids  # `kept` is still a name for it
+    box = [kept]
+    del kept
+    assert TokenIds.free(box, chunk=999) is True and box == []
+
+
+COUNT_WINDOW_TEST = 97  # small windows, so that random bodies span several
+
+
+@given(st.binary(max_size=3 * COUNT_WINDOW_TEST), st.integers(0, 3 * COUNT_WINDOW_TEST))
+@settings(max_examples=30, deadline=None)
+def test_value_count_by_windows_counts_every_separator(prefix, pad):
+    """Counted window by window (`COUNT_WINDOW` bytes), the separators are exactly those of the whole
+    body, wherever the windows cut it."""
+    from gyre.proxy import admission
+
+    raw = prefix + b",{[" * (pad // 3)
+    old = admission.COUNT_WINDOW
+    try:
+        admission.COUNT_WINDOW = COUNT_WINDOW_TEST
+        assert admission.value_count(raw) == raw.count(b",") + raw.count(b"{") + raw.count(b"[")
+    finally:
+        admission.COUNT_WINDOW = old
 
 
 def test_the_proxy_and_its_parse_workers_import_no_torch():
