@@ -214,11 +214,10 @@ async def _fairness(url, keys, n, body_mb, max_tokens):
     import aiohttp
 
     big = json.dumps({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "word " * ((body_mb << 20) // 5)}]}).encode()
-    hostile = {"sent": 0, "codes": {}, "s": []}
 
-    async def victims(session):
+    async def victims(session, calls):
         lat = []
-        per = max(1, n // (len(keys) - 1))
+        per = max(1, calls // (len(keys) - 1))
 
         async def one(key, i):
             body = {"model": "m", "max_tokens": max_tokens, "messages": [{"role": "user", "content": f"task {i}: list the files"}]}
@@ -232,22 +231,12 @@ async def _fairness(url, keys, n, body_mb, max_tokens):
         await asyncio.gather(*(one(k, i) for i, k in enumerate(keys[1:])))
         return lat
 
-    async def attacker(session, stop):
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            try:
-                async with session.post(url + "/v1/chat/completions", data=big, headers={"Authorization": f"Bearer {keys[0]}", "Content-Type": "application/json"}) as r:
-                    await r.read()
-                    status = r.status
-            except aiohttp.ClientError:  # refused before its body was read: the proxy closed the connection
-                status = "closed"
-            hostile["codes"][status] = hostile["codes"].get(status, 0) + 1
-            hostile["s"].append(time.perf_counter() - t0)
-            hostile["sent"] += 1
-
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        await victims(session)  # warm-up
-        quiet, loud = await quiet_then_loaded(session, victims, attacker)
+        await victims(session, len(keys) - 1)  # warm-up
+        quiet, loud, attempts = await quiet_then_loaded(session, victims, n, (url, "/v1/chat/completions", big, keys[0], None))
+    hostile = {"sent": len(attempts), "codes": {}, "s": [t for _, t, _ in attempts]}
+    for status, _, _ in attempts:
+        hostile["codes"][status] = hostile["codes"].get(status, 0) + 1
     return {"quiet_p50_ms": _pct(quiet, 50) * 1e3, "quiet_p99_ms": _pct(quiet, 99) * 1e3, "loaded_p50_ms": _pct(loud, 50) * 1e3,
             "loaded_p99_ms": _pct(loud, 99) * 1e3, "fair_p99_ratio": _pct(loud, 99) / _pct(quiet, 99), "victim_calls": len(loud),
             "hostile_bodies": hostile["sent"], "hostile_body_mb": body_mb, "hostile_status": hostile["codes"],
@@ -383,7 +372,8 @@ def main() -> None:
     ap.add_argument("--fair-body-mb", type=int, default=15, help="prompt text per hostile body, MiB (the body limit is 16)")
     ap.add_argument("--large-vocab", default="auto", help="tokenizer of the large-vocabulary variant: auto (mistral-common's "
                     "Tekken, 131k ids), a tekken.json or tokenizer directory, or none")
-    ap.add_argument("--stall-calls", type=int, default=240, help="victim calls per phase per shape in the stalls stage")
+    ap.add_argument("--stall-calls", type=int, default=1600, help="victim calls per phase (quiet, loaded) per shape in the stalls stage, "
+                    "over 4 alternating rounds (the p99 is then the 16th worst)")
     ap.add_argument("--stall-shapes", default="all", help="comma-separated shape names of the stalls stage (benchmarks/proxy_stalls.py), or all")
     ap.add_argument("--stalls-only", action="store_true", help="run only the stalls stage")
     ap.add_argument("--quick", action="store_true", help="fewer calls everywhere, no large vocabulary (minutes, noisier; sets the counts, overriding their flags)")

@@ -2,8 +2,8 @@
 stall stage of `benchmarks/proxy_bench.py` (run it there; `--stalls-only` runs just this stage).
 
 For each shape, in one run and side by side: `--fair-keys` victim executions send small calls
-50 ms apart, first quiet, then while one more execution sends the shape as fast as its rate
-budget lets it (it waits out each 429's Retry-After). Per shape: victims' p99 loaded / quiet
+50 ms apart, quiet and while one more execution (its own process) sends the shape as fast as its
+rate budget lets it (it waits out each 429's Retry-After), in alternating rounds. Per shape: victims' p99 loaded / quiet
 (goal <= 2), the shape's own p50 through the proxy and (the 783k prompt) the same ids sent to
 the engine alone, and the proxy's CPU per shape call (its process and its body-parsing worker).
 
@@ -96,17 +96,67 @@ def _pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-async def quiet_then_loaded(session, victims, attacker) -> tuple[list[float], list[float]]:
-    """The victims' latencies alone, then while `attacker(session, stop)` runs (started 0.3 s
-    before they are measured again): side by side in one run."""
-    quiet = await victims(session)
-    stop = asyncio.Event()
-    att = asyncio.ensure_future(attacker(session, stop))
-    await asyncio.sleep(0.3)
-    loud = await victims(session)
+async def send_shape(go, busy, stop, url: str, path: str, raw: bytes, key: str, proxy_pid: int | None) -> list[tuple]:
+    """The attacker: while `go` is set (until `stop`), sends `raw` to `path` as `key` as fast as the
+    proxy lets it (it waits out each 429's Retry-After); `busy` is 1 while a call may be in flight.
+    Per attempt: (status | "closed", seconds, proxy CPU s)."""
+    import aiohttp
+
+    hdr = {"Authorization": f"Bearer {key}", "x-api-key": key, "anthropic-version": "2023-06-01", "Content-Type": "application/json"}
+    out = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600)) as session:
+        while not stop.is_set():
+            busy.value = 1  # before looking at `go`: a pause waits for the call this may start
+            if not go.is_set():
+                busy.value = 0
+                await asyncio.sleep(0.01)
+                continue
+            c0, t0 = tree_cpu_s(proxy_pid) if proxy_pid else 0.0, time.perf_counter()
+            try:
+                async with session.post(url + path, data=raw, headers=hdr) as r:
+                    await r.read()
+                    status, wait = r.status, float(r.headers.get("Retry-After", 0) or 0)
+            except aiohttp.ClientError:  # refused before its body was read: the proxy closed the connection
+                status, wait = "closed", 0.5
+            out.append((status, time.perf_counter() - t0, (tree_cpu_s(proxy_pid) - c0) if proxy_pid else 0.0))
+            if wait:
+                await asyncio.sleep(wait)
+    return out
+
+
+def _attacker_main(args: tuple, go, busy, stop, q) -> None:
+    q.put(asyncio.run(send_shape(go, busy, stop, *args)))
+
+
+async def quiet_then_loaded(session, victims, calls: int, attack: tuple, rounds: int = 4) -> tuple[list[float], list[float], list[tuple]]:
+    """The victims' latencies alone and while an attacker (`send_shape(*attack)`) runs, side by
+    side in one run: `rounds` alternations of a quiet and a loaded phase of `calls / rounds` victim
+    calls each (the attacker starts 0.3 s before a loaded phase, and a quiet phase waits for its
+    last call), so slow drifts of a shared machine fall on both alike. The attacker is its own
+    process, as another harness is: its client-side work (sending MiBs, reading /proc) never runs
+    on the loop that times the victims. `victims(session, n)` -> n latencies. Returns (quiet,
+    loaded, the attacker's attempts)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    go, stop, busy, q = ctx.Event(), ctx.Event(), ctx.Value("i", 0), ctx.Queue()
+    p = ctx.Process(target=_attacker_main, args=(attack, go, busy, stop, q), daemon=True)
+    p.start()
+    quiet: list[float] = []
+    loud: list[float] = []
+    for r in range(rounds):
+        n = calls // rounds + (r < calls % rounds)
+        quiet += await victims(session, n)
+        go.set()
+        await asyncio.sleep(0.3)
+        loud += await victims(session, n)
+        go.clear()
+        while busy.value:
+            await asyncio.sleep(0.01)
     stop.set()
-    await att
-    return quiet, loud
+    attempts = await asyncio.get_running_loop().run_in_executor(None, q.get, True, 600)
+    p.join(10)
+    return quiet, loud, attempts
 
 
 async def run_shape(url: str, keys: list[str], path: str, raw: bytes, per_phase: int, proxy_pid: int, max_tokens: int = 8) -> dict:
@@ -114,12 +164,10 @@ async def run_shape(url: str, keys: list[str], path: str, raw: bytes, per_phase:
     import aiohttp
 
     small = {"model": "m", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "task: list the files"}]}
-    hdr0 = {"Authorization": f"Bearer {keys[0]}", "x-api-key": keys[0], "anthropic-version": "2023-06-01", "Content-Type": "application/json"}
-    shape = {"s": [], "codes": {}, "cpu_s": 0.0}
 
-    async def victims(session):
+    async def victims(session, calls):
         lat: list[float] = []
-        per = max(1, per_phase // (len(keys) - 1))
+        per = max(1, calls // (len(keys) - 1))
 
         async def one(key):
             for _ in range(per):
@@ -132,30 +180,20 @@ async def run_shape(url: str, keys: list[str], path: str, raw: bytes, per_phase:
         await asyncio.gather(*(one(k) for k in keys[1:]))
         return lat
 
-    async def attacker(session, stop):
-        while not stop.is_set():
-            c0, t0 = tree_cpu_s(proxy_pid), time.perf_counter()
-            try:
-                async with session.post(url + path, data=raw, headers=hdr0) as r:
-                    await r.read()
-                    status, wait = r.status, float(r.headers.get("Retry-After", 0) or 0)
-            except aiohttp.ClientError:
-                status, wait = "closed", 0.5
-            shape["codes"][status] = shape["codes"].get(status, 0) + 1
-            if status != 429 and status != "closed":
-                shape["s"].append(time.perf_counter() - t0)
-                shape["cpu_s"] += tree_cpu_s(proxy_pid) - c0
-            if wait:
-                await asyncio.sleep(wait)
-
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600)) as session:
-        quiet, loud = await quiet_then_loaded(session, victims, attacker)
-    n = len(shape["s"])
+        await victims(session, len(keys) - 1)  # warm-up
+        quiet, loud, attempts = await quiet_then_loaded(session, victims, per_phase, (url, path, raw, keys[0], proxy_pid))
+    codes: dict = {}
+    for status, _, _ in attempts:
+        codes[str(status)] = codes.get(str(status), 0) + 1
+    served = [(t, c) for status, t, c in attempts if status not in (429, "closed")]
+    n = len(served)
     return {"quiet_p99_ms": _pct(quiet, 99) * 1e3, "loaded_p99_ms": _pct(loud, 99) * 1e3, "p99_ratio": _pct(loud, 99) / _pct(quiet, 99),
             "quiet_p50_ms": _pct(quiet, 50) * 1e3, "loaded_p50_ms": _pct(loud, 50) * 1e3, "victim_calls": len(loud),
             "quiet_top_ms": [round(x * 1e3, 1) for x in sorted(quiet)[-8:]], "loaded_top_ms": [round(x * 1e3, 1) for x in sorted(loud)[-8:]],
-            "shape_calls": n, "shape_status": {str(k): v for k, v in shape["codes"].items()}, "shape_body_mib": len(raw) / 2**20,
-            "shape_p50_ms": _pct(shape["s"], 50) * 1e3 if n else None, "proxy_cpu_ms_per_shape_call": shape["cpu_s"] / n * 1e3 if n else None}
+            "shape_calls": n, "shape_status": codes, "shape_body_mib": len(raw) / 2**20,
+            "shape_p50_ms": _pct([t for t, _ in served], 50) * 1e3 if n else None,
+            "proxy_cpu_ms_per_shape_call": sum(c for _, c in served) / n * 1e3 if n else None}
 
 
 async def engine_alone_ms(engine_url: str, secret: str, ids: list[int], n: int = 3) -> float:

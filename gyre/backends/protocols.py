@@ -106,18 +106,19 @@ class TokenIds(list):
         out.packed = packed
         return out
 
-    @staticmethod
-    def free(box: list, chunk: int = 1 << 14) -> bool:
-        """Free the ids in `box` (a one-item list, its only holder) `chunk` at a time, when
-        nothing else holds them: ~1M Python ints freed at once hold the GIL ~6 ms, so the proxy
-        frees a finished call's prompt this way on a render thread, not on its event loop (issue
-        34). Returns whether it did; still shared, they are left to whoever holds them."""
-        ids = box.pop()
-        if sys.getrefcount(ids) > 2:  # beyond `ids` and getrefcount's own argument: still in use
-            return False
-        while ids:
-            del ids[-chunk:]
-        return True
+
+def free_ids(box: list, chunk: int = 1 << 14) -> bool:
+    """Free the id list in `box` (a one-item list, its only holder) `chunk` ids at a time, when
+    nothing else holds it: ~1M Python ints freed at once hold the GIL ~6 ms, so the proxy (a
+    finished call's prompt) and the engine host (a received one) free long prompts this way on a
+    thread, not on their event loops (issue 34). Returns whether it did; a list still shared is
+    left to whoever holds it."""
+    ids = box.pop()
+    if sys.getrefcount(ids) > 2:  # beyond `ids` and getrefcount's own argument: still in use
+        return False
+    while ids:
+        del ids[-chunk:]
+    return True
 
 
 def int32_ids(ids: list[int]) -> np.ndarray:

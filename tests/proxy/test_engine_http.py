@@ -82,15 +82,24 @@ def test_engine_process_going_away_fails_open_streams():
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_ws_ships_each_prompt_exactly_as_an_int32_frame(packed):
+def test_ws_ships_each_prompt_exactly_as_an_int32_frame(packed, monkeypatch):
     """Issue 34: the websocket carries a prompt as binary frames of little-endian int32 ids (one,
     or `part` frames of PART_IDS ids before it for a long prompt); the engine gets exactly the ids
     sent (random ids up to 2^31 - 1, lengths around the 16k conversion chunk and the part size),
     from a plain list or a `TokenIds` packed off the loop."""
     import random
 
-    from gyre.backends.protocols import TokenIds
+    import threading
 
+    from gyre.backends.engines import engine_mux
+    from gyre.backends.protocols import TokenIds, free_ids
+
+    freed = []  # the host frees a prompt over PART_IDS off its loop once the engine is done with it
+
+    def spy(box):
+        freed.append((threading.current_thread().name.startswith("asyncio"), free_ids(box)))  # the loop's executor, not the loop
+
+    monkeypatch.setattr(engine_mux, "free_ids", spy)
     got: list[list[int]] = []
     handle = serve_engine(DeterministicEngine("rec", script=lambda ids: got.append(ids), byte_ids=list(range(256))))
     rng = random.Random(3)
@@ -110,6 +119,7 @@ def test_ws_ships_each_prompt_exactly_as_an_int32_frame(packed):
     finally:
         handle.stop()
     assert got == prompts
+    assert freed == [(True, True)] * 3, freed  # PART_IDS + 1, 2x and 3x + 5 ids
 
 
 def test_ws_refuses_a_broken_frame_and_still_takes_a_json_list():

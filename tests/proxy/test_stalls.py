@@ -212,14 +212,15 @@ def test_long_prompt_holds_the_loop_only_briefly(make_server, monkeypatch):
     the record takes the packed array). With the packing planted out the loop is held ~30 ms at a
     time (the record's conversion); before this, base64 + JSON of the ids held it too."""
     from gyre.backends.engines.engine_http import HttpEngine, serve_engine
-    from gyre.backends.protocols import TokenIds
+    from gyre.backends.protocols import free_ids
+    from gyre.proxy import core
 
     freed = []  # (thread, freed?) of each finished long prompt: on a render thread, and no longer held by anyone
 
-    def spy(box, free=TokenIds.free):
-        freed.append((threading.current_thread().name, free(box)))
+    def spy(box):
+        freed.append((threading.current_thread().name, free_ids(box)))
 
-    monkeypatch.setattr(TokenIds, "free", staticmethod(spy))
+    monkeypatch.setattr(core, "free_ids", spy)
     eh = serve_engine(DeterministicEngine("far"))
     try:
         proxy, h = make_server([(HttpEngine(eh.url, name="far", transport="ws", secret=eh.secret), "cell", 0)],
@@ -265,22 +266,32 @@ def test_token_ids_pack_equals_the_list_and_list_operations_stay_lists():
         TokenIds([1, 2], np.zeros(3, dtype="<i4"))
 
 
-def test_token_ids_free_empties_only_an_unshared_list():
-    """`TokenIds.free` empties the ids (in chunks) only when the box held the last reference:
+def test_free_ids_empties_only_an_unshared_list():
+    """`free_ids` empties the ids (in chunks) only when the box held the last reference:
     ids an engine or a stored turn still holds are left whole."""
     from array import array
 
-    from gyre.backends.protocols import TokenIds
+    from gyre.backends.protocols import TokenIds, free_ids
 
     ids = list(range(100_003))
     t = TokenIds.from_array(array("i", ids))
     kept = t
-    assert TokenIds.free([t], chunk=1000) is False and kept == ids  # still held by `kept`
+    assert free_ids([t], chunk=1000) is False and kept == ids  # still held by `kept`
     del t
-    assert TokenIds.free([kept]) is False and kept == ids  # `kept` is still a name for it
+    assert free_ids([kept]) is False and kept == ids  # `kept` is still a name for it
     box = [kept]
     del kept
-    assert TokenIds.free(box, chunk=999) is True and box == []
+    assert free_ids(box, chunk=999) is True and box == []
+
+    sizes = []  # what is left before each step: a plain list (the engine host's) goes `chunk` ids at a time
+
+    class Watched(list):
+        def __delitem__(self, k):
+            sizes.append(len(self))
+            super().__delitem__(k)
+
+    assert free_ids([Watched(ids)], chunk=40_000) is True
+    assert sizes == [100_003, 60_003, 20_003]
 
 
 COUNT_WINDOW_TEST = 97  # small windows, so that random bodies span several

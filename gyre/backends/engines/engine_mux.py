@@ -40,7 +40,7 @@ from typing import AsyncIterator
 import numpy as np
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from gyre.backends.protocols import RolloutEngine, SamplingParams, TokenEvent, TokenIds, int32_ids
+from gyre.backends.protocols import RolloutEngine, SamplingParams, TokenEvent, TokenIds, free_ids, int32_ids
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,9 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
         async def run(rid: str, ids: list[int] | np.ndarray, sp: SamplingParams) -> None:
             if isinstance(ids, np.ndarray):
                 ids = await _ids_list(ids)
+            box = [ids] if len(ids) > PART_IDS else None  # a long prompt is freed off the loop when done
             stream = engine.generate(rid, ids, sp)
+            del ids
             try:
                 async for ev in stream:
                     push(f"t {rid} {event_text(ev)}\n")
@@ -138,6 +140,8 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
             finally:
                 tasks.pop(rid, None)
                 await stream.aclose()
+                if box:
+                    asyncio.get_running_loop().run_in_executor(None, free_ids, box)
 
         async def abort(rid: str) -> None:
             try:
