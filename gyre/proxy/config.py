@@ -187,6 +187,12 @@ class ProxyConfig:
     GIL back to the event loop within it. At Python's default 5 ms each wait of the loop for the
     GIL adds up to 5 ms to every other execution's call (3-5x their p99 beside a 783k-token
     prompt, benchmarks/proxy_stalls.py). 0 = leave it as it is."""
+    gc_freeze: bool = True
+    """At serve time, once per process, collect and then move every object alive
+    (`gc.freeze`: imported libraries, the tokenizer, the byte table) out of the garbage collector's
+    reach. Otherwise each full collection walks them all: 30-80 ms in which every execution's
+    call waits (benchmarks/proxy_stalls.py). They are still freed when nothing refers to them;
+    only a reference cycle among them is kept. False = leave the collector as it is."""
     inline_render_chars: int = 16384
     """Requests with less text than this are rendered on the event loop (sub-millisecond work;
     a thread hand-off would cost more than it saves)."""

@@ -17,6 +17,7 @@ and answered 500 in the same format, and the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 import sys
@@ -168,8 +169,25 @@ def build_app(proxy: Proxy) -> web.Application:
     return app
 
 
+_frozen = False  # gc_freeze done in this process
+
+
+def _serving(c) -> None:
+    """What serving asks of the process, whichever way it is served: the GIL switch interval
+    (`gil_switch_ms`), the collector's frozen objects (`gc_freeze`, once), the parse workers warm."""
+    global _frozen
+    if 0 < c.gil_switch_ms / 1e3 < sys.getswitchinterval():
+        sys.setswitchinterval(c.gil_switch_ms / 1e3)
+    if c.gc_freeze and not _frozen:
+        _frozen = True
+        gc.collect()
+        gc.freeze()
+    threading.Thread(target=bodies.parse_pool(c.parse_processes).warm, name="gyre-parse-warm", daemon=True).start()
+
+
 async def start_proxy(proxy: Proxy, host: str | None = None, port: int | None = None) -> ServerHandle:
     c = proxy.config
+    _serving(c)
     return await start_app(build_app(proxy), host or c.host, c.port if port is None else port)
 
 
@@ -177,7 +195,5 @@ def serve_proxy(proxy: Proxy, host: str | None = None, port: int | None = None) 
     """Serve on a background thread with its own event loop. Engines the proxy routes to must be
     usable from that loop (in-process engines are; `HttpEngine` opens its session there)."""
     c = proxy.config
-    if 0 < c.gil_switch_ms / 1e3 < sys.getswitchinterval():
-        sys.setswitchinterval(c.gil_switch_ms / 1e3)
-    threading.Thread(target=bodies.parse_pool(c.parse_processes).warm, name="gyre-parse-warm", daemon=True).start()
+    _serving(c)
     return run_in_thread(lambda: build_app(proxy), host or c.host, c.port if port is None else port, name="gyre-proxy")

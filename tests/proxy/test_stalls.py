@@ -313,6 +313,45 @@ def test_value_count_by_windows_counts_every_separator(prefix, pad):
         admission.COUNT_WINDOW = old
 
 
+_SERVE = """
+import asyncio, gc, sys, time
+from gyre.proxy import Proxy, ProxyConfig, serve_proxy, start_proxy
+
+def full():
+    t = time.perf_counter()
+    gc.collect()
+    return time.perf_counter() - t
+
+proxy = Proxy(ProxyConfig(gc_freeze={freeze}))
+before = min(full() for _ in range(3))
+if "{how}" == "serve":
+    serve_proxy(proxy)
+else:
+    asyncio.new_event_loop().run_until_complete(start_proxy(proxy))
+after = min(full() for _ in range(3))
+print(gc.get_freeze_count(), sys.getswitchinterval(), before, after)
+"""
+
+
+@pytest.mark.parametrize("how,freeze", [("serve", True), ("start", True), ("start", False)])
+def test_serving_tunes_the_process_either_way(how, freeze):
+    """However the proxy is served (`serve_proxy`, or `start_proxy` as the run does), the process's
+    GIL switch interval drops to `gil_switch_ms` and, with `gc_freeze`, the objects alive then
+    leave the collector's reach: a full collection afterwards walks a small fraction of what it
+    did (the imported libraries and the tokenizer were most of it)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SERVE.format(how=how, freeze=freeze)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    frozen, interval, before, after = out.stdout.split()
+    assert float(interval) == pytest.approx(ProxyConfig().gil_switch_ms / 1e3)
+    if freeze:
+        assert int(frozen) > 50_000 and float(after) < float(before) / 3, out.stdout
+    else:
+        assert int(frozen) == 0, out.stdout
+
+
 def test_the_proxy_and_its_parse_workers_import_no_torch():
     """A body-parsing worker imports the proxy (`gyre.proxy.bodies`); torch cost it ~4 s of CPU
     to start beside other executions' calls. Nothing the proxy serves with needs torch."""
