@@ -174,7 +174,7 @@ _frozen = False  # gc_freeze done in this process
 
 def _serving(c) -> None:
     """What serving asks of the process, whichever way it is served: the GIL switch interval
-    (`gil_switch_ms`), the collector's frozen objects (`gc_freeze`, once), the parse workers warm."""
+    (`gil_switch_ms`) and the collector's frozen objects (`gc_freeze`, once)."""
     global _frozen
     if 0 < c.gil_switch_ms / 1e3 < sys.getswitchinterval():
         sys.setswitchinterval(c.gil_switch_ms / 1e3)
@@ -182,7 +182,6 @@ def _serving(c) -> None:
         _frozen = True
         gc.collect()
         gc.freeze()
-    threading.Thread(target=bodies.parse_pool(c.parse_processes).warm, name="gyre-parse-warm", daemon=True).start()
 
 
 async def start_proxy(proxy: Proxy, host: str | None = None, port: int | None = None) -> ServerHandle:
@@ -196,4 +195,6 @@ def serve_proxy(proxy: Proxy, host: str | None = None, port: int | None = None) 
     usable from that loop (in-process engines are; `HttpEngine` opens its session there)."""
     c = proxy.config
     _serving(c)
+    # A standalone proxy starts its body parsers now (the run's, in a rank, on its first large body).
+    threading.Thread(target=bodies.parse_pool(c.parse_processes).warm, name="gyre-parse-warm", daemon=True).start()
     return run_in_thread(lambda: build_app(proxy), host or c.host, c.port if port is None else port, name="gyre-proxy")
