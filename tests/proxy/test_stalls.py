@@ -7,6 +7,7 @@ gap measured on the same machine with only small calls). Work charging and the s
 """
 
 import asyncio
+import gc
 import json
 import threading
 import time
@@ -50,11 +51,17 @@ class LoopLag:
         return self.max, self.cpu_max
 
     def __enter__(self):
+        # The collector is off while measuring: its pauses here walk the test process's heap
+        # (pytest, torch, every earlier test), not a proxy's (test_serving_tunes_the_process_either_way).
+        gc.disable()
         self.h.call(self._start())
         return self
 
     def __exit__(self, *exc):
-        self.lag, self.cpu = self.h.call(self._stop())
+        try:
+            self.lag, self.cpu = self.h.call(self._stop())
+        finally:
+            gc.enable()
 
 
 def _post(h, key, path, raw):
@@ -238,7 +245,9 @@ def test_long_prompt_holds_the_loop_only_briefly(make_server, monkeypatch):
         rec = proxy.sink.for_execution("ex-long")[-1]
         assert len(rec.input_ids) > 300_000 and rec.input_ids.dtype.str == "<i4"
         assert loaded.cpu < max(0.010, 2 * quiet.cpu), (loaded.cpu, quiet.cpu, loaded.lag, quiet.lag)
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10  # each free runs on a render thread after its call has ended
+        while len(freed) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(freed) == 3 and all(t.startswith("gyre-render") and ok for t, ok in freed), freed
     finally:
         eh.stop()
@@ -333,7 +342,7 @@ print(gc.get_freeze_count(), sys.getswitchinterval(), before, after)
 """
 
 
-@pytest.mark.parametrize("how,freeze", [("serve", True), ("start", True), ("start", False)])
+@pytest.mark.parametrize("how,freeze", [("start", True), ("serve", False)])
 def test_serving_tunes_the_process_either_way(how, freeze):
     """However the proxy is served (`serve_proxy`, or `start_proxy` as the run does), the process's
     GIL switch interval drops to `gil_switch_ms` and, with `gc_freeze`, the objects alive then
