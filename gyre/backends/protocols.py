@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, runtime_checkable
 
@@ -67,51 +68,58 @@ class SamplingParams:
     top_logprobs: int = 0
 
 
-class TokenIds(list):
-    """A prompt's token ids: a plain list to every reader, that also holds them packed as
-    little-endian int32 (`packed`). The proxy builds it on a render thread for long prompts, so
-    that shipping the ids to an engine (`gyre.backends.engines.engine_mux`) or recording them
-    never converts ~1M Python ints on the event loop in one GIL hold (issue 34). Any list
-    operation on it (`ids + more`, a slice) gives a plain list."""
+class TokenIds(Sequence):
+    """A long prompt's token ids, held only packed as little-endian int32 (`packed`): read as a
+    sequence of Python ints by whoever needs them (an in-process engine), never built as ~1M
+    Python ints by the proxy, which ships them to an engine
+    (`gyre.backends.engines.engine_mux`) and records them as `packed` (issue 34: building,
+    then freeing, that list cost ~25 ms of the proxy's CPU per 783k-token call). A slice is a
+    plain list; `ids + more` is a TokenIds (a router continuing a call after a reroute)."""
 
     __slots__ = ("packed",)
+    CHUNK = 1 << 14  # ids per step when iterating: each a short GIL hold
 
-    def __init__(self, ids, packed: np.ndarray) -> None:
-        super().__init__(ids)
-        if packed.dtype != np.dtype("<i4") or len(packed) != len(self):
-            raise ValueError(f"TokenIds: packed must be {len(self)} little-endian int32 ids, got {len(packed)} {packed.dtype}")
+    def __init__(self, packed: np.ndarray) -> None:
+        if packed.dtype != np.dtype("<i4") or packed.ndim != 1:
+            raise ValueError(f"TokenIds: packed must be a 1-d little-endian int32 array, got {packed.ndim}-d {packed.dtype}")
         self.packed = packed
 
     @classmethod
-    def pack(cls, ids: list[int], chunk: int = 1 << 14) -> "TokenIds":
-        """`ids` copied, with their packed copy, `chunk` ids at a time: off the event loop each
-        step is a short GIL hold (~0.5 ms) the loop's thread can take turns with."""
-        packed = np.empty(len(ids), dtype="<i4")
-        out = cls((), packed[:0])
-        for i in range(0, len(ids), chunk):
-            part = ids[i : i + chunk]
-            packed[i : i + chunk] = part
-            out.extend(part)
-        out.packed = packed
-        return out
+    def from_array(cls, ids) -> "TokenIds":
+        """From 4-byte C ints (an `array('i')` or any int32 buffer), in one copy."""
+        return cls(np.frombuffer(ids, dtype=np.intc).astype("<i4"))
 
-    @classmethod
-    def from_array(cls, ids, chunk: int = 1 << 14) -> "TokenIds":
-        """From 4-byte C ints (an `array('i')` or any int32 buffer): packed as one copy, the list
-        filled `chunk` ids at a time (each a short GIL hold, as in `pack`)."""
-        packed = np.frombuffer(ids, dtype=np.intc).astype("<i4")
-        out = cls((), packed[:0])
-        for i in range(0, len(packed), chunk):
-            out.extend(packed[i : i + chunk].tolist())
-        out.packed = packed
-        return out
+    def __len__(self) -> int:
+        return len(self.packed)
+
+    def __getitem__(self, i):
+        return self.packed[i].tolist() if isinstance(i, slice) else int(self.packed[i])
+
+    def __iter__(self):
+        for i in range(0, len(self.packed), self.CHUNK):
+            yield from self.packed[i : i + self.CHUNK].tolist()
+
+    def __add__(self, more) -> "TokenIds":
+        return TokenIds(np.concatenate([self.packed, np.asarray(more, dtype="<i4")]))
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, TokenIds):
+            return bool(np.array_equal(self.packed, other.packed))
+        return isinstance(other, (list, tuple)) and len(other) == len(self) and self.packed.tolist() == list(other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"TokenIds({len(self)} ids)"
+
+    def tolist(self) -> list[int]:
+        return self.packed.tolist()
 
 
 def free_ids(box: list, chunk: int = 1 << 14) -> bool:
     """Free the id list in `box` (a one-item list, its only holder) `chunk` ids at a time, when
-    nothing else holds it: ~1M Python ints freed at once hold the GIL ~6 ms, so the proxy (a
-    finished call's prompt) and the engine host (a received one) free long prompts this way on a
-    thread, not on their event loops (issue 34). Returns whether it did; a list still shared is
+    nothing else holds it: ~1M Python ints freed at once hold the GIL ~6 ms, so the engine host
+    frees a received long prompt this way on a thread, not on its event loop (issue 34). Returns whether it did; a list still shared is
     left to whoever holds it."""
     ids = box.pop()
     if sys.getrefcount(ids) > 2:  # beyond `ids` and getrefcount's own argument: still in use
@@ -170,8 +178,9 @@ class RolloutEngine(Protocol):
     # An engine served in-process (`gyre.backends.engines.engine_host.EngineHost`) may also have
     # `async stop()`; clients of a remote engine (`HttpEngine`) have `close()` instead.
 
-    def generate(self, request_id: str, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenEvent]:
-        """Stream the sampled tokens of one request. Ends at EOS/stop/max_tokens or on abort."""
+    def generate(self, request_id: str, input_ids: Sequence[int], sampling: SamplingParams) -> AsyncIterator[TokenEvent]:
+        """Stream the sampled tokens of one request. Ends at EOS/stop/max_tokens or on abort.
+        `input_ids` is a list, or a `TokenIds` (a long prompt, packed): not to be modified."""
         ...
 
     async def abort(self, request_id: str) -> list[TokenEvent]:

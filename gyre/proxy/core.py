@@ -58,7 +58,7 @@ from typing import Any, AsyncIterator, Iterable
 
 from jinja2 import TemplateError
 
-from gyre.backends.protocols import SamplingParams, TokenEvent, TokenIds, free_ids, int32_ids
+from gyre.backends.protocols import SamplingParams, TokenEvent, TokenIds, int32_ids
 from gyre.backends.models.tokenizer import load_tokenizer
 from gyre.backends.models.vocab import byte_table, stop_token_ids
 from gyre.proxy.admission import Admission
@@ -284,16 +284,6 @@ class Call:
                 logger.debug("proxy: %s: engine stream not closed here (%s)", key, e)
             finally:  # recorded (or counted late) however the cleanup ends: an aborted call is never lost
                 self._finish(completed, stopper.matched, engine_error=engine_failed)
-                self._free_prompt()
-
-    def _free_prompt(self) -> None:
-        """A long prompt's ids, recorded (packed) and no longer needed as a list, are freed on a
-        render thread in short GIL holds (`free_ids`); `rendered.ids` keeps the packed ids."""
-        ids = self.rendered.ids
-        if isinstance(ids, TokenIds):
-            box, self.rendered.ids = [ids], ids.packed
-            del ids
-            self.proxy.pool.submit(free_ids, box)
 
     def _unknown_forced_tools(self) -> list[str]:
         """Names of calls a forced `required` turn made that are not among the request's tools."""

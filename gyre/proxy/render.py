@@ -244,6 +244,7 @@ class ChatRenderer:
         self._special_re = re.compile("|".join(re.escape(t) for t in self._specials))
         self._lit = "\ue000" + self._nonce
         self._lit_re = re.compile(re.escape(self._lit) + "(\\d+)\ue001")
+        self._marks = {t: f"{self._lit}{k}\ue001" for k, t in enumerate(self._specials)}  # a 783k-token prompt has ~10k matches
         from tokenizers import Tokenizer
 
         self.plain = Tokenizer.from_str(self.backend.to_str())
@@ -259,7 +260,7 @@ class ChatRenderer:
         """`text` with every special-token string replaced by its marker (see the module docstring)."""
         if "<" not in text or not self._special_re.search(text):
             return text
-        return self._special_re.sub(lambda m: f"{self._lit}{self._specials.index(m.group())}\ue001", text)
+        return self._special_re.sub(lambda m: self._marks[m.group()], text)
 
     def escape_obj(self, v: Any) -> Any:
         """`escape` applied to every string (keys too) in a JSON-like value."""
