@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
 from gyre.backends import factory
-from gyre.backends.protocols import RolloutEngine, SamplingParams
+from gyre.backends.protocols import RolloutEngine, SamplingParams, TokenIds
 from gyre.config import GyreConfig
 from tests.backends.helpers import tiny_model
 
@@ -45,6 +46,12 @@ def test_engine_contract(kind, models):
         # A stream ends at max_tokens with 'length'; every event carries the served version.
         out = await _drain(eng.generate("a", [1, 2, 3], SamplingParams(max_tokens=6, seed=1)))
         assert len(out) == 6 and {e.version for e in out} == {3} and out[-1].finish_reason == "length"
+
+        # A long prompt may come packed (the proxy's `TokenIds`): it samples exactly what its list does.
+        ids = [5, 1, 4, 1, 5, 9, 2, 6]
+        as_list = await _drain(eng.generate("p", ids, SamplingParams(max_tokens=5, seed=5)))
+        packed = await _drain(eng.generate("q", TokenIds(np.asarray(ids, dtype="<i4")), SamplingParams(max_tokens=5, seed=5)))
+        assert [e.token_id for e in packed] == [e.token_id for e in as_list] and len(packed) == 5
 
         # Abort returns exactly the tokens so far: those yielded, then the stream yields the rest.
         stream = eng.generate("b", [4, 5], SamplingParams(max_tokens=200, seed=2))
