@@ -132,7 +132,7 @@ def start_engines(n_engines: int, n_procs: int, token_delay: float) -> tuple[lis
     return procs, [e for q in qs for e in q.get(timeout=180)]
 
 
-def _proxy_child(q, engines: int | list, token_delay: float, store_dir: str, gcs=None) -> None:
+def _proxy_child(q, engines: int | list, token_delay: float, store_dir: str, gcs=None, gc_young: int | None = None) -> None:
     """engines: [(url, secret)] of engine endpoints (reached as a run does: HttpEngine over the
     websocket mux), or a count of DeterministicEngines run inside this process. gcs: a shared
     array [collections, pause s in all, longest pause s, full collections, longest full s] the
@@ -158,7 +158,8 @@ def _proxy_child(q, engines: int | list, token_delay: float, store_dir: str, gcs
     from gyre.proxy import Proxy, ProxyConfig, StoreSink, serve_proxy
     from gyre.trajectory.store import TitoStore
 
-    proxy = Proxy(ProxyConfig(admin_token=ADMIN), sink=StoreSink(TitoStore(store_dir)))
+    config = ProxyConfig(admin_token=ADMIN) if gc_young is None else ProxyConfig(admin_token=ADMIN, gc_young_objects=gc_young)
+    proxy = Proxy(config, sink=StoreSink(TitoStore(store_dir)))
     if isinstance(engines, int):
         for i in range(engines):
             proxy.router.add_engine(DeterministicEngine(f"e{i}", token_delay=token_delay, salt=i), kind="cell", index=i)
@@ -170,10 +171,10 @@ def _proxy_child(q, engines: int | list, token_delay: float, store_dir: str, gcs
     h.thread.join()
 
 
-def start_proxy(engines: int | list, token_delay: float, store_dir: str, gcs=None):
+def start_proxy(engines: int | list, token_delay: float, store_dir: str, gcs=None, gc_young: int | None = None):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_proxy_child, args=(q, engines, token_delay, store_dir, gcs), daemon=True)
+    p = ctx.Process(target=_proxy_child, args=(q, engines, token_delay, store_dir, gcs, gc_young), daemon=True)
     p.start()
     return p, f"http://127.0.0.1:{q.get(timeout=180)}"
 
@@ -320,7 +321,7 @@ def proxy_series(a) -> list[dict]:
             eprocs, endpoints = ([], engines) if a.in_process_engines else start_engines(engines, a.engine_procs, a.token_delay)
             try:
                 gcs = mp.get_context("spawn").Array("d", 5, lock=False)
-                p, url = start_proxy(endpoints, a.token_delay, store, gcs)
+                p, url = start_proxy(endpoints, a.token_delay, store, gcs, a.proxy_gc_young)
                 try:
                     res = asyncio.run(_proxy_load(url, p.pid, n, a, [q.pid for q in eprocs], gcs))
                 finally:
@@ -672,6 +673,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--think-s", type=float, default=10.0, help="mean think (tool) time between an execution's calls")
     ap.add_argument("--window-s", type=float, default=15.0)
+    ap.add_argument("--proxy-gc-young", type=int, default=None,
+                    help="the proxy's ProxyConfig.gc_young_objects (default: its default; 0: Python's own collector threshold)")
     ap.add_argument("--cells", type=int, nargs="+", default=[8, 32, 128, 256])
     ap.add_argument("--sched-steps", type=int, default=6)
     ap.add_argument("--ranks", type=int, nargs="+", default=[64, 256])

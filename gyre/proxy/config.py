@@ -193,6 +193,14 @@ class ProxyConfig:
     reach. Otherwise each full collection walks them all: 30-80 ms in which every execution's
     call waits (benchmarks/proxy_stalls.py). They are still freed when nothing refers to them;
     only a reference cycle among them is kept. False = leave the collector as it is."""
+    gc_young_objects: int = 10000
+    """The collector's first threshold in the proxy's process (net new container objects between
+    young collections), raised to this at serve time, never lowered. At Python's 700 a proxy
+    holding 4,096 open executions collected ~60 times a second, promoting in-flight calls' objects
+    to the old generations, so full collections (~290 ms, every call waiting) came every 2 s and
+    the collector took ~0.5 of the proxy's ~2 ms of CPU a call; at 10,000: 0.1-0.2 ms a call, no
+    full collection, longest pause ~110 ms (`benchmarks/scale_bench.py --only proxy
+    --open-executions 4096 --engines 8 [--proxy-gc-young 0]`). 0 = leave it as it is."""
     inline_render_chars: int = 16384
     """Requests with less text than this are rendered on the event loop (sub-millisecond work;
     a thread hand-off would cost more than it saves)."""

@@ -174,10 +174,14 @@ _frozen = False  # gc_freeze done in this process
 
 def _serving(c) -> None:
     """What serving asks of the process, whichever way it is served: the GIL switch interval
-    (`gil_switch_ms`) and the collector's frozen objects (`gc_freeze`, once)."""
+    (`gil_switch_ms`), the collector's young threshold (`gc_young_objects`) and its frozen
+    objects (`gc_freeze`, once)."""
     global _frozen
     if 0 < c.gil_switch_ms / 1e3 < sys.getswitchinterval():
         sys.setswitchinterval(c.gil_switch_ms / 1e3)
+    young, *older = gc.get_threshold()
+    if c.gc_young_objects > young:
+        gc.set_threshold(c.gc_young_objects, *older)
     if c.gc_freeze and not _frozen:
         _frozen = True
         gc.collect()

@@ -329,30 +329,34 @@ def full():
     gc.collect()
     return time.perf_counter() - t
 
-proxy = Proxy(ProxyConfig(gc_freeze={freeze}))
+proxy = Proxy(ProxyConfig(gc_freeze={freeze}, gc_young_objects={young}))
+young = gc.get_threshold()[0]
 before = min(full() for _ in range(3))
 if "{how}" == "serve":
     serve_proxy(proxy)
 else:
     asyncio.new_event_loop().run_until_complete(start_proxy(proxy))
 after = min(full() for _ in range(3))
-print(gc.get_freeze_count(), sys.getswitchinterval(), before, after)
+print(gc.get_freeze_count(), sys.getswitchinterval(), before, after, young, gc.get_threshold()[0])
 """
 
 
-@pytest.mark.parametrize("how,freeze", [("start", True), ("serve", False)])
-def test_serving_tunes_the_process_either_way(how, freeze):
+@pytest.mark.parametrize("how,freeze,young", [("start", True, 10_000), ("serve", False, 0)])
+def test_serving_tunes_the_process_either_way(how, freeze, young):
     """However the proxy is served (`serve_proxy`, or `start_proxy` as the run does), the process's
-    GIL switch interval drops to `gil_switch_ms` and, with `gc_freeze`, the objects alive then
+    GIL switch interval drops to `gil_switch_ms`, the collector's young threshold rises to
+    `gc_young_objects` (0: Python's own stays) and, with `gc_freeze`, the objects alive then
     leave the collector's reach: a full collection afterwards walks a small fraction of what it
     did (the imported libraries and the tokenizer were most of it)."""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _SERVE.format(how=how, freeze=freeze)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", _SERVE.format(how=how, freeze=freeze, young=young)], capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    frozen, interval, before, after = out.stdout.split()
+    frozen, interval, before, after, python_young, served_young = out.stdout.split()
     assert float(interval) == pytest.approx(ProxyConfig().gil_switch_ms / 1e3)
+    assert int(served_young) == max(young, int(python_young)) and int(python_young) < 10_000, out.stdout
     if freeze:
         assert int(frozen) > 50_000 and float(after) < float(before) / 3, out.stdout
     else:
