@@ -6,10 +6,12 @@
   slow again.
 * every `multirank` test (a multi-process gloo world) is a `jobs` test too: measured, the gloo
   worlds were about a third of the `-m "not jobs"` tier's time.
-* every `jobs` test gets `xdist_group("jobs")`: under README command 2 (`-n 2`, pytest.ini's
+* every real job gets `xdist_group("jobs")`: under README command 2 (`-n 2`, pytest.ini's
   `--dist loadgroup`) they all run on one worker, one at a time, while the other worker runs the
   in-process tests. Two jobs at once on a 2-core machine would make their timings (a cell joining
   before the core claims every item, a drain's bound) the machine's rather than the code's.
+  A gloo world alone (`multirank`, no torchrun job; ~2 min in all) is its own group, `gloo`: none
+  times a run, and with the jobs' group that one worker was the suite's whole length.
 * `slow` tests run only when the `-m` expression names `slow`: pytest.ini's `-m "not slow"` is
   replaced by any `-m` on the command line, and `-m "not jobs"` (the inner loop) must not bring
   the slow tier back.
@@ -40,10 +42,11 @@ def _is_job(args) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
     for item in items:  # a gloo world is a job too: the inner loop (-m "not jobs") leaves both out
-        if item.get_closest_marker("multirank") is not None and item.get_closest_marker("jobs") is None:
+        gloo_only = item.get_closest_marker("multirank") is not None and item.get_closest_marker("jobs") is None
+        if gloo_only:
             item.add_marker(pytest.mark.jobs)
         if item.get_closest_marker("jobs") is not None:  # `-n 2 --dist loadgroup`: one job at a time
-            item.add_marker(pytest.mark.xdist_group("jobs"))
+            item.add_marker(pytest.mark.xdist_group("gloo" if gloo_only else "jobs"))
     if "slow" in (config.option.markexpr or ""):
         return
     slow = [i for i in items if i.get_closest_marker("slow") is not None]
