@@ -71,11 +71,11 @@ def test_items_re_sent_after_previous_response_id_are_taken_once(make_server):
 
 
 def test_a_looping_harness_holds_at_most_the_configured_bytes():
-    """2,000 stored calls of ~6 KB each (12 MB, about twelve times what the bound holds) into one
+    """10,000 stored calls of ~6 KB each (60 MB, about sixty times what the bound holds) into one
     execution's store (the function the endpoint calls), bound 1 MiB: the store's own count, the
     JSON size of what it holds and the memory traced while it ran all stay within the bound (the
-    last with slack for Python objects, a quarter of what an unbounded store would grow by)."""
-    n = 2_000
+    last with slack for Python objects, a twentieth of what an unbounded store would grow by)."""
+    n = 10_000  # issue 34: a harness making 10,000 calls in one execution
     bound = 1 << 20
     state = ExecutionState(execution_id="loop")
     store = store_of(state, bound)
