@@ -119,8 +119,8 @@ class TokenIds(Sequence):
 def free_ids(box: list, chunk: int = 1 << 14) -> bool:
     """Free the id list in `box` (a one-item list, its only holder) `chunk` ids at a time, when
     nothing else holds it: ~1M Python ints freed at once hold the GIL ~6 ms, so the engine host
-    frees a received long prompt this way on a thread, not on its event loop (issue 34). Returns whether it did; a list still shared is
-    left to whoever holds it."""
+    frees a received long prompt this way on a thread, not on its event loop (issue 34). Returns
+    whether it did; a list still shared is left to whoever holds it."""
     ids = box.pop()
     if sys.getrefcount(ids) > 2:  # beyond `ids` and getrefcount's own argument: still in use
         return False
