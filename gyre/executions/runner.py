@@ -195,6 +195,7 @@ class _Live:
     pid: int | None = None
     host: str = "local"
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+    key_closed: bool = False  # closed at the proxy before its harness was killed (time up, run stopping)
 
     def move(self, to: ExecutionState) -> None:
         if to not in _TRANSITIONS[self.state]:
@@ -460,7 +461,7 @@ class HarnessRunner:
     def _end(self, live: _Live, key_opened: bool, outcome: Outcome, exit_code: int | None, start: float | None,
              exec_dir: Path, ws: Path, error: str) -> ExecutionResult:
         spec = live.spec
-        if key_opened:
+        if key_opened and not live.key_closed:
             self.proxy.close_execution(spec.execution_id)
         live.move(ExecutionState.ENDED)
         self.counters.finished += 1
@@ -494,6 +495,11 @@ class HarnessRunner:
         outcome = Outcome.CANCELLED if stopper in done else Outcome.TIMED_OUT
         why = "cancelled (the run is stopping)" if outcome is Outcome.CANCELLED else f"timed out after {timeout:.1f}s"
         logger.info("execution %s: %s, killing its process tree", live.spec.execution_id, why)
+        # Closed at the proxy first: a model call in flight ends with its execution (not recorded,
+        # counted `inflight`), never as a call whose client vanished mid-answer when the killed
+        # harness's socket closes (that would count as an aborted call).
+        live.key_closed = True
+        self.proxy.close_execution(live.spec.execution_id)
         # A little longer than the grace: a CONTAIN shim SIGKILLs its own tree at the grace and
         # should exit before the runner's SIGKILL reaches it (a backstop here).
         await kill_tree(proc.pid, self.cfg.kill_grace_s + 1.0, proc)

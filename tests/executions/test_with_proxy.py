@@ -219,3 +219,45 @@ def test_timed_out_cpu_demo_execution_gets_partial_reward(tmp_path, proxy_server
     assert res.reward.status is RewardStatus.VALID
     assert r_empty < res.reward.reward < r_full
     assert res.reward.reward == 3 / 6  # exactly the three files written before the stall
+
+
+def test_a_call_in_flight_at_the_timeout_ends_with_its_execution_not_as_an_abort(tmp_path, proxy_server):
+    """A harness whose time is up while a model call runs: the runner closes the execution at the
+    proxy before it kills the harness, so the call ends with the execution (not recorded, counted
+    `inflight`) and is not counted as an aborted call. This harness drops its connection on SIGTERM
+    and then lingers until the SIGKILL: were the kill sent first, the proxy would see a client that
+    vanished mid-answer (`aborted_calls` 1) long before the close."""
+    proxy, handle, sink = proxy_server(token_delay=0.05)  # never EOS: the call outlives the timeout
+    script = tmp_path / "linger.py"
+    script.write_text(
+        "import json, os, signal, socket, time, urllib.parse\n"
+        "u = urllib.parse.urlparse(os.environ['OPENAI_BASE_URL'])\n"
+        "body = json.dumps({'model': 'm', 'messages': [{'role': 'user', 'content': 'hi'}], 'max_tokens': 5000}).encode()\n"
+        "s = socket.create_connection((u.hostname, u.port))\n"
+        "def term(*_):  # the runner signals the leader and its group: this can run twice\n"
+        "    try:\n"
+        "        s.shutdown(socket.SHUT_RDWR)\n"
+        "        s.close()\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "    time.sleep(60)\n"
+        "signal.signal(signal.SIGTERM, term)\n"
+        "s.sendall(f'POST {u.path}/chat/completions HTTP/1.1\\r\\nHost: x\\r\\nContent-Type: application/json\\r\\n'\n"
+        "          f'Authorization: Bearer {os.environ[\"OPENAI_API_KEY\"]}\\r\\nContent-Length: {len(body)}\\r\\n\\r\\n'.encode() + body)\n"
+        "print(s.recv(65536)[:200])\n"
+    )
+    access = GyreProxyAccess(proxy, handle.url)
+    task = _task("linger", script, "x")
+    task = Task(task_id=task.task_id, instruction=task.instruction, harness=task.harness, evaluator=task.evaluator, timeout_s=3.0)
+    runner = HarnessRunner(RunnerConfig(run_dir=str(tmp_path / "runs"), kill_grace_s=2.0), Evaluator(EvaluatorConfig()), access)
+
+    async def main():
+        return await runner.dispatch(ExecutionSpec("linger-0", task, "g"))
+
+    res = asyncio.run(main())
+    assert res.outcome is Outcome.TIMED_OUT, (res.exec_dir / "stderr.log").read_text()[-2000:]
+    assert access.totals["aborted_calls"] == 0, access.totals
+    # the call ended after its execution closed: not recorded (counted `inflight` when the close
+    # found it running, else a late record)
+    assert proxy.late_records == 1 and access.totals["calls"] == 0, (proxy.late_records, access.totals)
+    assert sink.for_execution("linger-0") == []
