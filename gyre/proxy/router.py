@@ -226,7 +226,7 @@ class Router:
         self.health_interval_s = health_interval_s
         self.slots: dict[str, EngineSlot] = {}
         self._affinity: dict[str, str] = {}
-        self._changed: asyncio.Condition | None = None
+        self._changed: asyncio.Event | None = None  # set (and replaced) when the engine set changes
         self._background: set[asyncio.Task] = set()
         self.reroutes = 0
         self.engine_failures = 0
@@ -247,15 +247,19 @@ class Router:
         await self._notify()
 
     # ---- engine set -------------------------------------------------------------------------
-    def _cond(self) -> asyncio.Condition:
+    def _change(self) -> asyncio.Event:
+        """The event the next change of the engine set sets. An event, not a Condition: a waiter
+        cancelled twice (its execution closed, then its client gone) while `wait_for` cancelled its
+        `Condition.wait` could leave the condition's lock held for good, and every later notify,
+        the proxy's close with them, waited on it forever (an end-of-run hang in e2e_modes)."""
         if self._changed is None:
-            self._changed = asyncio.Condition()
+            self._changed = asyncio.Event()
         return self._changed
 
     async def _notify(self) -> None:
-        cond = self._cond()
-        async with cond:
-            cond.notify_all()
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
 
     def add_engine(self, engine: RolloutEngine, *, kind: EngineKind = "cell", index: int = 0) -> EngineSlot:
         if kind not in ("pool", "cell"):
@@ -423,20 +427,18 @@ class Router:
         if slot is not None:
             return slot
         logger.warning("router: no engine in rollout; call of %s waits (up to %.0fs)", execution_id, self.engine_wait_s)
-        cond = self._cond()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.engine_wait_s
-        async with cond:
-            while (slot := self._pick(execution_id, rerouting)) is None:
-                if self.closed:
-                    raise NoEngineError("the proxy is shutting down")
-                left = deadline - loop.time()
-                if left <= 0:
-                    raise NoEngineError(f"no rollout engine available for {self.engine_wait_s:.0f}s")
-                try:
-                    await asyncio.wait_for(cond.wait(), timeout=min(left, 1.0))
-                except asyncio.TimeoutError:
-                    pass
+        while (slot := self._pick(execution_id, rerouting)) is None:
+            if self.closed:
+                raise NoEngineError("the proxy is shutting down")
+            left = deadline - loop.time()
+            if left <= 0:
+                raise NoEngineError(f"no rollout engine available for {self.engine_wait_s:.0f}s")
+            try:  # the event is taken after the pick with no await between: no change is missed
+                await asyncio.wait_for(self._change().wait(), timeout=min(left, 1.0))
+            except asyncio.TimeoutError:
+                pass
         return slot
 
     def forget(self, execution_id: str) -> None:

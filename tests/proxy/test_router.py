@@ -142,6 +142,55 @@ def test_close_fails_waiting_calls_at_once():
     asyncio.run(main())
 
 
+async def _waiters_cancelled_twice(seed: int) -> str | None:
+    """Calls waiting for an engine while the engine set keeps changing, some cancelled twice a few
+    loop turns apart (the run closes the execution, then the killed harness's socket goes). Then
+    the router closes. What went wrong, or None."""
+    import random
+
+    from gyre.proxy.router import NoEngineError
+
+    rng = random.Random(seed)
+    r = Router(engine_wait_s=60)
+    waiters = [asyncio.create_task(r._acquire(f"e{i}", False)) for i in range(16)]
+    for _ in range(150):
+        for _ in range(rng.randint(0, 4)):
+            r._wake()
+        live = [t for t in waiters if not t.done()]
+        for t in rng.sample(live, min(len(live), rng.randint(0, 2))):
+            t.cancel()
+            for _ in range(rng.randint(0, 3)):
+                await asyncio.sleep(0)
+            t.cancel()
+        if rng.random() < 0.3:
+            waiters.append(asyncio.create_task(r._acquire(f"n{len(waiters)}", False)))
+        await asyncio.sleep(0)
+    try:
+        await asyncio.wait_for(r.close(), 2.0)
+    except asyncio.TimeoutError:
+        return "close() hung"
+    _, pending = await asyncio.wait(waiters, timeout=2.0)
+    if pending:
+        return f"{len(pending)} waiters never ended"
+    for t in waiters:
+        if not t.cancelled() and not isinstance(t.exception(), NoEngineError):
+            return f"a waiter ended with {t.exception()!r}"
+    return None
+
+
+def test_waiters_cancelled_twice_never_wedge_the_router():
+    """A waiting call cancelled twice must not leave the router's wake-up machinery locked: with a
+    Condition waited through `wait_for` its lock stayed held after such a cancel, every later
+    notify and the proxy's close waited forever, and so did the run (seen at the end of an
+    e2e_modes run; this storm hung that code on every seed)."""
+    for seed in range(3):
+        loop = asyncio.new_event_loop()
+        try:  # not asyncio.run: its cancel-all would itself hang on a wedged router
+            assert loop.run_until_complete(_waiters_cancelled_twice(seed)) is None, seed
+        finally:
+            loop.close()
+
+
 class _Failing(DeterministicEngine):
     async def generate(self, request_id, input_ids, sampling):
         n = 0
