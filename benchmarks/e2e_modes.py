@@ -327,7 +327,7 @@ def main() -> int:
                 figures[f"plan_speedup_vs_{m}"] = round(shown[m]["step_s"] / shown[PLAN_MODE]["step_s"], 3)
     figures.update({f"{m}_staleness": r["staleness_mean"] for m, r in shown.items()})
     figures["aborted_calls"] = sum(r["aborted_calls"] for r in results.values())
-    if args.migration != "off" or args.results != DEFAULT_RESULTS:  # --migration on vs off: per run
+    if args.migration != "off" or Path(args.results).resolve() != DEFAULT_RESULTS:  # --migration on vs off: per run
         figures["migration"] = args.migration
         for key, get in (("reroutes", lambda r: r["reroutes"]),
                          ("reroute_tokens_recomputed", lambda r: r["reroute_tokens_recomputed"]),

@@ -50,3 +50,24 @@ def test_plan_flags_become_a_mode_run_as_given():
         mod.set_plan_flags("--scheduler.phi 0 --scheduler.mu 3 --parallel.cell-size 8")
     with pytest.raises(SystemExit, match="phi"):
         mod.set_plan_flags("--scheduler.mu 3")
+
+
+def test_calibration_check_reads_each_runs_flags_as_gyre_run_does():
+    """benchmarks/calibration_check.py predicts each mode from the flags e2e_modes recorded for it:
+    they must give the scheduler fields that `gyre.run` itself parses from the same flags."""
+    spec = importlib.util.spec_from_file_location("e2e_modes_calib", ROOT / "benchmarks" / "e2e_modes.py")
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    e2e.set_plan_flags("--scheduler.phi 0.5 --scheduler.mu 2 --scheduler.rho-min 0 --scheduler.tau 0 --scheduler.no-serial-join")
+    spec = importlib.util.spec_from_file_location("calibration_check", ROOT / "benchmarks" / "calibration_check.py")
+    cc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cc)
+    names = [f"{v}@2" if v in e2e.SPLIT_MODES else v for v in e2e.MODES]
+    held = {"runs": {n: " ".join(e2e.run_args(n)) for n in names}}
+    for name in names:
+        got = cc.mode_settings(held, name)
+        want = parse_config(["--scheduler.batch-groups", "4", *e2e.run_args(name)]).scheduler
+        assert got, name
+        for field, value in got.items():
+            assert getattr(want, field) == value, (name, field)
+        assert want.mode == got.get("mode", "gyre"), name
