@@ -159,7 +159,9 @@ class Simulation:
 
     # ------------------------------------------------------------------ plumbing
     def _push(self, t: float, kind: int, a=None, b=None) -> None:
-        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+        # never before now: an execution's time left (its duration minus the pieces it ran) can
+        # round to a hair below zero, and its finish is then due now, not in the past
+        heapq.heappush(self.heap, (max(t, self.clock()), self.seq, kind, a, b))
         self.seq += 1
 
     def _advance(self, t: float) -> None:

@@ -82,3 +82,36 @@ def test_a_cut_execution_trains_only_the_work_it_did_not_its_owed_recompute():
     assert cut.timed_out_executions >= 1 and cut.paused_executions >= 1
     # step 0: group 0 (1 h of work, the mean) trains 5 h from 1 h; step 1: group 1, 0 h of work
     assert cut.step_end_h == pytest.approx([6.0, 6.0], abs=3 * TICK_H)
+
+
+def test_a_rounding_error_never_schedules_an_event_in_the_past():
+    """A paused execution's time left is its duration minus the pieces it ran, a float that can end
+    a hair below the time already reached. Its finish was then pushed into the past and the run
+    stopped with "SimClock cannot go back in time". Seen as `python -m gyre.plan --max-staleness
+    1.5` failing on a profile calibrated from the CPU e2e runs: Colocate, φ 1.5, μ 1, seed 0, with
+    that profile's point costs (below, rounded as stored)."""
+    from dataclasses import replace
+
+    from gyre.plan import Candidate, Planner
+    from gyre.sim.profile import Profile
+
+    prof = Profile.from_dict({
+        "format": "gyre-sim-profile/1", "name": "e2e seed 0",
+        "cluster": {"num_cells": 4, "nodes_per_cell": 1, "cell_concurrency": 8, "standalone_concurrency": 0},
+        "scheduler": {"n_per_group": 4, "batch_groups": 4, "tick_s": 0.2, "rho_min": 0.25, "tau": 1, "phi": 0.0,
+                      "mu": 3, "mode": "gyre", "streaming": True},
+        "training": {"reference_nodes": 1}, "wall_timeout_h": 0.008033256047222293,
+        "costs": {k: {"value": v} for k, v in {
+            "cell_hours_per_step": 0.0042540591519226656, "optimizer_s": 0.06022777434995987,
+            "param_send_s": 0.020104227483125216, "switch_to_train_s": 0.12564647003442775,
+            "switch_to_rollout_s": 0.22160104947928025, "eval_s": 0.20568217789581114,
+            "reroute_s": 3.071020553400002}.items()},
+        "durations": {"source": "lognormal", "m": -5.515710959093317, "sigma_q": 0.07521791333347795,
+                      "sigma_e": 0.43793720293502014, "cap_h": 0.008033256047222293,
+                      "hard_frac": 0.034722222222222224, "hard_median_h": 0.008033256047222293},
+    })
+    planner = Planner(prof, seeds=[0])
+    colocate = Candidate(1, 4, 0, 1.5, 1, tau=2, mode="colocate")
+    step_s, _, staleness = planner.run(colocate, 0)
+    assert step_s > 0 and staleness == pytest.approx(1.5, abs=0.2)
+    assert planner.run(replace(colocate, mode="gyre", phi=0.0, mu=4), 0)[0] > 0
