@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -88,6 +89,7 @@ WINDOW_PERIOD = 6  # lcm(2, 3): the baselines' long/short pairs and Gyre's burst
 
 
 PLAN_MODE = "gyre_plan"  # Gyre at the planner's recommendation (--plan-flags), run beside the others
+_phi_shift = [0.0]  # --staleness D: every mode's φ + (D − 1), so all stay matched at E[d] = D
 PLAN_KEYS = {"mode": str, "phi": float, "mu": int, "rho-min": float, "tau": int, "tick-s": float}
 PLAN_SWITCHES = {"streaming", "no-streaming", "serial-join", "no-serial-join"}
 _plan_flags: list[str] = []
@@ -124,6 +126,7 @@ def run_args(name: str) -> list[str]:
         return list(_plan_flags)
     variant, _, k = name.partition("@")
     mode, phi, mu, streaming = MODES[variant]
+    phi += _phi_shift[0]
     args = ["--scheduler.mode", mode, "--scheduler.phi", str(phi), "--scheduler.mu", str(mu),
             "--scheduler.streaming" if streaming else "--scheduler.no-streaming"]
     return args + (["--scheduler.async-train-cells", k] if variant in SPLIT_MODES else [])
@@ -225,6 +228,7 @@ def sim_prediction(args: argparse.Namespace, names: list[str], train_s_per_step:
     for name in names:
         variant, _, k = name.partition("@")
         mode, phi, mu, streaming = MODES[variant]
+        phi += 0.0 if variant == PLAN_MODE else _phi_shift[0]
         plan = args.plan_fields if variant == PLAN_MODE else {}
         steps = []
         for seed in range(6):
@@ -275,6 +279,9 @@ def main() -> int:
     p.add_argument("--migration", default="off", choices=["off", "auto", "always"],
                    help="--proxy.migration: drained cells' calls move their KV (always/auto) or recompute (off)")
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--staleness", type=float, default=1.0,
+                   help="the matched E[d] of every mode: each mode's phi + (this - 1), mu unchanged (1.5: Gyre at "
+                        "phi 0.5, mu 3, the paper's E0; Colocate and Async at phi 1.5); --plan-flags sets its own")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--plan-flags", default="",
                    help="the --scheduler.* flags of a `python -m gyre.plan` recommendation (quoted): adds the mode "
@@ -282,6 +289,9 @@ def main() -> int:
                         "benchmark's own, so they override --tick-s / --tau / --rho-min for that mode only")
     args = p.parse_args()
     args.plan_fields = set_plan_flags(args.plan_flags) if args.plan_flags else {}
+    _phi_shift[0] = args.staleness - 1.0
+    if _phi_shift[0] < 0:
+        raise SystemExit(f"--staleness {args.staleness}: below 1 Gyre's phi would be negative (its E0 burst has mu 3)")
 
     from examples.longtail.task import make_tasks
 
@@ -295,6 +305,10 @@ def main() -> int:
     names = [PLAN_MODE] if args.plan_flags else []
     for mode in args.modes.split(","):
         names += [f"{mode}@{k}" for k in args.async_train_cells.split(",")] if mode in SPLIT_MODES else [mode]
+    period = math.lcm(WINDOW_PERIOD, *(MODES[n.partition("@")[0]][2] for n in names))
+    if (args.steps - 2) % period:
+        raise SystemExit(f"--steps {args.steps}: the timed window (steps 2..S-1) must hold whole bursts of every mode "
+                         f"run, a multiple of {period} steps (e.g. --steps {2 + period})")
     print(f"runs in {out}", flush=True)
 
     runs: dict[str, list[dict]] = {n: [] for n in names}
