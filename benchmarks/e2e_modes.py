@@ -212,7 +212,6 @@ def sim_prediction(args: argparse.Namespace, names: list[str], train_s_per_step:
     """The simulator's step time (steps 2..S−1, mean over 6 seeds) for the same configuration,
     in real seconds: durations scaled by time_scale, a step's training cost on one cell
     `train_s_per_step` (the runs' mean tokens per step × min_s_per_ktok), CPU-scale switches."""
-    import math
 
     import numpy as np
 

@@ -248,7 +248,7 @@ def test_a_call_in_flight_at_the_timeout_ends_with_its_execution_not_as_an_abort
     )
     access = GyreProxyAccess(proxy, handle.url)
     task = _task("linger", script, "x")
-    task = Task(task_id=task.task_id, instruction=task.instruction, harness=task.harness, evaluator=task.evaluator, timeout_s=3.0)
+    task = Task(task_id=task.task_id, instruction=task.instruction, harness=task.harness, evaluator=task.evaluator, timeout_s=5.0)
     runner = HarnessRunner(RunnerConfig(run_dir=str(tmp_path / "runs"), kill_grace_s=2.0), Evaluator(EvaluatorConfig()), access)
 
     async def main():
