@@ -676,13 +676,12 @@ class Proxy:
         forced_text, forced_ids = self._forced_prefix(req)
         if forced_ids:
             rendered.ids.extend(forced_ids)
-        n = len(rendered.ids)  # rendered.ids is an array('i') until here: a list, or TokenIds when long
-        if n > 1 << 16:  # packed and hashed here (a render thread), not on the event loop (issue 34)
-            rendered.ids = TokenIds.from_array(rendered.ids)
-            if req.messages is not None:
-                rendered.ctx_digest = ids_digest(rendered.ids.packed[: n - len(forced_ids) - rendered.gen_prefix_ids])
-        else:
-            rendered.ids = rendered.ids.tolist()
+        # Packed and hashed here (a render thread for a long prompt), never a list of Python ints:
+        # not built and freed per call (issue 34), and nothing the collector walks (issue 33).
+        n = len(rendered.ids)
+        rendered.ids = TokenIds.from_array(rendered.ids)
+        if req.messages is not None:
+            rendered.ctx_digest = ids_digest(rendered.ids.packed[: n - len(forced_ids) - rendered.gen_prefix_ids])
         if n == 0:
             raise ApiError(400, "invalid_request", "the prompt is empty", param="prompt")
         if n >= c.max_context_tokens:
