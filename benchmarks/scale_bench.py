@@ -18,6 +18,9 @@ growth exponent (least squares on log-log: cost ∝ size^b; b = 1 is linear, b =
                threads of the proxy process, per open execution over its idle baseline; TITO
                store bytes per recorded token; records lost (client 200s minus records in the
                store: must be 0).
+  * context    one execution whose prompt is ~1k, 8k, 32k, 64k tokens (`--context-tokens`: a
+               history of 300-word tool outputs, re-sent each call with its new turns), an instant
+               engine in another process: the proxy's CPU a call and the call's latency, p50/p99.
   * scheduler  the decision core (gyre.scheduler.ElasticScheduler) driven by the simulator
                (gyre.sim: the paper's 122B duration law, C_e = 144, B = 4 groups per cell) at
                K = 8 … 256 cells; only the core's own calls are timed: time per event, per
@@ -165,11 +168,11 @@ def start_engines(n_engines: int, n_procs: int, token_delay: float) -> tuple[lis
     return procs, [e for q in qs for e in q.get(timeout=180)]
 
 
-def _proxy_child(q, engines: int | list, token_delay: float, store_dir: str, gcs=None, gc_young: int | None = None) -> None:
+def _proxy_child(q, engines: int | list, token_delay: float, store_dir: str, gcs=None, overrides: dict | None = None) -> None:
     """engines: [(url, secret)] of engine endpoints (reached as a run does: HttpEngine over the
     websocket mux), or a count of DeterministicEngines run inside this process. gcs: a shared
     array [collections, pause s in all, longest pause s, full collections, longest full s] the
-    garbage collector's pauses add to."""
+    garbage collector's pauses add to. overrides: ProxyConfig fields other than their defaults."""
     if gcs is not None:
         t0 = [0.0]
 
@@ -191,7 +194,7 @@ def _proxy_child(q, engines: int | list, token_delay: float, store_dir: str, gcs
     from gyre.proxy import Proxy, ProxyConfig, StoreSink, serve_proxy
     from gyre.trajectory.store import TitoStore
 
-    config = ProxyConfig(admin_token=ADMIN) if gc_young is None else ProxyConfig(admin_token=ADMIN, gc_young_objects=gc_young)
+    config = ProxyConfig(admin_token=ADMIN, **(overrides or {}))
     proxy = Proxy(config, sink=StoreSink(TitoStore(store_dir)))
     if isinstance(engines, int):
         for i in range(engines):
@@ -204,10 +207,10 @@ def _proxy_child(q, engines: int | list, token_delay: float, store_dir: str, gcs
     h.thread.join()
 
 
-def start_proxy(engines: int | list, token_delay: float, store_dir: str, gcs=None, gc_young: int | None = None):
+def start_proxy(engines: int | list, token_delay: float, store_dir: str, gcs=None, overrides: dict | None = None):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_proxy_child, args=(q, engines, token_delay, store_dir, gcs, gc_young), daemon=True)
+    p = ctx.Process(target=_proxy_child, args=(q, engines, token_delay, store_dir, gcs, overrides), daemon=True)
     p.start()
     return p, f"http://127.0.0.1:{q.get(timeout=180)}"
 
@@ -355,7 +358,8 @@ def proxy_series(a) -> list[dict]:
             eprocs, endpoints = ([], engines) if a.in_process_engines else start_engines(engines, a.engine_procs, a.token_delay)
             try:
                 gcs = mp.get_context("spawn").Array("d", 5, lock=False)
-                p, url = start_proxy(endpoints, a.token_delay, store, gcs, a.proxy_gc_young)
+                young = {} if a.proxy_gc_young is None else {"gc_young_objects": a.proxy_gc_young}
+                p, url = start_proxy(endpoints, a.token_delay, store, gcs, young)
                 try:
                     res = asyncio.run(_proxy_load(url, p.pid, n, a, [q.pid for q in eprocs], gcs))
                 finally:
@@ -397,6 +401,70 @@ def proxy_series(a) -> list[dict]:
                    "records_lost": lost, "records_unexpected": extra, "errors": res["errors"]}
             print("proxy", row, flush=True)
             rows.append(row)
+    return rows
+
+
+# ---- context: one execution's prompt growing -----------------------------------------------------
+def _filler(j: int) -> dict:
+    """A past turn of a long agent context: a tool's output of 300 words."""
+    return {"role": "user", "content": f"output of step {j}: " + " ".join(f"w{(j * 131 + k * 7) % 997}" for k in range(300))}
+
+
+async def _prompt_tokens(session, url: str, key: str, messages: list) -> int:
+    body = {"model": "m", "max_tokens": 1, "tools": TOOLS, "messages": messages}
+    async with session.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+        data = await r.json()
+        assert r.status == 200, data
+        return data["usage"]["prompt_tokens"]
+
+
+async def _context_load(url: str, pid: int, target: int, a) -> dict:
+    """One harness whose history is ~`target` tokens, `--context-calls` calls one after another
+    (each re-sends the history plus its last turns, as a harness does)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        key = await _admin_key(session, url, f"ctx{target}")
+        head = [{"role": "system", "content": SYSTEM}]
+        one = await _prompt_tokens(session, url, key, head + [_filler(0)])
+        per = await _prompt_tokens(session, url, key, head + [_filler(0), _filler(1)]) - one  # tokens a filler turn
+        h = Harness(f"ctx{target}", key, a.max_tokens, random.Random(target))
+        h.messages[1:1] = [_filler(j) for j in range(max(0, round((target - one) / per)))]
+        keep = len(h.messages) + 4  # the history stays ~target: the latest two turns and answers ride on it
+        for _ in range(3):  # the history's turns into the encode cache, as after a harness's first calls
+            await h.call(session, url)
+        lat = []
+        cpu0 = _cpu_s(pid)
+        for _ in range(a.context_calls):
+            got = await h.call(session, url)
+            lat.append(got[0])
+            del h.messages[keep - 4 : -4]
+        cpu = _cpu_s(pid) - cpu0
+        tokens = await _prompt_tokens(session, url, key, h.messages)
+    return {"prompt_tokens": tokens, "calls": a.context_calls, "errors": h.errors,
+            "proxy_cpu_ms_per_call": round(cpu / a.context_calls * 1e3, 3),
+            "latency_ms_p50": round(_pct(lat, 50) * 1e3, 2), "latency_ms_p99": round(_pct(lat, 99) * 1e3, 2)}
+
+
+def context_series(a) -> list[dict]:
+    """The proxy's CPU a call and a call's latency (engine instant, in another process) as one
+    execution's prompt grows to `--context-tokens`: what a long agent context costs per call."""
+    rows = []
+    eprocs, endpoints = start_engines(1, 1, 0.0)
+    store = tempfile.mkdtemp(prefix="scale-context-")
+    p, url = start_proxy(endpoints, 0.0, store, overrides={"max_context_tokens": 2 * max(a.context_tokens) + 4096,
+                                                          "calls_per_second_per_key": 0})
+    try:
+        for target in a.context_tokens:
+            rows.append(asyncio.run(_context_load(url, p.pid, target, a)))
+            print("context", rows[-1], flush=True)
+    finally:
+        p.terminate()
+        p.join(10)
+        for q in eprocs:
+            q.terminate()
+            q.join(10)
+        shutil.rmtree(store, ignore_errors=True)
     return rows
 
 
@@ -698,7 +766,7 @@ def fit_slope(xs, ys) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short form: smaller sizes, shorter windows")
-    ap.add_argument("--only", nargs="+", choices=["proxy", "scheduler", "store", "trajectory", "soak"], help="run only these series")
+    ap.add_argument("--only", nargs="+", choices=["proxy", "context", "scheduler", "store", "trajectory", "soak"], help="run only these series")
     ap.add_argument("--open-executions", type=int, nargs="+", default=[64, 256, 1024, 4096])
     ap.add_argument("--engines", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--engine-procs", type=int, default=2, help="processes serving the proxy series' engine endpoints")
@@ -710,6 +778,9 @@ def main() -> None:
     ap.add_argument("--window-s", type=float, default=15.0)
     ap.add_argument("--proxy-gc-young", type=int, default=None,
                     help="the proxy's ProxyConfig.gc_young_objects (default: its default; 0: Python's own collector threshold)")
+    ap.add_argument("--context-tokens", type=int, nargs="+", default=[1000, 8000, 32000, 64000],
+                    help="context series: the prompt sizes (tokens) of one execution's calls")
+    ap.add_argument("--context-calls", type=int, default=200, help="context series: calls measured at each size")
     ap.add_argument("--cells", type=int, nargs="+", default=[8, 32, 128, 256])
     ap.add_argument("--sched-steps", type=int, default=6)
     ap.add_argument("--ranks", type=int, nargs="+", default=[64, 256])
@@ -724,7 +795,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale_bench.json"))
     if ap.parse_known_args()[0].quick:  # smaller defaults; sizes given on the command line still win
         ap.set_defaults(open_executions=[64, 256, 1024], engines=[8], window_s=6.0, think_s=4.0, cells=[8, 32, 128],
-                        sched_steps=4, ranks=[16, 64], store_steps=5, store_procs=2, trajectory_copies=[1, 10],
+                        sched_steps=4, ranks=[16, 64], store_steps=5, context_tokens=[1000, 8000, 32000], context_calls=100, store_procs=2, trajectory_copies=[1, 10],
                         trajectory_repeats=1, soak_calls=5_000,
                         out=str(ROOT / "benchmarks" / "results" / "scale_bench_quick.json"))
     a = ap.parse_args()
@@ -732,7 +803,7 @@ def main() -> None:
 
     config = vars(a) | {"out": os.path.relpath(a.out, ROOT)}  # no machine paths in the results
 
-    series = a.only or ["proxy", "scheduler", "store", "trajectory", "soak"]
+    series = a.only or ["proxy", "context", "scheduler", "store", "trajectory", "soak"]
     calib = [_calibrate_ns()]
     print(f"machine load check: {calib[0]:.0f} ns per empty loop iteration (idle core: ~15-30), "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
@@ -774,6 +845,13 @@ def summarize(res: dict, a) -> dict:
                                 "exp_fds": fit_exponent(ns, [r["fds_open"] - r["fds_base"] for r in rs])}
         f["proxy_records_lost"] = sum(r["records_lost"] for r in rows)
         f["proxy_errors"] = sum(r["errors"] for r in rows)
+    if res.get("context"):
+        rs = res["context"]
+        t = [r["prompt_tokens"] for r in rs]
+        f["context"] = {"prompt_tokens": t[-1], "cpu_ms_per_call": rs[-1]["proxy_cpu_ms_per_call"], "latency_ms_p50": rs[-1]["latency_ms_p50"],
+                        "cpu_ms_per_call_smallest": rs[0]["proxy_cpu_ms_per_call"],
+                        "exp_cpu_per_call": fit_exponent(t, [r["proxy_cpu_ms_per_call"] for r in rs]),
+                        "exp_latency": fit_exponent(t, [r["latency_ms_p50"] for r in rs]), "errors": sum(r["errors"] for r in rs)}
     if "scheduler" in res:
         rs = res["scheduler"]
         ks = [r["cells"] for r in rs]
