@@ -17,7 +17,9 @@ growth exponent (least squares on log-log: cost ∝ size^b; b = 1 is linear, b =
                (N / (think + token time)); RSS, descriptors and
                threads of the proxy process, per open execution over its idle baseline; TITO
                store bytes per recorded token; records lost (client 200s minus records in the
-               store: must be 0).
+               store: must be 0); the legs of the added latency (`legs_ms_p50_p99`: client → proxy,
+               inside the proxy less the tokens' time, proxy → client; the client's clock against
+               the proxy's records).
   * context    one execution whose prompt is ~1k, 8k, 32k, 64k tokens (`--context-tokens`: a
                history of 300-word tool outputs, re-sent each call with its new turns), an instant
                engine in another process: the proxy's CPU a call and the call's latency, p50/p99.
@@ -252,9 +254,11 @@ class Harness:
         self.messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{eid}: fix the failing test in src/"}]
         self.ok = self.errors = 0
 
-    async def call(self, session, url: str) -> tuple[float, int] | None:
+    async def call(self, session, url: str) -> tuple[float, int, int, float, float] | None:
+        """(latency s, tokens generated, the call's index in its execution (the proxy's call id),
+        wall clock at sending and at the answer read), or None on an error."""
         body = {"model": "m", "max_tokens": self.max_tokens, "tools": TOOLS, "messages": self.messages}
-        t0 = time.perf_counter()
+        index, w0, t0 = self.ok + self.errors, time.time(), time.perf_counter()
         async with session.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {self.key}"}) as r:
             data = await r.json()
             dt = time.perf_counter() - t0
@@ -267,21 +271,25 @@ class Harness:
         tool_id = (msg.get("tool_calls") or [{}])[0].get("id")
         result = f"output of step {self.ok}: " + "x" * self.rng.randrange(100, 400)
         self.messages.append({"role": "tool", "tool_call_id": tool_id, "content": result} if tool_id else {"role": "user", "content": result})
-        return dt, data["usage"]["completion_tokens"]
+        return dt, data["usage"]["completion_tokens"], index, w0, time.time()
 
 
 def _think(rng: random.Random, mean: float) -> float:
     return rng.lognormvariate(math.log(mean) - 0.5 * 0.8**2, 0.8)  # mean `mean`, σ 0.8 in log space
 
 
-def store_records(store_dir: str) -> tuple[dict, int, int]:
-    """{execution: records} in the store, its bytes, and the tokens those records hold (Σ in+out)."""
+def store_records(store_dir: str, times: dict | None = None) -> tuple[dict, int, int]:
+    """{execution: records} in the store, its bytes, and the tokens those records hold (Σ in+out).
+    `times`: filled with {(execution, call id): (start, end)}, the proxy's wall clock when the
+    call's body was read and when its output was complete."""
     from gyre.trajectory.store import load_execution
 
     counts, size, tokens = {}, 0, 0
     for p in Path(store_dir).glob("*.tito"):
         recs = load_execution(p)
         counts[p.stem] = len(recs)
+        if times is not None:
+            times.update(((r.execution_id, r.call_id), (r.start_time, r.end_time)) for r in recs)
         size += p.stat().st_size
         tokens += sum(len(r.input_ids) + len(r.output_ids) for r in recs)
     return counts, size, tokens
@@ -301,7 +309,7 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
         await asyncio.sleep(0.5)
         base = proc_stats(pid)
         sampler = Sampler(pid)  # started before the load: its start-up is not in the window
-        lat, added = [], []
+        lat, added, walls = [], [], []  # walls: (execution, tokens, call id, sent, answered) of each call timed
         stop, measuring = asyncio.Event(), [False]
         open_now = [0]
 
@@ -314,6 +322,7 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
                 if got is not None and counted:
                     lat.append(got[0])
                     added.append(got[0] - got[1] * a.token_delay)
+                    walls.append((h.eid, *got[1:]))
                 try:
                     await asyncio.wait_for(stop.wait(), _think(h.rng, a.think_s))
                 except asyncio.TimeoutError:
@@ -347,7 +356,23 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
         await asyncio.gather(*tasks)
     return {"base": base, "peak": {k: max(s[k] for s in samples) for k in base}, "end": peak, "lat": lat, "added": added,
             "cpu_s": cpu, "window_calls": calls, "client_cpu_s": client_cpu, "engine_cpu_s": engine_cpu, "proxy_children_cpu_s": kids_cpu, "run_wait_s": run_wait, "gc": gc_win, "health": health, "open": open_now[0],
-            "ok": {h.eid: h.ok for h in harnesses} | {"warm": warm.ok}, "errors": sum(h.errors for h in harnesses)}
+            "ok": {h.eid: h.ok for h in harnesses} | {"warm": warm.ok}, "errors": sum(h.errors for h in harnesses), "walls": walls}
+
+
+def _legs(walls: list, times: dict, token_delay: float) -> dict:
+    """Where the added latency of the timed calls went, p50 and p99 of each leg (ms), from the
+    client's wall clock and the proxy's record of each call (one machine, one clock):
+    to_proxy (the client's encode and send, the proxy's read and parse), in_proxy (body read to
+    output complete, less the tokens' time: render, route, the engine link and its lateness),
+    to_client (the answer's encode and write, the client's read and decode)."""
+    legs: dict = {"to_proxy": [], "in_proxy": [], "to_client": []}
+    for eid, tokens, call_id, sent, answered in walls:
+        t = times.get((eid, call_id))
+        if t is not None:
+            legs["to_proxy"].append(t[0] - sent)
+            legs["in_proxy"].append(t[1] - t[0] - tokens * token_delay)
+            legs["to_client"].append(answered - t[1])
+    return {k: [round(_pct(v, 50) * 1e3, 2), round(_pct(v, 99) * 1e3, 2)] if v else None for k, v in legs.items()} | {"calls": len(legs["in_proxy"])}
 
 
 def proxy_series(a) -> list[dict]:
@@ -369,8 +394,10 @@ def proxy_series(a) -> list[dict]:
                 for q in eprocs:
                     q.terminate()
                     q.join(10)
-            counts, size, tokens = store_records(store)
+            times: dict = {}
+            counts, size, tokens = store_records(store, times)
             shutil.rmtree(store, ignore_errors=True)
+            legs = _legs(res["walls"], times, a.token_delay)
             lost = sum(max(0, ok - counts.get(eid, 0)) for eid, ok in res["ok"].items())
             extra = sum(max(0, counts.get(eid, 0) - ok) for eid, ok in res["ok"].items())
             b, e = res["base"], res["end"]
@@ -398,7 +425,8 @@ def proxy_series(a) -> list[dict]:
                    "fds_per_open_execution": round((e["fds"] - b["fds"]) / n, 3),
                    "threads_base": b["threads"], "threads_peak": res["peak"]["threads"],
                    "tito_bytes_per_token": round(size / max(tokens, 1), 3), "records": sum(counts.values()),
-                   "records_lost": lost, "records_unexpected": extra, "errors": res["errors"]}
+                   "records_lost": lost, "records_unexpected": extra, "errors": res["errors"],
+                   "legs_ms_p50_p99": legs}
             print("proxy", row, flush=True)
             rows.append(row)
     return rows
