@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import gc
 import json
 import math
@@ -127,17 +128,23 @@ class Sampler:
         self._proc.start()
         child.close()
 
+        self.samples: list[dict] = []
+
+    def drain(self) -> None:
+        """Take the samples sent so far (the pipe's buffer never fills: a sample is ~70 bytes)."""
+        while self._conn.poll():
+            self.samples.append(self._conn.recv())
+
     def stop(self) -> list[dict]:
-        """Stop sampling; every sample taken."""
+        """Stop sampling (blocks up to a period: call it off the event loop); every sample taken."""
         self._stop.set()
-        out = []
         try:
             while True:
-                out.append(self._conn.recv())
+                self.samples.append(self._conn.recv())
         except EOFError:
             pass
         self._proc.join(10)
-        return out
+        return self.samples
 
 
 def _engines_child(q, first: int, count: int, token_delay: float) -> None:
@@ -254,14 +261,14 @@ class Harness:
         self.messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{eid}: fix the failing test in src/"}]
         self.ok = self.errors = 0
 
-    async def call(self, session, url: str) -> tuple[float, int, int, float, float] | None:
-        """(latency s, tokens generated, the call's index in its execution (the proxy's call id),
-        wall clock at sending and at the answer read), or None on an error."""
+    async def call(self, session, url: str) -> tuple[float, int, float, float] | None:
+        """(latency s, tokens generated, wall clock when sending and when the answer was read),
+        or None on an error."""
         body = {"model": "m", "max_tokens": self.max_tokens, "tools": TOOLS, "messages": self.messages}
-        index, w0, t0 = self.ok + self.errors, time.time(), time.perf_counter()
+        w0, t0 = time.time(), time.perf_counter()
         async with session.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {self.key}"}) as r:
             data = await r.json()
-            dt = time.perf_counter() - t0
+            dt, w1 = time.perf_counter() - t0, time.time()
             if r.status != 200:
                 self.errors += 1
                 return None
@@ -271,7 +278,7 @@ class Harness:
         tool_id = (msg.get("tool_calls") or [{}])[0].get("id")
         result = f"output of step {self.ok}: " + "x" * self.rng.randrange(100, 400)
         self.messages.append({"role": "tool", "tool_call_id": tool_id, "content": result} if tool_id else {"role": "user", "content": result})
-        return dt, data["usage"]["completion_tokens"], index, w0, time.time()
+        return dt, data["usage"]["completion_tokens"], w0, w1
 
 
 def _think(rng: random.Random, mean: float) -> float:
@@ -280,8 +287,8 @@ def _think(rng: random.Random, mean: float) -> float:
 
 def store_records(store_dir: str, times: dict | None = None) -> tuple[dict, int, int]:
     """{execution: records} in the store, its bytes, and the tokens those records hold (Σ in+out).
-    `times`: filled with {(execution, call id): (start, end)}, the proxy's wall clock when the
-    call's body was read and when its output was complete."""
+    `times`: filled with {execution: [(start, end), ...]}, the proxy's wall clock when each call's
+    body was read and when its output was complete, in call order."""
     from gyre.trajectory.store import load_execution
 
     counts, size, tokens = {}, 0, 0
@@ -289,7 +296,7 @@ def store_records(store_dir: str, times: dict | None = None) -> tuple[dict, int,
         recs = load_execution(p)
         counts[p.stem] = len(recs)
         if times is not None:
-            times.update(((r.execution_id, r.call_id), (r.start_time, r.end_time)) for r in recs)
+            times[p.stem] = sorted((r.start_time, r.end_time) for r in recs)
         size += p.stat().st_size
         tokens += sum(len(r.input_ids) + len(r.output_ids) for r in recs)
     return counts, size, tokens
@@ -343,8 +350,9 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
             async with session.get(url + "/health") as r:
                 await r.read()
             health.append(time.perf_counter() - h0)
+            sampler.drain()
         cpu, calls = _cpu_s(pid) - cpu0, sum(h.ok for h in harnesses) - calls0
-        samples = sampler.stop() or [proc_stats(pid)]
+        samples = await asyncio.to_thread(sampler.stop) or [proc_stats(pid)]
         client_cpu = time.process_time() - ccpu0
         engine_cpu = sum(_cpu_s(e) for e in engine_pids) - ecpu0
         kids_cpu = sum(_cpu_s(k) for k in kids) - kcpu0
@@ -364,15 +372,23 @@ def _legs(walls: list, times: dict, token_delay: float) -> dict:
     client's wall clock and the proxy's record of each call (one machine, one clock):
     to_proxy (the client's encode and send, the proxy's read and parse), in_proxy (body read to
     output complete, less the tokens' time: render, route, the engine link and its lateness),
-    to_client (the answer's encode and write, the client's read and decode)."""
+    to_client (the answer's encode and write, the client's read and decode).
+    A call is matched to the record its interval holds (an execution's calls run one at a time;
+    a refused call leaves no record); `unmatched` counts calls with none."""
     legs: dict = {"to_proxy": [], "in_proxy": [], "to_client": []}
-    for eid, tokens, call_id, sent, answered in walls:
-        t = times.get((eid, call_id))
-        if t is not None:
-            legs["to_proxy"].append(t[0] - sent)
-            legs["in_proxy"].append(t[1] - t[0] - tokens * token_delay)
-            legs["to_client"].append(answered - t[1])
-    return {k: [round(_pct(v, 50) * 1e3, 2), round(_pct(v, 99) * 1e3, 2)] if v else None for k, v in legs.items()} | {"calls": len(legs["in_proxy"])}
+    unmatched = 0
+    for eid, tokens, sent, answered in walls:
+        recs = times.get(eid, [])
+        k = bisect.bisect_left(recs, (sent,))
+        if k == len(recs) or recs[k][1] > answered:
+            unmatched += 1
+            continue
+        start, end = recs[k]
+        legs["to_proxy"].append(start - sent)
+        legs["in_proxy"].append(end - start - tokens * token_delay)
+        legs["to_client"].append(answered - end)
+    out = {k: [round(_pct(v, 50) * 1e3, 2), round(_pct(v, 99) * 1e3, 2)] if v else None for k, v in legs.items()}
+    return out | {"calls": len(legs["in_proxy"]), "unmatched": unmatched}
 
 
 def proxy_series(a) -> list[dict]:
@@ -465,8 +481,9 @@ async def _context_load(url: str, pid: int, target: int, a) -> dict:
         cpu0 = _cpu_s(pid)
         for _ in range(a.context_calls):
             got = await h.call(session, url)
-            lat.append(got[0])
-            del h.messages[keep - 4 : -4]
+            if got is not None:
+                lat.append(got[0])
+                del h.messages[keep - 4 : -4]
         cpu = _cpu_s(pid) - cpu0
         tokens = await _prompt_tokens(session, url, key, h.messages)
     return {"prompt_tokens": tokens, "calls": a.context_calls, "errors": h.errors,

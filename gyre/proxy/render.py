@@ -181,7 +181,7 @@ class Rendered:
     stripped: int = 0  # stored turns rendered without their reasoning (past_reasoning="strip")
     gen_prefix: str = ""  # template text after the generation prompt (e.g. an empty think block): input
     gen_prefix_ids: int = 0  # its ids: the last ones of `ids` (the stored turn's start, gyre.proxy.core)
-    ctx_digest: bytes | None = None  # ids_digest of the stored turn's context, computed on the render thread for long prompts
+    ctx_digest: bytes | None = None  # ids_digest of the stored turn's context, computed where the ids are packed (a render thread for long prompts)
     prefill_ids: int = 0  # of gen_prefix_ids: the client's prefill (the last ones), see `ChatRenderer.render`
 
 
@@ -432,8 +432,8 @@ class ChatRenderer:
         it is tokenized (the slow part). `prefill`: the start of the answer, given by the client
         (Anthropic's trailing assistant message): appended after the generation prompt as input,
         and part of the turn the model continues (`Rendered.gen_prefix`, `prefill_ids`).
-        `packed`: `Rendered.ids` as an `array('i')` (the proxy makes its `TokenIds` from it, for
-        long prompts without ever holding them as a list of Python ints first); else a list."""
+        `packed`: `Rendered.ids` as an `array('i')` (the proxy makes its `TokenIds` from it,
+        without ever holding the prompt as a list of Python ints); else a list."""
         no_tolerate: set[int] = set()
         tools = self.escape_obj(tools) if tools else tools
         while True:
