@@ -391,8 +391,28 @@ def _legs(walls: list, times: dict, token_delay: float) -> dict:
     return out | {"calls": len(legs["in_proxy"]), "unmatched": unmatched}
 
 
+def pin(pid: int, cpus: set[int] | None) -> None:
+    """Every thread of process `pid` (and the threads it starts later) onto `cpus` (Linux)."""
+    if cpus:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def _cpus(text: str | None) -> set[int] | None:
+    """"0-3,8" -> {0, 1, 2, 3, 8}."""
+    if not text:
+        return None
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def proxy_series(a) -> list[dict]:
-    rows = []
+    rows, cpus_before = [], os.sched_getaffinity(0)
+    if a.load_cpus:  # this process (the harnesses) and, inheriting it, the engine processes
+        pin(os.getpid(), _cpus(a.load_cpus))
     for engines in a.engines:
         for n in a.open_executions:
             store = tempfile.mkdtemp(prefix="scale-proxy-")
@@ -401,6 +421,7 @@ def proxy_series(a) -> list[dict]:
                 gcs = mp.get_context("spawn").Array("d", 5, lock=False)
                 young = {} if a.proxy_gc_young is None else {"gc_young_objects": a.proxy_gc_young}
                 p, url = start_proxy(endpoints, a.token_delay, store, gcs, young)
+                pin(p.pid, _cpus(a.proxy_cpus))
                 try:
                     res = asyncio.run(_proxy_load(url, p.pid, n, a, [q.pid for q in eprocs], gcs))
                 finally:
@@ -445,6 +466,7 @@ def proxy_series(a) -> list[dict]:
                    "legs_ms_p50_p99": legs}
             print("proxy", row, flush=True)
             rows.append(row)
+    pin(os.getpid(), cpus_before if a.load_cpus else None)  # the later series as they were
     return rows
 
 
@@ -821,6 +843,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--think-s", type=float, default=10.0, help="mean think (tool) time between an execution's calls")
     ap.add_argument("--window-s", type=float, default=15.0)
+    ap.add_argument("--proxy-cpus", help="proxy series: the CPUs the proxy process runs on, e.g. 0 or 0-1 (default: any); "
+                    "with --load-cpus, the proxy's latency without the load generator and engines on its cores")
+    ap.add_argument("--load-cpus", help="proxy series: the CPUs of the load generator (this process) and the engine processes, e.g. 1-7")
     ap.add_argument("--proxy-gc-young", type=int, default=None,
                     help="the proxy's ProxyConfig.gc_young_objects (default: its default; 0: Python's own collector threshold)")
     ap.add_argument("--context-tokens", type=int, nargs="+", default=[1000, 8000, 32000, 64000],
