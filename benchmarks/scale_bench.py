@@ -1,6 +1,6 @@
 """Cost as the work grows (issue 33): every series side by side in one run, each with a fitted
 growth exponent (least squares on log-log: cost ∝ size^b; b = 1 is linear, b = 0 flat).
-(Over 600 lines: the five series live side by side because the issue asks for them in one run.)
+(Over 600 lines: the six series live side by side because the issue asks for them in one run.)
 
   * proxy      proxy + router + TITO store (a spawned process) routing to 8 and 64 engine
                endpoints, deterministic engines at `--token-delay` s/token served by
