@@ -127,7 +127,6 @@ class Sampler:
         self._proc = ctx.Process(target=_sampler_child, args=(pid, period, child, self._stop), daemon=True)
         self._proc.start()
         child.close()
-
         self.samples: list[dict] = []
 
     def drain(self) -> None:
@@ -316,7 +315,7 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
         await asyncio.sleep(0.5)
         base = proc_stats(pid)
         sampler = Sampler(pid)  # started before the load: its start-up is not in the window
-        lat, added, walls = [], [], []  # walls: (execution, tokens, call id, sent, answered) of each call timed
+        lat, added, walls = [], [], []  # walls: (execution, tokens, sent, answered) of each call timed
         stop, measuring = asyncio.Event(), [False]
         open_now = [0]
 
@@ -411,6 +410,7 @@ def _cpus(text: str | None) -> set[int] | None:
 
 def proxy_series(a) -> list[dict]:
     rows, cpus_before = [], os.sched_getaffinity(0)
+    young = {} if a.proxy_gc_young is None else {"gc_young_objects": a.proxy_gc_young}
     if a.load_cpus:  # this process (the harnesses) and, inheriting it, the engine processes
         pin(os.getpid(), _cpus(a.load_cpus))
     for engines in a.engines:
@@ -419,7 +419,6 @@ def proxy_series(a) -> list[dict]:
             eprocs, endpoints = ([], engines) if a.in_process_engines else start_engines(engines, a.engine_procs, a.token_delay)
             try:
                 gcs = mp.get_context("spawn").Array("d", 5, lock=False)
-                young = {} if a.proxy_gc_young is None else {"gc_young_objects": a.proxy_gc_young}
                 p, url = start_proxy(endpoints, a.token_delay, store, gcs, young)
                 pin(p.pid, _cpus(a.proxy_cpus))
                 try:
