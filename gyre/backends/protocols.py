@@ -66,6 +66,10 @@ class SamplingParams:
     # Also report the k most likely tokens at each position (`TokenEvent.top`), from the same
     # distribution as `TokenEvent.logprob`. 0: not computed (no cost).
     top_logprobs: int = 0
+    # Transport, not sampling: an engine's server may hold this request's tokens after the first
+    # up to this long and send them together (the proxy asks when it needs them only at the end:
+    # a call that neither streams nor has stop strings). Engines ignore it; 0 sends each at once.
+    hold_s: float = 0.0
 
 
 class TokenIds(Sequence):

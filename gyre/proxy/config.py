@@ -216,4 +216,11 @@ class ProxyConfig:
     another engine from the tokens it has, as after a drain, and the silent engine gets no new
     calls until it answers a health check; 0 waits forever. Longer than the slowest honest first
     token (a long prompt's prefill on a busy engine, a weight load)."""
+    engine_hold_s: float = 1.0
+    """A call that neither streams nor has stop strings needs its text only at the end, so the
+    engine's server may hold its tokens after the first (which comes at once: time to first token
+    stays exact) up to this long and send them together, over the websocket transport: two
+    frames for a short answer instead of one per token, and for the proxy one wake-up instead of
+    two per token (benchmarks/scale_bench.py). A drain loses nothing (the engine's abort returns
+    every token). At most a quarter of engine_progress_timeout_s. 0 = each token at once."""
     roles: RoleRulesConfig = field(default_factory=RoleRulesConfig)

@@ -437,6 +437,8 @@ class Proxy:
                                        progress_timeout_s=c.engine_progress_timeout_s,
                                        migration=MigrationPolicy(mode=c.migration, bandwidth_Bps=c.migration_bandwidth_gbps * 1e9,
                                                                  prefill_tok_s=c.migration_prefill_tok_s))
+        # Well inside the progress limit, which a held engine must not look like it broke.
+        self.hold_s = min(c.engine_hold_s, c.engine_progress_timeout_s / 4) if c.engine_progress_timeout_s > 0 else c.engine_hold_s
         self.sink = sink if sink is not None else MemorySink()
         self.keys = KeyRegistry()
         self.classifier = RoleClassifier(c.roles)
@@ -698,6 +700,7 @@ class Proxy:
             seed=req.seed,
             min_tokens=min(req.min_tokens, max_tokens),
             top_logprobs=req.top_logprobs,
+            hold_s=0.0 if req.stream or any(req.stop) else self.hold_s,  # text token by token: `Call.events`
         )
         return rendered, sampling, forced_text, forced_ids
 

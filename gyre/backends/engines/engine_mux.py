@@ -54,8 +54,9 @@ def sampling_to_json(sp: SamplingParams) -> dict:
     """`dataclasses.asdict` without its deep-copy machinery (hot path: once per call). Fields
     added later are left out at their default, so an older engine server still accepts it."""
     d = {name: getattr(sp, name) for name in _SAMPLING_FIELDS}
-    if not d["top_logprobs"]:
-        del d["top_logprobs"]
+    for name in ("top_logprobs", "hold_s"):
+        if not d[name]:
+            del d[name]
     return d
 
 
@@ -128,16 +129,38 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
             box = [ids] if len(ids) > PART_IDS else None  # a long prompt is freed off the loop when done
             stream = engine.generate(rid, ids, sp)
             del ids
+            held: list[str] = []  # tokens kept back (`SamplingParams.hold_s`), sent by `release`
+            timer: asyncio.TimerHandle | None = None
+
+            def release() -> None:
+                nonlocal timer
+                if timer is not None:
+                    timer.cancel()
+                    timer = None
+                if held:
+                    push("".join(held))
+                    held.clear()
+
             try:
+                first = True
                 async for ev in stream:
-                    push(f"t {rid} {event_text(ev)}\n")
+                    held.append(f"t {rid} {event_text(ev)}\n")
+                    if first or sp.hold_s <= 0 or ev.finish_reason:  # the first at once: TTFT stays exact
+                        release()
+                    elif timer is None:
+                        timer = asyncio.get_running_loop().call_later(sp.hold_s, release)
+                    first = False
+                release()
                 push(f"e {rid}\n")
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 logger.warning("engine %s: generate %s failed: %r", engine.name, rid, e)
+                release()
                 push(f"x {rid} {type(e).__name__}: {e}".replace("\n", " ") + "\n")
             finally:
+                if timer is not None:
+                    timer.cancel()
                 tasks.pop(rid, None)
                 await stream.aclose()
                 if box:
