@@ -152,6 +152,8 @@ def _engines_child(q, first: int, count: int, token_delay: float) -> None:
     from gyre.backends.engines.det_engine import DeterministicEngine
     from gyre.backends.engines.engine_http import serve_engine_async
 
+    _quiet_collector()  # stand-ins for GPU engines: their pauses are not the proxy's latency
+
     async def main() -> None:
         hs = [await serve_engine_async(DeterministicEngine(f"e{i}", token_delay=token_delay, salt=i))
               for i in range(first, first + count)]
@@ -159,6 +161,26 @@ def _engines_child(q, first: int, count: int, token_delay: float) -> None:
         await asyncio.Event().wait()
 
     asyncio.run(main())
+
+
+def _quiet_collector() -> None:
+    """No garbage-collector pauses in this process from here on (everything alive frozen, the
+    collector off): for the load generator and the engine stand-ins, whose own pauses (30-60 ms
+    full collections over 4,096 harnesses' histories) landed in the added latency as if the
+    proxy's. Their reference cycles are few and the runs short; the proxy keeps its collector."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+
+
+async def _loop_lag(lags: list[float], period: float = 0.001) -> None:
+    """How late this loop wakes a `period` s sleep, appended to `lags` until cancelled: what the
+    load generator itself adds to each call it times."""
+    clock = time.perf_counter
+    while True:
+        t = clock()
+        await asyncio.sleep(period)
+        lags.append(clock() - t - period)
 
 
 def start_engines(n_engines: int, n_procs: int, token_delay: float) -> tuple[list, list[tuple[str, str]]]:
@@ -311,7 +333,7 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
         for _ in range(5):  # first-call costs (render pool, caches) before the baseline
             await warm.call(session, url)
         harnesses = [Harness(f"x{i}", await _admin_key(session, url, f"x{i}"), a.max_tokens, random.Random(i)) for i in range(n)]
-        gc.collect()
+        _quiet_collector()  # until the series ends (`proxy_series`)
         await asyncio.sleep(0.5)
         base = proc_stats(pid)
         sampler = Sampler(pid)  # started before the load: its start-up is not in the window
@@ -342,7 +364,8 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
         kids = _children(pid)  # the proxy's body-parse workers (large bodies only)
         ecpu0, kcpu0, wait0 = sum(_cpu_s(e) for e in engine_pids), sum(_cpu_s(k) for k in kids), _run_wait_s(pid)
         cpu0, t0, calls0, ccpu0 = _cpu_s(pid), time.monotonic(), sum(h.ok for h in harnesses), time.process_time()
-        health = []
+        health, lags = [], []
+        lag_task = asyncio.ensure_future(_loop_lag(lags))
         while time.monotonic() - t0 < a.window_s:
             await asyncio.sleep(0.5)
             h0 = time.perf_counter()
@@ -351,6 +374,7 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
             health.append(time.perf_counter() - h0)
             sampler.drain()
         cpu, calls = _cpu_s(pid) - cpu0, sum(h.ok for h in harnesses) - calls0
+        lag_task.cancel()
         samples = await asyncio.to_thread(sampler.stop) or [proc_stats(pid)]
         client_cpu = time.process_time() - ccpu0
         engine_cpu = sum(_cpu_s(e) for e in engine_pids) - ecpu0
@@ -362,7 +386,7 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
         stop.set()
         await asyncio.gather(*tasks)
     return {"base": base, "peak": {k: max(s[k] for s in samples) for k in base}, "end": peak, "lat": lat, "added": added,
-            "cpu_s": cpu, "window_calls": calls, "client_cpu_s": client_cpu, "engine_cpu_s": engine_cpu, "proxy_children_cpu_s": kids_cpu, "run_wait_s": run_wait, "gc": gc_win, "health": health, "open": open_now[0],
+            "cpu_s": cpu, "window_calls": calls, "client_cpu_s": client_cpu, "engine_cpu_s": engine_cpu, "proxy_children_cpu_s": kids_cpu, "run_wait_s": run_wait, "gc": gc_win, "health": health, "lags": lags, "open": open_now[0],
             "ok": {h.eid: h.ok for h in harnesses} | {"warm": warm.ok}, "errors": sum(h.errors for h in harnesses), "walls": walls}
 
 
@@ -410,7 +434,7 @@ def _cpus(text: str | None) -> set[int] | None:
 
 def proxy_series(a) -> list[dict]:
     rows, cpus_before = [], os.sched_getaffinity(0)
-    young = {} if a.proxy_gc_young is None else {"gc_young_objects": a.proxy_gc_young}
+    overrides = {k: v for k, v in (("gc_young_objects", a.proxy_gc_young), ("engine_hold_s", a.proxy_hold_s)) if v is not None}
     if a.load_cpus:  # this process (the harnesses) and, inheriting it, the engine processes
         pin(os.getpid(), _cpus(a.load_cpus))
     for engines in a.engines:
@@ -419,11 +443,13 @@ def proxy_series(a) -> list[dict]:
             eprocs, endpoints = ([], engines) if a.in_process_engines else start_engines(engines, a.engine_procs, a.token_delay)
             try:
                 gcs = mp.get_context("spawn").Array("d", 5, lock=False)
-                p, url = start_proxy(endpoints, a.token_delay, store, gcs, young)
+                p, url = start_proxy(endpoints, a.token_delay, store, gcs, overrides)
                 pin(p.pid, _cpus(a.proxy_cpus))
                 try:
                     res = asyncio.run(_proxy_load(url, p.pid, n, a, [q.pid for q in eprocs], gcs))
                 finally:
+                    gc.unfreeze()  # the collector back on (`_quiet_collector`): the harnesses are gone
+                    gc.enable()
                     p.terminate()
                     p.join(10)
             finally:
@@ -448,6 +474,7 @@ def proxy_series(a) -> list[dict]:
                    "proxy_cpu_fraction": round(res["cpu_s"] / a.window_s, 2),
                    "proxy_run_wait_fraction": round(res["run_wait_s"] / a.window_s, 2),  # runnable, no core free
                    "client_cpu_fraction": round(res["client_cpu_s"] / a.window_s, 2),
+                   "client_loop_lag_ms_p50_p99": [round(_pct(res["lags"], q) * 1e3, 2) for q in (50, 99)],
                    "proxy_children_cpu_ms_per_call": round(res["proxy_children_cpu_s"] / max(res["window_calls"], 1) * 1e3, 3),
                    "proxy_gc_collections": int(res["gc"][0]), "proxy_gc_ms_per_call": round(res["gc"][1] / max(res["window_calls"], 1) * 1e3, 3),
                    "proxy_gc_pause_ms_max": round(res["gc"][2] * 1e3, 1), "proxy_gc_full_collections": int(res["gc"][3]),
@@ -847,6 +874,8 @@ def main() -> None:
     ap.add_argument("--load-cpus", help="proxy series: the CPUs of the load generator (this process) and the engine processes, e.g. 1-7")
     ap.add_argument("--proxy-gc-young", type=int, default=None,
                     help="the proxy's ProxyConfig.gc_young_objects (default: its default; 0: Python's own collector threshold)")
+    ap.add_argument("--proxy-hold-s", type=float, default=None,
+                    help="the proxy's ProxyConfig.engine_hold_s (default: its default; 0: engines send each token at once)")
     ap.add_argument("--context-tokens", type=int, nargs="+", default=[1000, 8000, 32000, 64000],
                     help="context series: the prompt sizes (tokens) of one execution's calls")
     ap.add_argument("--context-calls", type=int, default=200, help="context series: calls measured at each size")
