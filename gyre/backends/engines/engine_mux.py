@@ -3,7 +3,9 @@
 An HTTP request per model call costs a request/response cycle on both sides; the proxy makes
 thousands of calls per second to a few engines, so `HttpEngine` (transport="ws", the default)
 keeps one websocket per engine and event loop instead. Tokens produced back to back are
-coalesced into one frame.
+coalesced into one frame. A request whose `sampling.hold_s` is > 0 (the proxy's
+`engine_hold_s`, for calls that need their text only at the end) has its tokens after the first
+held up to that long and sent together: a frame per hold_s, not per token, on both loops.
 
 Client -> server, one frame each:
     generate: a binary frame, `{"op": "generate", "rid", "sampling"}` as JSON, a newline, then
