@@ -396,7 +396,9 @@ class Call:
             # stays input there).
             n_ctx = len(self.rendered.ids) - len(self.forced_ids) - self.rendered.gen_prefix_ids
             ids = self.rendered.ids
-            st.turns.add(fp, StoredTurn(self.call_id, n_ctx, self.rendered.ctx_digest or ids_digest(ids[:n_ctx]), ids[n_ctx:] + out_ids,
+            turn_ids = array("i", ids[n_ctx:])
+            turn_ids.extend(out_ids)
+            st.turns.add(fp, StoredTurn(self.call_id, n_ctx, self.rendered.ctx_digest or ids_digest(ids[:n_ctx]), turn_ids,
                                         self.content, calls))
         try:
             p.sink.on_record(self.record)

@@ -112,13 +112,16 @@ class StoredTurn:
     """An assistant turn the proxy produced: its exact sampled ids and the raw payload it returned.
 
     The context is kept as length + digest, not as ids: a long execution re-sends ~1M-token
-    prompts hundreds of times, and only outputs need to be held.
+    prompts hundreds of times, and only outputs need to be held. They are held packed (`array`
+    of C ints, 4 bytes an id): as a list, each id was its own int object, ~36 bytes, and every
+    turn of every open execution is kept; a list was also one more object for the garbage
+    collector to walk per call (issue 33).
     """
 
     call_id: int
     input_len: int
     input_digest: bytes
-    output_ids: list[int]
+    output_ids: array
     content: str = ""
     tool_calls: list[dict] = field(default_factory=list)
 
@@ -126,7 +129,7 @@ class StoredTurn:
     def of(cls, call_id: int, input_ids: list[int], output_ids: list[int], content: str = "", tool_calls: list[dict] | None = None,
            digest: bytes | None = None) -> "StoredTurn":
         """`digest`: ids_digest(input_ids), when already computed (off the event loop, `Proxy._build`)."""
-        return cls(call_id, len(input_ids), digest or ids_digest(input_ids), list(output_ids), content, list(tool_calls or []))
+        return cls(call_id, len(input_ids), digest or ids_digest(input_ids), array("i", output_ids), content, list(tool_calls or []))
 
 
 class TurnStore(dict):

@@ -114,4 +114,29 @@ def test_duplicate_turn_text_prefers_exact_context():
     store = {turn_fingerprint("same", []): [b]}
     out = r.render(msgs + [{"role": "assistant", "content": "same"}], None, store)
     s, e = out.spliced_spans[0]
-    assert out.ids[s:e] == b.output_ids and out.ids[e] == tok.convert_tokens_to_ids("<|im_end|>")
+    assert list(out.ids[s:e]) == list(b.output_ids) and out.ids[e] == tok.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_a_stored_turn_holds_its_ids_packed():
+    """Every turn of every open execution is kept: its output ids cost 4 bytes each, not an int
+    object (~28 bytes) plus a list slot (8). The ids are made inside the measurement, as the
+    engine's stream makes them, and only the turn is left holding them."""
+    import tracemalloc
+
+    import numpy as np
+
+    n = 50_000
+    rng = np.random.default_rng(0)
+    rng.integers(300, 150_000, 8)  # numpy's lazy imports, before the measurement
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        sampled = rng.integers(300, 150_000, n).tolist()  # fresh ints, as parsed
+        expect = sampled[::997]
+        turn = StoredTurn.of(0, [1, 2, 3], sampled)
+        del sampled
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held <= 4 * n + 4096, f"{held / n:.1f} bytes an id"
+    assert list(turn.output_ids[::997]) == expect and len(turn.output_ids) == n

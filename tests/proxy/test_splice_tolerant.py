@@ -118,7 +118,7 @@ def test_tolerant_never_guesses_between_samples_with_the_same_tool_calls():
     dropped = [{"role": "assistant", "content": "", "tool_calls": calls}, {"role": "tool", "content": "ok"}]
     out = r.render(msgs + dropped, None, store)
     assert out.spliced_calls == [0] and out.tolerated == 1 and out.unmatched == 0
-    assert out.ids[: len(p0) + len(a.output_ids)] == p0 + a.output_ids
+    assert list(out.ids[: len(p0) + len(a.output_ids)]) == list(p0) + list(a.output_ids)
     other = [{"role": "user", "content": "elsewhere"}] + dropped  # context of neither
     out = r.render([SYSTEM] + other, None, store)
     assert out.spliced == 0 and out.unmatched_kinds == ["text_dropped"]
