@@ -67,8 +67,9 @@ class SamplingParams:
     # distribution as `TokenEvent.logprob`. 0: not computed (no cost).
     top_logprobs: int = 0
     # Transport, not sampling: an engine's server may hold this request's tokens after the first
-    # up to this long and send them together (the proxy asks when it needs them only at the end:
-    # a call that neither streams nor has stop strings). Engines ignore it; 0 sends each at once.
+    # up to this long and send them together (the proxy's `engine_hold_s` for a call that needs
+    # its text only at the end, `stream_interval_s` for one that streams or has stop strings).
+    # Engines ignore it; 0 sends each at once.
     hold_s: float = 0.0
 
 
@@ -155,6 +156,11 @@ class TokenEvent:
     # (token_id, logprob), most likely first, from the distribution `logprob` is taken from
     # (so the sampled token appears with `logprob` when it is among them). None otherwise.
     top: list[tuple[int, float]] | None = None
+    # Transport, not sampling: more of this stream's tokens came in the same delivery (one
+    # websocket frame of a held stream, `SamplingParams.hold_s`) and follow at once. A consumer
+    # may wait for the last of them before acting on the text (`Call.events` makes one chunk of
+    # them). Never part of equality.
+    more: bool = field(default=False, compare=False, repr=False)
 
 
 @dataclass

@@ -223,4 +223,13 @@ class ProxyConfig:
     frames for a short answer instead of one per token, and for the proxy one wake-up instead of
     two per token (benchmarks/scale_bench.py). A drain loses nothing (the engine's abort returns
     every token). At most a quarter of engine_progress_timeout_s. 0 = each token at once."""
+    stream_interval_s: float = 0.0
+    """A call that streams, or has stop strings, needs its text token by token; with this > 0 the
+    engine's server holds its tokens after the first (time to first token stays exact) up to this
+    long and sends them as one frame, and the proxy streams each frame as one chunk (one SSE event
+    per API) instead of one per token: per-token work on the proxy's event loop falls to
+    per-frame work (`benchmarks/scale_bench.py --only stream`). A stop string is then caught up
+    to this late (the tokens past it are dropped, as always). Agent harnesses read whole turns;
+    a person watching a stream sees text in bursts. 0 = a frame and a chunk per token, as OpenAI
+    streams. At most a quarter of engine_progress_timeout_s. (SGLang's --stream-interval, in time.)"""
     roles: RoleRulesConfig = field(default_factory=RoleRulesConfig)

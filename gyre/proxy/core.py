@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from array import array
 from concurrent.futures import ThreadPoolExecutor
@@ -252,14 +253,13 @@ class Call:
                     continue
                 text = det.push(ev.token_id)
                 if text:
-                    shown = stopper.push(text)
-                    if self.req.stream:
-                        for item in parser.push(shown):
-                            yield self._keep(item)
-                    else:
-                        held.append(shown)
+                    held.append(stopper.push(text))
                     if stopper.matched is not None:
                         break
+                if self.req.stream and held and not ev.more:  # a chunk per delivery (`stream_interval_s`)
+                    for item in parser.push("".join(held)):
+                        yield self._keep(item)
+                    held.clear()
             if not per_token:
                 hidden, table = p.eos_ids, p.token_table
                 held.append(table.join(e.token_id for e in self.tokens if e.token_id not in hidden).decode("utf-8", "replace"))
@@ -440,7 +440,8 @@ class Proxy:
                                        migration=MigrationPolicy(mode=c.migration, bandwidth_Bps=c.migration_bandwidth_gbps * 1e9,
                                                                  prefill_tok_s=c.migration_prefill_tok_s))
         # Well inside the progress limit, which a held engine must not look like it broke.
-        self.hold_s = min(c.engine_hold_s, c.engine_progress_timeout_s / 4) if c.engine_progress_timeout_s > 0 else c.engine_hold_s
+        cap = c.engine_progress_timeout_s / 4 if c.engine_progress_timeout_s > 0 else math.inf
+        self.hold_s, self.stream_hold_s = min(c.engine_hold_s, cap), min(c.stream_interval_s, cap)
         self.sink = sink if sink is not None else MemorySink()
         self.keys = KeyRegistry()
         self.classifier = RoleClassifier(c.roles)
@@ -702,7 +703,7 @@ class Proxy:
             seed=req.seed,
             min_tokens=min(req.min_tokens, max_tokens),
             top_logprobs=req.top_logprobs,
-            hold_s=0.0 if req.stream or any(req.stop) else self.hold_s,  # text token by token: `Call.events`
+            hold_s=self.stream_hold_s if req.stream or any(req.stop) else self.hold_s,  # text token by token: `Call.events`
         )
         return rendered, sampling, forced_text, forced_ids
 

@@ -1,17 +1,20 @@
 """Held tokens (`SamplingParams.hold_s`, `ProxyConfig.engine_hold_s`): a call that needs its text
 only at the end gets its tokens from the engine's server in a few frames, not one per token, and
-loses none of them, a drain included; the proxy asks for it only for such calls."""
+loses none of them, a drain included; the proxy asks for it only for such calls. A call that
+streams or has stop strings is held only with `ProxyConfig.stream_interval_s`, and then streams
+a chunk per frame, the same text, and stops at the same place."""
 
 import asyncio
 import time
 
+import anthropic
 import openai
 import pytest
 
 from gyre.backends.engines.det_engine import DeterministicEngine
 from gyre.backends.engines.engine_http import HttpEngine, serve_engine
 from gyre.backends.protocols import SamplingParams
-from gyre.proxy import ProxyConfig
+from gyre.proxy import MemorySink, ProxyConfig
 
 PROMPT = [5, 6, 7, 8]
 
@@ -143,12 +146,13 @@ class _Recording(DeterministicEngine):
             yield ev
 
 
-@pytest.mark.parametrize("config, want", [
-    (ProxyConfig(engine_hold_s=0.7), 0.7),
-    (ProxyConfig(engine_hold_s=5.0, engine_progress_timeout_s=8.0), 2.0),  # a quarter of the progress limit
-    (ProxyConfig(engine_hold_s=5.0, engine_progress_timeout_s=0.0), 5.0),  # no progress limit
+@pytest.mark.parametrize("config, want, want_stream", [
+    (ProxyConfig(engine_hold_s=0.7), 0.7, 0.0),
+    (ProxyConfig(engine_hold_s=5.0, engine_progress_timeout_s=8.0, stream_interval_s=3.0), 2.0, 2.0),  # a quarter of the progress limit
+    (ProxyConfig(engine_hold_s=5.0, engine_progress_timeout_s=0.0), 5.0, 0.0),  # no progress limit
+    (ProxyConfig(stream_interval_s=0.05), 1.0, 0.05),
 ])
-def test_the_proxy_asks_to_hold_only_when_it_needs_the_text_at_the_end(make_server, config, want):
+def test_the_proxy_asks_to_hold_only_when_it_needs_the_text_at_the_end(make_server, config, want, want_stream):
     engine = _Recording("e", salt=1)
     proxy, h = make_server([(engine, "cell", 0)], config=config)
     c = openai.OpenAI(base_url=h.url + "/v1", api_key=proxy.issue_key("ex-hold"), max_retries=0)
@@ -157,4 +161,60 @@ def test_the_proxy_asks_to_hold_only_when_it_needs_the_text_at_the_end(make_serv
     for _ in c.chat.completions.create(model="m", messages=msgs, max_tokens=4, stream=True):
         pass
     c.chat.completions.create(model="m", messages=msgs, max_tokens=4, stop=["zz"])  # caught in the text
-    assert engine.holds == [want, 0.0, 0.0]
+    assert engine.holds == [want, want_stream, want_stream]
+
+
+def _stream(api: str, url: str, key: str, **kw) -> list[str]:
+    """The text chunks of one streamed call, through the official SDK."""
+    if api == "openai":
+        c = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+        return [ch.choices[0].delta.content for ch in c.chat.completions.create(stream=True, **kw)
+                if ch.choices and ch.choices[0].delta.content]
+    c = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0)
+    return [ev.delta.text for ev in c.messages.create(stream=True, **kw)
+            if ev.type == "content_block_delta" and ev.delta.type == "text_delta" and ev.delta.text]
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+def test_a_held_stream_comes_a_chunk_per_frame_with_the_same_text_and_ids(make_server, api):
+    handle = serve_engine(DeterministicEngine("remote", salt=3, token_delay=0.02))
+    try:
+        got = {}
+        for interval in (0.0, 0.1):  # 40 tokens at 20 ms: ~8 frames when held
+            sink = MemorySink()
+            proxy, h = make_server([(HttpEngine(handle.url, transport="ws"), "cell", 0)], config=ProxyConfig(stream_interval_s=interval), sink=sink)
+            key = proxy.issue_key(f"ex-{interval}")
+            chunks = _stream(api, h.url, key, model="m", max_tokens=40, messages=[{"role": "user", "content": "go"}])
+            (rec,) = sink.for_execution(f"ex-{interval}")
+            got[interval] = chunks, list(rec.output_ids)
+        (each, each_ids), (held, held_ids) = got[0.0], got[0.1]
+        assert "".join(each) == "".join(held) and each_ids == held_ids and len(each_ids) == 40
+        assert len(each) >= 20  # a chunk per token (those that end a character)
+        assert len(held) * 3 <= len(each)
+    finally:
+        handle.stop()
+
+
+def test_a_stop_string_is_caught_as_well_when_tokens_come_held(make_server):
+    handle = serve_engine(DeterministicEngine("remote", salt=5, token_delay=0.01))
+    try:
+        msgs = [{"role": "user", "content": "go"}]
+        proxy, h = make_server([(HttpEngine(handle.url, transport="ws"), "cell", 0)])
+        c = openai.OpenAI(base_url=h.url + "/v1", api_key=proxy.issue_key("ex-full"), max_retries=0)
+        full = c.chat.completions.create(model="m", messages=msgs, max_tokens=60).choices[0].message.content
+        stop = full[len(full) // 2 : len(full) // 2 + 3]
+        want = full[: full.index(stop)]
+        got = {}
+        for interval in (0.0, 0.2):
+            sink = MemorySink()
+            proxy, h = make_server([(HttpEngine(handle.url, transport="ws"), "cell", 0)], config=ProxyConfig(stream_interval_s=interval), sink=sink)
+            c = openai.OpenAI(base_url=h.url + "/v1", api_key=proxy.issue_key("ex-stop"), max_retries=0)
+            r = c.chat.completions.create(model="m", messages=msgs, max_tokens=60, stop=[stop])
+            (rec,) = sink.for_execution("ex-stop")
+            got[interval] = r.choices[0].message.content, r.choices[0].finish_reason, list(rec.output_ids)
+        assert got[0.0][:2] == got[0.2][:2] == (want, "stop")
+        ids = got[0.2][2]  # recorded up to the token that completed the stop string, none past it
+        assert ids == got[0.0][2]
+        assert stop in proxy.tokenizer.decode(ids) and stop not in proxy.tokenizer.decode(ids[:-1])
+    finally:
+        handle.stop()

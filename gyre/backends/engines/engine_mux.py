@@ -4,8 +4,10 @@ An HTTP request per model call costs a request/response cycle on both sides; the
 thousands of calls per second to a few engines, so `HttpEngine` (transport="ws", the default)
 keeps one websocket per engine and event loop instead. Tokens produced back to back are
 coalesced into one frame. A request whose `sampling.hold_s` is > 0 (the proxy's
-`engine_hold_s`, for calls that need their text only at the end) has its tokens after the first
-held up to that long and sent together: a frame per hold_s, not per token, on both loops.
+`engine_hold_s`, for calls that need their text only at the end; `stream_interval_s`, for those
+that stream) has its tokens after the first held up to that long and sent together: a frame per
+hold_s, not per token, on both loops. The client marks every token of a frame but the last
+(`TokenEvent.more`), so the proxy can stream a frame as one chunk.
 
 Client -> server, one frame each:
     generate: a binary frame, `{"op": "generate", "rid", "sampling"}` as JSON, a newline, then
@@ -291,6 +293,9 @@ class MuxClient:
                 for rid, items in batch.items():
                     q = self.queues.get(rid)
                     if q is not None:
+                        for a, b in zip(items, items[1:]):
+                            if isinstance(a, TokenEvent) and isinstance(b, TokenEvent):
+                                a.more = True  # a held stream's frame: the rest are here too
                         q.put_nowait(items)
         except Exception as e:  # the connection broke
             error = ConnectionError(f"engine {self.name}: {e!r}")
