@@ -363,9 +363,13 @@ def test_container_command_line_against_a_fake_docker(tmp_path, proxy_server):
 # Containers live in a JSON file; `run` records one, runs CMD on the host, and leaves it (as
 # SIGKILLing the client would) for `rm`.
 STATEFUL_DOCKER = """\
-import json, re, subprocess, sys
+import fcntl, json, re, subprocess, sys
 state_path, log_path = {state!r}, {log!r}
 argv = sys.argv[1:]
+# Concurrent calls (two runs, an rm) read-modify-write the state one at a time: without the lock
+# a run that loaded the state before an rm saved it brought the removed container back.
+lock = open(state_path + ".lock", "a")
+fcntl.flock(lock, fcntl.LOCK_EX)
 state = json.load(open(state_path))
 open(log_path, "a").write(json.dumps(argv) + "\\n")
 def save():
@@ -375,6 +379,7 @@ if argv[0] == "run":
     name = argv[argv.index("--name") + 1]
     state[name] = labels
     save()
+    fcntl.flock(lock, fcntl.LOCK_UN)  # while the container runs, others may change the state
     inner = argv[argv.index({image!r}) + 1:]
     inner = [{python!r} if a == "python3" else a for a in inner]  # the image's python3 -> ours
     sys.exit(subprocess.call(inner))
