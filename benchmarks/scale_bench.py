@@ -324,20 +324,27 @@ async def _admin_close(session, url: str, eid: str) -> dict:
 
 
 class Harness:
-    """One execution: multi-turn chat, the whole history re-sent each turn."""
+    """One execution: multi-turn chat, the whole history re-sent each turn. `stream`: each call
+    streamed (SSE, as Claude Code and Codex call), its chunks counted (`chunks`)."""
 
-    def __init__(self, eid: str, key: str, max_tokens: int, rng: random.Random) -> None:
-        self.eid, self.key, self.max_tokens, self.rng = eid, key, max_tokens, rng
+    def __init__(self, eid: str, key: str, max_tokens: int, rng: random.Random, stream: bool = False) -> None:
+        self.eid, self.key, self.max_tokens, self.rng, self.stream = eid, key, max_tokens, rng, stream
         self.messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{eid}: fix the failing test in src/"}]
-        self.ok = self.errors = 0
+        self.ok = self.errors = self.chunks = 0
 
-    async def call(self, session, url: str) -> tuple[float, int, float, float] | None:
-        """(latency s, tokens generated, wall clock when sending and when the answer was read),
-        or None on an error."""
+    async def call(self, session, url: str) -> tuple[float, int, float, float, float | None] | None:
+        """(latency s, tokens generated, wall clock when sending and when the answer was read,
+        time to the first streamed chunk s or None), or None on an error."""
         body = {"model": "m", "max_tokens": self.max_tokens, "tools": TOOLS, "messages": self.messages}
+        if self.stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
         w0, t0 = time.time(), time.perf_counter()
+        first = None
         async with session.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {self.key}"}) as r:
-            data = await r.json()
+            if r.status == 200 and self.stream:
+                data, first = await self._read_stream(r, t0)
+            else:
+                data = await r.json()
             dt, w1 = time.perf_counter() - t0, time.time()
             if r.status != 200:
                 self.errors += 1
@@ -348,7 +355,29 @@ class Harness:
         tool_id = (msg.get("tool_calls") or [{}])[0].get("id")
         result = f"output of step {self.ok}: " + "x" * self.rng.randrange(100, 400)
         self.messages.append({"role": "tool", "tool_call_id": tool_id, "content": result} if tool_id else {"role": "user", "content": result})
-        return dt, data["usage"]["completion_tokens"], w0, w1
+        return dt, data["usage"]["completion_tokens"], w0, w1, first
+
+    async def _read_stream(self, r, t0: float) -> tuple[dict, float | None]:
+        """A streamed answer as the non-streamed body's fields this harness uses, and the time
+        to its first chunk with text or a tool call."""
+        content, calls, usage, first = [], {}, {}, None
+        async for line in r.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            ev = json.loads(line[6:])
+            usage = ev.get("usage") or usage
+            for ch in ev.get("choices", ()):
+                d = ch["delta"]
+                if d.get("content") or d.get("tool_calls"):
+                    self.chunks += 1
+                    first = time.perf_counter() - t0 if first is None else first
+                content.append(d.get("content") or "")
+                for tc in d.get("tool_calls") or ():
+                    c = calls.setdefault(tc["index"], {"id": tc.get("id"), "type": "function", "function": {"name": "", "arguments": ""}})
+                    c["function"]["name"] += tc.get("function", {}).get("name") or ""
+                    c["function"]["arguments"] += tc.get("function", {}).get("arguments") or ""
+        msg = {"role": "assistant", "content": "".join(content) or None, "tool_calls": [calls[k] for k in sorted(calls)] or None}
+        return {"choices": [{"message": msg}], "usage": usage}, first
 
 
 def _think(rng: random.Random, mean: float) -> float:
@@ -378,15 +407,15 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
     rng = random.Random(n)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-        warm = Harness("warm", await _admin_key(session, url, "warm"), a.max_tokens, rng)
+        warm = Harness("warm", await _admin_key(session, url, "warm"), a.max_tokens, rng, a.stream)
         for _ in range(5):  # first-call costs (render pool, caches) before the baseline
             await warm.call(session, url)
-        harnesses = [Harness(f"x{i}", await _admin_key(session, url, f"x{i}"), a.max_tokens, random.Random(i)) for i in range(n)]
+        harnesses = [Harness(f"x{i}", await _admin_key(session, url, f"x{i}"), a.max_tokens, random.Random(i), a.stream) for i in range(n)]
         _quiet_collector()  # until the series ends (`proxy_series`)
         await asyncio.sleep(0.5)
         base = proc_stats(pid)
         sampler = Sampler(pid)  # started before the load: its start-up is not in the window
-        lat, added, walls = [], [], []  # walls: (execution, tokens, sent, answered) of each call timed
+        lat, added, walls, ttft = [], [], [], []  # walls: (execution, tokens, sent, answered) of each call timed
         stop, measuring = asyncio.Event(), [False]
         open_now = [0]
 
@@ -399,7 +428,9 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
                 if got is not None and counted:
                     lat.append(got[0])
                     added.append(got[0] - got[1] * a.token_delay)
-                    walls.append((h.eid, *got[1:]))
+                    walls.append((h.eid, *got[1:4]))
+                    if got[4] is not None:
+                        ttft.append(got[4])
                 try:
                     await asyncio.wait_for(stop.wait(), _think(h.rng, a.think_s))
                 except asyncio.TimeoutError:
@@ -408,6 +439,7 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
         tasks = [asyncio.ensure_future(run(h)) for h in harnesses]
         await asyncio.sleep(a.think_s * 1.5)  # every execution open and past its first call
         measuring[0] = True
+        chunks0 = sum(h.chunks for h in harnesses)
         gc0 = (gcs[0], gcs[1], gcs[3])
         gcs[2] = gcs[4] = 0.0  # the longest pauses in the window
         kids = _children(pid)  # the proxy's body-parse workers (large bodies only)
@@ -423,6 +455,7 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
             health.append(time.perf_counter() - h0)
             sampler.drain()
         cpu, calls = _cpu_s(pid) - cpu0, sum(h.ok for h in harnesses) - calls0
+        chunks = sum(h.chunks for h in harnesses) - chunks0
         lag_task.cancel()
         samples = await asyncio.to_thread(sampler.stop) or [proc_stats(pid)]
         client_cpu = time.process_time() - ccpu0
@@ -435,7 +468,7 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
         stop.set()
         await asyncio.gather(*tasks)
     return {"base": base, "peak": {k: max(s[k] for s in samples) for k in base}, "end": peak, "lat": lat, "added": added,
-            "cpu_s": cpu, "window_calls": calls, "client_cpu_s": client_cpu, "engine_cpu_s": engine_cpu, "proxy_children_cpu_s": kids_cpu, "run_wait_s": run_wait, "gc": gc_win, "health": health, "lags": lags, "open": open_now[0],
+            "cpu_s": cpu, "window_calls": calls, "chunks": chunks, "ttft": ttft, "client_cpu_s": client_cpu, "engine_cpu_s": engine_cpu, "proxy_children_cpu_s": kids_cpu, "run_wait_s": run_wait, "gc": gc_win, "health": health, "lags": lags, "open": open_now[0],
             "ok": {h.eid: h.ok for h in harnesses} | {"warm": warm.ok}, "errors": sum(h.errors for h in harnesses), "walls": walls}
 
 
@@ -497,7 +530,8 @@ def _cpus(text: str | None) -> set[int] | None:
 
 def proxy_series(a) -> list[dict]:
     rows, cpus_before = [], os.sched_getaffinity(0)
-    overrides = {k: v for k, v in (("gc_young_objects", a.proxy_gc_young), ("engine_hold_s", a.proxy_hold_s)) if v is not None}
+    overrides = {k: v for k, v in (("gc_young_objects", a.proxy_gc_young), ("engine_hold_s", a.proxy_hold_s),
+                                   ("stream_interval_s", a.proxy_stream_interval_s)) if v is not None}
     if a.load_cpus:  # this process (the harnesses) and, inheriting it, the engine processes
         pin(os.getpid(), _cpus(a.load_cpus))
     for engines in a.engines:
@@ -558,6 +592,13 @@ def proxy_series(a) -> list[dict]:
                    "tito_bytes_per_token": round(size / max(tokens, 1), 3), "records": sum(counts.values()),
                    "records_lost": lost, "records_unexpected": extra, "errors": res["errors"],
                    "legs_ms_p50_p99": legs}
+            if a.stream:
+                tokens_per_call = sum(engine_s) / len(engine_s) / a.token_delay
+                row |= {"stream": True, "stream_interval_s": a.proxy_stream_interval_s or 0.0,
+                        "tokens_per_call": round(tokens_per_call, 1),
+                        "proxy_cpu_us_per_token": round(res["cpu_s"] / max(res["window_calls"] * tokens_per_call, 1) * 1e6, 2),
+                        "chunks_per_call": round(res["chunks"] / max(res["window_calls"], 1), 1),
+                        "ttft_ms_p50_p99": [round(_pct(res["ttft"], q) * 1e3, 2) for q in (50, 99)] if res["ttft"] else None}
             print("proxy", row, flush=True)
             rows.append(row)
     pin(os.getpid(), cpus_before if a.load_cpus else None)  # the later series as they were
@@ -942,6 +983,8 @@ def main() -> None:
     ap.add_argument("--load-cpus", help="proxy series: the CPUs of the load generator (this process) and the engine processes, e.g. 1-7")
     ap.add_argument("--proxy-gc-young", type=int, default=None,
                     help="the proxy's ProxyConfig.gc_young_objects (default: its default; 0: Python's own collector threshold)")
+    ap.add_argument("--stream", action="store_true", help="proxy series: every call streamed (SSE), as Claude Code and Codex call")
+    ap.add_argument("--proxy-stream-interval-s", type=float, default=None, help="proxy series: ProxyConfig.stream_interval_s (default: its default)")
     ap.add_argument("--proxy-hold-s", type=float, default=None,
                     help="the proxy's ProxyConfig.engine_hold_s (default: its default; 0: engines send each token at once)")
     ap.add_argument("--context-tokens", type=int, nargs="+", default=[1000, 8000, 32000, 64000],

@@ -147,10 +147,10 @@ class _Recording(DeterministicEngine):
 
 
 @pytest.mark.parametrize("config, want, want_stream", [
-    (ProxyConfig(engine_hold_s=0.7), 0.7, 0.0),
+    (ProxyConfig(engine_hold_s=0.7, stream_interval_s=0.0), 0.7, 0.0),
+    (ProxyConfig(), 1.0, 0.05),  # the defaults
     (ProxyConfig(engine_hold_s=5.0, engine_progress_timeout_s=8.0, stream_interval_s=3.0), 2.0, 2.0),  # a quarter of the progress limit
-    (ProxyConfig(engine_hold_s=5.0, engine_progress_timeout_s=0.0), 5.0, 0.0),  # no progress limit
-    (ProxyConfig(stream_interval_s=0.05), 1.0, 0.05),
+    (ProxyConfig(engine_hold_s=5.0, engine_progress_timeout_s=0.0, stream_interval_s=0.0), 5.0, 0.0),  # no progress limit
 ])
 def test_the_proxy_asks_to_hold_only_when_it_needs_the_text_at_the_end(make_server, config, want, want_stream):
     engine = _Recording("e", salt=1)

@@ -54,7 +54,9 @@ def test_openai_stream_survives_drain(make_server, transport):
         text, finishes, lps, usage, n = "", [], [], None, 0
         for ch in stream:
             n += 1
-            if n == 15:  # mid-generation: the scheduler takes A out of rollout
+            # Mid-generation: the scheduler takes A out of rollout. Over "ws" the stream comes a
+            # chunk per held frame (`stream_interval_s`, ~12 tokens here), over "http" per token.
+            if n == 4:
                 h.call(_add(proxy, hb.url))
                 assert h.call(proxy.router.drain("A")) == 1
             if ch.usage:

@@ -207,7 +207,7 @@ def test_a_qwen_sized_vocabulary_of_151665_ids():
     tok = PreTrainedTokenizerFast(tokenizer_object=t)
     t0 = time.perf_counter()
     table = V.byte_table(tok)
-    assert time.perf_counter() - t0 < 1.5  # loaded shared machine; 0.16 s measured
+    assert time.perf_counter() - t0 < 5  # catches a per-id Python loop or worse (minutes); 0.16 s measured, >1.5 s once under a -n 2 run of the job tests
     assert len(table) == V.id_count(tok) == 151_665 and not table.undecodable and all(table[i] for i in range(151_665))
     for _ in range(200):
         ids = [rng.randrange(151_665 + 271) for _ in range(rng.randrange(1, 30))]  # + Qwen's 271 padding rows
