@@ -229,7 +229,7 @@ class ProxyConfig:
     stays exact) up to this long and sends them as one frame, over the websocket transport, and
     the proxy streams each frame as one chunk (one SSE event per API) instead of one per token.
     Measured (`benchmarks/stream_bench.py`: 256 streaming harnesses, 200 tokens a call at 50
-    tokens/s): the proxy's CPU a call 25.1 ms at 0, 15.2 at 0.05 (0.61x), 12.5 at 0.1 (0.50x).
+    tokens/s): the proxy's CPU a call 23.6 ms at 0, 13.2 at 0.05 (0.56x), 9.6 at 0.1 (0.41x).
     The cost: text arrives in bursts, and the first visible text can come one interval later
     when the first token's text is held back (part of a character, a possible tool-call tag); a
     stop string is caught up to this late (the tokens past it are dropped, as always). Agent

@@ -238,7 +238,7 @@ class Call:
         # Text is needed token by token only to stream it or to catch a stop string; otherwise
         # the whole output is decoded once at the end (same result, a fraction of the work).
         per_token = self.req.stream or bool(stopper.stops)
-        held: list[str] = []
+        held: list[str] = []  # text not yet given to the parser (a stream's: until the last token of a delivery)
         try:
             # The generation prompt's reasoning text and the forced prefix are the start of the
             # turn's text: the parser begins in the state they leave (thinking closed or open,
