@@ -463,7 +463,8 @@ def dry_run(wheels: Path | None, *, nvcc: bool = True, kernel_tests: list[str] |
     try:
         import torch
 
-        from gyre.config import check_train_config, parse_config
+        from gyre.config import parse_config
+        from gyre.config_checks import check_train_config
 
         cfg = parse_config(list(run_args))
         real = torch.cuda.is_available

@@ -16,7 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from gyre.config import ConfigError, GyreConfig, check_job, check_train_config, parse_config
+from gyre.config import ConfigError, GyreConfig, parse_config
+from gyre.config_checks import check_job, check_train_config
 from gyre.errors import RunFailed, RunStopped
 from gyre.logging_utils import ONCE, setup_logging
 from gyre.topology import Groups, Topology, TopologyError

@@ -22,7 +22,7 @@ LAYERS = [
     {"executions", "sim"},
     {"backends"},
     {"proxy"},
-    {"config"},
+    {"config", "config_checks"},
     {"runtime", "plan"},
     {"run", "report"},
 ]

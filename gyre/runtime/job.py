@@ -186,9 +186,9 @@ def _write_transport_stats(run_dir: Path, rank: int, weights: Any) -> None:
 
 def prepare(cfg: GyreConfig, topo: Topology, groups: Groups) -> None:
     """`--train.prepare`, before the run directory is decided: rank 0 runs the hook, every rank
-    waits for it, then checks what it wrote (`gyre.config.check_prepared`), so a path the hook
+    waits for it, then checks what it wrote (`gyre.config_checks.check_prepared`), so a path the hook
     does not write is a refusal before run.json exists. Nothing to do without a hook."""
-    from gyre.config import check_prepared, checkpoint_yet_to_prepare
+    from gyre.config_checks import check_prepared, checkpoint_yet_to_prepare
 
     if not cfg.train.prepare:
         return

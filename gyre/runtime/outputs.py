@@ -326,7 +326,7 @@ class Trackers:
 def make_trackers(tc: Any, run_dir: str, *, name: str, group: str, config: dict[str, Any],
                   fresh: bool) -> Trackers:
     """The trackers `tc` (a `gyre.config.TrackingConfig`) switches on, writing under `run_dir`.
-    The packages were checked at config time (`gyre.config.check_train_config`)."""
+    The packages were checked at config time (`gyre.config_checks.check_train_config`)."""
     trackers: list[Tracker] = []
     if tc.tensorboard:
         trackers.append(TensorBoardTracker(os.path.join(run_dir, "tensorboard"), fresh=fresh))

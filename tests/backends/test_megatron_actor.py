@@ -546,9 +546,10 @@ def test_every_family_imports_into_megatron_at_tp1_tp2_and_ep2_with_hf_logits(tm
 
 # ---------------------------------------------------------------------------- layouts refused at start-up
 def test_megatron_layouts_are_refused_before_anything_is_built(tmp_path):
-    """gyre.config.check_megatron_layout (run by check_train_config on every rank, before
+    """gyre.config_checks.check_megatron_layout (run by check_train_config on every rank, before
     Megatron's parallel state): the layout against the model's own config.json."""
-    from gyre.config import ConfigError, check_megatron_layout
+    from gyre.config import ConfigError
+    from gyre.config_checks import check_megatron_layout
     from tests.realmodels import model_config as family_config
 
     cell = ("--backend.actor", "megatron", "--parallel.cell-size", "2")

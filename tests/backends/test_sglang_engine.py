@@ -573,7 +573,8 @@ def test_fp32_with_sglang_is_refused_up_front(dtype, monkeypatch):
     """check_train_config refuses it before any rank starts (SGLang would crash its scheduler at
     start, SIGQUITting the rank); the message names both flags."""
     from gyre.backends import factory
-    from gyre.config import ConfigError, check_model_dtype, parse_config
+    from gyre.config import ConfigError, parse_config
+    from gyre.config_checks import check_model_dtype
 
     monkeypatch.setenv(factory.SGLANG_API_ENV, "tests.backends.sglang_fake:API")
     cfg = parse_config(["--backend.engine", "sglang", "--model.dtype", dtype])
@@ -615,7 +616,8 @@ def test_sglang_pass_through_reaches_server_args(tmp_path, monkeypatch):
 def test_unknown_or_gyre_owned_sglang_options_are_refused(ckpt, monkeypatch):
     """A name ServerArgs lacks is refused before Engine() with the closest ones (0.5.23 has no
     cuda_graph_max_bs: it is cuda_graph_max_bs_decode); Gyre's own fields are refused up front."""
-    from gyre.config import ConfigError, check_model_dtype, parse_config
+    from gyre.config import ConfigError, parse_config
+    from gyre.config_checks import check_model_dtype
 
     path, _ = ckpt
     eng = SglangEngine(SglangConfig(model_path=path, extra={"cuda_graph_max_bs": "8"}), api=sglang_fake.API)

@@ -48,7 +48,8 @@ def test_a_bad_value_is_refused_up_front_naming_the_flag(tmp_path, monkeypatch, 
     work.mkdir()
     monkeypatch.chdir(work)
     tasks = write_tasks(tmp_path / "tasks.jsonl")
-    from gyre.config import ConfigError, check_train_config, parse_config
+    from gyre.config import ConfigError, parse_config
+    from gyre.config_checks import check_train_config
 
     argv = ["--job", "train", "--model.preset", "tiny", "--executions.dataset.path", str(tasks),
             "--executions.runner.sandbox", "none", *make(tmp_path)]
@@ -70,7 +71,8 @@ def _argv(tmp_path, *extra, tasks=None):
 
 
 def _refused(tmp_path, *extra, tasks=None) -> str:
-    from gyre.config import ConfigError, check_train_config, parse_config
+    from gyre.config import ConfigError, parse_config
+    from gyre.config_checks import check_train_config
 
     cfg = parse_config(_argv(tmp_path, *extra, tasks=tasks))
     with pytest.raises(ConfigError) as e:
@@ -109,7 +111,8 @@ def test_a_value_that_used_to_fail_late_is_refused_before_the_run_directory_nami
 
 def test_every_float_of_the_config_is_checked_for_nan_without_a_line_of_its_own(tmp_path):
     """check_numbers walks the whole config tree: NaN in any float field is refused by its flag."""
-    from gyre.config import ConfigError, _numbers, check_numbers, parse_config
+    from gyre.config import ConfigError, parse_config
+    from gyre.config_checks import _numbers, check_numbers
 
     cfg = parse_config(_argv(tmp_path))
     floats = [flag for flag, v in _numbers(cfg) if isinstance(v, float) and "[" not in flag]
@@ -145,13 +148,15 @@ def test_a_python_evaluator_that_cannot_be_imported_is_refused_up_front(tmp_path
         assert got == f"task t0: evaluator {target} cannot be imported: {why}" or \
             (got.startswith(f"task t0: evaluator {target} cannot be imported: ") and why in got), got
     tasks = write_task_rows(tmp_path / "ok.jsonl", [{"harness": ["true"], "evaluator": {"python": "json:dumps"}}])
-    from gyre.config import check_train_config, parse_config
+    from gyre.config import parse_config
+    from gyre.config_checks import check_train_config
 
     check_train_config(parse_config(_argv(tmp_path, tasks=tasks)), 1)  # an importable one passes
 
 
 def test_training_flags_without_job_train_are_refused_naming_it():
-    from gyre.config import ConfigError, check_job, parse_config
+    from gyre.config import ConfigError, parse_config
+    from gyre.config_checks import check_job
 
     for argv in (["--train.steps", "3"], ["--run-dir", "x", "--parallel.cell-size", "2"], ["--actor.lr=1e-3"]):
         with pytest.raises(ConfigError, match=r"training flags, .*--job smoke.*add --job train") as e:

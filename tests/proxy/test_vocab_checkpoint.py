@@ -1,4 +1,4 @@
-"""A checkpoint directory's tokenizer at the proxy (gyre/backends/models/vocab.py, gyre/config.py):
+"""A checkpoint directory's tokenizer at the proxy (gyre/backends/models/vocab.py, gyre/config_checks.py):
 
 * which tokenizer a run uses: --proxy.tokenizer-path, else the checkpoint's own, else the project's;
 * the stop ids come from the checkpoint (generation_config.json, config.json, the tokenizer's eos);
@@ -17,7 +17,8 @@ import pytest
 from gyre.backends.models import vocab as V
 from gyre.backends.engines.det_engine import DeterministicEngine
 from gyre.backends.models.tokenizer import ASSET_DIR, ENDOFTEXT, IM_END, load_tokenizer
-from gyre.config import ConfigError, check_model_vocab, parse_config
+from gyre.config import ConfigError, parse_config
+from gyre.config_checks import check_model_vocab
 from gyre.proxy import Proxy, ProxyConfig, serve_proxy
 from tests import realmodels
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gyre.config import ConfigError, TrackingConfig, check_tracking
+from gyre.config import ConfigError, TrackingConfig
+from gyre.config_checks import check_tracking
 from gyre.runtime.outputs import Trackers, flatten_numeric
 
 ROOT = Path(__file__).resolve().parents[2]

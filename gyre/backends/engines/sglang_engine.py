@@ -99,7 +99,7 @@ logger = logging.getLogger(__name__)
 
 
 # ServerArgs fields Gyre derives itself (`server_args`, `factory.build_sglang_engine`): a pass-through may
-# not set them (gyre.config.check_model_dtype refuses them up front, `server_args` again).
+# not set them (gyre.config_checks.check_model_dtype refuses them up front, `server_args` again).
 GYRE_OWNED_SERVER_ARGS = {
     "model_path": "the --model.checkpoint directory, or the one Gyre writes",
     "tp_size": "= --parallel.cell-size",
