@@ -250,7 +250,7 @@ def start_engines(n_engines: int, n_procs: int, token_delay: float, times_dir: s
 def _proxy_child(q, engines: int | list, token_delay: float, store_dir: str, gcs=None, overrides: dict | None = None) -> None:
     """engines: [(url, secret)] of engine endpoints (reached as a run does: HttpEngine over the
     websocket mux), or a count of DeterministicEngines run inside this process. gcs: a shared
-    array [collections, pause s in all, longest pause s, full collections, longest full s] the
+    array [collections, pause s in all, longest pause s, full collections, longest full s, objects freed] the
     garbage collector's pauses add to. overrides: ProxyConfig fields other than their defaults."""
     if gcs is not None:
         t0 = [0.0]
@@ -263,6 +263,7 @@ def _proxy_child(q, engines: int | list, token_delay: float, store_dir: str, gcs
                 gcs[0] += 1
                 gcs[1] += dt
                 gcs[2] = max(gcs[2], dt)
+                gcs[5] += info["collected"]  # what the pauses freed: 0 means the proxy made no cyclic garbage
                 if info["generation"] == 2:
                     gcs[3] += 1
                     gcs[4] = max(gcs[4], dt)
@@ -440,7 +441,7 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
         await asyncio.sleep(a.think_s * 1.5)  # every execution open and past its first call
         measuring[0] = True
         chunks0 = sum(h.chunks for h in harnesses)
-        gc0 = (gcs[0], gcs[1], gcs[3])
+        gc0 = (gcs[0], gcs[1], gcs[3], gcs[5])
         gcs[2] = gcs[4] = 0.0  # the longest pauses in the window
         kids = _children(pid)  # the proxy's body-parse workers (large bodies only)
         ecpu0, kcpu0, wait0 = sum(_cpu_s(e) for e in engine_pids), sum(_cpu_s(k) for k in kids), _run_wait_s(pid)
@@ -462,7 +463,7 @@ async def _proxy_load(url: str, pid: int, n: int, a, engine_pids: list[int], gcs
         engine_cpu = sum(_cpu_s(e) for e in engine_pids) - ecpu0
         kids_cpu = sum(_cpu_s(k) for k in kids) - kcpu0
         run_wait = _run_wait_s(pid) - wait0
-        gc_win = (gcs[0] - gc0[0], gcs[1] - gc0[1], gcs[2], gcs[3] - gc0[2], gcs[4])
+        gc_win = (gcs[0] - gc0[0], gcs[1] - gc0[1], gcs[2], gcs[3] - gc0[2], gcs[4], gcs[5] - gc0[3])
         measuring[0] = False
         peak = samples[-1]  # every execution open, with the history it has built up
         stop.set()
@@ -539,7 +540,7 @@ def proxy_series(a) -> list[dict]:
             store = tempfile.mkdtemp(prefix="scale-proxy-")
             eprocs, endpoints = ([], engines) if a.in_process_engines else start_engines(engines, a.engine_procs, a.token_delay, store)
             try:
-                gcs = mp.get_context("spawn").Array("d", 5, lock=False)
+                gcs = mp.get_context("spawn").Array("d", 6, lock=False)
                 p, url = start_proxy(endpoints, a.token_delay, store, gcs, overrides)
                 pin(p.pid, _cpus(a.proxy_cpus))
                 try:
@@ -581,6 +582,7 @@ def proxy_series(a) -> list[dict]:
                    "proxy_gc_collections": int(res["gc"][0]), "proxy_gc_ms_per_call": round(res["gc"][1] / max(res["window_calls"], 1) * 1e3, 3),
                    "proxy_gc_pause_ms_max": round(res["gc"][2] * 1e3, 1), "proxy_gc_full_collections": int(res["gc"][3]),
                    "proxy_gc_full_pause_ms_max": round(res["gc"][4] * 1e3, 1),
+                   "proxy_gc_objects_freed": int(res["gc"][5]),  # by the collector in the window (cycles only)
                    "engine_cpu_ms_per_call": round(res["engine_cpu_s"] / max(res["window_calls"], 1) * 1e3, 3),
                    "engine_cpu_fraction": round(res["engine_cpu_s"] / a.window_s, 2),
                    "health_ms_p50": round(_pct(res["health"], 50) * 1e3, 2), "health_ms_max": round(max(res["health"]) * 1e3, 2),
