@@ -531,7 +531,8 @@ def _cpus(text: str | None) -> set[int] | None:
 
 def proxy_series(a) -> list[dict]:
     rows, cpus_before = [], os.sched_getaffinity(0)
-    overrides = {k: v for k, v in (("gc_young_objects", a.proxy_gc_young), ("engine_hold_s", a.proxy_hold_s),
+    overrides = {k: v for k, v in (("gc_young_objects", a.proxy_gc_young), ("gc_every_s", a.proxy_gc_every_s),
+                                   ("engine_hold_s", a.proxy_hold_s),
                                    ("stream_interval_s", a.proxy_stream_interval_s)) if v is not None}
     if a.load_cpus:  # this process (the harnesses) and, inheriting it, the engine processes
         pin(os.getpid(), _cpus(a.load_cpus))
@@ -985,6 +986,9 @@ def main() -> None:
     ap.add_argument("--load-cpus", help="proxy series: the CPUs of the load generator (this process) and the engine processes, e.g. 1-7")
     ap.add_argument("--proxy-gc-young", type=int, default=None,
                     help="the proxy's ProxyConfig.gc_young_objects (default: its default; 0: Python's own collector threshold)")
+    ap.add_argument("--proxy-gc-every-s", type=float, default=None,
+                    help="the proxy's ProxyConfig.gc_every_s (default: its default, automatic collection off and a "
+                    "full one on that clock; 0: Python's automatic collector)")
     ap.add_argument("--stream", action="store_true", help="proxy series: every call streamed (SSE), as Claude Code and Codex call")
     ap.add_argument("--proxy-stream-interval-s", type=float, default=None, help="proxy series: ProxyConfig.stream_interval_s (default: its default)")
     ap.add_argument("--proxy-hold-s", type=float, default=None,

@@ -84,7 +84,11 @@ async def start_app(app: web.Application, host: str, port: int) -> ServerHandle:
     await runner.setup()
     # shutdown_timeout: how long stop() lets in-flight responses finish before closing them.
     site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True, shutdown_timeout=2.0)
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:  # the port is taken: what the app's startup began ends here
+        await runner.cleanup()
+        raise
     bound = runner.addresses[0][1]
     return ServerHandle(host=host, port=bound, runner=runner, loop=asyncio.get_running_loop())
 

@@ -200,7 +200,21 @@ class ProxyConfig:
     to the old generations, so full collections (~290 ms, every call waiting) came every 2 s and
     the collector took ~0.5 of the proxy's ~2 ms of CPU a call; at 10,000: 0.1-0.2 ms a call, no
     full collection, longest pause ~110 ms (`benchmarks/scale_bench.py --only proxy
-    --open-executions 4096 --engines 8 [--proxy-gc-young 0]`). 0 = leave it as it is."""
+    --open-executions 4096 --engines 8 [--proxy-gc-young 0]`). 0 = leave it as it is. Only
+    with `gc_every_s` 0: otherwise there are no automatic collections."""
+    gc_every_s: float = 600.0
+    """While the proxy serves, automatic collection is off in its process and one full collection
+    runs every this many seconds, or sooner once `gc_every_objects` more containers are alive
+    (gyre/proxy/collector.py). The proxy makes no cyclic garbage at steady state, yet each young
+    collection stopped every call for the ~35k objects of the calls in flight: at 4,096 open the
+    proxy's added p99 was 26-78 ms with them, 16-19 without (`benchmarks/scale_bench.py --only
+    proxy --open-executions 4096 --engines 8 [--proxy-gc-every-s 0]`). Process-wide, as
+    torchtitan's `gc_freq`: a trainer sharing the rank has its cycles collected on this clock too.
+    0 = Python's automatic collector (with `gc_young_objects`)."""
+    gc_every_objects: int = 500_000
+    """See `gc_every_s`: the growth in live containers that brings the next full collection
+    forward, bounding both the cyclic garbage kept and the pause (a full collection walks what is
+    alive and not frozen, ~0.3 us an object)."""
     inline_render_chars: int = 16384
     """Requests with less text than this are rendered on the event loop (sub-millisecond work;
     a thread hand-off would cost more than it saves)."""

@@ -28,6 +28,7 @@ from aiohttp import web
 from gyre.proxy import anthropic_api, openai_api, responses_api
 from gyre.proxy import bodies
 from gyre.proxy.bodies import read_body
+from gyre.proxy.collector import collect_on_a_clock
 from gyre.proxy.core import ApiError, Proxy
 from gyre.proxy.keys import KeyInfo
 from gyre.serving import ServerHandle, run_in_thread, start_app
@@ -172,10 +173,10 @@ def build_app(proxy: Proxy) -> web.Application:
 _frozen = False  # gc_freeze done in this process
 
 
-def _serving(c) -> None:
+def _serving(c, app: web.Application) -> web.Application:
     """What serving asks of the process, whichever way it is served: the GIL switch interval
-    (`gil_switch_ms`), the collector's young threshold (`gc_young_objects`) and its frozen
-    objects (`gc_freeze`, once)."""
+    (`gil_switch_ms`), the collector's young threshold (`gc_young_objects`), its frozen
+    objects (`gc_freeze`, once) and its clock (`gc_every_s`, until the app's cleanup)."""
     global _frozen
     if 0 < c.gil_switch_ms / 1e3 < sys.getswitchinterval():
         sys.setswitchinterval(c.gil_switch_ms / 1e3)
@@ -186,19 +187,29 @@ def _serving(c) -> None:
         _frozen = True
         gc.collect()
         gc.freeze()
+    clock = []
+
+    async def on_startup(app: web.Application) -> None:
+        clock.append(collect_on_a_clock(c.gc_every_s, c.gc_every_objects))
+
+    async def on_cleanup(app: web.Application) -> None:
+        while clock:
+            clock.pop()()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
 
 
 async def start_proxy(proxy: Proxy, host: str | None = None, port: int | None = None) -> ServerHandle:
     c = proxy.config
-    _serving(c)
-    return await start_app(build_app(proxy), host or c.host, c.port if port is None else port)
+    return await start_app(_serving(c, build_app(proxy)), host or c.host, c.port if port is None else port)
 
 
 def serve_proxy(proxy: Proxy, host: str | None = None, port: int | None = None) -> ServerHandle:
     """Serve on a background thread with its own event loop. Engines the proxy routes to must be
     usable from that loop (in-process engines are; `HttpEngine` opens its session there)."""
     c = proxy.config
-    _serving(c)
     # A standalone proxy starts its body parsers now (the run's, in a rank, on its first large body).
     threading.Thread(target=bodies.parse_pool(c.parse_processes).warm, name="gyre-parse-warm", daemon=True).start()
-    return run_in_thread(lambda: build_app(proxy), host or c.host, c.port if port is None else port, name="gyre-proxy")
+    return run_in_thread(lambda: _serving(c, build_app(proxy)), host or c.host, c.port if port is None else port, name="gyre-proxy")
