@@ -207,10 +207,10 @@ class ProxyConfig:
     runs every this many seconds, or sooner once `gc_every_objects` more containers are alive
     (gyre/proxy/collector.py). The proxy makes no cyclic garbage at steady state, yet each young
     collection stopped every call for the ~35k objects of the calls in flight: at 4,096 open the
-    proxy's added p99 was 26-78 ms with them, 16-19 without (`benchmarks/scale_bench.py --only
-    proxy --open-executions 4096 --engines 8 [--proxy-gc-every-s 0]`). Process-wide, as
-    torchtitan's `gc_freq`: a trainer sharing the rank has its cycles collected on this clock too.
-    0 = Python's automatic collector (with `gc_young_objects`)."""
+    proxy's added p99 was 13-20 ms with them, 7-9 without (`benchmarks/proxy_gc_bench.py`, the
+    two alternated). The clocked collection costs ~110 ms at 4,096 open (`--full-every-s 5`).
+    Process-wide, as torchtitan's `gc_freq`: a trainer sharing the rank has its cycles collected
+    on this clock too. 0 = Python's automatic collector (with `gc_young_objects`)."""
     gc_every_objects: int = 500_000
     """See `gc_every_s`: the growth in live containers that brings the next full collection
     forward, bounding both the cyclic garbage kept and the pause (a full collection walks what is
