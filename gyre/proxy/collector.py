@@ -21,13 +21,14 @@ freezes what was alive at serve time, `ProxyConfig.gc_freeze`). The same bargain
 steps) and Megatron-LM's `--manual-gc`. It is process-wide, so when the proxy shares a rank with
 the trainer the trainer's cycles wait for the clock too.
 
-When the last proxy stops, the collector is put back as it was.
+When the last proxy stops, the collector is put back as it was; so it is in a forked child.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 
@@ -61,6 +62,8 @@ class _Clock:
                 if released:
                     return
                 released.append(True)
+                if user not in self.users:  # forked since: the child's clock was reset
+                    return
                 self.users.remove(user)
                 if not self.users:
                     self.stop.set()
@@ -96,6 +99,21 @@ class _Clock:
 
 
 _clock = _Clock()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker, a `multiprocessing` fork) serves no proxy and has no
+    clock thread (threads do not survive a fork): its collector goes back as it was, or it would
+    never collect."""
+    global _clock
+    old, _clock = _clock, _Clock()
+    was, serving = old.was_enabled, bool(old.users)
+    old.lock, old.users = threading.Lock(), []  # a release() in the child finds nothing to do
+    if serving and was:
+        gc.enable()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def collect_on_a_clock(every_s: float, every_objects: int):

@@ -112,3 +112,26 @@ def test_a_port_taken_leaves_the_collector_as_it_was(collector_on):
         assert gc.isenabled(), "a proxy that never served left automatic collection off"
     finally:
         first.stop()
+
+
+def test_a_forked_child_collects_again(collector_on):
+    """A child forked while a proxy serves (a DataLoader worker) has no clock thread: it gets
+    Python's collector back, or it would never collect."""
+    import os
+
+    handle = serve_proxy(Proxy(ProxyConfig(port=0, gc_every_s=3600)))
+    try:
+        assert not gc.isenabled()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report and leave at once
+            os.write(w, b"1" if gc.isenabled() else b"0")
+            os._exit(0)
+        os.close(w)
+        got = os.read(r, 1)
+        os.close(r)
+        os.waitpid(pid, 0)
+        assert got == b"1", "the forked child was left with automatic collection off and no clock"
+        assert not gc.isenabled(), "the fork turned collection back on in the serving parent"
+    finally:
+        handle.stop()
