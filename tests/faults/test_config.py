@@ -95,6 +95,7 @@ LATE = {
     "engine batch 0": (["--engine.max-batch", "0"], "--engine.max-batch must be >= 1, got 0"),
     "C_e 0": (["--scheduler.cell-concurrency", "0"], "--scheduler.cell-concurrency (C_e) must be >= 1, got 0"),
     "proxy wait 0": (["--proxy.engine-wait-s", "0"], "--proxy.engine-wait-s must be > 0, got 0"),
+    "proxy gc clock negative": (["--proxy.gc-every-s", "-1"], "--proxy.gc-every-s must be >= 0, got -1"),
     "missing checkpoint": (["--model.checkpoint", "{tmp}/no_model"], "--model.checkpoint {tmp}/no_model: no such directory"),
     "harness log cap under 1 KiB": (["--executions.runner.log-cap-bytes", "100"],
                                     "--executions.runner.log-cap-bytes must be >= 1024, got 100"),
