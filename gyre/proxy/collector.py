@@ -35,7 +35,6 @@ import time
 logger = logging.getLogger(__name__)
 
 
-
 class _Clock:
     """The process's one clock (`_clock`): the serving proxies' settings and the thread."""
 
