@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import scale_bench  # noqa: E402
 
-KEEP = ("gc_every_s", "open_executions", "calls_per_s", "proxy_added_ms_p50", "proxy_added_ms_p99", "legs_ms_p50_p99",
+KEEP = ("open_executions", "calls_per_s", "proxy_added_ms_p50", "proxy_added_ms_p99", "legs_ms_p50_p99",
         "proxy_cpu_ms_per_call", "proxy_cpu_fraction", "proxy_run_wait_fraction", "proxy_gc_collections", "proxy_gc_pause_ms_max",
         "proxy_gc_full_collections", "proxy_gc_objects_freed", "rss_kib_per_open_execution", "records_lost", "errors")
 
@@ -61,7 +61,7 @@ def main() -> None:
     for _ in range(a.pairs):
         for every in (clocked, 0.0):
             (row,) = scale_bench.proxy_series(argparse.Namespace(**base, proxy_gc_every_s=every))
-            rows.append({"gc_every_s": every} | {k: row[k] for k in KEEP if k != "gc_every_s"})
+            rows.append({"gc_every_s": every} | {k: row[k] for k in KEEP})
             print("gc", rows[-1], flush=True)
     figures = {"open_executions": a.open_executions, "engines": a.engines, "pairs": a.pairs,
                "records_lost": sum(r["records_lost"] for r in rows), "errors": sum(r["errors"] for r in rows)}

@@ -43,7 +43,7 @@ class _Clock:
         self.users: list[tuple[float, int]] = []  # (every_s, every_objects) of each serving proxy
         self.was_enabled = True
         self.stop: threading.Event | None = None
-        self.stats = {"collections": 0, "freed": 0, "pause_s_max": 0.0}
+        self.collections = 0  # run by this clock
 
     def acquire(self, every_s: float, every_objects: int):
         user = (float(every_s), int(every_objects))
@@ -91,9 +91,7 @@ class _Clock:
             freed = gc.collect()  # holds the GIL throughout: the pause every call sees
             pause = time.perf_counter() - t
             last = time.monotonic()
-            self.stats["collections"] += 1
-            self.stats["freed"] += freed
-            self.stats["pause_s_max"] = max(self.stats["pause_s_max"], pause)
+            self.collections += 1
             logger.debug("full collection: %d objects freed in %.1f ms", freed, pause * 1e3)
 
 

@@ -24,11 +24,15 @@ def _garbage_cycle() -> weakref.ref:
     return weakref.ref(a)
 
 
-def _wait_freed(ref: weakref.ref, timeout: float) -> bool:
+def _wait(done, timeout: float) -> bool:
     end = time.monotonic() + timeout
-    while ref() is not None and time.monotonic() < end:
+    while not done() and time.monotonic() < end:
         time.sleep(0.02)
-    return ref() is None
+    return done()
+
+
+def _wait_freed(ref: weakref.ref, timeout: float) -> bool:
+    return _wait(lambda: ref() is None, timeout)
 
 
 @pytest.fixture
@@ -63,10 +67,7 @@ def test_the_clock_frees_the_cycles_left_while_serving(collector_on):
     try:
         ref = _garbage_cycle()
         assert _wait_freed(ref, timeout=10.0), "no clocked collection freed the cycle"
-        end = time.monotonic() + 10.0
-        while not collector._clock.stats["collections"] and time.monotonic() < end:
-            time.sleep(0.02)
-        assert collector._clock.stats["collections"] > 0
+        assert _wait(lambda: collector._clock.collections > 0, timeout=10.0)
     finally:
         handle.stop()
 
