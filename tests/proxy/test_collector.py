@@ -73,13 +73,13 @@ def test_the_clock_frees_the_cycles_left_while_serving(collector_on):
 
 
 def test_growth_brings_the_collection_forward(collector_on):
-    handle = serve_proxy(Proxy(ProxyConfig(port=0, gc_every_s=3600, gc_every_objects=20_000)))
+    handle = serve_proxy(Proxy(ProxyConfig(port=0, gc_every_s=3600, gc_every_objects=50_000)))
     try:
         gc.collect()  # the count starts from 0 (a collection resets it)
         ref = _garbage_cycle()
         time.sleep(0.6)
         assert ref() is not None, "collected before the containers alive grew by gc_every_objects"
-        keep = [{} for _ in range(25_000)]
+        keep = [{} for _ in range(60_000)]
         assert _wait_freed(ref, timeout=10.0), "growth past gc_every_objects brought no collection"
         del keep
     finally:
