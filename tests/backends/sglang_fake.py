@@ -46,9 +46,11 @@ sglang/srt/, lines of that wheel):
                           `spawn_scheduler_process`, a child process stands for the scheduler and
                           the TM's subprocess watchdog SIGQUITs this process if it dies while the
                           watchdog runs (utils/watchdog.py:166-225)
-  init_weights_update_group  joins a TCP rendezvous + PrefixStore(group_name) group as rank
-                          rank_offset (utils/common.py:2859, model_runner_components/
-                          weight_updater.py:100-144) and receives one broadcast(src=0) per name
+  init_weights_update_group  joins as rank rank_offset with SGLang's `init_custom_process_group`
+                          (utils/common.py:2859-2927, model_runner_components/weight_updater.py:
+                          100-144; exec'd from GYRE_SGLANG_SRC when set, else rewritten): tcp://
+                          rendezvous, PrefixStore(group_name), torch's _new_process_group_helper
+                          (two more prefixes); receives one broadcast(src=0) per name
                           (weight_updater.py:260-298); gloo on CPU
 
 Request classes: sglang.srt.managers.io_struct cannot be imported on a CPU machine (it imports
@@ -755,16 +757,77 @@ class _ThreadFuture:
         self.loop.call_soon_threadsafe(self.fut.set_exception, e)
 
 
+JOIN_TIMEOUT_S = 60.0  # SGLang passes none (weight_updater.py:133-139): default_pg_timeout, 30 min; tests fail faster
+JOINED_WITH: str | None = None  # how the last join ran: "sglang" (its own function) or "rewrite"
+_JOINED: dict[str, Any] = {}  # groups fake engines of this process joined, by name
+
+
 def _join_group(m: InitWeightsUpdateGroupReqInput) -> Any:
-    """SGLang's init_custom_process_group (utils/common.py:2859) for this TP rank (0): TCP
-    rendezvous as a client, PrefixStore(group_name), a gloo group (CPU)."""
+    """`init_weights_update_group` of the model runner (model_executor/model_runner_components/
+    weight_updater.py:100-144) for TP rank 0: rank rank_offset of `init_custom_process_group`
+    (utils/common.py:2859) over tcp://master_address:master_port. SGLang's own function when
+    GYRE_SGLANG_SRC names an unpacked wheel, else `_init_custom_process_group`; gloo (CPU)."""
+    global JOINED_WITH
     import torch.distributed as dist
 
     if m.backend != "gloo":
         raise ValueError(f"fake sglang runs on CPU: backend {m.backend!r} unsupported, use gloo")
-    timeout = timedelta(seconds=60)
-    store = dist.TCPStore(m.master_address, m.master_port, m.world_size, is_master=False, timeout=timeout)
-    return dist.ProcessGroupGloo(dist.PrefixStore(m.group_name, store), m.rank_offset, m.world_size, timeout)
+    assert m.group_name != "", "Group name cannot be empty"  # weight_updater.py:122
+    # Every real engine's scheduler is a process of its own; fake engines share this one, so the
+    # group an earlier engine joined under this name goes first (torch refuses a registered name,
+    # distributed_c10d.py:2008). Not modelled: one engine joining twice (SGLang: that error).
+    if m.group_name in _JOINED:
+        dist.destroy_process_group(_JOINED.pop(m.group_name))
+    init = _sglang_init_custom_process_group()
+    JOINED_WITH = "rewrite" if init is None else "sglang"
+    host = m.master_address.strip("[]")
+    host = f"[{host}]" if ":" in host else host  # NetworkAddress.to_tcp (utils/network.py:526-565)
+    pg = (init or _init_custom_process_group)(backend=m.backend, init_method=f"tcp://{host}:{m.master_port}",
+                                              world_size=m.world_size, rank=m.rank_offset + 0, group_name=m.group_name,
+                                              timeout=timedelta(seconds=JOIN_TIMEOUT_S))
+    _JOINED[m.group_name] = pg
+    return pg
+
+
+def _init_custom_process_group(*, backend: str, init_method: str, world_size: int, rank: int, group_name: str,
+                               timeout: timedelta) -> Any:
+    """utils/common.py:2859-2927 for the arguments weight_updater.py:133-139 passes. The layout
+    the trainer must match: a TCPStore client (rank 0 hosts it), PrefixStore(group_name) around
+    it, then torch's `_new_process_group_helper` adds PrefixStore(f"{group_name}/") and
+    PrefixStore(f"{device}/") (torch 2.13 distributed_c10d.py:2060, 2101) and registers the group
+    (so `dist.broadcast(group=pg)` works, weight_updater.py:283)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))  # :2899-2901
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)  # :2905
+    pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store, group_name=group_name,
+                                           backend_options=None, timeout=timeout, device_id=None)  # :2913-2923
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # :2925
+    return pg
+
+
+def _sglang_init_custom_process_group() -> Any:
+    """SGLang's own `init_custom_process_group` from $GYRE_SGLANG_SRC/sglang/srt/utils/common.py,
+    or None when it is unset. That module imports triton and CUDA kernel packages, so only the
+    function is compiled (its line numbers kept), with the one global it reads, `torch_release`
+    (common.py:120)."""
+    root = os.environ.get("GYRE_SGLANG_SRC")
+    if not root:
+        return None
+    import ast
+
+    from packaging import version
+
+    path = os.path.join(root, "sglang", "srt", "utils", "common.py")
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    fns = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "init_custom_process_group"]
+    if not fns:
+        raise RuntimeError(f"{path} has no init_custom_process_group (GYRE_SGLANG_SRC is not sglang 0.5.23?)")
+    namespace = {"torch": torch, "torch_release": version.parse(torch.__version__).release}
+    exec(compile(ast.Module(body=fns, type_ignores=[]), path, "exec"), namespace)
+    return namespace["init_custom_process_group"]
 
 
 # ----------------------------------------------------------------------------- engine

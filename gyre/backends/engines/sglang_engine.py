@@ -637,9 +637,9 @@ class SglangEngine:
 
 class WeightBroadcaster:
     """The core's side of `SglangEngine.init_weights_update_group`: rank 0 of a process group of
-    its own (SGLang's `init_custom_process_group`, utils/common.py:2859: a TCP rendezvous on
-    master_port, a PrefixStore named after the group), then one `broadcast(src=0)` per tensor in
-    the order of `names` (model_runner_components/weight_updater.py:260-298).
+    its own, laid out in the store as SGLang's `init_custom_process_group` lays out the engine
+    ranks (utils/common.py:2859-2927; `connect`), then one `broadcast(src=0)` per tensor in the
+    order of `names` (model_runner_components/weight_updater.py:260-298).
 
     The group is a ProcessGroup object of its own, never registered with torch.distributed's
     world, so it cannot collide with Gyre's groups. `__init__` hosts the rendezvous store
@@ -660,15 +660,31 @@ class WeightBroadcaster:
         self.group = None
 
     def connect(self) -> None:
+        """Build rank 0 so both sides wait on the same keys. SGLang's side (rank_offset + tp_rank,
+        weight_updater.py:124-139) wraps its tcp:// rendezvous store in PrefixStore(group_name)
+        (common.py:2905) and hands it to torch's `_new_process_group_helper`, which adds
+        PrefixStore(f"{group_name}/") and PrefixStore(f"{device}/") (torch 2.13 distributed_c10d.py:
+        2060, 2101; device: the backend's first, cuda for nccl, cpu for gloo) and builds the
+        backend with the options below (:2163-2209, 2261-2273). Not through that helper here: it
+        registers the name in this process's world (a second connect, or a Gyre group so named,
+        is refused) and, when Gyre's default group is bound to a device, splits the NCCL
+        communicator from it, a collective of Gyre's ranks rather than this group's."""
         import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
 
+        device = next(iter(c10d.BackendConfig(c10d.Backend(self.backend)).get_device_backend_map()))
         store = dist.PrefixStore(self.group_name, self.store)
+        store = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{self.group_name}/", store))
         if self.backend == "gloo":
-            self.group = dist.ProcessGroupGloo(store, 0, self.world_size, self.timeout)
+            group = dist.ProcessGroupGloo(store, 0, self.world_size, self.timeout)
+            group.options.global_ranks_in_group, group.options.group_name = [], self.group_name
         else:
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = self.timeout
-            self.group = dist.ProcessGroupNCCL(store, 0, self.world_size, opts)
+            opts.is_high_priority_stream, opts._timeout = False, self.timeout
+            opts.global_ranks_in_group, opts.group_name = [], self.group_name
+            group = dist.ProcessGroupNCCL(store, 0, self.world_size, opts)
+        group._set_sequence_number_for_group()
+        self.group = group
 
     @staticmethod
     def describe(params: dict[str, torch.Tensor]) -> tuple[list[str], list[str], list[list[int]]]:
