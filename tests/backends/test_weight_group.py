@@ -12,6 +12,7 @@ async_op=True)` per name, then wait, which needs the group registered with torch
   rewrite  the conformance fake's own rewrite of that function (tests/backends/sglang_fake.py)
   sglang   the fake's join with GYRE_SGLANG_SRC set: it execs SGLang's own function from the
            unpacked wheel (skipped without it)
+  DETAIL   both sides with TORCH_DISTRIBUTED_DEBUG=DETAIL (torch's checking wrapper)
 
 Every wait is short (TIMEOUT_S), so a layout mismatch fails as a timeout in seconds."""
 
@@ -66,7 +67,7 @@ def _bits(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-@pytest.mark.parametrize("side,debug", [("rewrite", "OFF"), ("sglang", "OFF")])
+@pytest.mark.parametrize("side,debug", [("rewrite", "OFF"), ("sglang", "OFF"), ("rewrite", "DETAIL")])
 def test_weight_broadcaster_meets_sglangs_group_and_tensors_arrive_bit_exact(side, debug, tmp_path):
     """debug=DETAIL: with TORCH_DISTRIBUTED_DEBUG=DETAIL torch wraps SGLang's group in a checking
     wrapper with a gloo helper group of its own (distributed_c10d.py:2289-2306); rank 0 must too."""

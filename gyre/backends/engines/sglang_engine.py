@@ -665,7 +665,7 @@ class WeightBroadcaster:
         (common.py:2905) and hands it to torch's `_new_process_group_helper`, which adds
         PrefixStore(f"{group_name}/") and PrefixStore(f"{device}/") (torch 2.13 distributed_c10d.py:
         2060, 2101; device: the backend's first, cuda for nccl, cpu for gloo) and builds the
-        backend with the options below (:2163-2209, 2261-2273). Not through that helper here: it
+        backend with the options below (:2163-2209, 2261-2306). Not through that helper here: it
         registers the name in this process's world (a second connect, or a Gyre group so named,
         is refused) and, when Gyre's default group is bound to a device, splits the NCCL
         communicator from it, a collective of Gyre's ranks rather than this group's."""
@@ -684,6 +684,8 @@ class WeightBroadcaster:
             opts.global_ranks_in_group, opts.group_name = [], self.group_name
             group = dist.ProcessGroupNCCL(store, 0, self.world_size, opts)
         group._set_sequence_number_for_group()
+        if dist.get_debug_level() == dist.DebugLevel.DETAIL:  # SGLang's side wraps too, with a gloo helper group
+            group = c10d._create_process_group_wrapper(group, self.group_name, store, 0, self.world_size, self.timeout)
         self.group = group
 
     @staticmethod
