@@ -34,7 +34,9 @@ from gyre.runtime.rundir import RunDir
 from gyre.topology import Groups, Topology
 
 if TYPE_CHECKING:
+    from gyre.backends.engines.engine_host import EngineHost
     from gyre.config import GyreConfig
+    from gyre.runtime.worker import CellWorker
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +82,7 @@ def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights:
     from gyre.backends.models.vocab import VocabError, check_project_fallback, check_vocab, load_vocab
     from gyre.errors import ConfigError
     from gyre.runtime.controller import Controller
-    from gyre.backends.engines.engine_host import EngineHost, bind_address
+    from gyre.backends.engines.engine_host import bind_address
     from gyre.runtime.worker import CellWorker
 
     control = ControlPlane(store, topo.rank)
@@ -122,7 +124,7 @@ def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights:
         bind, announce = bind_address(cfg.proxy.host, single_node=single_node, peer=os.environ.get("MASTER_ADDR"))
         if kv is not None and hasattr(engine, "attach_kv_transport"):
             engine.attach_kv_transport(kv, measure_prefill=True)  # --proxy.migration: this engine can move calls
-        engine_host = EngineHost(engine, host=bind, announce=announce, secret=engine_secret)
+        engine_host = host_engine(engine, host=bind, announce=announce, secret=engine_secret)
         store.set(f"engine/{topo.rank}", engine_host.url)
 
     def make_actor(is_core: bool):
@@ -141,26 +143,41 @@ def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights:
                                 run=run)
         controller.start()
 
-    while True:
-        msg = control.recv(what="a command from the controller")  # blocking: the controller's next command
-        try:
-            if not worker.handle(msg):
-                break
-        except Exception as e:
-            # Log the traceback here, tell the controller (it stops the other ranks and states the
-            # root cause once), give it a moment to do so before torchrun tears the job down.
-            logger.exception("rank %d failed while handling %r", topo.rank, msg)
-            control.send(CONTROLLER, Failed(cell=topo.cell, rank=topo.rank, command=type(msg).__name__,
-                                            error=f"{type(e).__name__}: {e}"))
-            if controller is not None:
-                controller.join()  # raises the RunFailed it built from the report
-            time.sleep(3.0)
-            raise WorkerFailed(f"rank {topo.rank} failed") from e
+    serve(worker, control, topo, controller)
     if controller is not None:
         controller.join()  # raises RunFailed when the run stopped early
     elif worker.stopped_by_failure:
         raise RunStopped(f"rank {topo.rank}: stopped early by the controller (rank 0 reports why)")
     logger.info("rank %d done", topo.rank)
+
+
+def host_engine(engine: Any, *, host: str, announce: str, secret: str | None) -> EngineHost:
+    """This rank's engine, started and served from its own thread (`EngineHost`)."""
+    from gyre.backends.engines.engine_host import EngineHost
+
+    return EngineHost(engine, host=host, announce=announce, secret=secret)
+
+
+def serve(worker: CellWorker, control: ControlPlane, topo: Topology, controller: Any = None, *,
+          linger_s: float = 3.0) -> None:
+    """The rank's loop: wait for the controller's next command, execute it, until a `Stop`.
+
+    A handler that raises: its traceback is logged here, the controller is told (it stops the
+    other ranks and states the root cause once) and given `linger_s` to do so before torchrun
+    tears the job down; then WorkerFailed."""
+    while True:
+        msg = control.recv(what="a command from the controller")  # blocking: the controller's next command
+        try:
+            if not worker.handle(msg):
+                return
+        except Exception as e:
+            logger.exception("rank %d failed while handling %r", topo.rank, msg)
+            control.send(CONTROLLER, Failed(cell=topo.cell, rank=topo.rank, command=type(msg).__name__,
+                                            error=f"{type(e).__name__}: {e}"))
+            if controller is not None:
+                controller.join()  # raises the RunFailed it built from the report
+            time.sleep(linger_s)
+            raise WorkerFailed(f"rank {topo.rank} failed") from e
 
 
 def _record_ranks(topo: Topology, groups: Groups, run: RunDir) -> None:
