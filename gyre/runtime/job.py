@@ -28,7 +28,7 @@ import torch.distributed as dist
 from gyre.backends import factory
 from gyre.backends.protocols import WeightTransport
 from gyre.runtime.control import CONTROLLER, ControlPlane, SignedStore, default_store
-from gyre.errors import RunStopped, WorkerFailed
+from gyre.errors import EngineDied, RunStopped, WorkerFailed
 from gyre.runtime.messages import Failed, Interrupted
 from gyre.runtime.rundir import RunDir
 from gyre.topology import Groups, Topology
@@ -152,27 +152,35 @@ def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights:
 
 
 def host_engine(engine: Any, *, host: str, announce: str, secret: str | None) -> EngineHost:
-    """This rank's engine, started and served from its own thread (`EngineHost`)."""
+    """This rank's engine, started and served from its own thread (`EngineHost`), with the SIGQUIT
+    watch on this (main) thread: an engine process that dies is this rank's diagnosed failure
+    (`engine_host.SigquitWatch`), not a core dump."""
     from gyre.backends.engines.engine_host import EngineHost
 
-    return EngineHost(engine, host=host, announce=announce, secret=secret)
+    return EngineHost(engine, host=host, announce=announce, secret=secret, watch_sigquit=True)
 
 
 def serve(worker: CellWorker, control: ControlPlane, topo: Topology, controller: Any = None, *,
           linger_s: float = 3.0) -> None:
     """The rank's loop: wait for the controller's next command, execute it, until a `Stop`.
 
-    A handler that raises: its traceback is logged here, the controller is told (it stops the
-    other ranks and states the root cause once) and given `linger_s` to do so before torchrun
-    tears the job down; then WorkerFailed."""
+    A handler that raises, or the engine dying (`EngineDied`, raised by the SIGQUIT watch wherever
+    this thread waits, a command's engine call or the next command): its traceback is logged here,
+    the controller is told (it stops the other ranks and states the root cause once) and given
+    `linger_s` to do so before torchrun tears the job down; then WorkerFailed."""
     while True:
-        msg = control.recv(what="a command from the controller")  # blocking: the controller's next command
+        msg = None
         try:
+            msg = control.recv(what="a command from the controller")  # blocking: the controller's next command
             if not worker.handle(msg):
                 return
         except Exception as e:
-            logger.exception("rank %d failed while handling %r", topo.rank, msg)
-            control.send(CONTROLLER, Failed(cell=topo.cell, rank=topo.rank, command=type(msg).__name__,
+            if msg is None and not isinstance(e, EngineDied):
+                raise  # the control plane itself failed (gyre.run logs it)
+            logger.exception("rank %d failed %s", topo.rank,
+                             f"while handling {msg!r}" if msg is not None else "while waiting for a command")
+            command = type(msg).__name__ if msg is not None else "no command (it was waiting for one)"
+            control.send(CONTROLLER, Failed(cell=topo.cell, rank=topo.rank, command=command,
                                             error=f"{type(e).__name__}: {e}"))
             if controller is not None:
                 controller.join()  # raises the RunFailed it built from the report
