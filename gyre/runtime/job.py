@@ -9,7 +9,8 @@ names a concrete one. The per-rank loop is the last few lines of `_train`: wait 
 execute it. Every blocking wait of the job is one of: the barrier after `--train.prepare` (`prepare`,
 called by gyre.run before the run directory exists), the engine secret's broadcast and the gather
 of every rank's process identity (run.json), creating the weight transport (torch: its
-gloo group), the barrier after snapshot 0,
+gloo group), the barrier after snapshot 0, the cell's barrier before its actors are built
+(`CellWorker.first_actor`: after position 0's engine started) and inside each hand-over,
 `control.recv` for the next command, a collective inside a command (gradient reduction / parameter broadcast over a prefix group), or a one-sided
 snapshot read (`weights.fetch*`, answered by the core's transport without its training thread).
 """
@@ -135,8 +136,9 @@ def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights:
                         offload_actor=cfg.backend.offload_actor)
     # A satellite's actor is built now, not at its first switch: the first model build in a
     # process costs seconds (library imports, 5-7 s measured under load), which used to keep
-    # every satellite out of the first step it was switched in for.
-    worker.actor = core_actor if core_actor is not None else make_actor(False)
+    # every satellite out of the first step it was switched in for. Blocking: after the engine
+    # on position 0 measured the free memory of every GPU of the cell (the cell's barrier).
+    worker.first_actor(core_actor)
     controller = None
     if topo.is_controller:
         controller = Controller(cfg, topo, store, start_version=start_version, engine_secret=engine_secret,
