@@ -48,3 +48,59 @@ def test_a_scheduler_death_is_the_ranks_diagnosed_failure(tmp_path, crash_on, co
     assert f["error"].startswith("EngineDied: engine rank0 (sglang) died"), f["error"]
     assert "Scheduler hit an exception" in f["error"] and f"fails handling {crash_on}" in f["error"], f["error"]
     assert lines[-1] == {"type": "exit", "error": "WorkerFailed: rank 0 failed"}
+
+
+def test_the_watch_raises_once_names_the_engine_and_leaves_no_trace(caplog):
+    """In this process (pytest's main thread): the first SIGQUIT is EngineDied with the engine's
+    last log lines, a later one (another TP scheduler, the watchdog) is logged only, none while
+    the engine stops; uninstall puts the previous handler back and stops collecting log lines."""
+    import logging
+    import os
+    import time
+
+    from gyre.backends.engines.engine_host import SigquitWatch
+    from gyre.errors import EngineDied
+
+    def quit_and_wait() -> None:
+        os.kill(os.getpid(), signal.SIGQUIT)
+        time.sleep(0.2)  # the handler runs on this (main) thread at the next check
+
+    before = signal.getsignal(signal.SIGQUIT)
+    watch = SigquitWatch("rank4 (sglang)", lines=3)
+    assert watch.install()
+    try:
+        logging.getLogger("sglang.srt.managers.scheduler").error("Scheduler hit an exception: line 1\nline 2\nOOM")
+        logging.getLogger("unrelated").error("not the engine's")
+        with pytest.raises(EngineDied) as e:
+            quit_and_wait()
+        assert str(e.value).startswith("engine rank4 (sglang) died")
+        # the last 3 lines, of the engine's loggers only
+        assert str(e.value).endswith("ERROR sglang.srt.managers.scheduler: Scheduler hit an exception: line 1\n"
+                                     "    line 2\n    OOM"), str(e.value)
+        quit_and_wait()  # the second: logged, not raised
+        assert "SIGQUIT again" in caplog.text
+    finally:
+        watch.uninstall()
+    assert signal.getsignal(signal.SIGQUIT) == before
+    logging.getLogger("sglang").error("after")
+    assert "after" not in "\n".join(watch.tail.lines)
+
+    stopping = SigquitWatch("rank0 (sglang)")
+    stopping.install()
+    try:
+        stopping.stopping = True
+        quit_and_wait()  # the engine's own processes ended by its stop: no failure
+    finally:
+        stopping.uninstall()
+
+
+def test_the_watch_is_not_installed_off_the_main_thread():
+    import threading
+
+    from gyre.backends.engines.engine_host import SigquitWatch
+
+    before, out = signal.getsignal(signal.SIGQUIT), []
+    t = threading.Thread(target=lambda: out.append(SigquitWatch("x").install()))
+    t.start()
+    t.join()
+    assert out == [False] and signal.getsignal(signal.SIGQUIT) == before

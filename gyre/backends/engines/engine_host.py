@@ -124,7 +124,7 @@ class SigquitWatch:
     def uninstall(self) -> None:
         if not self.installed:
             return
-        signal.signal(signal.SIGQUIT, self._previous)
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL if self._previous is None else self._previous)
         for name in self.LOGGERS:
             logging.getLogger(name).removeHandler(self.tail)
         self.installed = False
