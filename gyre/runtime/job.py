@@ -5,7 +5,7 @@
     other ranks  a satellite's (or pool engine's) worker + its engine
 
 The backends (engine, actor, weight transport) come from `gyre.backends.factory`; nothing here
-names a concrete one. The per-rank loop is the last few lines of `_train`: wait for a command,
+names a concrete one. The per-rank loop is `serve`: wait for a command,
 execute it. Every blocking wait of the job is one of: the barrier after `--train.prepare` (`prepare`,
 called by gyre.run before the run directory exists), the engine secret's broadcast and the gather
 of every rank's process identity (run.json), creating the weight transport (torch: its
