@@ -11,6 +11,9 @@ raises, kept here at the bottom so that any module may raise them without import
                   the controller (the rank exits 1)
     WriteFailed   a write the run depends on failed (a full disk); `failure(exc, what, path)`
                   builds it, `describe` is its sentence (`gyre.runtime.writes` reports them)
+    EngineDied    an engine process of this rank died and SIGQUIT it (SGLang's scheduler
+                  and watchdog do); raised on the main thread by `engine_host.SigquitWatch`,
+                  reported like any handler's failure (the rank exits 1 with WorkerFailed)
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ class RunStopped(RunFailed):
 
 class WorkerFailed(RunFailed):
     """This rank raised while handling a command; its traceback is in its log."""
+
+
+class EngineDied(RuntimeError):
+    """An engine process of this rank died (SIGQUIT from it); names the engine and its last log lines."""
 
 
 class WriteFailed(RunFailed):

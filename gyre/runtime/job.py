@@ -5,11 +5,12 @@
     other ranks  a satellite's (or pool engine's) worker + its engine
 
 The backends (engine, actor, weight transport) come from `gyre.backends.factory`; nothing here
-names a concrete one. The per-rank loop is the last few lines of `_train`: wait for a command,
+names a concrete one. The per-rank loop is `serve`: wait for a command,
 execute it. Every blocking wait of the job is one of: the barrier after `--train.prepare` (`prepare`,
 called by gyre.run before the run directory exists), the engine secret's broadcast and the gather
 of every rank's process identity (run.json), creating the weight transport (torch: its
-gloo group), the barrier after snapshot 0,
+gloo group), the barrier after snapshot 0, the cell's barrier before its actors are built
+(`CellWorker.first_actor`: after position 0's engine started) and inside each hand-over,
 `control.recv` for the next command, a collective inside a command (gradient reduction / parameter broadcast over a prefix group), or a one-sided
 snapshot read (`weights.fetch*`, answered by the core's transport without its training thread).
 """
@@ -28,13 +29,15 @@ import torch.distributed as dist
 from gyre.backends import factory
 from gyre.backends.protocols import WeightTransport
 from gyre.runtime.control import CONTROLLER, ControlPlane, SignedStore, default_store
-from gyre.errors import RunStopped, WorkerFailed
+from gyre.errors import EngineDied, RunStopped, WorkerFailed
 from gyre.runtime.messages import Failed, Interrupted
 from gyre.runtime.rundir import RunDir
 from gyre.topology import Groups, Topology
 
 if TYPE_CHECKING:
+    from gyre.backends.engines.engine_host import EngineHost
     from gyre.config import GyreConfig
+    from gyre.runtime.worker import CellWorker
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +83,7 @@ def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights:
     from gyre.backends.models.vocab import VocabError, check_project_fallback, check_vocab, load_vocab
     from gyre.errors import ConfigError
     from gyre.runtime.controller import Controller
-    from gyre.backends.engines.engine_host import EngineHost, bind_address
+    from gyre.backends.engines.engine_host import bind_address
     from gyre.runtime.worker import CellWorker
 
     control = ControlPlane(store, topo.rank)
@@ -122,7 +125,7 @@ def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights:
         bind, announce = bind_address(cfg.proxy.host, single_node=single_node, peer=os.environ.get("MASTER_ADDR"))
         if kv is not None and hasattr(engine, "attach_kv_transport"):
             engine.attach_kv_transport(kv, measure_prefill=True)  # --proxy.migration: this engine can move calls
-        engine_host = EngineHost(engine, host=bind, announce=announce, secret=engine_secret)
+        engine_host = host_engine(engine, host=bind, announce=announce, secret=engine_secret)
         store.set(f"engine/{topo.rank}", engine_host.url)
 
     def make_actor(is_core: bool):
@@ -133,34 +136,58 @@ def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights:
                         offload_actor=cfg.backend.offload_actor)
     # A satellite's actor is built now, not at its first switch: the first model build in a
     # process costs seconds (library imports, 5-7 s measured under load), which used to keep
-    # every satellite out of the first step it was switched in for.
-    worker.actor = core_actor if core_actor is not None else make_actor(False)
+    # every satellite out of the first step it was switched in for. Blocking: after the engine
+    # on position 0 measured the free memory of every GPU of the cell (the cell's barrier).
+    worker.first_actor(core_actor)
     controller = None
     if topo.is_controller:
         controller = Controller(cfg, topo, store, start_version=start_version, engine_secret=engine_secret,
                                 run=run)
         controller.start()
 
-    while True:
-        msg = control.recv(what="a command from the controller")  # blocking: the controller's next command
-        try:
-            if not worker.handle(msg):
-                break
-        except Exception as e:
-            # Log the traceback here, tell the controller (it stops the other ranks and states the
-            # root cause once), give it a moment to do so before torchrun tears the job down.
-            logger.exception("rank %d failed while handling %r", topo.rank, msg)
-            control.send(CONTROLLER, Failed(cell=topo.cell, rank=topo.rank, command=type(msg).__name__,
-                                            error=f"{type(e).__name__}: {e}"))
-            if controller is not None:
-                controller.join()  # raises the RunFailed it built from the report
-            time.sleep(3.0)
-            raise WorkerFailed(f"rank {topo.rank} failed") from e
+    serve(worker, control, topo, controller)
     if controller is not None:
         controller.join()  # raises RunFailed when the run stopped early
     elif worker.stopped_by_failure:
         raise RunStopped(f"rank {topo.rank}: stopped early by the controller (rank 0 reports why)")
     logger.info("rank %d done", topo.rank)
+
+
+def host_engine(engine: Any, *, host: str, announce: str, secret: str | None) -> EngineHost:
+    """This rank's engine, started and served from its own thread (`EngineHost`), with the SIGQUIT
+    watch on this (main) thread: an engine process that dies is this rank's diagnosed failure
+    (`engine_host.SigquitWatch`), not a core dump."""
+    from gyre.backends.engines.engine_host import EngineHost
+
+    return EngineHost(engine, host=host, announce=announce, secret=secret, watch_sigquit=True)
+
+
+def serve(worker: CellWorker, control: ControlPlane, topo: Topology, controller: Any = None, *,
+          linger_s: float = 3.0) -> None:
+    """The rank's loop: wait for the controller's next command, execute it, until a `Stop`.
+
+    A handler that raises, or the engine dying (`EngineDied`, raised by the SIGQUIT watch wherever
+    this thread waits, a command's engine call or the next command): its traceback is logged here,
+    the controller is told (it stops the other ranks and states the root cause once) and given
+    `linger_s` to do so before torchrun tears the job down; then WorkerFailed."""
+    while True:
+        msg = None
+        try:
+            msg = control.recv(what="a command from the controller")  # blocking: the controller's next command
+            if not worker.handle(msg):
+                return
+        except Exception as e:
+            if msg is None and not isinstance(e, EngineDied):
+                raise  # the control plane itself failed (gyre.run logs it)
+            logger.exception("rank %d failed %s", topo.rank,
+                             f"while handling {msg!r}" if msg is not None else "while waiting for a command")
+            command = type(msg).__name__ if msg is not None else "no command (it was waiting for one)"
+            control.send(CONTROLLER, Failed(cell=topo.cell, rank=topo.rank, command=command,
+                                            error=f"{type(e).__name__}: {e}"))
+            if controller is not None:
+                controller.join()  # raises the RunFailed it built from the report
+            time.sleep(linger_s)
+            raise WorkerFailed(f"rank {topo.rank} failed") from e
 
 
 def _record_ranks(topo: Topology, groups: Groups, run: RunDir) -> None:

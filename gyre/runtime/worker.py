@@ -8,7 +8,8 @@ every transition is reported to the controller, which keeps the run's timeline.
 
     ToTrain             ROLLOUT → DRAINING (engine releases memory; the proxy has already
                         rerouted its calls) → JOINING (actor state back on the device; a satellite
-                        pulls the core's current snapshot) ; then asks for work
+                        pulls the core's current snapshot) ; then asks for work. Every hand-over
+                        waits for the whole cell between its two halves (`cell_barrier`)
     TrainWork           train one bundle of micro-steps (JOINING → TRAIN on the first); ask again
     Reduce(k, final,    sum gradients over the prefix group of cells 0..k−1; the core scales
       grad_scale)       them by grad_scale (|E| = valid, docs/design.md §6), clips, steps (no
@@ -86,6 +87,30 @@ class CellWorker:
         if actor is not None and self.sm.state is CellState.ROLLOUT:
             self._offload()
 
+    def first_actor(self, core_actor: Actor | None) -> None:
+        """Start-up: this rank's actor, the core's (built before the engine, on every position) or
+        a satellite's, built now, once position 0's engine has started: SGLang sizes its KV cache
+        from the memory free on every GPU of the cell at its start and refuses a > 10 % imbalance
+        between them (sglang/srt/distributed/bootstrap.py:441-452), so no position loads an actor
+        onto its GPU while the engine measures."""
+        self.cell_barrier()
+        self.actor = core_actor if core_actor is not None else self.make_actor(False)
+
+    def cell_barrier(self) -> None:
+        """Wait for every rank of this cell (or pool engine): a CPU all-reduce on the cell's own
+        group, over gloo whatever the backend string. Position 0's engine spans every GPU of the
+        cell (SGLang's TP ranks) while each position holds its own actor, so the memory changes
+        hands on all of them together. A cell of one rank has nothing to wait for."""
+        t = self.topo
+        if self.groups is None or t.cell_size == 1:
+            return
+        import torch
+        import torch.distributed as dist
+
+        group = (self.groups.cells[t.cell] if t.cell is not None
+                 else self.groups.pool[(t.rank - t.num_cells * t.cell_size) // t.cell_size])
+        dist.all_reduce(torch.zeros(1), group=group)  # blocking: the ranks of this cell
+
     def _offload(self) -> float:
         """Actor state to host memory (`Actor.offload`), unless --backend.no-offload-actor; seconds."""
         if not self.offload_actor:
@@ -145,12 +170,17 @@ class CellWorker:
         return handler(self, msg) is not False
 
     def _on_to_train(self, msg: ToTrain) -> None:
-        """Memory hand-over, rollout → train: the engine frees its memory first, then the actor's
-        state comes back to the device (docs/design.md §3); each part is timed and reported."""
+        """Memory hand-over, rollout → train: the engine frees its memory first, on every GPU of
+        the cell (the cell's barrier: no position restores before position 0's release has
+        ended), then the actor's state comes back to the device (docs/design.md §3); each part is
+        timed and reported (engine_release: on positions ≥ 1, the wait for it)."""
         self._to(CellState.DRAINING)
         t = [time.perf_counter()]
-        if self.engine is not None:
-            self.engine.release()
+        try:
+            if self.engine is not None:
+                self.engine.release()
+        finally:  # a failed release too: the other positions must not wait here forever
+            self.cell_barrier()
         t.append(time.perf_counter())
         if self.actor is None:
             self._actor = self.make_actor(self.topo.is_core)  # on the device: the cell trains now
@@ -234,9 +264,13 @@ class CellWorker:
 
     def _on_to_rollout(self, msg: ToRollout) -> None:
         """Memory hand-over, train → rollout: the actor's state leaves the device and its cache is
-        freed before the engine takes memory again (docs/design.md §3); each part is timed."""
+        freed, on every position (the cell's barrier), before the engine takes memory again on
+        every GPU of the cell (docs/design.md §3); each part is timed."""
         self._to(CellState.RESUMING)
-        offload_s = self._offload() if self.actor is not None else 0.0
+        try:
+            offload_s = self._offload() if self.actor is not None else 0.0
+        finally:
+            self.cell_barrier()
         t0 = time.perf_counter()
         if self.engine is not None:
             self.engine.resume()

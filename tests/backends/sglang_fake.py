@@ -14,8 +14,14 @@ sglang/srt/, lines of that wheel):
   release idle assertion  release_memory_occupation asserts `is_fully_idle(ignore_waiting=paused)`
                           (weight_updater.py:337-341, scheduler.py:5337-5370): last_batch still
                           holds a request that finished in the step before. A failed assert
-                          raises `SchedulerCrash` here (SGLang: scheduler dies, SIGQUIT to the
-                          rank, scheduler.py:6373) and the fake stays dead
+                          kills the scheduler (`SchedulerCrash`, below)
+  scheduler death         any exception in the scheduler's loop (run_scheduler_process,
+                          scheduler.py:6370-6379): "Scheduler hit an exception: <traceback>" is
+                          logged and SIGQUIT sent to its parent, the rank (scheduler.py:6343,
+                          6373); nothing answers the TM again (its awaits and streams hang). The
+                          fake's scheduler is a task in the rank, so the signal goes to this pid.
+                          `FakeEngine.crash_on` names a control request whose handling kills it
+                          (an OOM on resume, a kernel error)
   aborts                  rids match by prefix (scheduler.py:5675-5813); a waiting request is
                           dropped with an abort output, a running one gets `to_finish` and runs
                           one more decode step whose token is in its finishing chunk
@@ -251,7 +257,7 @@ def model_config_checks(config: Any, dtype: str, attention_backend: str | None) 
 
 
 class SchedulerCrash(AssertionError):
-    """The scheduler subprocess died (SGLang: SIGQUIT to the rank). The fake stays dead."""
+    """Raised inside the fake's scheduler: it dies as SGLang's does (`FakeScheduler._die`)."""
 
 
 # ----------------------------------------------------------------------------- scheduler
@@ -311,12 +317,11 @@ class FakeScheduler:
 
     def _process(self, msg: Any, fut: asyncio.Future | None) -> None:
         try:
+            if type(msg).__name__ == self.engine.crash_on:
+                raise SchedulerCrash(f"fake: the scheduler fails handling {type(msg).__name__} (FakeEngine.crash_on)")
             result = self._handle(msg)
         except SchedulerCrash as e:
-            self.dead = e
-            self.engine.tokenizer_manager._crash(e)
-            if fut is not None and not fut.done():
-                fut.set_exception(e)
+            self._die(e)
             return
         except BaseException as e:  # noqa: BLE001 — handed to the caller
             if fut is not None and not fut.done():
@@ -324,6 +329,19 @@ class FakeScheduler:
             return
         if fut is not None and not fut.done():
             fut.set_result(result)
+
+    def _die(self, e: SchedulerCrash) -> None:
+        """run_scheduler_process's `except Exception` (sglang 0.5.23 managers/scheduler.py:6370-6379):
+        log the traceback, SIGQUIT the parent process (`psutil.Process().parent()`, :6343; the
+        send at :6373), and end. The scheduler's parent is the rank; this fake scheduler runs
+        in the rank itself, so the signal goes to this pid. No reply ever reaches the TM: the
+        awaiting coroutine, and every stream, hang (the loop returns on `dead`)."""
+        import traceback
+
+        self.dead = e
+        logging.getLogger("sglang.srt.managers.scheduler").error(
+            "Scheduler hit an exception: %s", "".join(traceback.format_exception(e)).rstrip())
+        os.kill(os.getpid(), signal.SIGQUIT)
 
     def _handle(self, msg: Any) -> Any:
         if isinstance(msg, _SReq):
@@ -569,13 +587,8 @@ class FakeTokenizerManager:
             self._unpaused = asyncio.Event()
             self._unpaused.set()
             self._task = asyncio.get_running_loop().create_task(self.scheduler.loop(), name="fake-sglang-scheduler")
-        if self.scheduler.dead is not None:
-            raise SchedulerCrash(f"the scheduler died earlier: {self.scheduler.dead}")
-
-    def _crash(self, e: BaseException) -> None:
-        for state in self.rid_to_state.values():
-            state.out_list.append(e)
-            state.event.set()
+        # A dead scheduler answers nothing: requests sent now wait forever (real SGLang: the ZMQ
+        # send succeeds, no reply comes), unless the rank's SIGQUIT handler ends the wait.
 
     async def _call(self, msg: Any) -> Any:
         self.auto_create_handle_loop()
@@ -838,6 +851,7 @@ class FakeEngine:
     step_s = 0.002                  # sleep after each decode step (lets control messages in)
     chunk_delay_steps = 0           # token outputs reach the TM this many steps late
     spawn_scheduler_process = False  # start a child process standing for the scheduler
+    crash_on: str | None = None     # a control request's class name: its handling kills the scheduler
     instances: list["FakeEngine"] = []
 
     def __init__(self, **kwargs: Any):

@@ -10,19 +10,28 @@ Where it listens (`bind_address`): loopback when every rank is on one host, what
 `--proxy.host` says (only rank 0's proxy calls engines); across hosts the configured address,
 and when that is a wildcard the announced URL names the interface that routes to the rendezvous
 host (rank 0), never 0.0.0.0.
+
+An engine process that dies SIGQUITs the rank (SGLang's scheduler, managers/scheduler.py:6373,
+and its tokenizer manager's subprocess watchdog, utils/watchdog.py:221); SGLang handles that only
+when it starts on the main thread (entrypoints/engine.py:1969-1992, tokenizer_manager.py:2453-2459),
+never here. `SigquitWatch` turns it into `EngineDied` on the rank's main thread.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
 import logging
 import secrets
+import signal
+import threading
 from typing import Any
 
 import torch
 
 from gyre.backends.engines.engine_http import serve_engine
 from gyre.backends.protocols import RolloutEngine
+from gyre.errors import EngineDied
 from gyre.serving import is_loopback, route_address
 
 _WILDCARDS = ("", "0.0.0.0", "::")
@@ -62,11 +71,91 @@ def bind_address(host: str, *, single_node: bool, peer: str | None) -> tuple[str
     return host, host
 
 
+class _Tail(logging.Handler):
+    """The last `n` lines logged by the engine's loggers in this process."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.lines: collections.deque[str] = collections.deque(maxlen=n)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad format string must not hide the rest
+            text = str(record.msg)
+        first, *rest = text.splitlines() or [""]
+        self.lines.append(f"{record.levelname} {record.name}: {first}")
+        self.lines.extend(f"    {line}" for line in rest)
+
+
+class SigquitWatch:
+    """SIGQUIT on this rank → `EngineDied` raised on its main thread, once, naming the engine and
+    its last log lines (records of the `sglang` and `gyre.backends.engines` loggers here; a
+    scheduler's own traceback is logged by its process, to this rank's stderr).
+
+    The main thread is where the rank waits (for an engine call, for its next command); the
+    exception ends that wait and the job reports it like any handler's failure (`job.serve`: the
+    controller is told and states it once, the rank exits with WorkerFailed). Without it, SIGQUIT's
+    default action ended the rank on the spot (a core dump, no diagnosis). More SIGQUITs follow one
+    failure (a scheduler per TP rank, the watchdog): logged, not raised again; none while the
+    engine is being stopped. `install()` only on the main thread (Python's rule for handlers)."""
+
+    LOGGERS = ("sglang", "gyre.backends.engines")
+
+    def __init__(self, name: str, lines: int = 20) -> None:
+        self.name = name
+        self.tail = _Tail(lines)
+        self.fired = False
+        self.stopping = False
+        self._previous: Any = None
+        self.installed = False
+
+    def install(self) -> bool:
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("engine %s: SIGQUIT watch not installed (not on the main thread): a dying engine "
+                           "process will end this rank without a diagnosis", self.name)
+            return False
+        for name in self.LOGGERS:
+            logging.getLogger(name).addHandler(self.tail)
+        self._previous = signal.signal(signal.SIGQUIT, self._handle)
+        self.installed = True
+        return True
+
+    def uninstall(self) -> None:
+        if not self.installed:
+            return
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL if self._previous is None else self._previous)
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeHandler(self.tail)
+        self.installed = False
+
+    def diagnosis(self) -> str:
+        last = "\n".join(self.tail.lines) or "(none logged in this process)"
+        return (f"engine {self.name} died: one of its processes failed and sent this rank SIGQUIT (SGLang's "
+                f"scheduler does on any exception; its traceback, 'Scheduler hit an exception', is in this rank's "
+                f"stderr). The engine's last log lines here:\n{last}")
+
+    def _handle(self, signum: int, frame: Any = None) -> None:
+        if self.fired or self.stopping:
+            logger.warning("engine %s: SIGQUIT again (%s); not raised again", self.name,
+                           "stopping" if self.stopping else "its failure is being reported")
+            return
+        self.fired = True
+        raise EngineDied(self.diagnosis())
+
+
 class EngineHost:
+    """`watch_sigquit`: install a `SigquitWatch` (on the main thread) before the engine starts,
+    removed once it has stopped."""
+
     def __init__(self, engine: RolloutEngine, *, host: str = "127.0.0.1", announce: str | None = None,
-                 secret: str | None = None, timeout: float = 600.0) -> None:
+                 secret: str | None = None, timeout: float = 600.0, watch_sigquit: bool = False) -> None:
         self.engine = engine
         self.timeout = timeout
+        kind = getattr(type(engine), "name", None)  # "sglang": the class's; `name` is the rank's label
+        self.watch = SigquitWatch(engine.name if kind in (None, engine.name) else f"{engine.name} ({kind})")
+        if watch_sigquit:
+            self.watch.install()
         self.handle = serve_engine(engine, host=host, port=0, secret=secret)
         announce = announce or host
         self.url = f"http://[{announce}]:{self.handle.port}" if ":" in announce else f"http://{announce}:{self.handle.port}"
@@ -83,6 +172,7 @@ class EngineHost:
         self.handle.call(self.engine.update_weights(params, version), timeout=self.timeout)
 
     def stop(self) -> None:
+        self.watch.stopping = True  # an engine process ended by its stop is no failure
         stop = getattr(self.engine, "stop", None)  # optional in RolloutEngine (see there)
         if stop is not None:
             try:
@@ -90,3 +180,4 @@ class EngineHost:
             except Exception as e:  # shutting down anyway
                 logger.warning("engine stop: %r", e)
         self.handle.stop()
+        self.watch.uninstall()
