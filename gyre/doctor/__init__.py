@@ -72,10 +72,10 @@ def _local_lines(cfg, launch, *, cuda: bool, ranks_here: int) -> tuple[list[Line
     lines += _guarded("gpus", gpus)
     return lines, [
         *_guarded("proxy port", node.proxy_port_line, cfg, rank=launch.rank),
-        *(_guarded("rdma", node.rdma_line, cfg, node.rdma_devices()) if local else [skipped("rdma", "checked once a node")]),
+        *(_guarded("rdma", node.rdma_line, cfg, node.rdma_devices()) if local else []),  # once a node
         *_guarded("backends", node.backends_line, cfg),
         *_guarded("checkpoint", node.checkpoint_lines, cfg),
-        *(_guarded("sandbox", node.sandbox_line, cfg) if local else [skipped("sandbox", "checked once a node")]),
+        *(_guarded("sandbox", node.sandbox_line, cfg) if local else []),
     ]
 
 
@@ -113,10 +113,8 @@ def check(cfg, env: dict[str, str], timeout_s: float = TIMEOUT_S) -> tuple[list[
     ranks_here = hosts.count(host) if joined else int(env.get("LOCAL_WORLD_SIZE", "1"))
     head, tail = _local_lines(cfg, launch, cuda=cuda, ranks_here=ranks_here)
     lines = pre + head
-    if launch.rank == 0 or not joined:
+    if launch.rank == 0 or not joined:  # the other ranks' lines of rank-0 checks are left out of the merge
         lines.append(cluster.master_port_line(launch, env, reached=None if joined else reached or "not started"))
-    else:
-        lines.append(skipped("master port", "rank 0 reports it"))
     if joined:
         lines += _guarded("all-reduce", cluster.allreduce_line, cuda=cuda)
         lines += _guarded("prefix groups", cluster.prefix_line, cfg, cuda=cuda, alone=launch.launcher == "alone")
@@ -124,8 +122,8 @@ def check(cfg, env: dict[str, str], timeout_s: float = TIMEOUT_S) -> tuple[list[
         tag = cluster.probe_tag(launch.rank)
         path, err = cluster.write_probe(cluster.nearest_existing(target), tag)
         probes = cluster.gather((tag, path, err), launch.world)
-        lines += _guarded("run dir", cluster.run_dir_line, cfg, probes) if launch.rank == 0 else \
-            [skipped("run dir", "rank 0 checks every rank's probe")]
+        if launch.rank == 0:
+            lines += _guarded("run dir", cluster.run_dir_line, cfg, probes)
         dist.barrier()  # rank 0 has read every probe
         cluster.remove_probe(path)
     else:

@@ -52,12 +52,13 @@ def requirements_of_setup(source: str) -> list[tuple[str, str]]:
     raise ValueError("setup.py: no setup(...) call")
 
 
-def requirements_of_metadata(dist: str = "gyre") -> list[tuple[str, str]]:
-    """The same pairs from an installed distribution's metadata (`Requires-Dist`)."""
+def requirements_of_metadata(requires: list[str] | None = None) -> list[tuple[str, str]]:
+    """The same pairs from the installed distribution's metadata (`Requires-Dist` lines;
+    default: gyre's)."""
     from packaging.requirements import Requirement
 
     out = []
-    for text in md.requires(dist) or []:
+    for text in md.requires("gyre") or [] if requires is None else requires:
         req = Requirement(text)
         extra = ""
         if req.marker is not None:
