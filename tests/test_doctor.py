@@ -231,6 +231,22 @@ def test_run_dir_line(tmp_path):
     assert not list(tmp_path.glob(f"{cluster.PROBE_PREFIX}*"))
 
 
+def test_run_dir_that_gyre_run_would_refuse(tmp_path):
+    from gyre.runtime.rundir import RUN_OUTPUTS
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / RUN_OUTPUTS[0]).write_text("{}")  # a previous run's run.json
+    probe = [(cluster.probe_tag(0), *cluster.write_probe(run, cluster.probe_tag(0)))]
+    held = cluster.run_dir_line(parse_config(["--run-dir", str(run)]), probe)
+    assert held.status == FAIL and RUN_OUTPUTS[0] in held.detail and "--overwrite" in held.fix
+    assert cluster.run_dir_line(parse_config(["--run-dir", str(run), "--overwrite"]), probe).status == OK
+    assert cluster.run_dir_line(parse_config(["--run-dir", str(run), "--train.resume"]), probe).status == OK
+    absent = parse_config(["--run-dir", str(tmp_path / "absent"), "--train.resume"])
+    assert cluster.run_dir_line(absent, probe).status == FAIL
+    cluster.remove_probe(probe[0][1])
+
+
 # ----------------------------------------------------------------------------- checkpoint, backends, sandbox
 def _checkpoint(path: Path, family: str, **overrides) -> str:
     config = model_config(family, 64, **overrides)
@@ -284,6 +300,8 @@ def test_sandbox_line(monkeypatch):
     nocli = parse_config(["--executions.runner.sandbox", "container", "--executions.runner.container-image", "img",
                           "--executions.runner.container-cli", "no-such-cli-here"])
     assert node.sandbox_line(nocli).status == FAIL
+    monkeypatch.setattr(node.shutil, "which", lambda name: None)
+    assert node.sandbox_line(parse_config(["--executions.runner.sandbox", "unshare"])).status == FAIL
 
 
 # ----------------------------------------------------------------------------- the table

@@ -109,6 +109,7 @@ def check(cfg, env: dict[str, str], timeout_s: float = TIMEOUT_S) -> tuple[list[
         except Exception as e:  # noqa: BLE001 — a rendezvous that failed is the master port line's verdict
             reached = f"{type(e).__name__}: {e}".splitlines()[0]
     joined = dist.is_initialized()
+    nccl = joined and "nccl" in dist.get_backend()  # CUDA tensors over NCCL (not with --parallel.backend gloo)
     hosts = cluster.gather(host, launch.world) if joined else [host]
     ranks_here = hosts.count(host) if joined else int(env.get("LOCAL_WORLD_SIZE", "1"))
     head, tail = _local_lines(cfg, launch, cuda=cuda, ranks_here=ranks_here)
@@ -116,15 +117,15 @@ def check(cfg, env: dict[str, str], timeout_s: float = TIMEOUT_S) -> tuple[list[
     if launch.rank == 0 or not joined:  # the other ranks' lines of rank-0 checks are left out of the merge
         lines.append(cluster.master_port_line(launch, env, reached=None if joined else reached or "not started"))
     if joined:
-        lines += _guarded("all-reduce", cluster.allreduce_line, cuda=cuda)
-        lines += _guarded("prefix groups", cluster.prefix_line, cfg, cuda=cuda, alone=launch.launcher == "alone")
+        lines += _guarded("all-reduce", cluster.allreduce_line, nccl=nccl)
+        lines += _guarded("prefix groups", cluster.prefix_line, cfg, nccl=nccl, alone=launch.launcher == "alone")
         target, _ = cluster.run_dir_target(cfg)
         tag = cluster.probe_tag(launch.rank)
         path, err = cluster.write_probe(cluster.nearest_existing(target), tag)
         probes = cluster.gather((tag, path, err), launch.world)
         if launch.rank == 0:
             lines += _guarded("run dir", cluster.run_dir_line, cfg, probes)
-        dist.barrier()  # rank 0 has read every probe
+        cluster.gather(None, launch.world)  # a barrier on gloo: rank 0 has read every probe
         cluster.remove_probe(path)
     else:
         lines += [skipped("all-reduce", "no process group"), skipped("prefix groups", "no process group")]

@@ -99,9 +99,9 @@ def master_port_line(launch: Launch, env: dict[str, str], *, reached: str | None
                 "docs/cluster.md), and the port must be free on the master")
 
 
-def allreduce_line(*, cuda: bool) -> Line:
-    """Every rank: an all-reduce over the world of (rank + 1), on CPU (gloo) and, with CUDA, of
-    64 MiB on this rank's GPU (NCCL), each checked against W(W+1)/2."""
+def allreduce_line(*, nccl: bool) -> Line:
+    """Every rank: an all-reduce over the world of (rank + 1), on CPU (gloo) and, when `nccl`
+    carries the world's CUDA tensors, of 64 MiB on this rank's GPU, each checked against W(W+1)/2."""
     import torch
     import torch.distributed as dist
 
@@ -113,7 +113,7 @@ def allreduce_line(*, cuda: bool) -> Line:
         return Line("all-reduce", FAIL, f"gloo sum {t.item()} over {world} ranks, expected {expected}",
                     "a rank joined with a wrong RANK / WORLD_SIZE, or the network corrupts data")
     detail = f"gloo ok over {world} rank{'s' if world > 1 else ''}"
-    if cuda:
+    if nccl:
         x = torch.full((16 * 1024 * 1024,), float(rank + 1), device="cuda")  # 64 MiB of float32
         dist.all_reduce(x.clone())  # warm-up: NCCL builds its communicator on the first call
         torch.cuda.synchronize()
@@ -130,10 +130,11 @@ def allreduce_line(*, cuda: bool) -> Line:
     return Line("all-reduce", OK, detail)
 
 
-def prefix_line(cfg: GyreConfig, *, cuda: bool, alone: bool) -> Line:
+def prefix_line(cfg: GyreConfig, *, nccl: bool, alone: bool) -> Line:
     """Every rank: the layout (`--parallel.*`) against the world, then a broadcast from the core
     over every prefix group this rank is in (cells 0..k−1 at its position, k = 2..K), the group
-    Gyre's weight broadcasts use; each member checks it received the core rank's value."""
+    Gyre's weight broadcasts use (on this rank's GPU when `nccl`); each member checks it received
+    the core rank's value."""
     import torch
     import torch.distributed as dist
 
@@ -157,7 +158,7 @@ def prefix_line(cfg: GyreConfig, *, cuda: bool, alone: bool) -> Line:
             continue
         src = topo.prefix_ranks(k, topo.position)[0]
         value = float(src * 1000 + k)
-        t = torch.full((1024,), value if rank == src else -1.0, device="cuda" if cuda else "cpu")
+        t = torch.full((1024,), value if rank == src else -1.0, device="cuda" if nccl else "cpu")
         dist.broadcast(t, src=src, group=groups.prefix(k))
         if not bool((t == value).all()):
             return Line(name, FAIL, f"prefix k={k} (ranks {topo.prefix_ranks(k, topo.position)}): received "
@@ -230,10 +231,27 @@ def probe_tag(rank: int) -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{rank}"
 
 
+def run_dir_refusal(cfg: GyreConfig) -> str | None:
+    """What gyre.run's choice of the directory (`gyre.runtime.rundir`) would refuse: --train.resume
+    of a directory that is not there, or a --run-dir that already holds a run without --overwrite."""
+    from gyre.runtime.rundir import previous_outputs
+
+    if not cfg.run_dir:
+        return None
+    path = Path(cfg.run_dir)
+    if cfg.train.resume:
+        return None if path.is_dir() else f"--train.resume: run directory {path} does not exist"
+    found = previous_outputs(path) if path.is_dir() else []
+    if found and not cfg.overwrite:
+        return f"--run-dir {path} already holds a run ({', '.join(found)})"
+    return None
+
+
 def run_dir_line(cfg: GyreConfig, probes: list[tuple[str, str | None, str]]) -> Line:
     """Rank 0's verdict on the run directory from every rank's probe (`(tag, path, error)`, rank
     order): each rank could write its probe, and rank 0 reads every probe back with the tag that
-    rank wrote (a directory local to each node fails here: rank 0 does not see the others')."""
+    rank wrote (a directory local to each node fails here: rank 0 does not see the others'); then
+    what gyre.run would refuse of it (`run_dir_refusal`)."""
     target, flag = run_dir_target(cfg)
     fix_write = "choose a --run-dir under a directory every rank can write"
     broken = [(r, err) for r, (_, path, err) in enumerate(probes) if path is None]
@@ -254,6 +272,10 @@ def run_dir_line(cfg: GyreConfig, probes: list[tuple[str, str | None, str]]) -> 
         return Line("run dir", FAIL, f"{flag}: rank 0 does not see the probes of ranks {unseen} in {where}: "
                     "not one shared filesystem", "put --run-dir on a filesystem every node mounts at the same path "
                     "(NFS, Lustre, GPFS; docs/cluster.md)")
+    refused = run_dir_refusal(cfg)
+    if refused:
+        return Line("run dir", FAIL, refused, "pass --train.resume to continue it, --overwrite to start over, or "
+                    "another --run-dir")
     hosts = len({tag.rsplit("-", 2)[0] for tag, _, _ in probes})
     if len(probes) == 1:
         return Line("run dir", OK, f"{flag}: writable at {where}; other nodes not checked (run under srun for that)")
