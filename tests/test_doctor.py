@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -341,3 +342,57 @@ def test_three_ranks(tmp_path):
     assert rows["run dir"].status == OK and "3 ranks" in rows["run dir"].detail
     assert rows["master port"].status == OK
     assert not list(tmp_path.glob(f"{cluster.PROBE_PREFIX}*"))
+
+
+def _srun_tasks(tmp_path: Path, flags: list[str], wrap: dict[int, list[str]] | None = None) -> list[subprocess.CompletedProcess]:
+    """`srun --ntasks 2 python -m gyre.doctor FLAGS` on this machine: two processes with Slurm's
+    variables (the rendezvous: the nodelist's first host at GYRE_MASTER_PORT); `wrap[rank]` is a
+    command prefix for that task (`sh -c ... "$@"`)."""
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("SLURM_")}
+        env.update(PYTHONPATH=str(ROOT), SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                   SLURM_JOB_NODELIST="localhost", GYRE_MASTER_PORT=str(port))
+        argv = [*(wrap or {}).get(rank, []), sys.executable, "-m", "gyre.doctor", "--timeout-s", "60", *flags]
+        procs.append(subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+@pytest.mark.multirank
+def test_srun_tasks_share_the_run_dir(tmp_path):
+    r0, r1 = _srun_tasks(tmp_path, ["--run-dir", str(tmp_path / "run")])
+    assert (r0.returncode, r1.returncode) == (0, 0), r0.stdout + r0.stderr + r1.stderr
+    rows = table(r0.stdout)
+    assert "srun, 2 ranks" in r0.stdout and r1.stdout == ""  # rank 0 prints the one table
+    assert rows["master port"][0] == OK and "localhost:" in rows["master port"][1]
+    assert rows["run dir"][0] == OK and "2 ranks" in rows["run dir"][1]
+    assert rows["prefix groups"][0] == OK  # 2 cells of 1: the prefix group k=2
+
+
+def _can_mount_privately() -> bool:
+    if sys.platform != "linux" or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--mount", "sh", "-c", "mount -t tmpfs none /mnt"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.multirank
+@pytest.mark.skipif(not _can_mount_privately(), reason="needs `unshare --mount` and mount rights (a private tmpfs)")
+def test_a_node_local_run_dir_fails(tmp_path):
+    """Rank 1 sees its own tmpfs at the run directory's path (as a node-local disk would be): rank 0
+    cannot see rank 1's probe, and the run dir line fails naming rank 1."""
+    run = tmp_path / "run"
+    run.mkdir()
+    private = ["unshare", "--mount", "sh", "-c", f"mount -t tmpfs none {run} && exec \"$@\"", "sh"]
+    r0, r1 = _srun_tasks(tmp_path, ["--run-dir", str(run)], wrap={1: private})
+    assert r0.returncode == 1 and r1.returncode == 1, r0.stdout + r0.stderr + r1.stderr  # every task exits as rank 0
+    status, detail = table(r0.stdout)["run dir"]
+    assert status == FAIL and "ranks [1]" in detail and "shared" in detail
+    assert not list(run.glob(f"{cluster.PROBE_PREFIX}*"))
