@@ -63,7 +63,7 @@ def _local_lines(cfg, launch, *, cuda: bool, ranks_here: int) -> tuple[list[Line
     from gyre.doctor import node, versions
 
     local = launch.rank == 0 if launch.launcher == "alone" else (launch.local_rank or 0) == 0  # once a node
-    lines = _guarded("versions", versions.version_lines, cfg, versions.gyre_requirements(), cuda=cuda)
+    lines = _guarded("versions", lambda: versions.version_lines(cfg, versions.gyre_requirements(), cuda=cuda))
 
     def gpus() -> Line:
         count, mem = node.measure_gpus(launch.local_rank) if cuda else (0, {})
@@ -119,21 +119,17 @@ def check(cfg, env: dict[str, str], timeout_s: float = TIMEOUT_S) -> tuple[list[
     if joined:
         lines += _guarded("all-reduce", cluster.allreduce_line, nccl=nccl)
         lines += _guarded("prefix groups", cluster.prefix_line, cfg, nccl=nccl, alone=launch.launcher == "alone")
-        target, _ = cluster.run_dir_target(cfg)
-        tag = cluster.probe_tag(launch.rank)
-        path, err = cluster.write_probe(cluster.nearest_existing(target), tag)
-        probes = cluster.gather((tag, path, err), launch.world)
-        if launch.rank == 0:
-            lines += _guarded("run dir", cluster.run_dir_line, cfg, probes)
-        cluster.gather(None, launch.world)  # a barrier on gloo: rank 0 has read every probe
-        cluster.remove_probe(path)
     else:
         lines += [skipped("all-reduce", "no process group"), skipped("prefix groups", "no process group")]
-        target, _ = cluster.run_dir_target(cfg)
-        tag = cluster.probe_tag(launch.rank)
-        path, err = cluster.write_probe(cluster.nearest_existing(target), tag)
-        lines += _guarded("run dir", cluster.run_dir_line, cfg, [(tag, path, err)])
-        cluster.remove_probe(path)
+    # The run directory: every rank writes a probe where it goes; rank 0 reads them all back.
+    tag = cluster.probe_tag(launch.rank)
+    path, err = cluster.write_probe(cluster.nearest_existing(cluster.run_dir_target(cfg)[0]), tag)
+    probes = cluster.gather((tag, path, err), launch.world) if joined else [(tag, path, err)]
+    if launch.rank == 0 or not joined:
+        lines += _guarded("run dir", cluster.run_dir_line, cfg, probes)
+    if joined:
+        cluster.gather(None, launch.world)  # a barrier on gloo: rank 0 has read every probe
+    cluster.remove_probe(path)
     lines += tail
     header = f"gyre doctor: {launch.launcher}, rank {launch.rank} of {launch.world}, host {host}, preset {cfg.preset}"
     if joined and launch.world > 1:
