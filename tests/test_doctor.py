@@ -104,6 +104,13 @@ def test_help_explains_and_lists_gyre_run_flags():
         assert flag in r.stdout, flag
 
 
+def test_bad_flag_exits_2(capsys):
+    from gyre.doctor import main
+
+    assert main(["--no-such-flag"]) == 2
+    assert "no-such-flag" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- versions against setup.py
 def _setup_kwargs(monkeypatch) -> dict:
     """What setup.py hands setuptools, captured by running its main() with `setup` replaced."""
@@ -275,6 +282,9 @@ def test_checkpoint_refusals(tmp_path):
                                               "--model.dtype", "float32"]))
     assert [(ln.name, ln.status) for ln in f32] == [("checkpoint", OK), ("dtype", FAIL)]
     assert node.checkpoint_lines(parse_config(["--model.checkpoint", str(tmp_path / "absent")]))[0].status == FAIL
+    prepared = node.checkpoint_lines(parse_config(["--preset", "cpu-demo", "--train.prepare-dir", str(tmp_path / "d"),
+                                                   "--model.checkpoint", str(tmp_path / "d" / "warm")]))
+    assert [(ln.name, ln.status) for ln in prepared] == [("checkpoint", SKIPPED), ("dtype", OK)]  # --train.prepare writes it
     half = _checkpoint(tmp_path / "fp16", "qwen3", torch_dtype="float16")
     assert node.stored_dtype(half) == "float16"
     warn = node.checkpoint_lines(parse_config(["--model.checkpoint", half, "--model.dtype", "bfloat16"]))[1]

@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from gyre.config import parse_config
 
+    sys.argv[0] = "python -m gyre.doctor"  # tyro's usage and error lines name the program from it
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         print("gyre.run's flags follow (every one is accepted here):\n", flush=True)

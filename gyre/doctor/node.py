@@ -203,7 +203,7 @@ def checkpoint_lines(cfg: GyreConfig) -> list[Line]:
         return [skipped("checkpoint", f"no --model.checkpoint (--model.preset {cfg.model.preset} is built from a config)"),
                 _dtype_line(cfg, None)]
     if checkpoint_yet_to_prepare(cfg):
-        return [skipped("checkpoint", f"{mc} is written by --train.prepare {cfg.train.prepare}")]
+        return [skipped("checkpoint", f"{mc} is written by --train.prepare {cfg.train.prepare}"), _dtype_line(cfg, None)]
     if not Path(mc).is_dir():
         return [Line("checkpoint", FAIL, f"--model.checkpoint {mc}: no such directory on this node",
                      "point it at a checkpoint directory every node can read (a shared filesystem)")]
