@@ -212,17 +212,26 @@ def checkpoint_lines(cfg: GyreConfig) -> list[Line]:
     try:
         family = check_checkpoint(mc)
     except (UnsupportedArchitecture, OSError, ValueError) as e:
-        return [Line("checkpoint", FAIL, f"--model.checkpoint {mc}: {e}",
+        return [Line("checkpoint", FAIL, str(e),  # names the directory and the architecture
                      "convert the checkpoint to a supported family, or choose one (python -m gyre.backends.models.arch)")]
     arch = f"{family.architectures[0]} ({family.name})"
-    if cfg.backend.engine == "sglang":
-        arch += f"; SGLang serves it as {family.sglang_architecture}"
     try:
         check_megatron_layout(cfg)
     except ConfigError as e:
         return [Line("checkpoint", FAIL, f"{arch}: {e}", "change --parallel.tp/pp/cp/ep, or --backend.actor cpu")]
-    return [Line("checkpoint", OK, arch + (" (Megatron layout ok)" if cfg.backend.actor == "megatron" else "")),
-            _dtype_line(cfg, stored_dtype(mc))]
+    if cfg.backend.actor == "megatron":
+        arch += "; Megatron layout ok"
+    dtype = _dtype_line(cfg, stored_dtype(mc))
+    if cfg.backend.engine == "sglang":
+        from gyre.backends.engines.sglang_checkpoint import startable_checkpoint
+
+        arch += f"; SGLang serves it as {family.sglang_architecture}"
+        why = startable_checkpoint(mc)
+        if why is not None:  # the engine then starts on a copy Gyre writes (sglang_model_dir)
+            return [Line("checkpoint", WARN, f"{arch}, but not from this directory ({why}): Gyre writes a "
+                         f"safetensors copy for it at start", "save the checkpoint as safetensors "
+                         "(save_pretrained(..., safe_serialization=True)) to skip the copy"), dtype]
+    return [Line("checkpoint", OK, arch), dtype]
 
 
 def stored_dtype(path: str) -> str | None:
