@@ -281,6 +281,12 @@ def test_checkpoint_refusals(tmp_path):
     lines = node.checkpoint_lines(parse_config(["--model.checkpoint", ckpt, "--backend.actor", "megatron",
                                                 "--parallel.tp", str(tp), "--parallel.cell-size", str(tp)]))
     assert lines[0].status == FAIL and "megatron" in lines[0].detail
+    from gyre.backends.models.hf import model_config as preset_config
+
+    assert preset_config("small", 1).num_attention_heads % 3 != 0  # the preset's heads: tp 3 cannot split them
+    preset = node.checkpoint_lines(parse_config(["--backend.actor", "megatron", "--parallel.tp", "3",
+                                                 "--parallel.cell-size", "3"]))
+    assert preset[0].status == FAIL and "--parallel.tp 3" in preset[0].detail
     f32 = node.checkpoint_lines(parse_config(["--model.checkpoint", ckpt, "--backend.engine", "sglang",
                                               "--model.dtype", "float32"]))
     assert [(ln.name, ln.status) for ln in f32][1] == ("dtype", FAIL) and f32[0].status != FAIL

@@ -200,8 +200,13 @@ def checkpoint_lines(cfg: GyreConfig) -> list[Line]:
 
     mc = cfg.model.checkpoint
     if not mc:
-        return [skipped("checkpoint", f"no --model.checkpoint (--model.preset {cfg.model.preset} is built from a config)"),
-                _dtype_line(cfg, None)]
+        preset = f"no --model.checkpoint: --model.preset {cfg.model.preset} is built from a config"
+        if cfg.backend.actor == "megatron":
+            try:
+                check_megatron_layout(cfg)
+            except ConfigError as e:
+                return [Line("checkpoint", FAIL, f"{preset}: {e}", "change --parallel.tp/pp/cp/ep"), _dtype_line(cfg, None)]
+        return [skipped("checkpoint", preset), _dtype_line(cfg, None)]
     if checkpoint_yet_to_prepare(cfg):
         return [skipped("checkpoint", f"{mc} is written by --train.prepare {cfg.train.prepare}"), _dtype_line(cfg, None)]
     if not Path(mc).is_dir():

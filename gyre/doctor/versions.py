@@ -112,7 +112,7 @@ def judge(label: str, found: tuple[str, str] | None, pin: tuple[str, str] | None
     wants = f"setup.py {pin[1]}: {pin_name or label}{pin[0]}" if pin and pin[0] else "not pinned by setup.py"
     if found is None:
         if needed_by:
-            return Line(label, FAIL, f"not installed; {needed_by} needs it ({wants})", f"pip install {install}")
+            return Line(label, FAIL, f"not installed; {needed_by} needs it ({wants})", _pip(install, pin))
         return skipped(label, f"not installed (nothing chosen needs it; {wants})")
     dist, version = found
     what = f"{version}" + (f" ({dist})" if dist.replace("_", "-") != label else "")
@@ -125,7 +125,13 @@ def judge(label: str, found: tuple[str, str] | None, pin: tuple[str, str] | None
     if inside:
         return Line(label, OK, f"{what}; {wants}")
     return Line(label, FAIL if needed_by else WARN, f"{what} is outside {wants}" + (f"; {needed_by} uses it" if needed_by else ""),
-                f"pip install '{install}'")
+                _pip(install, pin))
+
+
+def _pip(install: str, pin: tuple[str, str] | None) -> str:
+    extra = pin[1].removeprefix("extra ").strip("'") if pin and pin[1].startswith("extra ") else ""
+    return f"pip install '{install}'" + (f" (every pin of the extra: pip install --no-build-isolation -e '.[{extra}]')"
+                                         if extra else "")
 
 
 def version_lines(cfg: GyreConfig, reqs: dict[str, tuple[str, str]], *, cuda: bool) -> list[Line]:
