@@ -53,7 +53,8 @@ def _guarded(name: str, fn, *args, **kwargs) -> list[Line]:
     try:
         out = fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 — any failure of a check is that check's verdict
-        return [Line(name, FAIL, f"the check raised {type(e).__name__}: {e}", "read the error; rerun with the same flags")]
+        return [Line(name, FAIL, f"the check raised {type(e).__name__}: {e}",
+                     "read the error; rerun with the same flags")]
     return out if isinstance(out, list) else [out]
 
 
@@ -135,7 +136,8 @@ def check(cfg, env: dict[str, str], timeout_s: float = TIMEOUT_S) -> tuple[list[
     if joined and launch.world > 1:
         every = cluster.gather(lines, launch.world)
         lines = merge([(f"rank {r} ({hosts[r]})", ls) for r, ls in enumerate(every)])
-        header = f"gyre doctor: {launch.launcher}, {launch.world} ranks on {len(set(hosts))} node(s), preset {cfg.preset}"
+        header = (f"gyre doctor: {launch.launcher}, {launch.world} ranks on {len(set(hosts))} node(s), "
+                  f"preset {cfg.preset}")
     rc = exit_code(lines)
     if joined and launch.rank != 0:
         header = None

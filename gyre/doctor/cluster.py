@@ -256,7 +256,8 @@ def run_dir_line(cfg: GyreConfig, probes: list[tuple[str, str | None, str]]) -> 
     fix_write = "choose a --run-dir under a directory every rank can write"
     broken = [(r, err) for r, (_, path, err) in enumerate(probes) if path is None]
     if broken:
-        shown = "; ".join(f"rank {r}: {err}" for r, err in broken[:4]) + (f"; and {len(broken) - 4} more" if len(broken) > 4 else "")
+        shown = "; ".join(f"rank {r}: {err}" for r, err in broken[:4])
+        shown += f"; and {len(broken) - 4} more" if len(broken) > 4 else ""
         return Line("run dir", FAIL, f"{flag}: {shown}", fix_write)
     unseen = []
     for r, (tag, path, _) in enumerate(probes):

@@ -51,7 +51,8 @@ def gpu_line(cfg: GyreConfig, *, cuda: bool, count: int, mem: dict[int, tuple[in
         return skipped("gpus", "no CUDA")
     if count < ranks_here:
         return Line("gpus", FAIL, f"{count} GPUs visible for {ranks_here} ranks on this node",
-                    f"start at most {count} ranks per node (--nproc-per-node / GYRE_NPROC_PER_NODE): each needs its own GPU")
+                    f"start at most {count} ranks per node (--nproc-per-node / GYRE_NPROC_PER_NODE): "
+                    f"each needs its own GPU")
     parts = [f"cuda:{d} {free / GIB:.1f}/{total / GIB:.1f} GiB free" for d, (free, total) in sorted(mem.items())]
     busy = [d for d, (free, total) in sorted(mem.items()) if total and (total - free) / total > BUSY_FRACTION]
     detail = f"{count} GPUs; " + ", ".join(parts)
@@ -95,12 +96,14 @@ def rdma_line(cfg: GyreConfig, devices: dict[str, list[str]]) -> Line:
         why = "Mooncake not chosen" if not uses else "--transfer.mooncake-protocol tcp"
         return Line("rdma", OK, f"{found} ({why})") if devices else skipped("rdma", f"no /sys/class/infiniband ({why})")
     if not active:
-        return Line("rdma", FAIL, f"--transfer.mooncake-protocol rdma, and no ACTIVE RDMA port ({found or 'no devices'})",
+        return Line("rdma", FAIL,
+                    f"--transfer.mooncake-protocol rdma, and no ACTIVE RDMA port ({found or 'no devices'})",
                     "check the HCA (ibstat), load its driver, or use --transfer.mooncake-protocol tcp")
     wanted = [d for d in t.mooncake_device.split(",") if d]
     missing = [d for d in wanted if d not in active]
     if missing:
-        return Line("rdma", FAIL, f"--transfer.mooncake-device {t.mooncake_device}: {', '.join(missing)} not ACTIVE here "
+        return Line("rdma", FAIL, f"--transfer.mooncake-device {t.mooncake_device}: {', '.join(missing)} "
+                    f"not ACTIVE here "
                     f"({found})", f"name ACTIVE devices ({', '.join(active)}) or leave it empty")
     return Line("rdma", OK, found)
 
@@ -157,13 +160,14 @@ def sandbox_line(cfg: GyreConfig) -> Line:
         if exe is None:
             return Line(name, FAIL, "unshare: the util-linux `unshare` is not installed", "apt-get install util-linux")
         argv = sandbox.unshare_argv(inner=[sys.executable, "-I", "-S", "-c", "pass"], net=True, unshare=exe)
+        fix = "allow user namespaces, or choose bwrap / container"
         try:
             r = subprocess.run(argv, capture_output=True, timeout=30)
         except (OSError, subprocess.TimeoutExpired) as e:
-            return Line(name, FAIL, f"unshare: probe failed ({e})", "allow user namespaces, or choose bwrap / container")
+            return Line(name, FAIL, f"unshare: probe failed ({e})", fix)
         if r.returncode != 0:
             err = r.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {r.returncode}"]
-            return Line(name, FAIL, f"unshare: probe failed ({err[0]})", "allow user namespaces, or choose bwrap / container")
+            return Line(name, FAIL, f"unshare: probe failed ({err[0]})", fix)
         return Line(name, OK, "unshare: pid/ipc/uts/net namespaces work here (the filesystem is not isolated)")
     # container
     if not rc.container_image:
@@ -205,10 +209,12 @@ def checkpoint_lines(cfg: GyreConfig) -> list[Line]:
             try:
                 check_megatron_layout(cfg)
             except ConfigError as e:
-                return [Line("checkpoint", FAIL, f"{preset}: {e}", "change --parallel.tp/pp/cp/ep"), _dtype_line(cfg, None)]
+                return [Line("checkpoint", FAIL, f"{preset}: {e}", "change --parallel.tp/pp/cp/ep"),
+                        _dtype_line(cfg, None)]
         return [skipped("checkpoint", preset), _dtype_line(cfg, None)]
     if checkpoint_yet_to_prepare(cfg):
-        return [skipped("checkpoint", f"{mc} is written by --train.prepare {cfg.train.prepare}"), _dtype_line(cfg, None)]
+        return [skipped("checkpoint", f"{mc} is written by --train.prepare {cfg.train.prepare}"),
+                _dtype_line(cfg, None)]
     if not Path(mc).is_dir():
         return [Line("checkpoint", FAIL, f"--model.checkpoint {mc}: no such directory on this node",
                      "point it at a checkpoint directory every node can read (a shared filesystem)")]
@@ -218,7 +224,8 @@ def checkpoint_lines(cfg: GyreConfig) -> list[Line]:
         family = check_checkpoint(mc)
     except (UnsupportedArchitecture, OSError, ValueError) as e:
         return [Line("checkpoint", FAIL, str(e),  # names the directory and the architecture
-                     "convert the checkpoint to a supported family, or choose one (python -m gyre.backends.models.arch)")]
+                     "convert the checkpoint to a supported family, or choose one "
+                     "(python -m gyre.backends.models.arch lists them)")]
     arch = f"{family.architectures[0]} ({family.name})"
     try:
         check_megatron_layout(cfg)

@@ -69,7 +69,8 @@ def requirements_of_metadata(requires: list[str] | None = None) -> list[tuple[st
 
 def _extras_in(marker: str) -> list[str]:
     # 'extra == "gpu"' → ["gpu"]
-    return [part.split("==", 1)[1].strip().strip("\"'") for part in marker.split(" and ") if "extra" in part and "==" in part]
+    return [part.split("==", 1)[1].strip().strip("\"'") for part in marker.split(" and ")
+            if "extra" in part and "==" in part]
 
 
 def gyre_requirements(setup_py: Path = SETUP_PY) -> dict[str, tuple[str, str]]:
@@ -124,7 +125,8 @@ def judge(label: str, found: tuple[str, str] | None, pin: tuple[str, str] | None
         inside = False
     if inside:
         return Line(label, OK, f"{what}; {wants}")
-    return Line(label, FAIL if needed_by else WARN, f"{what} is outside {wants}" + (f"; {needed_by} uses it" if needed_by else ""),
+    return Line(label, FAIL if needed_by else WARN,
+                f"{what} is outside {wants}" + (f"; {needed_by} uses it" if needed_by else ""),
                 _pip(install, pin))
 
 
@@ -173,5 +175,6 @@ def version_lines(cfg: GyreConfig, reqs: dict[str, tuple[str, str]], *, cuda: bo
                           "(no fused kernels) and refuses --parallel.pp > 1",
                           "pip install --no-build-isolation transformer-engine[pytorch] (matching the CUDA of torch)"))
     else:
-        lines.append(judge("transformer-engine", te, pin("transformer-engine"), needed_by="", install="transformer-engine"))
+        lines.append(judge("transformer-engine", te, pin("transformer-engine"), needed_by="",
+                           install="transformer-engine"))
     return lines
