@@ -415,3 +415,19 @@ def test_a_node_local_run_dir_fails(tmp_path):
     status, detail = table(r0.stdout)["run dir"]
     assert status == FAIL and "ranks [1]" in detail and "shared" in detail
     assert not list(run.glob(f"{cluster.PROBE_PREFIX}*"))
+
+
+def test_a_rendezvous_nobody_hosts_fails_the_master_port_line(tmp_path):
+    """Task 1 of 2 alone (task 0, which hosts the rendezvous, never started): after --timeout-s the
+    rank prints its own table, the master port line failed naming the address, and it exits 1."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("SLURM_")}
+    env.update(PYTHONPATH=str(ROOT), SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="0",
+               SLURM_JOB_NODELIST="localhost", GYRE_MASTER_PORT=str(port))
+    r = subprocess.run([sys.executable, "-m", "gyre.doctor", "--timeout-s", "2", "--run-dir", str(tmp_path / "run")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    rows = table(r.stdout)
+    assert rows["master port"][0] == FAIL and f"localhost:{port}" in rows["master port"][1]
+    assert rows["all-reduce"] == (SKIPPED, "no process group")
