@@ -24,7 +24,7 @@ LAYERS = [
     {"proxy"},
     {"config", "config_checks"},
     {"runtime", "plan"},
-    {"run", "report"},
+    {"run", "report", "doctor"},
 ]
 LAYER = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
 

@@ -1,0 +1,433 @@
+"""`python -m gyre.doctor`: the preflight's table on this machine, planted failures, and each
+check's logic against an expectation of its own (a hand-built sysfs, a bound socket, a tiny
+real-family config, setup.py run with `setup` captured)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gyre.config import parse_config
+from gyre.doctor import cluster, node, versions
+from gyre.doctor.table import FAIL, OK, SKIPPED, WARN, Line, exit_code, merge, render
+from tests.realmodels import model_config
+
+ROOT = Path(__file__).resolve().parents[1]
+# Every check the issue asks for, by the name the table gives it (issue 30, "python -m gyre.doctor").
+CHECKS = ["torch", "cuda", "nccl", "sglang", "megatron-core", "mooncake", "transformer-engine", "gpus", "master port",
+          "all-reduce", "prefix groups", "run dir", "proxy port", "rdma", "backends", "checkpoint", "dtype", "sandbox"]
+STATUSES = {"ok", "warn", "fail", "skipped"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def doctor(cwd: Path, *flags: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR") and not k.startswith("SLURM_")}
+    env.update(PYTHONPATH=str(ROOT), MASTER_PORT=str(free_port()))  # 29500 may be taken on a shared machine
+    return subprocess.run([sys.executable, "-m", "gyre.doctor", *flags], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def table(out: str) -> dict[str, tuple[str, str]]:
+    """{check: (status, detail)} of the printed table (fix lines and the header skipped)."""
+    rows = {}
+    for line in out.splitlines():
+        status, _, rest = line.partition(" ")
+        if status in STATUSES:
+            rest = rest.strip()
+            name = next(c for c in sorted(CHECKS, key=len, reverse=True) if rest.startswith(c))
+            rows[name] = (status, rest[len(name):].strip())
+    return rows
+
+
+# ----------------------------------------------------------------------------- the command, end to end
+def test_cpu_machine_prints_every_check_and_exits_0(tmp_path):
+    r = doctor(tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = table(r.stdout)
+    assert list(rows) == CHECKS, r.stdout
+    assert all(status != FAIL for status, _ in rows.values()), r.stdout
+    if not torch.cuda.is_available():  # this machine: the GPU lines say why they were skipped
+        for name in ("cuda", "nccl", "gpus"):
+            assert rows[name][0] == SKIPPED and "no CUDA" in rows[name][1], rows[name]
+    assert rows["all-reduce"][0] == OK  # a gloo world of one
+    assert rows["run dir"][0] == OK and str(tmp_path) in rows["run dir"][1]
+    assert not list(tmp_path.rglob(f"{cluster.PROBE_PREFIX}*")), "the probe file was left behind"
+    lines = r.stdout.splitlines()
+    for i, line in enumerate(lines):  # every warn / fail line is followed by its fix (a skip says why instead)
+        if line.startswith((WARN, FAIL)):
+            assert lines[i + 1].strip().startswith("fix: "), line
+
+
+def test_unwritable_run_dir_fails_naming_it(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")  # a parent that is a file: no writes under it, root or not
+    r = doctor(tmp_path, "--run-dir", str(blocker / "run"))
+    assert r.returncode == 1, r.stdout
+    rows = table(r.stdout)
+    assert rows["run dir"][0] == FAIL and str(blocker) in rows["run dir"][1]
+    assert [n for n, (s, _) in rows.items() if s == FAIL] == ["run dir"]
+
+
+def test_unsupported_architecture_fails_naming_it(tmp_path):
+    ckpt = tmp_path / "mamba"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}))
+    r = doctor(tmp_path, "--model.checkpoint", str(ckpt))
+    assert r.returncode == 1, r.stdout
+    rows = table(r.stdout)
+    assert rows["checkpoint"][0] == FAIL and "MambaForCausalLM" in rows["checkpoint"][1]
+    assert [n for n, (s, _) in rows.items() if s == FAIL] == ["checkpoint"]
+
+
+def test_help_explains_and_lists_gyre_run_flags():
+    r = subprocess.run([sys.executable, "-m", "gyre.doctor", "--help"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0
+    for name in CHECKS:
+        assert name in r.stdout, name
+    for flag in ("--model.checkpoint", "--backend.engine", "--backend.actor", "--run-dir", "--timeout-s"):
+        assert flag in r.stdout, flag
+
+
+def test_bad_flag_exits_2(capsys):
+    from gyre.doctor import main
+
+    assert main(["--no-such-flag"]) == 2
+    assert "no-such-flag" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- versions against setup.py
+def _setup_kwargs(monkeypatch) -> dict:
+    """What setup.py hands setuptools, captured by running its main() with `setup` replaced."""
+    spec = importlib.util.spec_from_file_location("gyre_setup_py", ROOT / "setup.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    got = {}
+    monkeypatch.setattr(mod, "setup", lambda **kw: got.update(kw))
+    monkeypatch.setenv("GYRE_NO_EXT", "1")
+    mod.main()
+    return got
+
+
+def test_pins_are_setup_pys_own(monkeypatch):
+    kw = _setup_kwargs(monkeypatch)
+    expected = [(r, "") for r in kw["install_requires"]] + [(r, e) for e, rs in kw["extras_require"].items() for r in rs]
+    assert versions.requirements_of_setup((ROOT / "setup.py").read_text()) == expected
+    reqs = versions.gyre_requirements()
+    from packaging.requirements import Requirement
+
+    gpu = {Requirement(r).name: str(Requirement(r).specifier) for r in kw["extras_require"]["gpu"]}
+    for name in ("sglang", "megatron-core"):
+        assert reqs[name] == (gpu[name], "extra 'gpu'")  # the gpu extra's pin, not the test extra's
+    torch_req = Requirement(next(r for r in kw["install_requires"] if r.startswith("torch")))
+    assert reqs["torch"] == (str(torch_req.specifier), "install_requires")
+
+
+def test_requirements_of_metadata_reads_extras():
+    assert versions.requirements_of_metadata(["torch>=2.6", 'sglang==0.5.23; extra == "gpu"', 'x; extra == "test"']) == \
+        [("torch>=2.6", ""), ("sglang==0.5.23", "gpu"), ("x", "test")]
+
+
+@pytest.mark.parametrize("found, needed, status", [
+    (("sglang", "0.5.23"), "", OK), (("sglang", "0.5.22"), "", WARN), (("sglang", "0.5.22"), "--backend.engine sglang", FAIL),
+    (None, "--backend.engine sglang", FAIL), (None, "", SKIPPED)])
+def test_judge(found, needed, status):
+    line = versions.judge("sglang", found, ("==0.5.23", "extra 'gpu'"), needed_by=needed, install="sglang==0.5.23")
+    assert line.status == status
+    assert "sglang==0.5.23" in line.detail
+    assert (line.fix == "") == (status in (OK, SKIPPED))
+
+
+# ----------------------------------------------------------------------------- GPUs, RDMA, ports
+def test_gpu_line():
+    cpu, meg = parse_config([]), parse_config(["--backend.actor", "megatron"])
+    assert node.gpu_line(cpu, cuda=False, count=0, mem={}, ranks_here=1).status == SKIPPED
+    no = node.gpu_line(meg, cuda=False, count=0, mem={}, ranks_here=1)
+    assert no.status == FAIL and "--backend.actor megatron" in no.detail
+    assert node.gpu_line(cpu, cuda=True, count=4, mem={}, ranks_here=8).status == FAIL  # 8 ranks, 4 GPUs
+    g = node.GIB
+    ok = node.gpu_line(cpu, cuda=True, count=2, mem={0: (139 * g, 140 * g), 1: (127 * g, 140 * g)}, ranks_here=2)
+    assert ok.status == OK and "139.0/140.0" in ok.detail  # 13/140 = 9.3 % used: under 10 %
+    busy = node.gpu_line(cpu, cuda=True, count=2, mem={0: (139 * g, 140 * g), 1: (100 * g, 140 * g)}, ranks_here=2)
+    assert busy.status == WARN and "cuda:1 " in busy.detail  # 40/140 = 28.6 % used
+
+
+def test_rdma(tmp_path):
+    for dev, state in (("mlx5_0", "4: ACTIVE"), ("mlx5_1", "1: DOWN")):
+        (tmp_path / dev / "ports" / "1").mkdir(parents=True)
+        (tmp_path / dev / "ports" / "1" / "state").write_text(state + "\n")
+    devices = node.rdma_devices(tmp_path)
+    assert devices == {"mlx5_0": ["ACTIVE"], "mlx5_1": ["DOWN"]}
+    assert node.rdma_devices(tmp_path / "absent") == {}
+    rdma = ["--transfer.transport", "mooncake", "--transfer.mooncake-protocol", "rdma"]
+    assert node.rdma_line(parse_config(rdma), devices).status == OK
+    assert node.rdma_line(parse_config(rdma), {"mlx5_1": ["DOWN"]}).status == FAIL
+    named = node.rdma_line(parse_config(rdma + ["--transfer.mooncake-device", "mlx5_1"]), devices)
+    assert named.status == FAIL and "mlx5_1" in named.detail
+    assert node.rdma_line(parse_config([]), {}).status == SKIPPED  # Mooncake not chosen
+
+
+def test_ports():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert node.port_in_use("127.0.0.1", port) == "in use"
+        cfg = parse_config(["--proxy.port", str(port)])
+        line = node.proxy_port_line(cfg, rank=0)
+        assert line.status == FAIL and str(port) in line.detail
+        assert node.proxy_port_line(cfg, rank=1).status == SKIPPED  # the proxy is rank 0's
+        alone = cluster.master_port_line(cluster.Launch("alone"), {"MASTER_PORT": str(port)}, reached=None)
+        assert alone.status == FAIL and str(port) in alone.detail
+    assert node.port_in_use("127.0.0.1", port) is None  # closed: bindable again
+    assert node.proxy_port_line(parse_config([]), rank=0).status == OK  # port 0
+
+
+def test_launch_of():
+    assert cluster.launch_of({}) == cluster.Launch("alone")
+    t = cluster.launch_of({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "123"})
+    assert (t.launcher, t.rank, t.world, t.local_rank, t.master_addr, t.master_port) == ("torchrun", 5, 8, 1, "h", 123)
+    s = cluster.launch_of({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+                           "SLURM_JOB_NODELIST": "n[003-004]", "GYRE_MASTER_PORT": "4000"})
+    assert (s.launcher, s.rank, s.world, s.local_rank, s.master_addr, s.master_port) == ("srun", 9, 16, 1, "n003", 4000)
+    assert cluster.launch_of({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).launcher == "alone"  # one task: alone
+
+
+# ----------------------------------------------------------------------------- the run directory
+def test_filesystem_of():
+    mounts = "/dev/sda1 / ext4 rw 0 0\nsrv:/export /shared nfs4 rw 0 0\nfs /shared\\040x lustre rw 0 0\n"
+    assert cluster.filesystem_of(Path("/shared/runs/a"), mounts) == "nfs4"
+    assert cluster.filesystem_of(Path("/sharedx/runs"), mounts) == "ext4"  # a prefix of the name is not the mount
+    assert cluster.filesystem_of(Path("/shared x/r"), mounts) == "lustre"
+
+
+def test_run_dir_line(tmp_path):
+    cfg = parse_config(["--run-dir", str(tmp_path / "run")])
+    probes = []
+    for r in range(3):
+        tag = f"host{r % 2}-{100 + r}-{r}"
+        path, err = cluster.write_probe(cluster.nearest_existing(tmp_path / "run"), tag)
+        assert err == "" and Path(path).read_text() == tag
+        probes.append((tag, path, err))
+    ok = cluster.run_dir_line(cfg, probes)
+    assert ok.status == OK and "3 ranks on 2 node(s)" in ok.detail
+    # rank 2 wrote to a directory rank 0 does not see (a node-local disk): its probe is not there
+    os.unlink(probes[2][1])
+    local = cluster.run_dir_line(cfg, probes)
+    assert local.status == FAIL and "[2]" in local.detail and "shared" in local.detail
+    _, err = cluster.write_probe(tmp_path / "nope", "t")
+    assert "not a directory" in err
+    bad = cluster.run_dir_line(cfg, [probes[0], ("t", None, err)])
+    assert bad.status == FAIL and "rank 1" in bad.detail
+    for _, path, _ in probes:
+        cluster.remove_probe(path)
+    assert not list(tmp_path.glob(f"{cluster.PROBE_PREFIX}*"))
+
+
+def test_run_dir_that_gyre_run_would_refuse(tmp_path):
+    from gyre.runtime.rundir import RUN_OUTPUTS
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / RUN_OUTPUTS[0]).write_text("{}")  # a previous run's run.json
+    probe = [(cluster.probe_tag(0), *cluster.write_probe(run, cluster.probe_tag(0)))]
+    held = cluster.run_dir_line(parse_config(["--run-dir", str(run)]), probe)
+    assert held.status == FAIL and RUN_OUTPUTS[0] in held.detail and "--overwrite" in held.fix
+    assert cluster.run_dir_line(parse_config(["--run-dir", str(run), "--overwrite"]), probe).status == OK
+    assert cluster.run_dir_line(parse_config(["--run-dir", str(run), "--train.resume"]), probe).status == OK
+    absent = parse_config(["--run-dir", str(tmp_path / "absent"), "--train.resume"])
+    assert cluster.run_dir_line(absent, probe).status == FAIL
+    cluster.remove_probe(probe[0][1])
+
+
+# ----------------------------------------------------------------------------- checkpoint, backends, sandbox
+def _checkpoint(path: Path, family: str, **overrides) -> str:
+    config = model_config(family, 64, **overrides)
+    config.save_pretrained(str(path))
+    return str(path)
+
+
+def test_checkpoint_of_a_real_family(tmp_path):
+    ckpt = _checkpoint(tmp_path / "q3", "qwen3")
+    lines = node.checkpoint_lines(parse_config(["--model.checkpoint", ckpt]))
+    assert [(ln.name, ln.status) for ln in lines] == [("checkpoint", OK), ("dtype", OK)]
+    assert "Qwen3ForCausalLM" in lines[0].detail
+    sg = node.checkpoint_lines(parse_config(["--model.checkpoint", ckpt, "--backend.engine", "sglang"]))
+    assert "SGLang serves it as Qwen3ForCausalLM" in sg[0].detail and "bfloat16" in sg[1].detail  # auto: bf16
+    assert sg[0].status == WARN and "safetensors" in sg[0].detail  # a config alone: SGLang starts on a copy
+    (tmp_path / "q3" / "model.safetensors").write_bytes(b"")  # what sglang_checkpoint.startable_checkpoint looks for
+    assert node.checkpoint_lines(parse_config(["--model.checkpoint", ckpt, "--backend.engine", "sglang"]))[0].status == OK
+
+
+def test_checkpoint_refusals(tmp_path):
+    ckpt = _checkpoint(tmp_path / "q2", "qwen2.5")
+    heads = json.loads((Path(ckpt) / "config.json").read_text())["num_attention_heads"]
+    tp = heads + 1  # cannot divide the heads
+    lines = node.checkpoint_lines(parse_config(["--model.checkpoint", ckpt, "--backend.actor", "megatron",
+                                                "--parallel.tp", str(tp), "--parallel.cell-size", str(tp)]))
+    assert lines[0].status == FAIL and "megatron" in lines[0].detail
+    from gyre.backends.models.hf import model_config as preset_config
+
+    assert preset_config("small", 1).num_attention_heads % 3 != 0  # the preset's heads: tp 3 cannot split them
+    preset = node.checkpoint_lines(parse_config(["--backend.actor", "megatron", "--parallel.tp", "3",
+                                                 "--parallel.cell-size", "3"]))
+    assert preset[0].status == FAIL and "--parallel.tp 3" in preset[0].detail
+    f32 = node.checkpoint_lines(parse_config(["--model.checkpoint", ckpt, "--backend.engine", "sglang",
+                                              "--model.dtype", "float32"]))
+    assert [(ln.name, ln.status) for ln in f32][1] == ("dtype", FAIL) and f32[0].status != FAIL
+    assert node.checkpoint_lines(parse_config(["--model.checkpoint", str(tmp_path / "absent")]))[0].status == FAIL
+    prepared = node.checkpoint_lines(parse_config(["--preset", "cpu-demo", "--train.prepare-dir", str(tmp_path / "d"),
+                                                   "--model.checkpoint", str(tmp_path / "d" / "warm")]))
+    assert [(ln.name, ln.status) for ln in prepared] == [("checkpoint", SKIPPED), ("dtype", OK)]  # --train.prepare writes it
+    half = _checkpoint(tmp_path / "fp16", "qwen3", torch_dtype="float16")
+    assert node.stored_dtype(half) == "float16"
+    warn = node.checkpoint_lines(parse_config(["--model.checkpoint", half, "--model.dtype", "bfloat16"]))[1]
+    assert warn.status == WARN and warn.fix
+
+
+def test_backends_line():
+    assert node.backends_line(parse_config([])).status == OK
+    sg = node.backends_line(parse_config(["--backend.engine", "sglang"]))
+    if not torch.cuda.is_available():
+        assert sg.status == FAIL and "--backend.engine sglang" in sg.detail
+
+
+def test_sandbox_line(monkeypatch):
+    from gyre.executions import sandbox
+
+    monkeypatch.setattr(sandbox, "bwrap_works", lambda: True)
+    assert node.sandbox_line(parse_config([])).status == OK
+    monkeypatch.setattr(sandbox, "bwrap_works", lambda: False)
+    assert node.sandbox_line(parse_config([])).status == WARN  # auto falls back to none
+    assert node.sandbox_line(parse_config(["--executions.runner.sandbox", "bwrap"])).status == FAIL
+    assert node.sandbox_line(parse_config(["--executions.runner.sandbox", "none"])).status == WARN
+    assert node.sandbox_line(parse_config(["--executions.runner.sandbox", "container"])).status == FAIL  # no image
+    nocli = parse_config(["--executions.runner.sandbox", "container", "--executions.runner.container-image", "img",
+                          "--executions.runner.container-cli", "no-such-cli-here"])
+    assert node.sandbox_line(nocli).status == FAIL
+    monkeypatch.setattr(node.shutil, "which", lambda name: None)
+    assert node.sandbox_line(parse_config(["--executions.runner.sandbox", "unshare"])).status == FAIL
+
+
+# ----------------------------------------------------------------------------- the table
+def test_merge_render_exit_code():
+    a, b = Line("gpus", OK, "8 GPUs"), Line("gpus", FAIL, "0 GPUs", "fix it")
+    assert merge([("rank 0", [a]), ("rank 1", [a])]) == [a]
+    m = merge([("rank 0", [a, Line("run dir", OK, "shared")]), ("rank 1", [b]), ("rank 2", [b])])
+    assert m[0] == Line("gpus", FAIL, "rank 1, rank 2: 0 GPUs", "fix it") and m[1] == Line("run dir", OK, "shared")
+    once = merge([("rank 0", [Line("rdma", SKIPPED, "none here")]), ("rank 8", [Line("rdma", OK, "mlx5_0")])])
+    assert once == [Line("rdma", OK, "mlx5_0")]  # the other node's skip does not hide it
+    out = render(m)
+    assert out.splitlines()[1].split()[:2] == ["fail", "gpus"] and "fix: fix it" in out.splitlines()[2]
+    assert exit_code(m) == 1 and exit_code([a, Line("x", WARN, "w", "f")]) == 0
+    with pytest.raises(ValueError, match="status"):
+        Line("x", "bad", "")
+
+
+# ----------------------------------------------------------------------------- across ranks
+def _check_on_rank(cfg_args):
+    from gyre.doctor import check
+
+    lines, rc, header = check(parse_config(cfg_args), dict(os.environ), 60.0)
+    return lines, rc, header
+
+
+@pytest.mark.multirank
+def test_three_ranks(tmp_path):
+    from tests.distributed import run_ranks
+
+    results = run_ranks(_check_on_rank, 3, ["--run-dir", str(tmp_path / "run")], init=False)
+    lines, rc, header = results[0]
+    rows = {ln.name: ln for ln in lines}
+    assert rc == 0 and all(r[1] == 0 for r in results)
+    assert header and "3 ranks" in header and results[1][2] is None  # rank 0 prints, the others do not
+    assert rows["all-reduce"].status == OK and "3 ranks" in rows["all-reduce"].detail
+    assert rows["prefix groups"].status == OK and "k=2..3" in rows["prefix groups"].detail  # K = 3 cells of 1
+    assert rows["run dir"].status == OK and "3 ranks" in rows["run dir"].detail
+    assert rows["master port"].status == OK
+    assert not list(tmp_path.glob(f"{cluster.PROBE_PREFIX}*"))
+
+
+def _srun_tasks(tmp_path: Path, flags: list[str], wrap: dict[int, list[str]] | None = None) -> list[subprocess.CompletedProcess]:
+    """`srun --ntasks 2 python -m gyre.doctor FLAGS` on this machine: two processes with Slurm's
+    variables (the rendezvous: the nodelist's first host at GYRE_MASTER_PORT); `wrap[rank]` is a
+    command prefix for that task (`sh -c ... "$@"`)."""
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("SLURM_")}
+        env.update(PYTHONPATH=str(ROOT), SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                   SLURM_JOB_NODELIST="localhost", GYRE_MASTER_PORT=str(port))
+        argv = [*(wrap or {}).get(rank, []), sys.executable, "-m", "gyre.doctor", "--timeout-s", "60", *flags]
+        procs.append(subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+@pytest.mark.multirank
+def test_srun_tasks_share_the_run_dir(tmp_path):
+    r0, r1 = _srun_tasks(tmp_path, ["--run-dir", str(tmp_path / "run")])
+    assert (r0.returncode, r1.returncode) == (0, 0), r0.stdout + r0.stderr + r1.stderr
+    rows = table(r0.stdout)
+    assert "srun, 2 ranks" in r0.stdout and r1.stdout == ""  # rank 0 prints the one table
+    assert rows["master port"][0] == OK and "localhost:" in rows["master port"][1]
+    assert rows["run dir"][0] == OK and "2 ranks" in rows["run dir"][1]
+    assert rows["prefix groups"][0] == OK  # 2 cells of 1: the prefix group k=2
+
+
+def _can_mount_privately() -> bool:
+    if sys.platform != "linux" or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--mount", "sh", "-c", "mount -t tmpfs none /mnt"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.multirank
+@pytest.mark.skipif(not _can_mount_privately(), reason="needs `unshare --mount` and mount rights (a private tmpfs)")
+def test_a_node_local_run_dir_fails(tmp_path):
+    """Rank 1 sees its own tmpfs at the run directory's path (as a node-local disk would be): rank 0
+    cannot see rank 1's probe, and the run dir line fails naming rank 1."""
+    run = tmp_path / "run"
+    run.mkdir()
+    private = ["unshare", "--mount", "sh", "-c", f"mount -t tmpfs none {run} && exec \"$@\"", "sh"]
+    r0, r1 = _srun_tasks(tmp_path, ["--run-dir", str(run)], wrap={1: private})
+    assert r0.returncode == 1 and r1.returncode == 1, r0.stdout + r0.stderr + r1.stderr  # every task exits as rank 0
+    status, detail = table(r0.stdout)["run dir"]
+    assert status == FAIL and "ranks [1]" in detail and "shared" in detail
+    assert not list(run.glob(f"{cluster.PROBE_PREFIX}*"))
+
+
+def test_a_rendezvous_nobody_hosts_fails_the_master_port_line(tmp_path):
+    """Task 1 of 2 alone (task 0, which hosts the rendezvous, never started): after --timeout-s the
+    rank prints its own table, the master port line failed naming the address, and it exits 1."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("SLURM_")}
+    env.update(PYTHONPATH=str(ROOT), SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="0",
+               SLURM_JOB_NODELIST="localhost", GYRE_MASTER_PORT=str(port))
+    r = subprocess.run([sys.executable, "-m", "gyre.doctor", "--timeout-s", "2", "--run-dir", str(tmp_path / "run")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    rows = table(r.stdout)
+    assert rows["master port"][0] == FAIL and f"localhost:{port}" in rows["master port"][1]
+    assert rows["all-reduce"] == (SKIPPED, "no process group")
