@@ -174,6 +174,11 @@ def test_a_device_run_returns_its_json_and_two_small_files(gc, tmp_path, monkeyp
     assert gc.main(["--out", str(out), "--only", "loss_bench"]) == 0
     st = {k: v["status"] for k, v in json.loads(out.read_text())["stages"].items()}
     assert [k for k, v in st.items() if v == "pass"] == ["build", "loss_bench"]
+    # out of budget: proxy_scale is not started with less than its START_S, the others still are
+    assert gc.main(["--out", str(out), "--budget-s", "60"]) == 0
+    res = json.loads(out.read_text())
+    assert res["stages"]["proxy_scale"]["status"] == "skip" and "out of time" in res["stages"]["proxy_scale"]["reason"]
+    assert res["stages"]["loss_bench"]["status"] == "pass" and res["rerun"]["stages"] == ["proxy_scale"]
 
 
 def test_the_box_keeps_its_packages_unless_older_than_the_pin(gc):
