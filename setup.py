@@ -2,7 +2,8 @@
 
 Install (CPU):   pip install torch==2.13.0 && pip install --no-build-isolation -e .
 Install (GPU):   pip install --no-build-isolation -e '.[gpu]'   (next to the machine's CUDA torch)
-Extras:          .[test] for the test suite, .[gpu] for SGLang / Megatron-core / Mooncake,
+Extras:          .[test] for the test suite (.[test,agents] on CPU: the real agent clients, whose
+                 openai floor sglang's pin excludes), .[gpu] for SGLang / Megatron-core / Mooncake,
                  .[tracking] for TensorBoard and Weights & Biases (--tracking.*).
 
 torch is only a floor here (`torch>=2.6`): the CPU pin lives in the CPU install command, so a GPU
@@ -147,7 +148,6 @@ def main() -> None:
                 "pytest-xdist>=3.6",
                 "hypothesis>=6",
                 "anthropic>=0.40",
-                "mini-swe-agent",
                 # Mooncake over TCP (the snapshot transport test; it also needs Debian's libibverbs1
                 # and `unshare --net`, and skips with the reason where either is missing).
                 "mooncake-transfer-engine-non-cuda",
@@ -157,12 +157,17 @@ def main() -> None:
                 # The tracking tests read TensorBoard's event files and wandb's offline run back.
                 "tensorboard",
                 "wandb",
-                # One tool-using Agent run against /v1/responses (tests/proxy/test_responses.py).
-                "openai-agents",
                 # The Megatron adapter's config checks, the GPU check's dry run, and (slow tier)
                 # megatron's own GPTModel on gloo ranks. Pure Python on CPU (torch, numpy, packaging).
                 "megatron-core==0.16.1",
             ],
+            # The real agent clients some CPU tests drive (they skip, naming this extra, without it):
+            # one OpenAI Agents SDK run against /v1/responses (tests/proxy/test_responses.py) and
+            # mini-swe-agent (tests/executions/test_mini_swe_agent*.py). Not in `test`: openai-agents
+            # needs openai>=3 and mini-swe-agent's litellm openai>=2.20, while sglang 0.5.23 pins
+            # openai==2.8.0, so `.[gpu,test]` would resolve only by backtracking to old releases
+            # (tests/gpu/test_gpu_extras_resolve.py). CPU test machines: `.[test,agents]`.
+            "agents": ["openai-agents", "mini-swe-agent"],
             # Experiment trackers beside metrics.jsonl: --tracking.tensorboard, --tracking.wandb.
             "tracking": ["tensorboard", "wandb"],
             # GPU backends. Installed on GPU machines only; never imported by the CPU path.

@@ -5,7 +5,9 @@
     python benchmarks/gpu_check.py --dry-run                             # on CPU: everything it can check
 
 The wheels directory is gitignored: a device run carries it (the device tool's `carry`:
-["benchmarks/wheels"]). `--only STAGE ...` reruns some stages; `--budget-s` bounds the whole.
+["benchmarks/wheels"]). `--only STAGE ...` reruns some stages, with the stages they need (install
+for megatron_step and run, build for kernel_tests and loss_bench); `--budget-s` bounds the whole:
+on a warm machine after a full check, `--only STAGE --budget-s <device seconds left − 30>`.
 
 The box: Python 3.12, torch 2.11 (CUDA 13), nvcc 13, transformers, safetensors, aiohttp, numpy,
 tensorboard; no SGLang, Mooncake, Transformer Engine, tyro, megatron-core. What gyre's runtime and
@@ -29,8 +31,15 @@ another failed, all inside one overall budget (`--budget-s`):
                    the switch latencies and their actor offload / restore parts
     loss_bench     the fused log-prob kernel fwd+bwd at T=16384, V=151936, bf16 vs eager torch and
                    vs the memory-bandwidth floor (goals: ≥ 3× eager, ≤ 1.3× the floor)
+    proxy_scale    no GPU: benchmarks/scale_bench.py's proxy series at 1,024 and 4,096 open
+                   executions with the proxy alone on core 0 (`PROXY_SCALE_ARGS`), for issue 33's
+                   ≤ 5 ms p99 added latency, which the 2-core machine cannot measure
 
 One JSON of figures: $OUT/gpu_check.json when $OUT is set, else benchmarks/results/gpu_check.json.
+The lent machine returns at most 8 files, two folders deep, from $OUT: everything else (the run
+directory, ~230 files; pytest's figures; the scale bench's JSON) is written to a temporary
+directory, and only gpu_check.json, <stem>_run_summary.json and <stem>_run_metrics.jsonl are put
+next to each other in $OUT.
 
 What one GPU cannot try (NCCL will not put two ranks on one device): TP > 1 inside a cell,
 gradient reduction over a multi-cell prefix group, the NCCL parameter broadcast to satellites,
@@ -54,26 +63,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-MiB = 1 << 20
-WHEEL_CAP_MIB = 64
-MANIFEST = ROOT / "benchmarks" / "gpu_check_wheels.json"  # what --fetch-wheels got: file, bytes, sha256
+sys.path.insert(0, str(ROOT))
+from benchmarks.gpu_wheels import MANIFEST, WHEELS, _older, check_manifest, check_wheels, fetch_wheels, wheel_name  # noqa: E402,F401
 CUDA_ARCH = "9.0"  # H200 (sm_90)
 BUDGET_S = 470  # the whole check: 8 minutes less the machine's start and the copies
 
-# Everything gyre's runtime (install_requires), the run's harness (openai), the role-timeline plot
-# (matplotlib), the Megatron actor and pytest import that the box lacks or may lack. Pinned: the
-# versions the CPU path is tested with here; all pure Python or cp312 manylinux wheels.
-WHEELS = [
-    "megatron-core==0.16.1",
-    "tyro==1.0.17", "docstring-parser==0.18.0", "typeguard==4.6.1", "typing-extensions==4.16.0",
-    "ninja==1.13.2",
-    "openai==3.57.0", "anyio==4.16.0", "httpx2==2.16.2", "httpcore2==2.16.2", "truststore==0.10.5", "h11==0.16.0",
-    "idna==3.20", "sniffio==1.3.1", "jiter==0.19.0", "pydantic==2.13.4", "pydantic-core==2.46.4",
-    "annotated-types==0.7.0", "typing-inspection==0.4.2", "distro==1.9.0",
-    "matplotlib==3.11.2", "contourpy==1.3.3", "cycler==0.12.1", "fonttools==4.68.0", "kiwisolver==1.5.1",
-    "pillow==13.0.0", "pyparsing==3.3.2", "python-dateutil==2.9.0.post0", "six==1.17.0", "packaging==26.2",
-    "pytest==9.0.3", "pluggy==1.6.0", "iniconfig==2.3.0", "pygments==2.20.0", "pytest-timeout==2.4.0",
-]
 RUNTIME_IMPORTS = ["tyro", "megatron.core", "openai", "matplotlib", "pytest", "transformers", "safetensors", "aiohttp"]
 
 KERNEL_TESTS = ["tests/loss/test_cuda.py", "tests/gpu/test_cuda_paths.py"]
@@ -81,7 +75,14 @@ MEGATRON_TESTS = ["tests/gpu/test_backends_gpu.py::test_megatron_step_matches_cp
 RUN_ARGS = ["--preset", "cpu-demo-smoke", "--backend.actor", "megatron", "--backend.device", "cuda",
             "--model.dtype", "float32", "--train.steps", "4", "--overwrite"]
 RUN_MIN_STEPS = 4
+RUN_LAUNCHER = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "gyre.run"]
+RUN_KEEP = ("summary.json", "metrics.jsonl")  # what comes back of the run directory: small, one each
 BENCH_SHAPE = (16384, 151936)
+# issue 33's proxy goal where the proxy has a core of its own (cores 1-15: load generator, engines)
+PROXY_SCALE_ARGS = ["--only", "proxy", "--open-executions", "1024", "4096", "--engines", "8", "--window-s", "15",
+                    "--proxy-cpus", "0", "--load-cpus", "1-15"]
+PROXY_SCALE_KEYS = ("engines", "open_executions", "proxy_added_ms_p50", "proxy_added_ms_p99", "proxy_cpu_ms_per_call",
+                    "legs_ms_p50_p99", "records_lost", "errors")
 
 ONE_GPU_LIMITS = {
     "TP > 1 inside a cell (Megatron TP groups over NCCL)":
@@ -94,9 +95,12 @@ ONE_GPU_LIMITS = {
         "tests/backends/test_transfer.py, tests/runtime/test_transports_job.py; device choice: tests/test_devices.py",
 }
 
-STAGES = {  # name → (timeout s, what it needs to be worth starting)
+STAGES = {  # name → timeout s, in the order they run
     "install": 90, "build": 240, "kernel_tests": 150, "megatron_step": 180, "run": 300, "loss_bench": 120,
+    "proxy_scale": 100,
 }
+START_S = {"proxy_scale": 90}  # least time worth starting a stage with (default 20 s): two 15 s windows and their ramps
+NEEDS = {"kernel_tests": ("build",), "megatron_step": ("install",), "run": ("install",), "loss_bench": ("build",)}
 
 
 @dataclass
@@ -122,64 +126,6 @@ def _sh(cmd: list[str], timeout: float, **kw) -> tuple[int, str]:
 
 def _tail(text: str, n: int = 3000) -> str:
     return text[-n:]
-
-
-def wheel_name(spec: str) -> str:
-    """'pydantic-core==2.46.4' → 'pydantic_core' (the name a wheel file starts with)."""
-    return spec.split("==")[0].replace("-", "_").lower()
-
-
-def check_wheels(directory: Path, specs: list[str], cap_mib: float = WHEEL_CAP_MIB) -> tuple[list[str], dict]:
-    """Problems with the carried wheel set (empty: fine) and its figures: every spec has exactly
-    one matching wheel in `directory`, and their total size is under `cap_mib`."""
-    problems, files = [], {}
-    present = sorted(directory.glob("*.whl")) if directory.is_dir() else []
-    if not directory.is_dir():
-        return [f"{directory}: no such directory (run --fetch-wheels {directory} on a machine with network)"], {}
-    for spec in specs:
-        name, version = wheel_name(spec), spec.split("==")[1]
-        match = [p for p in present if p.name.lower().startswith(f"{name}-{version}-")]
-        if len(match) != 1:
-            problems.append(f"{spec}: {len(match)} wheels in {directory}")
-        else:
-            files[spec] = match[0]
-    total = sum(p.stat().st_size for p in files.values()) / MiB
-    if total >= cap_mib:
-        problems.append(f"the wheels total {total:.1f} MiB, over the {cap_mib} MiB a device run can carry")
-    return problems, {"wheels": len(files), "total_mib": round(total, 2), "cap_mib": cap_mib}
-
-
-def check_manifest(manifest: Path, specs: list[str], cap_mib: float = WHEEL_CAP_MIB) -> tuple[list[str], dict]:
-    """Problems with the committed record of the fetched wheels (`MANIFEST`, written by
-    --fetch-wheels): every spec recorded, total under the cap. Checkable without the wheels."""
-    if not manifest.exists():
-        return [f"{manifest}: missing (run --fetch-wheels)"], {}
-    rec = json.loads(manifest.read_text())
-    problems = [f"{spec}: not in {manifest.name} (fetch again)" for spec in specs if spec not in rec]
-    total = sum(rec[s]["bytes"] for s in specs if s in rec) / MiB
-    if total >= cap_mib:
-        problems.append(f"the wheels total {total:.1f} MiB, over the {cap_mib} MiB a device run can carry")
-    return problems, {"wheels": sum(s in rec for s in specs), "total_mib": round(total, 2), "cap_mib": cap_mib}
-
-
-def fetch_wheels(directory: Path) -> int:
-    """pip download every pinned wheel for CPython 3.12 (no dependencies: `WHEELS` is the closure),
-    then record file, size and sha256 of each in `MANIFEST`."""
-    import hashlib
-
-    directory.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--python-version", "3.12", "--only-binary", ":all:",
-           "--no-deps", "-d", str(directory), *WHEELS]
-    rc = subprocess.call(cmd)
-    problems, figures = check_wheels(directory, WHEELS)
-    if not problems:
-        rec = {}
-        for spec in WHEELS:
-            f = next(p for p in directory.glob("*.whl") if p.name.lower().startswith(f"{wheel_name(spec)}-{spec.split('==')[1]}-"))
-            rec[spec] = {"file": f.name, "bytes": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
-        MANIFEST.write_text(json.dumps(rec, indent=1) + "\n")
-    print(json.dumps({"problems": problems, **figures}))
-    return rc or (1 if problems else 0)
 
 
 def nvcc_compile_only(timeout: float = 240) -> Stage:
@@ -229,16 +175,6 @@ def nvcc_compile_only(timeout: float = 240) -> Stage:
 
 
 # ---------------------------------------------------------------------------- device stages
-def _older(have: str, pin: str) -> bool:
-    """Is installed version `have` older than `pin`? ('4.10.0' < '4.16.0'; unparsable: no)."""
-    try:
-        from packaging.version import Version
-
-        return Version(have) < Version(pin)
-    except Exception:  # noqa: BLE001 — a version we cannot read is left alone
-        return False
-
-
 def stage_install(wheels: Path | None, timeout: float) -> Stage:
     from importlib import metadata
 
@@ -309,11 +245,18 @@ def _pytest(paths: list[str], timeout: float, figures_file: Path | None = None) 
                  log_tail=_tail(out, 1500 if rc == 0 else 4000))
 
 
-def stage_run(out_dir: Path, timeout: float) -> Stage:
-    run_dir = out_dir / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "gyre.run",
-           *RUN_ARGS, "--run-dir", str(run_dir)]
-    rc, out = _sh(cmd, timeout)
+def run_copy(out_json: Path, name: str) -> Path:
+    """Where a kept file of the run directory comes back: next to the JSON, `<stem>_run_<name>`."""
+    return out_json.with_name(f"{out_json.stem}_run_{name}")
+
+
+def stage_run(out_json: Path, work: Path, timeout: float, launcher: list[str] | None = None) -> Stage:
+    """The run directory lives in `work` (outside the output folder); `RUN_KEEP` come back."""
+    run_dir = work / "run"
+    rc, out = _sh([*(launcher or RUN_LAUNCHER), *RUN_ARGS, "--run-dir", str(run_dir)], timeout)
+    for name in RUN_KEEP:
+        if (run_dir / name).is_file():
+            shutil.copyfile(run_dir / name, run_copy(out_json, name))
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         return Stage("fail", f"no summary.json (torchrun exited {rc})", log_tail=_tail(out))
@@ -337,65 +280,60 @@ def stage_run(out_dir: Path, timeout: float) -> Stage:
     return Stage("fail" if problems else "pass", "; ".join(problems), figures=figures, log_tail=_tail(out, 2000))
 
 
-def loss_bench() -> dict[str, Any]:
-    """The fused token log-prob kernel on CUDA (run in its own process by stage_loss_bench)."""
-    import torch
+def proxy_scale_figures(record: dict) -> dict[str, Any]:
+    """The proxy series' figures of a scale_bench record, and issue 33's goal at each size."""
+    rows = [{k: r.get(k) for k in PROXY_SCALE_KEYS} for r in record["series"]["proxy"]]
+    return {"rows": rows, "goal": "proxy_added_ms_p99 <= 5 at every size",
+            "goal_met": all(r["proxy_added_ms_p99"] is not None and r["proxy_added_ms_p99"] <= 5 for r in rows),
+            "calibration_loop_ns_max": record.get("figures", {}).get("calibration_loop_ns_max")}
 
-    import gyre.loss as L
 
-    L.extension_available()
-    t, v = BENCH_SHAPE
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = (torch.randn(t, v, device="cuda", generator=gen) * 2).to(torch.bfloat16)
-    y = torch.randint(0, v, (t,), device="cuda", generator=gen)
-    g = torch.randn(t, device="cuda", generator=gen)
-    nbytes = x.numel() * x.element_size()
+def proxy_scale_command(out: Path) -> list[str]:
+    return [sys.executable, str(ROOT / "benchmarks" / "scale_bench.py"), *PROXY_SCALE_ARGS, "--out", str(out)]
 
-    def timed(fn, reps=3) -> float:
-        fn()  # warm-up (allocator, kernels)
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            best = min(best, a.elapsed_time(b) / 1e3)
-        return best
 
-    def eager():
-        xr = x.detach().requires_grad_()
-        torch.log_softmax(xr, -1).gather(-1, y[:, None]).squeeze(-1).backward(g)
+# Runs a script with its parse_args stopped after parsing: the arguments are checked, nothing runs.
+PARSE_ONLY = """import argparse, json, runpy, sys
+real = argparse.ArgumentParser.parse_args
+def parse_only(self, args=None, namespace=None):
+    ns = real(self, args, namespace)  # exits 2 naming a bad argument, as the real run would
+    print("PARSED " + json.dumps(vars(ns), default=str))
+    raise SystemExit(0)
+argparse.ArgumentParser.parse_args = parse_only
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
-    def fused():
-        xr = x.detach().requires_grad_()
-        L.token_logprobs(xr, y).backward(g)
 
-    k = 64  # correctness on the benchmarked data: float64 reference on the first rows
-    ref = torch.log_softmax(x[:k].double(), -1).gather(-1, y[:k, None]).squeeze(-1)
-    err = float((L.token_logprobs(x[:k], y[:k]).double() - ref).abs().max())
-    res = {"T": t, "V": v, "dtype": "bfloat16", "logits_gib": nbytes / (1 << 30), "max_abs_err_vs_fp64": err,
-           "fused_fwd_s": timed(lambda: L.token_logprobs(x, y)), "fused_fwd_bwd_s": timed(fused),
-           "eager_fwd_bwd_s": timed(eager),
-           "one_read_s": timed(lambda: torch.amax(x, dim=-1)),  # a reduction that reads the logits once
-           "copy_s": timed(lambda: torch.empty_like(x).copy_(x))}  # one read + one write
-    res["read_bandwidth_gbs"] = nbytes / res["one_read_s"] / 1e9
-    # fwd+bwd moves at least: the forward's read, the backward's read of x and write of dx
-    res["fwd_bwd_traffic_floor_s"] = res["one_read_s"] + res["copy_s"]
-    res["speedup_vs_eager"] = res["eager_fwd_bwd_s"] / res["fused_fwd_bwd_s"]
-    res["fused_fwd_over_one_read"] = res["fused_fwd_s"] / res["one_read_s"]
-    res["fused_fwd_bwd_over_one_read"] = res["fused_fwd_bwd_s"] / res["one_read_s"]
-    res["fused_fwd_bwd_over_traffic_floor"] = res["fused_fwd_bwd_s"] / res["fwd_bwd_traffic_floor_s"]
-    res["goals"] = {"speedup_vs_eager >= 3": res["speedup_vs_eager"] >= 3,
-                    "fused_fwd_over_one_read <= 1.3": res["fused_fwd_over_one_read"] <= 1.3,
-                    "fused_fwd_bwd_over_traffic_floor <= 1.3": res["fused_fwd_bwd_over_traffic_floor"] <= 1.3}
-    res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / (1 << 30)
-    return res
+def check_proxy_scale_args(args: list[str] | None = None) -> Stage:
+    """Dry run: scale_bench.py's own parser accepts the proxy_scale stage's arguments."""
+    cmd = proxy_scale_command(Path(tempfile.gettempdir()) / "scale.json")
+    argv = [cmd[1], *(cmd[2:] if args is None else args)]
+    rc, text = _sh([sys.executable, "-c", PARSE_ONLY, *argv], 120)
+    parsed = [ln[len("PARSED "):] for ln in text.splitlines() if ln.startswith("PARSED ")]
+    if rc != 0 or not parsed:
+        return Stage("fail", f"scale_bench.py refuses {' '.join(argv[1:])}: {(text.strip().splitlines() or [''])[-1]}")
+    ns = json.loads(parsed[-1])
+    keys = ("only", "open_executions", "engines", "window_s", "proxy_cpus", "load_cpus")
+    return Stage("pass", figures={k: ns.get(k) for k in keys} | {"timeout_s": STAGES["proxy_scale"]})
+
+
+def stage_proxy_scale(work: Path, timeout: float) -> Stage:
+    out = work / "scale.json"
+    rc, text = _sh(proxy_scale_command(out), timeout)
+    if rc != 0 or not out.exists():
+        return Stage("fail", f"scale_bench exited {rc}", log_tail=_tail(text))
+    figures = proxy_scale_figures(json.loads(out.read_text()))
+    figures["command"] = " ".join(["python", "benchmarks/scale_bench.py", *PROXY_SCALE_ARGS])
+    lost = sum(r["records_lost"] or 0 for r in figures["rows"]) + sum(r["errors"] or 0 for r in figures["rows"])
+    if lost:
+        return Stage("fail", f"{lost} records lost or calls failed", figures=figures, log_tail=_tail(text))
+    return Stage("pass", "" if figures["goal_met"] else "measured; the p99 goal is not met (see figures.rows)",
+                 figures=figures, log_tail=_tail(text, 1500))
 
 
 def stage_loss_bench(timeout: float) -> Stage:
-    rc, out = _sh([sys.executable, str(Path(__file__).resolve()), "--loss-bench-only"], timeout)
+    rc, out = _sh([sys.executable, str(ROOT / "benchmarks" / "gpu_check_loss_bench.py"), *map(str, BENCH_SHAPE)], timeout)
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if rc != 0 or not lines:
         return Stage("fail", f"loss bench exited {rc}", log_tail=_tail(out))
@@ -409,7 +347,8 @@ def dry_run(wheels: Path | None, *, nvcc: bool = True, kernel_tests: list[str] |
             megatron_tests: list[str] | None = None, run_args: list[str] | None = None,
             wheel_specs: list[str] | None = None, manifest: Path = MANIFEST) -> dict[str, Stage]:
     """What can be checked without a GPU: the wheel set, the build plan, the test selection, the
-    run's config, and (when nvcc is here) a compile-only check of the CUDA sources."""
+    run's config, the proxy_scale command's arguments, and (when nvcc is here) a compile-only
+    check of the CUDA sources."""
     out: dict[str, Stage] = {}
     kernel_tests = KERNEL_TESTS if kernel_tests is None else kernel_tests
     megatron_tests = MEGATRON_TESTS if megatron_tests is None else megatron_tests
@@ -482,6 +421,7 @@ def dry_run(wheels: Path | None, *, nvcc: bool = True, kernel_tests: list[str] |
     except (Exception, SystemExit) as e:  # noqa: BLE001 — reported, not raised: the dry run says what fails
         cfg_stage.status, cfg_stage.reason = "fail", f"{type(e).__name__}: {e}"
     out["run_config"] = cfg_stage
+    out["proxy_scale_args"] = check_proxy_scale_args()
     return out
 
 
@@ -507,22 +447,32 @@ def _write(result: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")
 
 
-def run_device(wheels: Path | None, out_dir: Path, budget_s: float, only: list[str] | None) -> dict[str, Stage]:
+def selected(only: list[str] | None) -> list[str]:
+    """The stages a run goes through: all, or `only` with what they need, in `STAGES` order."""
+    if not only:
+        return list(STAGES)
+    want = set(only) | {n for o in only for n in NEEDS.get(o, ())}
+    return [n for n in STAGES if n in want]
+
+
+def run_device(wheels: Path | None, out_json: Path, budget_s: float, only: list[str] | None) -> dict[str, Stage]:
     start = time.monotonic()
     stages: dict[str, Stage] = {}
-    figures_file = out_dir / "megatron_figures.json"
+    chosen = selected(only)
+    work = Path(tempfile.mkdtemp(prefix="gyre_gpu_check_"))  # never under the output folder
+    figures_file = work / "megatron_figures.json"
 
-    def go(name: str, fn: Callable[[float], Stage], needs: tuple[str, ...] = ()) -> None:
-        if only and name not in only:
+    def go(name: str, fn: Callable[[float], Stage]) -> None:
+        if name not in chosen:
             stages[name] = Stage("skip", "not selected (--only)")
             return
-        failed = [n for n in needs if stages.get(n) is not None and stages[n].status == "fail"]
+        failed = [n for n in NEEDS.get(name, ()) if stages.get(n) is not None and stages[n].status == "fail"]
         if failed:
             stages[name] = Stage("skip", f"needs {', '.join(failed)}, which failed")
             return
         left = budget_s - (time.monotonic() - start)
         timeout = min(STAGES[name], left)
-        if timeout < 20:
+        if timeout < START_S.get(name, 20):
             stages[name] = Stage("skip", f"out of time ({left:.0f}s of the {budget_s:.0f}s budget left)")
             return
         t0 = time.perf_counter()
@@ -536,13 +486,28 @@ def run_device(wheels: Path | None, out_dir: Path, budget_s: float, only: list[s
         stages[name] = st
         print(f"[gpu_check] {name}: {st.status} ({st.seconds:.0f}s) {st.reason}", flush=True)
 
-    go("install", lambda t: stage_install(wheels, t))
-    go("build", stage_build)
-    go("kernel_tests", lambda t: _pytest(KERNEL_TESTS, t), needs=("build",))
-    go("megatron_step", lambda t: _pytest(MEGATRON_TESTS, t, figures_file), needs=("install",))
-    go("run", lambda t: stage_run(out_dir, t), needs=("install",))
-    go("loss_bench", stage_loss_bench, needs=("build",))
+    try:
+        go("install", lambda t: stage_install(wheels, t))
+        go("build", stage_build)
+        go("kernel_tests", lambda t: _pytest(KERNEL_TESTS, t))
+        go("megatron_step", lambda t: _pytest(MEGATRON_TESTS, t, figures_file))
+        go("run", lambda t: stage_run(out_json, work, t))
+        go("loss_bench", stage_loss_bench)
+        go("proxy_scale", lambda t: stage_proxy_scale(work, t))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return stages
+
+
+def rerun_hint(stages: dict[str, Stage]) -> dict[str, Any] | None:
+    """For the stages that failed or ran out of time: the command that reruns them alone, and the
+    seconds they and what they need took this time (a stage cut short counts its timeout)."""
+    redo = [n for n, st in stages.items() if st.status == "fail" or st.reason.startswith("out of time")]
+    if not redo:
+        return None
+    took = {n: stages[n].seconds if stages[n].status != "skip" else STAGES[n] for n in selected(redo)}
+    return {"command": f"bash benchmarks/gpu_check.sh --only {' '.join(redo)} --budget-s <device seconds left - 30>",
+            "stages": list(took), "seconds_last_time": round(sum(took.values()), 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -554,13 +519,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="the JSON (default $OUT/gpu_check.json or benchmarks/results/)")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole check's time budget")
     p.add_argument("--only", nargs="*", default=None, choices=list(STAGES), help="run only these stages")
-    p.add_argument("--loss-bench-only", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.fetch_wheels is not None:
         return fetch_wheels(a.fetch_wheels)
-    if a.loss_bench_only:
-        print(json.dumps(loss_bench()))
-        return 0
     wheels = a.wheels if a.wheels is not None else (ROOT / "benchmarks" / "wheels")
     wheels = wheels if wheels.is_dir() or a.wheels is not None else None
     out_json = a.out or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT")
@@ -569,10 +530,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.dry_run:
         stages = dry_run(wheels, nvcc=not a.no_nvcc)
     else:
-        stages = run_device(wheels, out_json.parent, a.budget_s, a.only)
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        stages = run_device(wheels, out_json, a.budget_s, a.only)
     result = {"mode": "dry-run" if a.dry_run else "device", "machine": _machine(), "wall_s": time.time() - t0,
               "stages": {k: asdict(v) for k, v in stages.items()},
               "ok": all(s.status != "fail" for s in stages.values()),
+              "rerun": rerun_hint(stages),
               "one_gpu_cannot_try": ONE_GPU_LIMITS}
     _write(result, out_json)
     for name, st in stages.items():

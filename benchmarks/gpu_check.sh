@@ -6,7 +6,10 @@
 #                                                # test selection, the run's config
 #   python benchmarks/gpu_check.py --fetch-wheels benchmarks/wheels    # beforehand, where there is network
 #
-# Writes one JSON: $OUT/gpu_check.json (device runs) or benchmarks/results/gpu_check*.json.
+# Writes one JSON: $OUT/gpu_check.json (device runs) or benchmarks/results/gpu_check*.json; a device
+# run adds gpu_check_run_summary.json and gpu_check_run_metrics.jsonl beside it, nothing else (the
+# lent machine returns at most 8 files, two folders deep: the run directory stays in a temp dir).
+# Rerun a stage on the still-warm machine: --only STAGE --budget-s <device seconds left - 30>.
 # One GPU cannot try TP > 1, multi-cell prefix-group gradient reduction or the NCCL weight
 # broadcast (NCCL will not put two ranks on one device); the JSON's "one_gpu_cannot_try" names
 # the CPU gloo tests that cover their logic.

@@ -20,7 +20,7 @@ from gyre.proxy import MemorySink, Proxy, ProxyConfig, serve_proxy
 from gyre.backends.engines.det_engine import DeterministicEngine
 from gyre.trajectory.record import Role
 
-pytest.importorskip("minisweagent")
+pytest.importorskip("minisweagent", reason="mini-swe-agent is not installed (the agents extra: pip install -e '.[test,agents]'; not next to sglang, setup.py)")
 
 from examples.mini_swe_agent.task import make_tasks  # noqa: E402
 

@@ -70,7 +70,7 @@ def test_tasks_are_loadable_and_name_the_evaluator():
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_the_readme_command_trains_two_steps_through_mini_swe_agent(tmp_path):
-    pytest.importorskip("minisweagent")
+    pytest.importorskip("minisweagent", reason="mini-swe-agent is not installed (the agents extra: pip install -e '.[test,agents]'; not next to sglang, setup.py)")
     make, train = readme_commands(README)
     assert make[:3] == ["python", "-m", "examples.mini_swe_agent.task"] and train[0] == "torchrun", (make, train)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -29,17 +29,27 @@ def gc():
     sys.modules.pop(spec.name, None)
 
 
+def returned(folder: Path) -> list[str]:
+    """The files under `folder` as the lent machine returns them: at most 8, none deeper than two
+    folders (asserted), relative paths sorted."""
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    assert len(files) <= 8, f"{len(files)} files under {folder}: {files[:12]}"
+    assert all(len(Path(f).parts) <= 3 for f in files), files
+    return files
+
+
 @needs_megatron
 @pytest.mark.jobs  # runs the device check's dry run end to end (subprocess pytest and config checks)
 def test_the_one_command_dry_run_passes_here_and_writes_one_json(tmp_path):
-    out = tmp_path / "dry.json"
+    out = tmp_path / "out" / "gpu_check.json"
     r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run", "--no-nvcc", "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert returned(out.parent) == ["gpu_check.json"]
     res = json.loads(out.read_text())
     status = {k: v["status"] for k, v in res["stages"].items()}
     assert status == {"wheels": "pass", "build_plan": "pass", "nvcc_compile_only": "skip", "test_selection": "pass",
-                      "run_config": "pass"}, res
+                      "run_config": "pass", "proxy_scale_args": "pass"}, res
     assert res["ok"] and res["stages"]["wheels"]["figures"]["total_mib"] < 64
     collected = res["stages"]["test_selection"]["figures"]["collected"]
     assert all(n > 0 for n in collected.values()) and len(collected) == 3
@@ -95,8 +105,80 @@ def test_the_run_config_is_checked_as_on_the_box(gc):
 
 def test_the_device_stages_are_budgeted_within_eight_minutes(gc):
     assert gc.BUDGET_S <= 8 * 60 - 10
-    assert set(gc.STAGES) == {"install", "build", "kernel_tests", "megatron_step", "run", "loss_bench"}
+    assert list(gc.STAGES) == ["install", "build", "kernel_tests", "megatron_step", "run", "loss_bench", "proxy_scale"]
+    assert gc.STAGES["proxy_scale"] == 100
     assert gc.CUDA_ARCH == "9.0" and gc.BENCH_SHAPE == (16384, 151936)
+
+
+def test_a_one_stage_rerun_brings_what_it_needs_and_fits_the_budget(gc):
+    assert gc.selected(["run"]) == ["install", "run"] and gc.selected(["loss_bench"]) == ["build", "loss_bench"]
+    assert gc.selected(["proxy_scale"]) == ["proxy_scale"] and gc.selected(None) == list(gc.STAGES)
+    for name in gc.STAGES:  # caps, worst case: never cut short by the default budget alone
+        assert sum(gc.STAGES[n] for n in gc.selected([name])) <= gc.BUDGET_S, name
+
+
+def test_the_proxy_scale_arguments_are_parsed_by_scale_bench_itself(gc):
+    st = gc.check_proxy_scale_args()
+    assert st.status == "pass", st.reason
+    assert st.figures["only"] == ["proxy"] and st.figures["open_executions"] == [1024, 4096]
+    assert (st.figures["engines"], st.figures["window_s"], st.figures["proxy_cpus"], st.figures["load_cpus"]) == ([8], 15.0, "0", "1-15")
+    bad = gc.check_proxy_scale_args(["--only", "proxy", "--proxy-cores", "0"])  # a flag it does not have
+    assert bad.status == "fail" and "unrecognized arguments: --proxy-cores" in bad.reason
+
+
+FAKE_RUN = """import json, sys
+from pathlib import Path
+run = Path(sys.argv[sys.argv.index("--run-dir") + 1])
+for i in range(229):  # what gyre.run leaves: records, trajectories, checkpoints, folders deep
+    f = run / "executions" / f"e{i % 7}" / "calls" / f"{i}.json"
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text("{}")
+ho = {"actor_offload": {"count": 2}, "actor_restore": {"count": 2}}
+(run / "summary.json").write_text(json.dumps({"steps": 4, "aborted_calls": 0, "calls": 18, "handover_s": ho}))
+(run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.1 * s}) + "\\n" for s in range(4)))
+"""
+FAKE_SCALE = """import shutil, sys
+shutil.copyfile(sys.argv[1], sys.argv[sys.argv.index("--out") + 1])
+"""
+
+
+def test_a_device_run_returns_its_json_and_two_small_files(gc, tmp_path, monkeypatch):
+    """The device run's stages with CPU stand-ins: a run writing 229 files in nested folders, a
+    scale bench giving a committed proxy record; the output folder gets back what the lent
+    machine returns (≤ 8 files, ≤ 2 folders deep), gpu_check.json among them."""
+    (tmp_path / "fake_run.py").write_text(FAKE_RUN)
+    (tmp_path / "fake_scale.py").write_text(FAKE_SCALE)
+    record = ROOT / "benchmarks" / "results" / "scale_bench_proxy.json"  # the proxy series, with its legs
+    passed = lambda *a, **k: gc.Stage("pass")  # noqa: E731
+    for name in ("stage_install", "stage_build", "_pytest"):
+        monkeypatch.setattr(gc, name, passed)
+    monkeypatch.setattr(gc, "stage_loss_bench", lambda t: gc.Stage("fail", "planted"))
+    monkeypatch.setattr(gc, "RUN_LAUNCHER", [sys.executable, str(tmp_path / "fake_run.py")])
+    monkeypatch.setattr(gc, "proxy_scale_command", lambda out: [sys.executable, str(tmp_path / "fake_scale.py"), str(record), "--out", str(out)])
+    monkeypatch.delenv("OUT", raising=False)
+    out = tmp_path / "out" / "gpu_check.json"
+    assert gc.main(["--out", str(out)]) == 1  # the planted loss_bench failure
+    assert returned(out.parent) == ["gpu_check.json", "gpu_check_run_metrics.jsonl", "gpu_check_run_summary.json"]
+    res = json.loads(out.read_text())
+    assert {k: v["status"] for k, v in res["stages"].items()} == {
+        "install": "pass", "build": "pass", "kernel_tests": "pass", "megatron_step": "pass", "run": "pass",
+        "loss_bench": "fail", "proxy_scale": "pass"}, res["stages"]
+    assert res["stages"]["run"]["figures"]["loss_by_step"] == [0.0, 0.1, 0.2, 0.30000000000000004]
+    rows = res["stages"]["proxy_scale"]["figures"]["rows"]
+    want = json.loads(record.read_text())["series"]["proxy"]
+    assert rows == [{k: w[k] for k in gc.PROXY_SCALE_KEYS} for w in want] and len(rows) >= 2
+    assert all(r["legs_ms_p50_p99"]["proxy_added"] and r["proxy_added_ms_p99"] is not None for r in rows)
+    assert res["rerun"]["stages"] == ["build", "loss_bench"] and "--only loss_bench" in res["rerun"]["command"]
+    # --only: the chosen stage and what it needs; the rest not selected
+    monkeypatch.setattr(gc, "stage_loss_bench", passed)
+    assert gc.main(["--out", str(out), "--only", "loss_bench"]) == 0
+    st = {k: v["status"] for k, v in json.loads(out.read_text())["stages"].items()}
+    assert [k for k, v in st.items() if v == "pass"] == ["build", "loss_bench"]
+    # out of budget: proxy_scale is not started with less than its START_S, the others still are
+    assert gc.main(["--out", str(out), "--budget-s", "60"]) == 0
+    res = json.loads(out.read_text())
+    assert res["stages"]["proxy_scale"]["status"] == "skip" and "out of time" in res["stages"]["proxy_scale"]["reason"]
+    assert res["stages"]["loss_bench"]["status"] == "pass" and res["rerun"]["stages"] == ["proxy_scale"]
 
 
 def test_the_box_keeps_its_packages_unless_older_than_the_pin(gc):

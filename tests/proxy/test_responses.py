@@ -304,7 +304,7 @@ def test_tool_choice_none_and_auth(make_server):
 @pytest.mark.parametrize("streamed", [False, True])
 def test_openai_agents_sdk_tool_turn(make_server, streamed):
     """One Agent run with the SDK's default model class: two tool calls, then the answer."""
-    agents = pytest.importorskip("agents")
+    agents = pytest.importorskip("agents", reason="openai-agents is not installed (the agents extra: pip install -e '.[test,agents]'; not next to sglang, setup.py)")
     import asyncio
 
     agents.set_tracing_disabled(True)  # no trace export to api.openai.com
