@@ -18,6 +18,7 @@ Stages, each with its own timeout, each recorded pass / fail / skip with its rea
 another failed, all inside one overall budget (`--budget-s`):
 
     install        the carried wheels; then gyre's runtime imports (tyro, megatron.core, openai, ...)
+    doctor         python -m gyre.doctor with the run stage's flags: its CUDA, NCCL and per-GPU memory lines
     build          gyre._C with CUDA for sm_90 (TORCH_CUDA_ARCH_LIST=9.0), and the CUDA dispatch
                    key registered (setup.py falls back to the CPU extension on a failed CUDA build:
                    that is a failure here)
@@ -96,11 +97,12 @@ ONE_GPU_LIMITS = {
 }
 
 STAGES = {  # name → timeout s, in the order they run
-    "install": 90, "build": 240, "kernel_tests": 150, "megatron_step": 180, "run": 300, "loss_bench": 120,
+    "install": 90, "doctor": 60, "build": 240, "kernel_tests": 150, "megatron_step": 180, "run": 300,
+    "loss_bench": 120,
     "proxy_scale": 100,
 }
 START_S = {"proxy_scale": 90}  # least time worth starting a stage with (default 20 s): two 15 s windows and their ramps
-NEEDS = {"kernel_tests": ("build",), "megatron_step": ("install",), "run": ("install",), "loss_bench": ("build",)}
+NEEDS = {"doctor": ("install",), "kernel_tests": ("build",), "megatron_step": ("install",), "run": ("install",), "loss_bench": ("build",)}
 
 
 @dataclass
@@ -278,6 +280,22 @@ def stage_run(out_json: Path, work: Path, timeout: float, launcher: list[str] | 
     if not (ho.get("actor_offload", {}).get("count") and ho.get("actor_restore", {}).get("count")):
         problems.append("no actor offload / restore was measured (the cell never flipped?)")
     return Stage("fail" if problems else "pass", "; ".join(problems), figures=figures, log_tail=_tail(out, 2000))
+
+
+DOCTOR = [sys.executable, "-m", "gyre.doctor"]
+
+
+def stage_doctor(work: Path, timeout: float, args: list[str] | None = None) -> Stage:
+    """`python -m gyre.doctor` with the run stage's flags (or `args`): its GPU lines (CUDA, NCCL,
+    free memory per GPU, the NCCL all-reduce) run only here. Its table comes back in the figures."""
+    args = RUN_ARGS if args is None else args
+    rc, out = _sh([*DOCTOR, *args, "--run-dir", str(work / "doctor_run")], timeout)
+    rows = [ln for ln in out.splitlines() if ln.split(" ", 1)[0] in ("ok", "warn", "fail", "skipped")]
+    figures = {"lines": out.splitlines()[-60:], "command": " ".join(["python", "-m", "gyre.doctor", *args])}
+    if rc != 0 or not rows:
+        return Stage("fail", f"gyre.doctor exited {rc}: " + "; ".join(r for r in rows if r.startswith("fail")),
+                     figures=figures, log_tail=_tail(out))
+    return Stage("pass", figures=figures)
 
 
 def proxy_scale_figures(record: dict) -> dict[str, Any]:
@@ -488,6 +506,7 @@ def run_device(wheels: Path | None, out_json: Path, budget_s: float, only: list[
 
     try:
         go("install", lambda t: stage_install(wheels, t))
+        go("doctor", lambda t: stage_doctor(work, t))
         go("build", stage_build)
         go("kernel_tests", lambda t: _pytest(KERNEL_TESTS, t))
         go("megatron_step", lambda t: _pytest(MEGATRON_TESTS, t, figures_file))

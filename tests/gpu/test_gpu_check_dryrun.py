@@ -105,7 +105,7 @@ def test_the_run_config_is_checked_as_on_the_box(gc):
 
 def test_the_device_stages_are_budgeted_within_eight_minutes(gc):
     assert gc.BUDGET_S <= 8 * 60 - 10
-    assert list(gc.STAGES) == ["install", "build", "kernel_tests", "megatron_step", "run", "loss_bench", "proxy_scale"]
+    assert list(gc.STAGES) == ["install", "doctor", "build", "kernel_tests", "megatron_step", "run", "loss_bench", "proxy_scale"]
     assert gc.STAGES["proxy_scale"] == 100
     assert gc.CUDA_ARCH == "9.0" and gc.BENCH_SHAPE == (16384, 151936)
 
@@ -152,6 +152,7 @@ def test_a_device_run_returns_its_json_and_two_small_files(gc, tmp_path, monkeyp
     passed = lambda *a, **k: gc.Stage("pass")  # noqa: E731
     for name in ("stage_install", "stage_build", "_pytest"):
         monkeypatch.setattr(gc, name, passed)
+    monkeypatch.setattr(gc, "DOCTOR", [sys.executable, "-c", "print('ok       torch               2.11')"])
     monkeypatch.setattr(gc, "stage_loss_bench", lambda t: gc.Stage("fail", "planted"))
     monkeypatch.setattr(gc, "RUN_LAUNCHER", [sys.executable, str(tmp_path / "fake_run.py")])
     monkeypatch.setattr(gc, "proxy_scale_command", lambda out: [sys.executable, str(tmp_path / "fake_scale.py"), str(record), "--out", str(out)])
@@ -161,7 +162,7 @@ def test_a_device_run_returns_its_json_and_two_small_files(gc, tmp_path, monkeyp
     assert returned(out.parent) == ["gpu_check.json", "gpu_check_run_metrics.jsonl", "gpu_check_run_summary.json"]
     res = json.loads(out.read_text())
     assert {k: v["status"] for k, v in res["stages"].items()} == {
-        "install": "pass", "build": "pass", "kernel_tests": "pass", "megatron_step": "pass", "run": "pass",
+        "install": "pass", "doctor": "pass", "build": "pass", "kernel_tests": "pass", "megatron_step": "pass", "run": "pass",
         "loss_bench": "fail", "proxy_scale": "pass"}, res["stages"]
     assert res["stages"]["run"]["figures"]["loss_by_step"] == [0.0, 0.1, 0.2, 0.30000000000000004]
     rows = res["stages"]["proxy_scale"]["figures"]["rows"]
@@ -179,6 +180,17 @@ def test_a_device_run_returns_its_json_and_two_small_files(gc, tmp_path, monkeyp
     res = json.loads(out.read_text())
     assert res["stages"]["proxy_scale"]["status"] == "skip" and "out of time" in res["stages"]["proxy_scale"]["reason"]
     assert res["stages"]["loss_bench"]["status"] == "pass" and res["rerun"]["stages"] == ["proxy_scale"]
+
+
+def test_the_doctor_stage_passes_on_a_clean_table_and_names_a_failed_line(gc, tmp_path):
+    """The stage runs the real `python -m gyre.doctor`: with CPU flags on this machine its table
+    has no fail; with the device run's flags (the Megatron actor on CUDA) here it fails, naming
+    the lines that did."""
+    ok = gc.stage_doctor(tmp_path, 120, ["--preset", "cpu-demo-smoke", "--backend.actor", "cpu"])
+    assert ok.status == "pass", ok.reason + ok.log_tail
+    assert any(ln.startswith("ok ") and "torch" in ln for ln in ok.figures["lines"])
+    bad = gc.stage_doctor(tmp_path, 120)  # RUN_ARGS: --backend.actor megatron --backend.device cuda
+    assert bad.status == "fail" and "exited 1" in bad.reason and "gpus" in bad.reason and "backends" in bad.reason
 
 
 def test_the_box_keeps_its_packages_unless_older_than_the_pin(gc):
