@@ -23,8 +23,11 @@ sglang/srt/, lines of that wheel):
                           request's state when its finishing output arrives
                           (tokenizer_manager.py:2241-2265, 2774)
   pause / continue        retract: running requests go back to the queue and recompute their KV
-                          (scheduler.py:5817-5932); generate waits while paused
-                          (tokenizer_manager.py:939); continue (scheduler.py:5934)
+                          (scheduler.py:5817-5932); generate registers its rid_to_state
+                          entry first, then waits while paused (tokenizer_manager.py:926,
+                          938-939): an abort in between is sent unmatched and deduplicates
+                          every later one (:2241-2265), so the request runs on after continue
+                          (scheduler.py:5934); dispatch marks the state `dispatched` (:1790)
   streaming               one chunk per wake-up, the newest (tokenizer_manager.py:1993);
                           meta_info['output_token_logprobs'] is the request's cumulative list of
                           (logprob, id, None) with 'output_token_logprobs_length'
@@ -542,6 +545,7 @@ class _State:
     top: bool
     out_list: list = field(default_factory=list)
     finished: bool = False
+    dispatched: bool = False  # tokenizer_manager.py:281, set once sent (_mark_state_dispatched, :1790, 1802-1810)
     abort_sent: bool = False
     output_token_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
@@ -604,34 +608,57 @@ class FakeTokenizerManager:
         self.auto_create_handle_loop()
         self.scheduler.inbox.put_nowait((msg, None))
 
-    # -- generation (tokenizer_manager.py:930-2030)
+    # -- generation (tokenizer_manager.py:890-967, 1096-1271, 1769-1810, 1936-2030)
     async def generate_request(self, input_ids: list[int], sampling_params: dict, rid: str, top_logprobs_num: int):
+        """The state is registered *before* the pause is waited on (`_init_req_state`, :926, 3798-3848,
+        then :938-939): an abort during a pause finds it, sends an AbortReq the scheduler cannot match
+        (nothing queued has that rid, scheduler.py:5675-5813) and sets `abort_sent`, so the request,
+        dispatched after `continue`, runs on and every later abort of it is deduplicated (:2249-2250).
+        Validation (logit_bias, the context length) runs after the pause, before dispatch (:1271);
+        any failure, or the consumer closing the stream, releases the state as :955-967 /
+        3850-3868 do: undispatched → deleted, dispatched → abort_request."""
         self.auto_create_handle_loop()
-        await self._unpaused.wait()  # tokenizer_manager.py:939
-        if rid in self.rid_to_state:
+        if rid in self.rid_to_state:  # tokenizer_manager.py:3834-3837
             raise ValueError(f"Duplicate request ID detected: {rid}")
-        eng = self.engine
-        for token_id in sampling_params.get("logit_bias") or {}:  # SamplingParams.verify (tokenizer_manager.py:1567,
-            if not 0 <= int(token_id) < eng.vocab_size:             # sampling/sampling_params.py:295-301)
-                raise ValueError(f"logit_bias must has keys in [0, {eng.vocab_size - 1}], got {token_id}.")
-        gen = torch.Generator()
-        seed = sampling_params.get("sampling_seed")
-        if seed is not None and eng.enable_deterministic_inference:  # sampling_batch_info.py:157-170
-            gen.manual_seed(int(seed))
-        else:
-            gen.seed()
         state = self.rid_to_state[rid] = _State(rid, asyncio.Event(), top=top_logprobs_num > 0)
-        params = dict(sampling_params, _top_logprobs_num=top_logprobs_num)
-        self.scheduler.inbox.put_nowait((_SReq(rid, list(input_ids), params, gen), None))
-        while True:
-            await state.event.wait()
-            out_list, state.out_list = state.out_list, []
-            state.event.clear()
-            if isinstance(out_list[-1], BaseException):
-                raise out_list[-1]
-            yield out_list[-1]  # the newest chunk only (tokenizer_manager.py:1993)
-            if state.finished:
-                return
+        try:
+            await self._unpaused.wait()  # tokenizer_manager.py:938-939
+            eng = self.engine
+            for token_id in sampling_params.get("logit_bias") or {}:  # SamplingParams.verify (tokenizer_manager.py:1567,
+                if not 0 <= int(token_id) < eng.vocab_size:             # sampling/sampling_params.py:295-301)
+                    raise ValueError(f"logit_bias must has keys in [0, {eng.vocab_size - 1}], got {token_id}.")
+            gen = torch.Generator()
+            seed = sampling_params.get("sampling_seed")
+            if seed is not None and eng.enable_deterministic_inference:  # sampling_batch_info.py:157-170
+                gen.manual_seed(int(seed))
+            else:
+                gen.seed()
+            params = dict(sampling_params, _top_logprobs_num=top_logprobs_num)
+            self.scheduler.inbox.put_nowait((_SReq(rid, list(input_ids), params, gen), None))
+            state.dispatched = True  # _send_one_request → _mark_state_dispatched (:1789-1791)
+            while True:
+                await state.event.wait()
+                out_list, state.out_list = state.out_list, []
+                state.event.clear()
+                if isinstance(out_list[-1], BaseException):
+                    raise out_list[-1]
+                yield out_list[-1]  # the newest chunk only (tokenizer_manager.py:1993)
+                if state.finished:
+                    return
+        except BaseException:
+            self._release_req_state_on_failure(rid, state)
+            raise
+
+    def _release_req_state_on_failure(self, rid: str, state: _State) -> None:  # tokenizer_manager.py:3850-3868
+        if self.rid_to_state.get(rid) is not state:
+            return
+        if state.dispatched:
+            try:
+                self.abort_request(rid)
+            except Exception:  # noqa: BLE001 — logged and dropped there (:3863-3868)
+                pass
+        else:
+            del self.rid_to_state[rid]
 
     def _handle_output(self, rid, token, finished_reason, completion_tokens, retractions, spans) -> None:
         state = self.rid_to_state.get(rid)
@@ -658,11 +685,13 @@ class FakeTokenizerManager:
             del self.rid_to_state[rid]  # tokenizer_manager.py:2774
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:  # tokenizer_manager.py:2241-2265
+        """Sent whether or not the request was dispatched yet (an undispatched one is not in the
+        scheduler, which drops the AbortReq unmatched); `abort_sent` then silences every later abort."""
         if not abort_all and not rid:
             return
         state = None if abort_all else self.rid_to_state.get(rid)
         if not abort_all:
-            if state is None:
+            if state is None:  # tokenizer_worker_num == 1 (:2252-2253)
                 return
             if state.abort_sent:
                 return

@@ -15,7 +15,9 @@ proves the state was reached (docs/gpu-sglang.md has the whole table, with SGLan
                so every rid is made prefix-free (`prefix_free_rid`). A running request is only
                flagged and takes one more decode step (scheduler.py:5796-5813): it has *landed*
                when the TM drops its state (tokenizer_manager.py:2774), and until then it counts
-               as busy for `release_memory`.
+               as busy for `release_memory`. An abort is held until SGLang dispatched the request
+               (a generate waiting on a pause has a state but is not in the scheduler; an abort
+               then is lost and silences later ones, :926, 938-939, 2249-2250; `_send_abort`).
     update     pause_generation(retract) → begin_weight_update → update_weights_from_tensor(
                weight_version=v) → end_weight_update → continue_generation. The scheduler refuses
                an update outside a begin/end session (scheduler_components/weight_updater.py:232);
@@ -299,6 +301,7 @@ class _Req:
     rid: str
     out: list[TokenEvent] = field(default_factory=list)
     aborted: bool = False
+    abort_unsent: bool = False  # aborted here before SGLang dispatched it: sent once it is (`_send_abort`)
 
 
 class SglangEngine:
@@ -429,6 +432,7 @@ class SglangEngine:
                                                        return_logprob=True, stream=True, rid=req.rid, **extra)
             async for chunk in stream:
                 if req.aborted:  # abort() already returned the tokens; yield nothing past them
+                    self._send_abort(req)  # dispatched now: an abort held back during a pause goes out
                     return
                 pairs, finish, chunk_version = parse_chunk(chunk, seen)
                 tops = parse_top(chunk, seen, len(pairs)) if extra else [None] * len(pairs)
@@ -463,8 +467,25 @@ class SglangEngine:
 
     def _abort_in_sglang(self, req: _Req) -> None:
         req.aborted = True
+        req.abort_unsent = True
         self._aborting[req.rid] = req
-        self._tm.abort_request(rid=req.rid)
+        self._send_abort(req)
+
+    def _send_abort(self, req: _Req) -> None:
+        """TM.abort_request once SGLang has dispatched the request. Its state exists from the
+        moment generate starts, before the wait on a pause (tokenizer_manager.py:926, 938-939); an
+        abort before dispatch reaches a scheduler that cannot match it (scheduler.py:5675-5813) and
+        sets `abort_sent`, which drops every later abort (:2249-2250): the request would run to
+        max_new_tokens after `continue`. So it is held (`abort_unsent`) and sent from the stream's
+        next chunk or `_unlanded`, whichever sees the state dispatched first (:1790)."""
+        if not req.abort_unsent or self._engine is None:
+            return
+        state = self._tm.rid_to_state.get(req.rid)
+        if state is not None and not getattr(state, "dispatched", True):
+            return
+        req.abort_unsent = False
+        if state is not None:
+            self._tm.abort_request(rid=req.rid)
 
     def _check_versions(self, req: _Req, labels: list[str], chunk: dict[str, Any]) -> None:
         """Compare the versions the tokens were given with the scheduler's spans (finishing chunk)."""
@@ -486,10 +507,13 @@ class SglangEngine:
 
     def _unlanded(self) -> list[str]:
         """rids aborted here whose SGLang request state still exists (tokenizer_manager.py:2774
-        deletes it when the scheduler's finishing output arrives)."""
+        deletes it when the scheduler's finishing output arrives; :3850-3868 an undispatched one
+        whose stream ended); a held-back abort is sent once its request is dispatched."""
         alive = self._tm.rid_to_state
         for rid in [r for r in self._aborting if r not in alive]:
             del self._aborting[rid]
+        for req in list(self._aborting.values()):
+            self._send_abort(req)
         return list(self._aborting)
 
     async def _wait_landed(self) -> None:

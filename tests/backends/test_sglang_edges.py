@@ -1,0 +1,99 @@
+"""SGLang adapter against the conformance fake: the edges the first-contact audit found (issue 30,
+items 3, 5, 6): an abort during a weight-update pause, prompts at the context length, and the
+process-wide side effects of starting an engine. Each fake behaviour cites sglang 0.5.23's source
+in tests/backends/sglang_fake.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gyre.backends.protocols import SamplingParams
+from tests.backends import sglang_fake
+from tests.backends.test_sglang_engine import PROMPT, _collect, _engine, _fake_defaults, ckpt  # noqa: F401 (fixtures)
+
+
+# ----------------------------------------------------------------------------- abort during a pause (F3)
+def test_fake_registers_before_the_pause_and_dedups_the_later_abort(ckpt):
+    """SGLang's own order, driven on the fake's tokenizer manager directly: the state exists while
+    generate waits on the pause (tokenizer_manager.py:926 vs 938-939), an abort then is sent
+    unmatched and marks abort_sent, so after continue the request runs to max_new_tokens and a
+    second abort is deduplicated (:2249-2250)."""
+    path, _ = ckpt
+
+    async def go():
+        eng = _engine(path)
+        await eng.start()
+        tm, io = eng._engine.tokenizer_manager, sglang_fake.io_struct
+        await tm.pause_generation(io.PauseGenerationReqInput(mode="retract"))
+        task = asyncio.create_task(_collect(tm.generate_request(PROMPT, {"max_new_tokens": 30}, "z", 0)))
+        while "z" not in tm.rid_to_state:
+            await asyncio.sleep(0.001)
+        state = tm.rid_to_state["z"]
+        tm.abort_request("z")
+        during = (state.dispatched, state.abort_sent, tm.calls.count("AbortReq"))
+        await tm.continue_generation(io.ContinueGenerationReqInput())
+        while not state.dispatched:
+            await asyncio.sleep(0.001)
+        tm.abort_request("z")  # deduplicated: never reaches the scheduler
+        out = await task
+        after = tm.calls.count("AbortReq")
+        await eng.stop()
+        return during, out, after
+
+    during, out, after = asyncio.run(go())
+    assert during == (False, True, 1)
+    assert after == 1
+    meta = out[-1]["meta_info"]
+    assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 30  # the zombie
+
+
+def test_abort_during_a_weight_update_pause_does_not_leave_a_zombie(ckpt):
+    """A request whose generate is waiting on the update's pause is aborted. Its abort must reach
+    the scheduler once SGLang dispatched it, so it lands after one more decode step and the next
+    release_memory is at once; sent while undispatched it is lost and the request runs to
+    max_new_tokens, so release waits for it and fails after land_timeout_s."""
+    path, model = ckpt
+
+    async def go():
+        eng = _engine(path, land_timeout_s=3.0)
+        await eng.start()
+        tm = eng._engine.tokenizer_manager
+        in_pause, go_on = asyncio.Event(), asyncio.Event()
+        begin = tm.begin_weight_update
+
+        async def held_begin(obj, request=None):  # holds the update inside its pause
+            in_pause.set()
+            await go_on.wait()
+            return await begin(obj, request)
+
+        tm.begin_weight_update = held_begin
+        update = asyncio.create_task(eng.update_weights(model.state_dict(), version=1))
+        await in_pause.wait()
+        consumer = asyncio.create_task(_collect(eng.generate("z", PROMPT, SamplingParams(max_tokens=4000))))
+        while not eng._requests.get("z") or eng._requests["z"].rid not in tm.rid_to_state:
+            await asyncio.sleep(0.001)
+        rid = eng._requests["z"].rid
+        undispatched = not tm.rid_to_state[rid].dispatched
+        returned = await eng.abort("z")
+        go_on.set()
+        await update
+        out = await consumer
+        t0 = time.monotonic()
+        try:
+            await eng.release_memory()
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        took = time.monotonic() - t0
+        steps, states = tm.scheduler.steps, dict(tm.rid_to_state)
+        await eng.stop()
+        return undispatched, returned, out, error, took, steps, states
+
+    undispatched, returned, out, error, took, steps, states = asyncio.run(go())
+    assert undispatched and returned == [] and out == []
+    assert error is None, error
+    assert took < 1.0 and states == {}
+    assert steps <= 5  # prefill + the aborted request's one extra decode step (+ slack), not 4000
