@@ -28,6 +28,11 @@ sglang/srt/, lines of that wheel):
                           938-939): an abort in between is sent unmatched and deduplicates
                           every later one (:2241-2265), so the request runs on after continue
                           (scheduler.py:5934); dispatch marks the state `dispatched` (:1790)
+  context length          the TM refuses (ValueError, before dispatch) a prompt at or over
+                          context_len and prompt + max_new_tokens over it (tokenizer_manager.py:
+                          1332-1378); the scheduler caps max_new_tokens to context_len - 2 -
+                          prompt and aborts prompts of context_len - 6 or more (scheduler.py:
+                          2693-2716, 3244-3254; tp_worker.py:568-572)
   streaming               one chunk per wake-up, the newest (tokenizer_manager.py:1993);
                           meta_info['output_token_logprobs'] is the request's cumulative list of
                           (logprob, id, None) with 'output_token_logprobs_length'
@@ -328,12 +333,27 @@ class FakeScheduler:
 
     def _handle(self, msg: Any) -> Any:
         if isinstance(msg, _SReq):
-            self.waiting.append(msg)
+            self._admit(msg)
             return None
         handler = getattr(self, "_on_" + type(msg).__name__)
         return handler(msg)
 
     # -- requests
+    def _admit(self, req: _SReq) -> None:
+        """handle_generate_request: max_new_tokens capped to max_req_len - input - 1
+        (init_req_max_new_tokens, scheduler.py:2693-2716), and a prompt of max_req_input_len tokens
+        or more finished with an abort (validate_input_length, scheduler.py:3244-3254,
+        managers/utils.py:259-287; no --allow-auto-truncate)."""
+        eng, n = self.engine, len(req.input_ids)
+        req.params["max_new_tokens"] = max(0, min(int(req.params.get("max_new_tokens", 1 << 30)), eng.max_req_len - n - 1))
+        if n >= eng.max_req_input_len:
+            req.finished_reason = {"type": "abort", "message": (
+                f"Input length ({n} tokens) exceeds the maximum allowed length ({eng.max_req_input_len} tokens). "
+                f"Use a shorter input or enable --allow-auto-truncate.")}
+            self._emit(req, None)
+            return
+        self.waiting.append(req)
+
     def _on_AbortReq(self, m: AbortReq) -> None:  # scheduler.py:5675-5813
         for req in [r for r in self.waiting if m.abort_all or r.rid.startswith(m.rid)]:
             self.waiting.remove(req)
@@ -558,6 +578,8 @@ class FakeTokenizerManager:
     def __init__(self, engine: "FakeEngine"):
         self.engine = engine
         self.rid_to_state: dict[str, _State] = {}
+        self.context_len = engine.context_len  # tokenizer_manager.py:600
+        self.max_req_input_len = engine.max_req_input_len  # set from the scheduler's info (engine.py:1399)
         self.is_pause = False
         self.scheduler: FakeScheduler | None = None
         self._task: asyncio.Task | None = None
@@ -624,6 +646,7 @@ class FakeTokenizerManager:
         try:
             await self._unpaused.wait()  # tokenizer_manager.py:938-939
             eng = self.engine
+            self._validate_one_request(input_ids, sampling_params)
             for token_id in sampling_params.get("logit_bias") or {}:  # SamplingParams.verify (tokenizer_manager.py:1567,
                 if not 0 <= int(token_id) < eng.vocab_size:             # sampling/sampling_params.py:295-301)
                     raise ValueError(f"logit_bias must has keys in [0, {eng.vocab_size - 1}], got {token_id}.")
@@ -648,6 +671,18 @@ class FakeTokenizerManager:
         except BaseException:
             self._release_req_state_on_failure(rid, state)
             raise
+
+    def _validate_one_request(self, input_ids: list[int], sampling_params: dict) -> None:
+        """tokenizer_manager.py:1332-1378 with SGLang's defaults (allow_auto_truncate False,
+        fields/serving.py:254-257; validate_total_tokens True, :606; no speculative reserve)."""
+        n, max_new = len(input_ids), sampling_params.get("max_new_tokens")
+        if n >= self.context_len:
+            raise ValueError(f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens).")
+        if max_new is not None and max_new + n > self.context_len:
+            raise ValueError(f"Requested token count exceeds the model's maximum context length of {self.context_len} "
+                             f"tokens. You requested a total of {max_new + n} tokens: {n} tokens from the input "
+                             f"messages and {max_new} tokens for the completion. Please reduce the number of tokens "
+                             f"in the input messages or the completion to fit within the limit.")
 
     def _release_req_state_on_failure(self, rid: str, state: _State) -> None:  # tokenizer_manager.py:3850-3868
         if self.rid_to_state.get(rid) is not state:
@@ -823,6 +858,10 @@ class FakeEngine:
         self.model_config, self.weights, self.eos_token_ids, self.dtype = _load(
             kwargs["model_path"], kwargs.get("load_format"), kwargs.get("dtype", "auto"), kwargs.get("attention_backend"))
         self.vocab_size = int(self.model_config.vocab_size)
+        self.context_len = _context_len(self.model_config, kwargs.get("context_length"))
+        # tp_worker.py:568-572 (KV capacity taken as unbounded): what the scheduler admits
+        self.max_req_len = self.context_len - 1
+        self.max_req_input_len = self.max_req_len - 5
         self.tokenizer_manager = FakeTokenizerManager(self)
         self.process: subprocess.Popen | None = None
         if self.spawn_scheduler_process:
@@ -868,6 +907,31 @@ class _Watchdog:
 
     def stop(self) -> None:
         self.stopped.set()
+
+
+def _context_len(config: Any, context_length: int | None) -> int:
+    """ModelConfig.context_len: get_context_length (utils/hf_transformers/common.py:668-694: the
+    first of CONTEXT_LENGTH_KEYS, times a rope scaling factor) or the context_length server arg,
+    which may not exceed it without SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN
+    (configs/model_config.py:1291-1326)."""
+    rope = getattr(config, "rope_scaling", None)
+    factor = 1
+    if rope:
+        factor = rope.get("factor", 1)
+        if "original_max_position_embeddings" in rope or rope.get("rope_type") == "llama3":
+            factor = 1
+    derived = 2048
+    for key in ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings"):
+        if getattr(config, key, None) is not None:
+            derived = int(factor * getattr(config, key))
+            break
+    if context_length is None:
+        return derived
+    if int(context_length) > derived and not os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"):
+        raise ValueError(f"User-specified context_length ({context_length}) is greater than the derived "
+                         f"context_length ({derived}). To allow overriding this maximum, set the env var "
+                         f"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1")
+    return int(context_length)
 
 
 def _children(pid: int) -> set[int]:

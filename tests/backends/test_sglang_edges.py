@@ -97,3 +97,62 @@ def test_abort_during_a_weight_update_pause_does_not_leave_a_zombie(ckpt):
     assert error is None, error
     assert took < 1.0 and states == {}
     assert steps <= 5  # prefill + the aborted request's one extra decode step (+ slack), not 4000
+
+
+# ----------------------------------------------------------------------------- context length (F9)
+CONTEXT = 32
+
+
+def _short_context_engine(path: str):
+    from gyre.backends.config import SglangConfig
+    from gyre.backends.engines.sglang_engine import SglangEngine
+
+    return SglangEngine(SglangConfig(model_path=path, dtype="float32",
+                                     extra={"attention_backend": "triton", "context-length": str(CONTEXT)}),
+                        api=sglang_fake.API)
+
+
+async def _outcome(engine, prompt, max_tokens):
+    try:
+        out = [ev async for ev in engine.generate("long", prompt, SamplingParams(max_tokens=max_tokens))]
+    except ValueError as e:
+        return "ValueError", str(e)
+    return len(out), out[-1].finish_reason if out else None
+
+
+def test_prompts_near_the_context_length_end_as_with_the_cpu_engine(ckpt):
+    """The CPU engine (max_model_len = the context) refuses a prompt at or over it (ValueError) and
+    ends a request whose prompt + max_tokens runs over it with 'length'. SGLang refuses both in
+    its tokenizer manager (tokenizer_manager.py:1338-1378); the adapter clamps max_new_tokens to
+    the context so Gyre sees 'length' too. SGLang's scheduler caps a request at context - 2 - prompt
+    tokens (scheduler.py:2714, max_req_len = context - 1, tp_worker.py:568) and takes no prompt of
+    context - 6 or more (scheduler.py:3244-3254): the adapter refuses those up front, naming the limit."""
+    from gyre.backends.config import CpuEngineConfig
+    from gyre.backends.engines.cpu_engine import CpuEngine
+
+    path, model = ckpt
+    prompt = list(range(1, 11))  # 10 tokens
+
+    async def go():
+        cpu = CpuEngine(model.config, model.state_dict(), config=CpuEngineConfig(max_model_len=CONTEXT))
+        await cpu.start()
+        sg = _short_context_engine(path)
+        await sg.start()
+        got = {}
+        for name, engine in (("cpu", cpu), ("sglang", sg)):
+            got[name] = [await _outcome(engine, prompt, 100),  # runs over the context
+                         await _outcome(engine, prompt, 5),  # fits
+                         await _outcome(engine, list(range(1, CONTEXT + 1)), 5),  # the prompt fills the context
+                         await _outcome(engine, list(range(1, CONTEXT - 3)), 2)]  # under it, over SGLang's prompt limit
+        await cpu.stop()
+        await sg.stop()
+        return got
+
+    got = asyncio.run(go())
+    cpu, sg = got["cpu"], got["sglang"]
+    assert cpu[0] == (CONTEXT - 10, "length") and sg[0] == (CONTEXT - 2 - 10, "length")
+    assert cpu[1] == sg[1] == (5, "length")
+    assert cpu[2][0] == sg[2][0] == "ValueError"
+    assert "32" in sg[2][1] and "context" in sg[2][1]
+    assert cpu[3] == (2, "length")  # the CPU engine serves it; SGLang would abort it with no token
+    assert sg[3][0] == "ValueError" and "26" in sg[3][1], sg[3]

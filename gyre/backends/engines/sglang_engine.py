@@ -11,6 +11,8 @@ proves the state was reached (docs/gpu-sglang.md has the whole table, with SGLan
     generate   Engine.async_generate(input_ids, sampling_params, return_logprob=True, stream=True,
                rid) → chunks whose meta_info['output_token_logprobs'] is the request's cumulative
                list of (logprob, token_id, text); 'output_token_logprobs_length' bounds the chunk.
+               max_new_tokens is cut to the context and a prompt SGLang cannot take is refused
+               up front, so requests end as on the CPU engine (`_fit_context`).
     abort      TM.abort_request(rid). SGLang matches rids by *prefix* (scheduler.py:5688, 5800),
                so every rid is made prefix-free (`prefix_free_rid`). A running request is only
                flagged and takes one more decode step (scheduler.py:5796-5813): it has *landed*
@@ -334,6 +336,8 @@ class SglangEngine:
         self._weights_lock = asyncio.Lock()  # one weight update / release / resume at a time
         self.version_mismatches = 0
         self._warned_min_tokens = False
+        self.context_len: int | None = None  # the served model's (TM.context_len), read at start
+        self.max_prompt_len: int | None = None  # prompts at or over it are refused (`_fit_context`)
 
     # ---------------------------------------------------------------- lifecycle
     def _move(self, to: EngineState, *, require: EngineState | None = None) -> None:
@@ -376,6 +380,10 @@ class SglangEngine:
         # Only what the engine started; a harness is never one of them (its processes predate this
         # call, or are launched by the controller after the engine is up).
         self._engine_pids = child_pids(os.getpid()) - before
+        tm = self._engine.tokenizer_manager
+        self.context_len = getattr(tm, "context_len", None)  # tokenizer_manager.py:600
+        limits = [v for v in (self.context_len, getattr(tm, "max_req_input_len", None)) if v]  # engine.py:1399
+        self.max_prompt_len = min(limits) if limits else None
         atexit.unregister(getattr(self._engine, "shutdown", lambda: None))
         logger.info("sglang engine up (tp=%d, model=%s, version %d, %d engine processes)", self.config.tp_size,
                     self.config.model_path, self.version, len(self._engine_pids))
@@ -413,6 +421,7 @@ class SglangEngine:
             raise RuntimeError(f"SglangEngine.generate({request_id}): engine is {self.state.value}")
         if request_id in self._requests:
             raise ValueError(f"generate: request id {request_id!r} is already in flight")
+        max_new = self._fit_context(request_id, len(input_ids), sampling.max_tokens)
         if sampling.min_tokens and self.logprobs == "policy" and not self._warned_min_tokens:
             self._warned_min_tokens = True
             logger.warning("min_tokens > 0: SGLang reports the log-probs of the first min_tokens tokens with the "
@@ -424,6 +433,7 @@ class SglangEngine:
         try:
             extra = {"top_logprobs_num": sampling.top_logprobs} if sampling.top_logprobs > 0 else {}
             params = sampling_params(sampling)
+            params["max_new_tokens"] = max_new
             if self.eos_token_ids:
                 params["stop_token_ids"] = sorted(set(params["stop_token_ids"]) | set(self.eos_token_ids))
             if self._bias:
@@ -464,6 +474,20 @@ class SglangEngine:
                 self._abort_in_sglang(req)  # the consumer went away mid-stream
             if self._requests.get(request_id) is req:
                 del self._requests[request_id]
+
+    def _fit_context(self, request_id: str, n: int, max_tokens: int) -> int:
+        """max_new_tokens for a prompt of n tokens, as the CPU engine ends it: a prompt at or over
+        the limit is a ValueError; one whose prompt + max_tokens runs over the context ends with
+        'length'. SGLang's tokenizer manager refuses both with a ValueError (tokenizer_manager.py:
+        1338-1378, no --allow-auto-truncate), so max_new_tokens is cut to context_len - n; its
+        scheduler then ends the request at max_req_len - n - 1 tokens, 'length' (scheduler.py:2714;
+        max_req_len = context_len - 1, tp_worker.py:568), and aborts a prompt of max_req_input_len
+        (context_len - 6) tokens or more without a token (scheduler.py:3244-3254): refused here."""
+        if self.max_prompt_len is not None and n >= self.max_prompt_len:
+            raise ValueError(f"generate({request_id}): prompt of {n} tokens reaches the SGLang engine's limit "
+                             f"{self.max_prompt_len} (context length {self.context_len}; SGLang's scheduler takes "
+                             f"prompts under max_req_input_len)")
+        return max_tokens if self.context_len is None else min(max_tokens, self.context_len - n)
 
     def _abort_in_sglang(self, req: _Req) -> None:
         req.aborted = True
