@@ -53,7 +53,9 @@ sglang/srt/, lines of that wheel):
                           (engine.py:1491) and is registered with atexit (engine.py:326); with
                           `spawn_scheduler_process`, a child process stands for the scheduler and
                           the TM's subprocess watchdog SIGQUITs this process if it dies while the
-                          watchdog runs (utils/watchdog.py:166-225)
+                          watchdog runs (utils/watchdog.py:166-225), and multiprocessing's shared
+                          resource tracker is started as spawn does; the first Engine() sets a
+                          process-wide event-loop policy (`FakeUvloopPolicy`, engine.py:168)
   init_weights_update_group  joins a TCP rendezvous + PrefixStore(group_name) group as rank
                           rank_offset (utils/common.py:2859, model_runner_components/
                           weight_updater.py:100-144) and receives one broadcast(src=0) per name
@@ -842,6 +844,7 @@ class FakeEngine:
     instances: list["FakeEngine"] = []
 
     def __init__(self, **kwargs: Any):
+        _import_engine_module()
         unknown = set(kwargs) - SERVER_ARGS
         if unknown:
             raise TypeError(f"ServerArgs.__init__() got unexpected keyword arguments {sorted(unknown)}")
@@ -865,6 +868,13 @@ class FakeEngine:
         self.tokenizer_manager = FakeTokenizerManager(self)
         self.process: subprocess.Popen | None = None
         if self.spawn_scheduler_process:
+            # SGLang launches its schedulers with mp.Process under the spawn method (engine.py:956-974,
+            # 1995), and spawn's Popen starts multiprocessing's shared resource tracker, a child of
+            # this process kept for its whole life (multiprocessing/popen_spawn_posix.py:
+            # resource_tracker.getfd() → ensure_running()).
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()
             self.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
             self.tokenizer_manager._subprocess_watchdog = _Watchdog(self.process)
         self.shutdown_called = False
@@ -886,6 +896,24 @@ class FakeEngine:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+class FakeUvloopPolicy(asyncio.DefaultEventLoopPolicy):
+    """Stands for uvloop.EventLoopPolicy (its loops are asyncio's own here)."""
+
+
+ENGINE_MODULE_IMPORTED = False
+
+
+def _import_engine_module() -> None:
+    """`sglang.Engine` is a LazyImport (sglang/__init__.py:68, utils.py:364-384): the first
+    Engine(...) imports sglang.srt.entrypoints.engine, whose module body sets a process-wide
+    policy, `asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())` (engine.py:168), once per
+    process, before anything is checked."""
+    global ENGINE_MODULE_IMPORTED
+    if not ENGINE_MODULE_IMPORTED:
+        ENGINE_MODULE_IMPORTED = True
+        asyncio.set_event_loop_policy(FakeUvloopPolicy())
 
 
 class _Watchdog:

@@ -156,3 +156,79 @@ def test_prompts_near_the_context_length_end_as_with_the_cpu_engine(ckpt):
     assert "32" in sg[2][1] and "context" in sg[2][1]
     assert cpu[3] == (2, "length")  # the CPU engine serves it; SGLang would abort it with no token
     assert sg[3][0] == "ValueError" and "26" in sg[3][1], sg[3]
+
+
+# ----------------------------------------------------------------------------- process side effects (F10, F8)
+def test_starting_an_engine_leaves_the_event_loop_policy_as_it_was(ckpt, monkeypatch):
+    """Importing sglang.srt.entrypoints.engine (at the first Engine(), a LazyImport) sets a
+    process-wide uvloop policy (engine.py:168); rank 0's controller loop, built later, and the
+    harness subprocesses it starts must keep Gyre's. The fake sets FakeUvloopPolicy the same way."""
+    path, _ = ckpt
+    before = asyncio.get_event_loop_policy()
+    try:
+        monkeypatch.setattr(sglang_fake, "ENGINE_MODULE_IMPORTED", False)  # as in a fresh process
+        sglang_fake._import_engine_module()
+        fake_sets_it = isinstance(asyncio.get_event_loop_policy(), sglang_fake.FakeUvloopPolicy)
+        asyncio.set_event_loop_policy(before)
+        monkeypatch.setattr(sglang_fake, "ENGINE_MODULE_IMPORTED", False)
+
+        async def go():
+            eng = _engine(path)
+            await eng.start()
+            during = asyncio.get_event_loop_policy()
+            await eng.stop()
+            return during, sglang_fake.ENGINE_MODULE_IMPORTED
+
+        during, imported = asyncio.run(go())
+        after = asyncio.get_event_loop_policy()
+    finally:
+        asyncio.set_event_loop_policy(before)
+    assert fake_sets_it and imported
+    assert during is before and after is before
+
+
+TRACKER_SCRIPT = r"""
+import asyncio, os, sys
+from multiprocessing import resource_tracker
+from gyre.backends.config import SglangConfig
+from gyre.backends.engines.sglang_engine import SglangEngine
+from tests.backends import sglang_fake
+
+sglang_fake.FakeEngine.spawn_scheduler_process = True
+assert resource_tracker._resource_tracker._pid is None  # a fresh process: no tracker yet
+
+def alive(pid):
+    try:
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:  # already reaped
+        return False
+
+async def go():
+    eng = SglangEngine(SglangConfig(model_path=sys.argv[1], dtype="float32", extra={"attention_backend": "triton"}),
+                       api=sglang_fake.API)
+    await eng.start()
+    tracker, scheduler = resource_tracker._resource_tracker._pid, eng._engine.process
+    await eng.stop()
+    return tracker, scheduler
+
+tracker, scheduler = asyncio.run(go())
+print("tracker started", tracker is not None, "scheduler ended", scheduler.poll() is not None,
+      "tracker alive", tracker is not None and alive(tracker))
+"""
+
+
+def test_stop_leaves_multiprocessings_resource_tracker_running(ckpt):
+    """SGLang's Engine starts the scheduler with mp.Process under spawn, which starts the process's
+    shared resource tracker as a child of the rank (the fake does the same). stop() ends the
+    engine's processes, not the tracker: killed, the shared memory and semaphores registered with it
+    are never cleaned up, and multiprocessing warns and relaunches it."""
+    import os
+    import subprocess
+    import sys
+
+    path, _ = ckpt
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", TRACKER_SCRIPT, path], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "tracker started True scheduler ended True tracker alive True", proc.stdout

@@ -43,12 +43,16 @@ Process-wide side effects of starting an Engine, and what the adapter does about
 `configure_logger` → logging.basicConfig(force=True) (engine.py:1152): Gyre's root handlers and
 level are put back. torchrun's TORCHELASTIC_USE_AGENT_STORE would make the scheduler's own
 `init_process_group` wait for a store nobody hosts: it is removed while the engine starts.
+Importing sglang.srt.entrypoints.engine (the first `Engine()`: `sglang.Engine` is a LazyImport)
+sets a process-wide uvloop event-loop policy (engine.py:168): the previous policy is put back, so
+rank 0's controller loop and the harness subprocesses it starts keep asyncio's own.
 `mp.set_start_method("spawn", force=True)` (engine.py:1995) and NCCL_CUMEM_ENABLE /
 NCCL_NVLS_ENABLE / CUDA_DEVICE_MAX_CONNECTIONS (engine.py:1885-1921) stay as SGLang sets them.
 `Engine.shutdown` kills every child of the rank (engine.py:1491; it is also registered with
 atexit), harness subprocesses included: the adapter never calls it and unregisters it; `stop()`
 stops the tokenizer manager's subprocess watchdog (else it SIGQUITs the rank) and ends only the
-processes the engine started.
+processes the engine started, never multiprocessing's shared resource tracker (which the first
+spawn starts as a child of the rank).
 
 Log-probs: with `logprobs='policy'` SGLANG_RETURN_ORIGINAL_LOGPROB=1 makes SGLang report
 log-softmax of the logits before temperature / top-p (layers/sampler.py:82, 230-236), the
@@ -345,6 +349,7 @@ class SglangEngine:
 
     async def start(self) -> None:
         self._move(EngineState.RUNNING, require=EngineState.CREATED)
+        policy = asyncio.get_event_loop_policy()  # sglang's engine module sets uvloop's (engine.py:168)
         try:
             api = self._api = self._api or SglangApi.real()
             args = server_args(self.config, set(api.server_arg_names) if api.server_arg_names else None)
@@ -352,6 +357,7 @@ class SglangEngine:
                 self._bias = unsampleable_bias(self.sampleable_vocab, _vocab_size(self.config.model_path))
         except BaseException:
             self.state = EngineState.STOPPED
+            asyncio.set_event_loop_policy(policy)
             raise
         args["weight_version"] = str(self.version)  # chunks carry numbers, not "default"
         if self.logprobs == "policy":
@@ -373,13 +379,14 @@ class SglangEngine:
             self.state = EngineState.STOPPED
             raise
         finally:
+            asyncio.set_event_loop_policy(policy)  # the first Engine() imported sglang's engine module
             if agent_store is not None:
                 os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
             root.handlers[:] = handlers  # SGLang's configure_logger: basicConfig(force=True)
             root.setLevel(level)
         # Only what the engine started; a harness is never one of them (its processes predate this
         # call, or are launched by the controller after the engine is up).
-        self._engine_pids = child_pids(os.getpid()) - before
+        self._engine_pids = child_pids(os.getpid()) - before - _resource_tracker_pids()
         tm = self._engine.tokenizer_manager
         self.context_len = getattr(tm, "context_len", None)  # tokenizer_manager.py:600
         limits = [v for v in (self.context_len, getattr(tm, "max_req_input_len", None)) if v]  # engine.py:1399
@@ -735,6 +742,16 @@ class WeightBroadcaster:
         opts.rootRank = 0
         for name, tensor in params.items():
             self.group.broadcast([tensor.detach().to(device).contiguous()], opts).wait()
+
+
+def _resource_tracker_pids() -> set[int]:
+    """multiprocessing's shared resource tracker: the spawn of SGLang's schedulers starts it as a
+    child of this process (popen_spawn_posix: resource_tracker.getfd()), and it serves the whole
+    process, so it is never one of the engine's processes (it ignores SIGTERM, too)."""
+    from multiprocessing import resource_tracker
+
+    pid = getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
+    return {pid} if pid else set()
 
 
 def _vocab_size(model_path: str) -> int:
