@@ -192,7 +192,7 @@ SERVER_ARGS = {
     "dtype",  # model.py:160
     "tp_size",  # parallel.py:45
     "mem_fraction_static", "max_running_requests", "chunked_prefill_size",  # schedule.py:27, 31, 52
-    "base_gpu_id", "random_seed",  # device.py:28, 47
+    "base_gpu_id", "gpu_id_step", "random_seed",  # device.py:28, 32, 47
     "skip_tokenizer_init", "host", "weight_version",  # serving.py:58, 65, 172
     "log_level",  # observability.py:31
     "enable_memory_saver", "enable_custom_logit_processor", "attention_backend", "sampling_backend",  # exec_.py:58, 70, 207, 258

@@ -232,3 +232,45 @@ def test_stop_leaves_multiprocessings_resource_tracker_running(ckpt):
                           env={**os.environ, "PYTHONPATH": root})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "tracker started True scheduler ended True tracker alive True", proc.stdout
+
+
+def test_each_tp_rank_gets_its_copy_of_the_weights_on_its_own_gpu(ckpt, monkeypatch):
+    """update_weights hands SGLang one payload per TP rank (each rank opens only its own,
+    tp_worker.py:193-201); rank r's tensors must live on rank r's GPU, base_gpu_id + r *
+    gpu_id_step (engine.py:935-939), not all on base_gpu_id. Without GPUs: cpu stands for rank 0's
+    device and meta for rank 1's (the fake, like TP rank 0, opens payload 0 only)."""
+    import dataclasses
+
+    import torch
+
+    from gyre.backends.config import SglangConfig
+    from gyre.backends.engines.sglang_engine import SglangEngine, tp_devices
+
+    path, model = ckpt
+    cuda = [torch.device("cuda", i) for i in range(9)]
+    assert tp_devices(SglangConfig(model_path=path, tp_size=4, base_gpu_id=2)) == cuda[2:6]
+    assert tp_devices(SglangConfig(model_path=path, tp_size=2, base_gpu_id=1, extra={"gpu-id-step": "2"})) == [cuda[1], cuda[3]]
+
+    seen = []
+
+    def serialize(named):
+        seen.append({str(v.device) for _, v in named})
+        return sglang_fake.serialize(named) if seen[-1] == {"cpu"} else b"rank 1's payload"
+
+    cfg = SglangConfig(model_path=path, dtype="float32", tp_size=2, base_gpu_id=3, extra={"attention_backend": "triton"})
+    eng = SglangEngine(cfg, api=dataclasses.replace(sglang_fake.API, serialize=serialize))
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        with_cuda = eng._rank_devices()
+    monkeypatch.setattr(eng, "_rank_devices", lambda: [torch.device("cpu"), torch.device("meta")])
+
+    async def go():
+        await eng.start()
+        await eng.update_weights(model.state_dict(), version=1)
+        version = eng._engine.weight_version
+        await eng.stop()
+        return version
+
+    assert with_cuda == [cuda[3], cuda[4]]
+    assert asyncio.run(go()) == "1"
+    assert seen == [{"cpu"}, {"meta"}]

@@ -24,7 +24,8 @@ proves the state was reached (docs/gpu-sglang.md has the whole table, with SGLan
                weight_version=v) → end_weight_update → continue_generation. The scheduler refuses
                an update outside a begin/end session (scheduler_components/weight_updater.py:232);
                running requests are retracted and recompute their KV under the new weights (the
-               CPU engine's `recompute_kv_on_update`), none is dropped.
+               CPU engine's `recompute_kv_on_update`), none is dropped. One payload per TP rank,
+               its tensors on that rank's GPU (`tp_devices`).
     release    refused while any request is live here; waits for aborted ones to land, pauses
                (retract), then release_memory_occupation. The scheduler *asserts* it is idle
                (weight_updater.py:337); a failed assert kills it and SIGQUITs this rank.
@@ -255,6 +256,15 @@ def prefix_free_rid(request_id: str, serial: int) -> str:
     "call.1" can never reach "call.10". The serial keeps a retried id apart from an aborted
     one that has not landed yet."""
     return f"{len(request_id)}:{request_id}:{serial}."
+
+
+def tp_devices(config: SglangConfig) -> list[torch.device]:
+    """The GPU of each TP rank of the engine: base_gpu_id + tp_rank * gpu_id_step (entrypoints/
+    engine.py:935-939, one node, no pipeline stages; gpu_id_step defaults to 1, arg_groups/
+    fields/device.py:32, and may come through the pass-through)."""
+    extra = {k.replace("-", "_"): v for k, v in config.extra.items()}
+    step = int(_coerce(extra.get("gpu_id_step", 1)))
+    return [torch.device("cuda", config.base_gpu_id + rank * step) for rank in range(config.tp_size)]
 
 
 def span_versions(spans: list[dict[str, Any]] | None, n: int) -> list[str | None]:
@@ -567,13 +577,23 @@ class SglangEngine:
                                + (" (resume first: SGLang keeps no copy of released weights)"
                                   if self.state is EngineState.RELEASED else ""))
         io = self._io
-        device = torch.device("cuda", self.config.base_gpu_id) if torch.cuda.is_available() else torch.device("cpu")
-        named = [(k, v.detach().to(device)) for k, v in self._checkpoint_names(state_dict).items()]
-        payload = [self._api.serialize(named) for _ in range(self.config.tp_size)]  # one per TP rank (engine.py:1743)
+        named = list(self._checkpoint_names(state_dict).items())
+        # One payload per TP rank, its tensors on that rank's GPU (`tp_devices`): each rank opens only
+        # its own (deserialize_own_rank, managers/tp_worker.py:193-201), so it maps memory of its own
+        # GPU, not of base_gpu_id (a CUDA context per rank there, and P2P reads). Every GPU of the
+        # cell holds one copy until the update ends, as base_gpu_id alone did before; `copies` keeps
+        # them alive while SGLang maps them (CUDA IPC).
+        copies = [[(k, v.detach().to(device)) for k, v in named] for device in self._rank_devices()]
+        payload = [self._api.serialize(c) for c in copies]  # one per TP rank (engine.py:1743)
         obj = io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, load_format=None, flush_cache=True,
                                                  weight_version=str(version))
         await self._in_session(lambda: self._tm.update_weights_from_tensor(obj, None), "update_weights_from_tensor")
         self.version = int(version)
+
+    def _rank_devices(self) -> list[torch.device]:
+        if torch.cuda.is_available():
+            return tp_devices(self.config)
+        return [torch.device("cpu")] * self.config.tp_size
 
     def _checkpoint_names(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """SGLang's load_weights reads checkpoint names (per-expert MoE tensors), not transformers
