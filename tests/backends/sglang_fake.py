@@ -652,6 +652,9 @@ class FakeTokenizerManager:
             for token_id in sampling_params.get("logit_bias") or {}:  # SamplingParams.verify (tokenizer_manager.py:1567,
                 if not 0 <= int(token_id) < eng.vocab_size:             # sampling/sampling_params.py:295-301)
                     raise ValueError(f"logit_bias must has keys in [0, {eng.vocab_size - 1}], got {token_id}.")
+            min_new, max_new = int(sampling_params.get("min_new_tokens") or 0), sampling_params.get("max_new_tokens")
+            if max_new is not None and not 0 <= min_new <= max_new:  # sampling_params.py:280-293
+                raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}.")
             gen = torch.Generator()
             seed = sampling_params.get("sampling_seed")
             if seed is not None and eng.enable_deterministic_inference:  # sampling_batch_info.py:157-170

@@ -112,9 +112,10 @@ def _short_context_engine(path: str):
                         api=sglang_fake.API)
 
 
-async def _outcome(engine, prompt, max_tokens):
+async def _outcome(engine, prompt, max_tokens, min_tokens=0):
     try:
-        out = [ev async for ev in engine.generate("long", prompt, SamplingParams(max_tokens=max_tokens))]
+        sampling = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens)
+        out = [ev async for ev in engine.generate("long", prompt, sampling)]
     except ValueError as e:
         return "ValueError", str(e)
     return len(out), out[-1].finish_reason if out else None
@@ -143,7 +144,8 @@ def test_prompts_near_the_context_length_end_as_with_the_cpu_engine(ckpt):
             got[name] = [await _outcome(engine, prompt, 100),  # runs over the context
                          await _outcome(engine, prompt, 5),  # fits
                          await _outcome(engine, list(range(1, CONTEXT + 1)), 5),  # the prompt fills the context
-                         await _outcome(engine, list(range(1, CONTEXT - 3)), 2)]  # under it, over SGLang's prompt limit
+                         await _outcome(engine, list(range(1, CONTEXT - 3)), 2),  # under it, over SGLang's prompt limit
+                         await _outcome(engine, prompt, 100, min_tokens=50)]  # min_tokens past the context too
         await cpu.stop()
         await sg.stop()
         return got
@@ -156,6 +158,7 @@ def test_prompts_near_the_context_length_end_as_with_the_cpu_engine(ckpt):
     assert "32" in sg[2][1] and "context" in sg[2][1]
     assert cpu[3] == (2, "length")  # the CPU engine serves it; SGLang would abort it with no token
     assert sg[3][0] == "ValueError" and "26" in sg[3][1], sg[3]
+    assert cpu[4] == cpu[0] and sg[4] == sg[0]  # min_new_tokens may not exceed max_new_tokens (sampling_params.py:290)
 
 
 # ----------------------------------------------------------------------------- process side effects (F10, F8)

@@ -451,6 +451,8 @@ class SglangEngine:
             extra = {"top_logprobs_num": sampling.top_logprobs} if sampling.top_logprobs > 0 else {}
             params = sampling_params(sampling)
             params["max_new_tokens"] = max_new
+            if "min_new_tokens" in params:  # SGLang refuses min > max (sampling/sampling_params.py:290-294)
+                params["min_new_tokens"] = min(params["min_new_tokens"], max_new)
             if self.eos_token_ids:
                 params["stop_token_ids"] = sorted(set(params["stop_token_ids"]) | set(self.eos_token_ids))
             if self._bias:
