@@ -81,7 +81,7 @@ Checked against the sglang 0.5.23 wheel's source and run against the conformance
 (tests/backends/sglang_fake.py); not yet run on a GPU. Nothing here imports sglang at module
 import; `SglangApi.real()` imports it when the engine starts.
 
-Size (about 720 lines): one adapter class mirroring SGLang's engine lifecycle (sessions, release /
+Size (about 800 lines): one adapter class mirroring SGLang's engine lifecycle (sessions, release /
 resume, weight updates, streamed generation) plus the pure request/ServerArgs helpers it is tested
 through; the next split is the ServerArgs pass-through and WeightBroadcaster into modules of their own.
 """
@@ -265,6 +265,16 @@ def tp_devices(config: SglangConfig) -> list[torch.device]:
     extra = {k.replace("-", "_"): v for k, v in config.extra.items()}
     step = int(_coerce(extra.get("gpu_id_step", 1)))
     return [torch.device("cuda", config.base_gpu_id + rank * step) for rank in range(config.tp_size)]
+
+
+def _resource_tracker_pids() -> set[int]:
+    """multiprocessing's shared resource tracker: the spawn of SGLang's schedulers starts it as a
+    child of this process (popen_spawn_posix: resource_tracker.getfd()), and it serves the whole
+    process, so it is never one of the engine's processes (it ignores SIGTERM, too)."""
+    from multiprocessing import resource_tracker
+
+    pid = getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
+    return {pid} if pid else set()
 
 
 def span_versions(spans: list[dict[str, Any]] | None, n: int) -> list[str | None]:
@@ -582,9 +592,9 @@ class SglangEngine:
         named = list(self._checkpoint_names(state_dict).items())
         # One payload per TP rank, its tensors on that rank's GPU (`tp_devices`): each rank opens only
         # its own (deserialize_own_rank, managers/tp_worker.py:193-201), so it maps memory of its own
-        # GPU, not of base_gpu_id (a CUDA context per rank there, and P2P reads). Every GPU of the
-        # cell holds one copy until the update ends, as base_gpu_id alone did before; `copies` keeps
-        # them alive while SGLang maps them (CUDA IPC).
+        # GPU, not of base_gpu_id (a CUDA context per rank there, and P2P reads). Cost: every GPU of
+        # the cell holds one full copy until the update ends (base_gpu_id alone did before), and this
+        # process opens a CUDA context on each once. `copies` keeps them alive while SGLang maps them.
         copies = [[(k, v.detach().to(device)) for k, v in named] for device in self._rank_devices()]
         payload = [self._api.serialize(c) for c in copies]  # one per TP rank (engine.py:1743)
         obj = io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, load_format=None, flush_cache=True,
@@ -764,16 +774,6 @@ class WeightBroadcaster:
         opts.rootRank = 0
         for name, tensor in params.items():
             self.group.broadcast([tensor.detach().to(device).contiguous()], opts).wait()
-
-
-def _resource_tracker_pids() -> set[int]:
-    """multiprocessing's shared resource tracker: the spawn of SGLang's schedulers starts it as a
-    child of this process (popen_spawn_posix: resource_tracker.getfd()), and it serves the whole
-    process, so it is never one of the engine's processes (it ignores SIGTERM, too)."""
-    from multiprocessing import resource_tracker
-
-    pid = getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
-    return {pid} if pid else set()
 
 
 def _vocab_size(model_path: str) -> int:
