@@ -6,6 +6,7 @@ in tests/backends/sglang_fake.py."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -277,3 +278,43 @@ def test_each_tp_rank_gets_its_copy_of_the_weights_on_its_own_gpu(ckpt, monkeypa
     assert with_cuda == [cuda[3], cuda[4]]
     assert asyncio.run(go()) == "1"
     assert seen == [{"cpu"}, {"meta"}]
+
+
+@pytest.mark.skipif(not os.environ.get("GYRE_SGLANG_SRC"), reason="set GYRE_SGLANG_SRC to an unpacked sglang 0.5.23 wheel")
+def test_the_behaviours_taught_here_are_in_sglangs_source():
+    """What the fake learned above, found in the wheel's text (a newer SGLang that changes one of
+    them fails here, naming it)."""
+    import ast
+    import re
+
+    root = os.path.join(os.environ["GYRE_SGLANG_SRC"], "sglang", "srt")
+
+    def read(rel):
+        return open(os.path.join(root, rel)).read()
+
+    def method(text, name):
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                return ast.get_source_segment(text, node)
+        raise AssertionError(f"no {name}")
+
+    tm = read("managers/tokenizer_manager.py")
+    gen = method(tm, "generate_request")
+    assert gen.index("self._init_req_state(") < gen.index("wait_for(lambda: not self.is_pause)") \
+        < gen.index("_tokenize_one_request(") < gen.index("_send_one_request(")  # F3: state before the pause
+    assert "self._validate_one_request(obj, input_ids)" in method(tm, "_tokenize_one_request")  # F9: after it
+    abort = method(tm, "abort_request")
+    assert re.search(r"if state\.abort_sent:\s+return\s+state\.abort_sent = True", abort)
+    assert "self._mark_state_dispatched(tokenized_obj.rid)" in method(tm, "_send_one_request")
+    validate = method(tm, "_validate_one_request")
+    assert "if input_token_num >= self.context_len:" in validate and "raise ValueError(" in validate
+    assert "self.validate_total_tokens = True" in tm
+    assert re.search(r"allow_auto_truncate: A\[\s+bool,[^\]]*\] = False", read("arg_groups/fields/serving.py"))
+    worker = read("managers/tp_worker.py")
+    assert "self.model_config.context_len - 1," in worker and "max_req_input_len = max_req_len - 5" in worker
+    assert "serialized_named_tensors[get_parallel().tp_rank]" in worker  # F8: each rank opens its own
+    assert "self.max_req_len - input_len - 1," in method(read("managers/scheduler.py"), "init_req_max_new_tokens")
+    engine = read("entrypoints/engine.py")
+    assert "\nasyncio.set_event_loop_policy(uvloop.EventLoopPolicy())\n" in engine  # F10: at import
+    assert "(tp_rank % tp_size_per_node) * get_device().gpu_id_step" in engine
