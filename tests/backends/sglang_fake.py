@@ -29,8 +29,16 @@ sglang/srt/, lines of that wheel):
                           request's state when its finishing output arrives
                           (tokenizer_manager.py:2241-2265, 2774)
   pause / continue        retract: running requests go back to the queue and recompute their KV
-                          (scheduler.py:5817-5932); generate waits while paused
-                          (tokenizer_manager.py:939); continue (scheduler.py:5934)
+                          (scheduler.py:5817-5932); generate registers its rid_to_state
+                          entry first, then waits while paused (tokenizer_manager.py:926,
+                          938-939): an abort in between is sent unmatched and deduplicates
+                          every later one (:2241-2265), so the request runs on after continue
+                          (scheduler.py:5934); dispatch marks the state `dispatched` (:1790)
+  context length          the TM refuses (ValueError, before dispatch) a prompt at or over
+                          context_len and prompt + max_new_tokens over it (tokenizer_manager.py:
+                          1332-1378); the scheduler caps max_new_tokens to context_len - 2 -
+                          prompt and aborts prompts of context_len - 6 or more (scheduler.py:
+                          2693-2716, 3244-3254; tp_worker.py:568-572)
   streaming               one chunk per wake-up, the newest (tokenizer_manager.py:1993);
                           meta_info['output_token_logprobs'] is the request's cumulative list of
                           (logprob, id, None) with 'output_token_logprobs_length'
@@ -51,7 +59,9 @@ sglang/srt/, lines of that wheel):
                           (engine.py:1491) and is registered with atexit (engine.py:326); with
                           `spawn_scheduler_process`, a child process stands for the scheduler and
                           the TM's subprocess watchdog SIGQUITs this process if it dies while the
-                          watchdog runs (utils/watchdog.py:166-225)
+                          watchdog runs (utils/watchdog.py:166-225), and multiprocessing's shared
+                          resource tracker is started as spawn does; the first Engine() sets a
+                          process-wide event-loop policy (`FakeUvloopPolicy`, engine.py:168)
   init_weights_update_group  joins as rank rank_offset with SGLang's `init_custom_process_group`
                           (utils/common.py:2859-2927, model_runner_components/weight_updater.py:
                           100-144; exec'd from GYRE_SGLANG_SRC when set, else rewritten): tcp://
@@ -190,7 +200,7 @@ SERVER_ARGS = {
     "dtype",  # model.py:160
     "tp_size",  # parallel.py:45
     "mem_fraction_static", "max_running_requests", "chunked_prefill_size",  # schedule.py:27, 31, 52
-    "base_gpu_id", "random_seed",  # device.py:28, 47
+    "base_gpu_id", "gpu_id_step", "random_seed",  # device.py:28, 32, 47
     "skip_tokenizer_init", "host", "weight_version",  # serving.py:58, 65, 172
     "log_level",  # observability.py:31
     "enable_memory_saver", "enable_custom_logit_processor", "attention_backend", "sampling_backend",  # exec_.py:58, 70, 207, 258
@@ -345,12 +355,27 @@ class FakeScheduler:
 
     def _handle(self, msg: Any) -> Any:
         if isinstance(msg, _SReq):
-            self.waiting.append(msg)
+            self._admit(msg)
             return None
         handler = getattr(self, "_on_" + type(msg).__name__)
         return handler(msg)
 
     # -- requests
+    def _admit(self, req: _SReq) -> None:
+        """handle_generate_request: max_new_tokens capped to max_req_len - input - 1
+        (init_req_max_new_tokens, scheduler.py:2693-2716), and a prompt of max_req_input_len tokens
+        or more finished with an abort (validate_input_length, scheduler.py:3244-3254,
+        managers/utils.py:259-287; no --allow-auto-truncate)."""
+        eng, n = self.engine, len(req.input_ids)
+        req.params["max_new_tokens"] = max(0, min(int(req.params.get("max_new_tokens", 1 << 30)), eng.max_req_len - n - 1))
+        if n >= eng.max_req_input_len:
+            req.finished_reason = {"type": "abort", "message": (
+                f"Input length ({n} tokens) exceeds the maximum allowed length ({eng.max_req_input_len} tokens). "
+                f"Use a shorter input or enable --allow-auto-truncate.")}
+            self._emit(req, None)
+            return
+        self.waiting.append(req)
+
     def _on_AbortReq(self, m: AbortReq) -> None:  # scheduler.py:5675-5813
         for req in [r for r in self.waiting if m.abort_all or r.rid.startswith(m.rid)]:
             self.waiting.remove(req)
@@ -562,6 +587,7 @@ class _State:
     top: bool
     out_list: list = field(default_factory=list)
     finished: bool = False
+    dispatched: bool = False  # tokenizer_manager.py:281, set once sent (_mark_state_dispatched, :1790, 1802-1810)
     abort_sent: bool = False
     output_token_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
@@ -574,6 +600,8 @@ class FakeTokenizerManager:
     def __init__(self, engine: "FakeEngine"):
         self.engine = engine
         self.rid_to_state: dict[str, _State] = {}
+        self.context_len = engine.context_len  # tokenizer_manager.py:600
+        self.max_req_input_len = engine.max_req_input_len  # set from the scheduler's info (engine.py:1399)
         self.is_pause = False
         self.scheduler: FakeScheduler | None = None
         self._task: asyncio.Task | None = None
@@ -619,34 +647,73 @@ class FakeTokenizerManager:
         self.auto_create_handle_loop()
         self.scheduler.inbox.put_nowait((msg, None))
 
-    # -- generation (tokenizer_manager.py:930-2030)
+    # -- generation (tokenizer_manager.py:890-967, 1096-1271, 1769-1810, 1936-2030)
     async def generate_request(self, input_ids: list[int], sampling_params: dict, rid: str, top_logprobs_num: int):
+        """The state is registered *before* the pause is waited on (`_init_req_state`, :926, 3798-3848,
+        then :938-939): an abort during a pause finds it, sends an AbortReq the scheduler cannot match
+        (nothing queued has that rid, scheduler.py:5675-5813) and sets `abort_sent`, so the request,
+        dispatched after `continue`, runs on and every later abort of it is deduplicated (:2249-2250).
+        Validation (logit_bias, the context length) runs after the pause, before dispatch (:1271);
+        any failure, or the consumer closing the stream, releases the state as :955-967 /
+        3850-3868 do: undispatched → deleted, dispatched → abort_request."""
         self.auto_create_handle_loop()
-        await self._unpaused.wait()  # tokenizer_manager.py:939
-        if rid in self.rid_to_state:
+        if rid in self.rid_to_state:  # tokenizer_manager.py:3834-3837
             raise ValueError(f"Duplicate request ID detected: {rid}")
-        eng = self.engine
-        for token_id in sampling_params.get("logit_bias") or {}:  # SamplingParams.verify (tokenizer_manager.py:1567,
-            if not 0 <= int(token_id) < eng.vocab_size:             # sampling/sampling_params.py:295-301)
-                raise ValueError(f"logit_bias must has keys in [0, {eng.vocab_size - 1}], got {token_id}.")
-        gen = torch.Generator()
-        seed = sampling_params.get("sampling_seed")
-        if seed is not None and eng.enable_deterministic_inference:  # sampling_batch_info.py:157-170
-            gen.manual_seed(int(seed))
-        else:
-            gen.seed()
         state = self.rid_to_state[rid] = _State(rid, asyncio.Event(), top=top_logprobs_num > 0)
-        params = dict(sampling_params, _top_logprobs_num=top_logprobs_num)
-        self.scheduler.inbox.put_nowait((_SReq(rid, list(input_ids), params, gen), None))
-        while True:
-            await state.event.wait()
-            out_list, state.out_list = state.out_list, []
-            state.event.clear()
-            if isinstance(out_list[-1], BaseException):
-                raise out_list[-1]
-            yield out_list[-1]  # the newest chunk only (tokenizer_manager.py:1993)
-            if state.finished:
-                return
+        try:
+            await self._unpaused.wait()  # tokenizer_manager.py:938-939
+            eng = self.engine
+            self._validate_one_request(input_ids, sampling_params)
+            for token_id in sampling_params.get("logit_bias") or {}:  # SamplingParams.verify (tokenizer_manager.py:1567,
+                if not 0 <= int(token_id) < eng.vocab_size:             # sampling/sampling_params.py:295-301)
+                    raise ValueError(f"logit_bias must has keys in [0, {eng.vocab_size - 1}], got {token_id}.")
+            min_new, max_new = int(sampling_params.get("min_new_tokens") or 0), sampling_params.get("max_new_tokens")
+            if max_new is not None and not 0 <= min_new <= max_new:  # sampling_params.py:280-293
+                raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}.")
+            gen = torch.Generator()
+            seed = sampling_params.get("sampling_seed")
+            if seed is not None and eng.enable_deterministic_inference:  # sampling_batch_info.py:157-170
+                gen.manual_seed(int(seed))
+            else:
+                gen.seed()
+            params = dict(sampling_params, _top_logprobs_num=top_logprobs_num)
+            self.scheduler.inbox.put_nowait((_SReq(rid, list(input_ids), params, gen), None))
+            state.dispatched = True  # _send_one_request → _mark_state_dispatched (:1789-1791)
+            while True:
+                await state.event.wait()
+                out_list, state.out_list = state.out_list, []
+                state.event.clear()
+                if isinstance(out_list[-1], BaseException):
+                    raise out_list[-1]
+                yield out_list[-1]  # the newest chunk only (tokenizer_manager.py:1993)
+                if state.finished:
+                    return
+        except BaseException:
+            self._release_req_state_on_failure(rid, state)
+            raise
+
+    def _validate_one_request(self, input_ids: list[int], sampling_params: dict) -> None:
+        """tokenizer_manager.py:1332-1378 with SGLang's defaults (allow_auto_truncate False,
+        fields/serving.py:254-257; validate_total_tokens True, :606; no speculative reserve)."""
+        n, max_new = len(input_ids), sampling_params.get("max_new_tokens")
+        if n >= self.context_len:
+            raise ValueError(f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens).")
+        if max_new is not None and max_new + n > self.context_len:
+            raise ValueError(f"Requested token count exceeds the model's maximum context length of {self.context_len} "
+                             f"tokens. You requested a total of {max_new + n} tokens: {n} tokens from the input "
+                             f"messages and {max_new} tokens for the completion. Please reduce the number of tokens "
+                             f"in the input messages or the completion to fit within the limit.")
+
+    def _release_req_state_on_failure(self, rid: str, state: _State) -> None:  # tokenizer_manager.py:3850-3868
+        if self.rid_to_state.get(rid) is not state:
+            return
+        if state.dispatched:
+            try:
+                self.abort_request(rid)
+            except Exception:  # noqa: BLE001 — logged and dropped there (:3863-3868)
+                pass
+        else:
+            del self.rid_to_state[rid]
 
     def _handle_output(self, rid, token, finished_reason, completion_tokens, retractions, spans) -> None:
         state = self.rid_to_state.get(rid)
@@ -673,11 +740,13 @@ class FakeTokenizerManager:
             del self.rid_to_state[rid]  # tokenizer_manager.py:2774
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:  # tokenizer_manager.py:2241-2265
+        """Sent whether or not the request was dispatched yet (an undispatched one is not in the
+        scheduler, which drops the AbortReq unmatched); `abort_sent` then silences every later abort."""
         if not abort_all and not rid:
             return
         state = None if abort_all else self.rid_to_state.get(rid)
         if not abort_all:
-            if state is None:
+            if state is None:  # tokenizer_worker_num == 1 (:2252-2253)
                 return
             if state.abort_sent:
                 return
@@ -855,6 +924,7 @@ class FakeEngine:
     instances: list["FakeEngine"] = []
 
     def __init__(self, **kwargs: Any):
+        _import_engine_module()
         unknown = set(kwargs) - SERVER_ARGS
         if unknown:
             raise TypeError(f"ServerArgs.__init__() got unexpected keyword arguments {sorted(unknown)}")
@@ -871,9 +941,20 @@ class FakeEngine:
         self.model_config, self.weights, self.eos_token_ids, self.dtype = _load(
             kwargs["model_path"], kwargs.get("load_format"), kwargs.get("dtype", "auto"), kwargs.get("attention_backend"))
         self.vocab_size = int(self.model_config.vocab_size)
+        self.context_len = _context_len(self.model_config, kwargs.get("context_length"))
+        # tp_worker.py:568-572 (KV capacity taken as unbounded): what the scheduler admits
+        self.max_req_len = self.context_len - 1
+        self.max_req_input_len = self.max_req_len - 5
         self.tokenizer_manager = FakeTokenizerManager(self)
         self.process: subprocess.Popen | None = None
         if self.spawn_scheduler_process:
+            # SGLang launches its schedulers with mp.Process under the spawn method (engine.py:956-974,
+            # 1995), and spawn's Popen starts multiprocessing's shared resource tracker, a child of
+            # this process kept for its whole life (multiprocessing/popen_spawn_posix.py:
+            # resource_tracker.getfd() → ensure_running()).
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()
             self.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
             self.tokenizer_manager._subprocess_watchdog = _Watchdog(self.process)
         self.shutdown_called = False
@@ -897,6 +978,24 @@ class FakeEngine:
                 pass
 
 
+class FakeUvloopPolicy(asyncio.DefaultEventLoopPolicy):
+    """Stands for uvloop.EventLoopPolicy (its loops are asyncio's own here)."""
+
+
+ENGINE_MODULE_IMPORTED = False
+
+
+def _import_engine_module() -> None:
+    """`sglang.Engine` is a LazyImport (sglang/__init__.py:68, utils.py:364-384): the first
+    Engine(...) imports sglang.srt.entrypoints.engine, whose module body sets a process-wide
+    policy, `asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())` (engine.py:168), once per
+    process, before anything is checked."""
+    global ENGINE_MODULE_IMPORTED
+    if not ENGINE_MODULE_IMPORTED:
+        ENGINE_MODULE_IMPORTED = True
+        asyncio.set_event_loop_policy(FakeUvloopPolicy())
+
+
 class _Watchdog:
     """SubprocessWatchdog (utils/watchdog.py:166-225): polls the engine's processes from a daemon
     thread and sends SIGQUIT to this process when one died, unless stopped first (Engine.shutdown
@@ -916,6 +1015,31 @@ class _Watchdog:
 
     def stop(self) -> None:
         self.stopped.set()
+
+
+def _context_len(config: Any, context_length: int | None) -> int:
+    """ModelConfig.context_len: get_context_length (utils/hf_transformers/common.py:668-694: the
+    first of CONTEXT_LENGTH_KEYS, times a rope scaling factor) or the context_length server arg,
+    which may not exceed it without SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN
+    (configs/model_config.py:1291-1326)."""
+    rope = getattr(config, "rope_scaling", None)
+    factor = 1
+    if rope:
+        factor = rope.get("factor", 1)
+        if "original_max_position_embeddings" in rope or rope.get("rope_type") == "llama3":
+            factor = 1
+    derived = 2048
+    for key in ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings"):
+        if getattr(config, key, None) is not None:
+            derived = int(factor * getattr(config, key))
+            break
+    if context_length is None:
+        return derived
+    if int(context_length) > derived and not os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"):
+        raise ValueError(f"User-specified context_length ({context_length}) is greater than the derived "
+                         f"context_length ({derived}). To allow overriding this maximum, set the env var "
+                         f"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1")
+    return int(context_length)
 
 
 def _children(pid: int) -> set[int]:

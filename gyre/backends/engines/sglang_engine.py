@@ -11,16 +11,21 @@ proves the state was reached (docs/gpu-sglang.md has the whole table, with SGLan
     generate   Engine.async_generate(input_ids, sampling_params, return_logprob=True, stream=True,
                rid) → chunks whose meta_info['output_token_logprobs'] is the request's cumulative
                list of (logprob, token_id, text); 'output_token_logprobs_length' bounds the chunk.
+               max_new_tokens is cut to the context and a prompt SGLang cannot take is refused
+               up front, so requests end as on the CPU engine (`_fit_context`).
     abort      TM.abort_request(rid). SGLang matches rids by *prefix* (scheduler.py:5688, 5800),
                so every rid is made prefix-free (`prefix_free_rid`). A running request is only
                flagged and takes one more decode step (scheduler.py:5796-5813): it has *landed*
                when the TM drops its state (tokenizer_manager.py:2774), and until then it counts
-               as busy for `release_memory`.
+               as busy for `release_memory`. An abort is held until SGLang dispatched the request
+               (a generate waiting on a pause has a state but is not in the scheduler; an abort
+               then is lost and silences later ones, :926, 938-939, 2249-2250; `_send_abort`).
     update     pause_generation(retract) → begin_weight_update → update_weights_from_tensor(
                weight_version=v) → end_weight_update → continue_generation. The scheduler refuses
                an update outside a begin/end session (scheduler_components/weight_updater.py:232);
                running requests are retracted and recompute their KV under the new weights (the
-               CPU engine's `recompute_kv_on_update`), none is dropped.
+               CPU engine's `recompute_kv_on_update`), none is dropped. One payload per TP rank,
+               its tensors on that rank's GPU (`tp_devices`).
     release    refused while any request is live here; waits for aborted ones to land, pauses
                (retract), then release_memory_occupation. The scheduler *asserts* it is idle
                (weight_updater.py:337); a failed assert kills it and SIGQUITs this rank.
@@ -39,12 +44,16 @@ Process-wide side effects of starting an Engine, and what the adapter does about
 `configure_logger` → logging.basicConfig(force=True) (engine.py:1152): Gyre's root handlers and
 level are put back. torchrun's TORCHELASTIC_USE_AGENT_STORE would make the scheduler's own
 `init_process_group` wait for a store nobody hosts: it is removed while the engine starts.
+Importing sglang.srt.entrypoints.engine (the first `Engine()`: `sglang.Engine` is a LazyImport)
+sets a process-wide uvloop event-loop policy (engine.py:168): the previous policy is put back, so
+rank 0's controller loop and the harness subprocesses it starts keep asyncio's own.
 `mp.set_start_method("spawn", force=True)` (engine.py:1995) and NCCL_CUMEM_ENABLE /
 NCCL_NVLS_ENABLE / CUDA_DEVICE_MAX_CONNECTIONS (engine.py:1885-1921) stay as SGLang sets them.
 `Engine.shutdown` kills every child of the rank (engine.py:1491; it is also registered with
 atexit), harness subprocesses included: the adapter never calls it and unregisters it; `stop()`
 stops the tokenizer manager's subprocess watchdog (else it SIGQUITs the rank) and ends only the
-processes the engine started.
+processes the engine started, never multiprocessing's shared resource tracker (which the first
+spawn starts as a child of the rank).
 
 Log-probs: with `logprobs='policy'` SGLANG_RETURN_ORIGINAL_LOGPROB=1 makes SGLang report
 log-softmax of the logits before temperature / top-p (layers/sampler.py:82, 230-236), the
@@ -72,7 +81,7 @@ Checked against the sglang 0.5.23 wheel's source and run against the conformance
 (tests/backends/sglang_fake.py); not yet run on a GPU. Nothing here imports sglang at module
 import; `SglangApi.real()` imports it when the engine starts.
 
-Size (about 720 lines): one adapter class mirroring SGLang's engine lifecycle (sessions, release /
+Size (about 800 lines): one adapter class mirroring SGLang's engine lifecycle (sessions, release /
 resume, weight updates, streamed generation) plus the pure request/ServerArgs helpers it is tested
 through; the next split is the ServerArgs pass-through and WeightBroadcaster into modules of their own.
 """
@@ -249,6 +258,25 @@ def prefix_free_rid(request_id: str, serial: int) -> str:
     return f"{len(request_id)}:{request_id}:{serial}."
 
 
+def tp_devices(config: SglangConfig) -> list[torch.device]:
+    """The GPU of each TP rank of the engine: base_gpu_id + tp_rank * gpu_id_step (entrypoints/
+    engine.py:935-939, one node, no pipeline stages; gpu_id_step defaults to 1, arg_groups/
+    fields/device.py:32, and may come through the pass-through)."""
+    extra = {k.replace("-", "_"): v for k, v in config.extra.items()}
+    step = int(_coerce(extra.get("gpu_id_step", 1)))
+    return [torch.device("cuda", config.base_gpu_id + rank * step) for rank in range(config.tp_size)]
+
+
+def _resource_tracker_pids() -> set[int]:
+    """multiprocessing's shared resource tracker: the spawn of SGLang's schedulers starts it as a
+    child of this process (popen_spawn_posix: resource_tracker.getfd()), and it serves the whole
+    process, so it is never one of the engine's processes (it ignores SIGTERM, too)."""
+    from multiprocessing import resource_tracker
+
+    pid = getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
+    return {pid} if pid else set()
+
+
 def span_versions(spans: list[dict[str, Any]] | None, n: int) -> list[str | None]:
     """Per-token weight versions from SGLang's finishing chunk, meta_info['weight_versions'] =
     [{"version", "start", "end"}, ...] over output positions (utils/weight_versions.py:90-105);
@@ -299,6 +327,7 @@ class _Req:
     rid: str
     out: list[TokenEvent] = field(default_factory=list)
     aborted: bool = False
+    abort_unsent: bool = False  # aborted here before SGLang dispatched it: sent once it is (`_send_abort`)
 
 
 class SglangEngine:
@@ -331,6 +360,8 @@ class SglangEngine:
         self._weights_lock = asyncio.Lock()  # one weight update / release / resume at a time
         self.version_mismatches = 0
         self._warned_min_tokens = False
+        self.context_len: int | None = None  # the served model's (TM.context_len), read at start
+        self.max_prompt_len: int | None = None  # prompts at or over it are refused (`_fit_context`)
 
     # ---------------------------------------------------------------- lifecycle
     def _move(self, to: EngineState, *, require: EngineState | None = None) -> None:
@@ -338,6 +369,7 @@ class SglangEngine:
 
     async def start(self) -> None:
         self._move(EngineState.RUNNING, require=EngineState.CREATED)
+        policy = asyncio.get_event_loop_policy()  # sglang's engine module sets uvloop's (engine.py:168)
         try:
             api = self._api = self._api or SglangApi.real()
             args = server_args(self.config, set(api.server_arg_names) if api.server_arg_names else None)
@@ -345,6 +377,7 @@ class SglangEngine:
                 self._bias = unsampleable_bias(self.sampleable_vocab, _vocab_size(self.config.model_path))
         except BaseException:
             self.state = EngineState.STOPPED
+            asyncio.set_event_loop_policy(policy)
             raise
         args["weight_version"] = str(self.version)  # chunks carry numbers, not "default"
         if self.logprobs == "policy":
@@ -366,13 +399,18 @@ class SglangEngine:
             self.state = EngineState.STOPPED
             raise
         finally:
+            asyncio.set_event_loop_policy(policy)  # the first Engine() imported sglang's engine module
             if agent_store is not None:
                 os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
             root.handlers[:] = handlers  # SGLang's configure_logger: basicConfig(force=True)
             root.setLevel(level)
         # Only what the engine started; a harness is never one of them (its processes predate this
         # call, or are launched by the controller after the engine is up).
-        self._engine_pids = child_pids(os.getpid()) - before
+        self._engine_pids = child_pids(os.getpid()) - before - _resource_tracker_pids()
+        tm = self._engine.tokenizer_manager
+        self.context_len = getattr(tm, "context_len", None)  # tokenizer_manager.py:600
+        limits = [v for v in (self.context_len, getattr(tm, "max_req_input_len", None)) if v]  # engine.py:1399
+        self.max_prompt_len = min(limits) if limits else None
         atexit.unregister(getattr(self._engine, "shutdown", lambda: None))
         logger.info("sglang engine up (tp=%d, model=%s, version %d, %d engine processes)", self.config.tp_size,
                     self.config.model_path, self.version, len(self._engine_pids))
@@ -410,6 +448,7 @@ class SglangEngine:
             raise RuntimeError(f"SglangEngine.generate({request_id}): engine is {self.state.value}")
         if request_id in self._requests:
             raise ValueError(f"generate: request id {request_id!r} is already in flight")
+        max_new = self._fit_context(request_id, len(input_ids), sampling.max_tokens)
         if sampling.min_tokens and self.logprobs == "policy" and not self._warned_min_tokens:
             self._warned_min_tokens = True
             logger.warning("min_tokens > 0: SGLang reports the log-probs of the first min_tokens tokens with the "
@@ -421,6 +460,9 @@ class SglangEngine:
         try:
             extra = {"top_logprobs_num": sampling.top_logprobs} if sampling.top_logprobs > 0 else {}
             params = sampling_params(sampling)
+            params["max_new_tokens"] = max_new
+            if "min_new_tokens" in params:  # SGLang refuses min > max (sampling/sampling_params.py:290-294)
+                params["min_new_tokens"] = min(params["min_new_tokens"], max_new)
             if self.eos_token_ids:
                 params["stop_token_ids"] = sorted(set(params["stop_token_ids"]) | set(self.eos_token_ids))
             if self._bias:
@@ -429,6 +471,7 @@ class SglangEngine:
                                                        return_logprob=True, stream=True, rid=req.rid, **extra)
             async for chunk in stream:
                 if req.aborted:  # abort() already returned the tokens; yield nothing past them
+                    self._send_abort(req)  # dispatched now: an abort held back during a pause goes out
                     return
                 pairs, finish, chunk_version = parse_chunk(chunk, seen)
                 tops = parse_top(chunk, seen, len(pairs)) if extra else [None] * len(pairs)
@@ -461,10 +504,41 @@ class SglangEngine:
             if self._requests.get(request_id) is req:
                 del self._requests[request_id]
 
+    def _fit_context(self, request_id: str, n: int, max_tokens: int) -> int:
+        """max_new_tokens for a prompt of n tokens, as the CPU engine ends it: a prompt at or over
+        the limit is a ValueError; one whose prompt + max_tokens runs over the context ends with
+        'length'. SGLang's tokenizer manager refuses both with a ValueError (tokenizer_manager.py:
+        1338-1378, no --allow-auto-truncate), so max_new_tokens is cut to context_len - n; its
+        scheduler then ends the request at max_req_len - n - 1 tokens, 'length' (scheduler.py:2714;
+        max_req_len = context_len - 1, tp_worker.py:568), and aborts a prompt of max_req_input_len
+        (context_len - 6) tokens or more without a token (scheduler.py:3244-3254): refused here."""
+        if self.max_prompt_len is not None and n >= self.max_prompt_len:
+            raise ValueError(f"generate({request_id}): prompt of {n} tokens reaches the SGLang engine's limit "
+                             f"{self.max_prompt_len} (context length {self.context_len}; SGLang's scheduler takes "
+                             f"prompts under max_req_input_len)")
+        return max_tokens if self.context_len is None else min(max_tokens, self.context_len - n)
+
     def _abort_in_sglang(self, req: _Req) -> None:
         req.aborted = True
+        req.abort_unsent = True
         self._aborting[req.rid] = req
-        self._tm.abort_request(rid=req.rid)
+        self._send_abort(req)
+
+    def _send_abort(self, req: _Req) -> None:
+        """TM.abort_request once SGLang has dispatched the request. Its state exists from the
+        moment generate starts, before the wait on a pause (tokenizer_manager.py:926, 938-939); an
+        abort before dispatch reaches a scheduler that cannot match it (scheduler.py:5675-5813) and
+        sets `abort_sent`, which drops every later abort (:2249-2250): the request would run to
+        max_new_tokens after `continue`. So it is held (`abort_unsent`) and sent from the stream's
+        next chunk or `_unlanded`, whichever sees the state dispatched first (:1790)."""
+        if not req.abort_unsent or self._engine is None:
+            return
+        state = self._tm.rid_to_state.get(req.rid)
+        if state is not None and not getattr(state, "dispatched", True):
+            return
+        req.abort_unsent = False
+        if state is not None:
+            self._tm.abort_request(rid=req.rid)
 
     def _check_versions(self, req: _Req, labels: list[str], chunk: dict[str, Any]) -> None:
         """Compare the versions the tokens were given with the scheduler's spans (finishing chunk)."""
@@ -486,10 +560,13 @@ class SglangEngine:
 
     def _unlanded(self) -> list[str]:
         """rids aborted here whose SGLang request state still exists (tokenizer_manager.py:2774
-        deletes it when the scheduler's finishing output arrives)."""
+        deletes it when the scheduler's finishing output arrives; :3850-3868 an undispatched one
+        whose stream ended); a held-back abort is sent once its request is dispatched."""
         alive = self._tm.rid_to_state
         for rid in [r for r in self._aborting if r not in alive]:
             del self._aborting[rid]
+        for req in list(self._aborting.values()):
+            self._send_abort(req)
         return list(self._aborting)
 
     async def _wait_landed(self) -> None:
@@ -512,13 +589,23 @@ class SglangEngine:
                                + (" (resume first: SGLang keeps no copy of released weights)"
                                   if self.state is EngineState.RELEASED else ""))
         io = self._io
-        device = torch.device("cuda", self.config.base_gpu_id) if torch.cuda.is_available() else torch.device("cpu")
-        named = [(k, v.detach().to(device)) for k, v in self._checkpoint_names(state_dict).items()]
-        payload = [self._api.serialize(named) for _ in range(self.config.tp_size)]  # one per TP rank (engine.py:1743)
+        named = list(self._checkpoint_names(state_dict).items())
+        # One payload per TP rank, its tensors on that rank's GPU (`tp_devices`): each rank opens only
+        # its own (deserialize_own_rank, managers/tp_worker.py:193-201), so it maps memory of its own
+        # GPU, not of base_gpu_id (a CUDA context per rank there, and P2P reads). Cost: every GPU of
+        # the cell holds one full copy until the update ends (base_gpu_id alone did before), and this
+        # process opens a CUDA context on each once. `copies` keeps them alive while SGLang maps them.
+        copies = [[(k, v.detach().to(device)) for k, v in named] for device in self._rank_devices()]
+        payload = [self._api.serialize(c) for c in copies]  # one per TP rank (engine.py:1743)
         obj = io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, load_format=None, flush_cache=True,
                                                  weight_version=str(version))
         await self._in_session(lambda: self._tm.update_weights_from_tensor(obj, None), "update_weights_from_tensor")
         self.version = int(version)
+
+    def _rank_devices(self) -> list[torch.device]:
+        if torch.cuda.is_available():
+            return tp_devices(self.config)
+        return [torch.device("cpu")] * self.config.tp_size
 
     def _checkpoint_names(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """SGLang's load_weights reads checkpoint names (per-expert MoE tensors), not transformers
