@@ -470,7 +470,7 @@ def test_update_from_the_core_over_a_weight_update_group(ckpt):
     """The core hosts the group (WeightBroadcaster, gloo here, NCCL on GPUs), the engine joins it
     as SGLang's scheduler does and receives a broadcast mid-stream inside a session; later tokens
     carry the new weights' log-probs and version."""
-    from gyre.backends.engines.sglang_engine import WeightBroadcaster
+    from gyre.backends.engines.weight_group import WeightBroadcaster
 
     path, model = ckpt
     new = tiny_model(seed=2)

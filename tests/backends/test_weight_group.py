@@ -26,7 +26,7 @@ import sys
 import pytest
 import torch
 
-from gyre.backends.engines.sglang_engine import WeightBroadcaster
+from gyre.backends.engines.weight_group import WeightBroadcaster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 15

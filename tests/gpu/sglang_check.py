@@ -55,7 +55,8 @@ def _gap(model, prompt, events, lo=0, hi=None) -> float:
 async def _checks(args, report) -> None:
     from gyre.backends.config import SglangConfig
     from gyre.backends.protocols import SamplingParams
-    from gyre.backends.engines.sglang_engine import SglangApi, SglangEngine, WeightBroadcaster
+    from gyre.backends.engines.sglang_engine import SglangApi, SglangEngine
+    from gyre.backends.engines.weight_group import WeightBroadcaster
 
     path = tempfile.mkdtemp(prefix="gyre-sglang-check-")
     old, new = _models(path)
