@@ -56,7 +56,7 @@ def main() -> None:
         ap.error("--full-every-s: the clocked arm needs a clock (> 0); 0 is the other arm")
     base = dict(engines=[a.engines], open_executions=[a.open_executions], engine_procs=a.engine_procs, in_process_engines=False,
                 token_delay=0.02, max_tokens=16, think_s=a.think_s, window_s=a.window_s, proxy_cpus=None, load_cpus=None,
-                proxy_gc_young=None, proxy_hold_s=None, proxy_stream_interval_s=None, stream=False)
+                proxy_gc_young=None, proxy_hold_s=None, proxy_stream_interval_s=None, stream=False, proxy_impl="gyre")
     rows = []
     for _ in range(a.pairs):
         for every in (clocked, 0.0):

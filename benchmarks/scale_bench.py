@@ -74,6 +74,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.proxy_bench import SYSTEM, TOOLS, _calibrate_ns, _cpu_s  # noqa: E402
 from benchmarks.proxy_bench import _pct as _pct_of  # noqa: E402
+from benchmarks.null_proxy import null_times  # noqa: E402
 
 
 def _pct(xs, p):
@@ -287,10 +288,17 @@ def _proxy_child(q, engines: int | list, token_delay: float, store_dir: str, gcs
     h.thread.join()
 
 
-def start_proxy(engines: int | list, token_delay: float, store_dir: str, gcs=None, overrides: dict | None = None):
+def start_proxy(engines: int | list, token_delay: float, store_dir: str, gcs=None, overrides: dict | None = None,
+                impl: str = "gyre"):
+    """impl "null": `benchmarks/null_proxy.py`, the proxy's HTTP surface doing none of its work."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_proxy_child, args=(q, engines, token_delay, store_dir, gcs, overrides), daemon=True)
+    if impl == "null":
+        from benchmarks.null_proxy import serve
+
+        p = ctx.Process(target=serve, args=(q, engines, store_dir), daemon=True)
+    else:
+        p = ctx.Process(target=_proxy_child, args=(q, engines, token_delay, store_dir, gcs, overrides), daemon=True)
     p.start()
     return p, f"http://127.0.0.1:{q.get(timeout=180)}"
 
@@ -542,7 +550,7 @@ def proxy_series(a) -> list[dict]:
             eprocs, endpoints = ([], engines) if a.in_process_engines else start_engines(engines, a.engine_procs, a.token_delay, store)
             try:
                 gcs = mp.get_context("spawn").Array("d", 6, lock=False)
-                p, url = start_proxy(endpoints, a.token_delay, store, gcs, overrides)
+                p, url = start_proxy(endpoints, a.token_delay, store, gcs, overrides, a.proxy_impl)
                 pin(p.pid, _cpus(a.proxy_cpus))
                 try:
                     res = asyncio.run(_proxy_load(url, p.pid, n, a, [q.pid for q in eprocs], gcs))
@@ -557,6 +565,9 @@ def proxy_series(a) -> list[dict]:
                     q.join(10)
             times: dict = {}
             counts, size, tokens = store_records(store, times)
+            if a.proxy_impl == "null":  # no TITO records: the calls it answered, timed where Gyre's are
+                times = null_times(store)
+                counts = {eid: len(v) for eid, v in times.items()}
             clocked = engine_times([os.path.join(store, f"engines{k}.jsonl") for k in range(len(eprocs))]) if eprocs else None
             shutil.rmtree(store, ignore_errors=True)
             legs = _legs(res["walls"], times, a.token_delay, clocked)
@@ -564,7 +575,7 @@ def proxy_series(a) -> list[dict]:
             extra = sum(max(0, counts.get(eid, 0) - ok) for eid, ok in res["ok"].items())
             b, e = res["base"], res["end"]
             engine_s = [x - y for x, y in zip(res["lat"], res["added"])] or [0.0]  # a call's token time
-            row = {"engines": engines, "engine_procs": 0 if a.in_process_engines else min(a.engine_procs, engines),
+            row = {"proxy_impl": a.proxy_impl, "engines": engines, "engine_procs": 0 if a.in_process_engines else min(a.engine_procs, engines),
                    "open_executions": n, "opened": res["open"], "window_calls": res["window_calls"],
                    "calls_per_s": round(res["window_calls"] / a.window_s, 1),
                    "offered_calls_per_s": round(n / (a.think_s + sum(engine_s) / len(engine_s)), 1),  # at zero added latency
@@ -989,6 +1000,9 @@ def main() -> None:
     ap.add_argument("--proxy-gc-every-s", type=float, default=None,
                     help="the proxy's ProxyConfig.gc_every_s (default: its default, automatic collection off and a "
                     "full one on that clock; 0: Python's automatic collector)")
+    ap.add_argument("--proxy-impl", choices=("gyre", "null"), default="gyre",
+                    help="proxy series: Gyre's proxy, or benchmarks/null_proxy.py (its HTTP surface and engine link, none of "
+                         "its work): the floor any Python proxy pays on this machine")
     ap.add_argument("--stream", action="store_true", help="proxy series: every call streamed (SSE), as Claude Code and Codex call")
     ap.add_argument("--proxy-stream-interval-s", type=float, default=None, help="proxy series: ProxyConfig.stream_interval_s (default: its default)")
     ap.add_argument("--proxy-hold-s", type=float, default=None,
@@ -1014,6 +1028,8 @@ def main() -> None:
                         trajectory_repeats=1, soak_calls=5_000,
                         out=str(ROOT / "benchmarks" / "results" / "scale_bench_quick.json"))
     a = ap.parse_args()
+    if a.proxy_impl == "null" and a.in_process_engines:
+        ap.error("--proxy-impl null reaches its engines over the websocket transport: drop --in-process-engines")
     from benchmarks.provenance import provenance, write_results
 
     config = vars(a) | {"out": os.path.relpath(a.out, ROOT)}  # no machine paths in the results

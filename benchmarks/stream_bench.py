@@ -53,7 +53,7 @@ def main() -> None:
 
     base = dict(engines=[a.engines], open_executions=[a.open_executions], engine_procs=a.engine_procs, in_process_engines=False,
                 token_delay=a.token_delay, max_tokens=a.max_tokens, think_s=a.think_s, window_s=a.window_s, proxy_cpus=None,
-                load_cpus=None, proxy_gc_young=None, proxy_gc_every_s=None, proxy_hold_s=None, stream=True)
+                load_cpus=None, proxy_gc_young=None, proxy_gc_every_s=None, proxy_hold_s=None, stream=True, proxy_impl="gyre")
     rows = []
     for interval in a.intervals:
         (row,) = scale_bench.proxy_series(argparse.Namespace(**base, proxy_stream_interval_s=interval))
