@@ -280,6 +280,32 @@ def test_each_tp_rank_gets_its_copy_of_the_weights_on_its_own_gpu(ckpt, monkeypa
     assert seen == [{"cpu"}, {"meta"}]
 
 
+def test_an_abort_sglang_decides_itself_ends_the_stream_as_abort_and_is_logged(ckpt, caplog):
+    """SGLang may end a request the adapter never aborted (its scheduler's abort: an OOM retract
+    past its limit, a watchdog, an abort of all requests; `finish_reason` {"type": "abort",
+    "message": ...}, scheduler.py:5802). The stream's last token must say `abort` (the proxy
+    then records the call as aborted, not as an engine error with no reason) and the adapter
+    logs SGLang's message once."""
+    path, _ = ckpt
+
+    async def go():
+        eng = _engine(path)
+        await eng.start()
+        got = []
+        async for ev in eng.generate("r1", PROMPT, SamplingParams(max_tokens=40)):
+            got.append(ev)
+            if len(got) == 3:  # SGLang's own abort, not the adapter's
+                eng._engine.tokenizer_manager.abort_request(rid=eng._requests["r1"].rid)
+        await eng.stop()
+        return got
+
+    with caplog.at_level("WARNING", logger="gyre.backends.engines.sglang_engine"):
+        got = asyncio.run(go())
+    assert 3 <= len(got) < 40 and got[-1].finish_reason == "abort"
+    assert all(ev.finish_reason is None for ev in got[:-1])
+    assert [r for r in caplog.records if "r1" in r.getMessage() and "SGLang ended" in r.getMessage()]
+
+
 @pytest.mark.skipif(not os.environ.get("GYRE_SGLANG_SRC"), reason="set GYRE_SGLANG_SRC to an unpacked sglang 0.5.23 wheel")
 def test_the_behaviours_taught_here_are_in_sglangs_source():
     """What the fake learned above, found in the wheel's text (a newer SGLang that changes one of

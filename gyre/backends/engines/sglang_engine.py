@@ -480,6 +480,8 @@ class SglangEngine:
                 labels += [str(version)] * len(pairs)
                 if finish is not None:
                     self._check_versions(req, labels, chunk)
+                if finish not in (None, "stop", "length"):  # SGLang ended it itself (scheduler.py:5802)
+                    self._log_own_finish(req, chunk, len(req.out) + len(pairs))
                 for i, (tok, lp) in enumerate(pairs):
                     ev = TokenEvent(tok, lp, version, top=tops[i])
                     req.out.append(ev)
@@ -490,8 +492,8 @@ class SglangEngine:
                         done = True
                         yield ev
                         return
-                    if i == len(pairs) - 1 and finish in ("stop", "length"):
-                        ev.finish_reason = finish
+                    if i == len(pairs) - 1 and finish is not None:
+                        ev.finish_reason = finish if finish in ("stop", "length") else "abort"
                     yield ev
                     if req.aborted:
                         return
@@ -503,6 +505,16 @@ class SglangEngine:
                 self._abort_in_sglang(req)  # the consumer went away mid-stream
             if self._requests.get(request_id) is req:
                 del self._requests[request_id]
+
+    def _log_own_finish(self, req: _Req, chunk: dict[str, Any], tokens: int) -> None:
+        """A finish SGLang decided (an abort Gyre did not ask for: OOM past its retract limit, a
+        watchdog, an abort of all requests): the stream's last token says `abort` (the proxy
+        records the call as aborted); SGLang's reason is logged here, once, since no field of the
+        token carries it. With no token at all the proxy records `error` and says so."""
+        fr = chunk.get("meta_info", {}).get("finish_reason")
+        message = fr.get("message") if isinstance(fr, dict) else None
+        logger.warning("sglang engine %s: SGLang ended %s itself after %d tokens (%s)%s", self.name, req.request_id,
+                       tokens, fr.get("type") if isinstance(fr, dict) else fr, f": {message}" if message else "")
 
     def _fit_context(self, request_id: str, n: int, max_tokens: int) -> int:
         """max_new_tokens for a prompt of n tokens, as the CPU engine ends it: a prompt at or over
