@@ -65,7 +65,7 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.gpu_wheels import MANIFEST, WHEELS, _older, check_manifest, check_wheels, fetch_wheels, wheel_name  # noqa: E402,F401
+from benchmarks.gpu_wheels import MANIFEST, WHEELS, _older, check_manifest, check_wheels, fetch_wheels  # noqa: E402
 CUDA_ARCH = "9.0"  # H200 (sm_90)
 BUDGET_S = 470  # the whole check: 8 minutes less the machine's start and the copies
 
@@ -521,7 +521,8 @@ def run_device(wheels: Path | None, out_json: Path, budget_s: float, only: list[
 def rerun_hint(stages: dict[str, Stage]) -> dict[str, Any] | None:
     """For the stages that failed or ran out of time: the command that reruns them alone, and the
     seconds they and what they need took this time (a stage cut short counts its timeout)."""
-    redo = [n for n, st in stages.items() if st.status == "fail" or st.reason.startswith("out of time")]
+    redo = [n for n, st in stages.items()  # failed, cut short, or skipped for a needed stage that failed
+            if st.status == "fail" or st.reason.startswith(("out of time", "needs "))]
     if not redo:
         return None
     took = {n: stages[n].seconds if stages[n].status != "skip" else STAGES[n] for n in selected(redo)}

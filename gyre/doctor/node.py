@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import errno
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -270,9 +269,3 @@ def _dtype_line(cfg: GyreConfig, stored: str | None) -> Line:
         return Line("dtype", WARN, f"stored {stored}, {run}: a cast between half types loses precision",
                     f"--model.dtype {stored}")
     return Line("dtype", OK, f"stored {stored}, {run}")
-
-
-def local_rank_of() -> int | None:
-    """LOCAL_RANK under a launcher, None alone."""
-    v = os.environ.get("LOCAL_RANK")
-    return int(v) if v is not None else None

@@ -182,8 +182,11 @@ def serve(worker: CellWorker, control: ControlPlane, topo: Topology, controller:
             logger.exception("rank %d failed %s", topo.rank,
                              f"while handling {msg!r}" if msg is not None else "while waiting for a command")
             command = type(msg).__name__ if msg is not None else "no command (it was waiting for one)"
-            control.send(CONTROLLER, Failed(cell=topo.cell, rank=topo.rank, command=command,
-                                            error=f"{type(e).__name__}: {e}"))
+            error = f"{type(e).__name__}: {e}"
+            if e.__context__ is not None and e.__cause__ is None:  # raised while handling another (a
+                # hand-over's barrier in `finally` after a failed release): that one is the root cause
+                error += f" (while handling {type(e.__context__).__name__}: {e.__context__})"
+            control.send(CONTROLLER, Failed(cell=topo.cell, rank=topo.rank, command=command, error=error))
             if controller is not None:
                 controller.join()  # raises the RunFailed it built from the report
             time.sleep(linger_s)

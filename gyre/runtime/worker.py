@@ -59,7 +59,9 @@ class CellWorker:
         checkpoint_every: int = 0,
         audit_dir: str = "",
         offload_actor: bool = True,
+        cell_wait_s: float = 1200.0,
     ) -> None:
+        self.cell_wait_s = cell_wait_s  # `cell_barrier`'s deadline: longer than an engine's start (EngineHost, 600 s)
         self.audit_dir = audit_dir
         self.offload_actor = offload_actor  # --backend.offload-actor: the actor leaves the device in rollout
         self.checkpoint_every = checkpoint_every
@@ -93,14 +95,19 @@ class CellWorker:
         from the memory free on every GPU of the cell at its start and refuses a > 10 % imbalance
         between them (sglang/srt/distributed/bootstrap.py:441-452), so no position loads an actor
         onto its GPU while the engine measures."""
-        self.cell_barrier()
+        self.cell_barrier("start-up: position 0's engine started")
         self.actor = core_actor if core_actor is not None else self.make_actor(False)
 
-    def cell_barrier(self) -> None:
+    def cell_barrier(self, what: str = "the cell's hand-over") -> None:
         """Wait for every rank of this cell (or pool engine): a CPU all-reduce on the cell's own
         group, over gloo whatever the backend string. Position 0's engine spans every GPU of the
         cell (SGLang's TP ranks) while each position holds its own actor, so the memory changes
-        hands on all of them together. A cell of one rank has nothing to wait for."""
+        hands on all of them together. A cell of one rank has nothing to wait for.
+
+        Polled, not blocking in gloo: the wait is logged every `progress_every` s (the control
+        plane's), a signal handler (`engine_host.SigquitWatch`) can raise meanwhile, and past
+        `cell_wait_s` it is a TimeoutError naming the cell (a frozen rank would otherwise hold this
+        one for gloo's own timeout)."""
         t = self.topo
         if self.groups is None or t.cell_size == 1:
             return
@@ -109,7 +116,20 @@ class CellWorker:
 
         group = (self.groups.cells[t.cell] if t.cell is not None
                  else self.groups.pool[(t.rank - t.num_cells * t.cell_size) // t.cell_size])
-        dist.all_reduce(torch.zeros(1), group=group)  # blocking: the ranks of this cell
+        work = dist.all_reduce(torch.zeros(1), group=group, async_op=True)
+        start = last = time.monotonic()
+        pause = 0.001
+        while not work.is_completed():
+            now = time.monotonic()
+            if now - start > self.cell_wait_s:
+                raise TimeoutError(f"rank {t.rank}: cell {t.cell}'s ranks did not all reach {what} within "
+                                   f"{self.cell_wait_s:.0f} s")
+            if now - last > getattr(self.cp, "progress_every", 30.0):
+                logger.info("rank %d: waiting %.0f s for the ranks of cell %s (%s)", t.rank, now - start, t.cell, what)
+                last = now
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        work.wait()  # raises what the collective failed with (a peer gone)
 
     def _offload(self) -> float:
         """Actor state to host memory (`Actor.offload`), unless --backend.no-offload-actor; seconds."""
@@ -173,14 +193,14 @@ class CellWorker:
         """Memory hand-over, rollout → train: the engine frees its memory first, on every GPU of
         the cell (the cell's barrier: no position restores before position 0's release has
         ended), then the actor's state comes back to the device (docs/design.md §3); each part is
-        timed and reported (engine_release: on positions ≥ 1, the wait for it)."""
+        timed and reported (position 0's engine_release includes the wait for the cell)."""
         self._to(CellState.DRAINING)
         t = [time.perf_counter()]
         try:
             if self.engine is not None:
                 self.engine.release()
         finally:  # a failed release too: the other positions must not wait here forever
-            self.cell_barrier()
+            self.cell_barrier("the engine's release")
         t.append(time.perf_counter())
         if self.actor is None:
             self._actor = self.make_actor(self.topo.is_core)  # on the device: the cell trains now
@@ -270,7 +290,7 @@ class CellWorker:
         try:
             offload_s = self._offload() if self.actor is not None else 0.0
         finally:
-            self.cell_barrier()
+            self.cell_barrier("every position's offload")
         t0 = time.perf_counter()
         if self.engine is not None:
             self.engine.resume()

@@ -1,4 +1,5 @@
 """Conformance fake of SGLang 0.5.23's tokenizer-manager / scheduler boundary, for CPU tests.
+(Over 600 lines: one fake per SGLang boundary the adapter crosses — tokenizer manager, scheduler, engine, weight group — each behaviour next to the source lines it copies.)
 
 `gyre.backends.engines.sglang_engine.SglangEngine` drives it exactly as it drives `sglang.Engine`
 (`API = SglangApi(FakeEngine, io_struct, serialize, frozenset(SERVER_ARGS))`). It generates real tokens and log-probs
@@ -602,6 +603,9 @@ class FakeTokenizerManager:
         self.rid_to_state: dict[str, _State] = {}
         self.context_len = engine.context_len  # tokenizer_manager.py:600
         self.max_req_input_len = engine.max_req_input_len  # set from the scheduler's info (engine.py:1399)
+        # compute_num_reserved_tokens() (tokenizer_manager.py:605): 0 unless speculative decoding
+        # reserves draft slots; a test sets FakeEngine.num_reserved_tokens to model it.
+        self.num_reserved_tokens = getattr(engine, "num_reserved_tokens", 0)
         self.is_pause = False
         self.scheduler: FakeScheduler | None = None
         self._task: asyncio.Task | None = None
@@ -694,8 +698,9 @@ class FakeTokenizerManager:
 
     def _validate_one_request(self, input_ids: list[int], sampling_params: dict) -> None:
         """tokenizer_manager.py:1332-1378 with SGLang's defaults (allow_auto_truncate False,
-        fields/serving.py:254-257; validate_total_tokens True, :606; no speculative reserve)."""
-        n, max_new = len(input_ids), sampling_params.get("max_new_tokens")
+        fields/serving.py:254-257; validate_total_tokens True, :606); the input counts the
+        speculative reserve (:1335)."""
+        n, max_new = len(input_ids) + self.num_reserved_tokens, sampling_params.get("max_new_tokens")
         if n >= self.context_len:
             raise ValueError(f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens).")
         if max_new is not None and max_new + n > self.context_len:

@@ -1,5 +1,6 @@
 """SGLang adapter on CPU: import guard, translation and chunk parsing, and the lifecycle against the
-conformance fake of SGLang 0.5.23 (tests/backends/sglang_fake.py)."""
+conformance fake of SGLang 0.5.23 (tests/backends/sglang_fake.py).
+(Over 600 lines: the adapter's contract tests against the fake, one per SGLang state and request field; the edges of issue 30 live in test_sglang_edges.py.)"""
 
 from __future__ import annotations
 

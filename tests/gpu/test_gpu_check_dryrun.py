@@ -81,8 +81,10 @@ def test_the_wheel_set_must_be_recorded_and_under_the_cap(gc, tmp_path):
 def test_wheel_files_on_disk_are_matched_by_name_and_summed(gc, tmp_path):
     d = tmp_path / "wheels"
     d.mkdir()
+    from benchmarks.gpu_wheels import wheel_name
+
     for spec in gc.WHEELS:  # sparse files: sizes without the bytes
-        name, version = gc.wheel_name(spec), spec.split("==")[1]
+        name, version = wheel_name(spec), spec.split("==")[1]
         with open(d / f"{name}-{version}-py3-none-any.whl", "wb") as f:
             f.truncate(1 << 20)
     problems, figures = gc.check_wheels(d, gc.WHEELS)
@@ -115,6 +117,20 @@ def test_a_one_stage_rerun_brings_what_it_needs_and_fits_the_budget(gc):
     assert gc.selected(["proxy_scale"]) == ["proxy_scale"] and gc.selected(None) == list(gc.STAGES)
     for name in gc.STAGES:  # caps, worst case: never cut short by the default budget alone
         assert sum(gc.STAGES[n] for n in gc.selected([name])) <= gc.BUDGET_S, name
+
+
+def test_the_rerun_hint_brings_back_the_stages_a_failure_skipped(gc):
+    """install failed: doctor, megatron_step and run were skipped for it, so the rerun names them
+    too (selected() adds what a stage needs, not what needs it); a passed stage is not redone."""
+    st = {n: gc.Stage("pass") for n in gc.STAGES}
+    st["install"] = gc.Stage("fail", "pip exited 1")
+    for n in ("doctor", "megatron_step", "run"):
+        st[n] = gc.Stage("skip", "needs install, which failed")
+    st["proxy_scale"] = gc.Stage("skip", "out of time (60s of the 470s budget left)")
+    hint = gc.rerun_hint(st)
+    assert hint["stages"] == ["install", "doctor", "megatron_step", "run", "proxy_scale"], hint
+    assert "--only install doctor megatron_step run proxy_scale" in hint["command"]
+    assert gc.rerun_hint({n: gc.Stage("pass") for n in gc.STAGES}) is None
 
 
 def test_the_proxy_scale_arguments_are_parsed_by_scale_bench_itself(gc):

@@ -159,7 +159,15 @@ class EngineHost:
         self.handle = serve_engine(engine, host=host, port=0, secret=secret)
         announce = announce or host
         self.url = f"http://[{announce}]:{self.handle.port}" if ":" in announce else f"http://{announce}:{self.handle.port}"
-        self.handle.call(engine.start(), timeout=timeout)
+        try:
+            self.handle.call(engine.start(), timeout=timeout)
+        except BaseException:
+            # The start's own error is the diagnosis: SIGQUITs of the engine's other processes that
+            # follow it are logged, not raised over it (the watch stays, log-only: SIG_DFL would
+            # core-dump the rank), and the server goes.
+            self.watch.stopping = True
+            self.handle.stop()
+            raise
         logger.info("engine %s serving at %s (bound to %s)", engine.name, self.url, host or "*")
 
     def release(self) -> None:

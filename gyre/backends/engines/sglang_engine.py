@@ -362,6 +362,7 @@ class SglangEngine:
         self._warned_min_tokens = False
         self.context_len: int | None = None  # the served model's (TM.context_len), read at start
         self.max_prompt_len: int | None = None  # prompts at or over it are refused (`_fit_context`)
+        self.reserved = 0  # tokens SGLang reserves per request (speculative decoding), read at start
 
     # ---------------------------------------------------------------- lifecycle
     def _move(self, to: EngineState, *, require: EngineState | None = None) -> None:
@@ -411,6 +412,7 @@ class SglangEngine:
         self.context_len = getattr(tm, "context_len", None)  # tokenizer_manager.py:600
         limits = [v for v in (self.context_len, getattr(tm, "max_req_input_len", None)) if v]  # engine.py:1399
         self.max_prompt_len = min(limits) if limits else None
+        self.reserved = int(getattr(tm, "num_reserved_tokens", 0) or 0)  # speculative draft slots (:605, :1335)
         atexit.unregister(getattr(self._engine, "shutdown", lambda: None))
         logger.info("sglang engine up (tp=%d, model=%s, version %d, %d engine processes)", self.config.tp_size,
                     self.config.model_path, self.version, len(self._engine_pids))
@@ -528,7 +530,12 @@ class SglangEngine:
             raise ValueError(f"generate({request_id}): prompt of {n} tokens reaches the SGLang engine's limit "
                              f"{self.max_prompt_len} (context length {self.context_len}; SGLang's scheduler takes "
                              f"prompts under max_req_input_len)")
-        return max_tokens if self.context_len is None else min(max_tokens, self.context_len - n)
+        if self.context_len is None:
+            return max_tokens
+        if self.reserved and n + self.reserved >= self.context_len:  # tokenizer_manager.py:1335-1351
+            raise ValueError(f"generate({request_id}): prompt of {n} tokens plus the {self.reserved} tokens SGLang's "
+                             f"speculative decoding reserves reaches the context length {self.context_len}")
+        return min(max_tokens, self.context_len - n - self.reserved)
 
     def _abort_in_sglang(self, req: _Req) -> None:
         req.aborted = True
