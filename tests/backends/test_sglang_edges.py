@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import pytest
 
@@ -82,21 +81,19 @@ def test_abort_during_a_weight_update_pause_does_not_leave_a_zombie(ckpt):
         go_on.set()
         await update
         out = await consumer
-        t0 = time.monotonic()
         try:
             await eng.release_memory()
             error = None
         except RuntimeError as e:
             error = str(e)
-        took = time.monotonic() - t0
         steps, states = tm.scheduler.steps, dict(tm.rid_to_state)
         await eng.stop()
-        return undispatched, returned, out, error, took, steps, states
+        return undispatched, returned, out, error, steps, states
 
-    undispatched, returned, out, error, took, steps, states = asyncio.run(go())
+    undispatched, returned, out, error, steps, states = asyncio.run(go())
     assert undispatched and returned == [] and out == []
-    assert error is None, error
-    assert took < 2.5 and states == {}  # under land_timeout_s (3 s): a lost abort waits it out
+    assert error is None, error  # a lost abort keeps the request running: release fails after land_timeout_s
+    assert states == {}
     assert steps <= 5  # prefill + the aborted request's one extra decode step (+ slack), not 4000
 
 
