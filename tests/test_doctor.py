@@ -4,7 +4,6 @@ real-family config, setup.py run with `setup` captured)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ from gyre.config import parse_config
 from gyre.doctor import cluster, node, versions
 from gyre.doctor.table import FAIL, OK, SKIPPED, WARN, Line, exit_code, merge, render
 from tests.realmodels import model_config
+from tests.setup_py import setup_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every check the issue asks for, by the name the table gives it (issue 30, "python -m gyre.doctor").
@@ -112,20 +112,8 @@ def test_bad_flag_exits_2(capsys):
 
 
 # ----------------------------------------------------------------------------- versions against setup.py
-def _setup_kwargs(monkeypatch) -> dict:
-    """What setup.py hands setuptools, captured by running its main() with `setup` replaced."""
-    spec = importlib.util.spec_from_file_location("gyre_setup_py", ROOT / "setup.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    got = {}
-    monkeypatch.setattr(mod, "setup", lambda **kw: got.update(kw))
-    monkeypatch.setenv("GYRE_NO_EXT", "1")
-    mod.main()
-    return got
-
-
 def test_pins_are_setup_pys_own(monkeypatch):
-    kw = _setup_kwargs(monkeypatch)
+    kw = setup_kwargs()
     expected = [(r, "") for r in kw["install_requires"]] + [(r, e) for e, rs in kw["extras_require"].items() for r in rs]
     assert versions.requirements_of_setup((ROOT / "setup.py").read_text()) == expected
     reqs = versions.gyre_requirements()

@@ -19,7 +19,6 @@ Re-record after changing the extras (the test says so when a requirement is not 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -29,23 +28,14 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from tests.setup_py import setup_kwargs
+
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = Path(__file__).with_name("gpu_extras_metadata.json")
 # The GPU box the extras are for (docs/gpu-sglang.md): markers are evaluated here.
 TARGET_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
               "platform_machine": "x86_64", "platform_system": "Linux", "os_name": "posix",
               "implementation_name": "cpython", "platform_python_implementation": "CPython"}
-
-
-def setup_kwargs() -> dict:
-    """What setup.py passes to setuptools.setup (its `main()` run with `setup` captured)."""
-    spec = importlib.util.spec_from_file_location("gyre_setup_extras", ROOT / "setup.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    seen: dict = {}
-    mod.setup = lambda **kw: seen.update(kw)
-    mod.main()
-    return seen
 
 
 def _applies(req: Requirement, extras: tuple[str, ...] = ("",)) -> bool:

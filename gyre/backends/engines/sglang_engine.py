@@ -81,7 +81,7 @@ Checked against the sglang 0.5.23 wheel's source and run against the conformance
 (tests/backends/sglang_fake.py); not yet run on a GPU. Nothing here imports sglang at module
 import; `SglangApi.real()` imports it when the engine starts.
 
-Size (about 750 lines): one adapter class mirroring SGLang's engine lifecycle (sessions, release /
+Size (about 770 lines): one adapter class mirroring SGLang's engine lifecycle (sessions, release /
 resume, weight updates, streamed generation) plus the pure request/ServerArgs helpers it is tested
 through; the core's side of the weight-update group is gyre/backends/engines/weight_group.py
 (`WeightBroadcaster`); the next split is the ServerArgs pass-through.
