@@ -24,6 +24,8 @@ from pathlib import Path
 
 from aiohttp import web
 
+from gyre.backends.protocols import SamplingParams
+
 HOLD_S = 1.0  # ProxyConfig.engine_hold_s's default: the non-streamed calls' frames as Gyre's
 
 
@@ -45,8 +47,6 @@ def build_app(engines: list, rows: list) -> web.Application:
         return web.json_response({"ok": True})
 
     async def chat(request: web.Request) -> web.Response:
-        from gyre.backends.protocols import SamplingParams
-
         body = await request.read()
         req = json.loads(body)
         eid = keys.get(request.headers.get("Authorization", "").removeprefix("Bearer "))
