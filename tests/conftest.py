@@ -15,6 +15,10 @@
 * `slow` tests run only when the `-m` expression names `slow`: pytest.ini's `-m "not slow"` is
   replaced by any `-m` on the command line, and `-m "not jobs"` (the inner loop) must not bring
   the slow tier back.
+* no two `jobs` tests overlap (`_jobs_never_overlap`): each records its start and end in a file
+  the whole session shares, and fails at teardown if another job ran meanwhile. That grouping
+  rests on pytest-xdist renaming `item._nodeid`, which pytest 9.2 ignores (setup.py bounds pytest
+  below 9.2): this check, not a comment, is what says the suite still runs one job at a time.
 * `finished_run`: one finished tiny run (tests/jobs.py `RUNS["finished"]`: 2 ranks, 2 steps, a
   checkpoint after each, TensorBoard on, and W&B offline where wandb is installed), built once per
   test session on first use. Resume and damaged-checkpoint tests copy it (`copy_of`) instead of
@@ -23,8 +27,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +85,51 @@ def _jobs_are_marked():
     subprocess.Popen.__init__ = init
     yield
     subprocess.Popen.__init__ = real
+
+
+def overlapping(mine: dict, records: list[dict]) -> list[str]:
+    """The other jobs whose recorded interval meets `mine` ({"id", "start", "end"}); a record
+    with no end yet is still running. Pure."""
+    spans: dict[str, list[float | None]] = {}
+    for r in records:
+        if r["id"] == mine["id"]:
+            continue
+        span = spans.setdefault(r["id"], [None, None])
+        span[0 if r["event"] == "start" else 1] = r["t"]
+    return sorted(i for i, (start, end) in spans.items()
+                  if start is not None and start < mine["end"] and (end is None or end > mine["start"]))
+
+
+def _jobs_log(tmp_path_factory) -> Path:
+    base = tmp_path_factory.getbasetemp()  # under xdist: <session>/popen-gwN, the session's is its parent
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jobs-intervals.jsonl"
+
+
+def _append(path: Path, row: dict) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # one write: lines never interleave
+    try:
+        os.write(fd, (json.dumps(row) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture(autouse=True)
+def _jobs_never_overlap(request, tmp_path_factory):
+    groups = {m.args[0] if m.args else m.kwargs.get("name") for m in request.node.iter_markers("xdist_group")}
+    if "jobs" not in groups:
+        yield
+        return
+    log, me = _jobs_log(tmp_path_factory), request.node.nodeid
+    start = time.time()
+    _append(log, {"id": me, "event": "start", "t": start})
+    yield
+    end = time.time()
+    _append(log, {"id": me, "event": "end", "t": end})
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    others = overlapping({"id": me, "start": start, "end": end}, records)
+    if others:
+        pytest.fail(f"{me} ran at the same time as the jobs test(s) {others}: the `jobs` group is not "
+                    "one worker's (pytest-xdist's --dist loadgroup ignored? setup.py bounds pytest < 9.2)")
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def setup_kwargs() -> dict:
+def setup_module():
+    """setup.py as a module: its functions defined, `setup()` not run (it is not __main__)."""
     spec = importlib.util.spec_from_file_location("gyre_setup_py", ROOT / "setup.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def setup_kwargs() -> dict:
+    mod = setup_module()
     got: dict = {}
     mod.setup = lambda **kw: got.update(kw)
     before = os.environ.get("GYRE_NO_EXT")

@@ -220,16 +220,26 @@ def test_engine_failure_mid_call_continues_elsewhere():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_drains_under_load_never_change_outputs(seed):
     """40 concurrent calls while engines are drained and resumed at random: every call ends with
-    exactly the tokens an uninterrupted generation gives (same-salt engines), none is lost."""
+    exactly the tokens an uninterrupted generation gives (same-salt engines), none is lost. The
+    chaos is paced by tokens produced, not by the clock (one action every 4-16 tokens), so a loaded
+    machine changes how long it takes, not how often calls are moved."""
     import random
 
     rng = random.Random(seed)
+    produced, tick = [0], asyncio.Event()
+
+    class Counting(DeterministicEngine):
+        async def generate(self, request_id, input_ids, sampling):
+            async for ev in super().generate(request_id, input_ids, sampling):
+                produced[0] += 1
+                tick.set()
+                yield ev
 
     async def main():
         r = Router(affinity_slack=1)
         specs = [("p0", "pool", 0), ("p1", "pool", 1), ("c1", "cell", 1), ("c2", "cell", 2)]
         for name, kind, idx in specs:
-            r.add_engine(DeterministicEngine(name, salt=9, token_delay=0.0005, eos_prob=0.01), kind=kind, index=idx)
+            r.add_engine(Counting(name, salt=9, token_delay=0.0005, eos_prob=0.01), kind=kind, index=idx)
         prompts = [[rng.randrange(7, 1000) for _ in range(rng.randint(1, 30))] for _ in range(40)]
         max_toks = [rng.randint(1, 120) for _ in prompts]
         calls = [
@@ -239,13 +249,19 @@ def test_random_drains_under_load_never_change_outputs(seed):
 
         async def chaos():
             while not all(c.done() for c in calls):
+                target = produced[0] + rng.randint(4, 16)
+                while produced[0] < target and not all(c.done() for c in calls):
+                    tick.clear()
+                    try:
+                        await asyncio.wait_for(tick.wait(), 0.05)
+                    except asyncio.TimeoutError:
+                        pass
                 name = rng.choice([n for n, *_ in specs])
                 slot = r.slots[name]
                 if slot.state is SlotState.ACTIVE and sum(s.state is SlotState.ACTIVE for s in r.slots.values()) > 1:
                     await r.drain(name)
                 elif slot.state is SlotState.DRAINED:
                     r.resume(name)
-                await asyncio.sleep(rng.uniform(0, 0.01))
 
         await asyncio.gather(chaos(), *calls)
         return r, prompts, max_toks, [c.result() for c in calls]
@@ -254,7 +270,7 @@ def test_random_drains_under_load_never_change_outputs(seed):
     for p, m, out in zip(prompts, max_toks, outs):
         ref = reference(9, p, m, eos_prob=0.01)
         assert [(e.token_id, e.logprob) for e in out] == [(e.token_id, e.logprob) for e in ref]
-    assert r.reroutes >= 20, r.reroutes  # ~100 in practice: calls moved many times each
+    assert r.reroutes >= 20, r.reroutes  # 70-140 in practice: calls moved many times each
     assert all(s.load == 0 for s in r.slots.values())
     assert all(e.engine.load() == 0 for e in r.slots.values())
 

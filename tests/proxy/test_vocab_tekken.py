@@ -38,16 +38,22 @@ def tok(tekken_dir):
 
 
 def test_table_of_131k_ids_is_built_fast_and_covers_every_id(tok):
+    """Fast against the machine, not the clock: the build is timed beside the naive table (the
+    tokenizer's own decode of each id alone), alternately, best of three each, so a loaded
+    machine slows both. Measured: the table ~1.0x the naive pass (0.15 s on an idle core); the
+    first version (to_str + get_vocab, 1.5 s) was ~4.5x, and the bound fails it."""
     assert len(tok) == 131072
-    best = float("inf")
-    for _ in range(2):  # the best of two: the machine is shared
+    backend, n = tok.backend_tokenizer, len(tok)
+    best, naive = float("inf"), float("inf")
+    for _ in range(3):
         tok._gyre_byte_table = None
         t0 = time.perf_counter()
         table = V.byte_table(tok)
         best = min(best, time.perf_counter() - t0)
-    # ~0.15 s on an idle core (benchmarks/proxy_bench.py reports it); the bound leaves room for a
-    # loaded machine and fails the 1.5 s of the first version (to_str + get_vocab).
-    assert best < 1.2, best
+        t0 = time.perf_counter()
+        [backend.decode([i], skip_special_tokens=False) for i in range(n)]
+        naive = min(naive, time.perf_counter() - t0)
+    assert best < 2.5 * naive, (best, naive)
     assert len(table) == V.id_count(tok) == 131072 and not table.undecodable
     assert table.kind == "byte-level" and table.lead == ""
     assert all(table[i] for i in range(len(table)))  # every id has bytes
