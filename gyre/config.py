@@ -5,7 +5,8 @@ Every rank parses the same command line into the same `GyreConfig`:
     torchrun --standalone --nproc-per-node 4 -m gyre.run --preset cpu-demo --parallel.cell-size 2
 
 `--preset NAME` picks a Python function below that returns a whole config; every other flag
-overrides a field of it. `python -m gyre.run --help` lists every option with its docstring.
+overrides a field of it. `python -m gyre.run --help` shows the sections and the flags people change; `--help-all` lists every
+option with its docstring.
 
 The up-front refusals (`check_*`, `BOUNDS`) live in gyre/config_checks.py, `ConfigError` in
 gyre/errors.py (re-exported here).
@@ -201,7 +202,8 @@ PRESETS: dict[str, Callable[[], GyreConfig]] = {
 
 
 def _preset_epilog() -> str:
-    return "presets:\n" + "\n".join(f"  {name:<12} {fn.__doc__.strip().splitlines()[0]}" for name, fn in PRESETS.items())
+    width = max(map(len, PRESETS))
+    return "presets:\n" + "\n".join(f"  {name:<{width}}  {fn.__doc__.strip().splitlines()[0]}" for name, fn in PRESETS.items())
 
 
 def _split_preset(argv: list[str]) -> tuple[str, list[str]]:
@@ -259,6 +261,13 @@ def parse_config(argv: list[str] | None = None) -> GyreConfig:
     if name not in PRESETS:
         raise SystemExit(f"gyre: unknown --preset {name!r}; " + _preset_epilog())
     default = PRESETS[name]()
+    if "--help-all" in rest:  # tyro's full listing of every field
+        rest = [a for a in rest if a != "--help-all"] + ["--help"]
+    elif "--help" in rest or "-h" in rest:  # one screen: the sections and the flags people change
+        from gyre.help import short_help
+
+        print(short_help(default, _preset_epilog()))
+        raise SystemExit(0)
     rest, sglang_extra = _split_passthrough(rest, "sglang", {f.name for f in fields(SglangOptions)})
     cfg = tyro.cli(GyreConfig, default=default, args=rest, description=(GyreConfig.__doc__ or "") + "\n\n" + _preset_epilog())
     cfg.preset = name

@@ -158,11 +158,71 @@ def _end_interrupted(rank: int, run: object | None, name: str, why: str | None =
         logger.error("interrupted by %s while starting; its summary could not be written: %s", name, err)
 
 
+def _parse_once(argv: list[str] | None) -> GyreConfig:
+    """`parse_config`, with what it prints (`--help`, a refused flag) said by rank 0 alone: every
+    rank parses the same command line, and torchrun would show the same message once per rank."""
+    if os.environ.get("RANK", "0") == "0":
+        try:
+            return parse_config(argv)
+        except SystemExit as e:
+            if e.code not in (0, None):
+                why = e.code if isinstance(e.code, str) else "the message above"
+                tell_torchrun(f"gyre: the command line was refused ({why}); `python -m gyre.run --help` lists the flags")
+            raise
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            return parse_config(argv)
+        except SystemExit as e:  # rank 0 says it and fails the job; the other ranks leave quietly
+            raise SystemExit(0 if e.code not in (0, None) else e.code) from None
+
+
+def tell_torchrun(message: str) -> None:
+    """Name the failure in torchrun's end-of-job report ("Root Cause ... traceback: <message>")
+    instead of "To enable traceback see ...": its error file, when torchrun gave one
+    (TORCHELASTIC_ERROR_FILE, torch.distributed.elastic.multiprocessing.errors)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
+    except OSError:
+        pass
+
+
+def load_note(load1: float, cores: int, ranks_here: int) -> str | None:
+    """What the machine's load does to this run's times, for the log at start (None: quiet).
+
+    With `load1` other runnable processes on `cores` cores, the node's `ranks_here` ranks get
+    cores / (load1 + ranks) of a core each instead of min(1, cores / ranks): times stretch by up to
+    the ratio.
+
+    >>> load_note(30.0, 2, 4)
+    'machine load 30.0 on 2 cores (15.0 a core) before start: this run's 4 ranks get a smaller share, so steps may take up to 8.5x as long as on a quiet machine'
+    >>> load_note(0.5, 2, 4) is None
+    True
+    """
+    if cores <= 0 or load1 <= 0.5 * cores:
+        return None
+    slow = min(1.0, cores / ranks_here) / (cores / (load1 + ranks_here))
+    return (f"machine load {load1:.1f} on {cores} cores ({load1 / cores:.1f} a core) before start: this run's "
+            f"{ranks_here} ranks get a smaller share, so steps may take up to {slow:.1f}x as long as on a quiet machine")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the job; 0 when it succeeded. A failure is stated once: by the controller for a run
     that stopped early (RunFailed), else by the rank that raised, with its traceback."""
-    cfg: GyreConfig = parse_config(argv)
+    cfg: GyreConfig = _parse_once(argv)
     setup_logging(cfg.log_level)
+    if cfg.job == "train" and os.environ.get("LOCAL_RANK", "0") == "0" and hasattr(os, "getloadavg"):
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if note := load_note(os.getloadavg()[0], os.cpu_count() or 1, ranks_here):
+            logger.warning("%s", note)
     alone = "RANK" not in os.environ
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a SIGKILLed torchrun takes its ranks (and harnesses) with it
         from gyre.executions.procs import watch_parent
@@ -175,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         backend = bind_device(cfg.parallel.backend)
     except ConfigError as e:  # before the rendezvous: every rank has it, rank 0 says it
         logger.error("%s", e, extra=ONCE)
+        if os.environ["RANK"] == "0":
+            tell_torchrun(f"gyre: {e}")
         return 2 if os.environ["RANK"] == "0" else 0
     if alone:
         from torch.distributed import TCPStore
@@ -240,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, RunDirError, TopologyError) as e:  # a refused config: every rank has it, rank 0 says it
         logger.error("%s", e, extra=ONCE)
         rc = 2 if rank == 0 else 0  # one failure for torchrun to report: rank 0's
+        if rank == 0:
+            tell_torchrun(f"gyre: {e}")
         _leave_together(rank, world)
     except RunFailed as e:
         if isinstance(e, RunStopped):  # the run failed elsewhere and the controller said why

@@ -137,6 +137,7 @@ class FinishedRun:
     dir: Path  # the run directory: checkpoints/step_000001, step_000002, metrics.jsonl, run.json, ...
     tasks: Path  # the tasks file it trained on (4 tiny-harness tasks)
     steps: int
+    log: str = ""  # what torchrun printed (every rank's log lines), for the tests that read the log
 
     def copy_of(self, dest: Path) -> Path:
         """A private copy of the run directory at `dest` (symlinks kept as links)."""
@@ -162,4 +163,4 @@ def finished_run(tmp_path_factory) -> FinishedRun:
                           env={**env(), "WANDB_SILENT": "true", "WANDB_DISABLE_CODE": "true"})
     assert proc.returncode == 0, log_of(proc)[-4000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
-    return FinishedRun(run, tasks, spec.settings["steps"])
+    return FinishedRun(run, tasks, spec.settings["steps"], log_of(proc))

@@ -104,6 +104,16 @@ def test_help_explains_and_lists_gyre_run_flags():
         assert flag in r.stdout, flag
 
 
+def test_without_a_preset_it_checks_readme_command_ones_job(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    one = next(line for line in readme.splitlines() if line.startswith("pip install torch") and "torchrun" in line)
+    preset = one.split("--preset", 1)[1].split()[0]  # the preset README command 1 runs
+    r = doctor(tmp_path, "--timeout-s", "20")
+    assert f"preset {preset}," in r.stdout.splitlines()[0] or r.stdout.splitlines()[0].endswith(f"preset {preset}"), r.stdout
+    chosen = doctor(tmp_path, "--timeout-s", "20", "--preset", "smoke")
+    assert chosen.stdout.splitlines()[0].endswith("preset smoke"), chosen.stdout
+
+
 def test_bad_flag_exits_2(capsys):
     from gyre.doctor import main
 

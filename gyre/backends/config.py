@@ -13,6 +13,8 @@ if TYPE_CHECKING:
 
 @dataclass(kw_only=True)
 class ModelConfig:
+    """The model: a size preset built from a config, or your own HF checkpoint directory."""
+
     preset: Literal["tiny", "small"] = "small"
     """Size preset of the Qwen2-style decoder built from a config (no download)."""
     checkpoint: str | None = None
@@ -31,6 +33,8 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class CpuEngineConfig:
+    """The built-in rollout engine (`--backend.engine cpu`): batching, context, log-probs."""
+
     max_batch: int = 32
     """Most requests decoded together in one step; the rest wait (continuous batching)."""
     max_prefill_tokens: int = 4096

@@ -33,6 +33,7 @@ and under every line that is not ok the fix. It exits 1 when a line failed, else
                           layout, SGLang's name for it); its dtype against --model.dtype
     sandbox               what --executions.runner.sandbox gives the harnesses on this node
 
+Without --preset it checks README command 1's preset (cpu-demo), not gyre.run's default (smoke).
 Doctor's own flag: --timeout-s S (default 120): the rendezvous and collective timeout.
 """
 
@@ -46,6 +47,7 @@ import sys
 from gyre.doctor.table import FAIL, Line, exit_code, merge, render, skipped
 
 TIMEOUT_S = 120.0
+DEFAULT_PRESET = "cpu-demo"  # README command 1's job: what a newcomer means by "will my run work?"
 
 
 def _guarded(name: str, fn, *args, **kwargs) -> list[Line]:
@@ -161,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     own = argparse.ArgumentParser(prog="python -m gyre.doctor", add_help=False, allow_abbrev=False)
     own.add_argument("--timeout-s", type=float, default=TIMEOUT_S)
     args, rest = own.parse_known_args(argv)
+    if not any(a == "--preset" or a.startswith("--preset=") for a in rest):
+        rest = ["--preset", DEFAULT_PRESET, *rest]  # check the job README's command 1 runs, not the smoke run
     try:
         cfg = parse_config(rest)
     except SystemExit as e:  # tyro printed what is wrong

@@ -19,7 +19,8 @@ that other threads of the rank share; backing off keeps what idle ranks cost the
 server small (today's fixed 2 ms poll: 500 requests/s a rank, ~128k/s at 256 ranks; backed
 off: ~20/s a rank, measured in benchmarks/store_poll_bench.py) while a command still reaches an
 idle rank within `max_poll` plus one round trip. A wait that lasts longer than `progress_every`
-seconds is logged, so a hang is never silent.
+seconds is logged, so a hang is never silent, then again at a doubling gap (at most
+`SLOWEST_NOTE_S`): an idle rank of a long run writes a handful of such lines, not hundreds.
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ class SignedStore:
         return SignedStore(self.inner.clone(), self._secret)
 
 
+SLOWEST_NOTE_S = 600.0  # a wait's notes come at most this far apart
+
+
 class ControlPlane:
     """Mailboxes and blobs over the store (module docstring). `poll`: the first sleep of a wait;
     `max_poll`: the longest (the bound on how late an idle rank sees a message; `max_poll ==
@@ -146,7 +150,8 @@ class ControlPlane:
         return self._wait(self.try_recv, timeout, what)
 
     def _wait(self, probe, timeout: float | None, what: str):
-        start = last = time.monotonic()
+        start = time.monotonic()
+        say_at, gap = start + self.progress_every, self.progress_every
         backoff = Backoff(self.poll, self.max_poll)  # a new wait starts fast: commands come in bursts
         while True:
             got = probe()
@@ -155,9 +160,11 @@ class ControlPlane:
             now = time.monotonic()
             if timeout is not None and now - start > timeout:
                 raise TimeoutError(f"rank {self.rank}: no {what} after {timeout:.0f}s")
-            if now - last > self.progress_every:
-                logger.info("rank %s still waiting for %s (%.0fs)", self.rank, what, now - start)
-                last = now
+            if now >= say_at:  # once, then at a doubling gap: a long wait is not a flood of lines
+                gap = min(2 * gap, SLOWEST_NOTE_S)
+                logger.info("rank %s still waiting for %s (%.0fs; next note in %.0fs)", self.rank, what,
+                            now - start, gap)
+                say_at = now + gap
             delay = backoff.next()
             if timeout is not None:  # never sleep far past the timeout
                 delay = min(delay, max(0.0, start + timeout - now) + self.poll)

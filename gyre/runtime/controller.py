@@ -54,7 +54,7 @@ from gyre.runtime.outputs import MetricsWriter, make_trackers
 from gyre.runtime.proxy_access import GyreProxyAccess, start_data_plane
 from gyre.runtime.rundir import JOURNAL, GroupJournal, RunDir
 from gyre.runtime.samples import audit_bundle, group_work, step_denominator, tito_records
-from gyre.runtime.summary import ProgressLine, step_line, step_row
+from gyre.runtime.summary import Progress, step_row
 from gyre.runtime.writes import FirstError, Guarded, watch_execution
 from gyre.scheduler import (CellRole, Dispatch, ElasticScheduler, OptimizerStep, Publish, SwitchToRollout,
                             SwitchToTrain, WallClock, Work)
@@ -135,7 +135,7 @@ class Controller:
         self.interrupted: str | None = None  # "SIGTERM" once a rank reported one
         self._interrupt_t = 0.0
         self.silent_rank: int | None = None
-        self.progress = ProgressLine()
+        self.progress = Progress(cfg.train.steps)
 
     # ------------------------------------------------------------------ thread
     def start(self) -> None:
@@ -211,7 +211,7 @@ class Controller:
                     self._on_message(msg)
                 if time.monotonic() >= next_tick:
                     self._apply(self.sched.tick())
-                    if line := self.progress(self.sched, self.steps_done, self.cfg.train.steps, time.monotonic()):
+                    if line := self.progress.idle(self.sched, self.steps_done, time.monotonic()):
                         logger.info("%s", line)
                     self._check_silent()
                     next_tick = time.monotonic() + self.cfg.scheduler.tick_s
@@ -367,7 +367,7 @@ class Controller:
                                                        self.cfg.train.shutdown_timeout_s)
         self.last_step_t = now
         self.steps_done += 1
-        logger.info("%s", step_line(row))
+        logger.info("%s", self.progress.step(row, self.sched, time.monotonic()))
         self._apply(self.sched.on_step_done(msg.step))
         if self.steps_done >= self.cfg.train.steps:
             self.stopping = True

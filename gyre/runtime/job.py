@@ -173,7 +173,7 @@ def serve(worker: CellWorker, control: ControlPlane, topo: Topology, controller:
     while True:
         msg = None
         try:
-            msg = control.recv(what="a command from the controller")  # blocking: the controller's next command
+            msg = control.recv(what="the controller's next command (normal while the run is in rollout)")  # blocking: the controller's next command
             if not worker.handle(msg):
                 return
         except Exception as e:

@@ -196,7 +196,8 @@ def reward_trend(rows: list[dict[str, Any]], k: int, *, resamples: int = 10000, 
     rise_lo, rise_hi = np.quantile(slopes(rng.integers(0, len(x), (resamples, len(x)))) * span, [0.025, 0.975])
     return {"first_mean": float(mean(first)), "last_mean": float(mean(last)), "diff": float(mean(last) - mean(first)),
             "ci95_low": float(lo), "ci95_high": float(hi), "unit": "group" if by_group else "execution",
-            "n_first": sum(map(len, first)), "n_last": sum(map(len, last)),
+            "n_first": sum(map(len, first)), "n_last": sum(map(len, last)), "k_steps": k,
+            "groups_first": len(first) if by_group else None, "groups_last": len(last) if by_group else None,
             "fitted_rise": rise, "fitted_rise_ci95_low": float(rise_lo), "fitted_rise_ci95_high": float(rise_hi)}
 
 

@@ -40,7 +40,7 @@ from gyre.runtime.ledger import GroupPhase
 from gyre.runtime.messages import Failed, Stop
 from gyre.runtime.outputs import append_events, plot_role_timeline, read_metrics, train_fractions
 from gyre.runtime.rundir import end_attempt
-from gyre.runtime.summary import RunEnd, build_summary
+from gyre.runtime.summary import RunEnd, build_summary, end_lines
 
 if TYPE_CHECKING:
     from gyre.runtime.controller import Controller
@@ -336,34 +336,3 @@ def _summary(ctl: Controller, end: float, fractions: dict[int, float], cancelled
                          proxy_totals=ctl.access.totals, worst_unmatched=ctl.proxy.worst_unmatched(10),
                          sink_errors=ctl.proxy.sink_errors, health=ctl.health.counts,
                          measured_staleness=ctl.sched.staleness, run=ctl.run, rows=rows)
-
-
-def end_lines(summary: dict[str, Any], run_dir: Any, failed_phases: list[str] = ()) -> list[str]:
-    """The end of a run for a person reading the log (the rest is in summary.json).
-
-    >>> end_lines({"steps": 3, "wall_s": 61.0, "execution_outcomes": {"completed": 6}, "calls": 9,
-    ...            "aborted_calls": 0}, "runs/x")[0]
-    'run ended after 3 steps in 61s'
-    """
-    s = summary
-    why = (f", interrupted by {s['interrupted']}" if s.get("interrupted")
-           else ", stopped by an error (stated next)" if s.get("error") else "")
-    n = s.get("steps", "?")
-    lines = [f"run ended after {n} step{'' if n == 1 else 's'} in {s.get('wall_s', 0):.0f}s{why}"]
-    t = s.get("reward_trend")
-    if t:
-        lines.append(f"reward {t['first_mean']:.3f} → {t['last_mean']:.3f} (first vs last {t['n_first']} / "
-                     f"{t['n_last']} {t['unit']}s): {t['diff']:+.3f}, 95% interval [{t['ci95_low']:+.3f}, "
-                     f"{t['ci95_high']:+.3f}]" + (" — no clear change" if t["ci95_low"] <= 0 <= t["ci95_high"] else ""))
-    else:
-        lines.append("reward trend: not computed (fewer than 2 steps)")
-    outcomes = s.get("execution_outcomes") or {}
-    parts = ", ".join(f"{v} {k}" for k, v in sorted(outcomes.items()))
-    lines.append(f"executions: {sum(outcomes.values())}" + (f" ({parts})" if parts else "")
-                 + (f"; {s['cancelled_at_end']} still running at the end were cancelled" if s.get("cancelled_at_end") else ""))
-    lines.append(f"model calls: {s.get('calls', 0)}, {s.get('aborted_calls', 0)} aborted"
-                 + (f"; ranks that did not report stopping: {s['ranks_not_stopped']}" if s.get("ranks_not_stopped") else ""))
-    if failed_phases:
-        lines.append(f"not written at the end: {', '.join(failed_phases)} (errors above)")
-    lines.append(f"report: python -m gyre.report {run_dir}  (numbers: {run_dir}/summary.json)")
-    return lines

@@ -40,7 +40,7 @@ from gyre.runtime.outputs import reroute_fields, reward_trend
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ProgressLine", "RunEnd", "build_summary", "step_line", "step_row"]
+__all__ = ["Progress", "RunEnd", "build_summary", "clock", "end_lines", "step_row", "trend_line"]
 
 
 def step_row(ledger: RunLedger, step: int, now: float, *, step_time_s: float, scheduler: Any,
@@ -67,13 +67,6 @@ def step_row(ledger: RunLedger, step: int, now: float, *, step_time_s: float, sc
         **ledger.step_fields(step, now),
         **{k: float(v) for k, v in stats.items() if k != "version"},
     }
-
-
-def step_line(row: dict[str, Any]) -> str:
-    """A step's row as one line of the log."""
-    reward = row["reward_mean"] if row["reward_mean"] is not None else float("nan")
-    return (f"step {row['step']} done: reward {reward:.3f}  loss {row['loss']:.4g}  clip {row['clip_frac']:.2f}  "
-            f"d {row['staleness_mean'] or 0.0:.2f}  cells {row['cells_in_step']}  ({row['step_time_s']:.1f}s)")
 
 
 @dataclass
@@ -148,21 +141,113 @@ def build_summary(ledger: RunLedger, how: RunEnd, *, cfg: GyreConfig, fractions:
     return summary
 
 
-class ProgressLine:
-    """The controller's progress line for the log: when the picture changed, or every `every_s`
-    seconds while nothing moves (None otherwise). `sched`: the scheduler (its counters now)."""
+def clock(seconds: float) -> str:
+    """A duration for a person: `42s`, `17m05s`, `2h03m`.
 
-    def __init__(self, every_s: float = 15.0) -> None:
-        self.every_s = every_s
-        self._last: tuple | None = None
-        self._last_t = 0.0
+    >>> clock(42.4), clock(1025), clock(7380)
+    ('42s', '17m05s', '2h03m')
+    """
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
-    def __call__(self, sched: Any, steps_done: int, steps: int, now: float) -> str | None:
-        s = sched
-        state = (steps_done, s.ready_unassigned, s.water_level, s.cells_in_training, s.started, s.finished)
-        if state == self._last and now - self._last_t < self.every_s:
+
+class Progress:
+    """The run's progress for a person reading the log.
+
+    `step(row, sched)`, once a step: step k of N, executions done and running, the step's reward and
+    the mean over every step so far, the step's loss / clip fraction / staleness, the time a step
+    takes (the mean of the last `window` steps of this attempt) and the ETA of the remaining steps
+    at that pace. `idle(sched, steps_done, now)`, between steps while nothing finishes: the
+    scheduler's picture, once `idle_every_s` after the last line and then at a doubling gap
+    (a long rollout is a handful of lines, not one every tick). `sched`: the scheduler's counters
+    (`.started`, `.finished` executions; `.ready_unassigned`, `.water_level`, `.cells_in_training`).
+    """
+
+    def __init__(self, steps: int, idle_every_s: float = 60.0, window: int = 8) -> None:
+        self.steps, self.idle_every_s, self.window = steps, idle_every_s, window
+        self.times: list[float] = []
+        self.reward_sum, self.reward_n = 0.0, 0
+        self._quiet_since: float | None = None
+        self._gap = idle_every_s
+
+    def eta_s(self, steps_done: int) -> float | None:
+        """Seconds to the last step at the pace of the last `window` steps (None before one)."""
+        if not self.times:
             return None
-        self._last, self._last_t = state, now
-        return (f"step {steps_done}/{steps} | groups ready {s.ready_unassigned} | water level {s.water_level} "
-                f"(C_R {s.rollout_capacity}) | cells training {s.cells_in_training} | "
-                f"d/p/f {s.dispatched}/{s.started}/{s.finished}")
+        recent = self.times[-self.window:]
+        return max(0, self.steps - steps_done) * sum(recent) / len(recent)
+
+    def step(self, row: dict[str, Any], sched: Any, now: float) -> str:
+        rewards = [float(r) for r in row.get("rewards") or [] if r is not None]
+        self.reward_sum, self.reward_n = self.reward_sum + sum(rewards), self.reward_n + len(rewards)
+        self.times.append(float(row["step_time_s"]))
+        self._quiet_since, self._gap = now, self.idle_every_s
+        done = row["step"] + 1
+        reward = row["reward_mean"] if row["reward_mean"] is not None else float("nan")
+        so_far = self.reward_sum / self.reward_n if self.reward_n else float("nan")
+        eta = self.eta_s(done)
+        pace = sum(self.times[-self.window:]) / len(self.times[-self.window:])
+        return (f"step {done}/{self.steps} | executions {sched.finished} done, {sched.started - sched.finished} "
+                f"running | reward {reward:.3f} (mean so far {so_far:.3f}) | loss {row['loss']:.4g} clip "
+                f"{row['clip_frac']:.2f} d {row['staleness_mean'] or 0.0:.2f} | {pace:.1f}s/step, "
+                f"ETA {clock(eta) if eta else 'done'}")
+
+    def idle(self, sched: Any, steps_done: int, now: float) -> str | None:
+        if self._quiet_since is None:
+            self._quiet_since = now
+        if now - self._quiet_since < self._gap:
+            return None
+        waited, self._quiet_since = now - self._quiet_since, now
+        self._gap = min(2 * self._gap, 16 * self.idle_every_s)
+        eta = self.eta_s(steps_done)
+        return (f"step {steps_done + 1}/{self.steps} in progress: executions {sched.finished} done, "
+                f"{sched.started - sched.finished} running, {sched.ready_unassigned} groups ready to train, "
+                f"water level {sched.water_level}, cells training {sched.cells_in_training}; no step for "
+                f"{clock(waited)}" + (f"; ETA {clock(eta)} at the pace so far" if eta else ""))
+
+
+def trend_line(t: dict[str, Any], steps: int | str) -> str:
+    """The reward trend of summary.json as one line: the fitted rise over the run with its 95 %
+    interval first (README quotes it), then the first and last windows with what they counted:
+    executions, and the groups they form when rewards were grouped."""
+    def counted(n: int, groups: int | None) -> str:
+        return f"{n} executions" + (f" in {groups} groups" if groups is not None else "")
+
+    rise = (f"reward: fitted rise {t['fitted_rise']:+.3f} over {steps} steps, 95% interval "
+            f"[{t['fitted_rise_ci95_low']:+.3f}, {t['fitted_rise_ci95_high']:+.3f}]"
+            + (" (no clear change)" if t["fitted_rise_ci95_low"] <= 0 <= t["fitted_rise_ci95_high"] else ""))
+    k = t.get("k_steps")
+    window = f"first {k} / last {k} steps" if k else "first vs last steps"
+    return (f"{rise}; {window}: {t['first_mean']:.3f} → {t['last_mean']:.3f} ({t['diff']:+.3f}, 95% interval "
+            f"[{t['ci95_low']:+.3f}, {t['ci95_high']:+.3f}]; {counted(t['n_first'], t.get('groups_first'))} vs "
+            f"{counted(t['n_last'], t.get('groups_last'))})")
+
+
+def end_lines(summary: dict[str, Any], run_dir: Any, failed_phases: Sequence[str] = ()) -> list[str]:
+    """The end of a run for a person reading the log (the rest is in summary.json).
+
+    >>> end_lines({"steps": 3, "wall_s": 61.0, "execution_outcomes": {"completed": 6}, "calls": 9,
+    ...            "aborted_calls": 0}, "runs/x")[0]
+    'run ended after 3 steps in 1m01s'
+    """
+    s = summary
+    why = (f", interrupted by {s['interrupted']}" if s.get("interrupted")
+           else ", stopped by an error (stated next)" if s.get("error") else "")
+    n = s.get("steps", "?")
+    lines = [f"run ended after {n} step{'' if n == 1 else 's'} in {clock(s.get('wall_s', 0))}{why}"]
+    t = s.get("reward_trend")
+    lines.append(trend_line(t, n) if t else "reward trend: not computed (fewer than 2 steps)")
+    outcomes = s.get("execution_outcomes") or {}
+    parts = ", ".join(f"{v} {k}" for k, v in sorted(outcomes.items()))
+    lines.append(f"executions: {sum(outcomes.values())}" + (f" ({parts})" if parts else "")
+                 + (f"; {s['cancelled_at_end']} still running at the end were cancelled" if s.get("cancelled_at_end") else ""))
+    lines.append(f"model calls: {s.get('calls', 0)}, {s.get('aborted_calls', 0)} aborted"
+                 + (f"; ranks that did not report stopping: {s['ranks_not_stopped']}" if s.get("ranks_not_stopped") else ""))
+    if failed_phases:
+        lines.append(f"not written at the end: {', '.join(failed_phases)} (errors above)")
+    lines.append(f"report: python -m gyre.report {run_dir}  (numbers: {run_dir}/summary.json)")
+    return lines

@@ -111,3 +111,31 @@ def test_the_smoke_preset_prepares_its_data_before_any_rank_reads_the_prepared_m
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["error"] is None
     assert summary["execution_outcomes"].get("completed", 0) > 0, summary["execution_outcomes"]
+
+
+@pytest.mark.multirank
+@pytest.mark.jobs
+def test_the_log_says_how_far_the_run_is_and_its_end_lines_match_summary_json(finished_run):
+    """A step's one progress line (step k of N, executions, reward so far, ETA), and end lines whose
+    counts are summary.json's and metrics.jsonl's, computed here from those files."""
+    import re
+
+    log, run = finished_run.log, finished_run.dir
+    summary = json.loads((run / "summary.json").read_text())
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    pat = re.compile(r"step (\d+)/(\d+) \| executions (\d+) done, (\d+) running \| reward (\S+) \(mean so far (\S+)\)"
+                     r".* \| [\d.]+s/step, ETA (\S+)")
+    found = [m for m in map(pat.search, log.splitlines()) if m]
+    assert [int(m[1]) for m in found] == list(range(1, finished_run.steps + 1)), log[-4000:]
+    assert all(int(m[2]) == finished_run.steps for m in found)
+    assert found[-1][7] == "done" and re.fullmatch(r"\d+s|\d+m\d\ds", found[0][7]), [m[0] for m in found]
+    every = [r for row in rows for r in row["rewards"] if r is not None]
+    assert float(found[-1][6]) == pytest.approx(sum(every) / len(every), abs=5e-4)
+    outcomes = summary["execution_outcomes"]
+    assert f"executions: {sum(outcomes.values())} (" in log
+    t = summary["reward_trend"]
+    k = t["k_steps"]
+    first_groups = sum(len([g for g in row["group_rewards"] if g]) for row in rows[:k])
+    first_execs = sum(len(g) for row in rows[:k] for g in row["group_rewards"] if g)
+    assert f"fitted rise {t['fitted_rise']:+.3f} over {summary['steps']} steps" in log
+    assert f"{first_execs} executions in {first_groups} groups vs" in log

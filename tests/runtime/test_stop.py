@@ -12,7 +12,7 @@ import pytest
 
 from gyre.errors import RunFailed
 from gyre import checkpoint
-from gyre.runtime.stop import budget_note, end_lines, quiet_cancelled
+from gyre.runtime.stop import budget_note, quiet_cancelled
 from gyre.runtime.writes import FirstError, Guarded, WatchedSink, WriteFailed, watch_execution
 
 
@@ -101,18 +101,6 @@ def test_the_budget_warning_names_the_flag_and_slurms_killwait():
     assert budget_note(None, 25.0) is None and budget_note(10.0, 25.0) is None
     note = budget_note(40.0, 25.0)
     assert "took 40s" in note and "--train.shutdown-timeout-s to at least 48" in note and "KillWait" in note
-
-
-def test_the_end_of_a_run_is_a_few_lines_for_a_person():
-    summary = {"steps": 8, "wall_s": 120.4, "execution_outcomes": {"completed": 30, "cancelled": 2},
-               "cancelled_at_end": 2, "calls": 64, "aborted_calls": 1, "error": None, "ranks_not_stopped": [],
-               "reward_trend": {"first_mean": 0.2, "last_mean": 0.5, "diff": 0.3, "ci95_low": 0.1, "ci95_high": 0.5,
-                                "unit": "group", "n_first": 4, "n_last": 4}}
-    lines = end_lines(summary, "runs/x")
-    assert lines[0] == "run ended after 8 steps in 120s"
-    assert lines[1].startswith("reward 0.200 → 0.500") and "95% interval [+0.100, +0.500]" in lines[1]
-    assert lines[2] == "executions: 32 (2 cancelled, 30 completed); 2 still running at the end were cancelled"
-    assert lines[3] == "model calls: 64, 1 aborted" and lines[-1].startswith("report: python -m gyre.report runs/x")
 
 
 def test_a_cancelled_task_in_a_callback_logs_no_traceback(caplog):

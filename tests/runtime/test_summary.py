@@ -15,7 +15,7 @@ from gyre.proxy.router import RerouteRecord
 from gyre.runtime.ledger import RunLedger
 from gyre.runtime.rundir import RunDir
 from gyre.runtime.samples import GroupWork
-from gyre.runtime.summary import ProgressLine, RunEnd, build_summary, step_line, step_row
+from gyre.runtime.summary import Progress, RunEnd, build_summary, clock, end_lines, step_row
 
 
 def _spec(gid: str, n: int) -> Group:
@@ -69,7 +69,6 @@ def test_the_step_row_from_the_ledger_and_its_named_sources_by_hand():
     assert row["actor_restore_s"] == 0.25
     assert row["cell_time_s"] == {"0": {"rollout": 10.0}, "1": {"rollout": 4.0, "draining": 6.0}}
     assert row["grad_norm"] == 0.5 and row["version"] == 1  # step + 1; the actor's own "version" is not copied
-    assert step_line(row) == "step 0 done: reward 0.500  loss 0.4  clip 0.00  d 0.00  cells 1  (10.0s)"
 
 
 def test_summary_json_from_the_ledger_and_its_named_sources_by_hand():
@@ -104,13 +103,57 @@ def test_summary_json_from_the_ledger_and_its_named_sources_by_hand():
     assert "reward_trend" not in one_row and one_row["measured_staleness_mean"] is None and one_row["calls"] == 0
 
 
-def test_the_progress_line_comes_when_the_picture_changes_or_every_15_s():
-    sched = SimpleNamespace(ready_unassigned=1, water_level=3, rollout_capacity=8, cells_in_training=0, dispatched=4,
-                            started=4, finished=1)
-    line = ProgressLine()
-    assert line(sched, 0, 5, now=0.0) == ("step 0/5 | groups ready 1 | water level 3 (C_R 8) | cells training 0 | "
-                                          "d/p/f 4/4/1")
-    assert line(sched, 0, 5, now=10.0) is None
-    assert line(sched, 0, 5, now=15.0) is not None  # nothing moved for 15 s: said again
-    sched.finished = 2
-    assert line(sched, 0, 5, now=16.0).endswith("d/p/f 4/4/2")
+def _row(step, rewards, step_time_s):
+    return {"step": step, "rewards": rewards, "reward_mean": sum(rewards) / len(rewards), "loss": 0.25,
+            "clip_frac": 0.0, "staleness_mean": 0.5, "step_time_s": step_time_s}
+
+
+def test_the_progress_line_has_step_executions_reward_so_far_and_an_eta_from_measured_steps():
+    sched = SimpleNamespace(ready_unassigned=1, water_level=3, cells_in_training=0, started=10, finished=8)
+    p = Progress(steps=5, window=2)
+    first = p.step(_row(0, [1.0, 0.0], 10.0), sched, now=10.0)
+    # 4 steps left at 10 s a step
+    assert first == ("step 1/5 | executions 8 done, 2 running | reward 0.500 (mean so far 0.500) | loss 0.25 clip "
+                     "0.00 d 0.50 | 10.0s/step, ETA 40s")
+    second = p.step(_row(1, [1.0, 1.0], 20.0), sched, now=30.0)
+    assert "reward 1.000 (mean so far 0.750)" in second and "15.0s/step, ETA 45s" in second  # 3 left × (10+20)/2
+    third = p.step(_row(2, [0.0, 0.0], 40.0), sched, now=70.0)
+    assert "30.0s/step, ETA 1m00s" in third  # window 2: (20+40)/2 = 30, 2 left
+    p.step(_row(3, [1.0], 1.0), sched, now=71.0)
+    assert p.step(_row(4, [1.0], 1.0), sched, now=72.0).endswith("ETA done")
+
+
+def test_between_steps_the_wait_is_said_once_then_at_a_doubling_gap():
+    sched = SimpleNamespace(ready_unassigned=2, water_level=3, cells_in_training=1, started=6, finished=4)
+    p = Progress(steps=4, idle_every_s=60.0)
+    said = [t for t in range(0, 1000) if p.idle(sched, 0, now=float(t))]
+    assert said == [60, 180, 420, 900]  # gaps 60, 120, 240, 480
+    line = Progress(steps=4, idle_every_s=60.0)
+    line.step(_row(0, [1.0], 30.0), sched, now=0.0)
+    msg = line.idle(sched, 1, now=61.0)
+    assert msg.startswith("step 2/4 in progress: executions 4 done, 2 running, 2 groups ready to train")
+    assert "no step for 1m01s" in msg and "ETA 1m30s" in msg  # 3 steps left × 30 s
+
+
+def test_clock_reads_as_a_person_writes_durations():
+    assert [clock(x) for x in (0, 59.4, 60, 3599, 3600, 7380)] == ["0s", "59s", "1m00s", "59m59s", "1h00m", "2h03m"]
+
+
+def test_the_end_lines_count_executions_and_groups_and_lead_with_the_fitted_rise():
+    from gyre.runtime.outputs import reward_trend
+
+    # 8 steps of 2 groups of 4: the first quarter (2 steps) is 16 executions in 4 groups
+    rows = [{"step": i, "rewards": [float(i >= 4)] * 8, "group_rewards": [[float(i >= 4)] * 4] * 2} for i in range(8)]
+    trend = reward_trend(rows, 2, resamples=200)
+    summary = {"steps": 8, "wall_s": 120.4, "execution_outcomes": {"completed": 30, "cancelled": 2},
+               "cancelled_at_end": 2, "calls": 64, "aborted_calls": 1, "error": None, "ranks_not_stopped": [],
+               "reward_trend": trend}
+    lines = end_lines(summary, "runs/x")
+    assert lines[0] == "run ended after 8 steps in 2m00s"
+    assert lines[1].startswith(f"reward: fitted rise {trend['fitted_rise']:+.3f} over 8 steps, 95% interval [")
+    assert "first 2 / last 2 steps: 0.000 → 1.000 (+1.000" in lines[1]
+    assert "16 executions in 4 groups vs 16 executions in 4 groups" in lines[1]
+    assert lines[2] == "executions: 32 (2 cancelled, 30 completed); 2 still running at the end were cancelled"
+    assert lines[3] == "model calls: 64, 1 aborted" and lines[-1].startswith("report: python -m gyre.report runs/x")
+    flat = {**trend, "fitted_rise_ci95_low": -0.1, "fitted_rise_ci95_high": 0.1}
+    assert "(no clear change)" in end_lines({**summary, "reward_trend": flat}, "runs/x")[1]
