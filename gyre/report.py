@@ -242,6 +242,11 @@ def render_html(run: RunFiles, figures: list[tuple[Path, str]]) -> str:
              f"<style>{STYLE}</style></head><body>",
              f"<h1>Gyre run <code>{html.escape(str(run.path))}</code></h1>",
              f"<p><b>status</b>: {html.escape(status)}</p>"]
+    trend = (run.summary or {}).get("reward_trend")
+    if trend and "fitted_rise" in trend:  # what a reader comes for first: did the reward rise?
+        from gyre.runtime.summary import trend_line
+
+        parts.append(f"<p><b>{html.escape(trend_line(trend, run.summary.get('steps', '?')))}</b></p>")
     for a in launches(run.manifest):
         ended = a.get("ended") or {}
         end = f", ended {ended.get('at')} after {ended.get('steps')} steps" if ended else ", no end recorded"
@@ -250,7 +255,8 @@ def render_html(run: RunFiles, figures: list[tuple[Path, str]]) -> str:
                      f"<code>{html.escape(' '.join(map(str, a.get('argv', []))))}</code></p>")
     parts.append("<h2>Figures</h2>" + "".join(_img(p, alt) for p, alt in figures))
     if run.summary is not None:
-        parts.append("<h2>Summary (summary.json)</h2>" + _table(_flat(run.summary)))
+        lead = {k: run.summary[k] for k in ("reward_trend", "steps", "execution_outcomes") if k in run.summary}
+        parts.append("<h2>Summary (summary.json)</h2>" + _table(_flat({**lead, **run.summary})))
     head = "".join(f"<th>{c}</th>" for c in COLUMNS)
     body = "".join("<tr>" + "".join(f"<td>{_cell(r.get(c))}</td>" for c in COLUMNS) + "</tr>" for r in run.rows)
     parts.append(f"<h2>Steps (metrics.jsonl: {len(run.rows)})</h2><table><tr>{head}</tr>{body}</table>")

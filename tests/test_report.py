@@ -65,6 +65,12 @@ def test_a_finished_run_renders_its_figures_summary_steps_and_config(tmp_path):
         assert f"<tr><td>{s}</td><td>{s + 1}</td>" in text
     assert "<th>actor.lr</th><td>0.00123</td>" in text and "<th>train.steps</th><td>3</td>" in text
     assert "<th>reward_trend.fitted_rise</th>" in text and "<th>train_fraction.0</th><td>0.33</td>" in text
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    rise = summary["reward_trend"]["fitted_rise"]
+    # the reward trend leads: the line before the figures, and the summary table's first rows
+    assert text.index(f"reward: fitted rise {rise:+.3f}") < text.index("<h2>Figures</h2>")
+    table = text[text.index("<h2>Summary (summary.json)</h2>"):]
+    assert table.index("<th>reward_trend.") < table.index("<th>wall_s</th>")
     assert text.count('src="data:image/png;base64,') == 2  # both figures embedded
     assert "<script" not in text and "http://" not in text and "https://" not in text and "<link" not in text
 
