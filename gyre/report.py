@@ -229,6 +229,20 @@ def launches(manifest: dict[str, Any] | None) -> list[dict[str, Any]]:
     return [{**a, "what": "run" if a.get("attempt", 0) == 0 else f"attempt {a['attempt']}"} for a in attempts]
 
 
+def evaluations(run_dir: Path) -> list[dict[str, Any]]:
+    """`python -m gyre.eval`'s results in RUN/eval/ (the base model first, then by step)."""
+    found = []
+    for path in sorted((Path(run_dir) / "eval").glob("*.json")):
+        try:
+            e = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if {"checkpoint", "passed", "executions", "pass_rate"} <= set(e):
+            found.append(e)
+    return sorted(found, key=lambda e: (str(e.get("split")), Path(e["checkpoint"]).name.startswith("step_"),
+                                        Path(e["checkpoint"]).name))
+
+
 def render_html(run: RunFiles, figures: list[tuple[Path, str]]) -> str:
     """The page: status, summary, steps, figures, config."""
     cfg = (run.manifest or {}).get("config", {})
@@ -254,6 +268,13 @@ def render_html(run: RunFiles, figures: list[tuple[Path, str]]) -> str:
                      f"{a.get('world_size')} ranks{html.escape(end)}: "
                      f"<code>{html.escape(' '.join(map(str, a.get('argv', []))))}</code></p>")
     parts.append("<h2>Figures</h2>" + "".join(_img(p, alt) for p, alt in figures))
+    evals = evaluations(run.path)
+    if evals:  # before / after: python -m gyre.eval's results beside the run
+        rows = "".join(f"<tr><td>{html.escape(str(e.get('split')))}</td><td>{html.escape(Path(e['checkpoint']).name)}</td>"
+                       f"<td>{e['passed']}/{e['executions']}</td><td>{e['pass_rate']:.3f}</td>"
+                       f"<td>[{e['pass_ci95_low']:.3f}, {e['pass_ci95_high']:.3f}]</td></tr>" for e in evals)
+        parts.append("<h2>Evaluations (python -m gyre.eval)</h2><table><tr><th>split</th><th>checkpoint</th>"
+                     f"<th>passed</th><th>pass rate</th><th>95% interval</th></tr>{rows}</table>")
     if run.summary is not None:
         lead = {k: run.summary[k] for k in ("reward_trend", "steps", "execution_outcomes") if k in run.summary}
         parts.append("<h2>Summary (summary.json)</h2>" + _table(_flat({**lead, **run.summary})))

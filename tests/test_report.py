@@ -148,3 +148,17 @@ def test_the_page_names_each_launch_of_a_resumable_run(tmp_path):
     assert "None" not in text.split("<h2>")[0], text.split("<h2>")[0]
     assert "<b>run</b> started 20" in text and "on 4 ranks, ended 20" in text and "after 2 steps" in text
     assert "<b>attempt 1</b> started 20" in text and "on 2 ranks, no end recorded" in text
+
+
+def test_evaluations_beside_the_run_are_shown_base_first(tmp_path):
+    _write_run(tmp_path / "run", finished=True)
+    (tmp_path / "run" / "eval").mkdir()
+    for name, k in (("heldout-step_000003.json", 20), ("heldout-base.json", 6)):
+        (tmp_path / "run" / "eval" / name).write_text(json.dumps(
+            {"checkpoint": f"/x/{name.split('-', 1)[1][:-5]}", "split": "heldout", "executions": 32, "passed": k,
+             "pass_rate": k / 32, "pass_ci95_low": 0.1, "pass_ci95_high": 0.9}))
+    (tmp_path / "run" / "eval" / "junk.json").write_text("{")
+    text = render(tmp_path / "run").read_text()
+    section = text[text.index("<h2>Evaluations"):]
+    assert section.index("<td>base</td>") < section.index("<td>step_000003</td>")
+    assert "<td>6/32</td><td>0.188</td>" in section and "<td>20/32</td><td>0.625</td>" in section
