@@ -52,7 +52,9 @@ def test_rounding_the_weights_alone_breaks_the_old_bound(step):
 def test_the_rounded_reference_passes_a_correct_bf16_path(step):
     mss, tol, seen, ref = step
     assert all(seen[k] > 0 for k in seen)  # bf16 arithmetic does move them: the bound is not zero
-    assert tol["logprob"] < 1.0 and tol["grad"] < 0.5, tol  # and it is a bound (planted bugs: ≥ 1 and ≥ 1)
+    # and it is a bound (planted bugs: ≥ 1 and ≥ 1); the grad bound was 0.55 under transformers 5.25 (0.5 was
+    # calibrated on an earlier one), so 0.8 keeps the gap to the planted bugs without failing a correct path
+    assert tol["logprob"] < 1.0 and tol["grad"] < 0.8, tol
     g = gaps(_bf16_path(mss, attn="eager"), ref, mss)
     assert _over(g, tol) == [], (g, tol)
 
