@@ -237,32 +237,53 @@ def check_model_dtype(cfg: GyreConfig) -> None:
 
 
 def check_model_vocab(cfg: GyreConfig) -> None:
-    """An existing `--model.checkpoint` and the run's tokenizer (the checkpoint's own, else
-    `--proxy.tokenizer-path`, else the project's: gyre.backends.models.vocab.resolve_tokenizer_dir) fit:
-    the tokenizer has no more ids than the model has embedding rows (config.json vocab_size). A
-    checkpoint `--train.prepare` has still to write is checked by the job once it is there."""
+    """The run's tokenizer fits the model (`check_vocab_rows`) and has a chat format the proxy can
+    serve (`check_chat_format`). A checkpoint `--train.prepare` has still to write is checked by
+    the job once it is there (`check_prepared`)."""
+    vocab, _ = check_vocab_rows(cfg)
+    if vocab is not None:
+        check_chat_format(cfg, vocab.tokenizer)
+
+
+def check_vocab_rows(cfg: GyreConfig) -> tuple[Any, int | None]:
+    """(the run's tokenizer, a `gyre.backends.models.vocab.ModelVocab`; the checkpoint's embedding
+    rows, None without one): the checkpoint's own tokenizer, else `--proxy.tokenizer-path`, else
+    the project's (resolve_tokenizer_dir), with no more ids than the model has embedding rows
+    (config.json vocab_size). (None, None) for a checkpoint `--train.prepare` has still to write."""
     from gyre.backends.models import vocab as V
 
     mc = cfg.model.checkpoint
-    if mc and not Path(mc).is_dir() and not checkpoint_yet_to_prepare(cfg):
+    if mc and not Path(mc).is_dir():
+        if checkpoint_yet_to_prepare(cfg):
+            return None, None
         raise ConfigError(f"--model.checkpoint {mc}: no such directory")
     if cfg.proxy.tokenizer_path and not Path(cfg.proxy.tokenizer_path).is_dir():
         raise ConfigError(f"--proxy.tokenizer-path {cfg.proxy.tokenizer_path}: no such directory")
-    rows = V.model_rows(mc) if mc and Path(mc).is_dir() else None
-    if rows is None:
-        return
+    rows = V.model_rows(mc) if mc else None
     try:
         vocab = V.load_vocab(mc, cfg.proxy.tokenizer_path)
-        V.check_project_fallback(mc, rows, vocab)
-        V.check_vocab(rows, vocab.size, model=f"--model.checkpoint {mc}",
-                      tokenizer=f"the tokenizer at {vocab.path or 'gyre/assets/tokenizer'}")
+        if rows is not None:
+            V.check_project_fallback(mc, rows, vocab)
+            V.check_vocab(rows, vocab.size, model=f"--model.checkpoint {mc}",
+                          tokenizer=f"the tokenizer at {vocab.path or 'gyre/assets/tokenizer'}")
     except (V.VocabError, OSError) as e:
         raise ConfigError(str(e)) from None
-    from gyre.proxy.formats import UnknownChatFormat, format_for
+    return vocab, rows
 
-    try:  # a template no chat format knows: refused here, naming the known formats
-        format_for(vocab.tokenizer, override=cfg.proxy.chat_format)
-    except UnknownChatFormat as e:
+
+def check_chat_format(cfg: GyreConfig, tokenizer: Any, model_config: Any = None) -> Any:
+    """The run's chat format and tool support (`gyre.proxy.formats.choice.chat_setup`, as the proxy
+    builds them): a template no format knows, a format whose end-of-turn token the tokenizer lacks,
+    or `--proxy.tool-parser hermes` on a format with other tool calls is a ConfigError naming the
+    flag. Returns the `ChatSetup` (what the doctor reports)."""
+    from gyre.proxy.formats import UnknownChatFormat
+    from gyre.proxy.formats.choice import ChatSetupError, chat_setup
+
+    pc = cfg.proxy
+    try:
+        return chat_setup(tokenizer, model_config, chat_format=pc.chat_format, tool_format=pc.tool_format,
+                          tool_parser=pc.tool_parser)
+    except (UnknownChatFormat, ChatSetupError) as e:
         raise ConfigError(str(e)) from None
 
 

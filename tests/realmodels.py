@@ -11,7 +11,8 @@ family's documented format).
     tok = build_tokenizer("llama3.1")                                 # just the tokenizer
 
 Families: qwen2.5 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), qwen3-coder (Qwen3-style
-model, XML tool calls), qwen3-moe (Qwen3MoeForCausalLM), llama3.1 (LlamaForCausalLM).
+model, XML tool calls), qwen3-moe (Qwen3MoeForCausalLM), llama3.1 (LlamaForCausalLM), chatml
+(LlamaForCausalLM with SmolLM2-Instruct's kind of template: plain ChatML, a default system prompt).
 Everything is deterministic in `seed`; tokenizers are cached per (family, size, byte_fallback).
 """
 
@@ -68,6 +69,9 @@ FAMILIES: dict[str, Family] = {
                        dict(rope_theta=500_000.0, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})),
+    # SmolLM2-Instruct's kind: a Llama model with a plain ChatML template and a default system prompt
+    "chatml": Family("chatml", "LlamaForCausalLM", "llama", "chatml", _QWEN_SPECIAL, "<|im_start|>", "<|im_end|>",
+                     "<|im_end|>", dict(rope_theta=100_000.0, tie_word_embeddings=True, attention_bias=False, mlp_bias=False)),
 }
 
 # Sizes: small enough for a forward in about a millisecond, big enough that GQA, a head_dim

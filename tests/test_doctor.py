@@ -24,7 +24,8 @@ from tests.setup_py import setup_kwargs
 ROOT = Path(__file__).resolve().parents[1]
 # Every check the issue asks for, by the name the table gives it (issue 30, "python -m gyre.doctor").
 CHECKS = ["torch", "cuda", "nccl", "sglang", "megatron-core", "mooncake", "transformer-engine", "gpus", "master port",
-          "all-reduce", "prefix groups", "run dir", "proxy port", "rdma", "backends", "checkpoint", "dtype", "sandbox"]
+          "all-reduce", "prefix groups", "run dir", "proxy port", "rdma", "backends", "checkpoint", "dtype", "vocabulary",
+          "chat format", "tools", "sandbox"]
 STATUSES = {"ok", "warn", "fail", "skipped"}
 
 
@@ -296,6 +297,96 @@ def test_checkpoint_refusals(tmp_path):
     assert node.stored_dtype(half) == "float16"
     warn = node.checkpoint_lines(parse_config(["--model.checkpoint", half, "--model.dtype", "bfloat16"]))[1]
     assert warn.status == WARN and warn.fix
+
+
+# ----------------------------------------------------------------------------- the tokenizer and chat template
+GEMMA = "{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def chatml_checkpoint(tmp_path_factory):
+    """A tiny SmolLM2-kind checkpoint (Llama, plain ChatML template, a default system prompt)."""
+    from tests.realmodels import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("ck") / "chatml", "chatml")
+
+
+def _variant(base: Path, path: Path, template: str | None = None, rows: int | None = None) -> str:
+    """`base` with another chat template or embedding rows (config.json vocab_size)."""
+    shutil.copytree(base, path)
+    if template is not None:
+        tc = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({**tc, "chat_template": template}))
+    if rows is not None:
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, "vocab_size": rows}))
+    return str(path)
+
+
+# (checkpoint variant, flags) -> the line that fails, or None; gyre.run refuses exactly the failing ones
+CHAT_CASES = {
+    "chatml": (dict(), [], None),
+    "chatml hermes tools": (dict(), ["--proxy.tool-format", "hermes"], None),
+    "chatml no tools": (dict(), ["--proxy.tool-format", "none"], None),
+    "unknown template": (dict(template=GEMMA), [], "chat format"),
+    "unknown template named": (dict(template=GEMMA), ["--proxy.chat-format", "chatml"], None),
+    "format the tokenizer cannot speak": (dict(), ["--proxy.chat-format", "llama3.1"], "chat format"),
+    "hermes parser, no tool calls": (dict(), ["--proxy.tool-parser", "hermes"], "chat format"),
+    "fewer embedding rows than ids": (dict(rows=1000), [], "vocabulary"),
+}
+
+
+@pytest.mark.parametrize("case", list(CHAT_CASES))
+def test_the_doctor_fails_what_gyre_run_refuses(tmp_path, chatml_checkpoint, case):
+    """The vocabulary / chat format / tools lines against gyre.run's own preflight
+    (`check_train_config`, every rank, before the run directory): a line fails exactly when the
+    run is refused, and says the refusal's message."""
+    from gyre.config_checks import check_train_config
+    from gyre.doctor.chat import chat_lines
+    from gyre.errors import ConfigError
+    from tests.jobs import write_tasks
+
+    variant, flags, failing = CHAT_CASES[case]
+    ckpt = _variant(chatml_checkpoint, tmp_path / "ck", **variant) if variant else str(chatml_checkpoint)
+    argv = ["--job", "train", "--model.checkpoint", ckpt, "--executions.dataset.path", str(write_tasks(tmp_path / "t.jsonl")),
+            "--executions.runner.sandbox", "none", "--run-dir", str(tmp_path / "run"), *flags]
+    refusal = None
+    try:
+        check_train_config(parse_config(argv), 1)
+    except ConfigError as e:
+        refusal = str(e)
+    lines = {ln.name: ln for ln in chat_lines(parse_config(argv))}
+    assert list(lines) == ["vocabulary", "chat format", "tools"]
+    failed = [n for n, ln in lines.items() if ln.status == FAIL]
+    assert (refusal is None) == (failing is None), refusal
+    assert failed == ([failing] if failing else [])
+    if failing:
+        assert lines[failing].detail == refusal and lines[failing].fix
+    else:
+        assert lines["chat format"].detail.startswith("chatml")
+        tools = lines["tools"]
+        assert (tools.status, "400" in tools.detail) == {"chatml": (WARN, True), "chatml hermes tools": (OK, False),
+                                                         "chatml no tools": (OK, True)}.get(case, (WARN, True))
+
+
+def test_the_doctor_command_on_a_plain_chatml_checkpoint(tmp_path, chatml_checkpoint):
+    """End to end: a template no format knows fails the preflight (exit 1, the fix names the flag);
+    the plain ChatML one passes, warning that tools will get a 400 until --proxy.tool-format hermes."""
+    unknown = _variant(chatml_checkpoint, tmp_path / "gemma", template=GEMMA)
+    r = doctor(tmp_path, "--model.checkpoint", unknown)
+    assert r.returncode == 1, r.stdout
+    rows = table(r.stdout)
+    assert rows["chat format"][0] == FAIL and "no known chat format" in rows["chat format"][1]
+    assert [n for n, (s, _) in rows.items() if s == FAIL] == ["chat format"]
+    lines = r.stdout.splitlines()
+    fix = lines[next(i for i, ln in enumerate(lines) if ln.startswith(FAIL)) + 1]
+    assert "--proxy.chat-format" in fix
+    r = doctor(tmp_path, "--model.checkpoint", str(chatml_checkpoint))
+    assert r.returncode == 0, r.stdout
+    rows = table(r.stdout)
+    assert rows["chat format"][0] == OK and rows["chat format"][1].startswith("chatml (the template's)")
+    assert rows["tools"][0] == WARN and "--proxy.tool-format hermes" in rows["tools"][1]
+    assert rows["vocabulary"] == (OK, f"1536 token ids ({chatml_checkpoint}) <= 1536 embedding rows")
 
 
 def test_backends_line():

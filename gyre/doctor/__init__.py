@@ -31,6 +31,10 @@ and under every line that is not ok the fix. It exits 1 when a line failed, else
                           run here (gyre.backends.factory.check_backends)
     checkpoint, dtype     --model.checkpoint's architecture in Gyre's registry (and the Megatron
                           layout, SGLang's name for it); its dtype against --model.dtype
+    vocabulary            the run's tokenizer against the checkpoint's embedding rows
+    chat format           the chat format the proxy renders with (the template's, or --proxy.chat-format)
+    tools                 what a request's tools become (--proxy.tool-format): the template's own
+                          rendering, Hermes declarations, or a 400 (a warning when it is one by default)
     sandbox               what --executions.runner.sandbox gives the harnesses on this node
 
 Without --preset it checks README command 1's preset (cpu-demo), not gyre.run's default (smoke).
@@ -63,7 +67,7 @@ def _guarded(name: str, fn, *args, **kwargs) -> list[Line]:
 def _local_lines(cfg, launch, *, cuda: bool, ranks_here: int) -> tuple[list[Line], list[Line]]:
     """The checks of this rank's node that involve no other rank: (those that go before the
     cross-rank lines, those after)."""
-    from gyre.doctor import node, versions
+    from gyre.doctor import chat, node, versions
 
     local = launch.rank == 0 if launch.launcher == "alone" else (launch.local_rank or 0) == 0  # once a node
     lines = _guarded("versions", lambda: versions.version_lines(cfg, versions.gyre_requirements(), cuda=cuda))
@@ -78,6 +82,7 @@ def _local_lines(cfg, launch, *, cuda: bool, ranks_here: int) -> tuple[list[Line
         *(_guarded("rdma", node.rdma_line, cfg, node.rdma_devices()) if local else []),  # once a node
         *_guarded("backends", node.backends_line, cfg),
         *_guarded("checkpoint", node.checkpoint_lines, cfg),
+        *_guarded("chat format", chat.chat_lines, cfg),
         *(_guarded("sandbox", node.sandbox_line, cfg) if local else []),
     ]
 

@@ -92,7 +92,16 @@ class ProxyConfig:
     chat_format: str = "auto"
     """The chat format (turns, tool calls, reasoning; gyre/proxy/formats): `auto` reads it from the
     tokenizer's chat template and refuses a template it does not know; or one of qwen2.5, qwen3,
-    qwen3-coder, qwen3.5, llama3.1 (docs/proxy_harnesses.md)."""
+    qwen3-coder, qwen3.5, llama3.1, chatml (plain ChatML turns, no tools: SmolLM2)
+    (docs/proxy_harnesses.md)."""
+    tool_format: Literal["auto", "hermes", "none"] = "auto"
+    """How a request's `tools` reach the model (gyre/proxy/formats/choice.py): `auto` through the chat
+    template when it renders tools, else a request with tools gets a 400 naming `tools` (never
+    dropped: the model would not know them); `hermes` the same for a template that renders tools,
+    and for one that cannot (plain ChatML, SmolLM2) the tool list is declared in the system turn
+    the Hermes / Qwen2.5 way, calls and results rendered as `<tool_call>` / `<tool_response>` text
+    and the model's `<tool_call>` JSON parsed: how a model without native tool calls is taught to
+    call tools; `none` a 400 for every request with tools."""
     past_reasoning: Literal["keep", "strip"] = "keep"
     """For templates that drop the reasoning of turns before the last user query (Qwen3): `keep`
     splices the sampled thinking back (one prefix-shared trajectory: the context the model really

@@ -65,7 +65,8 @@ from gyre.backends.models.vocab import byte_table, stop_token_ids
 from gyre.proxy.admission import Admission
 from gyre.proxy.errors import ApiError  # noqa: F401  (re-exported: adapters import it from here)
 from gyre.proxy.config import ProxyConfig
-from gyre.proxy.formats import OutputParser, Reasoning, format_for
+from gyre.proxy.formats import OutputParser, Reasoning
+from gyre.proxy.formats.choice import chat_setup
 from gyre.proxy.keys import KeyInfo, KeyRegistry
 from gyre.proxy.limits import context_overflow_message
 from gyre.proxy.roles import RoleClassifier
@@ -421,13 +422,12 @@ class Proxy:
         self.config = config or ProxyConfig()
         c = self.config
         self.tokenizer = tokenizer or load_tokenizer(c.tokenizer_path)
-        # The chat format (gyre/proxy/formats): from the checkpoint's template, or --proxy.chat-format.
-        self.format = format_for(self.tokenizer, model_config, override=c.chat_format)  # model_config: config.json, a cross-check
-        if c.tool_parser == "hermes" and self.format.tool_syntax != "hermes":
-            raise ValueError(f"proxy.tool_parser=hermes, but the chat format {self.format.name} writes {self.format.tool_syntax} "
-                             "tool calls; use proxy.tool_parser=auto")
+        # The chat format and who renders tools (gyre/proxy/formats/choice.py): from the checkpoint's
+        # template, --proxy.chat-format and --proxy.tool-format; model_config: config.json, a cross-check.
+        self.chat = chat_setup(self.tokenizer, model_config, chat_format=c.chat_format, tool_format=c.tool_format, tool_parser=c.tool_parser)
+        self.format = self.chat.format
         self.renderer = ChatRenderer(self.tokenizer, cache_chars=c.encode_cache_chars, splice=c.splice, fmt=self.format,
-                                     past_reasoning=c.past_reasoning)
+                                     past_reasoning=c.past_reasoning, tools=self.chat.tools)
         # Every id's bytes, built once (131k ids: ~0.15 s, benchmarks/proxy_bench.py); ids past the
         # tokenizer's (padding rows) and holes read b"" and show nothing.
         self.token_table = byte_table(self.tokenizer)

@@ -15,7 +15,7 @@ generation prompt G (the assistant header `add_generation_prompt` appends) and t
 token E, and the template renders an assistant turn whose content is a bare placeholder as
 G + [T] + placeholder + E, T being whatever the template puts between the header and the content
 (Qwen3.5: a think block), which the splice drops: the stored turn starts with what the model saw
-there. ChatML (qwen2.5, qwen3, qwen3-coder, qwen3.5) `<|im_start|>assistant\\n` ... `<|im_end|>`,
+there. ChatML (qwen2.5, qwen3, qwen3-coder, qwen3.5, chatml) `<|im_start|>assistant\\n` ... `<|im_end|>`,
 Llama 3.1 `<|start_header_id|>assistant<|end_header_id|>\\n\\n` ... `<|eot_id|>` (its `| trim`
 leaves a placeholder alone; Qwen3 renders a turn without reasoning as G + content whatever its
 position). G ends in a special token or a newline the pre-tokenizer splits off, and E is a special
@@ -206,7 +206,9 @@ class _Ambiguous(Exception):
 
 class ChatRenderer:
     def __init__(self, tokenizer, cache_chars: int = 64 << 20, splice: str = "exact", fmt: ChatFormat | None = None,
-                 past_reasoning: str = "keep") -> None:
+                 past_reasoning: str = "keep", tools: Any = None) -> None:
+        """`tools`: a `gyre.proxy.formats.choice.ToolSupport` (who renders a request's tools, or
+        why they are refused); None hands them to the template as they are."""
         if splice not in ("exact", "tolerant"):
             raise ValueError(f"splice must be 'exact' or 'tolerant', got {splice!r}")
         if past_reasoning not in ("keep", "strip"):
@@ -215,6 +217,7 @@ class ChatRenderer:
         self.past_reasoning = past_reasoning
         self.tokenizer = tokenizer
         self.format = fmt or format_for(tokenizer)
+        self.tools = tools
         self.backend = tokenizer.backend_tokenizer
         self.turn_start = self.format.turn_start
         self.end_of_turn = self.format.end_of_turn
@@ -438,6 +441,8 @@ class ChatRenderer:
         `packed`: `Rendered.ids` as an `array('i')` (the proxy makes its `TokenIds` from it,
         without ever holding the prompt as a list of Python ints); else a list."""
         no_tolerate: set[int] = set()
+        if self.tools is not None:
+            self.tools.check(messages, tools)  # tools this run cannot render: a 400, never dropped
         tools = self.escape_obj(tools) if tools else tools
         while True:
             try:
@@ -515,6 +520,8 @@ class ChatRenderer:
             tmpl.append({"role": "assistant", "content": f"\x00splice-{self._nonce}-{len(splices)}\x00"})
             splices.append((cands, i if tolerant else -1))
             i += span
+        if self.tools is not None:  # Hermes tools for a template without its own (gyre/proxy/formats/hermes_prompt.py)
+            tmpl, tools = self.tools.rewrite(tmpl, tools)
         text = self._render_text(tmpl, tools, True, template_kwargs)
         if max_tokens is not None and len(text) > max_tokens * self.max_token_chars:
             raise PromptTooLong(len(text), -(-len(text) // self.max_token_chars))

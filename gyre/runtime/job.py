@@ -65,15 +65,12 @@ def train(cfg: GyreConfig, topo: Topology, groups: Groups, run: RunDir, interrup
 
 
 def _chat_format_stop_ids(cfg: GyreConfig, tokenizer: Any, model_cfg: Any) -> set[int]:
-    """The ids of the run's chat format's stop tokens (gyre.proxy.formats: the checkpoint's template,
-    or --proxy.chat-format); a template no format knows is a ConfigError on every rank."""
-    from gyre.errors import ConfigError
-    from gyre.proxy.formats import UnknownChatFormat, format_for
+    """The ids of the run's chat format's stop tokens (gyre.config_checks.check_chat_format: the
+    checkpoint's template, or --proxy.chat-format); a template no format knows is a ConfigError
+    on every rank."""
+    from gyre.config_checks import check_chat_format
 
-    try:
-        fmt = format_for(tokenizer, model_cfg, override=cfg.proxy.chat_format)
-    except UnknownChatFormat as e:
-        raise ConfigError(str(e)) from None
+    fmt = check_chat_format(cfg, tokenizer, model_cfg).format
     ids = (tokenizer.backend_tokenizer.token_to_id(t) for t in fmt.stop_tokens)
     return {i for i in ids if i is not None}
 

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gyre.proxy.formats import FORMATS, OutputParser, Reasoning, ReasoningParser, format_for, split_output
+from gyre.proxy.formats.hermes_prompt import hermes_tools
 from gyre.proxy.formats.qwen3_coder import XmlToolParser
 from gyre.proxy.textstream import ToolCall
 
@@ -22,7 +23,15 @@ TOOLS = [
         "env": {"type": "object"}, "paths": {"type": "array", "items": {"type": "string"}}}}}},
     {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}},
 ]
-SGLANG_PARSER = {"qwen2.5": "qwen25", "qwen3": "qwen25", "qwen3-coder": "qwen3_coder", "qwen3.5": "qwen3_coder", "llama3.1": "llama3"}
+SGLANG_PARSER = {"qwen2.5": "qwen25", "qwen3": "qwen25", "qwen3-coder": "qwen3_coder", "qwen3.5": "qwen3_coder", "llama3.1": "llama3",
+                 "chatml": "qwen25"}
+# Formats with no tool calls of their own are tested as --proxy.tool-format hermes serves them.
+TOOL_FORMAT = {"chatml": "hermes"}
+
+
+def fmt_of(family):
+    """The format a run of `family` parses with: chatml with Hermes tool calls (--proxy.tool-format hermes)."""
+    return hermes_tools(FORMATS[family]) if family in TOOL_FORMAT else FORMATS[family]
 
 # Text the model writes around calls: no markup characters, no leading/trailing whitespace.
 _plain = st.text(st.characters(blacklist_characters="<>{}\r", blacklist_categories=("Cs", "Cc")), min_size=1, max_size=30).map(str.strip).filter(bool)
@@ -52,7 +61,7 @@ _calls = st.lists(st.sampled_from(["bash", "read_file"]).flatmap(lambda n: _args
 
 def render_calls(family: str, content: str, calls: list[tuple[str, dict]]) -> str:
     """The assistant text for `content` + `calls` as the family's template writes it."""
-    if family in ("qwen2.5", "qwen3"):
+    if family in ("qwen2.5", "qwen3", "chatml"):  # chatml: as --proxy.tool-format hermes declares them
         blocks = ["<tool_call>\n" + json.dumps({"name": n, "arguments": a}, ensure_ascii=False) + "\n</tool_call>" for n, a in calls]
         return "\n".join(([content] if content else []) + blocks)
     if family in ("qwen3-coder", "qwen3.5"):  # tests/chat_templates/qwen3-coder.jinja (qwen3.5 renders the same): value | tojson for objects / arrays, | string else
@@ -75,7 +84,7 @@ def _split_points(draw, text):
 
 
 def _ours(family, text, chunks=None):
-    p = OutputParser(FORMATS[family], TOOLS)
+    p = OutputParser(fmt_of(family), TOOLS)
     items = []
     for c in chunks or [text]:
         items += p.push(c)

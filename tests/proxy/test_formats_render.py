@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from gyre.proxy.formats import FORMATS, split_output
 from gyre.proxy.render import ChatRenderer, StoredTurn, TurnStore, turn_fingerprint
 
-from .test_formats_parsers import family_tokenizer, TOOLS, _calls, _plain, _reasoning_text, render_calls
+from gyre.proxy.formats.choice import chat_setup
+
+from .test_formats_parsers import TOOL_FORMAT, family_tokenizer, fmt_of, TOOLS, _calls, _plain, _reasoning_text, render_calls
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,9 +34,11 @@ def sampled_ids(tok, text, rng):
 
 
 def run_conversation(family, data, past_reasoning="keep", turns_n=4):
-    fmt = FORMATS[family]
     tok = tokenizer(family)
-    r = ChatRenderer(tok, splice="exact", fmt=fmt, past_reasoning=past_reasoning)
+    setup = chat_setup(tok, tool_format=TOOL_FORMAT.get(family, "auto"))  # as the proxy builds it
+    fmt = setup.format
+    assert fmt.tool_syntax == fmt_of(family).tool_syntax
+    r = ChatRenderer(tok, splice="exact", fmt=fmt, past_reasoning=past_reasoning, tools=setup.tools)
     eot = tok.backend_tokenizer.token_to_id(fmt.end_of_turn)
     rng = random.Random(data.draw(st.integers(0, 2**32)))
     tools = TOOLS if data.draw(st.booleans()) else None

@@ -2,7 +2,7 @@
 not: a scripted model that thinks (formats with reasoning) and calls tools in its family's own
 syntax, driven by the family's own tokenizer and template (tests/realmodels.py). The client sees
 structured tool calls and reasoning as reasoning; the records splice exactly. Test ids name the
-family."""
+family; chatml (no tool calls of its own) runs as --proxy.tool-format hermes serves it."""
 
 import functools
 import json
@@ -17,7 +17,7 @@ from gyre.proxy import Proxy, ProxyConfig, serve_proxy
 from gyre.proxy.formats import FORMATS
 
 from .conftest import TOOL_ARGS, TOOLS_ANTHROPIC, TOOLS_OPENAI
-from .test_formats_parsers import family_tokenizer, render_calls
+from .test_formats_parsers import TOOL_FORMAT, family_tokenizer, fmt_of, render_calls
 
 FAMILIES = list(FORMATS)
 SYSTEM = "You are an agent."
@@ -39,7 +39,7 @@ def thought(k):
 
 def script_for(family):
     tok = tokenizer(family)
-    fmt = FORMATS[family]
+    fmt = fmt_of(family)
 
     def script(input_ids):
         prompt = tok.decode(input_ids)
@@ -67,7 +67,7 @@ def served():
     def make(family, **cfg):
         tok = tokenizer(family)
         eot = tok.backend_tokenizer.token_to_id(FORMATS[family].end_of_turn)
-        proxy = Proxy(ProxyConfig(**cfg), tokenizer=tok)
+        proxy = Proxy(ProxyConfig(**{"tool_format": TOOL_FORMAT.get(family, "auto"), **cfg}), tokenizer=tok)
         assert proxy.format.name == family  # chosen from the checkpoint's own template
         proxy.router.add_engine(DeterministicEngine("e", script=script_for(family), byte_ids=byte_token_ids(tok), eos_token_id=eot), kind="cell", index=0)
         h = serve_proxy(proxy)
@@ -215,7 +215,7 @@ def test_qwen3_enable_thinking_off(served):
     assert tokenizer("qwen3").decode(list(proxy.sink.records[-1].input_ids)).endswith("<think>\n\n</think>\n\n")
 
 
-@pytest.mark.parametrize("family", ["qwen3-coder", "llama3.1"])
+@pytest.mark.parametrize("family", ["qwen3-coder", "llama3.1", "chatml"])
 def test_forced_tool_call_in_the_family_syntax(served, family):
     """tool_choice naming a function: the format's own call opening is forced."""
     proxy, h = served(family)
@@ -223,7 +223,7 @@ def test_forced_tool_call_in_the_family_syntax(served, family):
     r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}], tools=TOOLS_OPENAI, max_tokens=400,
                                   tool_choice={"type": "function", "function": {"name": "bash"}})
     rec = proxy.sink.records[-1]
-    opening = FORMATS[family].tool_call_opening("bash")
+    opening = fmt_of(family).tool_call_opening("bash")
     assert tokenizer(family).decode(list(rec.input_ids)).endswith(opening)
     assert rec.payload_ref["forced_prefix"] > 0 and r.choices[0].message.tool_calls[0].function.name == "bash"
 

@@ -27,9 +27,13 @@ pytestmark = [pytest.mark.multirank, pytest.mark.jobs]  # about 60 s on 2 loaded
 
 # The wiring (a checkpoint directory's tokenizer, eos ids and vocabulary through a whole job) is
 # the same for every family; what differs (chat format, stop tokens) is proven in-process in
-# tests/proxy (test_formats_*, test_tokenizer). One family in the default tier: Llama 3.1, whose
-# turns end on any of three control tokens; the Qwen families in the slow tier.
-FAMILIES = [pytest.param("qwen2.5", marks=pytest.mark.slow), pytest.param("qwen3", marks=pytest.mark.slow), "llama3.1"]
+# tests/proxy (test_formats_*, test_tokenizer). In the default tier: Llama 3.1, whose turns end on
+# any of three control tokens, and plain ChatML; the Qwen families in the slow tier.
+FAMILIES = [pytest.param("qwen2.5", marks=pytest.mark.slow), pytest.param("qwen3", marks=pytest.mark.slow), "llama3.1", "chatml"]
+# chatml (SmolLM2's kind: plain ChatML, a default system prompt, no tool rendering) starts from the
+# template alone (no --proxy.chat-format); the demo harness sends tools, which such a template
+# cannot render: declared the Hermes way (without the flag every call would be a 400 naming tools).
+FLAGS = {"chatml": ["--proxy.tool-format", "hermes"]}
 
 
 def _template(family: str) -> str | None:
@@ -58,7 +62,7 @@ def test_a_local_checkpoint_directory_trains_with_its_own_tokenizer(tmp_path, fa
     data, run_dir = tmp_path / "data", tmp_path / "run"
     cmd = [*launcher(2), "--preset", "cpu-demo-smoke", "--model.checkpoint", str(ckpt), "--run-dir", str(run_dir),
            "--train.prepare-dir", str(data), "--executions.dataset.path", str(_tasks(tmp_path / "tasks.jsonl")),
-           "--train.steps", "1"]
+           "--train.steps", "1", *FLAGS.get(family, [])]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
@@ -82,7 +86,7 @@ def test_a_local_checkpoint_directory_trains_with_its_own_tokenizer(tmp_path, fa
     header = tok.apply_chat_template([{"role": "system", "content": "\x00"}], tokenize=False).split("\x00")[0].split("\n")[0]
     files = sorted((run_dir / "tito").glob("*.tito"))
     assert files
-    n_calls = 0
+    n_calls = declared = 0
     for f in files:
         for rec in load_execution(f):
             n_calls += 1
@@ -93,7 +97,10 @@ def test_a_local_checkpoint_directory_trains_with_its_own_tokenizer(tmp_path, fa
             assert max(rec.input_ids) < len(tok) and max(rec.output_ids, default=0) < len(tok), f
             prompt = tok.decode(list(rec.input_ids))
             assert prompt.startswith(header) and "agent" in prompt, prompt[:200]
+            declared += "\n\n# Tools\n" in prompt and "<tools>" in prompt
             out = list(rec.output_ids)
             if rec.finish_reason == "stop" and out:
                 assert out[-1] in control, (f, out[-5:])
     assert n_calls > 0
+    if family == "chatml":  # the tools the harness sent, declared in the system turn the Hermes way
+        assert declared > 0

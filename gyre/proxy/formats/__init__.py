@@ -10,6 +10,8 @@ Known formats (one module each; adding one: docs/proxy_harnesses.md):
     qwen3-coder  ChatML, XML <function=NAME><parameter=P> tool calls
     qwen3.5      ChatML, XML tool calls, <think> opened by the prompt, enable_thinking
     llama3.1     <|start_header_id|> turns, <|eot_id|>, JSON tool calls, ipython results
+    chatml       plain ChatML turns, no tool calls or reasoning (SmolLM2): detected when the
+                 template has ChatML markers and no markup a richer format reads
 
 A template none of them recognises is refused with this list: a guessed format would render
 prompts the model was not trained on, or parse its calls wrongly, without a word.
@@ -20,12 +22,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gyre.proxy.formats import llama31, qwen3, qwen3_coder, qwen25, qwen35
+from gyre.proxy.formats import chatml, llama31, qwen3, qwen3_coder, qwen25, qwen35
 from gyre.proxy.formats.base import ChatFormat, OutputParser, Reasoning, ReasoningParser, ReasoningTags, split_output
 
 logger = logging.getLogger(__name__)
 
-FORMATS: dict[str, ChatFormat] = {f.name: f for f in (qwen25.FORMAT, qwen3.FORMAT, qwen3_coder.FORMAT, qwen35.FORMAT, llama31.FORMAT)}
+FORMATS: dict[str, ChatFormat] = {f.name: f for f in (qwen25.FORMAT, qwen3.FORMAT, qwen3_coder.FORMAT, qwen35.FORMAT, llama31.FORMAT,
+                                                chatml.FORMAT)}
 
 # config.json model_type of each family, to warn when the template and the model disagree.
 _MODEL_TYPES = {"qwen2": "qwen2.5", "qwen3": "qwen3", "qwen3_moe": "qwen3", "llama": "llama3.1"}
@@ -71,7 +74,8 @@ def format_for(tokenizer: Any = None, config: Any = None, override: str | None =
                                 f"if it is one of these, name it with --proxy.chat-format: {_known()}")
     fmt = hits[0]
     mt = _model_type(config)
-    if mt in _MODEL_TYPES and _MODEL_TYPES[mt] != fmt.name and not (mt == "qwen3" and fmt.name == "qwen3-coder"):
+    # chatml is no family's own (SmolLM2 is model_type llama): nothing to cross-check
+    if mt in _MODEL_TYPES and fmt.name != "chatml" and _MODEL_TYPES[mt] != fmt.name and not (mt == "qwen3" and fmt.name == "qwen3-coder"):
         logger.warning("chat format: the template is %s, the model's config says model_type=%s; using the template's",
                        fmt.name, mt)
     return fmt

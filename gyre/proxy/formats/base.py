@@ -67,7 +67,7 @@ class ChatFormat:
     generation_prompt: str  # the assistant header add_generation_prompt appends (without reasoning extras)
     end_of_turn: str  # the token the template closes an assistant turn with
     stop_tokens: tuple[str, ...]  # generation stops at any of these (those the tokenizer has)
-    tool_syntax: str  # "hermes" | "xml" | "json": what `make_tool_parser` reads
+    tool_syntax: str  # "hermes" | "xml" | "json" | "none": what `make_tool_parser` reads
     make_tool_parser: Callable[[list[dict] | None], ToolParser]  # tools (OpenAI shape) -> parser
     tool_call_opening: Callable[[str | None], str]  # forced call prefix: named function, or any (None)
     detect: Callable[[str], bool]  # does this chat template render this format?
