@@ -22,9 +22,9 @@ LAYERS = [
     {"executions", "sim"},
     {"backends"},
     {"proxy"},
-    {"config", "config_checks"},
+    {"config", "config_checks", "help"},
     {"runtime", "plan"},
-    {"run", "report", "doctor"},
+    {"run", "report", "doctor", "eval"},
 ]
 LAYER = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
 

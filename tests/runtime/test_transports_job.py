@@ -9,7 +9,7 @@ job writes (run_dir/transport/rank_<r>.json):
 The torch transport (the default) is checked on tests/runtime/test_train_e2e.py's run instead of
 a job of its own.
 Mooncake runs inside a private network namespace (it listens on every interface) or is skipped.
-Also: `python -m gyre.run --help` documents the transfer options and their choices.
+Also: `python -m gyre.run --help-all` documents the transfer options and their choices.
 """
 
 import json
@@ -91,7 +91,7 @@ def test_a_tiny_job_over_mooncake_inside_a_private_netns(tmp_path):
 def test_help_lists_the_transfer_options_and_their_choices():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "COLUMNS": "200"}
-    out = subprocess.run([sys.executable, "-m", "gyre.run", "--help"], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "gyre.run", "--help-all"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, env=env).stdout
     for flag in ("--transfer.transport", "--transfer.keep", "--transfer.verify", "--transfer.timeout-s",
                  "--backend.engine", "--backend.actor", "--train.torch-threads"):
