@@ -163,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     that stopped early (RunFailed), else by the rank that raised, with its traceback."""
     cfg: GyreConfig = parse_config(argv)
     setup_logging(cfg.log_level)
+    from gyre.sized_defaults import apply_checkpoint_defaults
+
+    for note in apply_checkpoint_defaults(cfg, list(sys.argv[1:] if argv is None else argv)):  # a pretrained checkpoint's lr, micro-step size
+        logger.info("default for the checkpoint: %s", note, extra=ONCE)
     alone = "RANK" not in os.environ
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a SIGKILLed torchrun takes its ranks (and harnesses) with it
         from gyre.executions.procs import watch_parent
