@@ -22,9 +22,9 @@ LAYERS = [
     {"executions", "sim"},
     {"backends"},
     {"proxy"},
-    {"config", "config_checks"},
+    {"config", "config_checks", "sized_defaults"},
     {"runtime", "plan"},
-    {"run", "report", "doctor"},
+    {"run", "report", "doctor", "export"},
 ]
 LAYER = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
 
