@@ -72,12 +72,14 @@ def test_a_killed_conversion_leaves_no_model_dir_and_is_redone(tmp_path, source,
     stale = out.parent / f".model.tmp-{int(dead.stdout)}"
     stale.mkdir()
     (stale / "config.json").write_text("{}")
+    old = out.parent / f".model.old-{int(dead.stdout)}"  # killed between moving an old conversion aside and removing it
+    old.mkdir()
     live = out.parent / f".model.tmp-{os.getppid()}"  # a conversion still running elsewhere: left alone
     live.mkdir()
     assert not gguf.converted(stale)
     fake_writer["fail_after"] = False
     gguf.convert_gguf(source, out)
-    assert gguf.converted(out, source) and not stale.exists() and live.exists()
+    assert gguf.converted(out, source) and not stale.exists() and not old.exists() and live.exists()
 
 
 def test_a_damaged_or_outdated_conversion_is_replaced(tmp_path, source, fake_writer):

@@ -99,8 +99,8 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, *, dt
                               f"into another directory")
     check_packages(install=install)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out.parent.glob(f".{out.name}.tmp-*"):  # a conversion killed before its rename
-        if not _alive(stale.name.rsplit("-", 1)[-1]):
+    for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
+        if not _alive(stale.name.rsplit("-", 1)[-1]):  # a conversion killed before its rename, or before removing the old
             logger.info("removing %s, left by an interrupted conversion", stale)
             shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
