@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="a checkpoint directory (checkpoints/step_N) or a run directory (its newest)")
     p.add_argument("out", help="the HF directory to write")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the run's, from its run.json)")
-    p.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as the run saved them)")
+    p.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as the run saved them). bfloat16 "
+                   "rounds away updates below its 2^-8 relative spacing: a pretrained-lr RL run's are mostly that")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
