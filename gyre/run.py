@@ -223,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if note := load_note(os.getloadavg()[0], os.cpu_count() or 1, ranks_here):
             logger.warning("%s", note)
+    from gyre.sized_defaults import apply_checkpoint_defaults
+
+    for note in apply_checkpoint_defaults(cfg, list(sys.argv[1:] if argv is None else argv)):  # a pretrained checkpoint's lr, micro-step size
+        logger.info("default for the checkpoint: %s", note, extra=ONCE)
     alone = "RANK" not in os.environ
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a SIGKILLed torchrun takes its ranks (and harnesses) with it
         from gyre.executions.procs import watch_parent

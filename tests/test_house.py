@@ -22,9 +22,9 @@ LAYERS = [
     {"executions", "sim"},
     {"backends"},
     {"proxy"},
-    {"config", "config_checks", "help"},
+    {"config", "config_checks", "help", "sized_defaults"},
     {"runtime", "plan"},
-    {"run", "report", "doctor", "eval"},
+    {"run", "report", "doctor", "eval", "export"},
 ]
 LAYER = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
 
