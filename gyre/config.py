@@ -207,11 +207,10 @@ def smollm2() -> GyreConfig:
     cfg.scheduler = SchedulerConfig(mode="gyre", phi=0.5, mu=2, n_per_group=4, batch_groups=2, tick_s=0.5, tau=2,
                                     rho_min=0.5, cell_concurrency=8)
     cfg.model = ModelConfig(checkpoint=f"{data}/model")
-    # TODO(chatml): the plain ChatML template is detected as `chatml` once that format lands; until
-    # then qwen2.5's turns and stops are the same. The lead removes this line.
-    cfg.proxy.chat_format = "qwen2.5"
-    # TODO(tool-format): set cfg.proxy.tool_format = "hermes" here once ProxyConfig has the field
-    # (issue 51: SmolLM2's template cannot render tools; the stand-in task below uses none).
+    # The chat format is detected (`chatml`: SmolLM2's plain ChatML template, its default system
+    # prompt kept); the template cannot render tools, so they are declared the Hermes / Qwen2.5 way
+    # in the system turn and <tool_call> JSON is parsed (docs/proxy_harnesses.md).
+    cfg.proxy.tool_format = "hermes"
     # TODO(smollm2 task): the own_agent reversal tasks stand in (written by the prepare step) until
     # the agent task built for a small real model replaces dataset and harness here.
     cfg.executions.dataset.path = f"{data}/tasks.jsonl"
