@@ -81,8 +81,8 @@ class OptimizerConfig:
     """CPU actor: keep only each decoder layer's input in the forward and recompute the layer in
     the backward (torch.utils.checkpoint, non-reentrant). A micro-step of T tokens then holds about
     layers·T·hidden floats instead of layers·T·(8·hidden + 4·intermediate + ...): for a 135M Llama
-    at 4096 tokens, 0.3 GB instead of 5.5 GB, for one more forward (docs/backends.md has the
-    measured table). Pays for real models at micro-steps of thousands of tokens."""
+    at 4096 tokens, 0.6 GB of activations instead of 5.4 GB (peak RSS 2.7 GB measured), for one
+    more forward (docs/backends.md has the measured table). Pays for real models at micro-steps of thousands of tokens."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     """CPU actor: dtype of the decoder's matmuls. bfloat16 runs them under CPU autocast from the
     float32 parameters (AdamW, gradients and the LM head stay float32); it halves the activations

@@ -156,3 +156,20 @@ def test_log_probs_come_from_the_hidden_states_unless_the_head_is_unusual():
     a = CpuActor(model, is_core=False).forward_logprobs(ms)
     b = CpuActor(tiny_model(seed=0), is_core=False).forward_logprobs(ms)
     assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_freed_memory_is_released_once_per_process_unless_the_environment_says_otherwise():
+    """`release_freed_memory` sets glibc's M_MMAP_THRESHOLD once per process (fresh processes: it
+    is process-wide), and leaves a MALLOC_MMAP_THRESHOLD_ from the environment alone."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from gyre.backends.actors.cpu_actor import release_freed_memory as r; "
+            "print(r(), r())")
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == ["True", "False"]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**env, "MALLOC_MMAP_THRESHOLD_": "131072"})
+    assert out.stdout.split() == ["False", "False"]

@@ -21,7 +21,7 @@ token_logprobs_from_hidden`): a micro-step never holds its [T, V] logits (0.8 GB
 T = 4096, V = 49152, and as much again for their gradient). `--actor.activation-checkpointing`
 recomputes each decoder layer in the backward instead of keeping its activations
 (`gyre.backends.models.arch.checkpointing`); `gyre.backends.actors.accounting` says what a rank
-should hold either way.
+should hold either way. On glibc, freed tensors' pages go back to the system (`release_freed_memory`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,31 @@ logger = logging.getLogger(__name__)
 # Rows of [rows, V] logits formed at a time by the log-prob op: 256 × 49152 float32 is 50 MB (the
 # forward's and the backward's buffer), against 0.2 GB at 1024 rows, for no measurable speed.
 LOGPROB_CHUNK = 256
+
+
+def release_freed_memory(threshold: int = 64 << 10) -> bool:
+    """glibc: serve every allocation of `threshold` bytes or more by its own mmap, given back at
+    free (mallopt M_MMAP_THRESHOLD, process-wide, once). By default glibc raises that threshold up
+    to 32 MiB after the first large free, so a backward's many mid-sized tensors (T·hidden,
+    T·intermediate floats) come from the heap, which fragments and keeps its pages: measured on a
+    135M Llama with activation checkpointing, peak RSS 3.65 GB at 2048 tokens and 4.96 GB at 4096
+    against 2.71 GB with the threshold fixed (docs/backends.md). A MALLOC_MMAP_THRESHOLD_ set in the
+    environment wins; other C libraries are left alone. Returns whether the threshold was set."""
+    global _MALLOC_SET
+    if _MALLOC_SET or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        ok = bool(libc.mallopt(-3, int(threshold)))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+    _MALLOC_SET = ok
+    return ok
+
+
+_MALLOC_SET = False
 
 
 def lm_head_weight(model) -> torch.Tensor | None:
@@ -91,6 +116,8 @@ class CpuActor:
         self.version = version  # optimizer steps applied (docs/design.md §2: versions count steps)
         self.model.train()
         self._params = [p for p in model.parameters() if p.requires_grad]
+        if model.device.type == "cpu":
+            release_freed_memory()
         self._head = lm_head_weight(model)  # None: the model's own [T, V] logits (an unusual head)
         self._bf16 = self.config.compute_dtype == "bfloat16" and model.dtype == torch.float32
         if self.config.activation_checkpointing:
