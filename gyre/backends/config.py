@@ -81,6 +81,16 @@ class OptimizerConfig:
     continues the schedule where it stopped."""
     min_lr_ratio: float = 0.0
     """Where the linear decay ends, as a fraction of `lr` (0..1)."""
+    activation_checkpointing: bool = False
+    """CPU actor: keep only each decoder layer's input in the forward and recompute the layer in
+    the backward (torch.utils.checkpoint, non-reentrant). A micro-step of T tokens then holds about
+    layers·T·hidden floats instead of layers·T·(8·hidden + 4·intermediate + ...): for a 135M Llama
+    at 4096 tokens, 0.6 GB of activations instead of 5.4 GB (peak RSS 2.7 GB measured), for one
+    more forward (docs/backends.md has the measured table). Pays for real models at micro-steps of thousands of tokens."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """CPU actor: dtype of the decoder's matmuls. bfloat16 runs them under CPU autocast from the
+    float32 parameters (AdamW, gradients and the LM head stay float32); it halves the activations
+    but is slower on a CPU without native bf16 (docs/backends.md)."""
     min_s_per_ktok: float = 0.0
     """Emulated accelerator (benchmarks on shared CPUs; 0 = off): forward_backward of a micro-step
     lasts at least (its packed tokens / 1000) × this many seconds — the actor sleeps the rest after

@@ -248,6 +248,12 @@ class RunLedger:
         """Groups evaluated in an earlier attempt and taken into this one."""
         return sum(g.carried for g in self.groups.values())
 
+    @property
+    def zero_advantage_groups(self) -> int:
+        """Groups trained in this attempt's steps whose rewards were all equal (no forward/backward)."""
+        return sum(g.phase is GroupPhase.CONSUMED and g.work is not None and g.work.zero_advantage
+                   for g in self.groups.values())
+
     def set_work(self, index: int, work: GroupWork) -> None:
         rec = self.groups[index]
         rec._to(GroupPhase.READY)
@@ -319,6 +325,8 @@ class RunLedger:
             "staleness": list(rec.staleness),
             # selected trajectories of the step's groups that claimed no target (docs/design.md §5)
             "dropped_trajectories": sum(self.groups[g].work.dropped_trajectories for g in rec.groups),
+            # groups whose rewards were all equal: no micro-steps, no forward/backward (docs/design.md §5)
+            "zero_advantage_groups": sum(self.groups[g].work.zero_advantage for g in rec.groups),
             "cell_time_s": self.cell_times(end),
             # the latest switch's memory hand-over on a cell's first rank (None before the first)
             "actor_restore_s": self._last("actor_restore"),

@@ -38,12 +38,14 @@ a report and sends nothing for `--train.control-timeout-s` (frozen) fails the ru
                                                   TRAIN on the first)
         ◀── [Transition], WorkDone(step, group, item, metrics), RequestWork
     OptimizerStep(step): to every rank of cells 0..k−1
-        ── Reduce(step, k, final, stay, grad_scale) ─────▶
+        ── Reduce(step, k, final, stay, grad_scale, trained) ▶
                                                   all-reduce gradients over prefix group k
                                                   (blocks until cells 0..k−1 all enter); the
                                                   core scales, steps, puts the snapshot on the
                                                   board; unless the burst ends here, a broadcast
-                                                  of the new parameters over the same group
+                                                  of the new parameters over the same group.
+                                                  Not trained (all groups all-equal): no
+                                                  reduce, no update, the snapshot as it was
         ◀── [Transition → PUBLISHING], StepDone(step, stats) (core),
             RequestWork (cells that keep training)
     SwitchToRollout(c)
@@ -212,6 +214,8 @@ class Reduce(Command):
     final: bool  # the burst's last step: its version is published
     stay: bool = False  # async mode: training cells keep training after a publish
     grad_scale: float | None  # B·N / |E| for the core's update; None: nothing valid, no update
+    trained: bool = True  # False: no group of the step made a micro-step (all rewards equal in each):
+    # zero gradients everywhere, so no cell reduces and the core makes no update
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -34,6 +34,12 @@ class GroupWork:
     bundles: list[list[MicroStep]]
     rewards: list[float | None]  # per execution, None when excluded (not in E)
     dropped_trajectories: int = 0  # selected trajectories that claimed no target (the step row's)
+    zero_advantage: bool = False  # valid rewards all equal: no micro-steps (`materialize_step`), counted
+
+    @property
+    def trains(self) -> bool:
+        """Some bundle holds a micro-step (False: the group costs no forward or backward)."""
+        return any(len(b) for b in self.bundles)
 
 
 def outcome(reward: Any) -> Outcome:
@@ -117,7 +123,8 @@ def group_work(
     batch = materialize_step([g], max_tokens=max_tokens, rng=rng, j_max=j_max, normalize_std=normalize_std,
                              num_executions=num_executions)
     bundles = bundle_micro_steps(batch.micro_steps) or [[]]  # an empty item keeps the group countable
-    return GroupWork(bundles, [e.outcome.value for e in executions], batch.dropped_trajectories)
+    return GroupWork(bundles, [e.outcome.value for e in executions], batch.dropped_trajectories,
+                     zero_advantage=bool(batch.all_equal_groups))
 
 
 SUMMABLE = ("loss", "tokens", "num_executions", "num_targets", "num_clipped", "num_omega_capped", "abs_delta_sum")

@@ -119,6 +119,7 @@ def build_summary(ledger: RunLedger, how: RunEnd, *, cfg: GyreConfig, fractions:
         "lost_in_flight": run.lost_in_flight,
         "redispatched_groups": len(run.redo_tasks),
         "carried_over_groups": ledger.carried_over,  # evaluated in an earlier attempt, trained in this one
+        "zero_advantage_groups": ledger.zero_advantage_groups,  # all-equal rewards: no forward/backward spent
         "measured_staleness_mean": float(np.mean(measured_staleness)) if len(measured_staleness) else None,
         "staleness_by_step": ledger.staleness_by_step(),
         "expected_staleness": cfg.scheduler.expected_staleness,

@@ -12,8 +12,9 @@ every transition is reported to the controller, which keeps the run's timeline.
                         waits for the whole cell between its two halves (`cell_barrier`)
     TrainWork           train one bundle of micro-steps (JOINING → TRAIN on the first); ask again
     Reduce(k, final,    sum gradients over the prefix group of cells 0..k−1; the core scales
-      grad_scale)       them by grad_scale (|E| = valid, docs/design.md §6), clips, steps (no
-                        update when grad_scale is None: no valid execution) and posts the new
+      grad_scale,       them by grad_scale (|E| = valid, docs/design.md §6), clips, steps (no
+      trained)          update when grad_scale is None: no valid execution; no reduce either
+                        when not trained: every group all-equal, no micro-step) and posts the new
                         snapshot (`WeightTransport.post`); on a non-final step the new
                         parameters are broadcast over the same group (`WeightTransport.broadcast`)
     ToRollout(v)        → RESUMING (actor state to host memory, device cache freed —
@@ -236,11 +237,12 @@ class CellWorker:
         if self.sm.state is CellState.JOINING:  # joined, trained nothing: still in the step's group
             self._to(CellState.TRAIN, f"step {step} (no work)")
         group = self.groups.prefix(k)
-        self.actor.reduce_gradients(group)  # blocking: cells 0..k−1 at this position
+        if msg.trained:  # every cell of the step got the same `trained`: all reduce, or none
+            self.actor.reduce_gradients(group)  # blocking: cells 0..k−1 at this position
         stats: dict[str, float] = {}
         if self.topo.is_core:
             self._audit(f"before_{step:06d}")
-            stats = self._update(step, msg.grad_scale)
+            stats = self._update(step, msg.grad_scale, msg.trained)
             self._audit(f"after_{step:06d}")
             self.weights.post(self.actor.version, self.actor.export_parameters(), published=final)
         else:
@@ -268,15 +270,21 @@ class CellWorker:
         if keeps_training:
             self._report(RequestWork(cell=self.cell, rank=self.topo.rank))
 
-    def _update(self, step: int, grad_scale: float | None) -> dict[str, float]:
+    def _update(self, step: int, grad_scale: float | None, trained: bool = True) -> dict[str, float]:
         """The core's optimizer step. grad_scale turns the gradient packed with |E| = B·N into the
         one with the loss's |E| (`gyre.loss.LossConfig.grad_scale`); the actor applies it before
-        clipping. None: no execution of the step has a valid reward, so there is no loss; the
-        parameters stay as they are (an AdamW step on zero gradients would still move them) and
-        the version advances like any step's, so the schedule is unchanged."""
-        if grad_scale is None:
-            logger.warning("step %d: no execution has a valid reward (all excluded after failed evaluations); "
-                           "no update, version %d keeps the parameters of version %d", step, step + 1, step)
+        clipping. None: no execution of the step has a valid reward, so there is no loss; not
+        `trained`: every group's rewards were all equal, so no micro-step was made and the
+        gradient is zero. Either way the parameters stay as they are (an AdamW step on zero
+        gradients would still move them: momentum, weight decay) and the version advances like
+        any step's, so the schedule is unchanged."""
+        if grad_scale is None or not trained:
+            if grad_scale is None:
+                logger.warning("step %d: no execution has a valid reward (all excluded after failed evaluations); "
+                               "no update, version %d keeps the parameters of version %d", step, step + 1, step)
+            else:
+                logger.info("step %d: every group's rewards were all equal (zero advantage): no forward/backward, "
+                            "no update, version %d keeps the parameters of version %d", step, step + 1, step)
             self.actor.zero_grad()
             self.actor.version += 1  # what optimizer_step would do: the core posts version step + 1
             return {"update_skipped": 1.0}

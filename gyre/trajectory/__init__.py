@@ -37,7 +37,7 @@ packing.py     `ExecutionSample(execution_id, tree, selection, advantage)`;
                `TrajectoryTooLongError`; `plan_bins` (the pure bin plan).
 materialize.py `ScoredGroup(group_id, v_d, [ScoredExecution(execution_id, outcome, tito_path |
                records)])`; `materialize_step(groups, max_tokens, rng, j_max=5, normalize_std=True,
-               skip_zero_advantage=False, step=0, train_version=None, num_executions=None,
+               skip_zero_advantage=True, step=0, train_version=None, num_executions=None,
                context_parallel_size=1) -> StepBatch`. (Which ready group a step takes is the
                scheduler's heap, oldest dispatch version first: `gyre.scheduler`.)
 __main__.py    `python -m gyre.trajectory FILE.tito ... [--j-max 5]`: store state, tree stats,

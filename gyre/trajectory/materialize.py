@@ -3,8 +3,11 @@
 `materialize_step(groups, ...)` takes `ScoredGroup`s (a group's executions with their outcomes
 and TITO records); the runtime calls it once per finished group (`gyre.runtime.samples.group_work`),
 offline tools with a whole step's B groups. Excluded executions (evaluation failed) are left out
-of E; all-equal groups are kept (zero advantage, zero weight) unless `skip_zero_advantage`, and
-reported either way. (Which ready group a step takes is the scheduler's business: its heap hands
+of E. A group whose valid rewards are all equal (zero advantage: it teaches nothing) makes no
+micro-steps by default (`skip_zero_advantage`, as slime and verl filter such groups): no forward or
+backward is spent on it, yet its valid executions stay in |E|, so every other token weight
+−A_i/(|E|·L_i) is the same as with the group packed at weight 0 (docs/design.md §6). It is
+reported in `all_equal_groups` either way. (Which ready group a step takes is the scheduler's business: its heap hands
 them out oldest dispatch version first, docs/design.md §2.)
 """
 
@@ -87,7 +90,7 @@ def materialize_step(
     rng: np.random.Generator,
     j_max: int | None = 5,
     normalize_std: bool = True,
-    skip_zero_advantage: bool = False,
+    skip_zero_advantage: bool = True,
     step: int = 0,
     train_version: int | None = None,
     num_executions: int | None = None,
@@ -95,13 +98,15 @@ def materialize_step(
 ) -> StepBatch:
     """Materialize scored groups into micro-steps of at most `max_tokens` tokens.
 
-    |E| = number of executions in the execution table (valid executions, minus zero-advantage
-    ones when `skip_zero_advantage`), unless the caller fixes it with `num_executions` (a
-    streaming step packs each group as it becomes ready and uses the nominal B·N). An execution
+    |E| = the valid executions of `groups` (those of skipped all-equal groups included: skipping
+    them changes no other weight), unless the caller fixes it with `num_executions` (a
+    streaming step packs each group as it becomes ready and uses the nominal B·N).
+    `skip_zero_advantage=False` packs all-equal groups too, every token weight 0. An execution
     without records (e.g. a harness that failed before its first call) is in the table with
     L_i = 0 and contributes no tokens. `context_parallel_size`: see `pack_step`.
     """
     batch = StepBatch(micro_steps=[], samples=[])
+    skipped = 0  # valid executions of skipped all-equal groups: still in |E|
     for g in groups:
         results = g.executions
         ga = group_advantages([r.outcome for r in results], normalize_std=normalize_std)
@@ -111,11 +116,13 @@ def materialize_step(
             batch.empty_groups.append(g.group_id)
         if train_version is not None:
             batch.staleness.append(g.staleness(train_version))
+        skip = skip_zero_advantage and ga.all_equal
         for res, a, ok in zip(results, ga.advantages, ga.valid):
             if not ok:
                 batch.excluded.append(res.execution_id)
                 continue
-            if skip_zero_advantage and a == 0.0:
+            if skip:
+                skipped += 1
                 continue
             records = _records(res)
             if not records:
@@ -129,7 +136,8 @@ def materialize_step(
             batch.tree_stats[res.execution_id] = tree.stats.as_dict()
             batch.samples.append(ExecutionSample(res.execution_id, tree, sel, float(a)))
     if batch.samples:
-        batch.micro_steps = pack_step(batch.samples, max_tokens, step=step, num_executions=num_executions,
+        n_exec = len(batch.samples) + skipped if num_executions is None else num_executions
+        batch.micro_steps = pack_step(batch.samples, max_tokens, step=step, num_executions=n_exec,
                                       context_parallel_size=context_parallel_size)
     return batch
 

@@ -164,18 +164,28 @@ def test_materialize_step_from_store(tmp_path):
                 w.append(r)
     groups = [ScoredGroup(q, 2, [ScoredExecution(e, outcomes[e], tito_path=str(store.path_for(e))) for e in eids])
               for q, eids in (("q0", ["x0", "x1", "x2"]), ("q1", ["y0", "y1"]))]
-    batch = materialize_step(groups, max_tokens=32, rng=np.random.default_rng(0), train_version=5)
+    def weights(batch):
+        w = {}
+        for m in batch.micro_steps:
+            for e, wt in zip(m.exec_index[m.target_mask].tolist(), m.token_weight[m.target_mask].tolist()):
+                w.setdefault(e, []).append(wt)
+        return w
+
+    batch = materialize_step(groups, max_tokens=32, rng=np.random.default_rng(0), train_version=5,
+                             skip_zero_advantage=False)
     assert batch.excluded == ["x2"] and batch.all_equal_groups == ["q1"] and batch.staleness == [3, 3]
     assert [s.execution_id for s in batch.samples] == ["x0", "x1", "y0", "y1"]
     # x0: A = +1 (rewards 1, 0), L = 3; x1: A = -1, L = 1; q1 all equal → A = 0; |E| = 4
-    w = {}
-    for m in batch.micro_steps:
-        for e, wt in zip(m.exec_index[m.target_mask].tolist(), m.token_weight[m.target_mask].tolist()):
-            w.setdefault(e, []).append(wt)
+    w = weights(batch)
     assert w[0] == [-1 / (4 * 3)] * 3 and w[1] == [1 / 4] and w[2] == [0.0, 0.0] and w[3] == [0.0]
-    batch = materialize_step(groups, max_tokens=32, rng=np.random.default_rng(0), skip_zero_advantage=True)
-    assert [s.execution_id for s in batch.samples] == ["x0", "x1"]
-    assert batch.micro_steps[0].num_executions == 2
+    # the default: the all-equal q1 makes no micro-step, but y0, y1 stay in |E| = 4, so x0 and x1
+    # weigh exactly as above
+    batch = materialize_step(groups, max_tokens=32, rng=np.random.default_rng(0))
+    assert batch.all_equal_groups == ["q1"] and [s.execution_id for s in batch.samples] == ["x0", "x1"]
+    assert all(m.num_executions == 4 for m in batch.micro_steps)
+    assert weights(batch) == {0: [-1 / (4 * 3)] * 3, 1: [1 / 4]}
+    only_q1 = materialize_step(groups[1:], max_tokens=32, rng=np.random.default_rng(0))
+    assert only_q1.micro_steps == [] and only_q1.samples == [] and only_q1.all_equal_groups == ["q1"]
     # a caller-given |E| (nominal B·N when groups stream in one at a time)
     batch = materialize_step(groups[:1], max_tokens=32, rng=np.random.default_rng(0), num_executions=8)
     assert batch.micro_steps[0].num_executions == 8
