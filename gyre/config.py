@@ -221,6 +221,7 @@ def smollm2() -> GyreConfig:
     # Qwen2.5-0.5B-Instruct at 1e-6 with 256+ prompts a step, prime-rl Qwen3-0.6B at 3e-6; with 8
     # executions a step and a dozen steps the upper end of that range, decaying to half.
     cfg.actor = OptimizerConfig(lr=3e-6, lr_decay_steps=12, min_lr_ratio=0.5)
+    cfg.actor.activation_checkpointing = True  # 2.7 GB a rank, flat in the micro-step size (docs/backends.md)
     return cfg
 
 

@@ -174,7 +174,10 @@ def apply_checkpoint_defaults(cfg: "GyreConfig", argv: list[str]) -> list[str]:
     size_lr = not _given(argv, "--actor.lr") and not (own_model and preset.actor.lr != OptimizerConfig.lr)
     size_tokens = not _given(argv, "--train.max-tokens") and \
         not (own_model and preset.train.max_tokens != TrainConfig.max_tokens)
-    if not (size_lr or size_tokens):
+    ckpt_flags = ("--actor.activation-checkpointing", "--actor.no-activation-checkpointing")
+    size_memory = not any(_given(argv, f) for f in ckpt_flags) and \
+        not (own_model and preset.actor.activation_checkpointing)
+    if not (size_lr or size_tokens or size_memory):
         return []
     from gyre.backends.models.hf import dtype_of
 
@@ -186,6 +189,13 @@ def apply_checkpoint_defaults(cfg: "GyreConfig", argv: list[str]) -> list[str]:
         return []
     out = checkpoint_defaults(size, memory_bytes=available_memory(), ranks=ranks, dtype_bytes=dtype_bytes,
                               size_lr=size_lr, size_tokens=size_tokens)
+    if size_memory and size.params >= PRETRAINED_MIN_PARAMS and cfg.backend.actor == "cpu":
+        # A real model's activations dwarf its weights at a useful micro-step (SmolLM2-135M: 5.3 GB
+        # a rank at 2048 tokens without, 2.7 GB flat to 4096 with; docs/backends.md): recompute them.
+        cfg.actor.activation_checkpointing = True
+        out.notes.append("--actor.activation-checkpointing: a pretrained checkpoint's activations are recomputed in "
+                         "the backward (peak memory flat in the micro-step size, ~1.3x the compute); give "
+                         "--actor.no-activation-checkpointing to keep them")
     if out.lr is not None:
         cfg.actor.lr = out.lr
     if out.max_tokens is not None:

@@ -80,7 +80,9 @@ def test_apply_respects_the_command_line_and_the_preset(tmp_path, monkeypatch):
     def applied(argv):
         cfg = parse_config(argv)
         notes = sd.apply_checkpoint_defaults(cfg, argv)
-        return cfg.actor.lr, cfg.train.max_tokens, len(notes)
+        checkpointing = any(n.startswith("--actor.activation-checkpointing") for n in notes)
+        assert cfg.actor.activation_checkpointing or not checkpointing
+        return cfg.actor.lr, cfg.train.max_tokens, len(notes) - checkpointing
 
     base = ["--job", "train"]
     assert applied([*base, "--model.checkpoint", str(ck)]) == (want.lr, want.max_tokens, 2)
@@ -93,3 +95,10 @@ def test_apply_respects_the_command_line_and_the_preset(tmp_path, monkeypatch):
     _checkpoint(tmp_path / "runs" / "smollm2" / "data" / "model")
     assert applied(["--preset", "smollm2"]) == (3e-6, 2048, 0)
     assert applied([*base, "--model.checkpoint", str(tmp_path / "missing")])[2] == 0  # not there yet: nothing sized
+    # activation checkpointing: on for a pretrained checkpoint unless the command line or the preset chose
+    on = parse_config([*base, "--model.checkpoint", str(ck)])
+    sd.apply_checkpoint_defaults(on, [*base, "--model.checkpoint", str(ck)])
+    off_argv = [*base, "--model.checkpoint", str(ck), "--actor.no-activation-checkpointing"]
+    off = parse_config(off_argv)
+    sd.apply_checkpoint_defaults(off, off_argv)
+    assert on.actor.activation_checkpointing and not off.actor.activation_checkpointing

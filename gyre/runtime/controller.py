@@ -298,12 +298,12 @@ class Controller:
         (the TRAIN prefix 0..k−1 when the step was decided), the prefix group is k = len(cells).
         The step's |E| is known only now (its groups were packed with |E| = B·N): the core
         rescales the summed gradient by B·N/valid, or skips the update when nothing is valid or
-        nothing was trained (every group's rewards all equal: no micro-step, zero gradients)."""
+        trained (every group all-equal: no micro-step)."""
         if d.cells != tuple(range(len(d.cells))):
             raise RuntimeError(f"step {d.step}: reduce cells {d.cells} are not a prefix 0..k−1")
         valid, grad_scale = step_denominator([self.ledger.groups[g].rewards for g in d.groups],
                                              nominal=self.nominal, loss=self.cfg.loss)
-        trained = any(self.ledger.groups[g].work.trains for g in d.groups)  # else every group was all-equal
+        trained = any(self.ledger.groups[g].work.trains for g in d.groups)
         self.ledger.decide(d.step, d.cells, d.groups, d.final_in_burst, valid, grad_scale)
         for c in d.cells:
             self.pending.discard(c)
