@@ -296,9 +296,8 @@ class Controller:
     def _optimizer_step(self, d: OptimizerStep) -> None:
         """Send `Reduce` to exactly the decision's cells: the scheduler decides the membership
         (the TRAIN prefix 0..k−1 when the step was decided), the prefix group is k = len(cells).
-        The step's |E| is known only now (its groups were packed with |E| = B·N): the core
-        rescales the summed gradient by B·N/valid, or skips the update when nothing is valid or
-        trained (every group all-equal: no micro-step)."""
+        |E| is known only now (groups were packed with |E| = B·N): the core rescales the summed
+        gradient by B·N/valid, or skips the update when nothing is valid or trained (all-equal groups)."""
         if d.cells != tuple(range(len(d.cells))):
             raise RuntimeError(f"step {d.step}: reduce cells {d.cells} are not a prefix 0..k−1")
         valid, grad_scale = step_denominator([self.ledger.groups[g].rewards for g in d.groups],
