@@ -42,9 +42,9 @@ def good_policy(prompt: str) -> str:
 
 
 def garbage_policy(prompt: str) -> str:
-    """Arguments naming no item, then a call to a tool that does not exist, then text without a price."""
+    """Arguments that are a list, then a call to a tool that does not exist, then text without a price."""
     if prompt.endswith(OPENING):
-        return ' {"item": {"colour": [1, 2]}}}\n</tool_call>'
+        return ' [1, {"colour": 2}]}\n</tool_call>'
     if prompt.count("<tool_response>") == 1:
         return 'Hmm.\n<tool_call>\n{"name": "rm_rf", "arguments": "{not json"}\n</tool_call>' \
                '\n<tool_call>\n{"name": "buy", "arguments": {"item": 7}}\n</tool_call>'
