@@ -184,3 +184,28 @@ def test_parse_tool_calls_agrees_with_the_proxy_parser(pieces):
 def test_wilson_interval(k, n, lo, hi):
     got = base_rate.wilson(k, n)
     assert got[0] == pytest.approx(lo, abs=1e-4) and got[1] == pytest.approx(hi, abs=1e-4)
+
+
+def test_sampler_with_a_shared_prefix_cache_and_padding_decodes_as_each_prompt_alone():
+    """base_rate.Sampler (prefix KV cache copied per row, ragged suffixes padded between prefix and
+    suffix) against a plain loop: the argmax of a full forward of each prompt alone, no cache. At
+    temperature 1e-4 sampling is the argmax, so the tokens must be the same."""
+    torch = pytest.importorskip("torch")
+    from tests.realmodels import build_model, build_tokenizer
+
+    # initializer_range 0.2: logits varied enough that the argmax depends on the whole context
+    tok, model = build_tokenizer("qwen2.5"), build_model("qwen2.5", 1536, seed=1, initializer_range=0.2)
+    prefix = "<|im_start|>system\nYou are a shop assistant.<|im_end|>\n"
+    prompts = [prefix + f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+               for q in ("hi", "How much does a mango cost, and an apple and a pear?", "x y")]
+    got = base_rate.Sampler(tok, model, prefix, seed=0).sample(prompts, max_tokens=6, temperature=1e-4)
+    stops = {tok.convert_tokens_to_ids(s) for s in base_rate.STOPS}
+    for p, text in zip(prompts, got):
+        ids, out = tok(p, add_special_tokens=False)["input_ids"], []
+        with torch.no_grad():
+            for _ in range(6):
+                t = int(model(torch.tensor([ids + out])).logits[0, -1].argmax())
+                if t in stops:
+                    break
+                out.append(t)
+        assert text == tok.decode(out, skip_special_tokens=False)
