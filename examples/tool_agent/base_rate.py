@@ -3,11 +3,11 @@
     python examples/tool_agent/base_rate.py --split heldout --samples 64 --seed 0
     python examples/tool_agent/base_rate.py --checkpoint RUN/export --split heldout --samples 64
 
-It runs the harness's own loop (`harness.Episode`: the same messages, tools, forced first call,
-tool results and answer rule) with the model sampling at temperature 1 (no top-p/top-k), and scores
-answers with the task's evaluator (`evaluate.passed`). Prompts are rendered as Gyre's proxy renders
-them for a ChatML model without native tool support (`--proxy.tool-format hermes`): the system turn
-gets the Qwen2.5 / Hermes tool block appended, a forced call starts the reply with
+It runs the harness's own loop (`harness.Episode`: the same messages, tools, forced first call, tool
+results and answer rule) with the model sampling at temperature 1 (`--temperature`; no top-p/top-k),
+and scores answers with the task's evaluator (`evaluate.passed`). Prompts are rendered as Gyre's
+proxy renders them for a ChatML model without native tool support (`--proxy.tool-format hermes`):
+the system turn gets the Qwen2.5 / Hermes tool block appended, a forced call starts the reply with
 `<tool_call>\\n{"name": "get_price", "arguments":`, the model's earlier replies are re-sent as the
 exact text it sampled (the proxy puts the sampled tokens back), and tool results go back as a user
 turn of `<tool_response>` blocks. Generation stops at `<|im_end|>` or `<|endoftext|>`.
@@ -128,7 +128,7 @@ def load(checkpoint: str, dtype: str):
 
 
 class Sampler:
-    """Batched sampling at temperature 1 with the KV cache of the prefix every prompt shares (the
+    """Batched sampling with the KV cache of the prefix every prompt shares (the
     system turn and tool block) computed once: the model sees exactly prefix + suffix per row."""
 
     def __init__(self, tok, model, prefix: str, seed: int) -> None:
@@ -182,7 +182,8 @@ class Sampler:
         return [self.tok.decode(o, skip_special_tokens=False) for o in out]
 
 
-def run(tok, model, tasks: list[dict[str, Any]], samples: int, seed: int, max_tokens: int) -> list[dict[str, Any]]:
+def run(tok, model, tasks: list[dict[str, Any]], samples: int, seed: int, max_tokens: int,
+        temperature: float = 1.0) -> list[dict[str, Any]]:
     """Run `samples` episodes in lockstep (one batched call per turn); one record per sample."""
     eps = []
     for i in range(samples):
@@ -194,7 +195,7 @@ def run(tok, model, tasks: list[dict[str, Any]], samples: int, seed: int, max_to
         forced = [e[1].request()["tool_choice"] == FORCED for e in live]
         prompts = [render(ep.messages, TOOLS, replies, forced=FORCED["function"]["name"] if f else None)
                    for (_, ep, replies), f in zip(live, forced)]
-        texts = sampler.sample(prompts, max_tokens)
+        texts = sampler.sample(prompts, max_tokens, temperature)
         for (_, ep, replies), f, text in zip(live, forced, texts):
             full = (tool_call_opening(FORCED["function"]["name"]) if f else "") + text
             replies.append(full)
@@ -213,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per model call (the harness's --max-tokens)")
+    p.add_argument("--temperature", type=float, default=1.0, help="the harness's --temperature")
     p.add_argument("--batch", type=int, default=32, help="episodes sampled together")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -229,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     for b in range(0, a.samples, a.batch):
         n = min(a.batch, a.samples - b)
         shifted = tasks[b % len(tasks):] + tasks[:b % len(tasks)]  # sample i runs task i mod len(tasks)
-        records += run(tok, model, shifted, n, a.seed * 1_000_003 + b, a.max_tokens)
+        records += run(tok, model, shifted, n, a.seed * 1_000_003 + b, a.max_tokens, a.temperature)
     k, n = sum(r["passed"] for r in records), len(records)
     lo, hi = wilson(k, n)
     if a.out:
@@ -238,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{checkpoint}: {a.split} pass rate {k}/{n} = {k / n:.3f}, 95 % Wilson interval [{lo:.3f}, {hi:.3f}]; "
           f"{used}/{n} made a tool call that returned a price")
     print(json.dumps({"checkpoint": checkpoint, "split": a.split, "samples": n, "passed": k, "pass_rate": k / n,
-                      "ci95": [lo, hi], "seed": a.seed, "max_tokens": a.max_tokens, "priced_lookups": used,
+                      "ci95": [lo, hi], "seed": a.seed, "max_tokens": a.max_tokens, "temperature": a.temperature,
+                      "priced_lookups": used,
                       "seconds": round(time.monotonic() - start, 1)}))
     return 0
 
