@@ -119,8 +119,12 @@ class Episode:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--max-tokens", type=int, default=48, help="tokens per model call")
-    p.add_argument("--temperature", type=float, default=1.0)
+    # Defaults from the environment too: Gyre's `--executions.runner.env NAME VALUE` reaches a harness
+    # whose argv is shared by every task (a word starting with "-" would end the harness-command list).
+    p.add_argument("--max-tokens", type=int, default=int(os.environ.get("TOOL_AGENT_MAX_TOKENS", 48)),
+                   help="tokens per model call (env TOOL_AGENT_MAX_TOKENS)")
+    p.add_argument("--temperature", type=float, default=float(os.environ.get("TOOL_AGENT_TEMPERATURE", 1.0)),
+                   help="sampling temperature (env TOOL_AGENT_TEMPERATURE)")
     args = p.parse_args(argv)
     from openai import OpenAI
 
