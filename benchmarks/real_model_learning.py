@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.provenance import provenance, write_results  # noqa: E402
+from gyre.config import PRESETS  # noqa: E402
 from gyre.eval import difference_interval  # noqa: E402
 
 BASE_RATE = ROOT / "examples" / "tool_agent" / "base_rate.py"
@@ -79,8 +80,18 @@ def last_json(log: Path) -> dict:
     raise ValueError(f"{log}: no JSON line")
 
 
+def prepared(cfg) -> dict:
+    """What the preset's prepare step writes (the converted model, the train and held-out tasks):
+    run here once (it reuses a conversion already there), so every evaluation has its files."""
+    import importlib
+
+    module, fn = cfg.train.prepare.split(":")
+    return getattr(importlib.import_module(module), fn)(cfg.train.prepare_dir)
+
+
 def gyre_eval(preset: str, checkpoint: str | None, out: Path, args, log: Path) -> dict:
-    cmd = [sys.executable, "-m", "gyre.eval", "--preset", preset, "--split", args.split, "--samples", str(args.samples),
+    cmd = [sys.executable, "-m", "gyre.eval", "--preset", preset, "--executions.dataset.path", args.heldout_file,
+           "--split", args.split, "--samples", str(args.samples),
            "--out", str(out), *(["--checkpoint", checkpoint] if checkpoint else []),
            *(["--max-tasks", str(args.max_tasks)] if args.max_tasks else [])]
     if sh(cmd, log) != 0:
@@ -88,13 +99,16 @@ def gyre_eval(preset: str, checkpoint: str | None, out: Path, args, log: Path) -
     return json.loads(out.read_text())
 
 
-def hf_eval(model_dir: Path, tasks: Path, args, log: Path, seed: int) -> dict:
-    cmd = [sys.executable, str(BASE_RATE), "--checkpoint", str(model_dir), "--tasks", str(tasks), "--split", args.split,
-           "--samples", str(args.samples), "--seed", str(seed), *(["--max-tasks", str(args.max_tasks)] if args.max_tasks else [])]
+def hf_eval(model_dir: Path, args, log: Path, seed: int, tasks: int) -> dict:
+    """The task's own transformers-only measurement (no Gyre code): as many episodes as gyre.eval
+    ran, at the harness's temperature."""
+    cmd = [sys.executable, str(BASE_RATE), "--checkpoint", str(model_dir), "--split", args.split, "--tasks", str(tasks),
+           "--samples", str(tasks * args.samples), "--seed", str(seed), "--temperature", str(args.temperature)]
     before = log.read_text() if log.exists() else ""
     if sh(cmd, log) != 0:
         raise RuntimeError(f"base_rate.py failed; see {log}")
-    return json.loads([x for x in log.read_text()[len(before):].splitlines() if x.startswith("{")][-1])
+    out = json.loads([x for x in log.read_text()[len(before):].splitlines() if x.startswith("{")][-1])
+    return {**out, "executions": out["samples"]}
 
 
 def before_after(base: dict, final: dict) -> dict:
@@ -116,14 +130,14 @@ def main() -> int:
     p.add_argument("--split", default="heldout")
     p.add_argument("--samples", type=int, default=2, help="executions per held-out task, in each evaluation")
     p.add_argument("--max-tasks", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.7, help="the harness's sampling temperature (the preset's)")
     p.add_argument("--runs", default="runs/real-model-learning")
     p.add_argument("--out", default="benchmarks/results/real_model_learning.json")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags passed to gyre.run after the preset")
     args = p.parse_args()
 
-    from gyre.config import PRESETS
-
     cfg = PRESETS[args.preset]()
+    args.heldout_file = prepared(cfg)["heldout"]
     root = ROOT / args.runs
     root.mkdir(parents=True, exist_ok=True)
     log = root / "benchmark.log"
@@ -157,10 +171,10 @@ def main() -> int:
             export = run_dir / "export"
             if sh([sys.executable, "-m", "gyre.export", str(run_dir), str(export)], log) != 0:
                 raise RuntimeError(f"export failed; see {log}")
-            tasks = Path(cfg.executions.dataset.path)
+            n_tasks = base_eval["tasks"]
             if base_hf is None:
-                base_hf = hf_eval(Path(cfg.model.checkpoint), tasks, args, log, seed=1000)
-            final_hf = hf_eval(export, tasks, args, log, seed=1000 + seed)
+                base_hf = hf_eval(Path(cfg.model.checkpoint), args, log, seed=1000, tasks=n_tasks)
+            final_hf = hf_eval(export, args, log, seed=1000 + seed, tasks=n_tasks)
         record["eval_load_mean"] = load.mean
         record["gyre_eval"] = before_after(base_eval, final_eval)
         record["transformers_eval"] = before_after(base_hf, final_hf)
