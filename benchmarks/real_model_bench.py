@@ -29,6 +29,8 @@ rotates); each headline is the median over rounds of that round's ratio:
              its peak RSS over weights + grads + AdamW states + one micro-step's activations (the
              bytes autograd saved for the largest micro-step, parameters excluded).
              rss_over_accounting (goal ≤ 1.3); `_net`: less the process's RSS before the model.
+Beside each wall-clock ratio, `_cpu`: the same from process CPU seconds (the engine's worker
+thread and event loop included), steadier on a shared machine where other jobs take the cores.
 EOS is ignored everywhere (output lengths are the schedule's). Writes --out (machine, load before
 and after, versions, config, commit, every round's raw figures); the last line printed is one JSON
 object of the figures.
@@ -122,9 +124,9 @@ def load(path: str):
 
 
 # ---------------------------------------------------------------------------- decode
-def bare_decode(model, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
+def bare_decode(model, prompts: list[list[int]], steps: int) -> tuple[float, float, list[list[int]]]:
     """Decode tokens/s of a plain batched forward with a DynamicCache (batch B, one token a step,
-    argmax), and the tokens (the first, from the prefill, included)."""
+    argmax), the same per second of process CPU time, and the tokens (the prefill's first included)."""
     import torch
     from transformers import DynamicCache
 
@@ -133,27 +135,31 @@ def bare_decode(model, prompts: list[list[int]], steps: int) -> tuple[float, lis
         out = model(input_ids=torch.tensor(prompts), cache=cache, use_cache=True, logits_to_keep=1)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         toks = [nxt]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             out = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             toks.append(nxt)
-        dt = time.perf_counter() - t0
-    return len(prompts) * steps / dt, torch.cat(toks, 1).tolist()
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return len(prompts) * steps / dt, len(prompts) * steps / cpu, torch.cat(toks, 1).tolist()
 
 
-async def engine_decode(engine, prompts: list[list[int]], steps: int, tag: str) -> tuple[float, list[list[int]]]:
+async def engine_decode(engine, prompts: list[list[int]], steps: int, tag: str) -> tuple[float, float, list[list[int]]]:
     """Decode tokens/s of the engine serving the same B requests (tokens after the step that
-    gave every request its first, prefill, token, over the time since), and the tokens."""
+    gave every request its first, prefill, token, over the time since), the same per second of
+    process CPU time (the engine's worker thread and event loop), and the tokens."""
     from gyre.backends.protocols import SamplingParams
 
     stamps: list[list[float]] = [[] for _ in prompts]
+    cpu: dict[float, float] = {}
     toks: list[list[int]] = [[] for _ in prompts]
 
     async def one(i: int) -> None:
         sp = SamplingParams(max_tokens=steps + 1, temperature=0.0)
         async for ev in engine.generate(f"{tag}-{i}", prompts[i], sp):
-            stamps[i].append(time.perf_counter())
+            now = time.perf_counter()
+            stamps[i].append(now)
+            cpu[now] = time.process_time()
             toks[i].append(ev.token_id)
 
     await asyncio.gather(*(one(i) for i in range(len(prompts))))
@@ -161,7 +167,8 @@ async def engine_decode(engine, prompts: list[list[int]], steps: int, tag: str) 
         raise RuntimeError(f"engine decode: token counts {[len(s) for s in stamps]}, expected {steps + 1}")
     t_first = max(s[0] for s in stamps)
     tokens = sum(1 for s in stamps for t in s if t > t_first)
-    return tokens / (max(s[-1] for s in stamps) - t_first), toks
+    t_last = max(s[-1] for s in stamps)
+    return tokens / (t_last - t_first), tokens / (cpu[t_last] - cpu[t_first]), toks
 
 
 # ---------------------------------------------------------------------------- staggered arrivals
@@ -282,33 +289,35 @@ def micro_steps(model, *, count: int, seqs: int, len_range: tuple[int, int], see
     return out
 
 
-def actor_train(actor, steps: list) -> float:
-    """Training tokens/s of CpuActor.forward_backward over `steps` (gradients dropped after)."""
-    t0 = time.perf_counter()
+def actor_train(actor, steps: list) -> tuple[float, float]:
+    """Training tokens/s (and per CPU second) of CpuActor.forward_backward over `steps`."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for ms in steps:
         actor.forward_backward(ms)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     actor.zero_grad()
-    return sum(ms.num_tokens for ms in steps) / dt
+    n = sum(ms.num_tokens for ms in steps)
+    return n / dt, n / cpu
 
 
-def plain_train(model, steps: list) -> float:
-    """Training tokens/s of a plain transformers loop: a forward per packed sequence,
-    cross-entropy on the micro-step's targets, one backward per micro-step."""
+def plain_train(model, steps: list) -> tuple[float, float]:
+    """Training tokens/s (and per CPU second) of a plain transformers loop: a forward per packed
+    sequence, cross-entropy on the micro-step's targets, one backward per micro-step."""
     import torch
     import torch.nn.functional as F
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for ms in steps:
         cu = ms.cu_seqlens.tolist()
         logits = torch.cat([model(input_ids=ms.input_ids[a:b][None], position_ids=ms.position_ids[a:b][None],
                                   use_cache=False).logits[0] for a, b in zip(cu, cu[1:])])
         ce = F.cross_entropy(logits, ms.targets, reduction="none")
         (ce * ms.target_mask).sum().div(ms.num_targets).backward()
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     for p in model.parameters():
         p.grad = None
-    return sum(ms.num_tokens for ms in steps) / dt
+    n = sum(ms.num_tokens for ms in steps)
+    return n / dt, n / cpu
 
 
 def _status_kib(field: str) -> int:
@@ -396,33 +405,38 @@ async def run_all(args, model, path: str) -> dict:
             toks = {}
             for arm in rotated(["engine", "bare"], k):
                 if arm == "engine":
-                    v, toks[arm] = await engine_decode(engine, prompts, args.decode_tokens, f"d{B}-{k}")
+                    v, c, toks[arm] = await engine_decode(engine, prompts, args.decode_tokens, f"d{B}-{k}")
                 else:
-                    v, toks[arm] = bare_decode(model, prompts, args.decode_tokens)
+                    v, c, toks[arm] = bare_decode(model, prompts, args.decode_tokens)
                 raw.setdefault(f"{arm}_tok_s_{B}", []).append(v)
-                log(f"decode B={B} round {k}: {arm} {v:.1f} tok/s")
+                raw.setdefault(f"{arm}_tok_cpu_s_{B}", []).append(c)
+                log(f"decode B={B} round {k}: {arm} {v:.1f} tok/s, {c:.1f} tok per CPU s")
             # the same model: greedy tokens agree (up to fp32 near-ties, which then diverge)
             same = sum(a == b for e, r in zip(toks["engine"], toks["bare"]) for a, b in zip(e, r))
             raw.setdefault(f"greedy_agreement_{B}", []).append(same / sum(map(len, toks["bare"])))
     reqs = schedule(args.requests, vocab, tuple(args.prompt_range), tuple(args.out_range), args.spread_s, seed=0)
     for k in range(args.rounds):
         for arm in rotated(["engine", "fifo", "batched"], k):
+            c0 = time.process_time()
             if arm == "engine":
                 r = await engine_staggered(engine, reqs, f"s{k}")
             else:
                 r = generate_staggered(model, reqs, arm)
+            r["cpu_s"] = time.process_time() - c0
             for key, v in r.items():
                 raw.setdefault(f"staggered_{arm}_{key}", []).append(v)
-            log(f"staggered round {k}: {arm} makespan {r['makespan_s']:.1f} s, mean latency {r['mean_latency_s']:.1f} s")
+            log(f"staggered round {k}: {arm} makespan {r['makespan_s']:.1f} s, mean latency {r['mean_latency_s']:.1f} s, "
+                f"{r['cpu_s']:.1f} CPU s")
     await engine.stop()
     del engine
     steps = micro_steps(model, count=args.train_micro, seqs=args.train_seqs, len_range=tuple(args.train_len), seed=1)
     actor = CpuActor(model, is_core=False)  # no optimizer: this part times forward/backward only
     for k in range(args.rounds):
         for arm in rotated(["actor", "transformers"], k):
-            v = actor_train(actor, steps) if arm == "actor" else plain_train(model, steps)
+            v, c = actor_train(actor, steps) if arm == "actor" else plain_train(model, steps)
             raw.setdefault(f"train_{arm}_tok_s", []).append(v)
-            log(f"train round {k}: {arm} {v:.1f} tok/s")
+            raw.setdefault(f"train_{arm}_tok_cpu_s", []).append(c)
+            log(f"train round {k}: {arm} {v:.1f} tok/s, {c:.1f} tok per CPU s")
     return raw
 
 
@@ -431,6 +445,7 @@ def figures_from(raw: dict, rss: dict, streams: list[int]) -> dict:
     f: dict = {}
     for B in streams:
         f[f"engine_vs_bare_{B}"] = median_ratio(raw[f"engine_tok_s_{B}"], raw[f"bare_tok_s_{B}"])
+        f[f"engine_vs_bare_{B}_cpu"] = median_ratio(raw[f"engine_tok_cpu_s_{B}"], raw[f"bare_tok_cpu_s_{B}"])
         f[f"engine_tok_s_{B}"] = statistics.median(raw[f"engine_tok_s_{B}"])
         f[f"bare_tok_s_{B}"] = statistics.median(raw[f"bare_tok_s_{B}"])
         f[f"greedy_agreement_{B}"] = min(raw[f"greedy_agreement_{B}"])
@@ -443,7 +458,10 @@ def figures_from(raw: dict, rss: dict, streams: list[int]) -> dict:
     for arm in ("engine", "fifo", "batched"):
         for key in ("makespan_s", "mean_latency_s"):
             f[f"staggered_{arm}_{key}"] = statistics.median(raw[f"staggered_{arm}_{key}"])
+    f["staggered_cpu_vs_generate"] = median_ratio([min(a, b) for a, b in zip(raw["staggered_fifo_cpu_s"], raw["staggered_batched_cpu_s"])],
+                                                  raw["staggered_engine_cpu_s"])
     f["actor_vs_transformers"] = median_ratio(raw["train_actor_tok_s"], raw["train_transformers_tok_s"])
+    f["actor_vs_transformers_cpu"] = median_ratio(raw["train_actor_tok_cpu_s"], raw["train_transformers_tok_cpu_s"])
     f["train_actor_tok_s"] = statistics.median(raw["train_actor_tok_s"])
     f["train_transformers_tok_s"] = statistics.median(raw["train_transformers_tok_s"])
     f["rss_over_accounting"] = rss["peak_rss_bytes"] / rss["accounting_bytes"]
