@@ -61,6 +61,7 @@ SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num
 TINY = dict(SMOLLM2, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=512)
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PARTS = ("decode", "staggered", "train", "rss")
 
 
 def log(msg: str) -> None:
@@ -399,7 +400,7 @@ async def run_all(args, model, path: str) -> dict:
     warm = [[rng.randrange(3, vocab) for _ in range(16)]]
     bare_decode(model, warm, 2)
     await engine_decode(engine, warm, 2, "warm")
-    for B in args.streams:
+    for B in args.streams if "decode" in args.parts else []:
         prompts = [[rng.randrange(3, vocab) for _ in range(args.decode_prompt)] for _ in range(B)]
         for k in range(args.rounds):
             toks = {}
@@ -415,8 +416,8 @@ async def run_all(args, model, path: str) -> dict:
             same = sum(a == b for e, r in zip(toks["engine"], toks["bare"]) for a, b in zip(e, r))
             raw.setdefault(f"greedy_agreement_{B}", []).append(same / sum(map(len, toks["bare"])))
     reqs = schedule(args.requests, vocab, tuple(args.prompt_range), tuple(args.out_range), args.spread_s, seed=0)
-    for k in range(args.rounds):
-        for arm in rotated(["engine", "fifo", "batched"], k):
+    for k in range(args.rounds) if "staggered" in args.parts else []:
+        for arm in rotated(["engine", *args.baselines], k):
             c0 = time.process_time()
             if arm == "engine":
                 r = await engine_staggered(engine, reqs, f"s{k}")
@@ -429,6 +430,8 @@ async def run_all(args, model, path: str) -> dict:
                 f"{r['cpu_s']:.1f} CPU s")
     await engine.stop()
     del engine
+    if "train" not in args.parts:
+        return raw
     steps = micro_steps(model, count=args.train_micro, seqs=args.train_seqs, len_range=tuple(args.train_len), seed=1)
     actor = CpuActor(model, is_core=False)  # no optimizer: this part times forward/backward only
     for k in range(args.rounds):
@@ -440,37 +443,51 @@ async def run_all(args, model, path: str) -> dict:
     return raw
 
 
-def figures_from(raw: dict, rss: dict, streams: list[int]) -> dict:
-    """The headline figures, each computed from `raw` / `rss` alone (the test recomputes them)."""
+def figures_from(raw: dict, rss: dict | None, streams: list[int]) -> dict:
+    """The headline figures of the parts that ran, each computed from `raw` / `rss` alone (the
+    test recomputes them)."""
     f: dict = {}
-    for B in streams:
+    goals = {}
+    for B in streams if f"engine_tok_s_{streams[0]}" in raw else []:
+        goals[f"engine_vs_bare_{B}"] = (">=", 0.8)
         f[f"engine_vs_bare_{B}"] = median_ratio(raw[f"engine_tok_s_{B}"], raw[f"bare_tok_s_{B}"])
         f[f"engine_vs_bare_{B}_cpu"] = median_ratio(raw[f"engine_tok_cpu_s_{B}"], raw[f"bare_tok_cpu_s_{B}"])
         f[f"engine_tok_s_{B}"] = statistics.median(raw[f"engine_tok_s_{B}"])
         f[f"bare_tok_s_{B}"] = statistics.median(raw[f"bare_tok_s_{B}"])
         f[f"greedy_agreement_{B}"] = min(raw[f"greedy_agreement_{B}"])
-    best = [min(a, b) for a, b in zip(raw["staggered_fifo_makespan_s"], raw["staggered_batched_makespan_s"])]
+    if "staggered_engine_makespan_s" in raw:
+        f.update(_staggered_figures(raw))
+        goals["staggered_vs_generate"] = (">=", 2.0)
+    if "train_actor_tok_s" in raw:
+        f["actor_vs_transformers"] = median_ratio(raw["train_actor_tok_s"], raw["train_transformers_tok_s"])
+        f["actor_vs_transformers_cpu"] = median_ratio(raw["train_actor_tok_cpu_s"], raw["train_transformers_tok_cpu_s"])
+        f["train_actor_tok_s"] = statistics.median(raw["train_actor_tok_s"])
+        f["train_transformers_tok_s"] = statistics.median(raw["train_transformers_tok_s"])
+        goals["actor_vs_transformers"] = (">=", 1 / 1.2)
+    if rss is not None:
+        f["rss_over_accounting"] = rss["peak_rss_bytes"] / rss["accounting_bytes"]
+        f["rss_over_accounting_net"] = (rss["peak_rss_bytes"] - rss["rss_before_model_bytes"]) / rss["accounting_bytes"]
+        f["peak_rss_gib"] = rss["peak_rss_bytes"] / 2**30
+        goals["rss_over_accounting"] = ("<=", 1.3)
+    f["goals"] = {k: {"value": round(f[k], 3), "goal": f"{op} {g:.3g}", "met": f[k] >= g if op == ">=" else f[k] <= g}
+                  for k, (op, g) in goals.items()}
+    return f
+
+
+def _staggered_figures(raw: dict) -> dict:
+    f: dict = {}
+    arms = [a for a in ("fifo", "batched") if f"staggered_{a}_makespan_s" in raw]
+    best = [min(t) for t in zip(*(raw[f"staggered_{a}_makespan_s"] for a in arms))]
     f["staggered_vs_generate"] = median_ratio(best, raw["staggered_engine_makespan_s"])
-    for arm in ("fifo", "batched"):
+    for arm in arms:
         f[f"staggered_vs_generate_{arm}"] = median_ratio(raw[f"staggered_{arm}_makespan_s"], raw["staggered_engine_makespan_s"])
         f[f"latency_vs_generate_{arm}"] = median_ratio(raw[f"staggered_{arm}_mean_latency_s"],
                                                       raw["staggered_engine_mean_latency_s"])
-    for arm in ("engine", "fifo", "batched"):
+    for arm in ("engine", *arms):
         for key in ("makespan_s", "mean_latency_s"):
             f[f"staggered_{arm}_{key}"] = statistics.median(raw[f"staggered_{arm}_{key}"])
-    f["staggered_cpu_vs_generate"] = median_ratio([min(a, b) for a, b in zip(raw["staggered_fifo_cpu_s"], raw["staggered_batched_cpu_s"])],
+    f["staggered_cpu_vs_generate"] = median_ratio([min(t) for t in zip(*(raw[f"staggered_{a}_cpu_s"] for a in arms))],
                                                   raw["staggered_engine_cpu_s"])
-    f["actor_vs_transformers"] = median_ratio(raw["train_actor_tok_s"], raw["train_transformers_tok_s"])
-    f["actor_vs_transformers_cpu"] = median_ratio(raw["train_actor_tok_cpu_s"], raw["train_transformers_tok_cpu_s"])
-    f["train_actor_tok_s"] = statistics.median(raw["train_actor_tok_s"])
-    f["train_transformers_tok_s"] = statistics.median(raw["train_transformers_tok_s"])
-    f["rss_over_accounting"] = rss["peak_rss_bytes"] / rss["accounting_bytes"]
-    f["rss_over_accounting_net"] = (rss["peak_rss_bytes"] - rss["rss_before_model_bytes"]) / rss["accounting_bytes"]
-    f["peak_rss_gib"] = rss["peak_rss_bytes"] / 2**30
-    goals = {**{f"engine_vs_bare_{B}": (">=", 0.8) for B in streams}, "staggered_vs_generate": (">=", 2.0),
-             "actor_vs_transformers": (">=", 1 / 1.2), "rss_over_accounting": ("<=", 1.3)}
-    f["goals"] = {k: {"value": round(f[k], 3), "goal": f"{op} {g:.3g}", "met": f[k] >= g if op == ">=" else f[k] <= g}
-                  for k, (op, g) in goals.items()}
     return f
 
 
@@ -494,6 +511,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--train-micro", type=int, default=2, help="micro-steps per training round")
     ap.add_argument("--train-seqs", type=int, default=2, help="sequences per micro-step")
     ap.add_argument("--train-len", type=int, nargs=2, default=[200, 400], help="sequence length range")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which comparisons to run")
+    ap.add_argument("--baselines", nargs="+", choices=["fifo", "batched"], default=["fifo", "batched"],
+                    help="the generate servers of the staggered comparison")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "real_model_bench.json"))
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -523,9 +543,10 @@ def main(argv: list[str] | None = None) -> dict | None:
             f"vocab {model.config.vocab_size}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters")
         raw = asyncio.run(run_all(args, model, path))
         del model
-        rss = measure_rss(args, path)
-    log(f"rss: peak {rss['peak_rss_bytes'] / 2**30:.2f} GiB, accounting {rss['accounting_bytes'] / 2**30:.2f} GiB "
-        f"(activations {rss['activations_bytes'] / 2**30:.2f} GiB)")
+        rss = measure_rss(args, path) if "rss" in args.parts else None
+    if rss is not None:
+        log(f"rss: peak {rss['peak_rss_bytes'] / 2**30:.2f} GiB, accounting {rss['accounting_bytes'] / 2**30:.2f} GiB "
+            f"(activations {rss['activations_bytes'] / 2**30:.2f} GiB)")
     figures = figures_from(raw, rss, args.streams)
     figures["raw"] = raw
     figures["rss"] = rss
@@ -535,7 +556,7 @@ def main(argv: list[str] | None = None) -> dict | None:
               "cpu_model": cpu_model(), "load_before_1_5_15": load_before, "config": {k: v for k, v in vars(args).items() if k != "rss_child"},
               "model": "tiny" if args.tiny else f"SmolLM2-135M ({args.weights})",
               "baselines": {"decode": "transformers forward, DynamicCache, batch B, argmax", "staggered": "the faster of "
-                            "generate fifo (one call per request in arrival order) and batched (everything arrived, "
+                            f"{' and '.join(args.baselines)} of: generate fifo (one call per request in arrival order) and batched (everything arrived, "
                             "left-padded, to the longest output)", "train": "transformers forward per sequence + "
                             "cross-entropy on the same targets, backward"},
               "figures": figures}
