@@ -109,6 +109,24 @@ def test_any_chunking_of_a_sequence_gives_the_same_logits(cuts, other, family):
             assert (out[: b - a] - ref[a:b]).abs().max() <= TOL
 
 
+@settings(max_examples=30, deadline=None)
+@given(nkv=st.integers(1, 3), groups=st.integers(1, 3), hd=st.sampled_from([4, 16]), past=st.integers(0, 40),
+       spare=st.integers(0, 5), dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_a_decode_row_attends_exactly_as_the_general_path(nkv, groups, hd, past, spare, dtype, seed):
+    """extend's one-query path (_attend_one, every decode step) is _attend bit for bit: same
+    scores, softmax dtype and output, for any GQA layout, cache fill and dtype."""
+    from gyre.backends.engines.decoder import _attend, _attend_one
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, nkv * groups, hd, generator=g).to(dtype)
+    kc, vc = (torch.randn(nkv, past + 1 + spare, hd, generator=g).to(dtype) for _ in range(2))
+    ref = _attend(q, kc, vc, past, nkv, groups, hd, hd ** -0.5, dtype)[0]
+    out = torch.full((nkv * groups, hd), float("nan"), dtype=dtype)
+    _attend_one(q[0], kc, vc, past + 1, nkv, groups, hd, hd ** -0.5, out)
+    assert torch.equal(out, ref)
+
+
 def test_qwen3_q_k_norms_matter():
     """Dropping Qwen3's q/k norms (what loading as Qwen2 did) moves the logits far past the
     tolerance: the comparison above can fail."""
