@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HEADLINES = ["engine_vs_bare_1", "engine_vs_bare_8", "staggered_vs_generate", "actor_vs_transformers", "rss_over_accounting"]
 
 
+@pytest.mark.jobs  # a whole script end to end (2-6 min on 2 cores): never beside a training job
 def test_quick_tiny_run_prints_the_figures_and_each_ratio_is_its_raw_numbers(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.real_model_bench", "--quick", "--tiny", "--rounds", "2",
