@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 HEADLINES = ["engine_vs_bare_1", "engine_vs_bare_8", "staggered_vs_generate", "actor_vs_transformers", "rss_over_accounting"]
 
