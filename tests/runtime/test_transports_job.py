@@ -38,7 +38,11 @@ def _command(run_dir: Path, tasks: Path, transport: str) -> list[str]:
 
 def _run(tmp_path: Path, transport: str, prefix: list[str] = ()) -> dict:
     run_dir = tmp_path / "run"
-    cmd = _command(run_dir, write_task_rows(tmp_path / "tasks.jsonl", [tiny_task(1, 24, sdk=True)] * 4), transport)
+    # Rewards that never tie: a group whose rewards are all equal makes no micro-step (zero advantage),
+    # and a step of only such groups would give cell 1 nothing to join for, and nothing to broadcast.
+    untied = {**tiny_task(1, 24, sdk=True), "evaluator": {"command": [sys.executable, "-c",
+                                                                       "import random; print(random.random())"]}}
+    cmd = _command(run_dir, write_task_rows(tmp_path / "tasks.jsonl", [untied] * 4), transport)
     if prefix:  # inside a private network namespace: bring loopback up first
         cmd = [*prefix, "sh", "-c", "ip link set lo up && exec " + " ".join(f"'{c}'" for c in cmd)]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env())
