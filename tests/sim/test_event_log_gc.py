@@ -12,14 +12,16 @@ from gyre.scheduler.events import Event, EventLog
 
 def test_logged_events_are_not_walked_by_the_collector():
     log = EventLog()
-    gc.collect()
-    before = len(gc.get_objects())
     n = 20_000
     for i in range(n):
         log.add(0.5 * i, "exec_start" if i % 2 else "claim", group=i, execution=i % 7, cell=None)
-    gc.collect()  # a collection the rows survive: it stops tracking the ones that hold no container
-    grown = len(gc.get_objects()) - before
-    assert grown < n // 100, grown  # an object per event would be n
+    gc.collect()  # collections the rows survive: they stop tracking the ones that hold no container
+    gc.collect()  # (a row is untracked by the collection after the one that untracked its inner tuple)
+    # Counted on the log's own rows and everything they hold, not on the process's object count:
+    # another test's thread in the same worker allocates meanwhile (CI saw 985 foreign objects).
+    held = [log._rows] + list(log._rows) + [part for row in log._rows for part in row]
+    tracked = sum(1 for obj in held if gc.is_tracked(obj))
+    assert tracked == 1, tracked  # the list itself; an object per event would be >= n
     # the log still reads as it was written
     assert len(log) == n and log.events[3] == Event(1.5, "exec_start", {"group": 3, "execution": 3, "cell": None})
     assert [e["group"] for e in log.of("claim")][:3] == [0, 2, 4] and len(log.of("claim")) == n // 2
