@@ -17,8 +17,12 @@ held-out difference's interval and the fitted rise's interval exclude 0 in >= 2 
 
     python benchmarks/real_model_learning.py                          # seeds 0 1 2
     python benchmarks/real_model_learning.py --seeds 0 --preset smollm2-smoke --samples 1 --max-tasks 8
+    python benchmarks/real_model_learning.py --seeds 1 2 --reuse     # keep what seed 0 already measured
 Results: benchmarks/results/real_model_learning.json (machine, load, versions, commit, config,
-every run); the last line printed is one JSON object of the figures.
+every run), rewritten after every seed so that a stopped benchmark keeps what it measured; the last
+line printed is one JSON object of the figures. `--reuse` keeps a seed's finished training run (its
+summary.json) and any evaluation already written (the base model's, a seed's final), so the seeds
+can be run in several sittings.
 """
 
 from __future__ import annotations
@@ -90,6 +94,8 @@ def prepared(cfg) -> dict:
 
 
 def gyre_eval(preset: str, checkpoint: str | None, out: Path, args, log: Path) -> dict:
+    if args.reuse and out.exists():
+        return json.loads(out.read_text())
     cmd = [sys.executable, "-m", "gyre.eval", "--preset", preset, "--executions.dataset.path", args.heldout_file,
            "--split", args.split, "--samples", str(args.samples),
            "--out", str(out), *(["--checkpoint", checkpoint] if checkpoint else []),
@@ -99,16 +105,20 @@ def gyre_eval(preset: str, checkpoint: str | None, out: Path, args, log: Path) -
     return json.loads(out.read_text())
 
 
-def hf_eval(model_dir: Path, args, log: Path, seed: int, tasks: int) -> dict:
+def hf_eval(model_dir: Path, args, log: Path, seed: int, tasks: int, out: Path) -> dict:
     """The task's own transformers-only measurement (no Gyre code): as many episodes as gyre.eval
-    ran, at the harness's temperature."""
+    ran, at the harness's temperature; kept in `out`."""
+    if args.reuse and out.exists():
+        return json.loads(out.read_text())
     cmd = [sys.executable, str(BASE_RATE), "--checkpoint", str(model_dir), "--split", args.split, "--tasks", str(tasks),
            "--samples", str(tasks * args.samples), "--seed", str(seed), "--temperature", str(args.temperature)]
     before = log.read_text() if log.exists() else ""
     if sh(cmd, log) != 0:
         raise RuntimeError(f"base_rate.py failed; see {log}")
-    out = json.loads([x for x in log.read_text()[len(before):].splitlines() if x.startswith("{")][-1])
-    return {**out, "executions": out["samples"]}
+    res = json.loads([x for x in log.read_text()[len(before):].splitlines() if x.startswith("{")][-1])
+    res["executions"] = res["samples"]
+    out.write_text(json.dumps(res) + "\n")
+    return res
 
 
 def before_after(base: dict, final: dict) -> dict:
@@ -133,6 +143,8 @@ def main() -> int:
     p.add_argument("--temperature", type=float, default=0.7, help="the harness's sampling temperature (the preset's)")
     p.add_argument("--runs", default="runs/real-model-learning")
     p.add_argument("--out", default="benchmarks/results/real_model_learning.json")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep finished training runs and evaluations already written (run seeds in several sittings)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags passed to gyre.run after the preset")
     args = p.parse_args()
 
@@ -149,14 +161,21 @@ def main() -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
                "-m", "gyre.run", "--preset", args.preset, "--seed", str(seed), "--run-dir", str(run_dir), "--overwrite",
                *args.extra]
-        t0 = time.time()
-        with LoadSampler() as load:
-            rc = sh(cmd, log)
-        record.update(train_rc=rc, train_wall_s=round(time.time() - t0, 1), train_load_mean=load.mean)
+        done = run_dir / "train.json"  # this benchmark's record of the training run
+        if args.reuse and done.exists() and (run_dir / "summary.json").exists():
+            record.update(json.loads(done.read_text()))
+        else:
+            t0 = time.time()
+            with LoadSampler() as load:
+                rc = sh(cmd, log)
+            record.update(train_rc=rc, train_wall_s=round(time.time() - t0, 1), train_load_mean=load.mean)
+            done.write_text(json.dumps({k: record[k] for k in ("train_rc", "train_wall_s", "train_load_mean")}) + "\n")
+        rc = record["train_rc"]
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
         if rc != 0 or summary.get("error"):
             record["error"] = summary.get("error") or f"gyre.run exit {rc}; see {log}"
             runs.append(record)
+            report(runs, base_eval, args, t_start)
             continue
         t = summary.get("reward_trend") or {}
         record["fitted_rise"] = [t.get("fitted_rise"), t.get("fitted_rise_ci95_low"), t.get("fitted_rise_ci95_high")]
@@ -173,15 +192,22 @@ def main() -> int:
                 raise RuntimeError(f"export failed; see {log}")
             n_tasks = base_eval["tasks"]
             if base_hf is None:
-                base_hf = hf_eval(Path(cfg.model.checkpoint), args, log, seed=1000, tasks=n_tasks)
-            final_hf = hf_eval(export, args, log, seed=1000 + seed, tasks=n_tasks)
+                base_hf = hf_eval(Path(cfg.model.checkpoint), args, log, seed=1000, tasks=n_tasks,
+                                  out=root / "transformers-base.json")
+            final_hf = hf_eval(export, args, log, seed=1000 + seed, tasks=n_tasks,
+                               out=run_dir / "eval" / f"{args.split}-final-transformers.json")
         record["eval_load_mean"] = load.mean
         record["gyre_eval"] = before_after(base_eval, final_eval)
         record["transformers_eval"] = before_after(base_hf, final_hf)
         record["evals_agree"] = agree(record["gyre_eval"], record["transformers_eval"])
         runs.append(record)
         print(json.dumps(record), flush=True)
+        report(runs, base_eval, args, t_start)
+    return 0
 
+
+def report(runs: list[dict], base_eval: dict | None, args, t_start: float) -> None:
+    """Write the results file for the seeds measured so far (after each seed: a stop keeps them)."""
     ok = [r for r in runs if "error" not in r]
     figures = {
         "seeds": len(runs), "runs_ok": len(ok),
@@ -195,7 +221,6 @@ def main() -> int:
     }
     write_results(ROOT / args.out, {**provenance("transformers"), "config": vars(args), "runs": runs,
                                     "wall_s": round(time.time() - t_start, 1), "figures": figures})
-    return 0
 
 
 if __name__ == "__main__":

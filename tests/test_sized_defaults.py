@@ -93,7 +93,7 @@ def test_apply_respects_the_command_line_and_the_preset(tmp_path, monkeypatch):
     # smollm2's own checkpoint: its lr and max_tokens were chosen for it and stay
     monkeypatch.chdir(tmp_path)
     _checkpoint(tmp_path / "runs" / "smollm2" / "data" / "model")
-    assert applied(["--preset", "smollm2"]) == (3e-6, 2048, 0)
+    assert applied(["--preset", "smollm2"]) == (1e-5, 2048, 0)
     assert applied([*base, "--model.checkpoint", str(tmp_path / "missing")])[2] == 0  # not there yet: nothing sized
     # activation checkpointing: on for a pretrained checkpoint unless the command line or the preset chose
     on = parse_config([*base, "--model.checkpoint", str(ck)])
