@@ -122,3 +122,24 @@ def test_tokenize_with_mask_marks_exactly_the_outputs():
     assert tok.decode(ids) == text
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "hello there<|im_end|>bye<|im_end|>"
     assert not mask[0]
+
+
+def test_preparing_the_tasks_again_never_shows_a_reader_a_partial_file(tmp_path):
+    """Issue 53 item 6: every rank's preflight parses tasks.jsonl while rank 0's prepare step
+    writes it. A reader holding the old file keeps reading the whole old file (the new one is
+    renamed in, not written over it), and an unchanged file is not rewritten at all."""
+    from examples.cpu_demo.prepare import prepare
+
+    prepare(str(tmp_path), num_tasks=8, seed=0, with_checkpoint=False)
+    path = tmp_path / "tasks.jsonl"
+    old = path.read_bytes()
+    with open(path, "rb") as reader:  # a rank that opened the file just before the rewrite
+        reader.read(10)
+        prepare(str(tmp_path), num_tasks=9, seed=1, with_checkpoint=False)
+        assert old[:10] + reader.read() == old
+    assert len(path.read_text().splitlines()) == 9
+    before = path.stat()
+    prepare(str(tmp_path), num_tasks=9, seed=1, with_checkpoint=False)
+    after = path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert [p.name for p in tmp_path.iterdir()] == ["tasks.jsonl"]  # no temporary left behind
