@@ -351,8 +351,10 @@ def check_dataset(cfg: GyreConfig) -> None:
 
 
 def check_run_dir(cfg: GyreConfig) -> None:
-    """Where the run directory goes can be written (the nearest existing directory above it)."""
+    """Where the run directory goes can be written (the nearest existing directory above it: a
+    directory is made and removed there)."""
     import os
+    import tempfile
 
     target = Path(cfg.run_dir) if cfg.run_dir else runs_root(cfg.preset)
     flag = f"--run-dir {cfg.run_dir}" if cfg.run_dir else f"the default run directory {target}/ (--run-dir)"
@@ -363,6 +365,10 @@ def check_run_dir(cfg: GyreConfig) -> None:
         raise ConfigError(f"{flag}: {probe} is not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag}: {probe} is not writable")
+    try:  # os.access says yes for root where the filesystem still refuses (/sys, /proc, read-only mounts)
+        os.rmdir(tempfile.mkdtemp(prefix=".gyre-probe-", dir=probe))
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot create a directory in {probe}: {e.strerror}") from None
 
 
 def check_tracking(tc: TrackingConfig) -> None:

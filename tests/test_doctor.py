@@ -84,6 +84,18 @@ def test_unwritable_run_dir_fails_naming_it(tmp_path):
     assert [n for n, (s, _) in rows.items() if s == FAIL] == ["run dir"]
 
 
+@pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="needs Linux's /sys")
+def test_a_run_dir_where_the_filesystem_refuses_directories_is_refused_naming_the_flag():
+    """Issue 53 item 7: `os.access` says root may write /sys, but mkdir there is refused; gyre.run
+    gave a raw PermissionError traceback from the run-directory code."""
+    from gyre.config_checks import check_run_dir
+    from gyre.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^--run-dir /sys/gyre-x: cannot create a directory in /sys: "):
+        check_run_dir(parse_config(["--run-dir", "/sys/gyre-x"]))
+    assert not Path("/sys/gyre-x").exists()
+
+
 def test_unsupported_architecture_fails_naming_it(tmp_path):
     ckpt = tmp_path / "mamba"
     ckpt.mkdir()

@@ -233,7 +233,10 @@ def _decide_path(cfg: GyreConfig, now: float | None, lock: RunLock, lock_wait_s:
             raise RunDirError(f"--train.resume: run directory {path} does not exist")
         _lock(lock, path, lock_wait_s)
         return path.resolve()
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(f"--run-dir {path}: cannot create it: {e.strerror}") from None
     _lock(lock, path, lock_wait_s)  # before the outputs are looked at: a job still writing them is the refusal
     found = previous_outputs(path)
     if found:
