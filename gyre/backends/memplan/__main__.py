@@ -43,6 +43,8 @@ def format_table(cfg: MemPlanConfig, p: MemPlan) -> str:
         rows += [f"  {'offload, per GPU':44s} {_gb(p.host_offload_per_gpu)}",
                  f"  {'offload, the core cell':44s} {_gb(p.host_offload_per_cell)}"]
     rows.append(f"  {'weight snapshots on the core (keep + 1)':44s} {_gb(p.host_snapshots)}")
+    if cfg.pp > 1:
+        rows.append("note: --pp > 1 fits the arithmetic, but the Megatron actor cannot export weights from PP > 1 yet")
     rows.append(f"overall: {yes(p.fits)}")
     rows += [f"suggest: {s}" for s in p.suggestions]
     return "\n".join(rows)

@@ -12,11 +12,12 @@ from gyre.backends.models.sizes import ModelDims
 
 
 def _layouts(dims: ModelDims, max_cell: int = 64):
-    """(tp, pp, ep) a Megatron cell can take, smallest cell first, TP before PP (PP export is not built)."""
+    """(tp, 1, ep) a Megatron cell can take, smallest cell first. No PP: the Megatron actor cannot
+    export weights from PP > 1 yet (`MegatronActor.export_hf`), and the core exports every step."""
     divisors = lambda n: [d for d in range(1, min(n, max_cell) + 1) if n % d == 0]  # noqa: E731
     tps = [1] if dims.num_experts else [t for t in divisors(dims.kv_heads) if dims.heads % t == 0]
     eps = divisors(dims.num_experts) if dims.num_experts else [1]
-    cands = [(t, p, e) for t in tps for p in divisors(dims.num_layers) for e in eps if t * p * e <= max_cell]
+    cands = [(t, p, e) for t in tps for p in (1,) for e in eps if t * p * e <= max_cell]
     return sorted(cands, key=lambda c: (c[0] * c[1] * c[2], c[1]))
 
 

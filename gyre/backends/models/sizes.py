@@ -141,6 +141,9 @@ def model_dims(named: tuple[str, dict], where: str = "--model") -> ModelDims:
 
     name, raw = named
     where = f"{where} {name}"
+    if raw.get("num_experts") is None and raw.get("num_local_experts") is not None:
+        # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute_map)
+        raw = {**raw, "num_experts": raw["num_local_experts"]}
     moe = _check_fields(raw, where)
     # transformers' default: as many KV heads as query heads when the config names none
     fields = {"rms_norm_eps": 1e-6, "model_type": "", **raw}
