@@ -3,6 +3,9 @@
     python -m gyre.plan --profile gyre/sim/profiles/paper_table1.json --gpus 256 --max-staleness 1
     python -m gyre.plan --profile my_run_profile.json --gpus 4 --gpus-per-node 1 --png frontier.png
 
+`python -m gyre.plan --memory --model qwen3-8b --gpu h100 --tp 8` answers another question:
+whether a model fits a cell's GPUs (`gyre.backends.memplan`; its --help lists the flags).
+
 A profile holds the workload's costs (`python -m gyre.sim --calibrate RUN_DIR` fits one from a
 run; `gyre/sim/profiles/paper_table1.json` is the paper's Table 1 setting, written by hand). The
 planner runs the simulator — the same `ElasticScheduler` the runtime drives — over
@@ -285,6 +288,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--memory" in argv:  # the other question: does the model fit the GPUs (gyre.backends.memplan)
+        from gyre.backends.memplan.__main__ import main as memory_main
+
+        return memory_main([a for a in argv if a != "--memory"])
     args = parse_args(argv)
     try:
         prof = Profile.load(args.profile)
