@@ -11,7 +11,8 @@ eval's own flags:
     --checkpoint PATH   what to evaluate: an HF directory, a step checkpoint
                         (RUN/checkpoints/step_000032), or a run directory (its newest complete
                         checkpoint). Default: --model.checkpoint, the base model.
-    --split NAME        only the tasks whose `metadata.split` is NAME (default: every task)
+    --split NAME        only the tasks whose `metadata.split` is NAME (default: every task); when
+                        the dataset has none, the tasks of NAME.jsonl beside it
     --samples K         executions per task (default 1)
     --max-tasks N       the first N tasks of the split (default: all)
     --pass-at R         an execution passes when its reward >= R (default 1.0)
@@ -105,6 +106,18 @@ def resolve_checkpoint(path: str) -> tuple[Path, Path | None]:
         raise SystemExit(f"gyre.eval: --checkpoint {path}: no config.json there, and no checkpoints/ of a run")
     run = p.resolve().parent.parent if p.resolve().parent.name == "checkpoints" else None
     return p, run
+
+
+def split_file(dataset: str, split: str | None) -> str:
+    """Where the tasks of `split` are: the dataset itself, or, when none of its tasks is of that
+    split and `<split>.jsonl` lies beside it, that file (a preset's dataset is its train split:
+    `--preset smollm2 --split heldout` reads runs/smollm2/data/heldout.jsonl)."""
+    from gyre.executions.tasks import Dataset
+
+    if split is None or any(t.metadata.get("split") == split for t in Dataset.from_jsonl(dataset).tasks):
+        return dataset
+    beside = Path(dataset).with_name(f"{split}.jsonl")
+    return str(beside) if beside.is_file() else dataset
 
 
 def select_tasks(tasks: list[Any], split: str | None, max_tasks: int | None) -> list[Any]:
@@ -205,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     ckpt, run = resolve_checkpoint(args.checkpoint or cfg.model.checkpoint or "")
     from gyre.executions.tasks import Dataset
 
-    tasks = select_tasks(Dataset.from_jsonl(cfg.executions.dataset.path).tasks, args.split, args.max_tasks)
+    path = split_file(cfg.executions.dataset.path, args.split)
+    if path != cfg.executions.dataset.path:
+        logger.info("eval: %s has no task of split %s; reading %s", cfg.executions.dataset.path, args.split, path)
+    tasks = select_tasks(Dataset.from_jsonl(path).tasks, args.split, args.max_tasks)
     out = Path(args.out) if args.out else default_out(run, args.split, ckpt)
     out.parent.mkdir(parents=True, exist_ok=True)
     logger.info("eval: %s on %d tasks (split %s) x %d samples -> %s", ckpt, len(tasks), args.split or "all",

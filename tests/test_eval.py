@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, strategies as st
 
-from gyre.eval import difference_interval, resolve_checkpoint, select_tasks, summarize, wilson
+from gyre.eval import difference_interval, resolve_checkpoint, select_tasks, split_file, summarize, wilson
 from gyre.executions.tasks import Task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +61,23 @@ def test_the_split_is_the_tasks_metadata_and_an_unknown_one_names_those_there():
     assert [t.task_id for t in select_tasks(tasks, None, 3)] == ["t0", "t1", "t2"]
     with pytest.raises(SystemExit, match=r"splits \['heldout', 'train'\]"):
         select_tasks(tasks, "test", None)
+
+
+def test_a_split_the_dataset_lacks_is_read_from_its_file_beside_the_dataset(tmp_path):
+    """`--preset smollm2 --split heldout`: the preset's dataset is train.jsonl; heldout.jsonl lies beside it."""
+    def write(name: str, tasks: list[Task]) -> str:
+        (tmp_path / name).write_text("".join(json.dumps({"task_id": t.task_id, "instruction": "x",
+                                                         "evaluator": {"command": ["true"]},
+                                                         "metadata": t.metadata}) + "\n" for t in tasks))
+        return str(tmp_path / name)
+
+    train = write("train.jsonl", [_task(0, "train"), _task(1, "train")])
+    assert split_file(train, "heldout") == train  # nothing beside it: select_tasks then names the splits there
+    held = write("heldout.jsonl", [_task(2, "heldout")])
+    assert split_file(train, "heldout") == held
+    assert split_file(train, "train") == train and split_file(train, None) == train
+    both = write("both.jsonl", [_task(3, "train"), _task(4, "heldout")])
+    assert split_file(both, "heldout") == both  # the dataset's own tasks of the split come first
 
 
 @pytest.mark.jobs  # finished_run: a real tiny job, shared
