@@ -19,7 +19,8 @@
 # 29500), GYRE_MAX_RESTARTS (default 0: torchrun restarts the job this many times after a rank
 # dies; each restart resumes from the newest complete checkpoint), GYRE_NODE_EXIT_WAIT_S (default
 # 180: how long the other nodes may finish, e.g. write their checkpoint, after the first node's
-# torchrun ended, before srun ends them), GYRE_DRY_RUN=1 prints this node's torchrun command
+# torchrun ended, before srun ends them), GYRE_MAX_REQUEUES (default 8: launch.sh asks for no
+# requeue once the job has been requeued this many times, SLURM_RESTART_COUNT), GYRE_DRY_RUN=1 prints this node's torchrun command
 # instead of running it (used by the tests).
 #
 # Signals: the batch shell forwards a SIGTERM/SIGINT meant for it alone to every node's torchrun
@@ -27,7 +28,8 @@
 # `--signal=B:TERM@120` works. Requeue: the job is requeueable (#SBATCH --requeue; `sbatch
 # --no-requeue` turns it off). A graceful stop that is not `scancel` or the time limit (a
 # preemption's grace-time SIGTERM, `--signal=B:TERM@N` before the time limit) asks Slurm to
-# requeue the job. The run directory is the same every time: without --run-dir the job writes to
+# requeue the job; a crash (a rank that died rather than stopped, even when torchrun then
+# SIGTERMed the others) is not requeued. The run directory is the same every time: without --run-dir the job writes to
 # runs/slurm/<job id>, and on a requeue (SLURM_RESTART_COUNT > 0) gyre.run resumes there from its
 # newest complete checkpoint. docs/cluster.md has the table of Slurm events.
 # Every attempt appends to the same log, after a header line naming the attempt.
@@ -161,12 +163,27 @@ if [[ -z "$signalled" && $rc != 0 ]]; then
   # run stopped gracefully on a SIGTERM (this attempt's summary says so) while the job is still
   # RUNNING. Requeue it, or the non-zero exit leaves it FAILED before Slurm's own requeue.
   info=$(job_info)
-  if requeueable "$info" && [[ "$run_dir/summary.json" -nt "$attempt_t0" ]] \
-      && python -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1])).get("interrupted"))' \
-         "$run_dir/summary.json" 2>/dev/null; then
-    signalled="a SIGTERM to the steps (a preemption)"
-    requeue=1
+  # A crash looks the same from here when torchrun SIGTERMed the surviving ranks: the summary
+  # says interrupted, but names the ranks that never reported stopping (the dead ones).
+  if requeueable "$info" && [[ "$run_dir/summary.json" -nt "$attempt_t0" ]]; then
+    how=$(python -c 'import json, sys; s = json.load(open(sys.argv[1]))
+crashed = sorted(set(s.get("ranks_not_stopped") or []) | set(s.get("dead_ranks") or []))
+print("crash %s" % crashed if crashed else "preemption" if s.get("interrupted") else "")' \
+      "$run_dir/summary.json" 2>/dev/null || true)
+    if [[ "$how" == preemption ]]; then
+      signalled="a SIGTERM to the steps (a preemption)"
+      requeue=1
+    elif [[ "$how" == crash* ]]; then
+      echo "gyre: ranks ${how#crash } died (exit $rc): a crash, not a preemption; not requeued" \
+        "(GYRE_MAX_RESTARTS lets torchrun restart the job after a rank dies)" >&2
+    fi
   fi
+fi
+if [[ $requeue == 1 && ${SLURM_RESTART_COUNT:-0} -ge ${GYRE_MAX_REQUEUES:-8} ]]; then
+  echo "gyre: stopped on $signalled (exit $rc); not requeued: the job was requeued ${SLURM_RESTART_COUNT:-0}" \
+    "times already (GYRE_MAX_REQUEUES=${GYRE_MAX_REQUEUES:-8})" >&2
+  requeue=0
+  signalled=""
 fi
 if [[ $requeue == 1 ]]; then
   # The next allocation resumes the run (SLURM_RESTART_COUNT > 0). Without this a graceful stop
@@ -174,6 +191,7 @@ if [[ $requeue == 1 ]]; then
   echo "gyre: stopped on $signalled (exit $rc); requeueing job $SLURM_JOB_ID to resume" >&2
   scontrol requeue "$SLURM_JOB_ID" || echo "gyre: scontrol requeue failed; resubmit to resume" >&2
 elif [[ -n "$signalled" ]]; then
-  echo "gyre: stopped on $signalled (exit $rc); not requeued (cancelled, ending, or --no-requeue)" >&2
+  echo "gyre: stopped on $signalled (exit $rc); not requeued by launch.sh (scancel, the time limit, --no-requeue," \
+    "or a node failure, which Slurm itself requeues when the job is requeueable)" >&2
 fi
 exit "$rc"

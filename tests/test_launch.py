@@ -195,7 +195,7 @@ if sys.argv[1:3] == ["show", "job"]:
 """
 
 
-def _batch(tmp_path, block=False, job_info="JobId=5 JobState=RUNNING Reboot=0 Requeue=1 Restarts=0"):
+def _batch(tmp_path, block=False, job_info="JobId=5 JobState=RUNNING Reboot=0 Requeue=1 Restarts=0", **extra_env):
     spool = tmp_path / "spool"
     spool.mkdir()
     script = spool / "slurm_script"
@@ -203,7 +203,7 @@ def _batch(tmp_path, block=False, job_info="JobId=5 JobState=RUNNING Reboot=0 Re
     bindir = _bin(tmp_path, srun=FAKE_SRUN, torchrun=FAKE_TORCHRUN, scancel=FAKE_SCANCEL, scontrol=FAKE_SCONTROL)
     env = _env(bindir, SLURM_NNODES="2", SLURM_JOB_NODELIST="n[1-2]", SLURM_JOB_ID="5", SLURM_NODEID="0",
                FAKE_SPOOL=str(spool), FAKE_NODES=str(tmp_path / "nodes"), FAKE_LOG=str(tmp_path / "log"),
-               FAKE_JOB_INFO=job_info, GYRE_NPROC_PER_NODE="2", **({"FAKE_BLOCK": "1"} if block else {}))
+               FAKE_JOB_INFO=job_info, GYRE_NPROC_PER_NODE="2", **({"FAKE_BLOCK": "1"} if block else {}), **extra_env)
     proc = subprocess.Popen(["bash", str(script), "--preset", "x y"], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc, tmp_path / "nodes", tmp_path / "log"
@@ -253,19 +253,44 @@ def test_sigterm_to_the_batch_shell_reaches_every_torchrun_and_requeues(tmp_path
     assert proc.returncode == 143, err  # torchrun's status, not the shell's own death by signal
 
 
+def _stop_the_steps(d: Path, summary: dict, **extra_env) -> tuple[str, str]:
+    """A batch job whose steps get SIGTERM (not the shell) after the attempt wrote `summary`."""
+    proc, _, log = _batch(d, block=True, **extra_env)
+    text = _wait_for(log, " pid ", n=3)
+    run = d / "runs" / "slurm" / "5"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps(summary))
+    for pid in re.findall(r"torchrun \d+ pid (\d+)", text):
+        os.kill(int(pid), signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    return log.read_text(), err
+
+
 def test_a_preemption_signals_the_steps_only_and_the_job_is_requeued(tmp_path):
     """PreemptMode=REQUEUE with a GraceTime sends SIGTERM to the steps, not the batch shell: the
     run stops gracefully (its summary says interrupted) while the job is RUNNING; the shell
-    requeues it (else the non-zero exit marks it FAILED). A crash (no such summary) is not."""
-    for interrupted, requeued in (("SIGTERM", True), (None, False)):
-        d = tmp_path / str(requeued)
+    requeues it (else the non-zero exit marks it FAILED). A crash is not: no such summary, or
+    (issue 53 item 2) an interrupted one naming ranks that died rather than stopped — torchrun
+    SIGTERMs the survivors when a rank is SIGKILLed, so the summary says interrupted too."""
+    cases = [({"interrupted": "SIGTERM"}, True), ({"interrupted": None}, False),
+             ({"interrupted": "SIGTERM", "ranks_not_stopped": [3]}, False),
+             ({"interrupted": "SIGTERM", "dead_ranks": [1]}, False)]
+    for i, (summary, requeued) in enumerate(cases):
+        d = tmp_path / str(i)
         d.mkdir()
-        proc, _, log = _batch(d, block=True)
-        text = _wait_for(log, " pid ", n=3)
-        run = d / "runs" / "slurm" / "5"
-        run.mkdir(parents=True)
-        (run / "summary.json").write_text(json.dumps({"interrupted": interrupted}))
-        for pid in re.findall(r"torchrun \d+ pid (\d+)", text):
-            os.kill(int(pid), signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-        assert ("scontrol requeue 5" in log.read_text()) == requeued, (log.read_text(), err)
+        log, err = _stop_the_steps(d, summary)
+        assert ("scontrol requeue 5" in log) == requeued, (summary, log, err)
+        crashed = summary.get("ranks_not_stopped") or summary.get("dead_ranks")
+        assert (f"ranks {crashed} died" in err and "not requeued" in err) == bool(crashed), err
+
+
+def test_requeues_stop_at_the_cap(tmp_path):
+    """A job preempted again and again is requeued until it has been requeued GYRE_MAX_REQUEUES
+    times (default 8), then left to end, saying why."""
+    for restarts, cap, requeued in (("7", None, True), ("8", None, False), ("2", "2", False), ("1", "2", True)):
+        d = tmp_path / f"{restarts}-{cap}"
+        d.mkdir()
+        log, err = _stop_the_steps(d, {"interrupted": "SIGTERM"}, SLURM_RESTART_COUNT=restarts,
+                                   **({"GYRE_MAX_REQUEUES": cap} if cap else {}))
+        assert ("scontrol requeue 5" in log) == requeued, (restarts, cap, log, err)
+        assert ("not requeued: the job was requeued" in err) == (not requeued), err
