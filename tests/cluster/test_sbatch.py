@@ -160,3 +160,39 @@ def test_a_node_failure_requeues_the_job_and_it_resumes(slurm_cluster, tmp_path)
     versions = [r["version"] for r in rows(run / "metrics.jsonl")]
     assert resumed >= 1 and versions == list(range(1, len(versions) + 1)), versions
 
+
+
+def _kill_rank(job: str, rank: int) -> int:
+    """SIGKILL the job's gyre.run rank `rank` (found by its environment: the nodes share this
+    machine's pid namespace); returns its pid."""
+    import os
+    import signal
+
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            env = dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e)
+        except OSError:
+            continue
+        if b"gyre.run" in argv and env.get(b"SLURM_JOB_ID") == job.encode() and env.get(b"RANK") == str(rank).encode() \
+                and b"torch.distributed.run" not in b" ".join(argv):
+            os.kill(int(pid), signal.SIGKILL)
+            return int(pid)
+    raise AssertionError(f"job {job}: no gyre.run process of rank {rank}")
+
+
+def test_a_rank_killed_without_restarts_is_a_crash_and_is_not_requeued(slurm_cluster, tmp_path):
+    """Issue 53 item 2: rank 3 (node n2) SIGKILLed with GYRE_MAX_RESTARTS=0: its torchrun SIGTERMs
+    rank 2, so the run stops "interrupted" like a preemption; the summary names rank 3 as not
+    stopped and launch.sh does not requeue (before: "a preemption ... requeueing", for ever)."""
+    tasks = write_tasks(tmp_path / "tasks.jsonl", n=40)
+    job = slurm_cluster.sbatch(["--nodes=2", str(ROOT / "launch.sh"),
+                                *gyre_args(tasks, "--train.checkpoint-every", "1", steps=40)],
+                               cwd=tmp_path, GYRE_NPROC_PER_NODE="2")
+    run = tmp_path / "runs" / "slurm" / job
+    _mid_run(slurm_cluster, job, run, steps=1)
+    _kill_rank(job, 3)
+    info = slurm_cluster.wait(job, lambda j: j["JobState"] in ENDED, 180, "the job to end")
+    log = (tmp_path / f"gyre-{job}.out").read_text()
+    assert info["Restarts"] == "0" and info["JobState"] == "FAILED", (info, log[-4000:])
+    assert "requeueing" not in log and "a crash, not a preemption; not requeued" in log, log[-4000:]
