@@ -177,6 +177,12 @@ class HealthConfig:
     """Stop the run with an error when at least this fraction of the window failed. 1.0 = only when
     every one did; above 1 never stops."""
 
+    evaluator_window: int = 3
+    """Stop the run with an error when an evaluator's first this many evaluations all failed (it
+    never gave a reward: it cannot start where it runs, or it breaks on every workspace), even
+    while other tasks' evaluators score. A workspace refused for a link is the harness's doing and
+    does not count. 0 = never stop for this."""
+
 
 @dataclass(kw_only=True)
 class ExecutionsConfig:
