@@ -13,7 +13,8 @@ user. So two things are checked or contained here:
     evaluators (a child Python process) in the harness's sandbox backend: under bubblewrap they
     see the workspace read-write, the rest of its execution directory read-only (the logs,
     files the harness left beside its workspace), nothing of other executions or of the
-    repository beyond the evaluator's own module and the gyre package (read-only), the system
+    repository beyond the evaluator's own package, module file or script with the Python
+    modules beside a single file (`beside_modules`), and the gyre package (read-only), the system
     and Python read-only, a private /tmp, no network (`sandbox_network host`: the host's). So
     an evaluator that runs the workspace's tests runs harness-written code inside a sandbox
     too. A harness in a container: its evaluators run under bubblewrap on this node (the image
