@@ -74,6 +74,7 @@ BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "executions.evaluator.timeout-s": (0, False, None), "executions.evaluator.max-attempts": (1, True, None),
     "executions.evaluator.retry-backoff-s": (0, True, None), "executions.evaluator.concurrency": (1, True, None),
     "executions.health.window": (0, True, None), "executions.health.stop-fraction": (0, False, None),
+    "executions.health.evaluator-window": (0, True, None),
     "proxy.port": (0, True, 65535), "proxy.max-context-tokens": (1, True, None),
     "proxy.default-max-tokens": (1, True, None), "proxy.max-body-bytes": (1, True, None),
     "proxy.affinity-slack": (0, True, None), "proxy.max-reroutes": (0, True, None),
@@ -142,18 +143,20 @@ def check_job(cfg: GyreConfig, argv: list[str]) -> None:
 
 def check_tasks(cfg: GyreConfig, dataset: Any) -> None:
     """What every task will run is there before any execution starts: each harness program
-    resolves (on PATH, or an existing file) and each python evaluator imports, in a child Python
-    as the evaluator runs it. Before, a missing harness created an execution directory per launch
-    until the health check stopped the run, and an evaluator that could not be imported was found
-    only after a whole step of harness runs."""
+    resolves (on PATH, or an existing file) and each evaluator starts where it will run, in its
+    sandbox (`gyre.executions.eval_probe`: a python evaluator imports, a command's program
+    resolves and its Python script's imports import). Before, a missing harness created an
+    execution directory per launch until the health check stopped the run, and an evaluator that
+    could start only outside its sandbox had every execution of its task excluded."""
     import shutil
-    import subprocess
+
+    from gyre.executions.eval_probe import place, probe, probe_argv
 
     rc = cfg.executions.runner
     remote = rc.sandbox_hosts or rc.sandbox == "container"  # programs resolve on those hosts / in the image
     path = (rc.env.get("PATH") or os.environ.get("PATH", os.defpath))
     harnesses: dict[tuple[str, ...], str] = {}
-    evaluators: dict[str, str] = {}
+    evaluators: dict[tuple[str, ...], Any] = {}  # one probe per distinct evaluator start: its first task
     for task in dataset:
         argv = task.harness or rc.harness_command
         if not argv:
@@ -161,15 +164,10 @@ def check_tasks(cfg: GyreConfig, dataset: Any) -> None:
                               f"or the task's 'harness')")
         harnesses.setdefault(tuple(argv), task.task_id)
         ev = task.evaluator
-        if ev.kind == "python" and isinstance(ev.target, str):
-            evaluators.setdefault(ev.target, task.task_id)
-        elif ev.kind == "command":
-            prog = ev.target[0]
-            if (os.sep in prog and not Path(prog).is_absolute()) or (shutil.which(prog, path=path) if os.sep not in prog
-                                                                      else os.access(prog, os.X_OK)):
-                continue
-            raise ConfigError(f"task {task.task_id}: evaluator command {prog!r} not found (not on PATH, or not an "
-                              f"executable file)")
+        if ev.kind == "command" or isinstance(ev.target, str):
+            key = probe_argv(ev)
+            if key is not None:
+                evaluators.setdefault((ev.kind, *key), task)
     where = "--executions.runner.harness-command" if rc.harness_command else "the task's 'harness'"
     for argv, task_id in ([] if remote else harnesses.items()):
         prog = sys.executable if argv[0] == "{python}" else argv[0]
@@ -181,20 +179,19 @@ def check_tasks(cfg: GyreConfig, dataset: Any) -> None:
         for arg in argv[1:2]:  # `{python} script.py`: the script
             if argv[0] == "{python}" and arg.endswith(".py") and Path(arg).is_absolute() and not Path(arg).is_file():
                 raise ConfigError(f"task {task_id}: harness script {arg} not found ({where}: {' '.join(argv)})")
-    from gyre.executions.evaluator import _python_path_env
-
-    for target, task_id in evaluators.items():
-        module, _, fn = target.partition(":")
-        probe = ("import importlib, sys; m = importlib.import_module(sys.argv[1]); "
-                 "f = getattr(m, sys.argv[2], None); callable(f) or sys.exit(f'{sys.argv[1]} has no function {sys.argv[2]}')")
+    ec = cfg.executions.evaluator
+    for task in evaluators.values():
+        ev = task.evaluator
         try:
-            out = subprocess.run([sys.executable, "-c", probe, module, fn], env=_python_path_env(), capture_output=True,
-                                 text=True, timeout=120)
-        except subprocess.TimeoutExpired:
-            raise ConfigError(f"task {task_id}: evaluator {target}: importing it took over 120 s") from None
-        if out.returncode != 0:
-            last = (out.stderr.strip().splitlines() or ["exit status %d" % out.returncode])[-1]
-            raise ConfigError(f"task {task_id}: evaluator {target} cannot be imported: {last}")
+            error = probe(ev, task, ec, rc)
+        except ValueError as e:  # the sandbox itself cannot be used
+            raise ConfigError(str(e)) from None
+        if error is None:
+            continue
+        if ev.kind == "python":
+            raise ConfigError(f"task {task.task_id}: evaluator {ev.target} cannot be imported: {error} ({place(ec, rc)})")
+        raise ConfigError(f"task {task.task_id}: evaluator command {' '.join(ev.target)!r} cannot start: {error} "
+                          f"({place(ec, rc)})")
 
 
 def check_prepared(cfg: GyreConfig, *, checkpoint: bool, dataset: bool) -> None:

@@ -139,7 +139,8 @@ class EvaluatorConfig:
     """Where command and `module:function` evaluators run (gyre.executions.eval_sandbox).
     `inherit`: in the harnesses' sandbox backend (`--executions.runner.sandbox`, also with
     `sandbox_hosts`); under bwrap an evaluator sees the workspace read-write, its execution
-    directory read-only, nothing of other executions, its own module and the gyre package read-only, no network (the host's with
+    directory read-only, nothing of other executions, its own package, module file or script
+    (with the Python modules beside a single file) and the gyre package read-only, no network (the host's with
     `runner.sandbox_network host`), and the harness's environment passthrough list, not the
     controller's variables. Harnesses in containers: evaluators run under bwrap on this node.
     `none`: unsandboxed, as this user with its environment (an LLM judge that needs the
@@ -176,6 +177,12 @@ class HealthConfig:
     stop_fraction: float = 1.0
     """Stop the run with an error when at least this fraction of the window failed. 1.0 = only when
     every one did; above 1 never stops."""
+
+    evaluator_window: int = 3
+    """Stop the run with an error when an evaluator's first this many evaluations all failed (it
+    never gave a reward: it cannot start where it runs, or it breaks on every workspace), even
+    while other tasks' evaluators score. A workspace refused for a link is the harness's doing and
+    does not count. 0 = never stop for this."""
 
 
 @dataclass(kw_only=True)

@@ -13,7 +13,8 @@ user. So two things are checked or contained here:
     evaluators (a child Python process) in the harness's sandbox backend: under bubblewrap they
     see the workspace read-write, the rest of its execution directory read-only (the logs,
     files the harness left beside its workspace), nothing of other executions or of the
-    repository beyond the evaluator's own module and the gyre package (read-only), the system
+    repository beyond the evaluator's own package, module file or script with the Python
+    modules beside a single file (`beside_modules`), and the gyre package (read-only), the system
     and Python read-only, a private /tmp, no network (`sandbox_network host`: the host's). So
     an evaluator that runs the workspace's tests runs harness-written code inside a sandbox
     too. A harness in a container: its evaluators run under bubblewrap on this node (the image
@@ -32,12 +33,14 @@ from __future__ import annotations
 import importlib.machinery
 import logging
 import os
+import re
 import stat
 import sys
 from pathlib import Path, PurePosixPath
 
 from gyre.executions import sandbox
 from gyre.executions.config import EvaluatorConfig, RunnerConfig
+from gyre.executions.tasks import EvaluatorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -130,16 +133,88 @@ def announce(kind: str, cfg: EvaluatorConfig, runner: RunnerConfig) -> None:
                        "this user")
 
 
-def module_paths(target: str) -> list[str]:
-    """Where a `module:function` evaluator's top-level package (or module file) lives, found
-    without importing it (this process's directory first, as the child's PYTHONPATH has it)."""
+def module_paths(target: str, workspace: Path | None = None) -> list[str]:
+    """Where a `module:function` evaluator's top-level package lives, or its module file and the
+    Python modules beside it (`beside_modules`), found without importing it (this process's
+    directory first, as the child's PYTHONPATH has it)."""
     top = target.partition(":")[0].split(".")[0]
     spec = importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path])
     if spec is None:
         return []
     if spec.submodule_search_locations:
         return [str(p) for p in spec.submodule_search_locations]
-    return [spec.origin] if spec.origin and os.path.isabs(spec.origin) else []
+    if not (spec.origin and os.path.isabs(spec.origin)):
+        return []
+    return [spec.origin, *beside_modules(spec.origin, workspace)]
+
+
+def command_paths(argv: list[str], workspace: Path | None = None) -> list[str]:
+    """What a command evaluator sees beyond the workspace: its program and script (argv[0] and
+    argv[1] when absolute files, as for harnesses; the script of `python -u /x/check.py` too) and,
+    for a Python script, the Python modules beside it (`beside_modules`): `python
+    /my/project/check.py` importing `/my/project/helpers.py` runs as it does on the host."""
+    files = sandbox.argv_files(argv)
+    what, script = python_target(argv) or ("", "")
+    if what == "script" and os.path.isabs(script) and os.path.isfile(script) and script not in files:
+        files.append(script)
+    return [*files, *(m for f in files if f.endswith(".py") for m in beside_modules(f, workspace))]
+
+
+_PYTHON = re.compile(r"python[0-9.]*")
+_FLAGS_WITH_VALUE = {"-W", "-X", "-Q"}
+
+
+def python_target(argv: list[str]) -> tuple[str, str] | None:
+    """("script", path) for `python [flags] path.py ...`, ("module", name) for `python [flags] -m
+    name ...`, else None (not a Python interpreter, or `-c`)."""
+    if not _PYTHON.fullmatch(os.path.basename(argv[0])):
+        return None
+    i = 1
+    while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-m", "-c", "-"):
+        i += 2 if argv[i] in _FLAGS_WITH_VALUE else 1
+    rest = argv[i:]
+    if rest[:1] == ["-m"] and len(rest) > 1:
+        return "module", rest[1]
+    if rest and rest[0].endswith(".py"):
+        return "script", rest[0]
+    return None
+
+
+def beside_modules(entry: str, workspace: Path | None = None) -> list[str]:
+    """The Python modules in the directory of a single-file evaluator `entry` (the directory Python
+    puts first on sys.path for a script): its module files (`.py`, extension modules) and
+    packages (directories with `__init__.py`), bound read-only so the evaluator imports its own
+    helpers as on the host. Nothing else of that directory: not its data files (those go in
+    `sandbox_ro_paths`), not a `runs/` directory of other executions, not a home directory's
+    dotfiles; no package that holds the workspace; nothing from inside the Python installation
+    or the system (bound already)."""
+    d = os.path.dirname(os.path.abspath(entry))
+    if sandbox._under_system(d) or any(d == p or d.startswith(p.rstrip("/") + "/") for p in sandbox.python_paths()):
+        return []
+    try:
+        names = sorted(os.listdir(d))
+    except OSError:
+        return []
+    inside = (str(workspace).rstrip("/") + "/") if workspace is not None else None
+    suffixes = tuple(importlib.machinery.all_suffixes())
+    out = []
+    for name in names:
+        p = os.path.join(d, name)
+        if p == os.path.abspath(entry):
+            continue
+        if name.endswith(suffixes) and os.path.isfile(p):
+            out.append(p)
+        elif os.path.isfile(os.path.join(p, "__init__.py")) and not (inside and inside.startswith(p + "/")):
+            out.append(p)
+    return out
+
+
+def python_path() -> str:
+    """PYTHONPATH of a `module:function` evaluator's child: the launch directory, then this
+    process's sys.path (what it can see of them is what the sandbox binds)."""
+    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    paths.insert(0, os.getcwd())
+    return os.pathsep.join(dict.fromkeys(paths))
 
 
 def gyre_paths() -> list[str]:
@@ -176,3 +251,29 @@ def environment(kind: str, runner: RunnerConfig) -> dict[str, str]:
     if kind == "bwrap":
         env["HOME"] = env["TMPDIR"] = "/tmp"
     return env
+
+
+def launch(kind: str, cfg: EvaluatorConfig, runner: RunnerConfig, spec: EvaluatorSpec, *, workspace: Path,
+           task_file: Path, scratch_dir: str, inner: list[str] | None = None) -> tuple[list[str], str, dict[str, str]]:
+    """(argv, cwd, env) of the process that runs evaluator `spec` (a command or a
+    "module:function") on `workspace` in backend `kind`. `inner` replaces the evaluator's own
+    command with the same binds, environment and directory: the up-front check
+    (`gyre.executions.eval_probe`) runs exactly where the evaluator will. `scratch_dir`: a
+    private directory of the caller's (holding `task_file`), the launcher's cwd under bwrap."""
+    env = environment(kind, runner)
+    ro = [str(task_file), *runner.sandbox_ro_paths, *cfg.sandbox_ro_paths]
+    if spec.kind == "python":
+        argv = inner or [sys.executable, "-m", "gyre.executions.evaluator", str(workspace), str(task_file)]
+        env["PYTHONPATH"] = python_path()
+        cwd = os.getcwd()
+        ro += [*gyre_paths(), *module_paths(spec.target, workspace)]
+    else:
+        argv = inner or list(spec.target)
+        cwd = str(workspace)
+        ro += command_paths(list(spec.target), workspace)
+    env.update(GYRE_WORKSPACE=str(workspace), GYRE_TASK_FILE=str(task_file))
+    if kind != "none":
+        argv = wrap(kind, inner=argv, ws=workspace, ro_paths=ro, runner=runner)
+        if kind == "bwrap":
+            cwd = scratch_dir  # the launcher's; bwrap enters the workspace itself (--chdir)
+    return argv, cwd, env

@@ -46,7 +46,7 @@ from typing import Any
 from gyre.executions import eval_sandbox, scratch
 from gyre.executions.config import EvaluatorConfig, RunnerConfig
 from gyre.executions.procs import kill_tree
-from gyre.executions.sandbox import argv_files as sandbox_argv_files, die_with_runner
+from gyre.executions.sandbox import die_with_runner
 from gyre.executions.tasks import EvaluatorSpec, Task
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ class RewardResult:
     reward: float | None  # None iff EXCLUDED
     attempts: list[Attempt] = field(default_factory=list)
     detail: dict[str, Any] = field(default_factory=dict)
+    evaluator: str = ""  # which evaluator ran (`evaluator_name`); "" when none did
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -95,7 +96,15 @@ class RewardResult:
             "reward": self.reward,
             "attempts": [a.__dict__ for a in self.attempts],
             "detail": self.detail,
+            "evaluator": self.evaluator,
         }
+
+
+def evaluator_name(spec: EvaluatorSpec) -> str:
+    """How an evaluator is named in messages: "module:function", a callable's name, or the command."""
+    if spec.kind == "command":
+        return " ".join(spec.target)[:300]
+    return spec.target if isinstance(spec.target, str) else getattr(spec.target, "__qualname__", repr(spec.target))
 
 
 def parse_reward(value: Any) -> tuple[float, dict[str, Any]]:
@@ -130,14 +139,6 @@ def parse_reward_line(stdout: str) -> tuple[float, dict[str, Any]]:
     return parse_reward(value)
 
 
-def _python_path_env() -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [p for p in sys.path if p and os.path.isdir(p)]
-    paths.insert(0, os.getcwd())
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    return env
-
-
 class Evaluator:
     """Scores executions with retries and a timeout per attempt. Async; bounded concurrency."""
 
@@ -162,6 +163,7 @@ class Evaluator:
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.cfg.concurrency)
         attempts: list[Attempt] = []
+        name = evaluator_name(task.evaluator)
         backoff = self.cfg.retry_backoff_s
         for k in range(self.cfg.max_attempts):
             if k:
@@ -173,7 +175,7 @@ class Evaluator:
                 logger.warning("execution %s: workspace not evaluated: %s", execution_id, refused)
                 attempts.append(Attempt(ok=False, seconds=0.0, error=f"workspace refused: {refused}"))
                 return RewardResult(execution_id, RewardStatus.EXCLUDED, None, attempts,
-                                    {"outcome": outcome.value, "refused": refused})
+                                    {"outcome": outcome.value, "refused": refused}, name)
             try:
                 async with self._sem:
                     reward, detail = await self._attempt(task.evaluator, task, workspace)
@@ -183,9 +185,9 @@ class Evaluator:
                 continue
             attempts.append(Attempt(ok=True, seconds=time.monotonic() - t0, reward=reward))
             detail["outcome"] = outcome.value
-            return RewardResult(execution_id, RewardStatus.VALID, reward, attempts, detail)
+            return RewardResult(execution_id, RewardStatus.VALID, reward, attempts, detail, name)
         logger.warning("execution %s: no valid reward after %d attempts: excluded", execution_id, len(attempts))
-        return RewardResult(execution_id, RewardStatus.EXCLUDED, None, attempts, {"outcome": outcome.value})
+        return RewardResult(execution_id, RewardStatus.EXCLUDED, None, attempts, {"outcome": outcome.value}, name)
 
     async def _attempt(self, spec: EvaluatorSpec, task: Task, workspace: Path) -> tuple[float, dict[str, Any]]:
         timeout = self.cfg.timeout_s
@@ -203,23 +205,9 @@ class Evaluator:
         with scratch.temporary_directory("gyre-eval-") as tmp:
             task_file = Path(tmp) / "task.json"
             task_file.write_text(json.dumps(task.to_json()))
-            env = eval_sandbox.environment(self.sandbox, self.runner)
-            ro = [str(task_file), *self.runner.sandbox_ro_paths, *self.cfg.sandbox_ro_paths]
-            if spec.kind == "python":
-                argv = [sys.executable, "-m", "gyre.executions.evaluator", str(workspace), str(task_file)]
-                env["PYTHONPATH"] = _python_path_env()["PYTHONPATH"]
-                cwd = os.getcwd()
-                ro += [*eval_sandbox.gyre_paths(), *eval_sandbox.module_paths(spec.target)]
-            else:
-                argv = list(spec.target)
-                cwd = str(workspace)
-                ro += sandbox_argv_files(argv)
-            env.update(GYRE_WORKSPACE=str(workspace), GYRE_TASK_FILE=str(task_file))
-            name = argv[0] if spec.kind == "command" else spec.target
-            if self.sandbox != "none":
-                argv = eval_sandbox.wrap(self.sandbox, inner=argv, ws=workspace, ro_paths=ro, runner=self.runner)
-                if self.sandbox == "bwrap":
-                    cwd = tmp  # the launcher's; bwrap enters the workspace itself (--chdir)
+            argv, cwd, env = eval_sandbox.launch(self.sandbox, self.cfg, self.runner, spec, workspace=workspace,
+                                                 task_file=task_file, scratch_dir=tmp)
+            name = spec.target[0] if spec.kind == "command" else spec.target
             stdout, stderr, rc = await run_with_timeout(argv, cwd=cwd, env=env, timeout_s=timeout, name=name)
         if rc != 0:
             raise RuntimeError(f"evaluator exited with status {rc}: {stderr.strip()[-1000:]}")

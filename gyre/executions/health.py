@@ -19,6 +19,14 @@ defaults (window = one step's N·B executions, fraction 1.0) a run stops as soon
 step's worth of executions in a row gave nothing; the error quotes the first failure's stderr
 tail and where its logs are, which is almost always the whole diagnosis (a missing module, a
 wrong harness path, an unreachable proxy).
+
+One evaluator that never works is caught on its own, even while other tasks' evaluators score
+(so the window never fills with failures): when an evaluator's first `evaluator_window`
+evaluations all failed (excluded after their attempts; a workspace refused for a link is the
+harness's doing and does not count), the run stops, naming the evaluator and quoting its last
+error (its stderr tail). One valid reward clears it for the rest of the run. This is the
+evaluator's counterpart of a harness that crashes every time: it used to exclude every execution
+of its tasks with warnings only.
 """
 
 from __future__ import annotations
@@ -70,14 +78,19 @@ def tail(path: Path, lines: int = 12, max_chars: int = 2000) -> str:
 
 
 class HealthMonitor:
-    def __init__(self, window: int, stop_fraction: float) -> None:
+    def __init__(self, window: int, stop_fraction: float, evaluator_window: int = 0) -> None:
+        """`evaluator_window`: stop when an evaluator's first this many evaluations all failed (0: never)."""
         if window < 1:
             raise ValueError(f"executions.health.window must be >= 1, got {window}")
         if not 0.0 < stop_fraction:
             raise ValueError(f"executions.health.stop_fraction must be > 0, got {stop_fraction}")
-        self.window, self.stop_fraction = window, stop_fraction
+        if evaluator_window < 0:
+            raise ValueError(f"executions.health.evaluator_window must be >= 0, got {evaluator_window}")
+        self.window, self.stop_fraction, self.evaluator_window = window, stop_fraction, evaluator_window
         self.recent: deque[Failure | None] = deque(maxlen=window)
         self.counts: Counter[str] = Counter()  # failures by reason over the whole run
+        self.evaluator_failures: Counter[str] = Counter()  # by evaluator, until its first valid reward
+        self.evaluators_scored: set[str] = set()
 
     def observe(self, result: Any, calls: int | None) -> str | None:
         """Record one evaluated execution; the error message when the run should stop, else None."""
@@ -87,10 +100,38 @@ class HealthMonitor:
         if failure is not None:
             self.counts[failure.reason] += 1
         self.recent.append(failure)
+        broken = self._evaluator_never_works(result, failure)
+        if broken is not None:
+            return broken
         failed = [f for f in self.recent if f is not None]
         if len(self.recent) < self.window or len(failed) < self.stop_fraction * self.window:
             return None
         return self.message(failed)
+
+    def _evaluator_never_works(self, result: Any, failure: Failure | None) -> str | None:
+        reward = result.reward
+        name = getattr(reward, "evaluator", "")
+        if not self.evaluator_window or not name or name in self.evaluators_scored:
+            return None
+        if reward.status is RewardStatus.VALID:
+            self.evaluators_scored.add(name)
+            self.evaluator_failures.pop(name, None)
+            return None
+        if failure is None or failure.reason != "evaluator_failed" or "refused" in reward.detail:
+            return None
+        self.evaluator_failures[name] += 1
+        n = self.evaluator_failures[name]
+        if n < self.evaluator_window:
+            return None
+        lines = [
+            f"evaluator {name} failed on each of its first {n} evaluations and has never given a reward "
+            f"(task {result.task_id}); stopping the run (executions.health.evaluator_window = "
+            f"{self.evaluator_window}; 0 never stops for this).",
+            f"Its last evaluation, execution {result.execution_id} ({Path(result.exec_dir) / 'result.json'}), "
+            f"failed {len(reward.attempts)} attempt(s), the last with:",
+        ]
+        lines.extend("    " + line for line in failure.detail.strip().splitlines()[-12:])
+        return "\n".join(lines)
 
     def message(self, failed: list[Failure]) -> str:
         by_reason = Counter(f.reason for f in failed)

@@ -97,7 +97,7 @@ class Controller:
                                       clock=WallClock(), start_version=start_version)
         self.nominal = sc.batch_groups * sc.n_per_group  # B·N: the |E| every group is packed with (samples.py)
         hc = cfg.executions.health
-        self.health = HealthMonitor(hc.window or sc.n_per_group * sc.batch_groups, hc.stop_fraction)
+        self.health = HealthMonitor(hc.window or self.nominal, hc.stop_fraction, hc.evaluator_window)
         self.ledger = RunLedger(topo.num_cells)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.writes = FirstError()  # the run's first write error (gyre.runtime.writes): stated once, stops it

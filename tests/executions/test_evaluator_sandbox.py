@@ -258,3 +258,77 @@ def test_an_example_evaluator_reading_its_execution_directory_scores_the_same_sa
     boxed = _evaluate(ws, form, RunnerConfig(sandbox="bwrap"))
     free = _evaluate(ws, form, RunnerConfig(sandbox="bwrap"), sandbox="none")
     assert boxed.status is RewardStatus.VALID and boxed.reward == free.reward > 0, (boxed, free)
+
+
+# ---------------------------------------------------------------- what a sandboxed evaluator sees of its own files
+
+def _kit(root: Path) -> Path:
+    """The common layout (issue 53, item 5): a project directory with the evaluator script, a
+    helper module and a helper package it imports, a data file and the runs beside them."""
+    kit = root / "kit"
+    (kit / "helpers_pkg").mkdir(parents=True)
+    (kit / "file_eval.py").write_text("def score(ws):\n"
+                                      "    return 1.0 if (ws / 'answer.txt').read_text().strip() == 'right' else 0.0\n")
+    (kit / "helpers_pkg" / "__init__.py").write_text("SCALE = 1.0\n")
+    (kit / "answers.json").write_text('{"secret": "right"}')
+    (kit / "check_cmd.py").write_text(textwrap.dedent("""
+        import json, os
+        from pathlib import Path
+        from file_eval import score
+        import helpers_pkg
+        here = Path(__file__).parent
+        ws = Path(os.environ["GYRE_WORKSPACE"])
+        print(json.dumps({"reward": score(ws) * helpers_pkg.SCALE,
+                          "listing": sorted(p for p in os.listdir(here) if p != "__pycache__"),
+                          "executions": sorted(os.listdir(ws.parent.parent))}))
+    """))
+    return kit
+
+
+@needs_bwrap
+def test_a_command_evaluator_imports_the_modules_beside_its_script_and_sees_nothing_else_there(tmp_path):
+    """`python /kit/check_cmd.py` importing `/kit/file_eval.py` and `/kit/helpers_pkg` scores in
+    the sandbox as on the host (before: ModuleNotFoundError on every evaluation, every execution
+    excluded); the kit's data file and its runs/ (other executions' workspaces) stay invisible."""
+    kit = _kit(tmp_path)
+    ws = _execution(kit / "runs" / "r1", "g.0", "right\n")  # the run directory inside the project, as runs/<preset>
+    _execution(kit / "runs" / "r1", "g.1", "right\n")
+    form = EvaluatorSpec("command", [sys.executable, "-u", str(kit / "check_cmd.py")])
+    res = _evaluate(ws, form, RunnerConfig(sandbox="bwrap"))
+    assert res.status is RewardStatus.VALID and res.reward == 1.0, res.attempts
+    # no answers.json; runs/ only as the path down to its own execution directory, no sibling execution
+    assert res.detail["listing"] == ["check_cmd.py", "file_eval.py", "helpers_pkg", "runs"]
+    assert res.detail["executions"] == ["g.0"]
+    free = _evaluate(ws, form, RunnerConfig(sandbox="bwrap"), sandbox="none")
+    assert free.reward == 1.0 and "answers.json" in free.detail["listing"] and free.detail["executions"] == ["g.0", "g.1"]
+
+
+@needs_bwrap
+def test_a_module_evaluator_in_a_single_file_imports_the_module_beside_it(tmp_path, monkeypatch):
+    mods = tmp_path / "project"
+    mods.mkdir()
+    (mods / "beside_helper_53.py").write_text("WANT = 'right'\n")
+    (mods / "beside_reward_53.py").write_text(textwrap.dedent("""
+        from pathlib import Path
+        from beside_helper_53 import WANT
+        def score(workspace, task):
+            return 1.0 if (Path(workspace) / "answer.txt").read_text().strip() == WANT else 0.0
+    """))
+    monkeypatch.syspath_prepend(str(mods))
+    ws = _execution(tmp_path / "run", "g.0", "right\n")
+    res = _evaluate(ws, EvaluatorSpec("python", "beside_reward_53:score"), RunnerConfig(sandbox="bwrap"))
+    assert res.status is RewardStatus.VALID and res.reward == 1.0, res.attempts
+
+
+def test_the_modules_beside_an_evaluator_are_its_python_files_and_packages_only(tmp_path):
+    kit = _kit(tmp_path)
+    (kit / "native.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    (kit / "not_a_package").mkdir()
+    ws = _execution(kit / "pkg_with_runs", "g.0")
+    (kit / "pkg_with_runs" / "__init__.py").write_text("")  # a package that holds the workspace: never bound
+    got = eval_sandbox.beside_modules(str(kit / "check_cmd.py"), ws)
+    assert got == [str(kit / n) for n in ("file_eval.py", "helpers_pkg", "native.cpython-311-x86_64-linux-gnu.so")]
+    assert eval_sandbox.beside_modules(sys.executable) == []  # nothing from inside the Python installation
+    assert eval_sandbox.command_paths(["awk", "{print 1}", str(kit / "check_cmd.py")]) == []  # data, not a script
+    assert eval_sandbox.command_paths(["python3", "-W", "ignore", str(kit / "check_cmd.py")], ws) == \
+        [str(kit / "check_cmd.py"), *got]

@@ -1,5 +1,6 @@
 """The health check: a run whose executions give nothing to train on stops, with the diagnosis."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,106 @@ def test_bad_settings_name_the_field():
         HealthMonitor(0, 1.0)
     with pytest.raises(ValueError, match="executions.health.stop_fraction"):
         HealthMonitor(4, 0.0)
+
+
+# ---------------------------------------------------------------- an evaluator that never works (issue 53, item 5)
+
+EVAL_KINDS = {  # kind → (outcome, reward status, refused?)
+    "scored": (Outcome.COMPLETED, RewardStatus.VALID, False),
+    "failed": (Outcome.COMPLETED, RewardStatus.EXCLUDED, False),
+    "timed_out_failed": (Outcome.TIMED_OUT, RewardStatus.EXCLUDED, False),
+    "refused": (Outcome.COMPLETED, RewardStatus.EXCLUDED, True),  # a workspace link: the harness's doing
+    "placeholder": (Outcome.CRASHED, RewardStatus.PLACEHOLDER, False),  # never evaluated
+}
+
+
+def _evaluated(kind: str, evaluator: str, i: int, root: Path) -> ExecutionResult:
+    outcome, status, refused = EVAL_KINDS[kind]
+    d = root / f"e{i}"
+    reward = RewardResult(f"e{i}", status, None if status is RewardStatus.EXCLUDED else 0.0,
+                          [Attempt(False, 0.1, error=f"error of e{i}")] if status is RewardStatus.EXCLUDED else [],
+                          {"refused": "a link"} if refused else {}, evaluator=evaluator if kind != "placeholder" else "")
+    return ExecutionResult(f"e{i}", "g", f"task-{evaluator}", 0, 0, outcome, 1 if outcome is Outcome.CRASHED else 0,
+                           0.0, 1.0, d, d / "workspace", reward=reward)
+
+
+@settings(max_examples=150, deadline=None)
+@given(seq=st.lists(st.tuples(st.sampled_from(sorted(EVAL_KINDS)), st.sampled_from(["a", "b"])), max_size=30),
+       k=st.integers(0, 4))
+def test_an_evaluator_stops_the_run_exactly_when_its_first_k_evaluations_all_failed(seq, k, tmp_path_factory):
+    """Against an independent count per evaluator: a failure that is not a refused workspace counts
+    until the evaluator's first valid reward; the K-th such failure trips (K = 0: never). The
+    window check is out of reach (a window longer than the run)."""
+    root = tmp_path_factory.mktemp("ev")
+    mon = HealthMonitor(window=1000, stop_fraction=1.0, evaluator_window=k)
+    scored: set[str] = set()
+    failures = {"a": 0, "b": 0}
+    for i, (kind, name) in enumerate(seq):
+        msg = mon.observe(_evaluated(kind, name, i, root), 3)
+        counted = kind in ("failed", "timed_out_failed") and name not in scored
+        if kind == "scored":
+            scored.add(name)
+        failures[name] += counted
+        expected = counted and k > 0 and failures[name] >= k
+        assert (msg is not None) == expected, (i, kind, name, msg)
+        if expected:
+            assert msg.startswith(f"evaluator {name} failed on each of its first {failures[name]} evaluations")
+            assert f"error of e{i}" in msg and f"task task-{name}" in msg
+
+
+def test_an_evaluator_failing_in_its_sandbox_stops_the_run_while_the_other_tasks_score(tmp_path, monkeypatch):
+    """Real executions through the runner (harness `true`), one task whose command evaluator
+    scores and one whose script imports a module it can reach only outside the evaluator sandbox:
+    every execution of that task is excluded, the other task keeps the window from ever filling
+    with failures, so before this the run went on training on half its tasks with warnings only.
+    Now its third evaluation stops the run, naming the evaluator and quoting its stderr."""
+    import asyncio
+    import sys
+
+    from gyre.executions.config import EvaluatorConfig, RunnerConfig
+    from gyre.executions.evaluator import Evaluator
+    from gyre.executions.runner import HarnessRunner
+    from gyre.executions.sandbox import bwrap_works
+    from gyre.executions.tasks import EvaluatorSpec, ExecutionSpec, Task
+
+    if not bwrap_works():
+        pytest.skip("bubblewrap not usable here")
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "health_lib_53.py").write_text("REWARD = 1.0\n")
+    monkeypatch.setenv("PYTHONPATH", str(lib))  # passed into the sandbox; the directory is not bound there
+    script = tmp_path / "kit" / "check.py"
+    script.parent.mkdir()
+    script.write_text("from health_lib_53 import REWARD\nprint(REWARD)\n")
+    broken = Task(task_id="broken", instruction="x", harness=["true"],
+                  evaluator=EvaluatorSpec("command", [sys.executable, str(script)]))
+    good = Task(task_id="good", instruction="x", harness=["true"], evaluator=EvaluatorSpec("command", ["sh", "-c", "echo 1"]))
+    evaluator = Evaluator(EvaluatorConfig(max_attempts=2, retry_backoff_s=0.0, timeout_s=60), RunnerConfig(sandbox="bwrap"))
+    runner = HarnessRunner(RunnerConfig(run_dir=str(tmp_path / "runs"), sandbox="none"), evaluator)
+
+    async def main():
+        out = []
+        for i in range(3):
+            for task in (good, broken):
+                out.append(await runner.dispatch(ExecutionSpec(f"{task.task_id}.{i}", task, f"{task.task_id}.g{i}")))
+        return out
+
+    results = asyncio.run(main())
+    assert [r.reward.status for r in results] == [RewardStatus.VALID, RewardStatus.EXCLUDED] * 3
+    before = HealthMonitor(window=4, stop_fraction=1.0)  # the window check alone: what used to run
+    assert [before.observe(r, 1) for r in results] == [None] * 6
+    mon = HealthMonitor(window=4, stop_fraction=1.0, evaluator_window=3)
+    said = [mon.observe(r, 1) for r in results]
+    assert said[:5] == [None] * 5 and said[5] is not None
+    msg = said[5]
+    assert msg.startswith(f"evaluator {sys.executable} {script} failed on each of its first 3 evaluations and has "
+                          f"never given a reward (task broken); stopping the run"), msg
+    assert str(tmp_path / "runs" / "broken.2" / "result.json") in msg and "failed 2 attempt(s)" in msg
+    assert "ModuleNotFoundError: No module named 'health_lib_53'" in msg  # its stderr
+    saved = json.loads((tmp_path / "runs" / "broken.2" / "result.json").read_text())
+    assert saved["reward"]["evaluator"] == f"{sys.executable} {script}"
+
+
+def test_a_bad_evaluator_window_names_the_field():
+    with pytest.raises(ValueError, match="executions.health.evaluator_window"):
+        HealthMonitor(1, 1.0, evaluator_window=-1)
