@@ -213,9 +213,10 @@ def select(root: str | Path, *, weights_only: bool = False) -> Found:
         logger.warning("checkpoint %s skipped: %s", path, why)
     if found.path is None:
         looked = found.describe_skipped() or "no step_* directories"
+        readable = not weights_only and any(_weights_intact(p) for p, _ in found.skipped)
         raise CheckpointError(f"--train.resume: no complete checkpoint under {root} ({looked})"
-                              + ("" if weights_only else "; --train.resume-weights-only accepts a checkpoint "
-                                 "without optimizer state or marker"))
+                              + ("; --train.resume-weights-only accepts a checkpoint without optimizer state or "
+                                 "marker" if readable else ""))
     return found
 
 

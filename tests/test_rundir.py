@@ -1,6 +1,7 @@
 """gyre.runtime.rundir: one directory per run, decided on rank 0 and shared with every rank."""
 
 import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -145,11 +146,27 @@ def test_each_resume_is_a_new_attempt_and_cuts_metrics_and_events_back_to_its_ch
     assert [(a["attempt"], a["start_version"], a["world_size"]) for a in attempts] == [(0, 0, 1), (1, 4, 2), (2, 4, 2)]
 
 
-def test_a_resume_at_or_past_train_steps_or_without_a_checkpoint_is_refused_up_front(in_tmp):
+def test_a_resume_before_the_first_checkpoint_starts_again_and_a_broken_or_finished_one_is_refused(in_tmp, caplog):
+    """Issue 53 item 1: a run stopped before its first checkpoint (a preemption before step 1) is
+    resumed by starting again from version 0, by hand or by a requeue, instead of being refused
+    for ever. Checkpoints that are there but unusable are still refused, naming each, and the
+    weights-only hint appears only when some of them has readable weights."""
     run = in_tmp / "run"
     _launch(_cfg("--run-dir", str(run)), 0, 1, dist.HashStore())
-    with pytest.raises(rundir.RunDirError, match="no complete checkpoint"):
+    (run / "metrics.jsonl").write_text("")
+    again = _launch(_cfg("--run-dir", str(run), "--train.resume"), 0, 1, dist.HashStore())
+    assert (again.attempt, again.start_version, again.checkpoint) == (1, 0, "")
+    assert "no checkpoint in" in caplog.text and "starting again from version 0" in caplog.text
+    broken = run / "checkpoints" / "step_000003"
+    broken.mkdir(parents=True)  # a step directory without its files or marker
+    with pytest.raises(rundir.RunDirError, match="no complete checkpoint.*step_000003") as e:
         _launch(_cfg("--run-dir", str(run), "--train.resume"), 0, 1, dist.HashStore())
+    assert "--train.resume-weights-only" not in str(e.value)  # nothing there it could take
+    for name in ("config.json", "model.safetensors"):
+        (broken / name).write_text("x")
+    with pytest.raises(rundir.RunDirError, match="--train.resume-weights-only accepts"):
+        _launch(_cfg("--run-dir", str(run), "--train.resume"), 0, 1, dist.HashStore())
+    shutil.rmtree(broken)
     _complete_checkpoint(run, 6)
     with pytest.raises(rundir.RunDirError, match="already at version 6 >= --train.steps 6"):
         _launch(_cfg("--run-dir", str(run), "--train.resume", "--train.steps", "6"), 0, 1, dist.HashStore())
@@ -329,8 +346,8 @@ def test_rank_0_holds_the_lock_while_its_run_lives_and_a_fresh_default_run_is_lo
     with pytest.raises(rundir.RunDirError, match="in use by another Gyre job"):
         rundir.resolve(_cfg("--train.resume"), 0, 1, dist.HashStore())  # resume of latest while it runs
     del fresh  # dropping the decision drops the lock (an in-process caller; a job exits)
-    with pytest.raises(rundir.RunDirError, match="no complete checkpoint"):
-        _launch(_cfg("--train.resume"), 0, 1, dist.HashStore())
+    resumed = _launch(_cfg("--train.resume"), 0, 1, dist.HashStore())  # no checkpoint yet: from version 0
+    assert (resumed.attempt, resumed.start_version) == (1, 0)
 
 
 def test_an_attempt_stopped_by_torchruns_sigterm_names_the_rank_that_died_first(tmp_path):

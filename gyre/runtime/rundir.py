@@ -424,8 +424,8 @@ def carried_group(run_dir: Path, dataset: Dataset, row: dict[str, Any]) -> tuple
 
 def _resume_point(cfg: GyreConfig, path: Path, *, restart: bool) -> tuple[str, int, list[str]]:
     """The checkpoint a resume starts from, its version and the newer ones skipped (with why);
-    ("", 0, []) for a restart that died before its first checkpoint. Raises RunDirError with
-    what was found."""
+    ("", 0, []) for a run that stopped before its first checkpoint (no step_* directory at all).
+    Raises RunDirError with what was found (checkpoints there, none usable)."""
     tc, skipped = cfg.train, []
     if tc.resume_from:
         ck = Path(tc.resume_from)
@@ -437,8 +437,12 @@ def _resume_point(cfg: GyreConfig, path: Path, *, restart: bool) -> tuple[str, i
             found = checkpoint.select(path / "checkpoints", weights_only=tc.resume_weights_only)
             ck, skipped = found.path, [f"{p.name}: {why}" for p, why in found.skipped]
         except checkpoint.CheckpointError as e:
-            if restart and not checkpoint.candidates(path / "checkpoints"):
-                logger.warning("restart: no checkpoint in %s yet; starting again from version 0", path)
+            if not checkpoint.candidates(path / "checkpoints"):
+                # The run stopped before its first checkpoint (a preemption before step 1, a crash
+                # at start): nothing trained is lost by starting again, so a resume or a requeue
+                # does that rather than refuse (issue 53: every requeue of such a job was refused).
+                logger.warning("%s: no checkpoint in %s yet (the run stopped before its first); starting again "
+                               "from version 0", "restart" if restart else "--train.resume", path)
                 return "", 0, []
             raise RunDirError(str(e)) from None
     try:
