@@ -3,12 +3,13 @@ each node a network namespace with its own hostname and slurmd, the run director
 filesystem. The job is the tests' tiny one (tests/jobs.py), one rank per node."""
 
 import json
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.jobs import command, rows, write_tasks
+from tests.jobs import AWK_EVALUATOR, command, rows, write_tasks
 
 pytestmark = [pytest.mark.slow, pytest.mark.jobs]
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,3 +197,34 @@ def test_a_rank_killed_without_restarts_is_a_crash_and_is_not_requeued(slurm_clu
     log = (tmp_path / f"gyre-{job}.out").read_text()
     assert info["Restarts"] == "0" and info["JobState"] == "FAILED", (info, log[-4000:])
     assert "requeueing" not in log and "a crash, not a preemption; not requeued" in log, log[-4000:]
+
+
+def test_a_job_preempted_before_its_first_step_is_requeued_and_runs_to_completion(slurm_cluster, tmp_path):
+    """Issue 53 item 1: SIGTERM (to the batch shell, as `--signal=B:TERM@N` or a preemption's grace
+    signal) while every first-attempt harness still waits, so no step and no checkpoint exist;
+    launch.sh requeues the job, and the requeue starts the run again from version 0 and finishes
+    it (COMPLETED), rather than refusing the resume."""
+    from tests.jobs import HARNESS, write_task_rows
+
+    gate = tmp_path / "go"  # the first attempt's harnesses wait for it; the test creates it after the signal
+    harness = ["sh", "-c", f'while [ ! -e {gate} ]; do sleep 0.2; done; exec "$0" "$@"', sys.executable, str(HARNESS),
+               "1", "8"]
+    tasks = write_task_rows(tmp_path / "tasks.jsonl", [{"harness": harness, "evaluator": {"command": AWK_EVALUATOR}}] * 8)
+    job = slurm_cluster.sbatch(["--nodes=2", str(ROOT / "launch.sh"), *gyre_args(tasks, steps=2)],
+                               cwd=tmp_path, GYRE_NPROC_PER_NODE="1")
+    run = tmp_path / "runs" / "slurm" / job
+    t0 = time.monotonic()
+    while not (run / "executions").is_dir() or not any((run / "executions").iterdir()):
+        assert time.monotonic() - t0 < 240, slurm_cluster.job(job)
+        time.sleep(0.5)
+    slurm_cluster.client(["scancel", "--batch", "--signal=TERM", job])
+    slurm_cluster.wait(job, lambda j: j["Restarts"] == "1", 150, "the requeue")
+    gate.touch()
+    first = json.loads((run / "run.json").read_text())["attempts"][0]
+    info = slurm_cluster.wait(job, lambda j: j["JobState"] in ENDED, 300, "the requeued job to end")
+    log = (tmp_path / f"gyre-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, log[-4000:])
+    assert first["start_version"] == 0 and not (run / "checkpoints" / "step_000000").exists()
+    attempts = json.loads((run / "run.json").read_text())["attempts"]
+    assert [a["start_version"] for a in attempts] == [0, 0], attempts
+    assert [r["version"] for r in rows(run / "metrics.jsonl")] == [1, 2]
