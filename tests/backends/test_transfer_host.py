@@ -77,3 +77,43 @@ def test_a_failed_reader_fails_the_whole_broadcast_at_once_naming_both_hosts():
     for msg, seconds in out:  # both ranks raised, the source too, within seconds
         assert "rank 1: " in msg and "192.0.2.1:" in msg and "advertises 127.0.0.1" in msg, msg
         assert seconds < 30, seconds
+
+
+@pytest.mark.parametrize("world, local", [(1, 1), (2, 2), (4, 2), (6, 2), (8, 8), (3, 1)])
+def test_every_engine_is_probed_by_a_reader_on_another_node_when_there_is_one(world, local):
+    from gyre.backends.transfer.snapshots import probe_target
+
+    targets = [probe_target(r, world, local) for r in range(world)]
+    assert sorted(targets) == list(range(world))  # every rank's engine is read exactly once
+    if world > local:
+        assert all(t // local != r // local for r, t in enumerate(targets))  # by a rank of another node
+    elif world > 1:
+        assert all(t != r for r, t in enumerate(targets))
+
+
+def _kv_probe_with_one_unreachable_rank():
+    """Rank 1 alone advertises an address nobody can reach (TEST-NET-1): a wrong host on one node."""
+    import torch.distributed as dist
+
+    from gyre.backends.transfer.migration import MooncakeKvTransport
+    from gyre.backends.transfer.snapshots import PeerUnreachable
+
+    try:
+        MooncakeKvTransport(host="192.0.2.1" if dist.get_rank() == 1 else "127.0.0.1", probe=True)
+        return ["started"]
+    except PeerUnreachable as e:
+        return [str(e)]
+
+
+@pytest.mark.multirank
+def test_a_wrong_address_on_any_rank_fails_the_kv_probe_on_every_rank():
+    """Issue 53 item 3: the KV-migration probe read only rank 0's engine, so a wrong address on
+    another rank passed it and migrations out of that rank fell back to recomputing."""
+    from tests.distributed import netns_problem, run_ranks_in_netns
+
+    problem = netns_problem()
+    if problem:
+        pytest.skip(problem)
+    out = run_ranks_in_netns("tests.backends.test_transfer_host:_kv_probe_with_one_unreachable_rank", 2, timeout=120)
+    for (msg,) in out:
+        assert "rank 0 (advertising 127.0.0.1) reading rank 1's engine at 192.0.2.1:" in msg, msg

@@ -303,15 +303,15 @@ class MooncakeKvTransport:
     name = "mooncake"
 
     def __init__(self, *, host: str = "auto", protocol: str = "tcp", device: str = "", probe: bool = False) -> None:
-        """`probe`: collective over the world, every rank reads from rank 0's engine now
-        (`transfer.check_reachable`), so a wrong address fails the start instead of turning every
-        migration into a recompute."""
+        """`probe`: collective over the world, every rank's engine is read by another rank now (one
+        node further on: `transfer.check_reachable` with no owner), so a wrong address on any node
+        fails the start instead of turning migrations out of that node into recomputes."""
         from gyre.backends.transfer.snapshots import MooncakeTransport, check_reachable
 
         self._mc = MooncakeTransport(host=host, protocol=protocol, device=device, verify=True)
         self._mc._ensure_engine()  # now, not inside the first migration's latency
         if probe:
-            check_reachable(self._mc, owner=0)
+            check_reachable(self._mc, owner=None)
         self.held = _Held()
         self._registered: dict[str, torch.Tensor] = {}
 

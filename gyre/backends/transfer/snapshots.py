@@ -394,34 +394,57 @@ class MooncakeTransport:
         return out
 
 
-def check_reachable(mc: MooncakeTransport, owner: int, group: Any = None) -> None:
+def probe_target(rank: int, world: int, local_world: int) -> int:
+    """Whose engine `rank` reads in the any-to-any probe: the rank one node further on
+    (`local_world` ranks a node), or the next rank when the world is one node."""
+    return (rank + (local_world if world > local_world else 1)) % world
+
+
+def check_reachable(mc: MooncakeTransport, owner: int | None, group: Any = None) -> None:
     """Collective over `group` (every member, the same point of start-up): each member reads a
-    64-byte probe from `owner`'s engine, then all learn every failure together and raise
-    `PeerUnreachable` naming each failed reader's advertised host and the owner's. So a wrong
-    address (one --transfer.host 127.0.0.1 for two nodes) stops every rank within a second at
+    64-byte probe from another member's engine, then all learn every failure together and raise
+    `PeerUnreachable` naming each failed reader's advertised host and the engine it read. So a
+    wrong address (one --transfer.host 127.0.0.1 for two nodes) stops every rank within a second at
     start, instead of one rank failing its first read while the others wait on it for the
-    group's timeout."""
-    rank = dist.get_rank()
-    probe = mc.register(64) if rank == owner else None
-    session, addr = _announce((mc.session, probe.data_ptr()) if probe is not None else None, owner, group)
+    group's timeout.
+
+    `owner` given (the weight transport: every rank reads the core's engine only): everyone reads
+    `owner`'s engine. `owner` None (KV migration: any rank may read any other's): every member
+    reads the member one node further on (LOCAL_WORLD_SIZE ranks; the next rank on one node), so
+    every engine's advertised address is read, and from another node when there is one (issue 53:
+    a wrong address on node 1 alone passed a probe that read only rank 0's engine)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    probe = mc.register(64) if owner is None or rank == owner else None
+    if owner is None:
+        boards: list[Any] = [None] * world
+        dist.all_gather_object(boards, (mc.session, probe.data_ptr()), group=group)
+        target = probe_target(rank, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        session, addr = boards[target]
+        read = target != rank
+    else:
+        target = owner
+        session, addr = _announce((mc.session, probe.data_ptr()) if probe is not None else None, owner, group)
+        read = rank != owner
     error = None
-    if probe is None:
+    if read:
         land = mc.register(64)
         try:
             mc.read_into(session, land, addr)
         except PeerUnreachable as e:
-            error = f"rank {rank} (advertising {mc.host}): {e}"
+            error = (f"rank {rank} (advertising {mc.host})"
+                     + (f" reading rank {target}'s engine at {session}" if owner is None else "") + f": {e}")
         finally:
             mc.unregister(land)
-    errors = [None] * dist.get_world_size(group)
+    errors = [None] * world
     dist.all_gather_object(errors, error, group=group)
     if probe is not None:
         mc.unregister(probe)
     failed = [e for e in errors if e is not None]
     if failed:
-        raise PeerUnreachable(f"{len(failed)} rank(s) cannot reach rank {owner}'s Mooncake engine at {session}: "
-                              + "; ".join(failed))
-    logger.info("rank %d: Mooncake engines reach rank %d's at %s", rank, owner, session)
+        whose = f"rank {owner}'s Mooncake engine at {session}" if owner is not None else "another rank's Mooncake engine"
+        raise PeerUnreachable(f"{len(failed)} rank(s) cannot reach {whose}: " + "; ".join(failed))
+    logger.info("rank %d: Mooncake engine at %s read by its peer%s", rank, mc.session,
+                f" (rank {owner}'s)" if owner is not None else "")
 
 
 def unreachable_message(own_host: str, session: str, rc: int) -> str:
