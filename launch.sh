@@ -111,8 +111,7 @@ GYRE_MASTER_ADDR=$(gyre_first_host)
 export GYRE_MASTER_ADDR
 
 signalled="" requeue=0
-attempt_t0=$(mktemp "${TMPDIR:-/tmp}/gyre-attempt.XXXXXX")  # its mtime: this attempt's start
-trap 'rm -f "$attempt_t0"' EXIT
+attempt_t0=$(date +%s)  # this attempt's start (a number, not a temp file a SIGKILL would leave behind)
 job_info() { scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null || true; }
 requeueable() { [[ "$1" == *" JobState=RUNNING "* && "$1" == *" Requeue=1 "* ]]; }
 forward() {
@@ -165,11 +164,13 @@ if [[ -z "$signalled" && $rc != 0 ]]; then
   info=$(job_info)
   # A crash looks the same from here when torchrun SIGTERMed the surviving ranks: the summary
   # says interrupted, but names the ranks that never reported stopping (the dead ones).
-  if requeueable "$info" && [[ "$run_dir/summary.json" -nt "$attempt_t0" ]]; then
-    how=$(python -c 'import json, sys; s = json.load(open(sys.argv[1]))
+  if requeueable "$info"; then
+    how=$(python -c 'import json, os, sys
+if os.path.getmtime(sys.argv[1]) < int(sys.argv[2]): sys.exit()  # from an earlier attempt
+s = json.load(open(sys.argv[1]))
 crashed = sorted(set(s.get("ranks_not_stopped") or []) | set(s.get("dead_ranks") or []))
 print("crash %s" % crashed if crashed else "preemption" if s.get("interrupted") else "")' \
-      "$run_dir/summary.json" 2>/dev/null || true)
+      "$run_dir/summary.json" "$attempt_t0" 2>/dev/null || true)
     if [[ "$how" == preemption ]]; then
       signalled="a SIGTERM to the steps (a preemption)"
       requeue=1

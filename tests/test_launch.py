@@ -294,3 +294,20 @@ def test_requeues_stop_at_the_cap(tmp_path):
                                    **({"GYRE_MAX_REQUEUES": cap} if cap else {}))
         assert ("scontrol requeue 5" in log) == requeued, (restarts, cap, log, err)
         assert ("not requeued: the job was requeued" in err) == (not requeued), err
+
+
+def test_a_sigkilled_batch_shell_leaves_no_file_behind(tmp_path):
+    """Issue 53 item 4: the attempt's start time was the mtime of a `gyre-attempt.*` temp file,
+    removed by an EXIT trap that a SIGKILL never runs."""
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    proc, _, log = _batch(tmp_path, block=True, TMPDIR=str(tmp))
+    text = _wait_for(log, " pid ", n=3)
+    proc.kill()
+    proc.wait(timeout=30)
+    for pid in re.findall(r"(?:torchrun \d+|srun) pid (\d+)", text):
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert list(tmp.iterdir()) == []
