@@ -361,6 +361,23 @@ def truncate_jsonl(path: str | os.PathLike, keep_until: Callable[[list[dict[str,
     return len(rows) - keep
 
 
+def write_json(path: "os.PathLike[str] | str", data: Any, indent: int = 2) -> None:
+    """Write `data` as JSON so that `path` holds the old file or the whole new one, never a part:
+    a full disk used to leave an empty summary.json (and a run.json.tmp beside run.json). The
+    temporary is removed when the write fails, and the error is raised."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data, indent=indent, default=str))
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def metrics_until(version: int) -> Callable[[list[dict[str, Any]]], int]:
     """For `truncate_jsonl` on metrics.jsonl: the rows of steps 0..version−1 (a resume from the
     checkpoint of `version` trains step `version` next; rows past it belong to steps whose update

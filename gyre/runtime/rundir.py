@@ -52,7 +52,7 @@ from gyre.executions.evaluator import RewardResult, RewardStatus
 from gyre.executions.tasks import Dataset, ExecutionSpec, Group
 from gyre.runtime import peers
 from gyre.runtime.runlock import RunLock, RunLocked
-from gyre.runtime.outputs import events_until, metrics_until, truncate_jsonl
+from gyre.runtime.outputs import events_until, metrics_until, truncate_jsonl, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -275,14 +275,8 @@ def write_manifest(path: Path, cfg: GyreConfig, world_size: int, *, start_versio
         data = {"config": dataclasses.asdict(cfg), "attempts": []}
     attempt = len(data["attempts"])
     data["attempts"].append({"attempt": attempt, **entry})
-    _replace_json(manifest, data)
+    write_json(manifest, data, indent=1)
     return attempt
-
-
-def _replace_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
 
 
 # What run.json keeps of each attempt's summary (its "ended" record), and which of those add up
@@ -307,7 +301,7 @@ def end_attempt(path: Path, attempt: int, summary: dict[str, Any]) -> dict[str, 
     ended = {k: summary.get(k) for k in ENDED_FIELDS}
     ended["incomplete_tito"] = len(summary.get("incomplete_tito") or {})
     data["attempts"][attempt]["ended"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **ended}
-    _replace_json(manifest, data)
+    write_json(manifest, data, indent=1)
     return run_totals(data["attempts"])
 
 
@@ -317,7 +311,7 @@ def record_ranks(path: Path, attempt: int, ranks: list[dict[str, Any]]) -> None:
     manifest = path / "run.json"
     data = json.loads(manifest.read_text())
     data["attempts"][attempt]["ranks"] = ranks
-    _replace_json(manifest, data)
+    write_json(manifest, data, indent=1)
 
 
 def _name_the_dead(entry: dict[str, Any], summary: dict[str, Any]) -> None:

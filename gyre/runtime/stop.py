@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from gyre.runtime.ledger import GroupPhase
 from gyre.runtime.messages import Failed, Stop
-from gyre.runtime.outputs import append_events, plot_role_timeline, read_metrics, train_fractions
+from gyre.runtime.outputs import append_events, plot_role_timeline, read_metrics, train_fractions, write_json
 from gyre.runtime.rundir import end_attempt
 from gyre.runtime.summary import RunEnd, build_summary, end_lines
 
@@ -245,7 +245,7 @@ async def stop_run(ctl: Controller, failed: bool) -> None:
         ctl.summary["run"] = end_attempt(ctl.run_dir, ctl.attempt, ctl.summary)
     except (OSError, ValueError, LookupError) as e:
         logger.warning("run.json: this attempt's end not recorded (%s); summary.json has no run totals", e)
-    phases.run("summary.json", lambda: (ctl.run_dir / "summary.json").write_text(json.dumps(ctl.summary, indent=2)))
+    phases.run("summary.json", lambda: write_json(ctl.run_dir / "summary.json", ctl.summary))
     # The scheduler's event log: replayable by `python -m gyre.sim --durations.source run-dir`.
     phases.run("events.jsonl", lambda: append_events(ctl.sched.log, str(ctl.run_dir / "events.jsonl"),
                                                      attempt=ctl.attempt, start_version=ctl.start_version))
@@ -310,7 +310,7 @@ def early_end(run: Any, signal_name: str, why: str = "while the job was starting
         "interrupted": signal_name, "ranks_not_stopped": [], "lost_in_flight": run.lost_in_flight,
         "redispatched_groups": len(run.redo_tasks), "carried_over_groups": 0}
     summary["run"] = end_attempt(run.path, run.attempt, summary)
-    (run.path / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json(run.path / "summary.json", summary)
     with open(run.path / "events.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps({"t": time.time(), "kind": "attempt", "attempt": run.attempt, "version": run.start_version})
                 + "\n")

@@ -3,6 +3,7 @@ hand-computed values (no job: `gyre.runtime.summary` is pure)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -157,3 +158,38 @@ def test_the_end_lines_count_executions_and_groups_and_lead_with_the_fitted_rise
     assert lines[3] == "model calls: 64, 1 aborted" and lines[-1].startswith("report: python -m gyre.report runs/x")
     flat = {**trend, "fitted_rise_ci95_low": -0.1, "fitted_rise_ci95_high": 0.1}
     assert "(no clear change)" in end_lines({**summary, "reward_trend": flat}, "runs/x")[1]
+
+
+_FULL_DISK = """
+import json, resource, signal, sys
+from pathlib import Path
+from gyre.runtime.outputs import write_json
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200))  # the disk fills 200 bytes into any file
+path = Path(sys.argv[1])
+try:
+    write_json(path, {"steps": 7, "notes": ["x" * 50] * 20})
+    print("written")
+except OSError as e:
+    print("refused", e.errno)
+"""
+
+
+def test_a_json_output_written_onto_a_full_disk_keeps_the_old_file_whole_and_leaves_no_temporary(tmp_path):
+    """Issue 53 item 7: a full disk left an empty summary.json and a run.json.tmp. The disk is
+    full 200 bytes into any file (RLIMIT_FSIZE in a child process)."""
+    import errno
+    import subprocess
+    import sys
+
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps({"steps": 3}))
+    r = subprocess.run([sys.executable, "-c", _FULL_DISK, str(path)], capture_output=True, text=True, timeout=60,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.stdout.split() == ["refused", str(errno.EFBIG)], r.stdout + r.stderr
+    assert json.loads(path.read_text()) == {"steps": 3}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+    from gyre.runtime.outputs import write_json
+
+    write_json(path, {"steps": 4})  # with room, the new file replaces the old one whole
+    assert json.loads(path.read_text()) == {"steps": 4} and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
