@@ -111,7 +111,7 @@ def hf_eval(model_dir: Path, args, log: Path, seed: int, tasks: int, out: Path) 
     if args.reuse and out.exists():
         return json.loads(out.read_text())
     cmd = [sys.executable, str(BASE_RATE), "--checkpoint", str(model_dir), "--split", args.split, "--tasks", str(tasks),
-           "--samples", str(tasks * args.samples), "--seed", str(seed), "--temperature", str(args.temperature)]
+           "--samples", str(args.transformers_samples or tasks * args.samples), "--seed", str(seed), "--temperature", str(args.temperature)]
     before = log.read_text() if log.exists() else ""
     if sh(cmd, log) != 0:
         raise RuntimeError(f"base_rate.py failed; see {log}")
@@ -143,6 +143,8 @@ def main() -> int:
     p.add_argument("--temperature", type=float, default=0.7, help="the harness's sampling temperature (the preset's)")
     p.add_argument("--runs", default="runs/real-model-learning")
     p.add_argument("--out", default="benchmarks/results/real_model_learning.json")
+    p.add_argument("--transformers-samples", type=int, default=None,
+                   help="episodes of each transformers measurement (default: as many as gyre.eval ran)")
     p.add_argument("--skip-transformers", action="store_true",
                    help="train and evaluate through Gyre only; a later --reuse run adds the transformers measurement")
     p.add_argument("--reuse", action="store_true",
