@@ -229,8 +229,8 @@ ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", 
 
 # Attention backends that take float16/bfloat16 only. With attention_backend unset SGLang picks fa3
 # for MHA models on Hopper (arg_groups/model_override_base.py:305-311): the fake stands for an
-# H200. triton / torch_native are accepted with float32 (tests/gpu/sglang_check.py serves float32
-# on triton); whether sgl-kernel's RMSNorm (layers/layernorm.py:628, 631: called whatever the
+# H200. triton / torch_native are accepted with float32 (tests/gpu/sglang_check.py --dtype float32
+# --attention-backend triton); whether sgl-kernel's RMSNorm (layers/layernorm.py:628, 631: called whatever the
 # dtype) accepts float32 there is for the GPU check to show.
 HALF_ONLY_ATTENTION = {None, "fa3", "flashinfer", "trtllm_mha", "fa4"}
 
