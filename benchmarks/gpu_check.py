@@ -14,8 +14,9 @@ tensorboard; no SGLang, Mooncake, Transformer Engine, tyro, megatron-core. What 
 the tests import beyond that travels as pinned wheels (`WHEELS`, < 64 MiB in all), installed with
 `pip install --no-index --no-deps --find-links` (a package the box already has is kept).
 
-Stages, each with its own timeout, each recorded pass / fail / skip with its reason even when
-another failed, all inside one overall budget (`--budget-s`):
+Stages, each with one timeout for everything it runs, each recorded pass / fail / skip with its
+reason even when another failed, all inside one overall budget (`--budget-s`). A stage that cannot
+fit the time left (`FIT_S`) is skipped by name, not started; a timed-out stage's log comes back as text:
 
     install        the carried wheels; then gyre's runtime imports (tyro, megatron.core, openai, ...)
     doctor         python -m gyre.doctor with the run stage's flags: its CUDA, NCCL and per-GPU memory lines
@@ -27,7 +28,8 @@ another failed, all inside one overall budget (`--budget-s`):
                    restore on CUDA bit-exact and the memory freed, NCCL collectives on CUDA tensors)
     megatron_step  tests/gpu/test_backends_gpu.py: a GSPO step through Megatron-core vs the CPU
                    actor, fp32 and bf16 (log-probs, loss, gradients within the test's tolerances)
-    run            torchrun --nproc-per-node 1 -m gyre.run (`RUN_ARGS`): one cell flipping between
+    run            torchrun --nproc-per-node 1 -m gyre.run (`RUN_ARGS`, bf16 as a user's default
+                   dtype gives): one cell flipping between
                    the built-in engine on CUDA and the Megatron actor, ≥ 4 steps, 0 aborted calls,
                    the switch latencies and their actor offload / restore parts
     loss_bench     the fused log-prob kernel fwd+bwd at T=16384, V=151936, bf16 vs eager torch and
@@ -73,8 +75,12 @@ RUNTIME_IMPORTS = ["tyro", "megatron.core", "openai", "matplotlib", "pytest", "t
 
 KERNEL_TESTS = ["tests/loss/test_cuda.py", "tests/gpu/test_cuda_paths.py"]
 MEGATRON_TESTS = ["tests/gpu/test_backends_gpu.py::test_megatron_step_matches_cpu_actor"]
+# --model.dtype auto, a user's default: bfloat16 with the Megatron actor (gyre.backends.config.
+# resolve_model_dtype; the preset's own is float32): bf16 parameters with fp32 masters and main_grad,
+# their offload and restore, a bf16 snapshot to the engine (the dry run checks it resolves so)
 RUN_ARGS = ["--preset", "cpu-demo-smoke", "--backend.actor", "megatron", "--backend.device", "cuda",
-            "--model.dtype", "float32", "--train.steps", "4", "--overwrite"]
+            "--model.dtype", "auto", "--train.steps", "4", "--overwrite"]
+RUN_DTYPE = "bfloat16"
 RUN_MIN_STEPS = 4
 RUN_LAUNCHER = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "gyre.run"]
 RUN_KEEP = ("summary.json", "metrics.jsonl")  # what comes back of the run directory: small, one each
@@ -101,7 +107,10 @@ STAGES = {  # name → timeout s, in the order they run
     "loss_bench": 120,
     "proxy_scale": 100,
 }
-START_S = {"proxy_scale": 90}  # least time worth starting a stage with (default 20 s): two 15 s windows and their ramps
+# The least time each stage needs on one H100/H200 with 16 cores (the 2026-12-06 audit's lower
+# estimates): with less left it cannot finish, so it is skipped by name, not started (`skip_reason`).
+FIT_S = {"install": 20, "doctor": 10, "build": 50, "kernel_tests": 30, "megatron_step": 30, "run": 80,
+         "loss_bench": 20, "proxy_scale": 90}  # proxy_scale: two 15 s windows per size and their ramps
 NEEDS = {"doctor": ("install",), "kernel_tests": ("build",), "megatron_step": ("install",), "run": ("install",), "loss_bench": ("build",)}
 
 
@@ -128,6 +137,31 @@ def _sh(cmd: list[str], timeout: float, **kw) -> tuple[int, str]:
 
 def _tail(text: str, n: int = 3000) -> str:
     return text[-n:]
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+def timeout_output(e: subprocess.TimeoutExpired) -> str:
+    """What a timed-out command printed, as text. `subprocess.run(text=True)` does not decode it:
+    on POSIX the exception carries the raw bytes read so far, stdout and stderr apart, either None
+    (CPython's Popen._check_timeout: `output=b''.join(stdout_seq) if stdout_seq else None`)."""
+    parts = []
+    for out in (e.output, e.stderr):
+        if isinstance(out, bytes):
+            out = out.decode("utf-8", errors="replace")
+        parts.append(out or "")
+    return "".join(parts)
+
+
+def _left(deadline: float, what: str, timeout: float) -> float:
+    """Seconds left before a stage's deadline for its next command; TimeoutExpired (the stage's
+    own timeout) when none are, so a later step never gets a timeout of its own."""
+    left = deadline - _now()
+    if left <= 0:
+        raise subprocess.TimeoutExpired(what, timeout)
+    return left
 
 
 def nvcc_compile_only(timeout: float = 240) -> Stage:
@@ -181,6 +215,7 @@ def stage_install(wheels: Path | None, timeout: float) -> Stage:
     from importlib import metadata
 
     st = Stage()
+    deadline = _now() + timeout  # one timeout for the whole stage: pip and the import check share it
     installed, kept = [], []
     if wheels is not None:
         problems, st.figures = check_wheels(wheels, WHEELS)
@@ -206,7 +241,7 @@ def stage_install(wheels: Path | None, timeout: float) -> Stage:
                 return Stage("fail", f"pip install exited {rc}", figures=st.figures, log_tail=st.log_tail)
         installed = need
     rc, out = _sh([sys.executable, "-c", "import importlib,sys; [importlib.import_module(m) for m in sys.argv[1:]]",
-                   *RUNTIME_IMPORTS], timeout)
+                   *RUNTIME_IMPORTS], _left(deadline, "the runtime import check", timeout))
     st.figures.update(installed=installed, kept_from_the_box=kept)
     if rc != 0:
         return Stage("fail", "a runtime import fails: " + out.strip().splitlines()[-1], figures=st.figures, log_tail=_tail(out))
@@ -214,13 +249,14 @@ def stage_install(wheels: Path | None, timeout: float) -> Stage:
 
 
 def stage_build(timeout: float) -> Stage:
+    deadline = _now() + timeout  # the probe runs inside the stage's timeout
     rc, out = _sh([sys.executable, "setup.py", "build_ext", "--inplace"], timeout,
                   env={**_env(), "MAX_JOBS": str(os.cpu_count() or 8)})
     if rc != 0:
         return Stage("fail", f"setup.py build_ext exited {rc}", log_tail=_tail(out))
     probe = ("import torch, gyre.loss as L; L.extension_available(); print('CUDA_DISPATCH', "
              "torch._C._dispatch_has_kernel_for_dispatch_key('gyre::logprobs_fwd', 'CUDA'))")
-    rc2, out2 = _sh([sys.executable, "-c", probe], 60)
+    rc2, out2 = _sh([sys.executable, "-c", probe], min(60.0, _left(deadline, "the CUDA dispatch probe", timeout)))
     cuda = rc2 == 0 and "CUDA_DISPATCH True" in out2
     fell_back = "CUDA build of gyre._C failed" in out
     figures = {"arch_list": CUDA_ARCH, "cuda_dispatch_registered": cuda, "fell_back_to_cpu": fell_back}
@@ -430,12 +466,17 @@ def dry_run(wheels: Path | None, *, nvcc: bool = True, kernel_tests: list[str] |
             check_train_config(cfg, num_cells=1)
         finally:
             torch.cuda.is_available = real
+        from gyre.backends.config import resolve_model_dtype
+
+        dtype = resolve_model_dtype(cfg.model, cfg.backend)
         cfg_stage.status = "pass"
         cfg_stage.figures = {"actor": cfg.backend.actor, "engine": cfg.backend.engine, "device": cfg.backend.device,
-                             "steps": cfg.train.steps, "model_dtype": cfg.model.dtype,
+                             "steps": cfg.train.steps, "model_dtype": cfg.model.dtype, "resolved_dtype": dtype,
                              "offload_actor": cfg.backend.offload_actor}
         if cfg.train.steps < RUN_MIN_STEPS:
             cfg_stage.status, cfg_stage.reason = "fail", f"train.steps {cfg.train.steps} < {RUN_MIN_STEPS}"
+        elif dtype != RUN_DTYPE:
+            cfg_stage.status, cfg_stage.reason = "fail", f"the run trains in {dtype}, not {RUN_DTYPE} (what users get)"
     except (Exception, SystemExit) as e:  # noqa: BLE001 — reported, not raised: the dry run says what fails
         cfg_stage.status, cfg_stage.reason = "fail", f"{type(e).__name__}: {e}"
     out["run_config"] = cfg_stage
@@ -473,35 +514,50 @@ def selected(only: list[str] | None) -> list[str]:
     return [n for n in STAGES if n in want]
 
 
+def skip_reason(name: str, stages: dict[str, Stage], chosen: list[str], left_s: float, budget_s: float) -> str | None:
+    """Why stage `name` is not started, or None to start it: not chosen, a stage it needs failed, or
+    it cannot fit the time left (less than its `FIT_S`). The reason names the stage."""
+    if name not in chosen:
+        return "not selected (--only)"
+    failed = [n for n in NEEDS.get(name, ()) if stages.get(n) is not None and stages[n].status == "fail"]
+    if failed:
+        return f"needs {', '.join(failed)}, which failed"
+    if left_s < FIT_S[name]:
+        return (f"out of time: {name} needs at least {FIT_S[name]}s, {max(left_s, 0):.0f}s of the {budget_s:.0f}s "
+                f"budget left (not started; rerun it with --only {name})")
+    return None
+
+
+def run_stage(name: str, fn: Callable[[float], Stage], timeout: float) -> Stage:
+    """One stage under its timeout: a stage that times out (or raises) is a failure with its log as
+    text (`timeout_output`), and never hides the stages after it."""
+    t0 = time.perf_counter()
+    try:
+        st = fn(timeout)
+    except subprocess.TimeoutExpired as e:
+        st = Stage("fail", f"timed out after {timeout:.0f}s", log_tail=_tail(timeout_output(e)))
+    except Exception as e:  # noqa: BLE001 — one stage's failure must not hide the others
+        st = Stage("fail", f"{type(e).__name__}: {e}")
+    st.seconds = time.perf_counter() - t0
+    return st
+
+
 def run_device(wheels: Path | None, out_json: Path, budget_s: float, only: list[str] | None) -> dict[str, Stage]:
-    start = time.monotonic()
+    start = _now()
     stages: dict[str, Stage] = {}
     chosen = selected(only)
     work = Path(tempfile.mkdtemp(prefix="gyre_gpu_check_"))  # never under the output folder
     figures_file = work / "megatron_figures.json"
 
     def go(name: str, fn: Callable[[float], Stage]) -> None:
-        if name not in chosen:
-            stages[name] = Stage("skip", "not selected (--only)")
+        left = budget_s - (_now() - start)
+        why = skip_reason(name, stages, chosen, left, budget_s)
+        if why is not None:
+            stages[name] = Stage("skip", why)
+            if name in chosen:
+                print(f"[gpu_check] {name}: skip {why}", flush=True)
             return
-        failed = [n for n in NEEDS.get(name, ()) if stages.get(n) is not None and stages[n].status == "fail"]
-        if failed:
-            stages[name] = Stage("skip", f"needs {', '.join(failed)}, which failed")
-            return
-        left = budget_s - (time.monotonic() - start)
-        timeout = min(STAGES[name], left)
-        if timeout < START_S.get(name, 20):
-            stages[name] = Stage("skip", f"out of time ({left:.0f}s of the {budget_s:.0f}s budget left)")
-            return
-        t0 = time.perf_counter()
-        try:
-            st = fn(timeout)
-        except subprocess.TimeoutExpired as e:
-            st = Stage("fail", f"timed out after {timeout:.0f}s", log_tail=_tail(str(e.output or "")))
-        except Exception as e:  # noqa: BLE001 — one stage's failure must not hide the others
-            st = Stage("fail", f"{type(e).__name__}: {e}")
-        st.seconds = time.perf_counter() - t0
-        stages[name] = st
+        stages[name] = st = run_stage(name, fn, min(STAGES[name], left))
         print(f"[gpu_check] {name}: {st.status} ({st.seconds:.0f}s) {st.reason}", flush=True)
 
     try:

@@ -95,9 +95,10 @@ def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights:
     core_actor = None
     if topo.is_core:  # the authoritative weights and optimizer state live here (docs/design.md §1)
         vocab = load_vocab(cfg.model.checkpoint, cfg.proxy.tokenizer_path)
-        core_actor, model_cfg = factory.build_core_actor(cfg, vocab.size, ckpt_dir)
-        weights.post(core_actor.version, core_actor.export_parameters(), published=True)
-    dist.barrier(group=groups.control)  # blocking: the starting snapshot is there
+        core_actor, model_cfg = core_actor_offloaded(cfg, vocab.size, ckpt_dir, weights)
+    # blocking: the starting snapshot is there, and every core position's actor has left its GPU
+    # before position 0's engine measures the cell's free memory below
+    dist.barrier(group=groups.control)
     if core_actor is None:
         vocab = load_vocab(cfg.model.checkpoint, cfg.proxy.tokenizer_path)
         model_cfg = factory.model_config_of(cfg, vocab.size)
@@ -148,6 +149,25 @@ def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights:
     elif worker.stopped_by_failure:
         raise RunStopped(f"rank {topo.rank}: stopped early by the controller (rank 0 reports why)")
     logger.info("rank %d done", topo.rank)
+
+
+def core_actor_offloaded(cfg: GyreConfig, vocab_size: int, ckpt_dir: Path, weights: WeightTransport) -> tuple[Any, Any]:
+    """The core's actor and model config; its starting snapshot posted; then (--backend.offload-actor)
+    its state moved to host memory, before the core cell's engine starts. SGLang sizes its KV pool
+    once, at start, from the memory free on the cell's GPUs (kv_cache_configurator.py:2990-3060:
+    free after its weights load less the slack pre × (1 − mem_fraction_static)): an actor still
+    resident then (its bf16 weights and fp32 masters: ~49 GB for an 8B model) is memory the KV cache
+    never gets back, and the longest prompt shrinks with it. The actor returns to the device at the
+    cell's first switch to training, as after every rollout. With --backend.no-offload-actor it stays
+    resident for the whole run, so the engine rightly sizes around it."""
+    core_actor, model_cfg = factory.build_core_actor(cfg, vocab_size, ckpt_dir)
+    weights.post(core_actor.version, core_actor.export_parameters(), published=True)
+    if cfg.backend.offload_actor:
+        t0 = time.perf_counter()
+        nbytes = core_actor.offload()
+        logger.info("core actor offloaded before the engine starts: %.1f MB in %.2fs", nbytes / 1e6,
+                    time.perf_counter() - t0)
+    return core_actor, model_cfg
 
 
 def host_engine(engine: Any, *, host: str, announce: str, secret: str | None) -> EngineHost:

@@ -91,8 +91,9 @@ class CellWorker:
             self._offload()
 
     def first_actor(self, core_actor: Actor | None) -> None:
-        """Start-up: this rank's actor, the core's (built before the engine, on every position) or
-        a satellite's, built now, once position 0's engine has started: SGLang sizes its KV cache
+        """Start-up: this rank's actor, the core's (built before the engine on every position, and
+        offloaded before it starts: `job.core_actor_offloaded`) or a satellite's, built now, once
+        position 0's engine has started: SGLang sizes its KV cache
         from the memory free on every GPU of the cell at its start and refuses a > 10 % imbalance
         between them (sglang/srt/distributed/bootstrap.py:441-452), so no position loads an actor
         onto its GPU while the engine measures."""

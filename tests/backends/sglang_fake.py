@@ -70,6 +70,14 @@ sglang/srt/, lines of that wheel):
                           (two more prefixes); receives one broadcast(src=0) per name
                           (weight_updater.py:260-298); gloo on CPU
 
+  KV pool sizing           from the device's free memory before and after the weights load, at
+                          mem_fraction_static (`size_kv_pool`: bootstrap.py:193-223,
+                          kv_cache_configurator.py:2990-3060, pool_configurator.py:492-498,
+                          637-647); max_total_num_tokens is reported as the scheduler's init info
+                          (scheduler.py:1937-1948, engine.py:345) and bounds max_req_input_len
+                          (tp_worker.py:568-572). The device is `FakeGpu`: a test puts what else
+                          is resident there (an actor) and reads what the engine saw (`FakeEngine.kv`)
+
 Request classes: sglang.srt.managers.io_struct cannot be imported on a CPU machine (it imports
 schedule_batch, and sglang/__init__ imports srt.utils.common, which imports triton and CUDA
 kernel packages), so the classes below copy the fields of io_struct.py:1927-2208, 2285
@@ -77,7 +85,8 @@ kernel packages), so the classes below copy the fields of io_struct.py:1927-2208
 GYRE_SGLANG_SRC names one). Not modelled: TP > 1, the model_update_lock as a lock (an update
 while not paused with requests running fails after 2 s instead of waiting), the mode="abort"
 pause, ZMQ transit delays between the scheduler's two sockets (`chunk_delay_steps` delays
-token outputs to model them), CUDA memory.
+token outputs to model them), CUDA memory beyond the KV pool's sizing at start (release and resume
+hand nothing back to `FakeGpu`; CUDA graphs and workspaces take nothing).
 """
 
 from __future__ import annotations
@@ -86,6 +95,7 @@ import asyncio
 import atexit
 import glob
 import logging
+import math
 import os
 import pickle
 import signal
@@ -219,8 +229,8 @@ ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", 
 
 # Attention backends that take float16/bfloat16 only. With attention_backend unset SGLang picks fa3
 # for MHA models on Hopper (arg_groups/model_override_base.py:305-311): the fake stands for an
-# H200. triton / torch_native are accepted with float32 (tests/gpu/sglang_check.py serves float32
-# on triton); whether sgl-kernel's RMSNorm (layers/layernorm.py:628, 631: called whatever the
+# H200. triton / torch_native are accepted with float32 (tests/gpu/sglang_check.py --dtype float32
+# --attention-backend triton); whether sgl-kernel's RMSNorm (layers/layernorm.py:628, 631: called whatever the
 # dtype) accepts float32 there is for the GPU check to show.
 HALF_ONLY_ATTENTION = {None, "fa3", "flashinfer", "trtllm_mha", "fa4"}
 
@@ -926,6 +936,7 @@ class FakeEngine:
     chunk_delay_steps = 0           # token outputs reach the TM this many steps late
     spawn_scheduler_process = False  # start a child process standing for the scheduler
     crash_on: str | None = None     # a control request's class name: its handling kills the scheduler
+    gpu: "FakeGpu | None" = None     # the device the KV pool is sized on; None: an empty one per engine
     instances: list["FakeEngine"] = []
 
     def __init__(self, **kwargs: Any):
@@ -947,9 +958,17 @@ class FakeEngine:
             kwargs["model_path"], kwargs.get("load_format"), kwargs.get("dtype", "auto"), kwargs.get("attention_backend"))
         self.vocab_size = int(self.model_config.vocab_size)
         self.context_len = _context_len(self.model_config, kwargs.get("context_length"))
-        # tp_worker.py:568-572 (KV capacity taken as unbounded): what the scheduler admits
-        self.max_req_len = self.context_len - 1
+        # the KV pool, sized from the device's free memory as the model runner does (`size_kv_pool`)
+        self.kv = size_kv_pool(self.gpu if self.gpu is not None else FakeGpu(), self.model_config, self.dtype,
+                               kwargs.get("mem_fraction_static"), self.tp_size, owner=f"engine{id(self)}")
+        # tp_worker.py:568-572: what the scheduler admits, bounded by the context and the KV pool
+        self.max_req_len = min(self.context_len - 1, self.kv.max_total_num_tokens - 1)
         self.max_req_input_len = self.max_req_len - 5
+        # Scheduler.get_init_info (scheduler.py:1937-1948), kept by Engine (engine.py:345) and
+        # reported by get_server_info (engine.py:1570-1585)
+        self._scheduler_init_result = types.SimpleNamespace(scheduler_infos=[{
+            "status": "ready", "max_total_num_tokens": self.kv.max_total_num_tokens,
+            "max_req_input_len": self.max_req_input_len}])
         self.tokenizer_manager = FakeTokenizerManager(self)
         self.process: subprocess.Popen | None = None
         if self.spawn_scheduler_process:
@@ -981,6 +1000,86 @@ class FakeEngine:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+# ----------------------------------------------------------------------------- device memory (KV sizing)
+class FakeGpu:
+    """One GPU's memory as `torch.cuda.mem_get_info` reports it: `total` bytes less what is resident
+    now. Each resident is a number of bytes or a callable giving them at the moment asked (an actor
+    that offloads returns 0 then)."""
+
+    def __init__(self, total: int = 80 * 2**30):
+        self.total = int(total)
+        self.residents: dict[str, Any] = {}
+
+    def hold(self, name: str, nbytes: Any) -> None:
+        self.residents[name] = nbytes
+
+    def used(self) -> int:
+        return sum(int(v() if callable(v) else v) for v in self.residents.values())
+
+    def free(self) -> int:
+        return self.total - self.used()
+
+
+@dataclass
+class KvSizing:
+    """What the fake's model runner saw and got (bytes; tokens)."""
+    pre_model_load_free: int  # bootstrap.measure_pre_model_load_memory: free before the weights load
+    weights_bytes: int
+    available: int  # free when the pool is sized, after the weights (kv_cache_configurator.py:3000)
+    mem_fraction_static: float
+    cell_size: int  # KV bytes per token (pool_configurator.py:492-498)
+    max_total_num_tokens: int
+
+
+# SGLang derives a default from the GPU's size when the server arg is None (server_args); Gyre
+# always passes one (sglang_engine.server_args), so the fake only needs a stand-in.
+DEFAULT_MEM_FRACTION_STATIC = 0.88
+
+
+def kv_cell_size(config: Any, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes per token of an MHA/GQA model's KV pool (pool_configurator.py:492-498): the KV heads
+    per GPU (model_config.py:1700-1711: max(1, heads // tp)) × (head_dim + v_head_dim) × layers ×
+    the KV dtype's size (the served dtype: kv_cache_dtype "auto")."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return max(1, heads // tp_size) * 2 * head_dim * config.num_hidden_layers * torch.empty((), dtype=dtype).element_size()
+
+
+def weights_bytes(config: Any, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """The served model's bytes per GPU: every parameter (tied ones once) in the served dtype,
+    split evenly over TP (an approximation: norms are replicated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    n = sum(p.numel() for p in model.parameters())
+    return n * torch.empty((), dtype=dtype).element_size() // tp_size
+
+
+def size_kv_pool(gpu: FakeGpu, config: Any, dtype: torch.dtype, mem_fraction_static: float | None, tp_size: int = 1,
+                 *, owner: str = "engine", page_size: int = 1) -> KvSizing:
+    """The model runner's start, in bytes (SGLang keeps GB floats):
+    free before the weights load = pre (model_runner.py:1262, bootstrap.py:193-223); the weights
+    load; free again = available (kv_cache_configurator.py:2999-3005); rest = available − pre ×
+    (1 − mem_fraction_static) (:3007, :3038), a ValueError naming --mem-fraction-static when ≤ 0
+    (:3043-3058); tokens = rest // cell size, rounded down to the page (pool_configurator.py:
+    637-647); the pool is then allocated (it stays resident on `gpu`)."""
+    f = DEFAULT_MEM_FRACTION_STATIC if mem_fraction_static is None else float(mem_fraction_static)
+    pre = gpu.free()
+    wbytes = weights_bytes(config, dtype, tp_size)
+    gpu.hold(f"{owner} weights", wbytes)
+    available = gpu.free()
+    rest = available - pre * (1 - f)
+    if rest <= 0:
+        minimum = 1 - available / pre
+        raise ValueError(f"Loaded weights leave no GPU memory for the KV cache under --mem-fraction-static={f}. "
+                         f"Raise --mem-fraction-static above {math.ceil(minimum * 1000) / 1000:.3f}")
+    cell = kv_cell_size(config, dtype, tp_size)
+    tokens = int(rest) // cell // page_size * page_size
+    gpu.hold(f"{owner} kv", tokens * cell)
+    return KvSizing(pre, wbytes, available, f, cell, tokens)
 
 
 class FakeUvloopPolicy(asyncio.DefaultEventLoopPolicy):

@@ -55,6 +55,7 @@ def test_the_one_command_dry_run_passes_here_and_writes_one_json(tmp_path):
     assert all(n > 0 for n in collected.values()) and len(collected) == 3
     cfg = res["stages"]["run_config"]["figures"]
     assert (cfg["actor"], cfg["device"], cfg["offload_actor"]) == ("megatron", "cuda", True) and cfg["steps"] >= 4
+    assert cfg["resolved_dtype"] == "bfloat16"  # the run stage trains what a user's default gives
     assert any("TP > 1" in k for k in res["one_gpu_cannot_try"])
 
 
@@ -103,6 +104,10 @@ def test_the_run_config_is_checked_as_on_the_box(gc):
     assert res["run_config"].status == "fail" and "train.steps 2 < 4" in res["run_config"].reason
     res = gc.dry_run(None, nvcc=False, kernel_tests=[], megatron_tests=[], run_args=gc.RUN_ARGS + ["--backend.device", "tpu"])
     assert res["run_config"].status == "fail"
+    res = gc.dry_run(None, nvcc=False, kernel_tests=[], megatron_tests=[], run_args=gc.RUN_ARGS + ["--model.dtype", "float32"])
+    assert res["run_config"].status == "fail" and "trains in float32, not bfloat16" in res["run_config"].reason
+    ok = gc.dry_run(None, nvcc=False, kernel_tests=[], megatron_tests=[])
+    assert ok["run_config"].status == "pass" and ok["run_config"].figures["resolved_dtype"] == "bfloat16"
 
 
 def test_the_device_stages_are_budgeted_within_eight_minutes(gc):
@@ -191,10 +196,11 @@ def test_a_device_run_returns_its_json_and_two_small_files(gc, tmp_path, monkeyp
     assert gc.main(["--out", str(out), "--only", "loss_bench"]) == 0
     st = {k: v["status"] for k, v in json.loads(out.read_text())["stages"].items()}
     assert [k for k, v in st.items() if v == "pass"] == ["build", "loss_bench"]
-    # out of budget: proxy_scale is not started with less than its START_S, the others still are
+    # out of budget: proxy_scale cannot fit (more than the budget) and is not started, the others still are
+    monkeypatch.setattr(gc, "FIT_S", {**{n: 1 for n in gc.STAGES}, "proxy_scale": 61})
     assert gc.main(["--out", str(out), "--budget-s", "60"]) == 0
     res = json.loads(out.read_text())
-    assert res["stages"]["proxy_scale"]["status"] == "skip" and "out of time" in res["stages"]["proxy_scale"]["reason"]
+    assert res["stages"]["proxy_scale"]["status"] == "skip" and "out of time: proxy_scale" in res["stages"]["proxy_scale"]["reason"]
     assert res["stages"]["loss_bench"]["status"] == "pass" and res["rerun"]["stages"] == ["proxy_scale"]
 
 
@@ -219,3 +225,74 @@ def test_the_cpu_tests_named_for_what_one_gpu_cannot_try_exist(gc):
 
     named = {p for v in gc.ONE_GPU_LIMITS.values() for p in re.findall(r"tests/[\w/]+\.py", v)}
     assert len(named) >= 5 and all((ROOT / p).exists() for p in named), sorted(p for p in named if not (ROOT / p).exists())
+
+
+# ---------------------------------------------------------------------------- budget and logs (unit)
+def test_a_timed_out_commands_log_comes_back_as_text(gc):
+    """subprocess.run(text=True) leaves a TimeoutExpired's output as the raw bytes read so far
+    (CPython's Popen._check_timeout), stdout and stderr apart: the stage's log_tail is their text,
+    lines and non-ASCII intact, not an escaped b'...' string. First the exception CPython builds,
+    then a real child killed at its timeout."""
+    e = subprocess.TimeoutExpired(["x"], 5, output="step 1 ✓\nstep 2\n".encode(), stderr=b"Traceback: stuck\n")
+    assert gc.timeout_output(e) == "step 1 ✓\nstep 2\nTraceback: stuck\n"
+    assert gc.timeout_output(subprocess.TimeoutExpired(["x"], 5)) == ""  # nothing read yet: both None
+    assert gc.timeout_output(subprocess.TimeoutExpired(["x"], 5, output="already text\n")) == "already text\n"
+
+    def stage(timeout):  # a child that prints, then hangs past its timeout
+        gc._sh(["sh", "-c", "printf 'loading ✓\\nstill going\\n'; printf 'warn\\n' >&2; exec sleep 60"], timeout)
+
+    st = gc.run_stage("doctor", stage, 5)
+    assert st.status == "fail" and st.reason == "timed out after 5s"
+    assert st.log_tail.splitlines() == ["loading ✓", "still going", "warn"], st.log_tail
+    assert "b'" not in st.log_tail and "\\n" not in st.log_tail
+
+
+def test_a_stage_that_cannot_fit_the_time_left_is_skipped_by_name_and_never_started(gc, monkeypatch, tmp_path):
+    started = []
+    stage = lambda name: lambda *a, **k: started.append(name) or gc.Stage("pass")  # noqa: E731
+    for fn, name in (("stage_install", "install"), ("stage_build", "build"), ("stage_doctor", "doctor"),
+                     ("stage_run", "run"), ("stage_loss_bench", "loss_bench"), ("stage_proxy_scale", "proxy_scale")):
+        monkeypatch.setattr(gc, fn, stage(name))
+    monkeypatch.setattr(gc, "_pytest", lambda paths, *a, **k: started.append(paths[0]) or gc.Stage("pass"))
+    clock = [1000.0]
+    monkeypatch.setattr(gc, "_now", lambda: clock[0])  # no stage takes any time: only FIT_S decides
+    stages = gc.run_device(None, tmp_path / "x.json", 85.0, None)
+    assert all(gc.FIT_S[n] <= gc.STAGES[n] for n in gc.STAGES)  # every cap is at least what its stage needs
+    skipped = [n for n, st in stages.items() if st.status == "skip"]
+    assert skipped == [n for n in gc.STAGES if gc.FIT_S[n] > 85] == ["proxy_scale"]
+    assert "proxy_scale" not in started and "run" in started  # run needs 80 s: it fits 85
+    why = stages["proxy_scale"].reason
+    assert why.startswith("out of time: proxy_scale needs at least 90s, 85s of the 85s budget left"), why
+    assert gc.rerun_hint(stages)["stages"] == ["proxy_scale"]
+    # the pure decision, with the time left at each side of a stage's need
+    assert gc.skip_reason("run", {}, list(gc.STAGES), gc.FIT_S["run"], 470) is None
+    assert gc.skip_reason("run", {}, list(gc.STAGES), gc.FIT_S["run"] - 1, 470).startswith("out of time: run ")
+    assert gc.skip_reason("run", {"install": gc.Stage("fail")}, list(gc.STAGES), 400, 470) == "needs install, which failed"
+    assert gc.skip_reason("run", {}, ["loss_bench"], 400, 470) == "not selected (--only)"
+
+
+def test_the_install_stage_has_one_timeout_for_pip_and_the_import_check(gc, monkeypatch, tmp_path):
+    """pip took 70 s of the stage's 90: the runtime import check gets the 20 left, not 90 more; when
+    pip took all of it, the check is not started and the stage times out."""
+    clock, timeouts = [0.0], []
+    monkeypatch.setattr(gc, "_now", lambda: clock[0])
+    monkeypatch.setattr(gc, "check_wheels", lambda wheels, specs: ([], {}))
+    monkeypatch.setattr(gc, "WHEELS", ["gyre-not-a-real-package==1.0"])  # not installed: pip is run for it
+
+    def sh(cmd, timeout, **kw):
+        timeouts.append(timeout)
+        clock[0] += took.pop(0)
+        return 0, ""
+
+    monkeypatch.setattr(gc, "_sh", sh)
+    took = [70.0, 1.0]
+    st = gc.stage_install(tmp_path, 90)
+    assert st.status == "pass" and timeouts == [90, 20], timeouts
+    clock[0], timeouts[:] = 0.0, []
+    took[:] = [90.0]
+    with pytest.raises(subprocess.TimeoutExpired):
+        gc.stage_install(tmp_path, 90)
+    assert timeouts == [90]  # the import check was never started
+    clock[0], timeouts[:], took[:] = 0.0, [], [95.0]  # pip itself ran out: the stage fails, timed out
+    st = gc.run_stage("install", lambda t: gc.stage_install(tmp_path, t), 90)
+    assert st.status == "fail" and st.reason == "timed out after 90s"

@@ -330,6 +330,17 @@ class _Req:
     abort_unsent: bool = False  # aborted here before SGLang dispatched it: sent once it is (`_send_abort`)
 
 
+def kv_capacity(engine: Any) -> int | None:
+    """The KV pool's size in tokens an `sglang.Engine` got: `max_total_num_tokens` of the scheduler's
+    init info (scheduler.py:1937-1948, sized in kv_cache_configurator.py:2990-3060 from the memory
+    free at the model runner's start), which the Engine keeps (engine.py:345) and `get_server_info`
+    reports (engine.py:1570-1585; that one drives the TM's loop, so it is not called from here).
+    None when the engine does not say."""
+    infos = getattr(getattr(engine, "_scheduler_init_result", None), "scheduler_infos", None) or [{}]
+    tokens = infos[0].get("max_total_num_tokens") if isinstance(infos[0], dict) else None
+    return int(tokens) if tokens is not None else None
+
+
 class SglangEngine:
     """RolloutEngine over an embedded `sglang.Engine` (see the module docstring)."""
 
@@ -363,6 +374,7 @@ class SglangEngine:
         self.context_len: int | None = None  # the served model's (TM.context_len), read at start
         self.max_prompt_len: int | None = None  # prompts at or over it are refused (`_fit_context`)
         self.reserved = 0  # tokens SGLang reserves per request (speculative decoding), read at start
+        self.kv_tokens: int | None = None  # the KV pool's capacity in tokens SGLang got (`kv_capacity`), at start
 
     # ---------------------------------------------------------------- lifecycle
     def _move(self, to: EngineState, *, require: EngineState | None = None) -> None:
@@ -387,8 +399,8 @@ class SglangEngine:
             free, total = torch.cuda.mem_get_info(self.config.base_gpu_id)
             if free < self.config.mem_fraction_static * total:
                 logger.warning("sglang start: %.1f GiB free on cuda:%d, less than mem_fraction_static %.2f of %.1f GiB "
-                               "(this rank's actor is already resident): the KV cache will be smaller, or the start "
-                               "fails (SglangConfig.mem_fraction_static; the job builds the core's actor first)",
+                               "(an actor resident: --backend.no-offload-actor, or another process): the KV cache "
+                               "will be smaller, or the start fails (--sglang.mem-fraction-static; docs/gpu-sglang.md)",
                                free / 2**30, self.config.base_gpu_id, self.config.mem_fraction_static, total / 2**30)
         root = logging.getLogger()
         handlers, level = list(root.handlers), root.level
@@ -414,8 +426,11 @@ class SglangEngine:
         self.max_prompt_len = min(limits) if limits else None
         self.reserved = int(getattr(tm, "num_reserved_tokens", 0) or 0)  # speculative draft slots (:605, :1335)
         atexit.unregister(getattr(self._engine, "shutdown", lambda: None))
-        logger.info("sglang engine up (tp=%d, model=%s, version %d, %d engine processes)", self.config.tp_size,
-                    self.config.model_path, self.version, len(self._engine_pids))
+        self.kv_tokens = kv_capacity(self._engine)
+        logger.info("sglang engine up (tp=%d, model=%s, version %d, %d engine processes): KV cache %s tokens at "
+                    "mem_fraction_static %.2f, prompts under %s tokens", self.config.tp_size, self.config.model_path,
+                    self.version, len(self._engine_pids), self.kv_tokens if self.kv_tokens is not None else "(unknown)",
+                    self.config.mem_fraction_static, self.max_prompt_len)
 
     async def stop(self) -> None:
         """End the engine's own processes (SIGTERM, then SIGKILL after 30 s). Never
