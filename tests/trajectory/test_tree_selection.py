@@ -177,3 +177,18 @@ def test_helper_calls_are_never_selected_nor_targets():
     only = build_tree([recs[3]])  # an execution of helper calls only: nothing to train
     assert only.num_leaves == 0 and only.stats.helper_calls == 1
     assert select_trajectories(only, 5, np.random.default_rng(0)).trajectories == []
+
+
+def test_the_call_tree_indents_each_call_under_the_call_its_input_extends():
+    """`python -m gyre.trajectory --calls` (issue 53's docs item: it printed counts, not the tree).
+    Hand-built: 0 a root; 1 continues 0 (0's input + output, then a tool result); 2 a new context
+    (a sub-agent); 3 continues 1; 4 continues 2; 5 starts like 0 but diverges (a retry): a root."""
+    from gyre.trajectory.__main__ import call_tree
+
+    records = [rec(0, [1, 2], [3]), rec(1, [1, 2, 3, 9], [4]), rec(2, [7, 8], [5], role=Role.HELPER),
+               rec(3, [1, 2, 3, 9, 4, 9], [6]), rec(4, [7, 8, 5, 9], [6], role=Role.HELPER), rec(5, [1, 2, 6], [3])]
+    lines = call_tree(records[::-1])  # any order in, call order out
+    assert [(len(ln) - len(ln.lstrip()), ln.split()[1], ln.rsplit("(", 1)[1]) for ln in lines] == [
+        (0, "0", "new context)"), (2, "1", "extends call 0)"), (0, "2", "new context)"),
+        (4, "3", "extends call 1)"), (2, "4", "extends call 2)"), (0, "5", "new context)")]
+    assert lines[2].split(":")[0].strip() == "call 2 helper" and "6 in, 1 out, v0, stop" in lines[3]
