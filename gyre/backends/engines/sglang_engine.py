@@ -24,8 +24,9 @@ proves the state was reached (docs/gpu-sglang.md has the whole table, with SGLan
                weight_version=v) → end_weight_update → continue_generation. The scheduler refuses
                an update outside a begin/end session (scheduler_components/weight_updater.py:232);
                running requests are retracted and recompute their KV under the new weights (the
-               CPU engine's `recompute_kv_on_update`), none is dropped. One payload per TP rank,
-               its tensors on that rank's GPU (`tp_devices`).
+               CPU engine's `recompute_kv_on_update`), none is dropped. Bucketed (--transfer.
+               bucket-mb): one update_weights_from_tensor call per bucket, one payload per TP rank,
+               its tensors on that rank's GPU (`tp_devices`); the version with the last call.
     release    refused while any request is live here; waits for aborted ones to land, pauses
                (retract), then release_memory_occupation. The scheduler *asserts* it is idle
                (weight_updater.py:337); a failed assert kills it and SIGQUITs this rank.
