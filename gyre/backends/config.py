@@ -174,11 +174,24 @@ class TransferConfig:
     inside a private network namespace.)"""
     verify: bool = True
     """Check a CRC32 of the flat bytes of every snapshot read or broadcast against the sender's
-    (all transports); a mismatch stops the run."""
+    (all transports), and read a sample of parameters back from the engine after every weight
+    update (one per layer, rotating; every parameter after the first update, which is read back
+    whatever this says) against the weights sent (gyre.backends.transfer.readback: SGLang skips
+    names it does not know, so a naming slip would otherwise serve stale weights); a mismatch
+    stops the run naming the parameter."""
+    bucket_mb: float = 512.0
+    """Most MiB of weights an engine update stages at once on each engine GPU (plus one tensor
+    larger than that, which travels alone): SGLang gets one update_weights_from_tensor (or
+    _from_distributed) call per bucket inside one update session, the built-in engine copies bucket
+    by bucket. Every TP rank of an SGLang engine gets the bucket's full tensors (its weight loaders
+    cut their shards), so this is per GPU. One version however many buckets: it changes with the
+    last. Smaller: less memory next to the engine's weights and KV cache, more calls."""
 
     def __post_init__(self) -> None:
         if self.keep < 1:
             raise ValueError(f"transfer.keep must be >= 1, got {self.keep}")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"--transfer.bucket-mb must be > 0, got {self.bucket_mb}")
 
 
 # GYRE_SGLANG_API="module:attribute" names a stand-in for the sglang package (an `SglangApi`) and

@@ -262,7 +262,8 @@ def build_engine(cfg: BuildConfig, model_config: Any, params: dict[str, torch.Te
     from gyre.backends.devices import this_engine_device
 
     engine = CpuEngine(model_config, params, version=version, config=cfg.engine, eos_token_ids=eos_token_ids,
-                       device=this_engine_device(cfg.backend.device), sampleable_vocab=sampleable_vocab)
+                       device=this_engine_device(cfg.backend.device), sampleable_vocab=sampleable_vocab,
+                       bucket_bytes=_bucket_bytes(cfg))
     engine.name = name
     return engine
 
@@ -295,7 +296,14 @@ def build_sglang_engine(cfg: BuildConfig, model_config: Any, params: dict[str, t
                       enable_memory_saver=opts.enable_memory_saver, extra=dict(opts.extra))
     spec = os.environ.get(SGLANG_API_ENV)
     return SglangEngine(sc, version=version, api=SglangApi.from_spec(spec) if spec else None,
-                        sampleable_vocab=sampleable_vocab, eos_token_ids=eos_token_ids)
+                        sampleable_vocab=sampleable_vocab, eos_token_ids=eos_token_ids, bucket_bytes=_bucket_bytes(cfg))
+
+
+def _bucket_bytes(cfg: BuildConfig) -> int:
+    from gyre.backends.transfer.buckets import bucket_bytes
+
+    transfer = getattr(cfg, "transfer", None)
+    return bucket_bytes(transfer.bucket_mb if transfer is not None else 512.0)
 
 
 # ----------------------------------------------------------------------------- weight transport

@@ -338,6 +338,10 @@ class CellWorker:
         if self.engine is not None:
             version, params = self.weights.fetch_published(version)
             self.engine.update(params, version)
+            first, read_back = not getattr(self, "_read_back", False), getattr(self.engine, "read_back", None)
+            if read_back is not None and (first or getattr(self.weights, "verify", True)):  # --transfer.verify
+                read_back(params, version, full=first)  # gyre.backends.transfer.readback: stops on a mismatch
+                self._read_back = True
         self.version = version
 
     def _checkpoint(self) -> float | None:

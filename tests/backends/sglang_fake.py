@@ -10,6 +10,14 @@ sglang/srt/, lines of that wheel):
   weight-update session   an update outside begin/end fails with SGLang's message; begin twice,
                           end without begin fail (scheduler_components/weight_updater.py:187-197,
                           232-239, 309-335)
+  bucketed updates        any number of update_weights_from_tensor / _from_distributed calls in a
+                          session, each loaded at once; weight_version None keeps the served
+                          version (scheduler.py:5636-5638); the bytes an update holds are counted
+                          (UPDATE_BYTES)
+  unknown names           an update's name with no parameter is skipped with SGLang's warning
+                          (Qwen3/Qwen2/Llama) or silently (Qwen3-MoE) (`_skip_unknown`)
+  get_weights_by_name     Llama answers the first truncate_size rows as float32 lists; Qwen2/
+                          Qwen3/Qwen3-MoE answer None (no such method in 0.5.23's classes)
   flush after an update   fails the update while requests run and the engine is not paused
                           (weight_updater.py:120-131, scheduler.py:5518-5545)
   release idle assertion  release_memory_occupation asserts `is_fully_idle(ignore_waiting=paused)`
@@ -102,6 +110,7 @@ import signal
 import subprocess
 import sys
 import types
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -110,6 +119,7 @@ import torch
 
 from gyre.backends.engines.decoder import DecoderWeights, KVCache, extend
 from gyre.backends.engines.sglang_engine import SglangApi
+from gyre.backends.transfer.buckets import HeldBytes
 
 
 # ----------------------------------------------------------------------------- io_struct copies
@@ -169,6 +179,12 @@ class InitWeightsUpdateGroupReqInput:  # io_struct.py:2126-2138
 
 
 @dataclass(kw_only=True)
+class GetWeightsByNameReqInput:  # io_struct.py:2166-2168
+    name: str
+    truncate_size: int = 100
+
+
+@dataclass(kw_only=True)
 class ReleaseMemoryOccupationReqInput:
     tags: list | None = None  # io_struct.py:2180
 
@@ -190,11 +206,24 @@ class AbortReq:  # io_struct.py:2285-2291 (rid from BaseReq, io_struct.py:89)
 io_struct = types.SimpleNamespace(**{c.__name__: c for c in (
     PauseGenerationReqInput, ContinueGenerationReqInput, BeginWeightUpdateReqInput, EndWeightUpdateReqInput,
     UpdateWeightsFromTensorReqInput, UpdateWeightsFromDistributedReqInput, InitWeightsUpdateGroupReqInput,
-    ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput, AbortReq)})
+    ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput, AbortReq, GetWeightsByNameReqInput)})
+
+# Update memory: the bytes of the tensors a weight update holds at once, and the peak since reset().
+# Tensor path: what the adapter hands `serialize` stands for its copies on the rank's GPUs (the real
+# MultiprocessingSerializer pickles CUDA IPC handles of them, and the scheduler maps that memory,
+# tp_worker.py:193-201, weight_updater.py:444-447, no copy), held until the adapter drops them.
+# Distributed path: the tensors a call receives (weight_updater.py:276-298 allocates one per name
+# before loading any). Per GPU: divide by tp_size (every rank gets its own full copy).
+UPDATE_BYTES = HeldBytes()
 
 
 def serialize(named_tensors: list[tuple[str, torch.Tensor]]) -> bytes:
-    """MultiprocessingSerializer.serialize stand-in (SGLang pickles CUDA IPC handles)."""
+    """MultiprocessingSerializer.serialize stand-in (SGLang pickles CUDA IPC handles). Each tensor is
+    counted in UPDATE_BYTES until the caller frees it (as its GPU memory would be)."""
+    for _, v in named_tensors:
+        n = v.numel() * v.element_size()
+        UPDATE_BYTES.add(n)
+        weakref.finalize(v, UPDATE_BYTES.sub, n)
     return pickle.dumps([(k, v.detach().cpu()) for k, v in named_tensors])
 
 
@@ -431,7 +460,8 @@ class FakeScheduler:
             # SGLang keeps its parameters under checkpoint names (one tensor per MoE expert); the
             # fake's decoder holds transformers' in-memory (fused) ones, so compare in checkpoint form.
             held = _as_checkpoint(eng.weights.tensors, eng.model_config)
-            state = {k: v.to(held[k].dtype if k in held else v.dtype) for k, v in named}
+            state = {k: v.to(held[k].dtype) for k, v in named if k in held}
+            _skip_unknown([k for k, _ in named if k not in held], eng.model_config)
             merged = {**held, **state}
             eng.weights = _weights(merged, eng.model_config)
         except (ValueError, KeyError) as e:
@@ -467,11 +497,35 @@ class FakeScheduler:
         named = []
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank = 0
-        for name, dtype, shape in zip(m.names, m.dtypes, m.shapes):  # weight_updater.py:280-298
-            t = torch.empty(shape, dtype=getattr(torch, dtype))
-            group.broadcast([t], opts).wait()
-            named.append((name, t))
-        return self._load(named, m)
+        got = 0
+        try:
+            for name, dtype, shape in zip(m.names, m.dtypes, m.shapes):  # weight_updater.py:280-298
+                t = torch.empty(shape, dtype=getattr(torch, dtype))
+                UPDATE_BYTES.add(t.numel() * t.element_size())
+                got += t.numel() * t.element_size()
+                group.broadcast([t], opts).wait()
+                named.append((name, t))
+            return self._load(named, m)
+        finally:
+            UPDATE_BYTES.sub(got)  # the call's tensors go with it (loaded into the parameters)
+
+    def _on_GetWeightsByNameReqInput(self, m: GetWeightsByNameReqInput) -> list | None:
+        """weight_exporter.py:169-188 → the model class's get_weights_by_name. sglang 0.5.23 has
+        one for LlamaForCausalLM (models/llama.py:819-890) and none for Qwen2/Qwen3/Qwen3-MoE: the
+        AttributeError is caught and None answered (weight_exporter.py:186-188). Llama's: tied
+        lm_head → embed_tokens (:828-837); a name it has no parameter for → KeyError, caught, None
+        (:885-889); else `param.cpu().to(float32).numpy().tolist()[:truncate_size]` (:883), first
+        rows of a 2-D parameter."""
+        eng = self.engine
+        if "LlamaForCausalLM" not in (getattr(eng.model_config, "architectures", None) or []):
+            return None
+        held = _as_checkpoint(eng.weights.tensors, eng.model_config)
+        name = m.name
+        if name == "lm_head.weight" and eng.model_config.tie_word_embeddings:
+            name = "model.embed_tokens.weight"
+        if name not in held:
+            return None
+        return held[name].cpu().to(torch.float32).numpy().tolist()[:m.truncate_size]
 
     def _on_InitWeightsUpdateGroupReqInput(self, m: InitWeightsUpdateGroupReqInput) -> tuple[bool, str]:
         raise AssertionError("handled in a thread by the tokenizer manager")
@@ -830,6 +884,10 @@ class FakeTokenizerManager:
             return False, f"Failed to initialize custom process group: {e}."
         self.scheduler.groups[obj.group_name] = group
         return True, "Succeeded to initialize custom process group."
+
+    async def get_weights_by_name(self, obj: GetWeightsByNameReqInput, request=None):
+        # tokenizer_control_mixin.py:861-870: one DP rank → its answer itself
+        return await self._call(obj)
 
     async def release_memory_occupation(self, obj: ReleaseMemoryOccupationReqInput, request=None) -> None:
         await self._call(obj)
@@ -1193,11 +1251,28 @@ def _as_checkpoint(state: dict[str, torch.Tensor], config: Any) -> dict[str, tor
     return dict(revert_weight_conversion(model, dict(state)))
 
 
+def _skip_unknown(names: list[str], config: Any) -> None:
+    """What SGLang's load_weights does with a name it has no parameter for: Qwen3 / Qwen2 / Llama
+    log a warning and go on (models/qwen3.py:752-760, qwen2.py:711-719, llama.py:771-779:
+    `logger.warning(f"Parameter {name} not found in params_dict")`), Qwen3-MoE skips it without a
+    word (qwen3_moe.py:1224-1225, 1244-1246, 1266-1267). The load succeeds either way: the
+    parameter keeps its old value. (A name that matches a stacked mapping, q/k/v or gate/up, then
+    misses params_dict is a KeyError there instead, fatal to the scheduler; not modelled.)"""
+    if not names:
+        return
+    log = logging.getLogger("sglang.srt.models")
+    if "Qwen3MoeForCausalLM" in (getattr(config, "architectures", None) or []):
+        return
+    for name in names:
+        log.warning(f"Parameter {name} not found in params_dict")
+
+
 def _check_names(state: dict[str, torch.Tensor], config: Any) -> None:
     """SGLang's load_weights takes the names of an HF checkpoint on disk: one tensor per MoE expert
     (models/qwen3_moe.py:1157-1175), not transformers 5's fused in-memory `experts.gate_up_proj`;
-    lm_head.weight is skipped when embeddings are tied (models/qwen2.py load_weights). A name it
-    does not know fails the load (params_dict[name]: KeyError)."""
+    lm_head.weight is skipped when embeddings are tied (models/qwen2.py load_weights). Checked at
+    start (the served checkpoint directory is Gyre's); an update skips unknown names as SGLang does
+    (`_skip_unknown`)."""
     from transformers import AutoModelForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
 

@@ -23,7 +23,8 @@ tempered, top-p-renormalised distribution actually sampled from instead. With
 distribution (`TokenEvent.top`; the policy one: log-softmax of the raw logits), computed only
 for requests that ask.
 
-Weight updates. `update_weights` waits for the current step to finish, swaps the weights and,
+Weight updates. `update_weights` waits for the current step to finish, copies the new weights in
+place bucket by bucket (at most `bucket_bytes` staged at once, `--transfer.bucket-mb`) and,
 with `recompute_kv_on_update`, drops running requests' caches so the next step re-prefills
 prompt + generated tokens under the new weights: every later token's log-prob is exactly the new
 weights' and carries the new version. No request is dropped.
@@ -46,7 +47,8 @@ from typing import AsyncIterator
 import torch
 
 from gyre.backends.config import CpuEngineConfig
-from gyre.backends.engines.decoder import DecoderWeights, KVCache, extend
+from gyre.backends.engines.decoder import DecoderWeights, KVCache, extend, validated
+from gyre.backends.transfer.buckets import MIB, HeldBytes, nbytes, plan_tensors
 from gyre.backends.transfer.migration import KvTransport, MigrationRefused, RequestState, Tickets, pack_state, unpack_state
 from gyre.backends.protocols import EngineHealth, EngineState, SamplingParams, TokenEvent
 from gyre.backends.engines.sampling import sample_token, sampling_logprobs, top_logprobs
@@ -86,8 +88,12 @@ class CpuEngine:
 
     def __init__(self, model_config, state_dict: dict[str, torch.Tensor], *, version: int = 0,
                  config: CpuEngineConfig | None = None, eos_token_ids: list[int] | None = None,
-                 device: torch.device | str = "cpu", sampleable_vocab: int | None = None):
+                 device: torch.device | str = "cpu", sampleable_vocab: int | None = None,
+                 bucket_bytes: int = 512 * MIB):
         self.config = config or CpuEngineConfig()
+        self.bucket_bytes = int(bucket_bytes)  # `update_weights` stages at most this much at once (+ one tensor)
+        self.held = HeldBytes()  # bytes an update holds staged, and the peak (tests bound it)
+        self._torn: int | None = None  # the version an update was copying in when it failed (`update_weights`)
         self.model_config = model_config
         self.device = torch.device(device)
         self._weights = DecoderWeights.from_state_dict(state_dict, model_config, device=self.device)
@@ -208,18 +214,67 @@ class CpuEngine:
 
     # ---------------------------------------------------------------- weights
     async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Swap in new weights between decode steps; running requests continue under them."""
+        """Copy new weights in, in buckets of at most `bucket_bytes` (gyre.backends.transfer.buckets):
+        names and shapes are checked first (a bad update changes nothing); then, with no decode step
+        between buckets (the step lock is held), each bucket is staged on the engine's device and
+        copied into the served tensors. The version changes after the last bucket. A failure between
+        buckets leaves the weights torn: the engine stops stepping and refuses requests until a
+        complete update lands (`_torn`), so nothing is ever sampled from a mix of versions."""
         if self.state is EngineState.STOPPED:
             raise RuntimeError("CpuEngine.update_weights: engine is stopped")
-        weights = await asyncio.to_thread(DecoderWeights.from_state_dict, state_dict, self.model_config,
-                                          device=self.device)
+        _, named, _ = validated(state_dict, self.model_config)
+        dst = self._weights.tensors
+        lost = [k for k in dst if k not in named and not (k == "lm_head.weight" and self._weights.tied)]
+        if lost:
+            raise ValueError(f"CpuEngine.update_weights(version {version}): no tensor for {lost[:3]}")
+        buckets = plan_tensors([(k, t) for k, t in named.items() if k in dst], self.bucket_bytes)
         async with self._step_lock:
-            self._weights = weights
+            self._torn = int(version)
+            for bucket in buckets:
+                await asyncio.to_thread(self._copy_bucket, bucket)
+            self._torn = None
             self.version = int(version)
             if self.config.recompute_kv_on_update:
                 for req in self._running:
                     req.cache, req.fed = None, 0
-        logger.info("engine weights updated to version %d (%d running requests kept)", version, len(self._running))
+        self._wake.set()
+        logger.info("engine weights updated to version %d in %d buckets (%d running requests kept)", version,
+                    len(buckets), len(self._running))
+
+    def _copy_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """Stage one bucket on the weights' device and dtype (`held` counts it), copy it into the
+        served tensors, free it. On CPU the staging copy could be skipped; it is kept so a CPU run
+        holds (and measures) what a GPU run holds: one bucket."""
+        dst = self._weights.tensors
+        staged: list[tuple[str, torch.Tensor]] = []
+        try:
+            for name, t in bucket:
+                s = t.detach().to(dst[name].device, dst[name].dtype, copy=True)
+                self.held.add(nbytes(s))
+                staged.append((name, s))
+            for name, s in staged:
+                dst[name].copy_(s)
+        finally:
+            for _, s in staged:
+                self.held.sub(nbytes(s))
+            staged.clear()
+
+    async def read_weights(self, names: list[str], rows: int) -> dict[str, torch.Tensor | None]:
+        """The first `rows` rows (1-D: elements) of each named served tensor, as float32 on CPU,
+        like SGLang's get_weights_by_name (`gyre.backends.transfer.readback`); None for a name the
+        engine does not hold."""
+        async with self._step_lock:
+            out: dict[str, torch.Tensor | None] = {}
+            tensors = self._weights.tensors
+            for name in names:
+                key = "model.embed_tokens.weight" if name == "lm_head.weight" and self._weights.tied else name
+                t = tensors.get(key)
+                out[name] = None if t is None else t.detach()[:rows].to("cpu", torch.float32).clone()
+            return out
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        return self._weights.dtype
 
     # ---------------------------------------------------------------- requests
     def _validate(self, request_id: str, input_ids: list[int], sampling: SamplingParams) -> None:
@@ -244,6 +299,9 @@ class CpuEngine:
         """Stream the sampled tokens of one request (see module docstring for the log-probs)."""
         if self.state is not EngineState.RUNNING:
             raise RuntimeError(f"CpuEngine.generate({request_id}): engine is {self.state.value}")
+        if self._torn is not None and not self._step_lock.locked():
+            raise RuntimeError(f"CpuEngine.generate({request_id}): the update to version {self._torn} failed between "
+                               f"buckets; the weights are torn until a complete update lands")
         self._validate(request_id, input_ids, sampling)
         req = self._adopt(request_id, input_ids, sampling)  # a migrated-in request continues
         if req is None:
@@ -314,12 +372,12 @@ class CpuEngine:
 
     async def _steps(self) -> None:
         while True:
-            if self.state is not EngineState.RUNNING or not (self._running or self._waiting):
+            if self.state is not EngineState.RUNNING or self._torn is not None or not (self._running or self._waiting):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             async with self._step_lock:
-                if self.state is not EngineState.RUNNING:
+                if self.state is not EngineState.RUNNING or self._torn is not None:
                     continue
                 self._admit()
                 batch = list(self._running)

@@ -44,23 +44,12 @@ class DecoderWeights:
         Names may be transformers' in-memory ones or the HF checkpoint's (per-expert MoE).
         `device`: where the weights (and so every cache and activation of `extend`) live; None
         keeps the tensors' own (a move is a copy whatever `copy` says)."""
-        family = family_of(config)
-        shape = family.shape(config)
-        state_dict = family.to_model_names(state_dict, shape)
-        expected = _shapes_of(shape)
-        missing = [k for k in expected if k not in state_dict and not (k == "lm_head.weight" and shape.tied)]
-        if missing:
-            raise ValueError(f"weights: missing {len(missing)} tensors, e.g. {missing[:3]}")
-        unknown = [k for k in state_dict if k not in expected]
-        if unknown:
-            raise ValueError(f"weights: unexpected tensors {unknown[:3]}")
+        shape, state_dict, expected = validated(state_dict, config)
         tensors = {}
         for k, want in expected.items():
             if k not in state_dict:
                 continue
             t = state_dict[k].detach()
-            if tuple(t.shape) != want:
-                raise ValueError(f"weights: {k} has shape {tuple(t.shape)}, expected {want}")
             if dtype is not None:
                 t = t.to(dtype)
             moved = device is not None and t.device != torch.device(device)
@@ -99,6 +88,25 @@ class DecoderWeights:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def validated(state_dict: dict[str, torch.Tensor], config) -> tuple[Shape, dict[str, torch.Tensor], dict[str, tuple[int, ...]]]:
+    """(Shape, state_dict under the model's names, expected shapes): names and shapes checked against
+    `config`, nothing copied (metadata only), so a bad update is refused before any weight changes."""
+    family = family_of(config)
+    shape = family.shape(config)
+    state_dict = family.to_model_names(state_dict, shape)
+    expected = _shapes_of(shape)
+    missing = [k for k in expected if k not in state_dict and not (k == "lm_head.weight" and shape.tied)]
+    if missing:
+        raise ValueError(f"weights: missing {len(missing)} tensors, e.g. {missing[:3]}")
+    unknown = [k for k in state_dict if k not in expected]
+    if unknown:
+        raise ValueError(f"weights: unexpected tensors {unknown[:3]}")
+    for k, t in state_dict.items():
+        if tuple(t.shape) != expected[k]:
+            raise ValueError(f"weights: {k} has shape {tuple(t.shape)}, expected {expected[k]}")
+    return shape, state_dict, expected
 
 
 def expected_shapes(config) -> dict[str, tuple[int, ...]]:

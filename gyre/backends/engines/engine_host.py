@@ -179,6 +179,17 @@ class EngineHost:
     def update(self, params: dict[str, torch.Tensor], version: int) -> None:
         self.handle.call(self.engine.update_weights(params, version), timeout=self.timeout)
 
+    def read_back(self, params: dict[str, torch.Tensor], version: int, *, full: bool) -> int | None:
+        """`gyre.backends.transfer.readback.check` against this engine (None: the engine has no
+        `read_weights`); raises WeightReadbackMismatch naming the parameter that differs."""
+        from gyre.backends.transfer.readback import check
+
+        read = getattr(self.engine, "read_weights", None)
+        if read is None:
+            return None
+        return check(lambda names, rows: self.handle.call(read(names, rows), timeout=self.timeout), params, version,
+                     dtype=getattr(self.engine, "weights_dtype", None), full=full, engine=self.engine.name)
+
     def stop(self) -> None:
         self.watch.stopping = True  # an engine process ended by its stop is no failure
         stop = getattr(self.engine, "stop", None)  # optional in RolloutEngine (see there)

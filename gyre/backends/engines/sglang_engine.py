@@ -24,8 +24,9 @@ proves the state was reached (docs/gpu-sglang.md has the whole table, with SGLan
                weight_version=v) → end_weight_update → continue_generation. The scheduler refuses
                an update outside a begin/end session (scheduler_components/weight_updater.py:232);
                running requests are retracted and recompute their KV under the new weights (the
-               CPU engine's `recompute_kv_on_update`), none is dropped. One payload per TP rank,
-               its tensors on that rank's GPU (`tp_devices`).
+               CPU engine's `recompute_kv_on_update`), none is dropped. Bucketed (--transfer.
+               bucket-mb): one update_weights_from_tensor call per bucket, one payload per TP rank,
+               its tensors on that rank's GPU (`tp_devices`); the version with the last call.
     release    refused while any request is live here; waits for aborted ones to land, pauses
                (retract), then release_memory_occupation. The scheduler *asserts* it is idle
                (weight_updater.py:337); a failed assert kills it and SIGQUITs this rank.
@@ -102,6 +103,7 @@ import torch
 
 from gyre.backends.config import SglangConfig
 from gyre.backends.protocols import EngineHealth, EngineState, SamplingParams, TokenEvent
+from gyre.backends.transfer.buckets import MIB, plan, plan_tensors
 from gyre.executions.procs import child_pids, descendant_pids, terminate_pids
 
 logger = logging.getLogger(__name__)
@@ -348,12 +350,15 @@ class SglangEngine:
 
     def __init__(self, config: SglangConfig, *, version: int = 0, logprobs: str = "policy",
                  api: SglangApi | None = None, land_timeout_s: float = 120.0, sampleable_vocab: int | None = None,
-                 eos_token_ids: list[int] | tuple[int, ...] = ()):
+                 eos_token_ids: list[int] | tuple[int, ...] = (), bucket_bytes: int = 512 * MIB):
         """`sampleable_vocab`: ids >= it (padded embedding rows the tokenizer cannot decode) are never
         sampled (`unsampleable_bias`, checked against the served model's vocab_size at start); None:
         every row is sampleable. `eos_token_ids`: the run's end ids, added to every request's
         stop_token_ids (the checkpoint's own config may name other ones)."""
         self.config = config
+        self.bucket_bytes = int(bucket_bytes)  # an update's bucket (`update_weights`; --transfer.bucket-mb)
+        self._torn: int | None = None  # the version an update failed part-way to (`_in_session`)
+        self._warned_readback = False
         self.sampleable_vocab = sampleable_vocab
         self.eos_token_ids = [int(i) for i in eos_token_ids]
         self._bias: dict[str, float] = {}
@@ -463,6 +468,9 @@ class SglangEngine:
     async def generate(self, request_id: str, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenEvent]:
         if self.state is not EngineState.RUNNING:
             raise RuntimeError(f"SglangEngine.generate({request_id}): engine is {self.state.value}")
+        if self._torn is not None and not self._weights_lock.locked():
+            raise RuntimeError(f"SglangEngine.generate({request_id}): the update to version {self._torn} failed "
+                               f"part-way; the weights are torn until a complete update lands")
         if request_id in self._requests:
             raise ValueError(f"generate: request id {request_id!r} is already in flight")
         max_new = self._fit_context(request_id, len(input_ids), sampling.max_tokens)
@@ -617,24 +625,48 @@ class SglangEngine:
 
     # ---------------------------------------------------------------- weights
     async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """In-cell update from this rank's tensors, in a weight-update session (module docstring)."""
+        """In-cell update from this rank's tensors, in one weight-update session, bucket by bucket
+        (`gyre.backends.transfer.buckets`): one `update_weights_from_tensor` call per bucket, each
+        with one payload per TP rank whose tensors sit on that rank's GPU (`tp_devices`; each rank
+        opens only its own, deserialize_own_rank, managers/tp_worker.py:193-201). SGLang loads
+        each call at once (model_runner_components/weight_updater.py:343-381: `load_weights` over
+        the call's tensors; each TP rank gets the full tensors and its weight_loader narrows out its
+        shard, so a bucket costs its full size on every GPU of the cell) and the session allows any
+        number of calls (scheduler_components/weight_updater.py:232-262 only checks the session is
+        open). Only the last call carries `weight_version` (None leaves the served version as it
+        is, scheduler.py:5636-5638) and `flush_cache` (weight_updater.py:120-133), so the version
+        changes once, with the last bucket. A bucket's copies are freed before the next is made:
+        at most one bucket per GPU at a time (+ one tensor larger than the bucket)."""
         if self.state is not EngineState.RUNNING:
             raise RuntimeError(f"SglangEngine.update_weights(version {version}): engine is {self.state.value}"
                                + (" (resume first: SGLang keeps no copy of released weights)"
                                   if self.state is EngineState.RELEASED else ""))
         io = self._io
-        named = list(self._checkpoint_names(state_dict).items())
-        # One payload per TP rank, its tensors on that rank's GPU (`tp_devices`): each rank opens only
-        # its own (deserialize_own_rank, managers/tp_worker.py:193-201), so it maps memory of its own
-        # GPU, not of base_gpu_id (a CUDA context per rank there, and P2P reads). Cost: every GPU of
-        # the cell holds one full copy until the update ends (base_gpu_id alone did before), and this
-        # process opens a CUDA context on each once. `copies` keeps them alive while SGLang maps them.
-        copies = [[(k, v.detach().to(device)) for k, v in named] for device in self._rank_devices()]
-        payload = [self._api.serialize(c) for c in copies]  # one per TP rank (engine.py:1743)
-        obj = io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, load_format=None, flush_cache=True,
-                                                 weight_version=str(version))
-        await self._in_session(lambda: self._tm.update_weights_from_tensor(obj, None), "update_weights_from_tensor")
+        buckets = plan_tensors(list(self._checkpoint_names(state_dict).items()), self.bucket_bytes)
+
+        async def load() -> Any:
+            result: Any = (True, "no tensors")
+            for i, bucket in enumerate(buckets):
+                last = i == len(buckets) - 1
+                result = await self._send_bucket(bucket, str(version) if last else None, last)
+                _check(result, f"update_weights_from_tensor (bucket {i + 1} of {len(buckets)})")
+            return result
+
+        await self._in_session(load, "update_weights_from_tensor", version)
         self.version = int(version)
+
+    async def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str | None,
+                           flush: bool) -> Any:
+        # `copies` keeps each rank's tensors alive while SGLang maps them (CUDA IPC); they go when
+        # this returns, so the next bucket reuses their blocks.
+        copies = [[(k, v.detach().to(device, copy=True)) for k, v in bucket] for device in self._rank_devices()]
+        payload = [self._api.serialize(c) for c in copies]  # one per TP rank (engine.py:1743)
+        obj = self._io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, load_format=None,
+                                                       flush_cache=flush, weight_version=weight_version)
+        try:
+            return await self._tm.update_weights_from_tensor(obj, None)
+        finally:
+            del copies, payload
 
     def _rank_devices(self) -> list[torch.device]:
         if torch.cuda.is_available():
@@ -652,20 +684,67 @@ class SglangEngine:
             self._hf_config = AutoConfig.from_pretrained(self.config.model_path)
         return checkpoint_names(self._hf_config, state_dict)
 
-    async def _in_session(self, load: Callable[[], Any], what: str) -> None:
-        """pause(retract) → begin_weight_update → load() → end_weight_update → continue_generation;
-        end and continue run whatever happened (weight_updater.py:232-239, 309-335)."""
+    async def _in_session(self, load: Callable[[], Any], what: str, version: int) -> None:
+        """pause(retract) → begin_weight_update → load() → end_weight_update → continue_generation
+        (weight_updater.py:232-239, 309-335); end runs whatever happened. A load that failed may
+        have loaded some buckets (SGLang has no rollback): the engine is then *torn*, stays paused
+        (its version label still the old one, but nothing is generated from the mix) and refuses
+        requests until a complete update lands (`_torn`). (A load_weights exception inside SGLang
+        kills its scheduler instead, weight_updater.py:343-381 has no try: the rank's SIGQUIT watch.)"""
         io, tm = self._io, self._tm
         async with self._weights_lock:
             await tm.pause_generation(io.PauseGenerationReqInput(mode="retract"))
+            started = landed = False
             try:
                 _check(await tm.begin_weight_update(io.BeginWeightUpdateReqInput(), None), "begin_weight_update")
                 try:
+                    started = True
                     _check(await load(), what)
+                    landed = True
                 finally:
                     _check(await tm.end_weight_update(io.EndWeightUpdateReqInput(), None), "end_weight_update")
             finally:
-                await tm.continue_generation(io.ContinueGenerationReqInput())
+                if landed:
+                    self._torn = None
+                elif started:
+                    self._torn = int(version)
+                if self._torn is None:
+                    await tm.continue_generation(io.ContinueGenerationReqInput())
+                else:
+                    logger.error("SGLang weight update to version %d failed part-way: the engine stays paused and "
+                                 "refuses requests until a complete update lands", self._torn)
+
+    async def read_weights(self, names: list[str], rows: int) -> dict[str, Any]:
+        """`gyre.backends.transfer.readback`'s read: TM.get_weights_by_name(name, truncate_size=rows)
+        per name (tokenizer_control_mixin.py:861-870, io_struct.py:2166-2168), the first `rows` rows
+        as float32 lists (models/llama.py:819-890; with TP, rank 0's part: see readback). SGLang
+        0.5.23 implements it for Llama-style classes only: Qwen2/Qwen3/Qwen3-MoE have no
+        `get_weights_by_name`, the exporter catches the AttributeError and answers None
+        (model_executor/model_runner_components/weight_exporter.py:181-188). So: every answer None →
+        UNREADABLE (the class cannot export; warned once), otherwise None means SGLang has no such
+        parameter. Transformers' fused MoE expert tensors have no SGLang name: UNREADABLE."""
+        from gyre.backends.transfer.readback import UNREADABLE
+
+        io, out = self._io, {}
+        for name in names:
+            if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                out[name] = UNREADABLE
+                continue
+            got = await self._tm.get_weights_by_name(io.GetWeightsByNameReqInput(name=name, truncate_size=rows), None)
+            out[name] = None if got is None else torch.tensor(got, dtype=torch.float32)
+        answered = [n for n in names if out[n] is not UNREADABLE]
+        if answered and all(out[n] is None for n in answered):
+            if not self._warned_readback:
+                self._warned_readback = True
+                logger.warning("SGLang cannot read weights back for this model class (get_weights_by_name answers "
+                               "None for every parameter: sglang 0.5.23 implements it for Llama-style classes, not "
+                               "Qwen2/Qwen3/Qwen3-MoE); the weight read-back is skipped for %s", self.config.model_path)
+            out.update({n: UNREADABLE for n in answered})
+        return out
+
+    @property
+    def weights_dtype(self) -> torch.dtype | None:
+        return _STR_DTYPES.get(self.config.dtype)  # auto: the sent tensors' own
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str = "gyre_weights", backend: str = "nccl") -> None:
@@ -683,9 +762,25 @@ class SglangEngine:
         weight-update session."""
         if self.state is not EngineState.RUNNING:
             raise RuntimeError(f"SglangEngine.update_weights_from_distributed: engine is {self.state.value}")
-        obj = self._io.UpdateWeightsFromDistributedReqInput(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
-                                                            flush_cache=True, weight_version=str(version))
-        await self._in_session(lambda: self._tm.update_weights_from_distributed(obj, None), "update_weights_from_distributed")
+        sizes = [(i, _numel(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size())
+                 for i, (dtype, shape) in enumerate(zip(dtypes, shapes))]
+        buckets = plan(sizes, self.bucket_bytes)
+
+        async def load() -> Any:
+            # SGLang receives every tensor of a call before loading it (weight_updater.py:260-298: one
+            # torch.empty per name, then the broadcasts), so a call holds its bucket; the core's
+            # broadcasts are one per tensor in `names` order, so bucket boundaries need no agreement.
+            result: Any = (True, "no tensors")
+            for b, idx in enumerate(buckets):
+                last = b == len(buckets) - 1
+                obj = self._io.UpdateWeightsFromDistributedReqInput(
+                    names=[names[i] for i in idx], dtypes=[dtypes[i] for i in idx], shapes=[shapes[i] for i in idx],
+                    group_name=group_name, flush_cache=last, weight_version=str(version) if last else None)
+                result = await self._tm.update_weights_from_distributed(obj, None)
+                _check(result, f"update_weights_from_distributed (bucket {b + 1} of {len(buckets)})")
+            return result
+
+        await self._in_session(load, "update_weights_from_distributed", version)
         self.version = int(version)
 
     # ---------------------------------------------------------------- memory
@@ -767,6 +862,17 @@ def _vocab_size(model_path: str) -> int:
     if not vocab:
         raise ValueError(f"{model_path}/config.json has no vocab_size")
     return int(vocab)
+
+
+_STR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "float32": torch.float32,
+               "float": torch.float32}
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _fields(cls) -> set[str]:

@@ -70,7 +70,11 @@ class WeightBroadcaster:
         return names, [str(params[n].dtype).removeprefix("torch.") for n in names], [list(params[n].shape) for n in names]
 
     def send(self, params: dict[str, torch.Tensor]) -> None:
-        """Broadcast every tensor from rank 0 (blocks until every receiver got it)."""
+        """Broadcast every tensor from rank 0 (blocks until every receiver got it). One broadcast
+        per tensor, so this side holds one staged tensor at a time, and the engine side may ask
+        for them in any number of bucket-sized `update_weights_from_distributed` calls
+        (`SglangEngine.update_weights_from_distributed`, --transfer.bucket-mb) without the two
+        sides agreeing on bucket boundaries."""
         import torch.distributed as dist
 
         if self.group is None:
