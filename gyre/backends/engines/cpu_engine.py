@@ -242,9 +242,8 @@ class CpuEngine:
                     len(buckets), len(self._running))
 
     def _copy_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        """Stage one bucket on the weights' device and dtype (`held` counts it), copy it into the
-        served tensors, free it. On CPU the staging copy could be skipped; it is kept so a CPU run
-        holds (and measures) what a GPU run holds: one bucket."""
+        """Stage one bucket on the weights' device and dtype (`held` counts it), copy it in, free it
+        (on CPU the staging could be skipped; kept so a CPU run holds what a GPU run does)."""
         dst = self._weights.tensors
         staged: list[tuple[str, torch.Tensor]] = []
         try:
@@ -257,7 +256,6 @@ class CpuEngine:
         finally:
             for _, s in staged:
                 self.held.sub(nbytes(s))
-            staged.clear()
 
     async def read_weights(self, names: list[str], rows: int) -> dict[str, torch.Tensor | None]:
         """The first `rows` rows (1-D: elements) of each named served tensor, as float32 on CPU,
