@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,7 +102,8 @@ def test_an_evaluation_runs_the_harness_through_the_proxy_and_scores_every_execu
     proc = subprocess.run([sys.executable, "-m", "gyre.eval", "--model.preset", "tiny", "--executions.dataset.path",
                            str(tasks), "--executions.runner.sandbox", "none", "--checkpoint", str(finished_run.dir),
                            "--split", "heldout", "--samples", "3", "--pass-at", "0.5", "--out", str(out)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # importable from the run's own directory
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])  # the last line: one JSON object
     saved = json.loads(out.read_text())

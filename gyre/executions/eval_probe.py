@@ -29,9 +29,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-from gyre.executions import eval_sandbox, scratch
+from gyre.executions import eval_sandbox
 from gyre.executions.config import EvaluatorConfig, RunnerConfig
 from gyre.executions.tasks import EvaluatorSpec, Task
 
@@ -90,7 +91,10 @@ def probe(spec: EvaluatorSpec, task: Task, cfg: EvaluatorConfig, runner: RunnerC
     if inner is None:
         return None
     kind = eval_sandbox.resolve(cfg, runner)
-    with scratch.temporary_directory("gyre-evalcheck-") as tmp:
+    # A plain temporary directory, not this process's scratch root: the probe runs at start-up on
+    # every rank, and a root made for it outlived a rank killed later in the run (the next sweep
+    # would take it, but a run that ends then leaves it behind).
+    with tempfile.TemporaryDirectory(prefix="gyre-evalcheck-") as tmp:
         ws = Path(tmp) / "execution" / "workspace"
         ws.mkdir(parents=True)
         task_file = Path(tmp) / "task.json"
