@@ -9,22 +9,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
 from examples.cpu_demo.task import harness_command, make_tasks
+from gyre.runtime.outputs import write_text
 
 
-def write_atomically(path: Path, text: str) -> Path:
-    """Write `text` to `path` so that a reader sees the old file or the new one, never a part:
-    every rank's preflight parses the tasks file while rank 0 prepares it (issue 53: one launch in
-    ~35 read 0 tasks from a file being rewritten). Unchanged content is not rewritten at all."""
-    if path.exists() and path.read_text() == text:
-        return path
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def write_tasks(path: Path, text: str) -> Path:
+    """Every rank's preflight parses the tasks file while rank 0 prepares it (issue 53: one launch
+    in ~35 read 0 tasks from a file being rewritten): written whole (`write_text`), and unchanged
+    content not rewritten at all."""
+    if not (path.exists() and path.read_text() == text):
+        write_text(path, text)
     return path
 
 
@@ -33,7 +30,7 @@ def prepare(out: str, *, num_tasks: int = 64, seed: int = 0, with_checkpoint: bo
     tasks only, no warm start of the project model."""
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
-    tasks = write_atomically(root / "tasks.jsonl", "".join(json.dumps(t) + "\n" for t in make_tasks(num_tasks, seed)))
+    tasks = write_tasks(root / "tasks.jsonl", "".join(json.dumps(t) + "\n" for t in make_tasks(num_tasks, seed)))
     if not with_checkpoint:
         return {"dataset": str(tasks.resolve()), "harness_command": harness_command()}
     ckpt = root / "warm_start"

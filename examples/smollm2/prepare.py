@@ -20,7 +20,6 @@ import argparse
 import importlib.util
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -49,10 +48,9 @@ def write_tasks(path: Path, split: str, num_tasks: int) -> Path:
     sees the same tasks, and the held-out items are never in the train split), written atomically
     (other ranks read the file once it is there)."""
     from examples.tool_agent.make_tasks import make_split
+    from gyre.runtime.outputs import write_text
 
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text("".join(json.dumps(t) + "\n" for t in make_split(split, num_tasks, TASK_SEED)))
-    os.replace(tmp, path)
+    write_text(path, "".join(json.dumps(t) + "\n" for t in make_split(split, num_tasks, TASK_SEED)))
     return path
 
 

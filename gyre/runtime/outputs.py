@@ -361,14 +361,16 @@ def truncate_jsonl(path: str | os.PathLike, keep_until: Callable[[list[dict[str,
     return len(rows) - keep
 
 
-def write_json(path: "os.PathLike[str] | str", data: Any, indent: int = 2) -> None:
-    """Write `data` as JSON so that `path` holds the old file or the whole new one, never a part:
-    a full disk used to leave an empty summary.json (and a run.json.tmp beside run.json). The
-    temporary is removed when the write fails, and the error is raised."""
-    tmp = f"{path}.tmp"
+def write_text(path: "os.PathLike[str] | str", text: str) -> None:
+    """Write `text` so that `path` holds the old file or the whole new one, never a part (a reader
+    meanwhile, a full disk: an empty summary.json and a run.json.tmp were left once). The
+    temporary (named by this process, beside `path`) is removed when the write fails, and the
+    error is raised."""
+    head, name = os.path.split(os.fspath(path))
+    tmp = os.path.join(head, f".{name}.tmp{os.getpid()}")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(data, indent=indent, default=str))
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -376,6 +378,11 @@ def write_json(path: "os.PathLike[str] | str", data: Any, indent: int = 2) -> No
         except OSError:
             pass
         raise
+
+
+def write_json(path: "os.PathLike[str] | str", data: Any, indent: int = 2) -> None:
+    """`data` as JSON, written whole or not at all (`write_text`)."""
+    write_text(path, json.dumps(data, indent=indent, default=str))
 
 
 def metrics_until(version: int) -> Callable[[list[dict[str, Any]]], int]:
