@@ -106,6 +106,12 @@ if [[ -z "${SLURM_JOB_ID:-}" || -n "${GYRE_DRY_RUN:-}" ]]; then
 fi
 
 # Batch shell: sbatch ran this script on the first node.
+# The command line, checked here once before any node starts (python -m gyre.config_checks): a
+# typo'd flag is said once and the job ends, instead of once per node after torchrun's report.
+for a in "$@"; do
+  case $a in -h | --help | --help-all) exec python -m gyre.run "$@" ;; esac
+done
+python -m gyre.config_checks "$@" || { rc=$?; echo "gyre: the command line was refused (exit $rc); no node started" >&2; exit "$rc"; }
 echo "gyre: job $SLURM_JOB_ID attempt $(( ${SLURM_RESTART_COUNT:-0} + 1 )) (SLURM_RESTART_COUNT=${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST:-?} at $(date -u +%FT%TZ)"
 GYRE_MASTER_ADDR=$(gyre_first_host)
 export GYRE_MASTER_ADDR

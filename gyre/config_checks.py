@@ -125,7 +125,8 @@ def check_numbers(cfg: GyreConfig) -> None:
 
 
 # What the smoke job (the topology check) reads; any other flag belongs to a training job.
-SMOKE_FLAGS = ("preset", "job", "parallel.", "log-level", "seed", "help", "h")
+# `--run-dir`: launch.sh gives every job one (the smoke job writes nothing there).
+SMOKE_FLAGS = ("preset", "job", "parallel.", "log-level", "seed", "help", "h", "run-dir")
 
 
 def check_job(cfg: GyreConfig, argv: list[str]) -> None:
@@ -375,3 +376,22 @@ def check_tracking(tc: TrackingConfig) -> None:
         if getattr(tc, flag) and importlib.util.find_spec(package) is None:
             raise ConfigError(f"--tracking.{flag} needs the `{package}` package, which is not installed: "
                               f"pip install {package} (or pip install -e '.[tracking]'), or drop --tracking.{flag}")
+
+
+def preflight(argv: list[str]) -> int:
+    """`python -m gyre.config_checks ARGS`: the command line `gyre.run` would get, parsed and
+    checked (`check_job`) without starting anything. launch.sh's batch shell runs it once before
+    any node starts, so a typo'd flag is said once and no node runs, instead of once per node,
+    each followed by torchrun's failure report. Returns the exit status (0: the line parses)."""
+    from gyre.config import parse_config
+
+    try:
+        check_job(parse_config(argv), argv)
+    except ConfigError as e:
+        print(f"gyre: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(preflight(sys.argv[1:]))

@@ -195,7 +195,11 @@ if sys.argv[1:3] == ["show", "job"]:
 """
 
 
-def _batch(tmp_path, block=False, job_info="JobId=5 JobState=RUNNING Reboot=0 Requeue=1 Restarts=0", **extra_env):
+# A valid command line (the batch shell checks it before srun) with a value that must survive quoting.
+ARGS = ("--job", "train", "--preset", "cpu-demo", "--tracking.wandb-name", "x y")
+
+
+def _batch(tmp_path, block=False, job_info="JobId=5 JobState=RUNNING Reboot=0 Requeue=1 Restarts=0", args=ARGS, **extra_env):
     spool = tmp_path / "spool"
     spool.mkdir()
     script = spool / "slurm_script"
@@ -204,7 +208,7 @@ def _batch(tmp_path, block=False, job_info="JobId=5 JobState=RUNNING Reboot=0 Re
     env = _env(bindir, SLURM_NNODES="2", SLURM_JOB_NODELIST="n[1-2]", SLURM_JOB_ID="5", SLURM_NODEID="0",
                FAKE_SPOOL=str(spool), FAKE_NODES=str(tmp_path / "nodes"), FAKE_LOG=str(tmp_path / "log"),
                FAKE_JOB_INFO=job_info, GYRE_NPROC_PER_NODE="2", **({"FAKE_BLOCK": "1"} if block else {}), **extra_env)
-    proc = subprocess.Popen(["bash", str(script), "--preset", "x y"], env=env, cwd=tmp_path,
+    proc = subprocess.Popen(["bash", str(script), *args], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc, tmp_path / "nodes", tmp_path / "log"
 
@@ -219,7 +223,30 @@ def test_the_batch_shell_starts_torchrun_on_every_node_without_its_script(tmp_pa
         assert argv[argv.index("--node-rank") + 1] == node
         assert argv[argv.index("--master-addr") + 1] == "n1"
         assert argv[argv.index("--nproc-per-node") + 1] == "2"
-        assert argv[argv.index("gyre.run") + 1:] == ["--preset", "x y", "--run-dir", "runs/slurm/5"]
+        assert argv[argv.index("gyre.run") + 1:] == [*ARGS, "--run-dir", "runs/slurm/5"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--preset", "cpu-demo", "--job", "train", "--train.stepz", "3"), "--train.stepz"),  # tyro's own message
+    (("--preset", "smoke", "--train.steps", "3"), "add --job train"),  # check_job's ConfigError
+])
+def test_a_refused_command_line_is_said_once_and_no_node_starts(tmp_path, args, says):
+    """Issue 53 item 4: a typo'd flag under sbatch was printed once per rank (then once per node),
+    each after torchrun's failure report. The batch shell checks the line first: one message,
+    a non-zero exit, and srun never runs."""
+    proc, _, log = _batch(tmp_path, args=args)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert err.count(says) == 1, err
+    assert "no node started" in err and "Traceback" not in err
+    assert not log.exists() or " pid " not in log.read_text()  # neither srun nor any torchrun
+
+
+def test_help_under_sbatch_prints_the_help_once_and_starts_nothing(tmp_path):
+    proc, _, log = _batch(tmp_path, args=("--preset", "cpu-demo", "--help"))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert out.count("--train.steps") >= 1 and not log.exists()
 
 
 def _wait_for(path: Path, text: str, n: int = 1, timeout: float = 30) -> str:

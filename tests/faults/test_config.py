@@ -159,13 +159,13 @@ def test_training_flags_without_job_train_are_refused_naming_it():
     from gyre.config import ConfigError, parse_config
     from gyre.config_checks import check_job
 
-    for argv in (["--train.steps", "3"], ["--run-dir", "x", "--parallel.cell-size", "2"], ["--actor.lr=1e-3"]):
+    for argv in (["--train.steps", "3"], ["--train.max-tokens", "64", "--parallel.cell-size", "2"], ["--actor.lr=1e-3"]):
         with pytest.raises(ConfigError, match=r"training flags, .*--job smoke.*add --job train") as e:
             check_job(parse_config(argv), argv)
         assert argv[0].split("=")[0] in str(e.value)
     for argv in (["--parallel.cell-size", "2", "--parallel.tp", "2", "--log-level", "DEBUG"], ["--job", "train", "--train.steps", "3"],
-                 ["--preset", "cpu-demo", "--train.steps", "3"]):
-        check_job(parse_config(argv), argv)  # the topology check's own flags, or a training job
+                 ["--preset", "cpu-demo", "--train.steps", "3"], ["--run-dir", "runs/slurm/5"]):
+        check_job(parse_config(argv), argv)  # the topology check's own flags (launch.sh adds --run-dir), or a training job
 
 
 def _write_tasks_only(prepare_dir, seed=0, with_checkpoint=True):
