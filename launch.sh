@@ -106,17 +106,11 @@ if [[ -z "${SLURM_JOB_ID:-}" || -n "${GYRE_DRY_RUN:-}" ]]; then
 fi
 
 # Batch shell: sbatch ran this script on the first node.
-# The command line, checked here once before any node starts (python -m gyre.config_checks): a
-# typo'd flag is said once and the job ends, instead of once per node after torchrun's report.
-for a in "$@"; do
-  case $a in -h | --help | --help-all) exec python -m gyre.run "$@" ;; esac
-done
-python -m gyre.config_checks "$@" || { rc=$?; echo "gyre: the command line was refused (exit $rc); no node started" >&2; exit "$rc"; }
 echo "gyre: job $SLURM_JOB_ID attempt $(( ${SLURM_RESTART_COUNT:-0} + 1 )) (SLURM_RESTART_COUNT=${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST:-?} at $(date -u +%FT%TZ)"
 GYRE_MASTER_ADDR=$(gyre_first_host)
 export GYRE_MASTER_ADDR
 
-signalled="" requeue=0
+signalled="" requeue=0 srun_pid=""
 attempt_t0=$(date +%s)  # this attempt's start (a number, not a temp file a SIGKILL would leave behind)
 job_info() { scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null || true; }
 requeueable() { [[ "$1" == *" JobState=RUNNING "* && "$1" == *" Requeue=1 "* ]]; }
@@ -142,18 +136,33 @@ forward() {
 trap 'forward SIGTERM' TERM
 trap 'forward SIGINT' INT
 
+# The command line, checked here once before any node starts (python -m gyre.config_checks): a
+# typo'd flag is said once and the job ends, instead of once per node after torchrun's report.
+# (After the traps: a stop signalled meanwhile is handled below like any other, requeue included.)
+for a in "$@"; do
+  case $a in -h | --help | --help-all) exec python -m gyre.run "$@" ;; esac
+done
+check_rc=0
+python -m gyre.config_checks "$@" || check_rc=$?
+if [[ $check_rc != 0 && -z "$signalled" ]]; then
+  echo "gyre: the command line was refused (exit $check_rc); no node started" >&2
+  exit "$check_rc"
+fi
+
 # --kill-on-bad-exit=0 with --wait: in a graceful stop a node whose torchrun is done first must
 # not get the others SIGKILLed while rank 0 still writes the checkpoint and summary; a node that
 # died still ends the job after GYRE_NODE_EXIT_WAIT_S.
-srun --ntasks-per-node=1 --kill-on-bad-exit=0 --wait="${GYRE_NODE_EXIT_WAIT_S:-180}" \
-  bash -c "$(declare -f gyre_node gyre_first_host); gyre_node \"\$@\"" gyre-node "$@" &
-srun_pid=$!
-rc=0
-while :; do
-  rc=0
-  wait "$srun_pid" || rc=$?
-  kill -0 "$srun_pid" 2>/dev/null || break  # else: a trap ended the wait; srun still runs
-done
+rc=143  # stopped before srun started (a signal during the check above)
+if [[ -z "$signalled" ]]; then
+  srun --ntasks-per-node=1 --kill-on-bad-exit=0 --wait="${GYRE_NODE_EXIT_WAIT_S:-180}" \
+    bash -c "$(declare -f gyre_node gyre_first_host); gyre_node \"\$@\"" gyre-node "$@" &
+  srun_pid=$!
+  while :; do
+    rc=0
+    wait "$srun_pid" || rc=$?
+    kill -0 "$srun_pid" 2>/dev/null || break  # else: a trap ended the wait; srun still runs
+  done
+fi
 
 # The run directory, as gyre_node gives it to gyre.run.
 run_dir="runs/slurm/$SLURM_JOB_ID"
