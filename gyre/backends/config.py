@@ -178,7 +178,18 @@ class TransferConfig:
     update (one per layer, rotating; every parameter after the first update, which is read back
     whatever this says) against the weights sent (gyre.backends.transfer.readback: SGLang skips
     names it does not know, so a naming slip would otherwise serve stale weights); a mismatch
-    stops the run naming the parameter."""
+    stops the run naming the parameter. SGLang 0.5.23 reads Llama-style classes back, not Qwen:
+    those get --transfer.coverage-check at start instead."""
+    coverage_check: Literal["auto", "always", "off"] = "auto"
+    """SGLang engines: once at start, before serving, check that the weight-update path writes every
+    parameter of the served model (gyre.backends.transfer.coverage: SGLang's check_weights
+    snapshot, random reset, the starting weights sent as a normal bucketed update at the same
+    version, bitwise compare); a tensor left unwritten (a name SGLang's load_weights skipped)
+    stops the run naming it. auto: for model classes SGLang cannot read back by name (sglang
+    0.5.23: Qwen2, Qwen3, Qwen3-MoE; Llama-style ones get the read-back above instead); always:
+    every SGLang engine; off: never. Cost, once per engine start: a host-memory copy of the served
+    model while it runs (each TP rank its shard: the model's size in host memory per engine) and
+    one extra full update."""
     bucket_mb: float = 512.0
     """Most MiB of weights an engine update stages at once on each engine GPU (plus one tensor
     larger than that, which travels alone): SGLang gets one update_weights_from_tensor (or

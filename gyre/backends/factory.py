@@ -295,8 +295,11 @@ def build_sglang_engine(cfg: BuildConfig, model_config: Any, params: dict[str, t
                       base_gpu_id=torch.cuda.current_device() if torch.cuda.is_available() else 0, dtype=dtype,
                       enable_memory_saver=opts.enable_memory_saver, extra=dict(opts.extra))
     spec = os.environ.get(SGLANG_API_ENV)
+    transfer = getattr(cfg, "transfer", None)
+    coverage = transfer.coverage_check if transfer is not None else "auto"
     return SglangEngine(sc, version=version, api=SglangApi.from_spec(spec) if spec else None,
-                        sampleable_vocab=sampleable_vocab, eos_token_ids=eos_token_ids, bucket_bytes=_bucket_bytes(cfg))
+                        sampleable_vocab=sampleable_vocab, eos_token_ids=eos_token_ids, bucket_bytes=_bucket_bytes(cfg),
+                        coverage_check=coverage, start_weights=params if coverage != "off" else None)
 
 
 def _bucket_bytes(cfg: BuildConfig) -> int:

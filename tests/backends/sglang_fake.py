@@ -16,6 +16,12 @@ sglang/srt/, lines of that wheel):
                           (UPDATE_BYTES)
   unknown names           an update's name with no parameter is skipped with SGLang's warning
                           (Qwen3/Qwen2/Llama) or silently (Qwen3-MoE) (`_skip_unknown`)
+  check_weights           snapshot / reset_tensors / compare / checksum over every parameter
+                          (utils/weight_checker.py, `FakeWeightChecker`); compare raises "check
+                          tensor equality failed:\n name=... max_abs_err=..." per differing
+                          tensor, answered success=False with that message (weight_updater.py:
+                          424-456); the TM answers (success, message, ranks, checksum)
+                          (tokenizer_control_mixin.py:890-909)
   get_weights_by_name     Llama answers the first truncate_size rows as float32 lists; Qwen2/
                           Qwen3/Qwen3-MoE answer None (no such method in 0.5.23's classes)
   flush after an update   fails the update while requests run and the engine is not paused
@@ -195,6 +201,21 @@ class ResumeMemoryOccupationReqInput:
 
 
 @dataclass(kw_only=True)
+class CheckWeightsReqInput:  # io_struct.py:2217-2223
+    action: str = "checksum"
+    allow_quant_error: bool = False
+    skip_tensor_list: list | None = None
+    selector: str = "all"
+
+
+@dataclass(kw_only=True)
+class CheckWeightsReqOutput:  # io_struct.py:2249-2254 (payload: one ChecksumInfo per TP rank, or None)
+    success: bool
+    message: str
+    payload: list | None = None
+
+
+@dataclass(kw_only=True)
 class AbortReq:  # io_struct.py:2285-2291 (rid from BaseReq, io_struct.py:89)
     rid: str | None = None
     abort_all: bool = False
@@ -206,7 +227,8 @@ class AbortReq:  # io_struct.py:2285-2291 (rid from BaseReq, io_struct.py:89)
 io_struct = types.SimpleNamespace(**{c.__name__: c for c in (
     PauseGenerationReqInput, ContinueGenerationReqInput, BeginWeightUpdateReqInput, EndWeightUpdateReqInput,
     UpdateWeightsFromTensorReqInput, UpdateWeightsFromDistributedReqInput, InitWeightsUpdateGroupReqInput,
-    ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput, AbortReq, GetWeightsByNameReqInput)})
+    ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput, AbortReq, GetWeightsByNameReqInput,
+    CheckWeightsReqInput)})
 
 # Update memory: the bytes of the tensors a weight update holds at once, and the peak since reset().
 # Tensor path: what the adapter hands `serialize` stands for its copies on the rank's GPUs (the real
@@ -526,6 +548,21 @@ class FakeScheduler:
         if name not in held:
             return None
         return held[name].cpu().to(torch.float32).numpy().tolist()[:m.truncate_size]
+
+    def _on_CheckWeightsReqInput(self, m: CheckWeightsReqInput) -> CheckWeightsReqOutput:
+        """weight_updater.py:424-456: the selected runners' WeightChecker.handle; any exception
+        becomes success=False with str(e) as the message (:453-456), else "Success." and the
+        checksum payload (None for the other actions). One TP rank, no draft runner."""
+        try:
+            roles = {"all": ["target"], "target": ["target"], "draft": []}.get(m.selector)
+            if roles is None:  # _parse_runner_selector, weight_updater.py:71-78
+                raise ValueError(f"invalid selector {m.selector!r}; expected 'target', 'draft', or 'all'")
+            payloads = [self.engine.checker.handle(m.action, m.skip_tensor_list) for _ in roles]
+            payload = [p for p in payloads if p is not None] or None
+            return CheckWeightsReqOutput(success=True, message="Success.", payload=payload)
+        except Exception as e:  # noqa: BLE001 — SGLang's own catch-all
+            logging.getLogger("sglang.srt.managers.scheduler").warning(f"check_weights see error: {e}")
+            return CheckWeightsReqOutput(success=False, message=f"{e}")
 
     def _on_InitWeightsUpdateGroupReqInput(self, m: InitWeightsUpdateGroupReqInput) -> tuple[bool, str]:
         raise AssertionError("handled in a thread by the tokenizer manager")
@@ -889,6 +926,22 @@ class FakeTokenizerManager:
         # tokenizer_control_mixin.py:861-870: one DP rank → its answer itself
         return await self._call(obj)
 
+    async def check_weights(self, obj: CheckWeightsReqInput, request=None) -> tuple:
+        """tokenizer_control_mixin.py:890-909: (success, message, ranks, per_engine_checksum); the
+        rank answers merged by FanOutCommunicator.merge_results (communicator.py:106-110: all
+        successes, messages joined by " | "); ranks/checksum only when a payload came back."""
+        import hashlib
+
+        results = [await self._call(obj)]
+        success, message = all(r.success for r in results), " | ".join(r.message for r in results)
+        infos = [info for r in results if r.payload is not None for info in r.payload]
+        if not infos:
+            return success, message, None, None
+        h = hashlib.sha256()
+        for info in infos:
+            h.update(info["per_gpu_checksum"].encode())
+        return success, message, infos, h.hexdigest()
+
     async def release_memory_occupation(self, obj: ReleaseMemoryOccupationReqInput, request=None) -> None:
         await self._call(obj)
 
@@ -1028,6 +1081,7 @@ class FakeEngine:
             "status": "ready", "max_total_num_tokens": self.kv.max_total_num_tokens,
             "max_req_input_len": self.max_req_input_len}])
         self.tokenizer_manager = FakeTokenizerManager(self)
+        self.checker = FakeWeightChecker(self)
         self.process: subprocess.Popen | None = None
         if self.spawn_scheduler_process:
             # SGLang launches its schedulers with mp.Process under the spawn method (engine.py:956-974,
@@ -1058,6 +1112,76 @@ class FakeEngine:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+class FakeWeightChecker:
+    """utils/weight_checker.py's WeightChecker (model_runner.py:2227-2240 hands it check_weights)
+    over the fake's parameters. Its parameters are checkpoint names (SGLang's own fuse q/k/v
+    into qkv_proj, gate/up into gate_up_proj, experts into w13/w2) and it has no buffers, so no
+    non-persistent one to skip (weight_checker.py:60-82) and no quantized weight (raw, bitwise
+    compares only, weight_checker_comparator.py:123-171)."""
+
+    def __init__(self, engine: "FakeEngine"):
+        self.engine = engine
+        self.snapshot: dict[str, torch.Tensor] | None = None
+        self.snapshot_bytes = 0  # host memory the snapshot holds (one arena, weight_checker.py:97-116)
+
+    def _state(self) -> dict[str, torch.Tensor]:  # _model_state: named_parameters + named_buffers (:248-251)
+        return _as_checkpoint(self.engine.weights.tensors, self.engine.model_config)
+
+    def handle(self, action: str, skip_tensor_list: list[str] | None = None) -> dict | None:  # :126-149
+        if action == "snapshot":  # :151-176: published only once every copy is made
+            snap = {k: v.detach().clone() for k, v in self._state().items()}
+            self.snapshot, self.snapshot_bytes = snap, sum(v.numel() * v.element_size() for v in snap.values())
+            return None
+        if action == "reset_tensors":  # :178-183, random values as _random_like (:314-335)
+            state = {k: v if _skipped(k, skip_tensor_list) else _random_like(v) for k, v in self._state().items()}
+            self.engine.weights = _weights(state, self.engine.model_config)
+            return None
+        if action == "compare":  # :185-204
+            assert self.snapshot is not None  # an AssertionError: str() is "", so message ""
+            errors = []
+            for name, actual in self._state().items():  # zip(strict=True), names asserted equal (:270-283)
+                expect = self.snapshot[name]
+                if _skipped(name, skip_tensor_list):
+                    continue
+                diff = (actual.float() - expect.float()).abs()
+                if bool((diff == 0).all()):
+                    continue
+                # compare_weights (weight_checker_comparator.py:141-171): raw tensors have no tolerance
+                errors.append(f"name={name} max_abs_err={diff.max().item()} mean_abs_err={diff.mean().item()} "
+                              f"num_exceed={int((~(diff <= 0.0)).sum())} "
+                              f"expect=raw(shape={tuple(expect.shape)} dtype={expect.dtype}) "
+                              f"actual=raw(shape={tuple(actual.shape)} dtype={actual.dtype}) ")
+            if errors:  # _check_tensors (:305-311); the snapshot stays (cleared only after success)
+                raise Exception("check tensor equality failed:\n" + "\n".join(errors))
+            self.snapshot, self.snapshot_bytes = None, 0
+            return None
+        if action == "checksum":  # :206-246; the hash is not SGLang's tensor_hash (mm_utils), only its shape
+            import hashlib
+
+            sums = {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+                    for k, v in self._state().items() if not _skipped(k, skip_tensor_list)}
+            h = hashlib.sha256()
+            for k in sorted(sums):
+                h.update(k.encode())
+                h.update(sums[k].encode())
+            return {"checksums": sums, "per_gpu_checksum": h.hexdigest(), "parallelism_info": dict(
+                role="target", tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1, rank=0, size=1)}
+        raise Exception(f"Unsupported {action=}")
+
+
+def _skipped(name: str, skip_tensor_list: list[str] | None) -> bool:  # _is_skip_weight_check, :74-80
+    return any(pat in name for pat in (skip_tensor_list or ()))
+
+
+def _random_like(t: torch.Tensor) -> torch.Tensor:  # weight_checker.py:314-335
+    if t.dtype.is_floating_point:
+        return torch.rand(t.shape, dtype=torch.float32).to(t.dtype)
+    if t.dtype == torch.bool:
+        return torch.rand(t.shape) > 0.5
+    info = torch.iinfo(t.dtype)
+    return torch.randint(int(info.min), int(info.max), t.shape, dtype=t.dtype)
 
 
 # ----------------------------------------------------------------------------- device memory (KV sizing)

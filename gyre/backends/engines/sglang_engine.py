@@ -38,6 +38,9 @@ proves the state was reached (docs/gpu-sglang.md has the whole table, with SGLan
                chunk also carries the scheduler's exact per-token spans ('weight_versions',
                utils/weight_versions.py:90); a token labelled differently is counted in
                health().detail['version_mismatches'] and logged (see docs/gpu-sglang.md).
+    coverage   once at start, before serving (--transfer.coverage-check): check_weights snapshot →
+               reset_tensors → the start weights as an update at the start version → compare
+               (`gyre.backends.transfer.coverage`); a tensor left unwritten stops the engine.
     distributed `init_weights_update_group` / `update_weights_from_distributed` receive a
                broadcast from the core; `WeightBroadcaster` is the trainer's side of that group.
 
@@ -350,12 +353,17 @@ class SglangEngine:
 
     def __init__(self, config: SglangConfig, *, version: int = 0, logprobs: str = "policy",
                  api: SglangApi | None = None, land_timeout_s: float = 120.0, sampleable_vocab: int | None = None,
-                 eos_token_ids: list[int] | tuple[int, ...] = (), bucket_bytes: int = 512 * MIB):
+                 eos_token_ids: list[int] | tuple[int, ...] = (), bucket_bytes: int = 512 * MIB,
+                 coverage_check: str = "off", start_weights: dict[str, torch.Tensor] | None = None):
         """`sampleable_vocab`: ids >= it (padded embedding rows the tokenizer cannot decode) are never
         sampled (`unsampleable_bias`, checked against the served model's vocab_size at start); None:
         every row is sampleable. `eos_token_ids`: the run's end ids, added to every request's
-        stop_token_ids (the checkpoint's own config may name other ones)."""
+        stop_token_ids (the checkpoint's own config may name other ones). `coverage_check`
+        (--transfer.coverage-check) with `start_weights` (the values the checkpoint holds, in the
+        actor's names): `_check_coverage` at start; dropped after it."""
         self.config = config
+        self.coverage_check, self._start_weights = coverage_check, start_weights
+        self._checking = False  # `_check_coverage` runs: the weights are not the served ones
         self.bucket_bytes = int(bucket_bytes)  # an update's bucket (`update_weights`; --transfer.bucket-mb)
         self._torn: int | None = None  # the version an update failed part-way to (`_in_session`)
         self._warned_readback = False
@@ -436,6 +444,7 @@ class SglangEngine:
                     "mem_fraction_static %.2f, prompts under %s tokens", self.config.tp_size, self.config.model_path,
                     self.version, len(self._engine_pids), self.kv_tokens if self.kv_tokens is not None else "(unknown)",
                     self.config.mem_fraction_static, self.max_prompt_len)
+        await self._check_coverage()
 
     async def stop(self) -> None:
         """End the engine's own processes (SIGTERM, then SIGKILL after 30 s). Never
@@ -468,6 +477,8 @@ class SglangEngine:
     async def generate(self, request_id: str, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenEvent]:
         if self.state is not EngineState.RUNNING:
             raise RuntimeError(f"SglangEngine.generate({request_id}): engine is {self.state.value}")
+        if self._checking:
+            raise RuntimeError(f"SglangEngine.generate({request_id}): the engine checks its weight updates; not serving yet")
         if self._torn is not None and not self._weights_lock.locked():
             raise RuntimeError(f"SglangEngine.generate({request_id}): the update to version {self._torn} failed "
                                f"part-way; the weights are torn until a complete update lands")
@@ -714,6 +725,34 @@ class SglangEngine:
                     logger.error("SGLang weight update to version %d failed part-way: the engine stays paused and "
                                  "refuses requests until a complete update lands", self._torn)
 
+    async def _check_coverage(self) -> None:
+        """Once at start, before anything is served (`gyre.backends.transfer.coverage.at_start`):
+        the start weights through `update_weights` at the start version (the version does not
+        move) between SGLang's check_weights snapshot/reset and compare. A failure stops the
+        engine (its weights may be random) and raises."""
+        from gyre.backends.transfer import coverage
+
+        params, self._start_weights = self._start_weights, None
+        if params is None:
+            return
+        names = sorted(self._checkpoint_names(params))
+
+        async def push() -> int:
+            await self.update_weights(params, self.version)
+            return len(names)
+
+        self._checking = True
+        try:
+            await coverage.at_start(self._tm, self._io, self.coverage_check, names, push,
+                                    engine=f"sglang {self.config.model_path}",
+                                    prime=any(k.replace("-", "_") == "load_format" and str(v) == "dummy"
+                                              for k, v in self.config.extra.items()))
+        except BaseException:
+            await self.stop()
+            raise
+        finally:
+            self._checking = False
+
     async def read_weights(self, names: list[str], rows: int) -> dict[str, Any]:
         """`gyre.backends.transfer.readback`'s read: TM.get_weights_by_name(name, truncate_size=rows)
         per name (tokenizer_control_mixin.py:861-870, io_struct.py:2166-2168), the first `rows` rows
@@ -738,7 +777,8 @@ class SglangEngine:
                 self._warned_readback = True
                 logger.warning("SGLang cannot read weights back for this model class (get_weights_by_name answers "
                                "None for every parameter: sglang 0.5.23 implements it for Llama-style classes, not "
-                               "Qwen2/Qwen3/Qwen3-MoE); the weight read-back is skipped for %s", self.config.model_path)
+                               "Qwen2/Qwen3/Qwen3-MoE); the weight read-back is skipped for %s (the coverage check at start, "
+                               "--transfer.coverage-check, covers these classes)", self.config.model_path)
             out.update({n: UNREADABLE for n in answered})
         return out
 
