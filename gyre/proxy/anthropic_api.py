@@ -50,6 +50,7 @@ from gyre.proxy import validate as V
 from gyre.proxy.core import ApiError, Call, ChatRequest, ToolForce, abort_on_disconnect, object_arguments
 from gyre.proxy.endings import told
 from gyre.proxy.formats import Reasoning
+from gyre.proxy.render import SPLICE_CALL, named_call, tool_call_id
 from gyre.proxy.textstream import ToolCall
 
 _ERROR_TYPES = {
@@ -163,6 +164,7 @@ def parse_messages(raw: Any, system: Any, media: list[str] | None = None) -> lis
             raise V.bad(f + ".content", "must be a string or an array of content blocks")
         texts: list[str] = []
         calls: list[dict] = []
+        use_ids: list[str] = []
         thinking: list[str] = []
         for j, b in enumerate(content):
             bf = f"{f}.content[{j}]"
@@ -174,7 +176,7 @@ def parse_messages(raw: Any, system: Any, media: list[str] | None = None) -> lis
             elif kind in _MEDIA_BLOCKS and role == "user":
                 texts.append(_media_block(b, bf, media))
             elif kind == "tool_use" and role == "assistant":
-                V.req_str(b, "id", bf + ".")
+                use_ids.append(V.req_str(b, "id", bf + "."))
                 name = V.req_str(b, "name", bf + ".")
                 inp = b.get("input", {})
                 if not isinstance(inp, dict):
@@ -197,6 +199,9 @@ def parse_messages(raw: Any, system: Any, media: list[str] | None = None) -> lis
             msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
             if calls:
                 msg["tool_calls"] = calls
+                named = named_call(use_ids)
+                if named is not None:  # the ids name the call that sampled this turn (render.tool_call_id)
+                    msg[SPLICE_CALL] = named
             if any(thinking):
                 msg["reasoning_content"] = "\n".join(t for t in thinking if t)
             msgs.append(msg)
@@ -314,10 +319,10 @@ def _stop_reason(call: Call) -> str:
     return {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn", "error": "end_turn"}[call.finish]
 
 
-def _tool_block(tc: ToolCall) -> dict:
+def _tool_block(tc: ToolCall, call_id: int) -> dict:
     # `input` must be an object; a non-object is wrapped, and the stored turn is keyed by the
     # wrapped form, so the re-sent turn splices like the OpenAI path's (core.object_arguments).
-    return {"type": "tool_use", "id": "toolu_" + secrets.token_hex(12), "name": tc.name, "input": object_arguments(tc.arguments)}
+    return {"type": "tool_use", "id": tool_call_id("toolu_", call_id), "name": tc.name, "input": object_arguments(tc.arguments)}
 
 
 def _event(name: str, data: dict) -> bytes:
@@ -337,7 +342,7 @@ async def respond(request: web.Request, call: Call, model: str) -> web.StreamRes
         text = call.content[len(call.req.prefill):] if call.content.startswith(call.req.prefill) else call.content
         if text:
             content.append({"type": "text", "text": text})
-        content += [_tool_block(tc) for tc in call.tool_calls]
+        content += [_tool_block(tc, call.call_id) for tc in call.tool_calls]
         body = {
             "id": mid,
             "type": "message",
@@ -388,7 +393,7 @@ async def respond(request: web.Request, call: Call, model: str) -> web.StreamRes
                         out += _event("content_block_stop", {"type": "content_block_stop", "index": index})
                         text_open, open_kind = False, None
                     index += 1
-                    blk = _tool_block(item)
+                    blk = _tool_block(item, call.call_id)
                     out += _event("content_block_start", {"type": "content_block_start", "index": index, "content_block": {**blk, "input": {}}})
                     out += _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {"type": "input_json_delta", "partial_json": json.dumps(blk["input"], ensure_ascii=False)}})
                     out += _event("content_block_stop", {"type": "content_block_stop", "index": index})

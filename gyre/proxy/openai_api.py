@@ -40,6 +40,7 @@ from gyre.proxy import validate as V
 from gyre.proxy.core import ApiError, Call, ChatRequest, ToolForce, abort_on_disconnect
 from gyre.proxy.endings import told
 from gyre.proxy.formats import Reasoning
+from gyre.proxy.render import SPLICE_CALL, named_call, tool_call_id
 from gyre.proxy.textstream import ToolCall
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -164,6 +165,9 @@ def parse_messages(raw: Any, media: list[str] | None = None) -> list[dict]:
             calls = _tool_calls(m.get("tool_calls"), f + ".tool_calls")
             if calls:
                 msg["tool_calls"] = calls
+                named = named_call([tc.get("id") for tc in m["tool_calls"]])
+                if named is not None:  # the ids name the call that sampled this turn (render.tool_call_id)
+                    msg[SPLICE_CALL] = named
             for name in ("reasoning_content", "reasoning"):  # SGLang's name, vLLM's newer one
                 r = V.opt_str(m, name, f + ".")
                 if r:
@@ -309,8 +313,8 @@ def _finish(call: Call) -> str:
     return {"abort": "stop", "error": "stop"}.get(call.finish, call.finish)
 
 
-def _tool_json(tc: ToolCall, ids: dict[int, str]) -> dict:
-    tid = ids.setdefault(tc.index, "call_" + secrets.token_hex(12))
+def _tool_json(tc: ToolCall, ids: dict[int, str], call_id: int) -> dict:
+    tid = ids.setdefault(tc.index, tool_call_id("call_", call_id))
     return {"id": tid, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments_json}}
 
 
@@ -347,7 +351,7 @@ async def respond_chat(request: web.Request, call: Call, model: str) -> web.Stre
         if call.proxy.format.reasoning is not None:
             msg["reasoning_content"] = call.reasoning or None
         if call.tool_calls:
-            msg["tool_calls"] = [_tool_json(tc, ids) for tc in call.tool_calls]
+            msg["tool_calls"] = [_tool_json(tc, ids, call.call_id) for tc in call.tool_calls]
         choice = {"index": 0, "message": msg, "logprobs": {"content": _lp_entries(call, 0, len(call.tokens))} if want_lp else None, "finish_reason": _finish(call)}
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice], "usage": _usage(call)}
         return web.json_response(body)
@@ -370,7 +374,7 @@ async def respond_chat(request: web.Request, call: Call, model: str) -> web.Stre
         async with aclosing(told(call)) as events:
             async for item in events:
                 if isinstance(item, ToolCall):
-                    await resp.write(chunk({"tool_calls": [{"index": item.index, **_tool_json(item, ids)}]}))
+                    await resp.write(chunk({"tool_calls": [{"index": item.index, **_tool_json(item, ids, call.call_id)}]}))
                 elif isinstance(item, Reasoning):
                     await resp.write(chunk({"reasoning_content": item.text}, lp=True))
                 else:

@@ -124,6 +124,7 @@ class StoredTurn:
     output_ids: array
     content: str = ""
     tool_calls: list[dict] = field(default_factory=list)
+    claims: int = 0  # renders that chose this turn among twins (`ChatRenderer._twin`)
 
     @classmethod
     def of(cls, call_id: int, input_ids: list[int], output_ids: list[int], content: str = "", tool_calls: list[dict] | None = None,
@@ -169,6 +170,22 @@ UNMATCHED_WHY = {
 # turn from a `previous_response_id` chain): among stored turns with its text, that call's ids
 # are spliced, even where forks sampled the same text with other ids. Never shown to the template.
 SPLICE_CALL = "_gyre_call_id"
+# The tool-call ids the proxy hands out end in the call that sampled them (after a "g", never a
+# hex digit), so a re-sent turn with tool calls names its own sample: two identical parallel
+# sub-agents that sampled the same text with other ids each get their own ids back (issue 53
+# item 11). To the client they stay opaque ids.
+_TOOL_ID = re.compile(r"(?:call_|toolu_)[0-9a-f]{16}g(\d+)")
+
+
+def tool_call_id(prefix: str, call_id: int) -> str:
+    """The id of a tool call the proxy's call `call_id` produced (`prefix`: "call_", "toolu_")."""
+    return f"{prefix}{secrets.token_hex(8)}g{call_id}"
+
+
+def named_call(ids: list) -> int | None:
+    """The call every one of a re-sent turn's tool-call ids names (`tool_call_id`), else None."""
+    found = {int(m.group(1)) if (m := _TOOL_ID.fullmatch(i if isinstance(i, str) else "")) else None for i in ids}
+    return found.pop() if len(found) == 1 and None not in found else None
 
 
 @dataclass
@@ -548,9 +565,11 @@ class ChatRenderer:
             if len(cands) > 1:  # the same text was produced more than once: prefer the exact context
                 same_len = [c for c in cands if c.input_len == len(ids)]
                 d = ids_digest(ids) if same_len else None
-                exact = next((c for c in reversed(same_len) if c.input_digest == d), None)
-                if exact is not None:
-                    turn = exact
+                exact = [c for c in reversed(same_len) if c.input_digest == d]
+                if len({c.output_ids.tobytes() for c in exact}) > 1:  # twins: one context, one text, other ids
+                    turn = self._twin(exact, ids, parts, splices, j)
+                elif exact:
+                    turn = exact[0]
                 elif tol_index >= 0 and any(c.output_ids != turn.output_ids for c in cands):
                     raise _Ambiguous(tol_index)  # a tolerant splice never guesses between samples
             start = len(ids)
@@ -566,3 +585,27 @@ class ChatRenderer:
             ids.extend(rest[drop:])
         self._gen_prefix(parts[-1], ids, out)
         return out
+
+    def _twin(self, twins: list[StoredTurn], ids: array, parts: list[str], splices: list, j: int) -> StoredTurn:
+        """Among turns sampled in the same context with the same text (identical parallel
+        sub-agents; newest first): the one the next spliced turn was sampled after, when one is
+        (its stored context ends with that twin's ids); else the one fewest renders chose, so
+        twin continuations stay apart instead of all extending one."""
+        if j + 2 < len(parts):
+            later = splices[int(parts[j + 2])][0]
+            rest = self._encode(parts[j + 1], [], offset=0)
+            after = []
+            for t in twins:
+                drop = int(bool(t.output_ids) and t.output_ids[-1] == self.end_of_turn_id and parts[j + 1].startswith(self.end_of_turn))
+                n = len(ids) + len(t.output_ids) + len(rest) - drop
+                if any(c.input_len == n for c in later):
+                    ctx = array("i", ids)
+                    ctx.extend(t.output_ids)
+                    ctx.extend(rest[drop:])
+                    d = ids_digest(ctx)
+                    if any(c.input_len == n and c.input_digest == d for c in later):
+                        after.append(t)
+            twins = after or twins
+        turn = min(twins, key=lambda t: t.claims)  # min keeps the first (newest) of equals
+        turn.claims += 1
+        return turn
