@@ -40,7 +40,8 @@ from gyre.proxy import validate as V
 from gyre.proxy.core import ApiError, Call, ChatRequest, ToolForce, abort_on_disconnect
 from gyre.proxy.endings import told
 from gyre.proxy.formats import Reasoning
-from gyre.proxy.render import SPLICE_CALL, named_call, tool_call_id
+from gyre.proxy.render import SPLICE_CALL
+from gyre.proxy.tool_ids import named_call, tool_call_id
 from gyre.proxy.textstream import ToolCall
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}

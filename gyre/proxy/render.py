@@ -166,26 +166,10 @@ UNMATCHED_WHY = {
     "edited": "the harness edits the text of turns (same tool calls, other text)",
     "unknown": "the harness edits turns' text or tool arguments, or sends turns this policy did not produce",
 }
-# An assistant message may name the call whose output it is (the Responses adapter does, for a
-# turn from a `previous_response_id` chain): among stored turns with its text, that call's ids
+# An assistant message may name the call whose output it is (Responses: a `previous_response_id`
+# chain; chat: tool-call ids, gyre.proxy.tool_ids): among stored turns with its text, that call's ids
 # are spliced, even where forks sampled the same text with other ids. Never shown to the template.
 SPLICE_CALL = "_gyre_call_id"
-# The tool-call ids the proxy hands out end in the call that sampled them (after a "g", never a
-# hex digit), so a re-sent turn with tool calls names its own sample: two identical parallel
-# sub-agents that sampled the same text with other ids each get their own ids back (issue 53
-# item 11). To the client they stay opaque ids.
-_TOOL_ID = re.compile(r"(?:call_|toolu_)[0-9a-f]{16}g(\d+)")
-
-
-def tool_call_id(prefix: str, call_id: int) -> str:
-    """The id of a tool call the proxy's call `call_id` produced (`prefix`: "call_", "toolu_")."""
-    return f"{prefix}{secrets.token_hex(8)}g{call_id}"
-
-
-def named_call(ids: list) -> int | None:
-    """The call every one of a re-sent turn's tool-call ids names (`tool_call_id`), else None."""
-    found = {int(m.group(1)) if (m := _TOOL_ID.fullmatch(i if isinstance(i, str) else "")) else None for i in ids}
-    return found.pop() if len(found) == 1 and None not in found else None
 
 
 @dataclass

@@ -11,7 +11,7 @@ import pytest
 
 from gyre.backends.engines.det_engine import DeterministicEngine
 from gyre.backends.models.tokenizer import byte_token_ids, load_tokenizer
-from gyre.proxy.render import named_call, tool_call_id
+from gyre.proxy.tool_ids import named_call, tool_call_id
 
 from .conftest import TOOLS_ANTHROPIC, TOOLS_OPENAI
 
