@@ -201,7 +201,7 @@ def parse_messages(raw: Any, system: Any, media: list[str] | None = None) -> lis
             if calls:
                 msg["tool_calls"] = calls
                 named = named_call(use_ids)
-                if named is not None:  # the ids name the call that sampled this turn (render.tool_call_id)
+                if named is not None:  # the ids name the call that sampled this turn (gyre.proxy.tool_ids)
                     msg[SPLICE_CALL] = named
             if any(thinking):
                 msg["reasoning_content"] = "\n".join(t for t in thinking if t)

@@ -167,7 +167,7 @@ def parse_messages(raw: Any, media: list[str] | None = None) -> list[dict]:
             if calls:
                 msg["tool_calls"] = calls
                 named = named_call([tc.get("id") for tc in m["tool_calls"]])
-                if named is not None:  # the ids name the call that sampled this turn (render.tool_call_id)
+                if named is not None:  # the ids name the call that sampled this turn (gyre.proxy.tool_ids)
                     msg[SPLICE_CALL] = named
             for name in ("reasoning_content", "reasoning"):  # SGLang's name, vLLM's newer one
                 r = V.opt_str(m, name, f + ".")

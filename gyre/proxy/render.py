@@ -562,13 +562,15 @@ class ChatRenderer:
             out.tolerated += tol_index >= 0
             out.spliced_spans.append((start, len(ids)))
             out.spliced_calls.append(turn.call_id)
-            drop = 0
-            if turn.output_ids and turn.output_ids[-1] == self.end_of_turn_id and parts[j + 1].startswith(self.end_of_turn):
-                drop = 1  # the sampled end-of-turn token stands for the template's
+            drop = self._drop(turn, parts[j + 1])
             rest = self._encode(parts[j + 1], starts, offset=len(ids) - drop)
             ids.extend(rest[drop:])
         self._gen_prefix(parts[-1], ids, out)
         return out
+
+    def _drop(self, turn: StoredTurn, after: str) -> int:
+        """1 when the turn's sampled end-of-turn token stands for the template's that `after` starts with."""
+        return int(bool(turn.output_ids) and turn.output_ids[-1] == self.end_of_turn_id and after.startswith(self.end_of_turn))
 
     def _twin(self, twins: list[StoredTurn], ids: array, parts: list[str], splices: list, j: int) -> StoredTurn:
         """Among turns sampled in the same context with the same text (identical parallel
@@ -580,7 +582,7 @@ class ChatRenderer:
             rest = self._encode(parts[j + 1], [], offset=0)
             after = []
             for t in twins:
-                drop = int(bool(t.output_ids) and t.output_ids[-1] == self.end_of_turn_id and parts[j + 1].startswith(self.end_of_turn))
+                drop = self._drop(t, parts[j + 1])
                 n = len(ids) + len(t.output_ids) + len(rest) - drop
                 if any(c.input_len == n for c in later):
                     ctx = array("i", ids)
