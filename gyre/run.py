@@ -7,6 +7,7 @@ Every blocking collective of the top level is visible here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             logger.warning("%s", note)
     from gyre.sized_defaults import apply_checkpoint_defaults
 
-    for note in apply_checkpoint_defaults(cfg, list(sys.argv[1:] if argv is None else argv)):  # a pretrained checkpoint's lr, micro-step size
+    given = list(sys.argv[1:] if argv is None else argv)
+    for note in apply_checkpoint_defaults(given, cfg.preset, cfg.model, cfg.backend, cfg.actor, cfg.train):
         logger.info("default for the checkpoint: %s", note, extra=ONCE)
     alone = "RANK" not in os.environ
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a SIGKILLed torchrun takes its ranks (and harnesses) with it
@@ -281,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 from gyre.backends.actors.megatron_actor import initialize_parallel_state
 
                 # blocking: Megatron's groups are world-collective: every rank, pool ranks too
-                initialize_parallel_state(megatron_config_of(cfg), seed=cfg.model.seed)
+                initialize_parallel_state(megatron_config_of(cfg.parallel, cfg.model), seed=cfg.model.seed)
         if cfg.job == "smoke":
             smoke_check(topo, groups)
         else:
@@ -293,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
             if os.environ.get("LOCAL_RANK", "0") == "0":  # one sweep a node
                 scratch.sweep()  # temporary directories of processes killed before they could clean up (a crashed attempt's)
             # blocking: rank 0 decides the directory, the attempt and the checkpoint to resume from
-            run = rundir.resolve(cfg, rank, world, default_store(), restart=restart, elastic=elastic)
+            run = rundir.resolve(cfg.run_dir, cfg.preset, cfg.train.resumed(), rank, world, default_store(),
+                                 overwrite=cfg.overwrite, config=dataclasses.asdict(cfg), restart=restart, elastic=elastic)
+            cfg.run_dir, cfg.train.resume, cfg.train.resume_from = str(run.path), bool(run.checkpoint), run.checkpoint
             _RUN[:] = [run]
             logger.info("run directory: %s (attempt %d%s)", run.path, run.attempt,
                         f", resuming version {run.start_version} from {run.checkpoint}" if run.checkpoint else "",
