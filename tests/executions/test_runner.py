@@ -12,7 +12,7 @@ import pytest
 
 from gyre.executions.config import EvaluatorConfig, RunnerConfig
 from gyre.executions.evaluator import Evaluator, Outcome, RewardStatus
-from gyre.executions.runner import EventKind, ExecutionState, HarnessRunner, LocalKeys, _Live
+from gyre.executions.runner import EventKind, ExecutionPhase, HarnessRunner, LocalKeys, _Live
 from gyre.runtime.proxy_access import GyreProxyAccess
 from gyre.executions.tasks import EvaluatorSpec, Task
 
@@ -257,10 +257,10 @@ def test_illegal_transition_raises():
     task = Task(task_id="x", instruction="x", evaluator=EvaluatorSpec("python", lambda ws, t: 1.0))
     live = _Live(spec(task, "e"))
     with pytest.raises(RuntimeError, match="DISPATCHED → EVALUATED"):
-        live.move(ExecutionState.EVALUATED)
-    live.move(ExecutionState.STARTED)
+        live.move(ExecutionPhase.EVALUATED)
+    live.move(ExecutionPhase.STARTED)
     with pytest.raises(RuntimeError, match="STARTED → STARTED"):
-        live.move(ExecutionState.STARTED)
+        live.move(ExecutionPhase.STARTED)
 
 
 def test_duplicate_dispatch_rejected(tmp_path):
