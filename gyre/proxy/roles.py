@@ -27,13 +27,8 @@ a case to tests/proxy/test_roles.py. A harness you control can instead send `x-g
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from gyre.proxy.config import RoleRulesConfig
 from gyre.trajectory.record import Role
-
-if TYPE_CHECKING:
-    from gyre.proxy.keys import KeyInfo
 
 ROLE_NAMES = {
     "main": Role.MAIN,
@@ -91,27 +86,28 @@ class RoleClassifier:
 
     HELPER_USER_CHARS = 256
 
-    def classify(self, state, system: str, last_user: str, header_value: str | None, key: KeyInfo | None,
-                 max_tokens: int | None = None, has_tools: bool = False) -> Role:
-        """`state` is the execution's state (`main_system` is read and set here)."""
+    def classify(self, system: str, last_user: str, header_value: str | None, key_hint: Role | None, main_system: str | None,
+                 max_tokens: int | None = None, has_tools: bool = False) -> tuple[Role, str | None]:
+        """(role, the execution's main system prompt after this call): `main_system` is what its
+        earlier calls fixed (None: not yet), `key_hint` the role its key was issued with."""
         if header_value:
             role = parse_role(header_value)  # ValueError -> 400 upstream
         elif self.is_helper(system, last_user, max_tokens, has_tools):
             role = Role.HELPER
-        elif key is not None and key.role_hint is not None and self.rules.use_key_hint:
-            role = key.role_hint
+        elif key_hint is not None and self.rules.use_key_hint:
+            role = key_hint
         else:
             low = last_user.lower()
             is_sub = any(m in low for m in self._sub)
-            if not is_sub and state.main_system is not None:
-                is_sub = self._key(system) != state.main_system
+            if not is_sub and main_system is not None:
+                is_sub = self._key(system) != main_system
             is_summary = any(m in low for m in self._summary)
             if is_sub:
                 role = Role.SUB_SUMMARY if is_summary else Role.SUB
             else:
                 role = Role.MAIN_SUMMARY if is_summary else Role.MAIN
-        if role is Role.MAIN and state.main_system is None and self._key(system).strip():
+        if role is Role.MAIN and main_system is None and self._key(system).strip():
             # An empty system prompt fixes nothing: a later call with the harness's real one is
             # the main agent (the first call of some harnesses has no instructions yet).
-            state.main_system = self._key(system)
-        return role
+            main_system = self._key(system)
+        return role, main_system
