@@ -147,3 +147,32 @@ def test_the_rules_catch_a_planted_import(planted):
         g["gyre.errors"] = g["gyre.errors"] + ["gyre.ids"]  # a lazy import in a function counts too
         g["gyre.ids"] = g["gyre.ids"] + ["gyre.errors"]
         assert ["gyre.errors", "gyre.ids"] in cycles(g)
+
+
+README_MAX_LINES = 250  # a front page (torchtitan's is 191, nanochat's 230); the depth lives in docs/
+
+
+def readme_too_long(text: str) -> str | None:
+    """Why `text` is not a front page, or None."""
+    n = len(text.splitlines())
+    return f"README.md is {n} lines, over {README_MAX_LINES}: move the depth to docs/" if n > README_MAX_LINES else None
+
+
+def docstrings_naming_issues(sources: dict[str, str]) -> list[str]:
+    """The modules (name → source) whose module docstring names an issue number ("issue 34"): a
+    docstring says what the code does and points at docs/, not at the tracker's history."""
+    import re
+
+    return sorted(name for name, src in sources.items()
+                  if re.search(r"\bissue \d+", ast.get_docstring(ast.parse(src)) or "", re.IGNORECASE))
+
+
+def test_the_readme_is_a_front_page_and_docstrings_name_no_issue():
+    assert readme_too_long((GYRE.parent / "README.md").read_text()) is None
+    assert docstrings_naming_issues({str(p.relative_to(GYRE.parent)): p.read_text() for p in GYRE.rglob("*.py")}) == []
+    # planted: one line too many, and an issue number in a module docstring (not in a function's)
+    assert readme_too_long("line\n" * 251) and readme_too_long("line\n" * 250) is None
+    planted = {"a.py": '"""Fast path (issue 34: 25 ms a call)."""\n',
+               "b.py": '"""Fast path."""\n\ndef f():\n    """issue 34"""\n',
+               "c.py": '"""Fast path, see Issue 7."""\nimport os\n'}
+    assert docstrings_naming_issues(planted) == ["a.py", "c.py"]
