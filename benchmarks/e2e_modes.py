@@ -426,7 +426,7 @@ TRIED = [
      "slept). Gyre 14.35 s/step, Colocate 16.39 (1.14x), A0 17.78 (1.24x), A3 15.40 (1.07x), 2 repeats each within "
      "0.5 %; before it (A3 as Async) 1.16x / 1.08x. Real Colocate still beats the simulator's 18.46 s/step by 11 % "
      "(Gyre is 4.5 % slower than its 13.73): the leak was not the cause"),
-    ("simulator scan against the streaming split (results/e2e_modes_sim_scan2.json, 1,035 regimes, 4 cells): "
+    ("simulator scan against the streaming split (2b92595:benchmarks/results/e2e_modes_sim_scan2.json, 1,035 regimes, 4 cells): "
      "best min(vs Colocate, vs best A3 split) 1.20; a fixed split is within 4/3 of an ideal elastic schedule at 4 "
      "cells (max at T/R = 1/2 or 2) and Gyre gets ~0.8 of the way (its 4th cell never trains: the water level lets "
      "the last cell go only at w = 0), so 1.3x over A3 is out of reach at 4 cells in the simulator too"),
