@@ -149,6 +149,41 @@ def test_the_rules_catch_a_planted_import(planted):
         assert ["gyre.errors", "gyre.ids"] in cycles(g)
 
 
+def results_problems(root: Path) -> list[str]:
+    """benchmarks/results/ holds one file per benchmark script, named after it, and no script writes
+    there unless asked: no `--out`/`--results` default and no path into results/ outside its docstring."""
+    bench = root / "benchmarks"
+    scripts = {p.stem: p for p in bench.glob("*.py")}
+    bad = [f"benchmarks/results/{p.name}: no benchmarks/{p.stem}.py" for p in sorted((bench / "results").iterdir())
+           if p.suffix != ".json" or p.stem not in scripts]
+    for name, p in sorted(scripts.items()):
+        tree = ast.parse(p.read_text())
+        doc = ast.get_docstring(tree) or ""
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and any(isinstance(a, ast.Constant) and a.value in ("--out", "--results") for a in node.args):
+                if any(k.arg == "default" and not (isinstance(k.value, ast.Constant) and k.value.value is None) for k in node.keywords):
+                    bad.append(f"benchmarks/{name}.py:{node.lineno}: --out has a default (write only when asked)")
+            parts = [c.value for c in ast.iter_child_nodes(node) if isinstance(c, ast.Constant)]  # "benchmarks", "results"
+            if isinstance(node, ast.BinOp | ast.Call) and "results" in parts or (
+                    isinstance(node, ast.Constant) and str(node.value).startswith("benchmarks/results/") and node.value not in doc):
+                bad.append(f"benchmarks/{name}.py:{node.lineno}: a path into benchmarks/results")
+    return bad
+
+
+def test_benchmarks_write_results_only_when_asked_one_file_each(tmp_path):
+    root = GYRE.parent
+    assert results_problems(root) == []
+    # planted: a default --out into the checkout, and a second file for one benchmark
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "x_bench.py").write_text(
+        'import argparse\nap = argparse.ArgumentParser()\nap.add_argument("--out", default="benchmarks/results/x_bench.json")\n')
+    (tmp_path / "benchmarks" / "results" / "x_bench.json").write_text("{}")
+    (tmp_path / "benchmarks" / "results" / "x_bench_again.json").write_text("{}")
+    assert results_problems(tmp_path) == ["benchmarks/results/x_bench_again.json: no benchmarks/x_bench_again.py",
+                                          "benchmarks/x_bench.py:3: --out has a default (write only when asked)",
+                                          "benchmarks/x_bench.py:3: a path into benchmarks/results"]
+
+
 README_MAX_LINES = 250  # a front page (torchtitan's is 191, nanochat's 230); the depth lives in docs/
 
 
