@@ -368,8 +368,7 @@ class Proxy:
         self.format = self.chat.format
         self.renderer = ChatRenderer(self.tokenizer, cache_chars=c.encode_cache_chars, splice=c.splice, fmt=self.format,
                                      past_reasoning=c.past_reasoning, tools=self.chat.tools)
-        # Every id's bytes, built once (131k ids: ~0.15 s, benchmarks/proxy_bench.py); ids past the
-        # tokenizer's (padding rows) and holes read b"" and show nothing.
+        # Every id's bytes, built once; ids past the tokenizer's (padding rows) and holes read b"".
         self.token_table = byte_table(self.tokenizer)
         if stop_ids is None:  # the checkpoint's own (generation_config.json, config.json, tokenizer eos)
             stop_ids = stop_token_ids(self.tokenizer, getattr(self.tokenizer, "name_or_path", None) or None)
