@@ -48,7 +48,7 @@ class CallStats:
 
     def counts(self) -> dict[str, int]:
         """The integer fields (what a run sums over its closed executions)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.type == "int"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.type in ("int", int)}
 
 
 @dataclass
