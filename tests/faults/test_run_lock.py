@@ -17,7 +17,7 @@ from tests.jobs import HARNESS, command_in, env, log_of, rows, start, wait_for, 
 
 # Three tiny launches (a first run, two resumes): 1-2 min on a quiet 2-core machine, 4 min under
 # load; the lock's refusal on every rank and its release with the holder are checked in-process
-# in tests/test_rundir.py (default tier).
+# in tests/runtime/test_rundir.py (default tier).
 pytestmark = [pytest.mark.multirank, pytest.mark.slow, pytest.mark.jobs]
 
 

@@ -6,7 +6,7 @@
 * `--train.resume` with no --run-dir continues the latest run under runs/<preset>/ and leaves
   the others alone (one resume of two copies of the shared finished run; that each run gets its
   own directory and `latest` follows the newest is rank 0's `rundir.decide`, proven in-process in
-  tests/test_rundir.py); the same launch is the real weights-only resume (the latest run's
+  tests/runtime/test_rundir.py); the same launch is the real weights-only resume (the latest run's
   checkpoints lost their optimizer state; tests/faults/test_checkpoints.py has the rest of it);
 * an explicit --run-dir that holds a run is refused before anything is written, naming the flags
   that resume or overwrite it (in-process: rank 0's decision; the exit-2 wiring is the real job

@@ -8,7 +8,7 @@ One short run (module fixture), several properties checked on what it leaves beh
   * metrics.jsonl, summary.json and the role timeline PNG are well formed;
   * the default weight transport (torch) moved no parameter byte through torchrun's store;
   * `--train.resume` on a smaller world continues the versions, steps and metrics of the run
-    (a resume already at --train.steps is refused in-process: tests/test_rundir.py).
+    (a resume already at --train.steps is refused in-process: tests/runtime/test_rundir.py).
 The Colocate and Async baselines run in the same code (their own short runs, tests/jobs.py
 RUNS["baselines"]: 3 ranks, 2 steps): every cell or the fixed split trains, and
 calls wait through the switches instead of failing.

@@ -5,7 +5,7 @@ transformers as the same class with equal logits.
 
 The checkpoints' embeddings have exactly as many rows as the project tokenizer has ids (1024),
 so no padded id can reach the proxy whichever tokenizer the job uses (`sampleable_vocab` covers
-padded ones; tests/backends/test_arch_vocab.py)."""
+padded ones; tests/backends/engines/test_arch_vocab.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 from tests.jobs import tiny_task, write_task_rows
 from tests.realmodels import write_checkpoint
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 pytestmark = [pytest.mark.multirank, pytest.mark.slow, pytest.mark.jobs]
 
 
