@@ -10,7 +10,7 @@
   checkpoints lost their optimizer state; tests/faults/test_checkpoints.py has the rest of it);
 * an explicit --run-dir that holds a run is refused before anything is written, naming the flags
   that resume or overwrite it (in-process: rank 0's decision; the exit-2 wiring is the real job
-  in tests/faults/test_config.py);
+  in tests/faults/test_config_job.py);
 * the smoke preset prepares its data before any rank reads it.
 """
 
