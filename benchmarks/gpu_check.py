@@ -96,10 +96,10 @@ ONE_GPU_LIMITS = {
         "tests/backends/actors/test_megatron_actor.py::test_every_rank_initialises_megatron_with_cells_contiguous_and_the_actor_trains_on_gloo, "
         "::test_megatron_forward_and_backward_match_hf_on_cpu_with_tp2 (gloo, -m slow)",
     "gradient reduction over a multi-cell prefix group":
-        "tests/test_devices.py::test_cpu_tensors_cross_groups_of_a_multibackend_default, tests/test_topology_multirank.py, "
+        "tests/backends/test_devices.py::test_cpu_tensors_cross_groups_of_a_multibackend_default, tests/test_topology_multirank.py, "
         "tests/runtime/test_join_in_progress.py",
     "NCCL parameter broadcast to satellites / the torch transport between ranks":
-        "tests/backends/transfer/test_snapshots.py, tests/runtime/test_transports_job.py; device choice: tests/test_devices.py",
+        "tests/backends/transfer/test_snapshots.py, tests/runtime/test_transports_job.py; device choice: tests/backends/test_devices.py",
 }
 
 STAGES = {  # name → timeout s, in the order they run
