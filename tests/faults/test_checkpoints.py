@@ -132,12 +132,12 @@ def test_a_real_resume_skips_a_truncated_newest_checkpoint_and_trains_the_evalua
     * the group step 1 trained is not in that checkpoint, but its executions were evaluated
       (results and TITO are in the run directory): it is trained again from them, not run again
       (issue 19; before, as tests/faults/test_attempts.py tells, a relaunch reused ids)."""
-    from tests.jobs import gyre, log_of, rows
+    from tests.jobs import RUNS, log_of, rows, run_to_end
 
     run = finished_run.copy_of(tmp_path / "run")
     step1 = rows(run / "metrics.jsonl")[1]
     DAMAGE["truncated model"][0](run / "checkpoints" / "step_000002")
-    proc = gyre(tmp_path, finished_run.tasks, "--run-dir", str(run), "--train.resume", steps=2)
+    proc = run_to_end(RUNS["resume_truncated"].command(finished_run.tasks, run), tmp_path)
     log = log_of(proc)
     assert proc.returncode == 0, log[-4000:]
     assert f"step_000002 skipped: {DAMAGE['truncated model'][1]}" in log, log[-4000:]

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import gyre, log_of, write_tasks
+from tests.jobs import RUNS, log_of, run_to_end, write_tasks
 
 
 def _write_tasks_only(prepare_dir, seed=0, with_checkpoint=True):
@@ -24,9 +24,9 @@ def test_a_checkpoint_the_prepare_hook_does_not_write_is_refused_before_run_json
     data, run = tmp_path / "data", tmp_path / "run"
     work = tmp_path / "cwd"
     work.mkdir()
-    proc = gyre(work, data / "tasks.jsonl", "--train.prepare", "tests.faults.test_config_job:_write_tasks_only",
-                "--train.prepare-dir", str(data), "--model.checkpoint", str(data / "warm_start"), "--run-dir", str(run),
-                timeout=120)
+    cmd = RUNS["config_refused"].command(data / "tasks.jsonl", run, "--train.prepare-dir", str(data),
+                                         "--model.checkpoint", str(data / "warm_start"))
+    proc = run_to_end(cmd, work, timeout=120)
     log = log_of(proc)
     message = f"--model.checkpoint {data}/warm_start: no such directory (--train.prepare"
     assert proc.returncode != 0 and "exitcode  : 2" in log, log[-3000:]

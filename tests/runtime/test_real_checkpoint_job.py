@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests import realmodels
-from tests.jobs import ROOT, env, launcher
+from tests.jobs import ROOT, RUNS, env
 
 pytestmark = [pytest.mark.multirank, pytest.mark.jobs]  # about 60 s on 2 loaded cores
 
@@ -60,9 +60,8 @@ def test_a_local_checkpoint_directory_trains_with_its_own_tokenizer(tmp_path, fa
     ckpt = realmodels.write_checkpoint(tmp_path / "ckpt", family, pad_vocab=32, template=_template(family))
     tok = AutoTokenizer.from_pretrained(str(ckpt))
     data, run_dir = tmp_path / "data", tmp_path / "run"
-    cmd = [*launcher(2), "--preset", "cpu-demo-smoke", "--model.checkpoint", str(ckpt), "--run-dir", str(run_dir),
-           "--train.prepare-dir", str(data), "--executions.dataset.path", str(_tasks(tmp_path / "tasks.jsonl")),
-           "--train.steps", "1", *FLAGS.get(family, [])]
+    cmd = RUNS["real_checkpoint"].command(_tasks(tmp_path / "tasks.jsonl"), run_dir, "--model.checkpoint", str(ckpt),
+                                          "--train.prepare-dir", str(data), *FLAGS.get(family, []))
     proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
