@@ -27,9 +27,10 @@ pytestmark = [pytest.mark.multirank, pytest.mark.jobs]  # about 60 s on 2 loaded
 
 # The wiring (a checkpoint directory's tokenizer, eos ids and vocabulary through a whole job) is
 # the same for every family; what differs (chat format, stop tokens) is proven in-process in
-# tests/proxy (test_formats_*, test_tokenizer). In the default tier: Llama 3.1, whose turns end on
-# any of three control tokens, and plain ChatML; the Qwen families in the slow tier.
-FAMILIES = [pytest.param("qwen2.5", marks=pytest.mark.slow), pytest.param("qwen3", marks=pytest.mark.slow), "llama3.1", "chatml"]
+# tests/proxy (test_formats_*) and tests/backends/models (test_tokenizer, test_vocab: the stop ids a
+# checkpoint declares, a list such as Llama 3.1's three control tokens included). In the default
+# tier one launch, plain ChatML (the real model's kind); the other families in the slow tier.
+FAMILIES = [pytest.param(f, marks=pytest.mark.slow) for f in ("qwen2.5", "qwen3", "llama3.1")] + ["chatml"]
 # chatml (SmolLM2's kind: plain ChatML, a default system prompt, no tool rendering) starts from the
 # template alone (no --proxy.chat-format); the demo harness sends tools, which such a template
 # cannot render: declared the Hermes way (without the flag every call would be a 400 naming tools).
