@@ -147,16 +147,19 @@ RUNS: dict[str, Run] = {
                      "ranks, φ 1, μ 1, B 2, no streaming, 2 steps; Async trains on cells 0, 1 and cell 2 only rolls out. "
                      "The e2e run's long-tailed executions without its decode floor: a step's items must take the core "
                      "long enough that cell 1 (whose first actor build takes seconds) joins it; with short executions "
-                     "the core trained step 0 alone (1 run in 3, loaded). A lightly paced actor adds margin",
+                     "the core trained step 0 alone (1 run in 3, loaded). A lightly paced actor adds margin. Async's run "
+                     "moves its weights over the store transport and checks its counts (no store job of its own)",
                      dict(nproc=3, steps=2, seed=1, groups=2, mu=1, phi=1.0, max_tokens=1400, timeout_s=300, sandbox=None),
                      ("--scheduler.no-streaming", "--scheduler.async-train-cells", "2", "--actor.min-s-per-ktok", "2")),
     "async": Run("2 ranks, Async with one training cell, B 2, one burst (μ = steps): every engine call needs the "
                  "run's engine token, a harness outside any sandbox reaches none (tests/security/test_engine_auth.py)",
                  dict(steps=2, seed=1, groups=2, mu=2, phi=0.5, sandbox=None),
                  ("--scheduler.mode", "async", "--scheduler.async-train-cells", "1")),
-    "transports": Run("3 ranks, Async with two training cells, a paced actor (~0.5 s a micro-step) so cell 1 joins "
-                      "before the core claims every item (tests/runtime/test_transports_job.py; its harness still "
-                      "goes through the SDK: with the stdlib one cell 1 did not join)",
+    "transports": Run("the mooncake transport inside a private netns (skipped without one): 3 ranks, Async with two "
+                      "training cells, a paced actor (~0.5 s a micro-step) so cell 1 joins before the core claims every "
+                      "item; satellites read one-sidedly, a broadcast happened, no parameter byte through the store "
+                      "(tests/runtime/test_transports_job.py; its harness still goes through the SDK: with the stdlib "
+                      "one cell 1 did not join)",
                       dict(nproc=3, steps=2, seed=1, groups=2, mu=2, phi=0.5, sandbox=None),
                       ("--scheduler.mode", "async", "--scheduler.async-train-cells", "2", "--actor.min-s-per-ktok", "4")),
     "sglang": Run("3 ranks through the SGLang adapter (fake SGLang API), N 3, B 2, μ 2; τ 30 and a decode floor in "
