@@ -222,7 +222,7 @@ def main() -> None:
                 # Mooncake over TCP (the snapshot transport test; it also needs Debian's libibverbs1
                 # and `unshare --net`, and skips with the reason where either is missing).
                 "mooncake-transfer-engine-non-cuda",
-                # A real, large vocabulary for the byte-table tests (tests/proxy/test_vocab_tekken.py):
+                # A real, large vocabulary for the byte-table tests (tests/backends/models/test_vocab_tekken.py):
                 # the wheel ships Mistral's 131k-id Tekken tokenizer files.
                 "mistral-common>=1.5",
                 # The tracking tests read TensorBoard's event files and wandb's offline run back.

@@ -94,13 +94,13 @@ PROXY_SCALE_KEYS = ("engines", "open_executions", "proxy_added_ms_p50", "proxy_a
 
 ONE_GPU_LIMITS = {
     "TP > 1 inside a cell (Megatron TP groups over NCCL)":
-        "tests/backends/test_megatron_actor.py::test_every_rank_initialises_megatron_with_cells_contiguous_and_the_actor_trains_on_gloo, "
+        "tests/backends/actors/test_megatron_actor.py::test_every_rank_initialises_megatron_with_cells_contiguous_and_the_actor_trains_on_gloo, "
         "::test_megatron_forward_and_backward_match_hf_on_cpu_with_tp2 (gloo, -m slow)",
     "gradient reduction over a multi-cell prefix group":
-        "tests/test_devices.py::test_cpu_tensors_cross_groups_of_a_multibackend_default, tests/test_topology_multirank.py, "
+        "tests/backends/test_devices.py::test_cpu_tensors_cross_groups_of_a_multibackend_default, tests/test_topology_multirank.py, "
         "tests/runtime/test_join_in_progress.py",
     "NCCL parameter broadcast to satellites / the torch transport between ranks":
-        "tests/backends/test_transfer.py, tests/runtime/test_transports_job.py; device choice: tests/test_devices.py",
+        "tests/backends/transfer/test_snapshots.py, tests/runtime/test_transports_job.py; device choice: tests/backends/test_devices.py",
 }
 
 STAGES = {  # name → timeout s, in the order they run

@@ -4,6 +4,8 @@
   `@pytest.mark.jobs` fails at the launch, naming the marker: the tiers in README "Tests" select
   on it (`-m "not jobs"` is the inner loop), so a job without it would silently make that tier
   slow again.
+* a real job is launched as `tests/jobs.py` `RUNS[name]` built it (`Run.command`, unchanged):
+  any other launch fails, so RUNS is the one list of the jobs and what each proves.
 * every `multirank` test (a multi-process gloo world) is a `jobs` test too: measured, the gloo
   worlds were about a third of the `-m "not jobs"` tier's time.
 * every real job gets `xdist_group("jobs")`: under README command 2 (`-n 2`, pytest.ini's
@@ -37,6 +39,8 @@ from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+from tests.jobs import built_from_runs
 
 # No hypothesis test has a speed goal: its per-example deadline (200 ms) only measures the
 # machine's load (a FlakyFailure at load 15 on 2 cores). Speed lives in benchmarks/.
@@ -77,15 +81,29 @@ def pytest_runtest_protocol(item, nextitem):
         _current.pop()
 
 
+def launch_refusal(nodeid: str, marked_jobs: bool, args) -> str | None:
+    """Why the test `nodeid` may not start `args`, or None: a real job needs `@pytest.mark.jobs`
+    and a command line that tests/jobs.py RUNS built. Pure."""
+    if not _is_job(args):
+        return None
+    if not marked_jobs:
+        return (f"{nodeid} starts a real job (torchrun -m gyre.run) without @pytest.mark.jobs; README "
+                "'Tests' tiers select on it")
+    if not built_from_runs(args):
+        return (f"{nodeid} starts a real job that tests/jobs.py RUNS did not build: name it there (what it "
+                "proves) and launch RUNS[name].command(...) unchanged")
+    return None
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _jobs_are_marked():
     real = subprocess.Popen.__init__
 
     def init(self, args, *a, **kw):
         item = _current[-1] if _current else None
-        if item is not None and item.get_closest_marker("jobs") is None and _is_job(args):
-            raise AssertionError(f"{item.nodeid} starts a real job (torchrun -m gyre.run) without "
-                                 "@pytest.mark.jobs; README 'Tests' tiers select on it")
+        why = item and launch_refusal(item.nodeid, item.get_closest_marker("jobs") is not None, args)
+        if why:
+            raise AssertionError(why)
         real(self, args, *a, **kw)
 
     subprocess.Popen.__init__ = init

@@ -1,8 +1,9 @@
 """Tiny real Gyre jobs for the tests that run `torchrun -m gyre.run` (the runtime, the fault
-injection): task files for the tiny harness, the one command-line builder (2 gloo ranks by default, the
-`tiny` model, groups of 2 executions, one group a step, one step a burst), and the process
-helpers the fault cases use to find, signal and reap what a job started. Every test asserts on
-the run directory afterwards."""
+injection): `RUNS`, the one table of every real job the tests start and what each proves (a launch
+not built by it is refused: tests/conftest.py), the command-line builder under it (2 gloo ranks by
+default, the `tiny` model, groups of 2 executions, one group a step, one step a burst), task files
+for the tiny harness, and the process helpers the fault cases use to find, signal and reap what a
+job started. Every test asserts on the run directory afterwards."""
 
 from __future__ import annotations
 
@@ -44,11 +45,12 @@ def write_tasks(path: Path, harness: list[str] | None = None, n: int = 4) -> Pat
     return write_task_rows(path, [task] * n)
 
 
-def launcher(nproc: int = 2, *args: str) -> list[str]:
-    """The launcher prefix every real job in the tests uses: torchrun (standalone), `nproc` ranks,
-    then `args` (torchrun's own flags, e.g. `--max-restarts 1`), then `-m gyre.run`."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args,
-            "-m", "gyre.run"]
+def launcher(nproc: int = 2, *args: str, standalone: bool = True) -> list[str]:
+    """The launcher prefix every real job in the tests uses: torchrun (standalone unless the job
+    names its own rendezvous), `nproc` ranks, then `args` (torchrun's own flags, e.g.
+    `--max-restarts 1`), then `-m gyre.run`."""
+    return [sys.executable, "-m", "torch.distributed.run", *(["--standalone"] if standalone else []),
+            "--nproc-per-node", str(nproc), *args, "-m", "gyre.run"]
 
 
 def command(tasks: Path, *extra: str, steps: int = 2, nproc: int = 2, torchrun: tuple[str, ...] = (),
@@ -72,31 +74,67 @@ def command(tasks: Path, *extra: str, steps: int = 2, nproc: int = 2, torchrun: 
             *extra]
 
 
+_BUILT: set[tuple[str, ...]] = set()  # every command line `Run` built in this process (tests/conftest.py checks launches)
+
+
+def built_from_runs(args) -> bool:
+    """Whether `args` is a command line `RUNS[...]` built, unchanged since (behind a wrapper such as
+    `ip netns exec NS` or `unshare ...`, which only prefixes it)."""
+    if not isinstance(args, (list, tuple)):
+        return False
+    argv = tuple(str(a) for a in args)
+    return any(argv[i:] in _BUILT for i in range(len(argv)))
+
+
 @dataclass(frozen=True)
 class Run:
-    """A named tiny run (the shape of torchtitan's OverrideDefinitions): what it is for, and the
-    `command` settings and flags that make it. `RUNS` holds every run a test file builds more
-    than ad hoc, so a reader finds each job's knobs in one table."""
+    """A named real job (the shape of torchtitan's OverrideDefinitions): what it proves and which
+    test launches it, and the settings and flags that make it. Every real job of the tests is a
+    `RUNS` entry: tests/conftest.py refuses a launch of `torchrun -m gyre.run` that `Run.command`
+    (or `Run.documented`) did not build.
+
+    Three shapes: the tiny job (`command`'s builder: `settings` are its keywords, `flags` follow),
+    a preset (`--preset NAME`, then `flags`), or `bare` (only `flags`: a job that sets every knob
+    itself). The last two take `nproc`, `torchrun` and `standalone` as settings. A test adds its
+    own paths and values as `extra` and `overrides`."""
 
     purpose: str
-    settings: dict
+    settings: dict = field(default_factory=dict)
     flags: tuple[str, ...] = ()
     env: dict = field(default_factory=dict)
+    preset: str | None = None
+    bare: bool = False
 
-    def command(self, tasks: Path, run_dir: Path, *extra: str, **overrides) -> list[str]:
-        return command(tasks, *self.flags, *extra, run_dir=run_dir, **{**self.settings, **overrides})
+    def command(self, tasks: Path | str | None, run_dir: Path | None, *extra: str, **overrides) -> list[str]:
+        s = {**self.settings, **overrides}
+        if self.preset is None and not self.bare:
+            argv = command(tasks, *self.flags, *extra, run_dir=run_dir, **s)
+        else:
+            nproc, torchrun, standalone = s.pop("nproc", 2), s.pop("torchrun", ()), s.pop("standalone", True)
+            if s:
+                raise TypeError(f"a preset or bare run takes nproc, torchrun and standalone, not {sorted(s)}")
+            argv = [*launcher(nproc, *torchrun, standalone=standalone),
+                    *(("--preset", self.preset) if self.preset else ()),
+                    *(("--run-dir", str(run_dir)) if run_dir is not None else ()),
+                    *(("--executions.dataset.path", str(tasks)) if tasks is not None else ()), *self.flags, *extra]
+        _BUILT.add(tuple(argv))
+        return argv
+
+    def documented(self, argv: list[str]) -> list[str]:
+        """A command line read from a document (an example's README), launched as written."""
+        _BUILT.add(tuple(str(a) for a in argv))
+        return argv
 
 
-def command_in(tasks: Path, run_dir: Path, *extra: str, steps: int = 2, nproc: int = 2) -> list[str]:
-    """A tiny job in `run_dir` taking its tasks in file order, with the default sandbox and a
-    300 s harness timeout (the signal, frozen-rank and accounting cases)."""
-    return command(tasks, "--executions.dataset.no-shuffle", *extra, run_dir=run_dir, steps=steps, nproc=nproc,
-                   timeout_s=300, sandbox=None)
-
+# `command`'s harness settings for the fault cases: tasks in file order, the default sandbox, a
+# 300 s harness timeout.
+_IN_ORDER = dict(timeout_s=300, sandbox=None)
+_NO_SHUFFLE = "--executions.dataset.no-shuffle"
 
 RUNS: dict[str, Run] = {
+    # -- the shared run, and the runtime's
     "finished": Run("the shared finished run (tests/conftest.py `finished_run`): 2 ranks, 2 steps, a checkpoint "
-                    "after each; copied by the resume and damaged-checkpoint tests",
+                    "after each; copied by the resume and damaged-checkpoint tests, read by tracking, eval, export",
                     dict(steps=2), ("--train.checkpoint-every", "1")),
     "e2e": Run("4 ranks, φ 0.5, μ 2, B 2, N 3, long-tailed executions: reroutes, staleness closed form, resume on a "
                "smaller world (tests/runtime/test_train_e2e.py). τ 30 and a 10 ms decode floor keep calls in flight "
@@ -109,15 +147,19 @@ RUNS: dict[str, Run] = {
                      "ranks, φ 1, μ 1, B 2, no streaming, 2 steps; Async trains on cells 0, 1 and cell 2 only rolls out. "
                      "The e2e run's long-tailed executions without its decode floor: a step's items must take the core "
                      "long enough that cell 1 (whose first actor build takes seconds) joins it; with short executions "
-                     "the core trained step 0 alone (1 run in 3, loaded). A lightly paced actor adds margin",
+                     "the core trained step 0 alone (1 run in 3, loaded). A lightly paced actor adds margin. Async's run "
+                     "moves its weights over the store transport and checks its counts (no store job of its own)",
                      dict(nproc=3, steps=2, seed=1, groups=2, mu=1, phi=1.0, max_tokens=1400, timeout_s=300, sandbox=None),
                      ("--scheduler.no-streaming", "--scheduler.async-train-cells", "2", "--actor.min-s-per-ktok", "2")),
-    "async": Run("2 ranks, Async with one training cell, B 2, one burst (μ = steps): engine auth",
+    "async": Run("2 ranks, Async with one training cell, B 2, one burst (μ = steps): every engine call needs the "
+                 "run's engine token, a harness outside any sandbox reaches none (tests/security/test_engine_auth.py)",
                  dict(steps=2, seed=1, groups=2, mu=2, phi=0.5, sandbox=None),
                  ("--scheduler.mode", "async", "--scheduler.async-train-cells", "1")),
-    "transports": Run("3 ranks, Async with two training cells, a paced actor (~0.5 s a micro-step) so cell 1 joins "
-                      "before the core claims every item (tests/runtime/test_transports_job.py; its harness still "
-                      "goes through the SDK: with the stdlib one cell 1 did not join)",
+    "transports": Run("the mooncake transport inside a private netns (skipped without one): 3 ranks, Async with two "
+                      "training cells, a paced actor (~0.5 s a micro-step) so cell 1 joins before the core claims every "
+                      "item; satellites read one-sidedly, a broadcast happened, no parameter byte through the store "
+                      "(tests/runtime/test_transports_job.py; its harness still goes through the SDK: with the stdlib "
+                      "one cell 1 did not join)",
                       dict(nproc=3, steps=2, seed=1, groups=2, mu=2, phi=0.5, sandbox=None),
                       ("--scheduler.mode", "async", "--scheduler.async-train-cells", "2", "--actor.min-s-per-ktok", "4")),
     "sglang": Run("3 ranks through the SGLang adapter (fake SGLang API), N 3, B 2, μ 2; τ 30 and a decode floor in "
@@ -126,6 +168,99 @@ RUNS: dict[str, Run] = {
                        sandbox=None),
                   ("--backend.engine", "sglang", "--executions.runner.max-concurrency", "12", "--scheduler.rho-min", "0.5",
                    "--scheduler.cell-concurrency", "8")),
+    "zero_advantage": Run("2 ranks, B 2, seed 0, every reward of a group equal: a step with nothing to learn trains no "
+                          "token and says so (tests/runtime/test_zero_advantage.py)",
+                          dict(steps=2, groups=2, seed=0)),
+    # -- what a newcomer meets (tests/runtime/test_newcomer.py, tests/test_entrypoint.py)
+    "harness_cannot_import": Run("2 ranks, 6 steps, every harness fails importing a module: the run stops early with one "
+                                 "error naming the module and the harness's stderr log, exit non-zero",
+                                 dict(steps=6, sandbox=None)),
+    "resume_latest": Run("2 ranks: --train.resume without --run-dir continues the latest of two copies of the finished "
+                         "run (its optimizer state lost: weights only) to 3 steps; the other run untouched",
+                         dict(steps=3, sandbox=None), ("--train.resume", "--train.resume-weights-only")),
+    "smoke_prepare": Run("the smoke preset from a fresh prepare dir (a quick hook, tests/runtime/quick_prepare.py), 2 "
+                         "ranks, 1 step: no rank reads --model.checkpoint before rank 0's prepare barrier",
+                         dict(nproc=2), ("--train.prepare", "tests.runtime.quick_prepare:prepare", "--train.steps", "1"),
+                         preset="cpu-demo-smoke"),
+    "typo": Run("a misspelt flag under torchrun, 2 ranks: tyro's refusal said once (rank 0) and named in torchrun's "
+                "failure report (tests/test_entrypoint.py)", dict(nproc=2), ("--train.stepz", "3"),
+                preset="cpu-demo-smoke"),
+    "topology": Run("the topology check (`--preset smoke`), 4 ranks in cells of 2 with TP 2: every rank's prefix "
+                    "all-reduce is right, the topology logged once (tests/test_entrypoint.py)",
+                    dict(nproc=4), ("--parallel.cell-size", "2", "--parallel.tp", "2"), preset="smoke"),
+    "cpu_demo": Run("(slow) README command 1: the cpu-demo preset on 4 ranks from a fresh prepare dir, its 32 steps: "
+                    "the reward's fitted rise excludes 0, every cell trains (tests/runtime/test_cpu_demo_run.py)",
+                    dict(nproc=4), preset="cpu-demo"),
+    "real_checkpoint": Run("`--preset cpu-demo-smoke --model.checkpoint DIR`, 2 ranks, 1 step, DIR a tiny random-init "
+                           "checkpoint of a real family: its tokenizer, eos ids and padded vocabulary through a whole job, "
+                           "no warm start prepared (tests/runtime/test_real_checkpoint_job.py; ChatML in the default "
+                           "tier, the other families slow)", dict(nproc=2), ("--train.steps", "1"),
+                           preset="cpu-demo-smoke"),
+    "config_refused": Run("2 ranks: --model.checkpoint under --train.prepare-dir that the prepare hook does not write is "
+                          "refused after the hook ran, on every rank: exit 2, said once by rank 0, no run directory "
+                          "(tests/faults/test_config_job.py: the wiring of every in-process refusal)",
+                          dict(), ("--train.prepare", "tests.faults.test_config_job:_write_tasks_only")),
+    # -- faults (tests/faults/)
+    "resume_truncated": Run("2 ranks: --train.resume of a copy of the finished run whose newest checkpoint is truncated: "
+                            "skipped by name, the older one resumed, the group it lacks trained again from its evaluated "
+                            "executions, not run again (tests/faults/test_checkpoints.py)",
+                            dict(steps=2), ("--train.resume",)),
+    "resume_twice": Run("2 ranks: --train.resume-from the same checkpoint of a copy of the finished run, launched "
+                        "twice: each attempt runs and scores executions of its own ids, one metrics row per step "
+                        "(tests/faults/test_attempts.py)", dict(steps=4)),
+    "signals": Run("2 ranks, 4 steps (μ 3), two sleeper harnesses and two slow evaluations in flight, then SIGINT to "
+                   "the process group (unsandboxed), SIGTERM to torchrun (sandboxed) or a rank SIGKILLed: a graceful "
+                   "stop with summary, events, plot and a checkpoint at the last step, no process or evaluator "
+                   "directory left (tests/faults/test_signals.py)",
+                   dict(steps=4, **_IN_ORDER), (_NO_SHUFFLE, "--scheduler.mu", "3")),
+    "stop_edges": Run("2 ranks, μ 3, a checkpoint every step, a sleeper in flight: SIGTERM inside a checkpoint write "
+                      "keeps the step's row and journal and the resume trains nothing twice; (slow) a full disk, 20 "
+                      "seeded SIGTERMs (tests/faults/test_stop_edges.py)", dict(_IN_ORDER),
+                      (_NO_SHUFFLE, "--executions.runner.sandbox", "none", "--scheduler.mu", "3",
+                       "--train.checkpoint-every", "1")),
+    "gray": Run("2 ranks, 4 steps, N 4: an engine rank frozen mid-run loses its calls within the progress timeout and "
+                "is named, the run goes on (tests/faults/test_gray.py)",
+                dict(steps=4, n=4, timeout_s=120, sandbox=None), (_NO_SHUFFLE,)),
+    "harness_procs": Run("2 ranks, 3 steps, unsandboxed harnesses that leave daemons and flood their logs: the daemons "
+                         "die with their execution, logs are capped, a SIGKILLed torchrun takes everything "
+                         "(tests/faults/test_harness_procs.py)",
+                         dict(steps=3, **_IN_ORDER), (_NO_SHUFFLE, "--executions.runner.sandbox", "none")),
+    "restart": Run("2 ranks, torchrun --max-restarts 1, a checkpoint every step: a rank SIGKILLed mid-run is restarted "
+                   "and the run finishes its steps (the satellite; the core in the slow tier) (tests/faults/test_restart.py)",
+                   dict(torchrun=("--max-restarts", "1")), ("--train.checkpoint-every", "1")),
+    "accounting": Run("2 ranks, 2 steps, unsandboxed: a harness SIGKILLed from outside is evaluated and counted, a TITO "
+                      "write failure stops the run naming it (tests/faults/test_accounting.py)",
+                      dict(steps=2, **_IN_ORDER), (_NO_SHUFFLE, "--executions.runner.sandbox", "none")),
+    "evaluator_escape": Run("2 ranks, 2 steps, harnesses that steer their evaluator: those executions are excluded and "
+                            "nothing is written where they point (tests/faults/test_evaluator_escape.py)",
+                            dict(steps=2, **_IN_ORDER), (_NO_SHUFFLE, "--executions.health.window", "4")),
+    "run_lock": Run("(slow) 2 ranks: two resumes of one run directory at once: the second is refused by the run lock "
+                    "(tests/faults/test_run_lock.py)", dict(_IN_ORDER), (_NO_SHUFFLE,)),
+    # -- examples, real families, clusters
+    "own_agent_example": Run("2 ranks, 2 steps, docs/train-your-own-agent.md's example harness and evaluator: the "
+                             "documented command trains (tests/executions/test_own_agent_example.py)",
+                             dict(steps=2, max_tokens=1024, sandbox=None)),
+    "claude_code_example": Run("(slow) examples/claude_code/README.md's CPU command as written, through the stand-in "
+                               "claude: two steps (tests/executions/test_claude_code_example.py)"),
+    "mini_swe_agent_example": Run("(slow) examples/mini_swe_agent's README command on 2 ranks, 2 steps: mini-swe-agent "
+                                  "calls the model, every execution scored (tests/executions/test_mini_swe_agent_example.py)"),
+    "arch_run": Run("(slow) 2 ranks on a Qwen3 / Qwen3-MoE checkpoint: the core trains the checkpoint's own class, the "
+                    "saved checkpoint reloads in transformers as it (tests/backends/models/test_arch_run.py)",
+                    dict(nproc=2), ("--job", "train", "--seed", "1", "--executions.runner.timeout-s", "300",
+                                    "--scheduler.n-per-group", "2", "--scheduler.batch-groups", "2",
+                                    "--scheduler.tick-s", "0.1", "--train.steps", "2", "--train.max-tokens", "1400",
+                                    "--engine.max-batch", "4"), bare=True),
+    "cross_node": Run("(slow) two nodes (network namespaces), one rank each: weights and KV cross the node boundary "
+                      "(tests/cluster/test_cross_node_transfer.py)",
+                      dict(nproc=1, standalone=False),
+                      ("--job", "train", "--model.preset", "tiny", "--seed", "1", "--executions.runner.timeout-s", "120",
+                       "--executions.runner.sandbox", "none", _NO_SHUFFLE, "--scheduler.mode", "gyre",
+                       "--scheduler.n-per-group", "2", "--scheduler.batch-groups", "2", "--scheduler.mu", "1",
+                       "--scheduler.phi", "1", "--scheduler.tick-s", "0.1", "--train.max-tokens", "512",
+                       "--train.drain-at-end-s", "5", "--engine.min-decode-step-s", "0.04", "--proxy.migration", "always"),
+                      bare=True),
+    "sbatch": Run("(slow) the tiny job's gyre.run arguments after `sbatch launch.sh` on a two-node Slurm cluster "
+                  "(tests/cluster/test_sbatch.py; launch.sh starts torchrun)", dict()),
 }
 
 
@@ -144,9 +279,9 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
-def gyre(cwd: Path, tasks: Path, *extra: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(command(tasks, *extra, **kw), cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env=env())
+def run_to_end(cmd: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """A job built by `RUNS[...].command`, run to its end with its output captured."""
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env())
 
 
 def log_of(proc: subprocess.CompletedProcess) -> str:

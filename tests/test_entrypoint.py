@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gyre.config import GyreConfig, parse_config
-from tests.jobs import env, launcher
+from tests.jobs import RUNS, env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def test_help_is_one_screen_of_sections_and_the_common_flags_with_the_presets_va
 def test_a_typo_under_torchrun_is_said_once_and_named_in_torchruns_report(tmp_path):
     """Every rank parses the command line; only rank 0 prints tyro's message, and torchrun's
     failure report names it instead of "To enable traceback see ..."."""
-    r = subprocess.run([*launcher(2), "--preset", "cpu-demo-smoke", "--train.stepz", "3"], capture_output=True,
+    r = subprocess.run(RUNS["typo"].command(None, None), capture_output=True,
                        text=True, cwd=tmp_path, timeout=180, env=env())
     out = r.stdout + r.stderr
     assert r.returncode != 0
@@ -111,7 +111,7 @@ def test_a_flag_that_moved_to_its_owners_section_names_where_it_went():
 @pytest.mark.multirank
 def test_torchrun_smoke_run_exits_zero():
     r = subprocess.run(
-        [*launcher(4), "--preset", "smoke", "--parallel.cell-size", "2", "--parallel.tp", "2"],
+        RUNS["topology"].command(None, None),
         capture_output=True, text=True, cwd=ROOT, timeout=180, env=env(),
     )
     assert r.returncode == 0, r.stderr[-3000:]

@@ -275,3 +275,145 @@ def test_the_whole_config_rule_catches_a_planted_use(planted):
     sources = _sources()
     sources["gyre.backends.factory"] += "\n" + planted
     assert whole_config_users(sources) - WHOLE_CONFIG == {"gyre.backends.factory"}
+
+# ----------------------------------------------------------------------------- tests shaped like the package
+# A module's tests are at tests/<its path>/test_<module>.py, or the module is named here with the
+# test file(s) that cover it: a module tested only through its callers, or by a file about a
+# property rather than a module (tests/faults/, tests/security/, tests/contracts/). Keys are paths
+# under gyre/; values name test files (each must exist). A new module gets its test at the path.
+TESTED_THROUGH = {
+    "backends/actors/accounting.py": "tests/backends/actors/test_actor_memory.py",
+    "backends/actors/memory.py": "tests/runtime/test_handover.py, tests/backends/actors/test_cpu_actor.py",
+    "backends/config.py": "tests/backends/test_build_config_view.py, tests/backends/engines/test_pacing.py",
+    "backends/engines/engine_host.py": "tests/runtime/test_engine_sigquit.py, tests/security/test_engine_auth.py",
+    "backends/engines/engine_mux.py": "tests/backends/engines/test_engine_http.py",
+    "backends/factory.py": "tests/backends/models/test_arch_registry.py, tests/contracts/test_actor_contract.py",
+    "backends/memplan/advice.py": "tests/test_memplan.py",
+    "backends/models/arch/base.py": "tests/backends/models/test_arch_registry.py",
+    "backends/models/arch/checkpointing.py": "tests/backends/actors/test_actor_memory.py",
+    "backends/models/arch/llama.py": "tests/backends/engines/test_decoder.py",
+    "backends/models/arch/qwen2.py": "tests/backends/engines/test_decoder.py",
+    "backends/models/arch/qwen3.py": "tests/backends/engines/test_decoder.py",
+    "backends/models/arch/qwen3_moe.py": "tests/backends/engines/test_decoder.py",
+    "backends/models/sizes.py": "tests/test_memplan.py",
+    "backends/protocols.py": "tests/contracts/test_engine_contract.py, tests/contracts/test_actor_contract.py",
+    "backends/transfer/migration_policy.py": "tests/backends/transfer/test_migration.py",
+    "backends/transfer/readback.py": "tests/backends/transfer/test_buckets.py",
+    "backends/transfer/weights.py": "tests/contracts/test_transport_contract.py, tests/runtime/test_board_retention.py",
+    "backoff.py": "tests/runtime/test_control_poll.py",
+    "config.py": "tests/test_config_checks.py, tests/test_entrypoint.py",
+    "doctor/chat.py": "tests/test_doctor.py",
+    "doctor/cluster.py": "tests/test_doctor.py",
+    "doctor/node.py": "tests/test_doctor.py",
+    "doctor/table.py": "tests/test_doctor.py",
+    "doctor/versions.py": "tests/test_doctor.py",
+    "errors.py": "tests/runtime/test_engine_sigquit.py, tests/runtime/test_stop.py",
+    "executions/config.py": "tests/test_config_checks.py, tests/executions/test_runner.py",
+    "executions/eval_sandbox.py": "tests/executions/test_evaluator_sandbox.py",
+    "executions/logcap.py": "tests/executions/test_runner_procs.py",
+    "executions/procs.py": "tests/executions/test_runner_procs.py",
+    "executions/remote.py": "tests/executions/test_runner.py, tests/security/test_sandbox.py",
+    "executions/sandbox.py": "tests/security/test_sandbox.py, tests/executions/test_evaluator_sandbox.py",
+    "help.py": "tests/test_entrypoint.py",
+    "logging_utils.py": "tests/faults/test_config_job.py",
+    "loss/_ext.py": "tests/loss/test_extension.py",
+    "loss/config.py": "tests/loss/test_asymmetric_eps.py, tests/test_config_checks.py",
+    "loss/gspo.py": "tests/loss/test_reference.py, tests/loss/test_invariants.py, tests/loss/test_asymmetric_eps.py",
+    "loss/logprobs.py": "tests/loss/test_reference.py",
+    "loss/prepass.py": "tests/loss/test_invariants.py",
+    "proxy/anthropic_api.py": "tests/proxy/test_formats_sdk.py, tests/proxy/test_sdk.py",
+    "proxy/bodies.py": "tests/proxy/test_stalls.py",
+    "proxy/config.py": "tests/proxy/test_roles.py, tests/test_config_checks.py",
+    "proxy/core.py": "tests/proxy/test_sdk.py, tests/proxy/test_formats_render.py, tests/proxy/test_disconnect_poll.py",
+    "proxy/formats/base.py": "tests/proxy/test_formats_render.py, tests/proxy/test_formats_parsers.py",
+    "proxy/formats/chatml.py": "tests/proxy/test_formats_parsers.py, tests/proxy/test_formats_sdk.py",
+    "proxy/formats/choice.py": "tests/proxy/test_tool_format.py",
+    "proxy/formats/hermes_prompt.py": "tests/proxy/test_formats_render.py, tests/proxy/test_formats_parsers.py",
+    "proxy/formats/llama31.py": "tests/proxy/test_formats_render.py, tests/proxy/test_formats_parsers.py",
+    "proxy/formats/qwen25.py": "tests/proxy/test_formats_render.py, tests/proxy/test_formats_parsers.py",
+    "proxy/formats/qwen3.py": "tests/proxy/test_formats_render.py, tests/proxy/test_formats_parsers.py",
+    "proxy/formats/qwen35.py": "tests/proxy/test_formats_render.py, tests/proxy/test_formats_parsers.py",
+    "proxy/formats/qwen3_coder.py": "tests/proxy/test_formats_render.py, tests/proxy/test_formats_parsers.py",
+    "proxy/keys.py": "tests/proxy/test_closed_state.py, tests/proxy/test_roles.py",
+    "proxy/limits.py": "tests/proxy/test_errors.py, tests/proxy/test_claude_code_context.py",
+    "proxy/openai_api.py": "tests/proxy/test_formats_sdk.py, tests/proxy/test_sdk.py",
+    "proxy/responses_api.py": "tests/proxy/test_responses.py, tests/proxy/test_responses_state.py",
+    "proxy/responses_store.py": "tests/proxy/test_responses_state.py",
+    "proxy/server.py": "tests/proxy/test_stalls.py, tests/proxy/test_sdk.py",
+    "proxy/tool_ids.py": "tests/proxy/test_twins.py",
+    "proxy/validate.py": "tests/proxy/test_errors.py, tests/proxy/test_media.py",
+    "run.py": "tests/backends/test_devices.py, tests/test_entrypoint.py",
+    "runtime/controller.py": "tests/runtime/test_controller_reduce.py, tests/runtime/test_controller_shutdown.py",
+    "runtime/job.py": "tests/runtime/test_memory_order.py, tests/runtime/test_train_e2e.py",
+    "runtime/outputs.py": "tests/runtime/test_metrics.py, tests/runtime/test_tracking.py",
+    "runtime/peers.py": "tests/runtime/test_rundir.py",
+    "runtime/proxy_access.py": "tests/executions/test_with_proxy.py",
+    "runtime/runlock.py": "tests/runtime/test_rundir.py, tests/faults/test_run_lock.py",
+    "runtime/worker.py": "tests/runtime/test_handover.py, tests/runtime/test_load_queue.py",
+    "runtime/writes.py": "tests/runtime/test_stop.py",
+    "scheduler/config.py": "tests/scheduler/test_core.py, tests/sim/test_calibrate.py",
+    "serving.py": "tests/security/test_engine_auth.py, tests/backends/transfer/test_transfer_host.py",
+    "sim/config.py": "tests/sim/test_properties.py, tests/sim/test_theory.py",
+    "sim/engine.py": "tests/sim/test_properties.py, tests/sim/test_theory.py, tests/sim/test_timeout.py",
+    "sim/profile.py": "tests/sim/test_calibrate.py, tests/sim/test_timeout.py",
+    "sim/report.py": "tests/sim/test_calibrate.py",
+    "sim/variants.py": "tests/sim/test_table1.py",
+    "slurm.py": "tests/test_launch.py",
+    "trajectory/advantages.py": "tests/trajectory/test_advantages_packing_materialize.py",
+    "trajectory/materialize.py": "tests/trajectory/test_advantages_packing_materialize.py",
+    "trajectory/microstep.py": "tests/loss/test_reference.py, tests/trajectory/test_loss_integration.py",
+    "trajectory/packing.py": "tests/trajectory/test_advantages_packing_materialize.py, tests/trajectory/test_properties.py",
+    "trajectory/record.py": "tests/trajectory/test_tree_selection.py, tests/trajectory/test_store.py",
+    "trajectory/selection.py": "tests/trajectory/test_tree_selection.py, tests/trajectory/test_properties.py",
+    "trajectory/tree.py": "tests/trajectory/test_tree_selection.py, tests/trajectory/test_properties.py",
+}
+
+
+def untested(gyre: Path, tests: Path, through: dict[str, str]) -> list[str]:
+    """What breaks the test-path rule: a module with neither tests/<path>/test_<module>.py nor an
+    entry; an entry naming no test file or one that does not exist; an entry for a module that is
+    gone or already has its test at the path. Pure (reads the two trees)."""
+    out = []
+    modules = sorted(p.relative_to(gyre).as_posix() for p in gyre.rglob("*.py")
+                     if p.name not in ("__init__.py", "__main__.py"))
+    for m in modules:
+        at_path = (tests / m).parent / f"test_{Path(m).name}"
+        if at_path.exists() and m in through:
+            out.append(f"gyre/{m}: has {at_path.relative_to(tests.parent)}, drop its TESTED_THROUGH entry")
+        elif not at_path.exists() and m not in through:
+            out.append(f"gyre/{m}: no {at_path.relative_to(tests.parent)} and no TESTED_THROUGH entry")
+    for m, files in sorted(through.items()):
+        if m not in modules:
+            out.append(f"TESTED_THROUGH[{m!r}]: no such module gyre/{m}")
+        named = [f.strip() for f in files.split(",")]
+        missing = [f for f in named if not f.startswith("tests/") or not (tests.parent / f).is_file()]
+        if missing or not named:
+            out.append(f"TESTED_THROUGH[{m!r}]: no such test file {missing}")
+    return out
+
+
+def test_every_module_has_its_test_at_its_path_or_names_where_it_is_tested():
+    assert untested(GYRE, GYRE.parent / "tests", TESTED_THROUGH) == []
+
+
+@pytest.mark.parametrize("planted", ["module without a test", "stale file", "gone module", "both"])
+def test_the_test_path_rule_catches_a_planted_violation(planted, tmp_path):
+    gyre, tests = tmp_path / "gyre", tmp_path / "tests"
+    for p in ("gyre/a/b.py", "gyre/a/__init__.py", "gyre/__main__.py", "gyre/c.py", "tests/a/test_b.py",
+              "tests/test_x.py"):
+        (tmp_path / p).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / p).write_text("")
+    through = {"c.py": "tests/test_x.py"}
+    assert untested(gyre, tests, through) == []
+    if planted == "module without a test":
+        (gyre / "a" / "new.py").write_text("")
+        assert untested(gyre, tests, through) == ["gyre/a/new.py: no tests/a/test_new.py and no TESTED_THROUGH entry"]
+    elif planted == "stale file":
+        (tests / "test_x.py").unlink()
+        assert untested(gyre, tests, through) == ["TESTED_THROUGH['c.py']: no such test file ['tests/test_x.py']"]
+    elif planted == "gone module":
+        (gyre / "c.py").unlink()
+        assert untested(gyre, tests, through) == ["TESTED_THROUGH['c.py']: no such module gyre/c.py"]
+    else:
+        (tests / "test_c.py").write_text("")
+        assert untested(gyre, tests, through) == ["gyre/c.py: has tests/test_c.py, drop its TESTED_THROUGH entry"]

@@ -9,9 +9,24 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.conftest import overlapping
+from tests.conftest import launch_refusal, overlapping
+from tests.jobs import RUNS, launcher
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_launch_is_refused_unless_marked_and_built_from_runs():
+    """tests/conftest.py's Popen guard, on command lines (nothing is started)."""
+    built = RUNS["typo"].command(None, None)
+    assert launch_refusal("t", True, built) is None
+    assert launch_refusal("t", True, ["ip", "netns", "exec", "n0", *built]) is None  # a wrapper only prefixes it
+    assert "without @pytest.mark.jobs" in launch_refusal("t", False, built)
+    by_hand = [*launcher(2), "--preset", "cpu-demo-smoke", "--train.steps", "3"]  # no RUNS entry built it
+    assert "RUNS did not build" in launch_refusal("t", True, by_hand)
+    changed = list(built)
+    changed[-1] = "4"  # built, then edited
+    assert "RUNS did not build" in launch_refusal("t", True, changed)
+    assert launch_refusal("t", False, ["python", "-m", "gyre.run", "--help"]) is None  # not torchrun: not a job
 
 
 def _rec(i, event, t):

@@ -120,7 +120,7 @@ def test_ranks_per_node_come_from_the_gpus_slurm_gave(tmp_path):
 
 
 def test_a_requeued_job_writes_to_the_same_run_dir_and_restarts_are_passed_to_torchrun(tmp_path):
-    # (gyre.run sees SLURM_RESTART_COUNT and resumes: tests/test_rundir.py)
+    # (gyre.run sees SLURM_RESTART_COUNT and resumes: tests/runtime/test_rundir.py)
     for i, restart in enumerate(("0", "1")):
         (tmp_path / str(i)).mkdir()
         args, _, _ = _dry_run(tmp_path / str(i), "--preset", "cpu-demo", SLURM_RESTART_COUNT=restart)

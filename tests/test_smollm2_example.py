@@ -1,6 +1,6 @@
 """The smollm2 example's wiring (examples/smollm2/prepare.py, the smollm2 presets, setup.py's
 `real` extra): what is installed, where the prepare step writes, what the presets point at.
-The conversion itself: tests/backends/test_gguf.py."""
+The conversion itself: tests/backends/models/test_gguf.py."""
 
 from __future__ import annotations
 

@@ -19,7 +19,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import pytest
 
 from tests.cluster.netns import TwoNodes, problem
 from tests.distributed import netns_problem
-from tests.jobs import env, rows, tiny_task, write_task_rows
+from tests.jobs import RUNS, env, rows, tiny_task, write_task_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.multirank, pytest.mark.jobs]
 PORT = 29500  # the namespaces are fresh: nothing else can hold a port in them
@@ -44,17 +43,9 @@ def nodes():
 
 
 def _command(nodes: TwoNodes, node: int, run_dir: Path, tasks: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-        "--nproc-per-node", "1", "--master-addr", nodes.addr[0], "--master-port", str(PORT),
-        "-m", "gyre.run", "--job", "train", "--run-dir", str(run_dir), "--model.preset", "tiny", "--seed", "1",
-        "--executions.dataset.path", str(tasks), "--executions.runner.timeout-s", "120",
-        "--executions.runner.sandbox", "none", "--executions.dataset.no-shuffle",
-        "--scheduler.mode", "gyre", "--scheduler.n-per-group", "2", "--scheduler.batch-groups", "2",
-        "--scheduler.mu", "1", "--scheduler.phi", "1", "--scheduler.tick-s", "0.1",
-        "--train.steps", str(STEPS), "--train.max-tokens", "512", "--train.drain-at-end-s", "5",
-        # Paced decoding keeps calls running when a cell switches to train, so they are rerouted.
-        "--engine.min-decode-step-s", "0.04", "--proxy.migration", "always", *extra]
+    # RUNS["cross_node"]: paced decoding keeps calls running when a cell switches to train, so they are rerouted.
+    rendezvous = ("--nnodes", "2", "--node-rank", str(node), "--master-addr", nodes.addr[0], "--master-port", str(PORT))
+    return RUNS["cross_node"].command(tasks, run_dir, "--train.steps", str(STEPS), *extra, torchrun=rendezvous)
 
 
 def _run(nodes: TwoNodes, tmp_path: Path, *extra: str, timeout: float = 150) -> tuple[list[int], str, Path]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import AWK_EVALUATOR, command, rows, write_tasks
+from tests.jobs import AWK_EVALUATOR, RUNS, rows, write_tasks
 
 pytestmark = [pytest.mark.slow, pytest.mark.jobs]
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def gyre_args(tasks: Path, *extra: str, steps: int = 2) -> list[str]:
     """The tiny job's gyre.run arguments (what follows `launch.sh` on the sbatch line)."""
-    argv = command(tasks, *extra, steps=steps)
+    argv = RUNS["sbatch"].command(tasks, None, *extra, steps=steps)
     return argv[argv.index("gyre.run") + 1:]
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from gyre.backends import factory
-from tests.backends.test_transfer import same_bits, snapshot
+from tests.backends.transfer.test_snapshots import same_bits, snapshot
 from tests.distributed import netns_problem, run_ranks, run_ranks_in_netns
 
 pytestmark = pytest.mark.multirank

@@ -19,6 +19,7 @@ import pytest
 
 from examples.claude_code.task import evaluate, make_tasks
 from tests.executions.helpers import assert_trained
+from tests.jobs import RUNS
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "claude_code"
@@ -58,7 +59,8 @@ def test_the_readme_cpu_smoke_command_trains_two_steps_through_the_stand_in(tmp_
     subprocess.run([sys.executable, *make[1:]], cwd=tmp_path, env=env, check=True, capture_output=True)
 
     # Exactly as documented, from a fresh directory.
-    cmd = [sys.executable, "-m", "torch.distributed.run", *[a.replace("$PWD", str(ROOT)) for a in train[1:]]]
+    cmd = RUNS["claude_code_example"].documented(
+        [sys.executable, "-m", "torch.distributed.run", *[a.replace("$PWD", str(ROOT)) for a in train[1:]]])
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
 

@@ -17,6 +17,7 @@ import pytest
 
 from examples.mini_swe_agent.task import evaluate, make_tasks
 from tests.executions.helpers import assert_trained
+from tests.jobs import RUNS
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "examples" / "mini_swe_agent" / "README.md"
@@ -79,7 +80,8 @@ def test_the_readme_command_trains_two_steps_through_mini_swe_agent(tmp_path):
     # As documented, from a fresh directory: 2 ranks and 2 steps instead of 4 and 6.
     train = [a.replace("$PWD", str(ROOT)) for a in train]
     train = with_flag(with_flag(train, "--nproc-per-node", "2"), "--train.steps", "2")
-    cmd = [sys.executable, "-m", "torch.distributed.run", *train[1:], "--train.drain-at-end-s", "5"]
+    cmd = RUNS["mini_swe_agent_example"].documented(
+        [sys.executable, "-m", "torch.distributed.run", *train[1:], "--train.drain-at-end-s", "5"])
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
 

@@ -13,7 +13,7 @@ import pytest
 
 from examples.own_agent.evaluate import evaluate, score
 from tests.executions.helpers import assert_trained
-from tests.jobs import command
+from tests.jobs import RUNS
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "own_agent"
@@ -64,8 +64,8 @@ def test_the_documented_command_trains_two_steps_on_the_example(tmp_path):
     run = tmp_path / "runs" / "own-agent" / "run1"
     # The command of docs/train-your-own-agent.md, with 2 ranks, 2 steps and small groups (the
     # builder's: N 2, B 1, μ 1, φ 0, a 5 s drain).
-    cmd = command(tasks, "--executions.runner.harness-command", "{python}", str(EXAMPLE / "harness.py"),
-                  steps=2, nproc=2, max_tokens=1024, run_dir=run, sandbox=None)
+    cmd = RUNS["own_agent_example"].command(tasks, run, "--executions.runner.harness-command", "{python}",
+                                            str(EXAMPLE / "harness.py"))
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import FAULTS, SLEEPER, command_in, reap, start, wait_for, write_task_rows
+from tests.jobs import FAULTS, RUNS, SLEEPER, reap, start, wait_for, write_task_rows
 
 pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
 
@@ -49,7 +49,7 @@ def test_an_external_kill_is_evaluated_and_a_tito_write_failure_stops_the_run_na
         {"harness": [sys.executable, str(FAULTS / "tito_poison_harness.py"), "1", "8"], "evaluator": {"command": ONE_LINE}},
     ])
     run = tmp_path / "run"
-    proc = start(command_in(tasks, run, "--executions.runner.sandbox", "none", steps=2), tmp_path, tmp_path / "log.txt")
+    proc = start(RUNS["accounting"].command(tasks, run), tmp_path, tmp_path / "log.txt")
     log = lambda: (tmp_path / "log.txt").read_text()[-6000:]  # noqa: E731
     killed = run / "executions" / "t0.a0.g0.0"
     try:

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from tests.jobs import gyre, log_of, rows
+from tests.jobs import RUNS, log_of, rows, run_to_end
 
 pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
 
@@ -24,7 +24,7 @@ def test_resuming_twice_from_one_checkpoint_trains_on_real_rewards_and_keeps_one
     tasks, run = finished_run.tasks, finished_run.copy_of(tmp_path / "run")
     ck = run / "checkpoints" / "step_000002"
     for _ in range(2):  # the same checkpoint, twice: the second resume also replaces steps 2 and 3's rows
-        again = gyre(tmp_path, tasks, "--run-dir", str(run), "--train.resume-from", str(ck), steps=4)
+        again = run_to_end(RUNS["resume_twice"].command(tasks, run, "--train.resume-from", str(ck)), tmp_path)
         assert again.returncode == 0, log_of(again)[-4000:]
         assert "FileExistsError" not in log_of(again)
         summary = json.loads((run / "summary.json").read_text())

@@ -25,7 +25,7 @@ from gyre.executions.evaluator import Evaluator
 from gyre.executions.runner import HarnessRunner
 from gyre.executions.tasks import EvaluatorSpec, ExecutionSpec, Task
 
-from tests.jobs import FAULTS, command_in, reap, rows, start, write_task_rows
+from tests.jobs import FAULTS, RUNS, reap, rows, start, write_task_rows
 
 STEER = FAULTS / "steer_harness.py"
 # Marks the directory it runs in with the execution it scores, and rewards `right` in answer.txt.
@@ -87,7 +87,7 @@ def test_a_real_run_excludes_steered_executions_and_writes_nothing_where_they_po
     run = tmp_path / "run"
     # Each group's steering execution is excluded by design; a health window of every execution (4)
     # keeps two such in a row (their order against their siblings' is timing) from stopping the run.
-    proc = start(command_in(tasks, run, "--executions.health.window", "4", steps=2), tmp_path, tmp_path / "log.txt")
+    proc = start(RUNS["evaluator_escape"].command(tasks, run), tmp_path, tmp_path / "log.txt")
     try:
         rc = proc.wait(300)
     finally:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import command_in, reap, start, tiny_task, wait_for, write_task_rows
+from tests.jobs import RUNS, reap, start, tiny_task, wait_for, write_task_rows
 
 pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
 
@@ -42,9 +42,8 @@ def _rank_pid(torchrun: int, rank: int) -> int | None:
 def test_a_frozen_engine_rank_loses_its_calls_in_time_and_is_named(tmp_path):
     tasks = write_task_rows(tmp_path / "tasks.jsonl", [tiny_task(8, 16)] * 4)
     run = tmp_path / "run"
-    cmd = command_in(tasks, run, "--proxy.engine-progress-timeout-s", str(PROGRESS_S),
-                  "--train.control-timeout-s", str(CONTROL_S), "--executions.runner.timeout-s", "120", steps=4)
-    cmd[cmd.index("--scheduler.n-per-group") + 1] = "4"
+    cmd = RUNS["gray"].command(tasks, run, "--proxy.engine-progress-timeout-s", str(PROGRESS_S),
+                               "--train.control-timeout-s", str(CONTROL_S))
     proc = start(cmd, tmp_path, tmp_path / "log.txt")
     log = lambda: (tmp_path / "log.txt").read_text()  # noqa: E731
     frozen = None

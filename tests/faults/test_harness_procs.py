@@ -20,7 +20,7 @@ import uuid
 
 import pytest
 
-from tests.jobs import AWK_EVALUATOR, FAULTS, SLEEPER, command_in, marked, reap, start, wait_for, write_task_rows
+from tests.jobs import AWK_EVALUATOR, FAULTS, RUNS, SLEEPER, marked, reap, start, wait_for, write_task_rows
 
 pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
 
@@ -60,8 +60,7 @@ def test_daemons_die_with_their_execution_logs_are_capped_and_a_killed_torchrun_
     sleeper = {"harness": [sys.executable, str(SLEEPER), marker], "evaluator": {"command": AWK_EVALUATOR}}
     tasks = write_task_rows(tmp_path / "tasks.jsonl", [detach, sleeper, sleeper, sleeper])
     run = tmp_path / "run"
-    cmd = command_in(tasks, run, "--executions.runner.sandbox", "none", "--executions.runner.log-cap-bytes", str(CAP),
-                     steps=3)
+    cmd = RUNS["harness_procs"].command(tasks, run, "--executions.runner.log-cap-bytes", str(CAP))
     proc = start(cmd, tmp_path, tmp_path / "log.txt")
     log = lambda: (tmp_path / "log.txt").read_text()[-6000:]  # noqa: E731
     g0 = [run / "executions" / f"t0.a0.g0.{i}" for i in range(2)]

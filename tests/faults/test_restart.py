@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.jobs import ROOT, command, env, rows, worker_pid, write_tasks
+from tests.jobs import ROOT, RUNS, env, rows, worker_pid, write_tasks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
 
@@ -31,7 +31,7 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_finishes_its_steps(tmp_p
     steps = 6
     # Three turns per execution: slow enough that executions are in flight at the kill.
     tasks = write_tasks(tmp_path / "tasks.jsonl", [sys.executable, str(ROOT / "tests/runtime/tiny_harness.py"), "3", "8"])
-    cmd = command(tasks, "--train.checkpoint-every", "1", steps=steps, torchrun=("--max-restarts", "1"))
+    cmd = RUNS["restart"].command(tasks, None, steps=steps)
     log = open(tmp_path / "torchrun.log", "w")
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()

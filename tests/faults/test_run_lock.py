@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from tests.jobs import HARNESS, command_in, env, log_of, rows, start, wait_for, write_tasks
+from tests.jobs import HARNESS, RUNS, env, log_of, rows, start, wait_for, write_tasks
 
 # Three tiny launches (a first run, two resumes): 1-2 min on a quiet 2-core machine, 4 min under
 # load; the lock's refusal on every rank and its release with the holder are checked in-process
-# in tests/test_rundir.py (default tier).
+# in tests/runtime/test_rundir.py (default tier).
 pytestmark = [pytest.mark.multirank, pytest.mark.slow, pytest.mark.jobs]
 
 
@@ -31,17 +31,17 @@ def test_a_second_concurrent_resume_is_refused_and_the_first_finishes_alone(tmp_
     tasks = write_tasks(tmp_path / "tasks.jsonl",
                         harness=["sh", "-c", f"while [ ! -e {go} ]; do sleep 0.2; done; exec {sys.executable} {HARNESS} 1 8"])
     run = tmp_path / "run"
-    first = subprocess.run(command_in(tasks, run, "--executions.runner.sandbox", "none", steps=1), cwd=tmp_path,
+    first = subprocess.run(RUNS["run_lock"].command(tasks, run, "--executions.runner.sandbox", "none", steps=1), cwd=tmp_path,
                            capture_output=True, text=True, timeout=240, env=env())
     assert first.returncode == 0, log_of(first)[-3000:]
     go.unlink()
     resume = ("--train.resume", "--executions.runner.sandbox", "none")
-    a = start(command_in(tasks, run, *resume, steps=3), tmp_path, tmp_path / "a.log")
+    a = start(RUNS["run_lock"].command(tasks, run, *resume, steps=3), tmp_path, tmp_path / "a.log")
     try:
         wait_for(lambda: len(json.loads((run / "run.json").read_text())["attempts"]) == 2, 120, a,
                  "the first resume to record its attempt")
         holder = json.loads((run / "run.lock").read_text())["pid"]
-        b = start(command_in(tasks, run, *resume, steps=3), tmp_path, tmp_path / "b.log")
+        b = start(RUNS["run_lock"].command(tasks, run, *resume, steps=3), tmp_path, tmp_path / "b.log")
         try:
             b.wait(timeout=150)
         except subprocess.TimeoutExpired:  # it would wait for `go` too: it is running beside the first

@@ -25,7 +25,7 @@ import pytest
 
 from gyre.executions import scratch
 
-from tests.jobs import (AWK_EVALUATOR, SLEEPER, command_in, marked, reap, start, tiny_task, wait_for,
+from tests.jobs import (AWK_EVALUATOR, RUNS, SLEEPER, marked, reap, start, tiny_task, wait_for,
                         write_task_rows)
 
 pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
@@ -65,8 +65,8 @@ def test_a_signal_mid_run_stops_it_gracefully_and_leaves_no_process(tmp_path, si
     dead = tmpdir / f"{scratch.PREFIX}999999-deadbeef"
     (dead / "gyre-eval-12345678").mkdir(parents=True)
     (dead / scratch.LOCK).touch()
-    cmd = command_in(tasks, run, "--executions.runner.sandbox", sandbox, "--scheduler.mu", "3",
-                  "--train.shutdown-timeout-s", str(SHUTDOWN_S), steps=4)
+    cmd = RUNS["signals"].command(tasks, run, "--executions.runner.sandbox", sandbox,
+                                  "--train.shutdown-timeout-s", str(SHUTDOWN_S))
     proc = start(cmd, tmp_path, tmp_path / "log.txt", TMPDIR=str(tmpdir))
     log = lambda: (tmp_path / "log.txt").read_text()[-6000:]  # noqa: E731
     try:

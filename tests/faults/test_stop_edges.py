@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from gyre import checkpoint
-from tests.jobs import (AWK_EVALUATOR, SLEEPER, command_in, reap, rows, start, tiny_task, wait_for,
+from tests.jobs import (AWK_EVALUATOR, RUNS, SLEEPER, reap, rows, start, tiny_task, wait_for,
                         write_task_rows)
 
 pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
@@ -44,8 +44,7 @@ def _tasks(path: Path, marker: str | None = None) -> Path:
 
 
 def _cmd(tasks: Path, run: Path, steps: int, *extra: str) -> list[str]:
-    return command_in(tasks, run, "--executions.runner.sandbox", "none", "--scheduler.mu", "3",
-                      "--train.checkpoint-every", "1", *extra, steps=steps)
+    return RUNS["stop_edges"].command(tasks, run, *extra, steps=steps)
 
 
 def _log(path: Path) -> str:

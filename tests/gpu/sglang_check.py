@@ -47,7 +47,7 @@ def _models(path: str):
 
 
 def _ref(model, prompt, events) -> torch.Tensor:
-    from tests.backends.test_cpu_engine import actor_logprobs
+    from tests.backends.engines.test_cpu_engine import actor_logprobs
 
     return actor_logprobs(model, prompt, [e.token_id for e in events])
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import launcher
+from tests.jobs import RUNS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,8 +28,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.multirank, pytest.mark.jobs]
 def test_cpu_demo_reward_rises(tmp_path):
     data = os.environ.get("GYRE_CPU_DEMO_DATA") or str(tmp_path / "data")
     run_dir = tmp_path / "run"
-    cmd = [*launcher(4), "--preset", "cpu-demo", "--run-dir", str(run_dir), "--train.prepare-dir", data,
-           "--model.checkpoint", f"{data}/warm_start", "--executions.dataset.path", f"{data}/tasks.jsonl"]
+    cmd = RUNS["cpu_demo"].command(f"{data}/tasks.jsonl", run_dir, "--train.prepare-dir", data,
+                                   "--model.checkpoint", f"{data}/warm_start")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
 

@@ -6,30 +6,25 @@
 * `--train.resume` with no --run-dir continues the latest run under runs/<preset>/ and leaves
   the others alone (one resume of two copies of the shared finished run; that each run gets its
   own directory and `latest` follows the newest is rank 0's `rundir.decide`, proven in-process in
-  tests/test_rundir.py); the same launch is the real weights-only resume (the latest run's
+  tests/runtime/test_rundir.py); the same launch is the real weights-only resume (the latest run's
   checkpoints lost their optimizer state; tests/faults/test_checkpoints.py has the rest of it);
 * an explicit --run-dir that holds a run is refused before anything is written, naming the flags
   that resume or overwrite it (in-process: rank 0's decision; the exit-2 wiring is the real job
-  in tests/faults/test_config.py);
+  in tests/faults/test_config_job.py);
 * the smoke preset prepares its data before any rank reads it.
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.jobs import env, gyre, launcher, write_tasks
+from tests.jobs import RUNS, run_to_end, write_tasks
 
 
 def _tasks(path: Path, harness: list[str]) -> Path:
     return write_tasks(path, harness)
-
-
-def _gyre(cwd: Path, tasks: Path, *extra: str, steps: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
-    return gyre(cwd, tasks, *extra, steps=steps, timeout=timeout, sandbox=None)
 
 
 @pytest.mark.multirank
@@ -37,7 +32,7 @@ def _gyre(cwd: Path, tasks: Path, *extra: str, steps: int = 2, timeout: float = 
 def test_a_harness_that_cannot_import_stops_the_run_with_the_missing_module_named(tmp_path):
     broken = [sys.executable, "-c", "import gyre_no_such_module_xyz"]
     tasks = _tasks(tmp_path / "tasks.jsonl", broken)
-    proc = _gyre(tmp_path, tasks, "--run-dir", str(tmp_path / "run"), steps=6)
+    proc = run_to_end(RUNS["harness_cannot_import"].command(tasks, tmp_path / "run"), tmp_path)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-3000:]
     # One diagnosis, from rank 0, with the module and the log it came from.
@@ -62,7 +57,7 @@ def test_resume_without_a_run_dir_continues_the_latest_run_weights_only_and_leav
         (step / "optimizer.pt").unlink()
 
     # --train.resume with no --run-dir continues the latest run, to 3 steps in all, with a fresh optimizer.
-    third = _gyre(tmp_path, finished_run.tasks, "--train.resume", "--train.resume-weights-only", steps=3)
+    third = run_to_end(RUNS["resume_latest"].command(finished_run.tasks, None), tmp_path)
     assert third.returncode == 0, (third.stdout + third.stderr)[-5000:]
     assert "optimizer.pt (optimizer state) is missing; --train.resume-weights-only" in third.stdout + third.stderr
     assert sorted(p.name for p in root.iterdir()) == ["20261201-100000", "20261201-100500", "latest"]  # no new run
@@ -102,11 +97,9 @@ def test_the_smoke_preset_prepares_its_data_before_any_rank_reads_the_prepared_m
     its warm start goes, in seconds): the ordering is the job's, whatever the hook writes, and the
     preset's own hook trains a warm start for a minute or more (CI's newcomer stage runs it)."""
     data, run_dir = tmp_path / "data", tmp_path / "run"
-    cmd = [*launcher(2), "--preset", "cpu-demo-smoke", "--run-dir", str(run_dir), "--train.prepare-dir", str(data),
-           "--train.prepare", "tests.runtime.quick_prepare:prepare",
-           "--model.checkpoint", f"{data}/warm_start", "--executions.dataset.path", f"{data}/tasks.jsonl",
-           "--train.steps", "1"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=600)
+    cmd = RUNS["smoke_prepare"].command(f"{data}/tasks.jsonl", run_dir, "--train.prepare-dir", str(data),
+                                        "--model.checkpoint", f"{data}/warm_start")
+    proc = run_to_end(cmd, tmp_path, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert (data / "warm_start" / "config.json").exists()
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -21,15 +21,16 @@ from pathlib import Path
 import pytest
 
 from tests import realmodels
-from tests.jobs import ROOT, env, launcher
+from tests.jobs import ROOT, RUNS, env
 
 pytestmark = [pytest.mark.multirank, pytest.mark.jobs]  # about 60 s on 2 loaded cores
 
 # The wiring (a checkpoint directory's tokenizer, eos ids and vocabulary through a whole job) is
 # the same for every family; what differs (chat format, stop tokens) is proven in-process in
-# tests/proxy (test_formats_*, test_tokenizer). In the default tier: Llama 3.1, whose turns end on
-# any of three control tokens, and plain ChatML; the Qwen families in the slow tier.
-FAMILIES = [pytest.param("qwen2.5", marks=pytest.mark.slow), pytest.param("qwen3", marks=pytest.mark.slow), "llama3.1", "chatml"]
+# tests/proxy (test_formats_*) and tests/backends/models (test_tokenizer, test_vocab: the stop ids a
+# checkpoint declares, a list such as Llama 3.1's three control tokens included). In the default
+# tier one launch, plain ChatML (the real model's kind); the other families in the slow tier.
+FAMILIES = [pytest.param(f, marks=pytest.mark.slow) for f in ("qwen2.5", "qwen3", "llama3.1")] + ["chatml"]
 # chatml (SmolLM2's kind: plain ChatML, a default system prompt, no tool rendering) starts from the
 # template alone (no --proxy.chat-format); the demo harness sends tools, which such a template
 # cannot render: declared the Hermes way (without the flag every call would be a 400 naming tools).
@@ -60,9 +61,8 @@ def test_a_local_checkpoint_directory_trains_with_its_own_tokenizer(tmp_path, fa
     ckpt = realmodels.write_checkpoint(tmp_path / "ckpt", family, pad_vocab=32, template=_template(family))
     tok = AutoTokenizer.from_pretrained(str(ckpt))
     data, run_dir = tmp_path / "data", tmp_path / "run"
-    cmd = [*launcher(2), "--preset", "cpu-demo-smoke", "--model.checkpoint", str(ckpt), "--run-dir", str(run_dir),
-           "--train.prepare-dir", str(data), "--executions.dataset.path", str(_tasks(tmp_path / "tasks.jsonl")),
-           "--train.steps", "1", *FLAGS.get(family, [])]
+    cmd = RUNS["real_checkpoint"].command(_tasks(tmp_path / "tasks.jsonl"), run_dir, "--model.checkpoint", str(ckpt),
+                                          "--train.prepare-dir", str(data), *FLAGS.get(family, []))
     proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]

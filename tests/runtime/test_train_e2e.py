@@ -8,10 +8,11 @@ One short run (module fixture), several properties checked on what it leaves beh
   * metrics.jsonl, summary.json and the role timeline PNG are well formed;
   * the default weight transport (torch) moved no parameter byte through torchrun's store;
   * `--train.resume` on a smaller world continues the versions, steps and metrics of the run
-    (a resume already at --train.steps is refused in-process: tests/test_rundir.py).
+    (a resume already at --train.steps is refused in-process: tests/runtime/test_rundir.py).
 The Colocate and Async baselines run in the same code (their own short runs, tests/jobs.py
 RUNS["baselines"]: 3 ranks, 2 steps): every cell or the fixed split trains, and
-calls wait through the switches instead of failing.
+calls wait through the switches instead of failing. Async's run moves its weights over the store
+transport, whose counts are checked there (tests/runtime/test_transports_job.py `check_stats`).
 """
 
 import json
@@ -137,9 +138,14 @@ def test_baselines_run_in_the_same_code(tmp_path, mode):
     ranks: in Colocate every cell trains every step and calls wait out the switches (no engine is
     left to reroute to); in Async cells 0, 1 train every step and cell 2 never does. Either way
     nothing is aborted and every step trains B groups. (The run above's long-tailed executions,
-    without its decode floor, which is there to make reroutes, which a baseline never makes.)"""
+    without its decode floor, which is there to make reroutes, which a baseline never makes.)
+    Async's run is also the store transport's job: cells 0 and 1 share every step, so the new
+    parameters are broadcast to cell 1 and cell 2 reads published versions through the store."""
+    from tests.runtime.test_transports_job import check_stats
+
     run_dir = tmp_path / "run"
-    cmd = RUNS["baselines"].command(_write_tasks(tmp_path / "tasks.jsonl"), run_dir, "--scheduler.mode", mode)
+    transport = ("--transfer.transport", "store") if mode == "async" else ()
+    cmd = RUNS["baselines"].command(_write_tasks(tmp_path / "tasks.jsonl"), run_dir, "--scheduler.mode", mode, *transport)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env())
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -154,3 +160,7 @@ def test_baselines_run_in_the_same_code(tmp_path, mode):
     # E[d] = φ only on average; what must hold is that each step trains B groups, none from a
     # version newer than the policy it updates.
     assert all(r["groups"] == 2 and len(r["staleness"]) == 2 and min(r["staleness"]) >= 0 for r in rows), rows
+    if transport:
+        stats = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in (run_dir / "transport").glob("rank_*.json")}
+        assert sorted(stats) == [0, 1, 2], stats
+        check_stats(stats, "store")

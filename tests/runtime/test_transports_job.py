@@ -6,8 +6,9 @@ job writes (run_dir/transport/rank_<r>.json):
   * satellites read snapshots one-sidedly (their engines' first weights, the published version),
     and a broadcast over a prefix group happened;
   * torch and mooncake: not one parameter byte went through torchrun's store.
-The torch transport (the default) is checked on tests/runtime/test_train_e2e.py's run instead of
-a job of its own.
+The torch transport (the default) is checked on tests/runtime/test_train_e2e.py's run, and the
+store transport on that file's Async baseline (the same shape of run: Async, cells 0 and 1
+training), instead of jobs of their own.
 Mooncake runs inside a private network namespace (it listens on every interface) or is skipped.
 Also: `python -m gyre.run --help-all` documents the transfer options and their choices.
 """
@@ -72,14 +73,6 @@ def check_stats(stats: dict, transport: str, steps: int = STEPS) -> None:
     if transport != "store":
         for rank, s in stats.items():
             assert s["bytes_by_path"]["store"] == 0, (rank, s)  # no parameter byte through the store
-
-
-@pytest.mark.jobs
-@pytest.mark.multirank
-def test_a_tiny_job_over_the_store(tmp_path):
-    """The store transport (parameters through torchrun's store). The default, torch, is checked
-    on the 4-rank run of tests/runtime/test_train_e2e.py (no job of its own)."""
-    check_stats(_run(tmp_path, "store"), "store")
 
 
 @pytest.mark.jobs

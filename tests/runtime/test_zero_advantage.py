@@ -173,11 +173,11 @@ def test_a_job_whose_rewards_are_all_equal_trains_no_token(tmp_path):
     a step on zero gradients still counts its `step`, and the optimizer state stays empty)."""
     from safetensors.torch import load_file
 
-    from tests.jobs import command, env, log_of, tiny_task, write_task_rows
+    from tests.jobs import RUNS, env, log_of, tiny_task, write_task_rows
 
     tasks = write_task_rows(tmp_path / "tasks.jsonl", [{**tiny_task(), "evaluator": {"command": ["echo", "1"]}}] * 4)
     run = tmp_path / "run"
-    proc = subprocess.run(command(tasks, run_dir=run, steps=2, groups=2, seed=0), cwd=tmp_path,
+    proc = subprocess.run(RUNS["zero_advantage"].command(tasks, run), cwd=tmp_path,
                           capture_output=True, text=True, timeout=300, env=env())
     assert proc.returncode == 0, log_of(proc)[-4000:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]

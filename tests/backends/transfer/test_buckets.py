@@ -341,7 +341,7 @@ def test_read_back_passes_without_a_slip_and_qwen_classes_are_unreadable_in_sgla
 ENGINE_SIDE = r"""
 import asyncio, json, sys, torch
 from tests.backends import sglang_fake as f
-from tests.backends.test_weight_buckets import _sglang
+from tests.backends.transfer.test_buckets import _sglang
 
 path, port, spec, out = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
 names, dtypes, shapes = spec
@@ -381,7 +381,7 @@ def test_broadcast_from_the_core_arrives_in_buckets_one_version(tmp_path):
 
     from gyre.backends.engines.weight_group import WeightBroadcaster
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     path = _ckpt(tmp_path, "qwen3", 6)
     params = _sent(_model("qwen3", 6, 1))
     core = WeightBroadcaster("127.0.0.1", 0, 2, backend="gloo", timeout_s=120)

@@ -185,7 +185,7 @@ def test_added_tokens_go_through_the_decoder_as_tokenizers_does():
 def test_a_qwen_sized_vocabulary_of_151665_ids():
     """Real Qwen2.5's size (151,643 byte-level BPE tokens + 22 control tokens = 151,665 ids; its
     embedding has 151,936 rows): a synthetic vocabulary of random byte-level pieces at that size
-    (no hub here; tests/proxy/test_vocab_tekken.py has a real 131k one). The table is built in
+    (no hub here; tests/backends/models/test_vocab_tekken.py has a real 131k one). The table is built in
     well under a second (0.16 s measured) and agrees with the tokenizer's decode."""
     import random
     import time

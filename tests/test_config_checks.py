@@ -1,19 +1,19 @@
-"""A config that cannot work is refused on every rank before any work starts: one message naming
-the flag, and nothing left behind (no run directory, no prepared data, no engine, proxy or
-harness started).
+"""A config that cannot work is refused on every rank before any work starts (gyre/config_checks.py,
+in-process): one message naming the flag, and nothing left behind (no run directory, no prepared
+data, no engine, proxy or harness started).
 
 The messages come from `check_train_config`, which every rank runs before the run directory is
-decided: each bad value is proven in-process (milliseconds). The wiring is proven once, by a real
-job (torchrun, 2 ranks; the last test): a refusal exits 2, said once by rank 0, nothing started.
+decided: each bad value is proven here (milliseconds). The wiring is proven once, by a real job
+(torchrun, 2 ranks; tests/faults/test_config_job.py): a refusal exits 2, said once by rank 0,
+nothing started.
 
 Before, these surfaced only after preparation, engine start and proxy bind, and left a
 step_000000 checkpoint behind in a run directory of their own.
 """
 
-
 import pytest
 
-from tests.jobs import gyre, log_of, write_tasks
+from tests.jobs import write_tasks
 
 
 def _bad_tasks(tmp_path):
@@ -42,7 +42,7 @@ CASES = {
 def test_a_bad_value_is_refused_up_front_naming_the_flag(tmp_path, monkeypatch, case):
     """In-process, what every rank runs before the run directory is decided (gyre/run.py: parse,
     then `check_train_config`); the message starts with the flag and nothing is written. Exit 2
-    and "said once by rank 0" are the wiring: the real job at the end of this file."""
+    and "said once by rank 0" are the wiring: the real job in tests/faults/test_config_job.py."""
     make, message = CASES[case]
     work = tmp_path / "cwd"
     work.mkdir()
@@ -166,36 +166,3 @@ def test_training_flags_without_job_train_are_refused_naming_it():
     for argv in (["--parallel.cell-size", "2", "--parallel.tp", "2", "--log-level", "DEBUG"], ["--job", "train", "--train.steps", "3"],
                  ["--preset", "cpu-demo", "--train.steps", "3"], ["--run-dir", "runs/slurm/5"]):
         check_job(parse_config(argv), argv)  # the topology check's own flags (launch.sh adds --run-dir), or a training job
-
-
-def _write_tasks_only(prepare_dir, seed=0, with_checkpoint=True):
-    """A --train.prepare hook that writes the tasks file and no starting checkpoint."""
-    from pathlib import Path
-
-    Path(prepare_dir).mkdir(parents=True, exist_ok=True)
-    return str(write_tasks(Path(prepare_dir) / "tasks.jsonl"))
-
-
-@pytest.mark.multirank
-@pytest.mark.jobs
-def test_a_checkpoint_the_prepare_hook_does_not_write_is_refused_before_run_json(tmp_path):
-    """The one real launch (the wiring of every refusal above: exit 2, said once by rank 0,
-    nothing started): `--model.checkpoint` under `--train.prepare-dir` is left to the hook;
-    one it does not write is refused after it ran, on every rank, before the run directory exists
-    (before: a loader's message after run.json, and the corrected command refused)."""
-    data, run = tmp_path / "data", tmp_path / "run"
-    work = tmp_path / "cwd"
-    work.mkdir()
-    proc = gyre(work, data / "tasks.jsonl", "--train.prepare", "tests.faults.test_config:_write_tasks_only",
-                "--train.prepare-dir", str(data), "--model.checkpoint", str(data / "warm_start"), "--run-dir", str(run),
-                timeout=120)
-    log = log_of(proc)
-    message = f"--model.checkpoint {data}/warm_start: no such directory (--train.prepare"
-    assert proc.returncode != 0 and "exitcode  : 2" in log, log[-3000:]
-    said = [line for line in log.splitlines() if message in line]
-    # once by rank 0, and once in torchrun's report, which names it (gyre.run's tell_torchrun)
-    assert len(said) == 2 and sum("traceback : gyre: " in line for line in said) == 1, log[-3000:]
-    for started in ("run directory:", "proxy listening", "dispatched"):
-        assert started not in log
-    assert (data / "tasks.jsonl").is_file()  # the hook ran
-    assert not run.exists() and list(work.iterdir()) == []  # no run.json: the corrected command is not refused

@@ -5,23 +5,22 @@ transformers as the same class with equal logits.
 
 The checkpoints' embeddings have exactly as many rows as the project tokenizer has ids (1024),
 so no padded id can reach the proxy whichever tokenizer the job uses (`sampleable_vocab` covers
-padded ones; tests/backends/test_arch_vocab.py)."""
+padded ones; tests/backends/engines/test_arch_vocab.py)."""
 
 from __future__ import annotations
 
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.jobs import tiny_task, write_task_rows
+from tests.jobs import RUNS, tiny_task, write_task_rows
 from tests.realmodels import write_checkpoint
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 pytestmark = [pytest.mark.multirank, pytest.mark.slow, pytest.mark.jobs]
 
 
@@ -34,11 +33,7 @@ def test_run_on_a_real_family_checkpoint(tmp_path, family, cls):
     ckpt = write_checkpoint(tmp_path / family, family, vocab_size=1024, template="qwen2.5")
     tasks = write_task_rows(tmp_path / "tasks.jsonl", [tiny_task(t, n) for t, n in [(1, 40), (2, 60)]])
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gyre.run",
-           "--job", "train", "--run-dir", str(run_dir), "--model.checkpoint", str(ckpt), "--seed", "1",
-           "--executions.dataset.path", str(tasks), "--executions.runner.timeout-s", "300",
-           "--scheduler.n-per-group", "2", "--scheduler.batch-groups", "2", "--scheduler.tick-s", "0.1",
-           "--train.steps", "2", "--train.max-tokens", "1400", "--engine.max-batch", "4"]
+    cmd = RUNS["arch_run"].command(tasks, run_dir, "--model.checkpoint", str(ckpt))
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     summary = json.loads((run_dir / "summary.json").read_text())

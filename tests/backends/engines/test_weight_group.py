@@ -28,7 +28,7 @@ import torch
 
 from gyre.backends.engines.weight_group import WeightBroadcaster
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TIMEOUT_S = 60  # the child's start (python, torch, the fake) included; a layout mismatch still fails, later
 
 # Rank 1: the engine's TP rank 0 with rank_offset=1 (weight_updater.py:122).

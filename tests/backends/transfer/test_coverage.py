@@ -20,7 +20,7 @@ from gyre.backends.protocols import EngineState, SamplingParams
 from gyre.backends.config import SglangConfig
 from gyre.backends.transfer import coverage, readback
 from tests.backends import sglang_fake
-from tests.backends.test_weight_buckets import BUCKET, _ckpt, _fake_defaults, _model, _read, _renaming, _sent  # noqa: F401
+from tests.backends.transfer.test_buckets import BUCKET, _ckpt, _fake_defaults, _model, _read, _renaming, _sent  # noqa: F401
 
 SLIP = ("post_attention_layernorm", "post_attn_layernorm")  # Gyre's side renames it in every layer
 
@@ -230,7 +230,7 @@ def test_auto_leaves_llama_to_the_read_back_and_always_checks_it(tmp_path, monke
     assert "CheckWeightsReqInput" not in asyncio.run(calls("auto"))
     assert asyncio.run(calls("always")).count("CheckWeightsReqInput") == 3
     _renaming(monkeypatch, *SLIP)
-    assert "CheckWeightsReqInput" not in asyncio.run(calls("auto"))  # the read-back's job (test_weight_buckets)
+    assert "CheckWeightsReqInput" not in asyncio.run(calls("auto"))  # the read-back's job (test_buckets)
     with pytest.raises(coverage.WeightCoverageError, match=r"model\.layers\.1\.post_attention_layernorm\.weight"):
         asyncio.run(calls("always"))
 

@@ -153,7 +153,7 @@ def _setup_module():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "setup.py"
+    path = Path(__file__).resolve().parents[2] / "setup.py"
     spec = importlib.util.spec_from_file_location("gyre_setup_under_test", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # not __main__: defines the functions, runs no setup()
@@ -189,7 +189,7 @@ def test_setup_pins_the_gpu_stack_and_leaves_torch_to_the_machine():
     import ast
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    text = (Path(__file__).resolve().parents[2] / "setup.py").read_text()
     module = _setup_module()
     assert module.TORCH == "torch>=2.6"
     gpu = next(n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Dict)

@@ -73,7 +73,7 @@ def test_a_failed_reader_fails_the_whole_broadcast_at_once_naming_both_hosts():
     problem = netns_problem()
     if problem:
         pytest.skip(problem)
-    out = run_ranks_in_netns("tests.backends.test_transfer_host:_broadcast_from_an_unreachable_source", 2, timeout=120)
+    out = run_ranks_in_netns("tests.backends.transfer.test_transfer_host:_broadcast_from_an_unreachable_source", 2, timeout=120)
     for msg, seconds in out:  # both ranks raised, the source too, within seconds
         assert "rank 1: " in msg and "192.0.2.1:" in msg and "advertises 127.0.0.1" in msg, msg
         assert seconds < 30, seconds
@@ -114,6 +114,6 @@ def test_a_wrong_address_on_any_rank_fails_the_kv_probe_on_every_rank():
     problem = netns_problem()
     if problem:
         pytest.skip(problem)
-    out = run_ranks_in_netns("tests.backends.test_transfer_host:_kv_probe_with_one_unreachable_rank", 2, timeout=120)
+    out = run_ranks_in_netns("tests.backends.transfer.test_transfer_host:_kv_probe_with_one_unreachable_rank", 2, timeout=120)
     for (msg,) in out:
         assert "rank 0 (advertising 127.0.0.1) reading rank 1's engine at 192.0.2.1:" in msg, msg

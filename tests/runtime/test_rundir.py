@@ -304,7 +304,7 @@ def _holder(run):
     proc = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
                              "from gyre.runtime.runlock import RunLock; l = RunLock(); l.acquire(Path(sys.argv[1])); "
                              "print('locked', flush=True); time.sleep(120)", str(run)],
-                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
     assert proc.stdout.readline().strip() == "locked"
     return proc
 

@@ -94,7 +94,7 @@ import torch  # noqa: E402
 from gyre.backends.engines.sglang_engine import EngineState, prefix_free_rid, span_versions  # noqa: E402
 from tests.backends import sglang_fake  # noqa: E402
 from tests.backends.helpers import check_backends_of, engine_of, tiny_model  # noqa: E402
-from tests.backends.test_cpu_engine import actor_logprobs  # noqa: E402
+from tests.backends.engines.test_cpu_engine import actor_logprobs  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
 
@@ -430,7 +430,7 @@ def test_a_harness_started_on_rank_0_survives_engine_restarts_and_exit(ckpt, tmp
     import signal
 
     path, _ = ckpt
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     proc = subprocess.run([sys.executable, "-c", RESTART_SCRIPT, path], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": root})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -514,7 +514,7 @@ def test_the_gpu_check_script_passes_against_the_fake(tmp_path):
     the fake standing in for sglang: its checks hold where SGLang follows the fake's semantics."""
     import json
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     out = tmp_path / "report.json"
     proc = subprocess.run([sys.executable, "-m", "tests.gpu.sglang_check", "--api", "tests.backends.sglang_fake:API",
                            "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=300,

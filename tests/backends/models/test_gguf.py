@@ -181,6 +181,6 @@ def test_real_conversion_equals_the_gguf_model(converted_smollm2):
         assert (got - want).abs().max() <= 1e-5
         w = DecoderWeights.from_state_dict(model.state_dict(), model.config)
         mine = extend(w, ids[0], torch.arange(ids.shape[1]), [ids.shape[1]], [KVCache.empty(w)], all_logits=True)
-        assert (mine - got).abs().max() <= 1e-4  # tests/backends/test_arch_decoder.py's fp32 tolerance
+        assert (mine - got).abs().max() <= 1e-4  # tests/backends/engines/test_decoder.py's fp32 tolerance
     vocab = load_vocab(str(d), None)
     assert vocab.size == 49152 and list(vocab.stop_ids) == [tok.convert_tokens_to_ids("<|im_end|>")]

@@ -116,4 +116,4 @@ def test_mooncake_transport_is_bit_exact_inside_a_private_netns():
     problem = netns_problem()
     if problem:
         pytest.skip(problem)
-    assert run_ranks_in_netns("tests.backends.test_transfer:_mooncake_share", 2) == [True, True]
+    assert run_ranks_in_netns("tests.backends.transfer.test_snapshots:_mooncake_share", 2) == [True, True]

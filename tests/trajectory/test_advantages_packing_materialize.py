@@ -1,6 +1,6 @@
 """Hand-computed advantages, a hand-packed micro-step, and the whole materialization path from
 store files. (The oldest-dispatch-version-first order of ready groups is the scheduler's heap,
-tested in tests/sim/test_scheduler.py.)"""
+tested in tests/scheduler/test_core.py.)"""
 
 from __future__ import annotations
 

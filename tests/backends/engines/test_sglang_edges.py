@@ -12,7 +12,7 @@ import pytest
 
 from gyre.backends.protocols import SamplingParams
 from tests.backends import sglang_fake
-from tests.backends.test_sglang_engine import PROMPT, _collect, _engine, _fake_defaults, ckpt  # noqa: F401 (fixtures)
+from tests.backends.engines.test_sglang_engine import PROMPT, _collect, _engine, _fake_defaults, ckpt  # noqa: F401 (fixtures)
 
 
 # ----------------------------------------------------------------------------- abort during a pause (F3)
@@ -248,7 +248,7 @@ def test_stop_leaves_multiprocessings_resource_tracker_running(ckpt):
     import sys
 
     path, _ = ckpt
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     proc = subprocess.run([sys.executable, "-c", TRACKER_SCRIPT, path], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": root})
     assert proc.returncode == 0, proc.stderr[-3000:]
