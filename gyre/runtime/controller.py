@@ -59,16 +59,13 @@ logger = logging.getLogger(__name__)
 
 
 class Controller:
-    """Start with `start()` on rank 0 after the workers' engines are announced; `join()` waits.
-    The run ends after `train.steps` optimizer steps (the stop sequence: `gyre.runtime.stop`)."""
+    """Rank 0: `start()` once the engines are announced; `join()` waits (the end: `gyre.runtime.stop`)."""
 
     def __init__(self, cfg: GyreConfig, topo: Topology, store: Any, start_version: int = 0, engine_secret: str | None = None,
                  run: RunDir | None = None, interrupts: Any = None, records: RunRecords | None = None) -> None:
-        """Build the run's state: everything that does not need the controller's loop.
-        `engine_secret`: what the engines' servers want (`engine_host.share_secret`); `run`: this
-        launch's attempt in the run directory (`gyre.runtime.rundir`); `interrupts`: this process's
-        `gyre.runtime.control.Interrupts` (the stop budget runs from its first signal); `records`:
-        what the run writes (default: built here)."""
+        """Everything that does not need the loop. `engine_secret`: the engines' (`engine_host.share_secret`);
+        `run`: this attempt (`gyre.runtime.rundir`); `interrupts`: this process's `control.Interrupts`
+        (the stop budget runs from its first signal); `records`: what the run writes (default: built here)."""
         self.cfg, self.topo, self.store, self.engine_secret = cfg, topo, store, engine_secret
         sc, tc = cfg.scheduler, cfg.train
         self.interrupts, self.ending = interrupts, Ending()
@@ -264,9 +261,8 @@ class Controller:
                     d.version, self.sched.water_level)
 
     def _carry_over(self, g: int, row: dict[str, Any]) -> None:
-        """Take an earlier attempt's evaluated group (a `groups.jsonl` row) as dispatch slot `g`: its
-        executions start and finish at once for the scheduler, and it becomes work like any group.
-        Its v_d stays the version it was sampled at (the ledger's staleness)."""
+        """An earlier attempt's evaluated group (a `groups.jsonl` row) as dispatch slot `g`: its executions
+        start and finish at once, its v_d stays the version it was sampled at."""
         group, results = rundir.carried_group(self.run_dir, self.dataset, row)
         self.ledger.add_group(g, group, row["version"], carried=True)
         self.records.journal.dispatched(row["group_id"], row["task_id"], row["version"], row["executions"])
@@ -294,10 +290,9 @@ class Controller:
         self._send_cell(d.cell, ToRollout(version=self.sched.published))
 
     def _optimizer_step(self, d: OptimizerStep) -> None:
-        """Send `Reduce` to exactly the decision's cells: the scheduler decides the membership
-        (the TRAIN prefix 0..k−1 when the step was decided), the prefix group is k = len(cells).
-        |E| is known only now (groups were packed with |E| = B·N): the core rescales the summed
-        gradient by B·N/valid, or skips the update when nothing is valid or trained (all-equal groups)."""
+        """`Reduce` to exactly the decision's cells (the TRAIN prefix 0..k−1 the scheduler decided).
+        |E| is known only now (groups were packed with B·N): the core rescales the summed gradient
+        by B·N/valid, or skips the update when nothing is valid or trained (all-equal groups)."""
         if d.cells != tuple(range(len(d.cells))):
             raise RuntimeError(f"step {d.step}: reduce cells {d.cells} are not a prefix 0..k−1")
         valid, grad_scale = step_denominator([self.ledger.groups[g].rewards for g in d.groups],
@@ -389,9 +384,7 @@ class Controller:
                              f"is in rank {msg.rank}'s log)"))
 
     def _on_interrupted(self, msg: Interrupted) -> None:
-        """SIGINT/SIGTERM on a rank (every rank gets torchrun's; the first report counts): stop
-        gracefully within `train.shutdown_timeout_s`: harnesses killed, ranks stopped, the core's
-        checkpoint, summary, events and plot; the run fails with "interrupted by SIG…"."""
+        """SIGINT/SIGTERM on a rank (the first report counts): the stop, within `train.shutdown_timeout_s`."""
         at = stop.signalled_at(self.interrupts, time.monotonic())
         if self.ending.interrupt(msg.signal, msg.rank, at, self.budget.shutdown_s):
             self.ending.fail(RunFailed(f"interrupted by {msg.signal} (received by rank {msg.rank}); stopped "

@@ -1,9 +1,5 @@
-"""What a run writes, in one owner: the groups journal, metrics.jsonl, the trackers and the end
-files (summary.json, events.jsonl, the role timeline, run.json's `ended` record).
-
-`step(row)` once an optimizer step; `finish(how, phases)` at the end (each file on its own: one
-that fails is named and the next is written); `close(phases)`, the journal last. The trackers are
-closed by the controller's thread on every path (`trackers.close(failed)`).
+"""What a run writes, in one owner (`RunRecords`): the groups journal, metrics.jsonl, the trackers
+and the end files (summary.json, events.jsonl, the role timeline, run.json's `ended` record).
 """
 
 from __future__ import annotations
@@ -51,11 +47,10 @@ class Phases:
 
 
 class RunRecords:
-    """The run directory's records of this attempt (`run`). `ledger`: the run's account (the
-    timeline, the groups not trained); `events`: the scheduler's event log; `summarize(how,
-    fractions)`: summary.json's content; `on_error(exc, what, path)`: a failed write (it stops the
-    run, `gyre.runtime.writes`); `trackers`: `outputs.Trackers`; `fresh`: replace metrics.jsonl
-    (a resumed run appends)."""
+    """This attempt's records (`run`): `step(row)` once a step, `finish` at the end, `close` last;
+    the trackers are closed by the controller's thread on every path. `ledger`: the timeline and
+    the groups not trained; `events`: the scheduler's log; `summarize(how, fractions)`: summary.json;
+    `on_error(exc, what, path)`: a failed write (`gyre.runtime.writes`); `fresh`: a new metrics.jsonl."""
 
     def __init__(self, run: RunDir, *, ledger: Any, events: Any, summarize: Callable[[RunEnd, dict], dict],
                  trackers: Any, on_error: Callable[..., None], fresh: bool, title: str = "Gyre role timeline") -> None:
@@ -76,9 +71,8 @@ class RunRecords:
         self.steps += 1
 
     def finish(self, how: RunEnd, phases: Phases) -> dict[str, Any]:
-        """The end files; returns the summary. A clean end (`how.error` None) closes the groups not
-        trained (a resume does not count them lost). The plot (matplotlib: seconds on a loaded
-        machine) comes last: a stop out of time loses the picture, not the records."""
+        """The end files, each on its own; returns the summary. A clean end closes the groups not
+        trained (a resume does not count them lost); the plot (slow) comes after the records."""
         if how.error is None:
             phases.run("groups.jsonl (closed groups)", lambda: self.journal.closed(
                 [r.group_id for r in self.ledger.groups.values() if r.phase is not GroupPhase.CONSUMED]))

@@ -18,8 +18,8 @@ An interrupt bounds the whole sequence (`stop_deadline`: three quarters of
 budget); the drain's bound is its own. `budget_note` warns when the last checkpoint does not fit
 the budget (Slurm's KillWait SIGKILLs what still runs after its SIGTERM).
 
-The stop sees the controller through `Ranks`, the run's state through `Ending`, what it writes
-through `gyre.runtime.records.RunRecords`: tests/runtime/test_stop.py runs it with fakes.
+It sees the controller as `Ranks`, how the run is ending as `Ending`, what it writes as
+`gyre.runtime.records.RunRecords` (tests/runtime/test_stop.py runs it with fakes).
 """
 
 from __future__ import annotations
@@ -95,9 +95,8 @@ def stop_every_rank(store: Any, world_size: int, checkpoint: bool) -> None:
 
 
 def quiet_cancelled(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-    """The controller loop's exception handler: a task cancelled by the stop is not an error.
-    (asyncio's stream servers call `task.exception()` on their cancelled connection tasks and log
-    a CancelledError traceback each — one per harness relay: dozens burying the real error.)"""
+    """The controller loop's exception handler: a task cancelled by the stop is not an error (the
+    stream servers' cancelled connection tasks would log a traceback per harness relay)."""
     if isinstance(context.get("exception"), asyncio.CancelledError):
         logger.debug("cancelled by the stop: %s", context.get("message"))
         return
@@ -105,12 +104,8 @@ def quiet_cancelled(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) ->
 
 
 def close_loop(loop: asyncio.AbstractEventLoop, timeout: float) -> None:
-    """Cancel what is left on the controller's loop and close it, waiting at most `timeout`.
-
-    `asyncio.run` would wait without limit for every task to take its cancellation; one that
-    does not (a call stuck in a library) would keep the run from exiting after its summary
-    is written. Here it is named in the log and left behind instead.
-    """
+    """Cancel what is left on the controller's loop and close it, waiting at most `timeout`: a task
+    that does not take its cancellation (a call stuck in a library) is named and left behind."""
     tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
     for t in tasks:
         t.cancel()
@@ -126,7 +121,6 @@ def close_loop(loop: asyncio.AbstractEventLoop, timeout: float) -> None:
 @dataclass
 class Budget:
     """What bounds the stop, in seconds."""
-
     drain_s: float  # train.drain_at_end_s: a run that ended well lets its executions finish
     shutdown_s: float  # train.shutdown_timeout_s: the whole stop, from a signal
     kill_grace_s: float  # executions.runner.kill_grace_s: a harness tree's time to die
@@ -265,10 +259,9 @@ async def _wait_for_ranks(ranks: Ranks, ending: Ending, failed: bool, checkpoint
 
 
 def early_end(run: Any, signal_name: str, why: str = "while the job was starting; stopped before training") -> None:
-    """Rank 0 took a signal before the controller could (the job was still starting: no control
-    plane yet). The attempt still gets what every stop leaves: summary.json, its line in
-    events.jsonl and run.json's `ended` record, saying it stopped before training. Nothing when
-    the attempt has its `ended` record already (the controller's stop wrote them)."""
+    """Rank 0 took a signal before the controller could (no control plane yet): the attempt still
+    gets summary.json, its events.jsonl line and run.json's `ended` record, saying it stopped
+    before training. Nothing when it has its `ended` record (the controller's stop wrote them)."""
     attempts = json.loads((run.path / "run.json").read_text())["attempts"]
     if attempts[run.attempt].get("ended"):
         return

@@ -1,29 +1,9 @@
-"""What a run reports: one `metrics.jsonl` row per optimizer step and the attempt's `summary.json`,
-built from the ledger and a few named sources (docs/design.md §2, §5). Pure: the caller reads
-the sources and writes the result.
-
-    source                     step row                               summary.json
-    ─────────────────────────  ─────────────────────────────────────  ──────────────────────────────
-    the ledger (runtime/ledger) claims, rewards, staleness, |E|, loss   outcomes, incomplete TITO,
-                               metrics, cell times, switches,         handovers, staleness by step,
-                               hand-over, incomplete TITO so far      carried-over groups
-    the scheduler              water level, dispatched, finished      measured staleness
-    the router                 reroutes (KV migration vs recompute)   reroutes, migration, engine
-                                                                      failures and stalls
-    the proxy                  unmatched turns, sink errors           call totals, worst unmatched
-                                                                      executions, sink errors
-    the health monitor                                                failed executions
-    the run directory          (none)                                 attempt, lost, redispatched
-    the end (`RunEnd`)                                                steps, wall time, error,
-                                                                      interrupt, silent and
-                                                                      unstopped ranks, cancelled
-    the core's update stats    grad norm, checkpoint_s, ...
-    metrics.jsonl rows                                                reward trend (bootstrap CI)
-
-Example (the row of step 3, from a ledger whose step 3 is closed)::
-
-    row = step_row(ledger, 3, now, step_time_s=2.0, scheduler=sched, reroutes=0, rerouted=[],
-                   unmatched_turns=0, sink_errors=0, stats={"grad_norm": 0.5})
+"""What a run reports: one `metrics.jsonl` row per optimizer step (`step_row`) and the attempt's
+`summary.json` (`build_summary`), built from the ledger (`gyre.runtime.ledger`) and the sources
+their signatures name: the scheduler's counters, the router's reroutes, the proxy's totals, the
+health monitor, the run directory, the end (`RunEnd`). Pure: the caller reads the sources and
+writes the result (`gyre.runtime.records`). Also the log's lines for a person: `Progress` and
+`end_lines`.
 """
 
 from __future__ import annotations
@@ -88,11 +68,9 @@ def build_summary(ledger: RunLedger, how: RunEnd, *, cfg: GyreConfig, fractions:
                   sink_errors: int, health: dict[str, int], measured_staleness: Sequence[int], run: Any,
                   rows: list[dict[str, Any]]) -> dict[str, Any]:
     """summary.json: what the attempt did (run.json's `ended` record keeps `rundir.ENDED_FIELDS` of it).
-
-    router: `Router.stats()`; proxy_totals: the integer per-execution proxy stats summed over every
-    closed execution (`GyreProxyAccess.totals`); worst_unmatched: `Proxy.worst_unmatched(10)`;
-    health: `HealthMonitor.counts`; measured_staleness: the scheduler's d per assigned group;
-    run: this attempt in the run directory (`rundir.RunDir`); rows: metrics.jsonl so far."""
+    router: `Router.stats()`; proxy_totals: `GyreProxyAccess.totals`; worst_unmatched:
+    `Proxy.worst_unmatched(10)`; health: `HealthMonitor.counts`; measured_staleness: the
+    scheduler's d per assigned group; run: `rundir.RunDir`; rows: metrics.jsonl so far."""
     summary = {
         "steps": how.steps,
         "wall_s": how.end - ledger.t_start,
@@ -111,10 +89,7 @@ def build_summary(ledger: RunLedger, how: RunEnd, *, cfg: GyreConfig, fractions:
         "engine_failures": router["engine_failures"],
         "execution_outcomes": ledger.outcomes(),
         "cancelled_at_end": how.cancelled_at_end,
-        # executions of earlier attempts in this run directory that were still running (or not all
-        # evaluated) when their attempt ended, so not trained into the checkpoint resumed from: their
-        # tasks ran again first in this one. Evaluated groups were carried over instead. See run.json's
-        # attempts and groups.jsonl.
+        # earlier attempts' executions not trained into the checkpoint resumed from (run.json, groups.jsonl)
         "attempt": run.attempt,
         "lost_in_flight": run.lost_in_flight,
         "redispatched_groups": len(run.redo_tasks),
@@ -157,16 +132,10 @@ def clock(seconds: float) -> str:
 
 
 class Progress:
-    """The run's progress for a person reading the log.
-
-    `step(row, sched)`, once a step: step k of N, executions done and running, the step's reward and
-    the mean over every step so far, the step's loss / clip fraction / staleness, the time a step
-    takes (the mean of the last `window` steps of this attempt) and the ETA of the remaining steps
-    at that pace. `idle(sched, steps_done, now)`, between steps while nothing finishes: the
-    scheduler's picture, once `idle_every_s` after the last line and then at a doubling gap
-    (a long rollout is a handful of lines, not one every tick). `sched`: the scheduler's counters
-    (`.started`, `.finished` executions; `.ready_unassigned`, `.water_level`, `.cells_in_training`).
-    """
+    """The run's progress for a person reading the log: `step(row, sched, now)` once a step (its
+    reward, loss, pace over the last `window` steps, ETA); `idle(sched, steps_done, now)` between
+    steps, `idle_every_s` after the last line and then at a doubling gap. `sched`: the scheduler's
+    counters (`.started`, `.finished`, `.ready_unassigned`, `.water_level`, `.cells_in_training`)."""
 
     def __init__(self, steps: int, idle_every_s: float = 60.0, window: int = 8) -> None:
         self.steps, self.idle_every_s, self.window = steps, idle_every_s, window
