@@ -11,7 +11,8 @@ and the ratio peak / (base + accounting), and the seconds of the forward/backwar
     python benchmarks/actor_memory.py --tokens 4096 --checkpointing on --compute-dtype bfloat16
     python benchmarks/actor_memory.py --shape tiny         # a seconds-long smoke
 
-The last line is one JSON object with every row.
+The last line is one JSON object with every row; `--out PATH` writes them with the machine, versions,
+config and commit.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's gyre, not an installed one
+
+from benchmarks.provenance import OUT_HELP, provenance, write_results  # noqa: E402
 
 SHAPES = {
     "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -123,6 +126,7 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=1, help="sequences packed into the micro-step")
     ap.add_argument("--full-logits", action="store_true",
                     help="the path before issue 51: [T, V] logits from the model (the accounting leaves them out)")
+    ap.add_argument("--out", help=OUT_HELP)
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: one configuration
     a = ap.parse_args()
     if a.one:
@@ -144,8 +148,7 @@ def main() -> None:
                 print(f"T={t:5d} ckpt={c:3s} {dt:8s}{' full logits' if a.full_logits else ''}: peak {row['peak_rss_mb']:6d} MB  accounting {acct['total_bytes']:5d} MB "
                       f"(+ base {row['base_rss_mb']} MB)  ratio {row['ratio']:.2f}  fwd/bwd {row['forward_backward_s']:6.1f}s "
                       f"({row['tokens_per_s']:.0f} tok/s)", flush=True)
-    print(json.dumps({"rows": rows, "machine": os.uname().nodename, "cpus": os.cpu_count(),
-                      "load": os.getloadavg()}))
+    write_results(a.out, {"benchmark": "actor_memory", **provenance(), "config": vars(a), "figures": {"rows": rows}})
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ Side by side in one run:
   * snapshot: a parameter snapshot of --snapshot-mb MiB pulled by a second rank over
     torch.distributed (gloo broadcast) and over Mooncake (TCP, inside a private network
     namespace with only loopback), against a local memcpy of the same bytes.
-Writes benchmarks/results/backend_bench.json; the last line printed is one JSON object.
+The last line printed is one JSON object of figures; `--out benchmarks/results/backend_bench.json` writes the results file.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ import time
 
 import torch
 
-from benchmarks.provenance import provenance, write_results
+from benchmarks.provenance import OUT_HELP, provenance, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "results", "backend_bench.json")
 
 
 # ---------------------------------------------------------------------------- engine
@@ -158,6 +157,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--snapshot-mb", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", help=OUT_HELP)
     ap.add_argument("--only-mooncake", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.only_mooncake:  # inner run, inside the network namespace
@@ -183,7 +183,7 @@ def main() -> None:
     record = {**provenance("mooncake-transfer-engine-non-cuda"), "config": vars(args), "figures": figures,
               "left_out": left_out + ["SGLang engine (needs a GPU)", "Mooncake RDMA (no RDMA NIC here)",
                                       "both snapshot ranks share one 2-core machine with other work"]}
-    write_results(RESULTS, record)
+    write_results(args.out, record)
 
 
 if __name__ == "__main__":

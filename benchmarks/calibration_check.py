@@ -7,13 +7,13 @@ the same timing window: steps 2..S−1, the simulator's seeds 0..5), and prints 
 and the error of each:
 
     python benchmarks/e2e_modes.py --seed 0 --modes gyre,colocate,async --repeats 1   # prints "runs in DIR"
-    python benchmarks/e2e_modes.py --seed 1 --modes gyre,colocate,async --repeats 1 --results held_out.json
+    python benchmarks/e2e_modes.py --seed 1 --modes gyre,colocate,async --repeats 1 --out held_out.json
     python benchmarks/calibration_check.py --runs DIR/rep0 --held-out held_out.json
 
 The goal (issue 32) is every mode within 5 %. The profile holds what the runs measured: training
 work per step, optimizer / parameter-send / switch / scoring / reroute latencies, and the harness
 durations as the runs saw them (exec_start → exec_finish, so an engine's queue is in them). The
-results file (`--results`) records machine, versions, commit, the profile and every prediction; the
+results file (`--out`) records machine, versions, commit, the profile and every prediction; the
 last line printed is one JSON object of the figures.
 """
 
@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -31,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.provenance import OUT_HELP, provenance, write_results  # noqa: E402
 from gyre.sim.calibrate import calibrate  # noqa: E402
 from gyre.sim.profile import duration_model, predict  # noqa: E402
 
@@ -62,7 +60,7 @@ def main() -> int:
     ap.add_argument("--fit", default="", help="modes to calibrate from, comma separated (default: every run dir in --runs)")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(range(6)), help="simulator seeds per prediction")
     ap.add_argument("--draws", type=int, default=8, help="simulations over the profile's uncertainty (the interval)")
-    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "calibration_check.json"))
+    ap.add_argument("--out", "--results", dest="out", help=OUT_HELP)
     args = ap.parse_args()
 
     runs = Path(args.runs)
@@ -96,22 +94,16 @@ def main() -> int:
     ok = figures["calibration_max_abs_error"] <= GOAL
     print(f"largest error {figures['calibration_max_abs_error']:.1%} (goal <= {GOAL:.0%}: {'met' if ok else 'NOT met'})")
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
     record = {
         "benchmark": "calibration_check",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "versions": {"numpy": __import__("numpy").__version__},
-        "commit": commit,
-        "config": {**vars(args), "fit_dirs": [str(p) for p in fit], "held_out_commit": held.get("commit"),
+        **provenance("numpy"),
+        "config": {**vars(args), "fit_dirs": [str(p) for p in fit], "held_out_commit": held.get("git_commit", held.get("commit")),
                    "held_out_seed": held["config"]["seed"]},
         "profile": prof.to_dict() | {"replicates": f"{len(prof.replicates)} bootstrap replicates (not kept here)"},
         "rows": rows,
         "figures": figures,
     }
-    dest = Path(args.results)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(record, indent=2))
-    print(json.dumps(figures))
+    write_results(args.out, record)
     return 0
 
 

@@ -11,8 +11,8 @@ Per seed, from the run's summary.json (`reward_trend`, a 95 % bootstrap over who
     fitted rise   the least-squares line of group-mean reward on step, last step minus first
     first → last  mean reward of the first and the last quarter of the steps
 The goal (issue "The main job works for a newcomer"): the fitted rise's interval excludes zero in
-at least 4 of 5 seeds. Results go to benchmarks/results/demo_learning.json (machine, versions,
-config, commit, every run); the last line printed is one JSON object of the figures.
+at least 4 of 5 seeds. `--out benchmarks/results/demo_learning.json` writes the results file (machine,
+versions, config, commit, every run); the last line printed is one JSON object of the figures.
 
     python benchmarks/demo_learning.py                  # 5 seeds, ~6 min each on 2 cores
     python benchmarks/demo_learning.py --seeds 0 --preset cpu-demo-smoke   # a quick check
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.provenance import OUT_HELP, provenance, write_results  # noqa: E402
 
 
 def run_seed(preset: str, seed: int, run_dir: Path, extra: list[str]) -> dict:
@@ -72,12 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--preset", default="cpu-demo")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "demo_learning.json"))
+    ap.add_argument("--out", help=OUT_HELP)
     ap.add_argument("--runs-dir", default="", help="where the runs go (default: a temporary directory)")
     ap.add_argument("extra", nargs="*", help="more gyre.run flags, after --")
     args = ap.parse_args(argv)
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
                                 text=True, check=False).stdout.strip())
     runs_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="gyre-demo-learning-"))
@@ -102,17 +103,10 @@ def main(argv: list[str] | None = None) -> int:
                "rise_ci95_low": [round(r["rise_ci95"][0], 3) for r in ok],
                "first_mean": [round(r["first_mean"], 3) for r in ok], "last_mean": [round(r["last_mean"], 3) for r in ok],
                "wall_s": [r["wall_s"] for r in ok], "load_mean": [r["load_mean"] for r in ok]}
-    import torch
-
-    record = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-              "versions": {"torch": torch.__version__}, "git_commit": commit, "git_dirty": dirty,
-              "config": {"preset": args.preset, "extra": args.extra, "seeds": args.seeds},
-              "runs": results, "figures": figures}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1))
-    print(f"fitted rise's 95 % interval excludes zero in {excluding} of {len(args.seeds)} seeds (goal: 4 of 5); "
-          f"results in {args.out}")
-    print(json.dumps(figures))
+    print(f"fitted rise's 95 % interval excludes zero in {excluding} of {len(args.seeds)} seeds (goal: 4 of 5)")
+    write_results(args.out, {**provenance(), "git_dirty": dirty,
+                             "config": {"preset": args.preset, "extra": args.extra, "seeds": args.seeds},
+                             "runs": results, "figures": figures})
     return 0 if len(ok) == len(results) else 1
 
 

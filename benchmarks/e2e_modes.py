@@ -47,8 +47,8 @@ step S−1 (step 0 includes start-up: process launch, model build, the first dis
 are periodic: Gyre's repeat with its bursts of μ = 3, the baselines' alternate long/short with
 the boundary dispatch (φ = 1), so the window holds a multiple of lcm(2, 3) = 6 steps
 (S − 2 ∈ {6, 12, ...}). Measured staleness comes from the run's summary (whole run, and over the
-timed steps). Results go to benchmarks/results/e2e_modes.json (machine, load, versions, config,
-commit, every run tried); the last line printed is one JSON object of the figures.
+timed steps). `--out benchmarks/results/e2e_modes.json` writes the results file (machine, load, versions,
+config, commit, every run tried); the last line printed is one JSON object of the figures.
 
     python benchmarks/e2e_modes.py              # ~33 min on 2 shared cores (6 runs x 2 repeats)
     python benchmarks/e2e_modes.py --repeats 1 --modes gyre   # one gyre run, ~3 min
@@ -62,7 +62,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -72,6 +71,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.provenance import OUT_HELP, provenance, write_results  # noqa: E402
 
 # mode → (scheduler mode, φ, μ, streaming); matched E[d] = φ + (μ−1)/2 = 1 in every mode
 MODES = {
@@ -84,7 +85,6 @@ MODES = {
     "async_mu3": ("async", 0.0, 3, False),
 }
 SPLIT_MODES = ("async", "async_stream", "async_mu3")  # run once per --async-train-cells value
-DEFAULT_RESULTS = ROOT / "benchmarks" / "results" / "e2e_modes.json"
 WINDOW_PERIOD = 6  # lcm(2, 3): the baselines' long/short pairs and Gyre's bursts of 3 steps
 
 
@@ -274,7 +274,7 @@ def main() -> int:
                         "seconds here; the 600 s default also bounds a hang at exit, see the results' notes)")
     p.add_argument("--repeats", type=int, default=2, help="runs per mode, round robin; the figures are the means")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--results", default=str(DEFAULT_RESULTS), help="where the results JSON goes")
+    p.add_argument("--out", "--results", dest="out", help=OUT_HELP)
     p.add_argument("--migration", default="off", choices=["off", "auto", "always"],
                    help="--proxy.migration: drained cells' calls move their KV (always/auto) or recompute (off)")
     p.add_argument("--timeout", type=float, default=900.0)
@@ -340,14 +340,14 @@ def main() -> int:
                 figures[f"plan_speedup_vs_{m}"] = round(shown[m]["step_s"] / shown[PLAN_MODE]["step_s"], 3)
     figures.update({f"{m}_staleness": r["staleness_mean"] for m, r in shown.items()})
     figures["aborted_calls"] = sum(r["aborted_calls"] for r in results.values())
-    if args.migration != "off" or Path(args.results).resolve() != DEFAULT_RESULTS:  # --migration on vs off: per run
-        figures["migration"] = args.migration
-        for key, get in (("reroutes", lambda r: r["reroutes"]),
-                         ("reroute_tokens_recomputed", lambda r: r["reroute_tokens_recomputed"]),
-                         ("migrated_calls", lambda r: (r["migration"] or {}).get("migrated")),
-                         ("migration_fallbacks", lambda r: (r["migration"] or {}).get("fallbacks")),
-                         ("migrated_bytes", lambda r: (r["migration"] or {}).get("bytes_moved"))):
-            figures[key] = {n: [get(r) for r in rs] for n, rs in runs.items()}
+    # reroutes per run, migrated (--migration always/auto) or recomputed (off): compared between runs
+    figures["migration"] = args.migration
+    for key, get in (("reroutes", lambda r: r["reroutes"]),
+                     ("reroute_tokens_recomputed", lambda r: r["reroute_tokens_recomputed"]),
+                     ("migrated_calls", lambda r: (r["migration"] or {}).get("migrated")),
+                     ("migration_fallbacks", lambda r: (r["migration"] or {}).get("fallbacks")),
+                     ("migrated_bytes", lambda r: (r["migration"] or {}).get("bytes_moved"))):
+        figures[key] = {n: [get(r) for r in rs] for n, rs in runs.items()}
     figures["timed_out"] = {m: r["execution_outcomes"].get("timed_out", 0) for m, r in shown.items()}
     print()
     print(f"{'run':10s} {'s/step':>8s} {'runs':>16s} {'E[d]':>6s} {'outcomes':>44s}")
@@ -359,18 +359,13 @@ def main() -> int:
             goal = "(goal ≥ 1.3x)" if k in ("speedup_vs_colocate", "speedup_vs_async") else "(reported beside the goal)"
             print(f"{k}: {v:.2f}x {goal}")
 
-    import torch
-
     tokens = [t for rs in runs.values() for r in rs for t in r["tokens_trained"]]
     train_s = sum(tokens) / len(tokens) / 1000.0 * args.train_s_per_ktok  # one step on one cell
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
                            text=True, check=False).stdout.split("\n")
     record = {
         "benchmark": "e2e_modes",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "versions": {"torch": torch.__version__},
-        "commit": commit,
+        **provenance(),
         "uncommitted_files": [line[3:] for line in dirty if line.strip()],
         "config": vars(args),
         "harness_args": harness,
@@ -385,10 +380,7 @@ def main() -> int:
                     "~8.5 s / ~3.5 s; executions still running after the last step are cancelled (cancelled_at_end), "
                     "not aborted by a switch",
     }
-    dest = Path(args.results)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(record, indent=2))
-    print(json.dumps(figures))
+    write_results(args.out, record)
     return 0
 
 
@@ -434,7 +426,7 @@ TRIED = [
      "slept). Gyre 14.35 s/step, Colocate 16.39 (1.14x), A0 17.78 (1.24x), A3 15.40 (1.07x), 2 repeats each within "
      "0.5 %; before it (A3 as Async) 1.16x / 1.08x. Real Colocate still beats the simulator's 18.46 s/step by 11 % "
      "(Gyre is 4.5 % slower than its 13.73): the leak was not the cause"),
-    ("simulator scan against the streaming split (results/e2e_modes_sim_scan2.json, 1,035 regimes, 4 cells): "
+    ("simulator scan against the streaming split (2b92595:benchmarks/results/e2e_modes_sim_scan2.json, 1,035 regimes, 4 cells): "
      "best min(vs Colocate, vs best A3 split) 1.20; a fixed split is within 4/3 of an ideal elastic schedule at 4 "
      "cells (max at T/R = 1/2 or 2) and Gyre gets ~0.8 of the way (its 4th cell never trains: the water level lets "
      "the last cell go only at w = 0), so 1.3x over A3 is out of reach at 4 cells in the simulator too"),

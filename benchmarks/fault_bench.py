@@ -15,7 +15,7 @@ attempt that ended), attempts, wall time; and the disturbed run's wall time over
 
     python -m benchmarks.fault_bench [--steps 16] [--freeze-after 2] [--freeze-s 10] [--kill-after 8]
 
-Writes benchmarks/results/fault_bench.json; the last line printed is one JSON object.
+The last line printed is one JSON object of figures; `--out benchmarks/results/fault_bench.json` writes the results file.
 """
 
 from __future__ import annotations
@@ -30,10 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.provenance import ROOT, provenance, write_results
+from benchmarks.provenance import OUT_HELP, ROOT, provenance, write_results
 from tests.jobs import env, rows, worker_pid, write_tasks
 
-RESULTS = ROOT / "benchmarks" / "results" / "fault_bench.json"
 HARNESS = ROOT / "tests" / "runtime" / "tiny_harness.py"
 
 
@@ -122,6 +121,7 @@ def main() -> None:
     p.add_argument("--kill-after", type=int, default=8, help="steps done before rank 1 is killed")
     p.add_argument("--progress-timeout-s", type=float, default=3.0)
     p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument("--out", help=OUT_HELP)
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gyre-fault-bench-"))
     base = run(args, work, disturb=False)
@@ -133,7 +133,7 @@ def main() -> None:
                                             "carried_over_groups", "aborted_calls", "engine_stalls",
                                             "attempts_not_ended", "wall_s")},
            "wall_ratio_disturbed_over_undisturbed": round(hit["wall_s"] / base["wall_s"], 2)}
-    write_results(RESULTS, {**provenance(), "config": vars(args), "runs": {"undisturbed": base, "disturbed": hit},
+    write_results(args.out, {**provenance(), "config": vars(args), "runs": {"undisturbed": base, "disturbed": hit},
                             "figures": out})
 
 

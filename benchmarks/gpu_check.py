@@ -38,7 +38,8 @@ fit the time left (`FIT_S`) is skipped by name, not started; a timed-out stage's
                    executions with the proxy alone on core 0 (`PROXY_SCALE_ARGS`), for issue 33's
                    ≤ 5 ms p99 added latency, which the 2-core machine cannot measure
 
-One JSON of figures: $OUT/gpu_check.json when $OUT is set, else benchmarks/results/gpu_check.json.
+One JSON of figures: --out, else $OUT/gpu_check.json when $OUT is set; else a dry run prints it as its last
+line and a device run writes it into a temporary directory (never into the checkout).
 The lent machine returns at most 8 files, two folders deep, from $OUT: everything else (the run
 directory, ~230 files; pytest's figures; the scale bench's JSON) is written to a temporary
 directory, and only gpu_check.json, <stem>_run_summary.json and <stem>_run_metrics.jsonl are put
@@ -592,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-nvcc", action="store_true", help="dry run: skip the nvcc compile-only check")
     p.add_argument("--wheels", type=Path, default=None, help="the carried wheels (default benchmarks/wheels if present)")
     p.add_argument("--fetch-wheels", type=Path, default=None, metavar="DIR", help="download the pinned wheels into DIR")
-    p.add_argument("--out", type=Path, default=None, help="the JSON (default $OUT/gpu_check.json or benchmarks/results/)")
+    p.add_argument("--out", type=Path, default=None, help="the JSON (default $OUT/gpu_check.json; without $OUT a dry run prints it)")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole check's time budget")
     p.add_argument("--only", nargs="*", default=None, choices=list(STAGES), help="run only these stages")
     a = p.parse_args(argv)
@@ -600,8 +601,9 @@ def main(argv: list[str] | None = None) -> int:
         return fetch_wheels(a.fetch_wheels)
     wheels = a.wheels if a.wheels is not None else (ROOT / "benchmarks" / "wheels")
     wheels = wheels if wheels.is_dir() or a.wheels is not None else None
-    out_json = a.out or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT")
-                         else ROOT / "benchmarks" / "results" / ("gpu_check_dryrun.json" if a.dry_run else "gpu_check.json"))
+    out_json = a.out or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else None)
+    if out_json is None and not a.dry_run:  # the run's copies go beside the JSON
+        out_json = Path(tempfile.mkdtemp(prefix="gyre-gpu-check-")) / "gpu_check.json"
     t0 = time.time()
     if a.dry_run:
         stages = dry_run(wheels, nvcc=not a.no_nvcc)
@@ -613,10 +615,13 @@ def main(argv: list[str] | None = None) -> int:
               "ok": all(s.status != "fail" for s in stages.values()),
               "rerun": rerun_hint(stages),
               "one_gpu_cannot_try": ONE_GPU_LIMITS}
-    _write(result, out_json)
     for name, st in stages.items():
         print(f"{name:18s} {st.status:5s} {st.seconds:6.1f}s  {st.reason}")
-    print(f"wrote {out_json}; ok = {result['ok']}")
+    if out_json is None:
+        print(json.dumps(result, default=str))
+    else:
+        _write(result, out_json)
+        print(f"wrote {out_json}; ok = {result['ok']}")
     return 0 if result["ok"] else 1
 
 

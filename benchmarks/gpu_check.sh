@@ -6,7 +6,7 @@
 #                                                # test selection, the run's config
 #   python benchmarks/gpu_check.py --fetch-wheels benchmarks/wheels    # beforehand, where there is network
 #
-# Writes one JSON: $OUT/gpu_check.json (device runs) or benchmarks/results/gpu_check*.json; a device
+# Writes one JSON: --out, else $OUT/gpu_check.json (without either a dry run prints it); a device
 # run adds gpu_check_run_summary.json and gpu_check_run_metrics.jsonl beside it, nothing else (the
 # lent machine returns at most 8 files, two folders deep: the run directory stays in a temp dir).
 # Rerun a stage on the still-warm machine: --only STAGE --budget-s <device seconds left - 30>.

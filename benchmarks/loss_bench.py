@@ -13,7 +13,7 @@ box the wall clock mostly measures the other jobs. Peak memory is the rise of th
 over the RSS before the call, inputs already resident.
 Chunked path: token_logprobs_from_hidden at several T, same V, H, chunk; its peak rise minus the
 unavoidable outputs (grad_hidden [T, H], grad_weight [V, H]) should not grow with T.
-Writes benchmarks/results/loss_bench.json; the last line printed is one JSON object of figures.
+The last line printed is one JSON object of figures; `--out benchmarks/results/loss_bench.json` writes the results file.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gyre.loss as L  # noqa: E402
+from benchmarks.provenance import OUT_HELP, provenance, write_results  # noqa: E402
 
 MiB = 1 << 20
 
@@ -152,14 +153,6 @@ def bench_chunked(ts: list[int], v: int, h: int, chunk: int) -> list[dict]:
     return out
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def machine() -> dict:
     cpu = platform.processor()
     try:
@@ -180,7 +173,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunked-T", default="1024,2048,4096")
     ap.add_argument("--chunked-VHC", default="32768,128,512", help="V,H,chunk for the chunked path")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "loss_bench.json"))
+    ap.add_argument("--out", help=OUT_HELP)
     ap.add_argument("--_chunked-one", dest="chunked_one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.chunked_one:
@@ -241,11 +234,11 @@ def main() -> None:
     figures["goal_speedup_ge_2x_cpu_time"] = all(r["speedup_vs_eager_cpu_time"] >= 2 for r in runs)
     figures["goal_within_1p5x_floor_cpu_time"] = all(r["fused_over_floor_cpu_time"] <= 1.5 for r in runs)
 
+    prov = provenance()
+    prov["machine"] |= machine()
     result = {
         "benchmark": "loss_bench",
-        "machine": machine(),
-        "versions": {"python": sys.version.split()[0], "torch": torch.__version__},
-        "git_commit": git_commit(),
+        **prov,
         "config": {"shapes": shapes, "reps": args.reps, "dtype": "float32", "chunked": {"T": ts, "V": v, "H": h, "chunk": c}},
         "logits_runs": runs,
         "chunked_runs": chunked,
@@ -261,11 +254,7 @@ def main() -> None:
                 "times are the best of `reps` runs, process CPU time of that run alongside",
         "load_average_at_end": os.getloadavg(),
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
-    print(json.dumps(figures))
+    write_results(args.out, result)
 
 
 if __name__ == "__main__":

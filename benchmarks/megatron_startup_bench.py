@@ -6,7 +6,7 @@ config alone, weights left for the first snapshot import). Each way runs in its 
     python -m benchmarks.megatron_startup_bench            # ~1.07B params (Qwen2.5-1.5B dims, 18 layers), fp32
     python -m benchmarks.megatron_startup_bench --layers 4 # smaller
 
-Writes benchmarks/results/megatron_startup_bench.json; the last line printed is one JSON object.
+The last line printed is one JSON object; `--out benchmarks/results/megatron_startup_bench.json` writes the results file.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.provenance import ROOT, provenance, write_results
+from benchmarks.provenance import OUT_HELP, ROOT, provenance, write_results
 
 # Qwen2.5-1.5B's dimensions (hidden 1536, 12 heads, 2 KV heads, FFN 8960, vocab 151936, tied),
 # 18 of its 28 layers: ~1.07B parameters.
@@ -85,7 +85,7 @@ def main():
     ap.add_argument("--layers", type=int, default=18)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--child", choices=["old", "new"])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "megatron_startup_bench.json"))
+    ap.add_argument("--out", help=OUT_HELP)
     args = ap.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child(args.child, args.layers, args.dtype)))

@@ -1,5 +1,6 @@
 """Where a benchmark's figures came from: the machine, the package versions and the commit, for
-the results file each benchmark writes (run them as `python -m benchmarks.NAME`)."""
+the results file a benchmark writes when asked (`python -m benchmarks.NAME --out benchmarks/results/NAME.json`;
+without `--out` it only prints)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,14 @@ def provenance(*packages: str) -> dict:
             "versions": versions, "git_commit": commit}
 
 
-def write_results(path: str | os.PathLike, record: dict) -> None:
-    """Write a benchmark's results file (`record` holds provenance(), its config and "figures"),
-    then print the figures as the one JSON line every benchmark ends with."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(record, indent=2) + "\n")
+OUT_HELP = "the results file to write (machine, versions, config, commit, figures); default: none, print only"
+
+
+def write_results(path: str | os.PathLike | None, record: dict) -> None:
+    """Write a benchmark's results file (`record` holds provenance(), its config and "figures") when
+    `path` is given (its `--out`: a run writes into the checkout only when asked), then print the
+    figures as the one JSON line every benchmark ends with."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record["figures"]))

@@ -57,7 +57,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.provenance import provenance, write_results  # noqa: E402
+from benchmarks.provenance import OUT_HELP, provenance, write_results  # noqa: E402
 from benchmarks.proxy_stalls import quiet_then_loaded  # noqa: E402
 
 SYSTEM = "You are a coding agent. You can run shell commands with the bash tool. " * 4
@@ -377,7 +377,7 @@ def main() -> None:
     ap.add_argument("--stall-shapes", default="all", help="comma-separated shape names of the stalls stage (benchmarks/proxy_stalls.py), or all")
     ap.add_argument("--stalls-only", action="store_true", help="run only the stalls stage")
     ap.add_argument("--quick", action="store_true", help="fewer calls everywhere, no large vocabulary (minutes, noisier; sets the counts, overriding their flags)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "proxy_bench.json"))
+    ap.add_argument("--out", help=OUT_HELP)
     args = ap.parse_args()
     if args.quick:
         args.requests, args.latency_requests, args.rounds, args.streams = 200, 60, 1, 100

@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=2, help="runs of each arm at each size, alternated")
     ap.add_argument("--think-s", type=float, default=10.0)
     ap.add_argument("--window-s", type=float, default=15.0)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "proxy_floor_bench.json"))
+    ap.add_argument("--out", help="the results file to write (machine, versions, config, commit, figures); default: none, print only")
     a = ap.parse_args()
     from benchmarks.provenance import provenance, write_results
 
@@ -79,7 +79,7 @@ def main() -> None:
                 print("floor", rows[-1], flush=True)
     figures = {"engines": a.engines, "pairs": a.pairs, "by_open_executions": summarize(rows, a.open_executions),
                "records_lost": sum(r["records_lost"] for r in rows), "errors": sum(r["errors"] for r in rows)}
-    config = vars(a) | {"out": os.path.relpath(a.out, ROOT)}
+    config = vars(a) | {"out": a.out and os.path.relpath(a.out, ROOT)}
     write_results(a.out, {"benchmark": "proxy_floor_bench", **provenance("aiohttp"), "config": config, "rows": rows,
                           "figures": figures,
                           "left_out": ["a real model: engines are deterministic, instant apart from their token delay",

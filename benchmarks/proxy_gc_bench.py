@@ -46,7 +46,7 @@ def main() -> None:
                     help="gc_every_s of the clocked arm (default: ProxyConfig's); short to put its full collection in the window")
     ap.add_argument("--think-s", type=float, default=10.0)
     ap.add_argument("--window-s", type=float, default=15.0)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "proxy_gc_bench.json"))
+    ap.add_argument("--out", help="the results file to write (machine, versions, config, commit, figures); default: none, print only")
     a = ap.parse_args()
     from benchmarks.provenance import provenance, write_results
     from gyre.proxy import ProxyConfig
@@ -75,7 +75,7 @@ def main() -> None:
                         "gc_pause_ms_max": max(r["proxy_gc_pause_ms_max"] for r in arm),
                         "gc_objects_freed": sum(r["proxy_gc_objects_freed"] for r in arm)}
     figures["p99_clock_vs_python"] = round(figures["clock"]["proxy_added_ms_p99_median"] / figures["python"]["proxy_added_ms_p99_median"], 3)
-    config = vars(a) | {"out": os.path.relpath(a.out, ROOT), "gc_every_s_clocked": clocked}
+    config = vars(a) | {"out": a.out and os.path.relpath(a.out, ROOT), "gc_every_s_clocked": clocked}
     write_results(a.out, {"benchmark": "proxy_gc_bench", **provenance("aiohttp"), "config": config, "rows": rows, "figures": figures,
                           "left_out": ["a real model: engines are deterministic, instant apart from their token delay",
                                        "other nodes: load generator, proxy and engine processes share this machine's cores"]})

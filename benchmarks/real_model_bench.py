@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which comparisons to run")
     ap.add_argument("--baselines", nargs="+", choices=["fifo", "batched"], default=["fifo", "batched"],
                     help="the generate servers of the staggered comparison")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "real_model_bench.json"))
+    ap.add_argument("--out", help="the results file to write (machine, versions, config, commit, figures); default: none, print only")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:

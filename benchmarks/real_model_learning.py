@@ -18,8 +18,8 @@ held-out difference's interval and the fitted rise's interval exclude 0 in >= 2 
     python benchmarks/real_model_learning.py                          # seeds 0 1 2
     python benchmarks/real_model_learning.py --seeds 0 --preset smollm2-smoke --samples 1 --max-tasks 8
     python benchmarks/real_model_learning.py --seeds 1 2 --reuse     # keep what seed 0 already measured
-Results: benchmarks/results/real_model_learning.json (machine, load, versions, commit, config,
-every run), rewritten after every seed so that a stopped benchmark keeps what it measured; the last
+Results (`--out benchmarks/results/real_model_learning.json`): machine, load, versions, commit, config,
+every run, rewritten after every seed so that a stopped benchmark keeps what it measured; the last
 line printed is one JSON object of the figures. `--reuse` keeps a seed's finished training run (its
 summary.json) and any evaluation already written (the base model's, a seed's final), so the seeds
 can be run in several sittings.
@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.provenance import provenance, write_results  # noqa: E402
+from benchmarks.provenance import OUT_HELP, provenance, write_results  # noqa: E402
 from gyre.config import PRESETS  # noqa: E402
 from gyre.eval import difference_interval  # noqa: E402
 
@@ -142,7 +142,7 @@ def main() -> int:
     p.add_argument("--max-tasks", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.7, help="the harness's sampling temperature (the preset's)")
     p.add_argument("--runs", default="runs/real-model-learning")
-    p.add_argument("--out", default="benchmarks/results/real_model_learning.json")
+    p.add_argument("--out", help=OUT_HELP)
     p.add_argument("--transformers-samples", type=int, default=None,
                    help="episodes of each transformers measurement (default: as many as gyre.eval ran)")
     p.add_argument("--skip-transformers", action="store_true",
@@ -227,7 +227,7 @@ def report(runs: list[dict], base_eval: dict | None, args, t_start: float) -> No
         "train_wall_s": [r["train_wall_s"] for r in runs], "load_mean": [r.get("train_load_mean") for r in runs],
         "goal_met": len(ok) >= 2 and sum(r["gyre_eval"]["excludes_zero"] and r["fitted_rise_excludes_zero"] for r in ok) >= 2,
     }
-    write_results(ROOT / args.out, {**provenance("transformers"), "config": vars(args), "runs": runs,
+    write_results(args.out and ROOT / args.out, {**provenance("transformers"), "config": vars(args), "runs": runs,
                                     "wall_s": round(time.time() - t_start, 1), "figures": figures})
 
 

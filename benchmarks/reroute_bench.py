@@ -10,7 +10,7 @@ on the source → first token on the target), tokens recomputed, KV bytes moved,
 
     python -m benchmarks.reroute_bench [--contexts 1024 4096 16384] [--transports gloo mooncake]
 
-Writes benchmarks/results/reroute_bench.json; the last line printed is one JSON object.
+The last line printed is one JSON object of figures; `--out benchmarks/results/reroute_bench.json` writes the results file.
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ import time
 
 import torch
 
-from benchmarks.provenance import provenance, write_results
+from benchmarks.provenance import OUT_HELP, provenance, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "results", "reroute_bench.json")
 VOCAB = 2048
 TOKENS_BEFORE = 4  # tokens on the source before each drain
 
@@ -160,6 +159,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--transports", nargs="+", default=["gloo", "mooncake"], choices=["gloo", "mooncake"])
+    ap.add_argument("--out", help=OUT_HELP)
     ap.add_argument("--only-mooncake", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.only_mooncake:  # inner run, inside the network namespace: migration only
@@ -205,7 +205,7 @@ def main() -> None:
     record = {**provenance("mooncake-transfer-engine-non-cuda"), "config": {**vars(args), "model": "small", "vocab": VOCAB,
                                                "tokens_before_drain": TOKENS_BEFORE, "torch_threads_per_rank": 1},
               "runs": runs, "figures": figures, "left_out": left_out}
-    write_results(RESULTS, record)
+    write_results(args.out, record)
 
 
 if __name__ == "__main__":

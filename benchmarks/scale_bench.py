@@ -1021,18 +1021,17 @@ def main() -> None:
     ap.add_argument("--soak-calls-per-exec", type=int, default=5)
     ap.add_argument("--soak-concurrency", type=int, default=32)
     ap.add_argument("--soak-max-s", type=float, default=480.0, help="no new soak execution starts after this many seconds")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale_bench.json"))
+    ap.add_argument("--out", help="the results file to write (machine, versions, config, commit, figures); default: none, print only")
     if ap.parse_known_args()[0].quick:  # smaller defaults; sizes given on the command line still win
         ap.set_defaults(open_executions=[64, 256, 1024], engines=[8], window_s=6.0, think_s=4.0, cells=[8, 32, 128],
                         sched_steps=4, ranks=[16, 64], store_steps=5, context_tokens=[1000, 8000, 32000], context_calls=100, store_procs=2, trajectory_copies=[1, 10],
-                        trajectory_repeats=1, soak_calls=5_000,
-                        out=str(ROOT / "benchmarks" / "results" / "scale_bench_quick.json"))
+                        trajectory_repeats=1, soak_calls=5_000)
     a = ap.parse_args()
     if a.proxy_impl == "null" and a.in_process_engines:
         ap.error("--proxy-impl null reaches its engines over the websocket transport: drop --in-process-engines")
     from benchmarks.provenance import provenance, write_results
 
-    config = vars(a) | {"out": os.path.relpath(a.out, ROOT)}  # no machine paths in the results
+    config = vars(a) | {"out": a.out and os.path.relpath(a.out, ROOT)}  # no machine paths in the results
 
     series = a.only or ["proxy", "context", "scheduler", "store", "trajectory", "soak"]
     calib = [_calibrate_ns()]
@@ -1045,8 +1044,9 @@ def main() -> None:
         res[name] = globals()[f"{name}_series" if name != "soak" else "soak"](a)
         calib.append(_calibrate_ns())
         print(f"[{name}: {time.monotonic() - t0:.0f} s]", flush=True)
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # what is done so far survives a later failure
-        Path(a.out).write_text(json.dumps({"benchmark": "scale_bench", "partial": True, "config": config, "series": res}, indent=2) + "\n")
+        if a.out:  # what is done so far survives a later failure
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps({"benchmark": "scale_bench", "partial": True, "config": config, "series": res}, indent=2) + "\n")
     figures = summarize(res, a)
     figures["calibration_loop_ns_max"] = round(max(calib), 1)
     figures["wall_s"] = round(time.monotonic() - t_all, 1)

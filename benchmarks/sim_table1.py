@@ -19,10 +19,7 @@ Prints the table, speedup ratios, whether the ordering matches the paper's, the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
 import sys
 import time
 
@@ -31,6 +28,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.provenance import OUT_HELP, provenance, write_results  # noqa: E402
 from gyre.sim.config import SimConfig  # noqa: E402
 from gyre.sim.durations import NL2REPO_122B  # noqa: E402
 from gyre.sim.engine import Simulation  # noqa: E402
@@ -46,18 +44,11 @@ from gyre.sim.variants import (  # noqa: E402
 )
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "sim_table1.json"))
+    ap.add_argument("--out", help=OUT_HELP)
     args = ap.parse_args()
 
     base = SimConfig(steps=args.steps, seed=args.seeds[0])
@@ -127,12 +118,10 @@ def main() -> None:
         "tuned_baselines_h": {k: round(v, 3) for k, v in sens_hours.items()},
     }
     record = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor()},
-        "versions": {"python": platform.python_version(), "numpy": np.__version__},
+        **provenance("numpy"),
         "config": {"seeds": args.seeds, "steps": args.steps, "base": describe(base),
                    "batch_groups": base.scheduler.batch_groups, "n_per_group": base.scheduler.n_per_group,
                    "training": vars(base.training), "durations": "NL2REPO_122B preset", "chosen": chosen},
-        "git_commit": git_commit(),
         "paper_hours": PAPER_HOURS,
         "sim_hours": hours,
         "figures": figures,
@@ -145,10 +134,7 @@ def main() -> None:
             f"tuning time of the baselines: {t_tune:.0f} s on seed {args.seeds[0]}",
         ],
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(record, fh, indent=1)
-    print(json.dumps(figures))
+    write_results(args.out, record)
 
 
 if __name__ == "__main__":

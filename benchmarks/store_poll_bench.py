@@ -162,7 +162,7 @@ def main() -> None:
     ap.add_argument("--window-s", type=float, default=6.0)
     ap.add_argument("--procs", type=int, default=4, help="client processes the simulated ranks are spread over")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--results", default="benchmarks/results/store_poll_bench.json")
+    ap.add_argument("--out", "--results", dest="out", help="the results file to write (machine, versions, config, commit, figures); default: none, print only")
     args = ap.parse_args()
     if args.serve:
         _serve()
@@ -190,7 +190,7 @@ def main() -> None:
                           "the fixed poll's achieved rate is capped by the clients' CPU here, below its target of "
                           "500 requests/s a rank; loopback only, no network round trip",
               "runs": runs, "figures": figures}
-    write_results(args.results, record)
+    write_results(args.out, record)
 
 
 if __name__ == "__main__":

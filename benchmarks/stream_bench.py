@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--token-delay", type=float, default=0.02, help="engine seconds per token (50 tokens/s a stream)")
     ap.add_argument("--think-s", type=float, default=10.0)
     ap.add_argument("--window-s", type=float, default=15.0)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "stream_bench.json"))
+    ap.add_argument("--out", help="the results file to write (machine, versions, config, commit, figures); default: none, print only")
     a = ap.parse_args()
     if a.intervals[0] != 0:
         ap.error("--intervals: the first is the baseline and must be 0")
@@ -68,7 +68,7 @@ def main() -> None:
                                           "proxy_added_ms_p50", "proxy_added_ms_p99")}
         if r is not b:
             figures[tag]["cpu_per_call_vs_i0"] = round(r["proxy_cpu_ms_per_call"] / b["proxy_cpu_ms_per_call"], 3)
-    config = vars(a) | {"out": os.path.relpath(a.out, ROOT)}
+    config = vars(a) | {"out": a.out and os.path.relpath(a.out, ROOT)}
     write_results(a.out, {"benchmark": "stream_bench", **provenance("aiohttp", "numpy"), "config": config, "rows": rows, "figures": figures,
                           "left_out": ["a real model: engines are deterministic, instant apart from their token delay",
                                        "other nodes: load generator, proxy and engine processes share this machine's cores"]})

@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.provenance import OUT_HELP, provenance, write_results  # noqa: E402
 from gyre.trajectory.packing import ExecutionSample, pack_step  # noqa: E402
 from gyre.trajectory.record import CallRecord, Role  # noqa: E402
 from gyre.trajectory.selection import select_trajectories  # noqa: E402
@@ -170,21 +168,13 @@ def peak_memory(fn) -> int:
     return peak
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except Exception:  # noqa: BLE001 - a results file without a commit is still useful
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--scale", type=float, default=1.0, help="token-size scale of the synthetic execution")
     ap.add_argument("--max-tokens", type=int, default=524_288)
     ap.add_argument("--budget-seeds", type=int, default=16, help="selection seeds averaged for the J_max budgets")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "trajectory_bench.json"))
+    ap.add_argument("--out", help=OUT_HELP)
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -278,10 +268,7 @@ def main() -> None:
     }
     result = {
         "benchmark": "trajectory_bench",
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "python": sys.version.split()[0]},
-        "versions": {"numpy": np.__version__},
-        "git_commit": git_commit(),
+        **provenance("numpy"),
         "config": vars(args),
         "figures": figures,
         "memory": {str(k): v for k, v in mem.items()},
@@ -291,9 +278,7 @@ def main() -> None:
             "context-parallel splitting of a single over-long trajectory is not implemented",
         ],
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(figures))
+    write_results(args.out, result)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 The class defaults (`--actor.lr` 1e-4, `--train.max-tokens` 4096) and the presets' own values
 (cpu-demo: 1e-3) are sized for the small random-init or warm-started models Gyre builds. A
 pretrained model of tens of millions of parameters or more is wrecked by such a learning rate, and
-4,096-token micro-steps took one rank of a 135 M model to ~8.6 GB peak RSS (issue 51;
-`python -m examples.smollm2.rss_probe`). So when `--model.checkpoint` names such a model and the
+4,096-token micro-steps took one rank of a 135 M model to ~8.6 GB peak RSS
+(`python -m examples.smollm2.rss_probe`). So when `--model.checkpoint` names such a model and the
 value was not chosen for it — not given on the command line, and either the class default or a
 preset's value for the preset's own model (the checkpoint came from the command line) — the run
 takes the value `checkpoint_defaults` computes, and logs which and why:

@@ -150,6 +150,70 @@ def test_the_rules_catch_a_planted_import(planted):
         assert ["gyre.errors", "gyre.ids"] in cycles(g)
 
 
+def results_problems(root: Path) -> list[str]:
+    """benchmarks/results/ holds one file per benchmark script, named after it, and no script writes
+    there unless asked: no `--out`/`--results` default and no path into results/ outside its docstring."""
+    bench = root / "benchmarks"
+    scripts = {p.stem: p for p in bench.glob("*.py")}
+    bad = [f"benchmarks/results/{p.name}: no benchmarks/{p.stem}.py" for p in sorted((bench / "results").iterdir())
+           if p.suffix != ".json" or p.stem not in scripts]
+    for name, p in sorted(scripts.items()):
+        tree = ast.parse(p.read_text())
+        doc = ast.get_docstring(tree) or ""
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and any(isinstance(a, ast.Constant) and a.value in ("--out", "--results") for a in node.args):
+                if any(k.arg == "default" and not (isinstance(k.value, ast.Constant) and k.value.value is None) for k in node.keywords):
+                    bad.append(f"benchmarks/{name}.py:{node.lineno}: --out has a default (write only when asked)")
+            parts = [c.value for c in ast.iter_child_nodes(node) if isinstance(c, ast.Constant)]  # "benchmarks", "results"
+            if isinstance(node, ast.BinOp | ast.Call) and "results" in parts or (
+                    isinstance(node, ast.Constant) and str(node.value).startswith("benchmarks/results/") and node.value not in doc):
+                bad.append(f"benchmarks/{name}.py:{node.lineno}: a path into benchmarks/results")
+    return bad
+
+
+def test_benchmarks_write_results_only_when_asked_one_file_each(tmp_path):
+    root = GYRE.parent
+    assert results_problems(root) == []
+    # planted: a default --out into the checkout, and a second file for one benchmark
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "x_bench.py").write_text(
+        'import argparse\nap = argparse.ArgumentParser()\nap.add_argument("--out", default="benchmarks/results/x_bench.json")\n')
+    (tmp_path / "benchmarks" / "results" / "x_bench.json").write_text("{}")
+    (tmp_path / "benchmarks" / "results" / "x_bench_again.json").write_text("{}")
+    assert results_problems(tmp_path) == ["benchmarks/results/x_bench_again.json: no benchmarks/x_bench_again.py",
+                                          "benchmarks/x_bench.py:3: --out has a default (write only when asked)",
+                                          "benchmarks/x_bench.py:3: a path into benchmarks/results"]
+
+
+README_MAX_LINES = 250  # a front page (torchtitan's is 191, nanochat's 230); the depth lives in docs/
+
+
+def readme_too_long(text: str) -> str | None:
+    """Why `text` is not a front page, or None."""
+    n = len(text.splitlines())
+    return f"README.md is {n} lines, over {README_MAX_LINES}: move the depth to docs/" if n > README_MAX_LINES else None
+
+
+def docstrings_naming_issues(sources: dict[str, str]) -> list[str]:
+    """The modules (name → source) whose module docstring names an issue number ("issue 34"): a
+    docstring says what the code does and points at docs/, not at the tracker's history."""
+    import re
+
+    return sorted(name for name, src in sources.items()
+                  if re.search(r"\bissue \d+", ast.get_docstring(ast.parse(src)) or "", re.IGNORECASE))
+
+
+def test_the_readme_is_a_front_page_and_docstrings_name_no_issue():
+    assert readme_too_long((GYRE.parent / "README.md").read_text()) is None
+    assert docstrings_naming_issues({str(p.relative_to(GYRE.parent)): p.read_text() for p in GYRE.rglob("*.py")}) == []
+    # planted: one line too many, and an issue number in a module docstring (not in a function's)
+    assert readme_too_long("line\n" * 251) and readme_too_long("line\n" * 250) is None
+    planted = {"a.py": '"""Fast path (issue 34: 25 ms a call)."""\n',
+               "b.py": '"""Fast path."""\n\ndef f():\n    """issue 34"""\n',
+               "c.py": '"""Fast path, see Issue 7."""\nimport os\n'}
+    assert docstrings_naming_issues(planted) == ["a.py", "c.py"]
+
+
 CONTROLLER_USERS = {"gyre.runtime.controller", "gyre.runtime.job"}  # the class, and the one place that builds it
 
 

@@ -1,4 +1,4 @@
-"""The up-front check of an evaluator, run where the evaluator will run (issue 53, item 5).
+"""The up-front check of an evaluator, run where the evaluator will run.
 
 Before any execution starts (`gyre.config_checks.check_tasks`), each distinct evaluator is
 started once in its own sandbox (`--executions.evaluator.sandbox`: the same backend, binds,
@@ -15,9 +15,8 @@ does before it looks at a workspace:
     [program, ...]                the program resolves (on PATH, or an executable file)
 
 A probe that fails refuses the run, naming the task, the evaluator, where it runs and the last
-line the probe printed (`ModuleNotFoundError: No module named 'file_eval'`). Before, this check ran
-outside the sandbox, so an evaluator that could start only there passed it, and every execution
-of its task was then excluded with warnings only.
+line the probe printed (`ModuleNotFoundError: No module named 'file_eval'`). The contract an
+evaluator keeps: docs/train-your-own-agent.md, (c) and (g).
 
 Relative programs and scripts come from the task's workspace files; they are left to the run
 (and to `gyre.executions.health`: an evaluator whose first evaluations all fail stops it).

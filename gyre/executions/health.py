@@ -24,9 +24,8 @@ One evaluator that never works is caught on its own, even while other tasks' eva
 (so the window never fills with failures): when an evaluator's first `evaluator_window`
 evaluations all failed (excluded after their attempts; a workspace refused for a link is the
 harness's doing and does not count), the run stops, naming the evaluator and quoting its last
-error (its stderr tail). One valid reward clears it for the rest of the run. This is the
-evaluator's counterpart of a harness that crashes every time: it used to exclude every execution
-of its tasks with warnings only.
+error (its stderr tail). One valid reward clears it for the rest of the run: the evaluator's
+counterpart of a harness that crashes every time (docs/train-your-own-agent.md, (f)).
 """
 
 from __future__ import annotations

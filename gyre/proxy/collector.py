@@ -3,13 +3,9 @@
     release = collect_on_a_clock(every_s=600.0, every_objects=500_000)   # at serve time
     release()                                                             # at the server's cleanup
 
-Why: the proxy makes no cyclic garbage while it serves. At 4,096 open executions its collections
-freed 0 objects in the measuring window, and a 30,000-call soak left 29 for the final one
-(`benchmarks/scale_bench.py --only proxy`, `proxy_gc_objects_freed`). Yet each young collection
-walked the ~35k objects of the ~290 calls in flight, 11-25 ms in which every call waited (and
-the backlog, at half a core, took longer than the pause to drain), 6 times in 15 s: with it the
-proxy's added p99 there was 13-20 ms, without it 7-9 (`benchmarks/proxy_gc_bench.py`). Its
-objects are freed by their reference counts, collector or not.
+Why: the proxy makes no cyclic garbage while it serves (its objects are freed by their reference
+counts), yet each young collection walks every object of the calls in flight while every call
+waits. The measurements: benchmarks/README.md, "Scale" (`benchmarks/proxy_gc_bench.py`).
 
 So while any proxy serves in the process, automatic collection is off (`gc.disable`), and a
 thread runs one full collection every `every_s` seconds, or sooner once the containers alive have

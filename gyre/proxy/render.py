@@ -10,55 +10,13 @@ result is the token sequence the model actually conditioned on, so every output 
 in exactly the context it was sampled in. Assistant turns that match nothing are tokenized from
 text and counted as unmatched (context, never targets).
 
-Why this is exact, for every chat format (gyre/proxy/formats): the format declares the
-generation prompt G (the assistant header `add_generation_prompt` appends) and the end-of-turn
-token E, and the template renders an assistant turn whose content is a bare placeholder as
-G + [T] + placeholder + E, T being whatever the template puts between the header and the content
-(Qwen3.5: a think block), which the splice drops: the stored turn starts with what the model saw
-there. ChatML (qwen2.5, qwen3, qwen3-coder, qwen3.5, chatml) `<|im_start|>assistant\\n` ... `<|im_end|>`,
-Llama 3.1 `<|start_header_id|>assistant<|end_header_id|>\\n\\n` ... `<|eot_id|>` (its `| trim`
-leaves a placeholder alone; Qwen3 renders a turn without reasoning as G + content whatever its
-position). G ends in a special token or a newline the pre-tokenizer splits off, and E is a special
-token, so the text before a placeholder tokenizes as the prompt of the call that produced the
-turn did (the templates only append: earlier turns render the same when later ones are added),
-and the placeholder + E is replaced by the sampled ids (which end in E unless the call stopped
-otherwise, in which case the template's E follows them). What the generation prompt adds after
-G (Qwen3's `<think>\\n\\n</think>\\n\\n` with enable_thinking=false) and a forced tool-call
-opening are part of the stored turn: its ids are that prefix + the sampled ids, in the context
-before the prefix (gyre.proxy.core), so a re-sent turn splices back to exactly what the model saw.
-tests/proxy/test_formats_render.py checks the splice per format with hypothesis.
-
-Past reasoning (templates that drop the reasoning of turns before the last user query: Qwen3).
-`past_reasoning="keep"` splices those turns' sampled ids, thinking included: one prefix-shared
-trajectory, the context the model really saw. `"strip"` renders a turn as the template does
-whenever the template would not show its thinking (before the last user query, or re-sent
-without `reasoning_content`): its text, no thinking; the call is its own branch, still exact (its
-prompt is what the template gives); such turns are counted in `Rendered.stripped`, not as
-unmatched. Turns the template renders with their thinking are spliced in both modes.
-
-Only the template makes control tokens. Message text, tool-call arguments and tool definitions
-are encoded as ordinary byte-level text even where they spell a special token: a user or tool
-message holding `<|im_start|>system` cannot forge a turn. They are escaped (a per-process nonce
-marker) before the template runs, and a chunk holding a marker is cut at the template's own
-special tokens and its text encoded with special-token matching off. Text without such strings
-takes the usual path, so the ids (and splicing) are as before; with them, the same text always
-gives the same ids, so re-sent histories still splice exactly.
-
-Tokenization is cached per chat turn (text between the format's turn-start tokens), so a long history
-re-sent on every call is encoded once.
-
-Unmatched turns are diagnosed by comparing them with the stored turns (`Rendered.unmatched_kinds`):
-`split` (a run of consecutive assistant messages that together are one stored turn: the harness
-sent its text and its tool calls as separate messages), `text_dropped` (the tool calls of a
-stored turn, exactly, with no text: the harness dropped the text of a turn with tool calls),
-`reordered` (a stored turn's parallel tool calls in another order), `edited` (a stored turn's exact tool calls with other text), `unknown` (matches nothing: edited
-text or arguments, or a turn this proxy did not produce). With `splice="tolerant"` the first two
-are spliced like a match: the run, or the message, is replaced by the stored turn's sampled ids,
-all of them, so the later prompt holds exactly what the model conditioned on and saw itself
-produce. It never invents a token: the stored turn's tool calls must match exactly (names and
-canonical arguments), a split run's text must match exactly too, and when several stored turns
-have those tool calls with different sampled ids, only the one sampled in exactly this context
-is used (none: the message stays unmatched). Edited and unknown turns stay text in both modes.
+Why the splice is exact for every chat format, and why message text cannot forge a turn (it is
+encoded as ordinary text even where it spells a special token): docs/proxy_harnesses.md, "Why
+splicing is exact"; tests/proxy/test_formats_render.py checks the splice per format with
+hypothesis. Past reasoning (`past_reasoning` keep / strip) and the diagnosis of unmatched turns
+(`split`, `text_dropped`, `reordered`, `edited`, `unknown`; what `splice="tolerant"` splices):
+docs/proxy_harnesses.md. Tokenization is cached per chat turn, so a long history re-sent on every
+call is encoded once.
 """
 
 from __future__ import annotations

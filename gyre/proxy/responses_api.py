@@ -2,62 +2,14 @@
 
 The OpenAI Agents SDK (`OpenAIResponsesModel`) and Codex CLI (`wire_api = "responses"`) speak
 this API. Input items map onto the same normalized chat messages the chat adapter produces, so
-the core renders, splices and records them unchanged (docs/design.md §4):
+the core renders, splices and records them unchanged (docs/design.md §4). Reasoning is a
+`reasoning` output item before the message; `function` and `custom` tools become chat-template
+functions, hosted tools are left out of the prompt, and other tool types are a 400. A response
+with `store` is kept per execution within `proxy.responses_store_bytes`
+(gyre/proxy/responses_store.py) for `previous_response_id` and `GET /v1/responses/{id}`.
 
-    instructions                        -> a system message, first
-    message (system/developer/user)     -> that role's message (developer -> system)
-    message (assistant) + function_call / custom_tool_call items that follow it
-                                        -> ONE assistant turn {content, tool_calls}: the items one
-                                           response produced, re-sent, fingerprint like the stored
-                                           turn, so the core splices in the sampled ids
-    function_call_output / custom_tool_call_output -> a `tool` message
-    reasoning                           -> the `reasoning_content` of the assistant turn it
-                                           precedes (its content / summary text; the template
-                                           renders or drops it; encrypted content is unreadable)
-
-Reasoning (chat formats with a reasoning channel, e.g. Qwen3's `<think>`; gyre/proxy/formats):
-the model's thinking is a `reasoning` output item before the message (`content` holds one
-`reasoning_text` part; streamed as `response.reasoning_text.delta` / `.done`). `reasoning.effort`
-"none" turns the template's thinking off (`enable_thinking=false`), any other effort leaves the
-template's default; `chat_template_kwargs` is passed to the template as on the chat API.
-
-Tools: `function` tools (Responses shape, name/parameters at the top level) become chat-template
-functions; a `custom` (freeform) tool becomes a function taking one string, `{"input": str}`,
-its description carrying the tool's grammar if it has one. A generated call to it comes back as
-a `custom_tool_call` item whose `input` is that string; re-sent, it is `{"input": input}` again,
-so it splices like any call (a call whose arguments were not exactly `{"input": str}` comes back
-with the arguments' JSON as `input` and, re-sent, stays unspliced context). A `namespace` tool's
-functions are listed flat and their calls carry `namespace`. Hosted tools (`web_search`,
-`file_search`, `code_interpreter`, `image_generation`, `mcp`, `tool_search`) run on OpenAI's
-servers, never in the client, so nothing here could execute a call: they are left out of the
-prompt (Codex sends `web_search` on every call). Other tool types (`local_shell`, `shell`,
-`apply_patch`, `computer_use_preview`) would need their own output items: refused with a 400.
-
-State: the proxy keeps nothing across calls except per execution. A response with `store` (the
-API's default, true) is kept in the execution's state — its new input messages and its output
-turn, linked to its parent — at most `proxy.responses_store_bytes` per execution, least recently
-used evicted first (gyre/proxy/responses_store.py); `previous_response_id` prepends that
-chain (the previous response's `instructions` are not carried over, as in OpenAI's API), and
-`GET /v1/responses/{id}` returns it. `store: false` keeps nothing, and a later reference to it, or
-to an evicted one, is a 400 `previous_response_not_found`. Clients that re-send the full history
-(Codex, the Agents SDK by default) are stored as a delta against the execution's last kept
-response when it is a prefix. The chain's output turns name their calls, so continuing one of
-two forks that sampled the same text with different ids splices the named fork's ids; input
-items that re-send the end of the chain (its output included) are taken once, not twice.
-
-`tool_choice` `required` or a named function / custom tool forces a call by a forced prefix
-(gyre.proxy.core); `top_logprobs` k returns k alternatives per token in `output_text.logprobs`
-(and turns the log-probs on). Refused with a 400 naming the field, never silently ignored:
-`text.format` other than text (no engine here constrains decoding to a schema), hosted-tool and
-`allowed_tools` tool choices, `conversation`, `prompt`, `background`, `item_reference`. `input_image` / `input_file` parts of user messages and tool outputs become a line of
-text (`[image: image/png, 48213 bytes]`, URLs by scheme and host, never fetched), context and
-never a training target; `--proxy.media reject` makes them a 400 naming the field. Accepted and ignored: `metadata`,
-`user`, `reasoning.summary` (no summarizer: the reasoning item has the full text), `parallel_tool_calls` (every
-call the model writes is returned), `truncation`, `prompt_cache_*`, `client_metadata`,
-`safety_identifier`, `service_tier`, `text.verbosity`, `include` (except
-`message.output_text.logprobs`, which fills `output_text.logprobs` as the chat API does). Streams follow OpenAI's event sequence,
-each event with `sequence_number`; a response cut by `max_output_tokens` is `incomplete` with
-`incomplete_details.reason = "max_output_tokens"` and ends the stream with `response.incomplete`.
+The item mapping, the tools, what is refused with a 400 naming the field and what is accepted and
+ignored: docs/proxy_harnesses.md, "The Responses API"; stored responses: "Stored Responses".
 """
 
 from __future__ import annotations

@@ -16,8 +16,7 @@ Waiting is polling with a backed-off sleep (`Backoff`): 2 ms after a message, do
 nothing comes, up to `max_poll` (50 ms). Polling keeps the store's own timeout machinery (and its
 socket warnings) out of the way, and a blocking `wait` would hold the rank's one store connection
 that other threads of the rank share; backing off keeps what idle ranks cost the one TCPStore
-server small (today's fixed 2 ms poll: 500 requests/s a rank, ~128k/s at 256 ranks; backed
-off: ~20/s a rank, measured in benchmarks/store_poll_bench.py) while a command still reaches an
+server small (`benchmarks/store_poll_bench.py` compares it with a fixed poll) while a command still reaches an
 idle rank within `max_poll` plus one round trip. A wait that lasts longer than `progress_every`
 seconds is logged, so a hang is never silent, then again at a doubling gap (at most
 `SLOWEST_NOTE_S`): an idle rank of a long run writes a handful of such lines, not hundreds.

@@ -1,9 +1,6 @@
 """Write errors of a run: every failed write is one error the controller sees, states once and
-stops on (README.md, "What the main job does").
-
-A full disk used to kill the execution tasks unnoticed (the ENOSPC writing `result.json` ended
-an asyncio task nobody awaited: no group became ready, the run waited forever). Here every
-write the run depends on reports to one place, the controller's `write_failed`:
+stops on (docs/operations.md, "When a run stops early"). Every write the run depends on reports
+to one place, the controller's `write_failed`, so no failed write ends a task nobody awaits:
 
     execution results   `watch_execution(task, ...)`: a done callback on each execution task
                         (an exception there is never a silent task death)

@@ -169,7 +169,7 @@ def test_a_device_run_returns_its_json_and_two_small_files(gc, tmp_path, monkeyp
     machine returns (≤ 8 files, ≤ 2 folders deep), gpu_check.json among them."""
     (tmp_path / "fake_run.py").write_text(FAKE_RUN)
     (tmp_path / "fake_scale.py").write_text(FAKE_SCALE)
-    record = ROOT / "benchmarks" / "results" / "scale_bench_proxy.json"  # the proxy series, with its legs
+    record = ROOT / "benchmarks" / "results" / "scale_bench.json"  # the proxy series, with its legs
     passed = lambda *a, **k: gc.Stage("pass")  # noqa: E731
     for name in ("stage_install", "stage_build", "_pytest"):
         monkeypatch.setattr(gc, name, passed)

@@ -1,7 +1,7 @@
 """What one CPU-actor rank should hold: weights + grads + AdamW states + one micro-step's activations.
 
 `memory_accounting` is pure arithmetic on the model's shape, the yardstick the measured peak RSS is
-held against (benchmarks/actor_memory.py, docs/backends.md; issue 51's target: within 1.3×).
+held against (benchmarks/actor_memory.py; docs/backends.md, "The CPU actor's memory").
 
 Activations, per token, of one decoder layer of the supported dense families (Llama / Qwen2 /
 Qwen3 in transformers, SDPA attention), counted from what autograd saves for the backward

@@ -1,94 +1,20 @@
 """SGLang rollout engine embedded in a cell's first rank (GPU; `pip install gyre[gpu]`).
 (Over 600 lines: each engine state below is a request/answer pair with SGLang, documented where it is awaited.)
 
-Wraps the offline `sglang.Engine` (sglang 0.5.23, srt/entrypoints/engine.py). Its synchronous
-helpers call `loop.run_until_complete`, which cannot run inside Gyre's event loop, so the adapter
-awaits the engine's `tokenizer_manager` (TM) coroutines with the `io_struct` request objects the
-helpers build. Only the TM lives in this process; the scheduler (weights, KV cache) is a
-subprocess, so every state below is a *request* to it, and the adapter waits for the answer that
-proves the state was reached (docs/gpu-sglang.md has the whole table, with SGLang file:line).
+Wraps the offline `sglang.Engine` (sglang 0.5.23). Its synchronous helpers call
+`loop.run_until_complete`, which cannot run inside Gyre's event loop, so the adapter awaits the
+engine's tokenizer-manager coroutines directly. Only the tokenizer manager lives in this process;
+the scheduler (weights, KV cache) is a subprocess, so every state change (generate, abort, update,
+release, resume) is a request to it, and the adapter waits for the answer that proves the state was
+reached.
 
-    generate   Engine.async_generate(input_ids, sampling_params, return_logprob=True, stream=True,
-               rid) → chunks whose meta_info['output_token_logprobs'] is the request's cumulative
-               list of (logprob, token_id, text); 'output_token_logprobs_length' bounds the chunk.
-               max_new_tokens is cut to the context and a prompt SGLang cannot take is refused
-               up front, so requests end as on the CPU engine (`_fit_context`).
-    abort      TM.abort_request(rid). SGLang matches rids by *prefix* (scheduler.py:5688, 5800),
-               so every rid is made prefix-free (`prefix_free_rid`). A running request is only
-               flagged and takes one more decode step (scheduler.py:5796-5813): it has *landed*
-               when the TM drops its state (tokenizer_manager.py:2774), and until then it counts
-               as busy for `release_memory`. An abort is held until SGLang dispatched the request
-               (a generate waiting on a pause has a state but is not in the scheduler; an abort
-               then is lost and silences later ones, :926, 938-939, 2249-2250; `_send_abort`).
-    update     pause_generation(retract) → begin_weight_update → update_weights_from_tensor(
-               weight_version=v) → end_weight_update → continue_generation. The scheduler refuses
-               an update outside a begin/end session (scheduler_components/weight_updater.py:232);
-               running requests are retracted and recompute their KV under the new weights (the
-               CPU engine's `recompute_kv_on_update`), none is dropped. Bucketed (--transfer.
-               bucket-mb): one update_weights_from_tensor call per bucket, one payload per TP rank,
-               its tensors on that rank's GPU (`tp_devices`); the version with the last call.
-    release    refused while any request is live here; waits for aborted ones to land, pauses
-               (retract), then release_memory_occupation. The scheduler *asserts* it is idle
-               (weight_updater.py:337); a failed assert kills it and SIGQUITs this rank.
-    resume     torch.cuda.empty_cache() (this process's cached blocks go back to the driver) →
-               resume_memory_occupation → continue_generation. SGLang does not back weights up:
-               the worker loads the published version right after (it always does).
-    versions   the engine starts with weight_version=str(version) and every update passes its
-               version, so each chunk's meta_info['weight_version'] is a number. The finishing
-               chunk also carries the scheduler's exact per-token spans ('weight_versions',
-               utils/weight_versions.py:90); a token labelled differently is counted in
-               health().detail['version_mismatches'] and logged (see docs/gpu-sglang.md).
-    coverage   once at start, before serving (--transfer.coverage-check): check_weights snapshot →
-               reset_tensors → the start weights as an update at the start version → compare
-               (`gyre.backends.transfer.coverage`); a tensor left unwritten stops the engine.
-    distributed `init_weights_update_group` / `update_weights_from_distributed` receive a
-               broadcast from the core; `WeightBroadcaster` is the trainer's side of that group.
-
-Process-wide side effects of starting an Engine, and what the adapter does about them:
-`configure_logger` → logging.basicConfig(force=True) (engine.py:1152): Gyre's root handlers and
-level are put back. torchrun's TORCHELASTIC_USE_AGENT_STORE would make the scheduler's own
-`init_process_group` wait for a store nobody hosts: it is removed while the engine starts.
-Importing sglang.srt.entrypoints.engine (the first `Engine()`: `sglang.Engine` is a LazyImport)
-sets a process-wide uvloop event-loop policy (engine.py:168): the previous policy is put back, so
-rank 0's controller loop and the harness subprocesses it starts keep asyncio's own.
-`mp.set_start_method("spawn", force=True)` (engine.py:1995) and NCCL_CUMEM_ENABLE /
-NCCL_NVLS_ENABLE / CUDA_DEVICE_MAX_CONNECTIONS (engine.py:1885-1921) stay as SGLang sets them.
-`Engine.shutdown` kills every child of the rank (engine.py:1491; it is also registered with
-atexit), harness subprocesses included: the adapter never calls it and unregisters it; `stop()`
-stops the tokenizer manager's subprocess watchdog (else it SIGQUITs the rank) and ends only the
-processes the engine started, never multiprocessing's shared resource tracker (which the first
-spawn starts as a child of the rank).
-
-Log-probs: with `logprobs='policy'` SGLANG_RETURN_ORIGINAL_LOGPROB=1 makes SGLang report
-log-softmax of the logits before temperature / top-p (layers/sampler.py:82, 230-236), the
-trainer's quantity, *except* that penalizers run first (model_runner.py:2093): with
-`min_tokens` > 0 the first min_tokens tokens carry log-probs of the distribution with the stop
-ids masked (a warning says so once). `sampling_seed` is honoured only with
-`enable_deterministic_inference` (sampling_batch_info.py:157-170). Token-id stop sequences
-(SGLang's `stop` takes strings) are matched here: the request is aborted and cut after the match.
-
-Model directory, dtype, pass-through: `factory.build_sglang_engine` gives the engine
-the --model.checkpoint directory itself at version 0, else one it writes (config.json with
-`architectures` and `dtype`, sharded safetensors in checkpoint names); `config.extra` is passed
-straight to ServerArgs, names checked against its fields (`server_args`). `update_weights` sends
-checkpoint names (per-expert MoE tensors), which SGLang's load_weights reads.
-
-Padded vocabulary: with `sampleable_vocab` every request carries `logit_bias` = PAD_BIAS on the
-ids the tokenizer cannot decode (`unsampleable_bias`), so SGLang never samples them.
-
-Alternatives (`SamplingParams.top_logprobs` = k): `async_generate(..., top_logprobs_num=k)`;
-meta_info['output_top_logprobs'] is cumulative like 'output_token_logprobs', one list of
-(logprob, token_id, text or None) per output token, most likely first; `parse_top` maps the
-chunk's slice to `TokenEvent.top`.
-
-Checked against the sglang 0.5.23 wheel's source and run against the conformance fake
-(tests/backends/sglang_fake.py); not yet run on a GPU. Nothing here imports sglang at module
-import; `SglangApi.real()` imports it when the engine starts.
-
-Size (about 770 lines): one adapter class mirroring SGLang's engine lifecycle (sessions, release /
-resume, weight updates, streamed generation) plus the pure request/ServerArgs helpers it is tested
-through; the core's side of the weight-update group is gyre/backends/engines/weight_group.py
-(`WeightBroadcaster`); the next split is the ServerArgs pass-through.
+docs/gpu-sglang.md, "How the adapter follows SGLang 0.5.23", has each SGLang behaviour (with its
+file:line in the wheel) and what this adapter does about it: the update session, prefix-free
+rids, aborts held until dispatch, release only when idle, weight versions per token, policy
+log-probs, the process-wide side effects of starting an engine, the model directory and the
+padded vocabulary. Nothing here imports sglang at module import; `SglangApi.real()` imports it
+when the engine starts. The core's side of the weight-update group is
+`gyre/backends/engines/weight_group.py`.
 """
 
 from __future__ import annotations

@@ -3,54 +3,12 @@
     python -m gyre.plan --memory --model qwen3-8b --gpu h100 --tp 8 --cell-size 8
     python -m gyre.plan --memory --model /ckpt/Qwen3-30B-A3B --gpu-gb 141 --ep 8 --json
 
-Pure arithmetic on the config's parameter counts (`gyre.backends.models.sizes`); "GB" are GiB
-(2^30 bytes); per GPU, for the worst pipeline stage (the last: it holds the LM head and the logits).
-
-Actor (the core's rank; satellites hold no masters or Adam states), `--actor megatron`
-(`megatron_actor.py`: bf16 parameters, no Megatron DDP or distributed optimizer, only the core
-owns AdamW over fp32 masters, `Fp32Master`), N = parameters on the GPU:
-
-    weights 2N (bf16) · grads 4N (fp32 main grads after the prefix-group reduce; 2N bf16 `.grad`
-    during the backward) · fp32 masters 4N (0 for fp32 weights) · Adam m, v 8N
-    = 18 bytes/param, Megatron's figure for "fp16 param, fp32 grads" without the distributed
-    optimizer (megatron-core docs, api-guide/dist_optimizer.md)
-    step temporaries 8N: `grads_fp32`'s fp32 copies and AdamW's foreach sqrt(v) buffer
-    peak = max(weights + bf16 grads + masters + Adam + activations, weights + grads + masters + Adam + step temporaries)
-
-N per GPU: each stage's L/pp layers with attention and dense MLP / tp, norms and the router
-whole, experts / (ep·tp) (a Gyre cell is tp·pp·ep: dense weights repeat on every EP rank), the
-embedding / tp on the first stage, the head / tp and final norm on the last (tied: a copy when pp > 1).
-
-Activations, bytes per token of a micro-step (Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models", §4.1: count every tensor a layer saves for its
-backward, b bytes per element; here with flash attention (no a·s² score terms, their "selective"
-case), no dropout, RMSNorm, GQA, SwiGLU, and TP without sequence parallelism, so the norms' and
-linears' inputs stay whole on every TP rank; q = heads·head_dim, kv = kv_heads·head_dim):
-
-    dense layer  b·(2h + (2q + 2kv [+ q + kv with q/k norms]) / tp   input norm + QKV input; q, k,
-                        + 2h + 3f / tp)                              v, attention output; MLP norm
-                                                                     + fc1 input; SwiGLU input, fc2 input
-    MoE layer    the same attention, b·(2h + k·(h + 3f_moe / tp)) + 8E  (each token's k expert
-                 copies; router logits and probs fp32). Gyre runs the same micro-step on every EP
-                 rank, so EP does not divide it.
-    last stage   b·2h + (b + 4)·V / tp          final norm, head input; logits and their fp32 copy
-                                                (vocab_parallel_cross_entropy's saved softmax)
-    recompute    b·h per layer (its input, §5 "full recomputation": 2sbhL) + one layer's full set
-
-(`--actor cpu`: the built-in actor, fp32 weights that are their own masters: 4N + 4N grads + 8N
-Adam, activations from `actors.accounting`.)
-
-Engine (SGLang at TP = the cell size, `backends/factory.py`): weights / cell size; KV per token
-per GPU = 2·layers·kv_heads_per_GPU·head_dim·b (KV heads replicated when TP > KV heads). SGLang
-sizes its pool from the memory free before it loads the model (`kv_cache_configurator`, audit
-2026-12-06 N1): KV = fraction · free − weights, free = GPU − reserve (− the actor when it stays
-resident, `--backend.no-offload-actor`); (1 − fraction) · free is the slack a weight update is staged
-in (today the whole model; `--bucket-mb` for bucketed updates).
-
-`advice.py` suggests flag changes when a plan does not fit; `__main__.py` prints the table.
-
-Host: what `ActorMemory.offload` moves at each hand-over (weights, masters, Adam; gradients are
-cleared by then) and the core's `--transfer.keep` + 1 weight snapshots (model dtype).
+Pure arithmetic on the config's parameter counts (`gyre.backends.models.sizes`), per GPU of the
+worst pipeline stage: the core's actor (weights, grads, masters, Adam, step temporaries,
+activations), the engine (weights, the KV pool SGLang sizes from free memory, the update's
+staging) and the host memory an offload moves. The formulas and their sources are in
+docs/gpu-sglang.md, "The planner's arithmetic"; `advice.py` suggests flag changes when a plan does
+not fit; `__main__.py` prints the table.
 """
 
 from __future__ import annotations

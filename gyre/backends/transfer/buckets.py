@@ -1,9 +1,8 @@
 """Bucketed weight updates: one logical update (one version) moved in pieces of bounded size.
 
-A weight update used to stage the whole model on the engine's device before loading it (a full
-copy per TP rank for SGLang, a second `DecoderWeights` for the built-in engine): for a 14B model
-that is 29.5 GB on top of the engine's weights and KV cache. Every path that moves weights to an
-engine now moves them in buckets of at most `--transfer.bucket-mb` (`plan`), each freed before the
+Staging a whole update on the engine's device (a full copy per TP rank for SGLang, a second
+`DecoderWeights` for the built-in engine) costs a model's size on top of the engine's weights and
+KV cache (docs/gpu-sglang.md, "Will it fit?"). Every path that moves weights to an engine moves them in buckets of at most `--transfer.bucket-mb` (`plan`), each freed before the
 next is staged, so the extra memory per GPU during an update is one bucket, flat in model size. A
 single tensor larger than the bucket travels alone, so the bound is max(bucket, largest tensor) ≤
 bucket + one tensor.
