@@ -2,7 +2,7 @@
 
 * every import between rooms of `gyre/` goes down the layers docs/design.md §8 draws (a lazy
   import inside a function counts; a `TYPE_CHECKING` one does not);
-* no import cycle between modules (lazy imports count), a `TYPE_CHECKING`-only edge aside;
+* no import cycle between modules (lazy and `TYPE_CHECKING` imports count);
 * a module over 600 lines says why in its docstring;
 * only `runtime/controller.py` and its builder, `runtime/job.py`, import `Controller` (a
   `TYPE_CHECKING` import included): the rest sees it through protocols (`stop.Ranks`).
@@ -45,11 +45,12 @@ def _room(module: str) -> str:
     return module.split(".")[1] if "." in module else "gyre"
 
 
-def imports(path: Path) -> list[str]:
-    """The gyre modules `path` imports, anywhere in it but under `if TYPE_CHECKING:`."""
-    module, tree = _module(path), ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree)
-                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+def imports(path: Path, typing: bool = False, text: str | None = None) -> list[str]:
+    """The gyre modules `path` (or `text` as if it were `path`) imports, anywhere in it; under
+    `if TYPE_CHECKING:` only if `typing`."""
+    module, tree = _module(path), ast.parse(path.read_text() if text is None else text)
+    typing_only = set() if typing else {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                                        and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
     out = []
     for node in ast.walk(tree):
         if id(node) in typing_only:
@@ -69,8 +70,8 @@ def imports(path: Path) -> list[str]:
     return out
 
 
-def graph() -> dict[str, list[str]]:
-    return {_module(p): imports(p) for p in GYRE.rglob("*.py")}
+def graph(typing: bool = False) -> dict[str, list[str]]:
+    return {_module(p): imports(p, typing) for p in GYRE.rglob("*.py")}
 
 
 def upward(g: dict[str, list[str]]) -> list[str]:
@@ -126,7 +127,8 @@ def test_no_import_goes_up_a_layer():
 
 
 def test_no_import_cycle():
-    assert cycles(graph()) == []
+    """A `TYPE_CHECKING` import is a real arrow: the two modules cannot be understood apart."""
+    assert cycles(graph(typing=True)) == []
 
 
 def test_large_modules_say_why():
@@ -212,6 +214,18 @@ def test_the_readme_is_a_front_page_and_docstrings_name_no_issue():
                "b.py": '"""Fast path."""\n\ndef f():\n    """issue 34"""\n',
                "c.py": '"""Fast path, see Issue 7."""\nimport os\n'}
     assert docstrings_naming_issues(planted) == ["a.py", "c.py"]
+
+
+def test_the_cycle_rule_counts_a_type_checking_only_back_edge():
+    """core imports roles at run time; roles naming core's types under TYPE_CHECKING closes a circle."""
+    roles = GYRE / "proxy" / "roles.py"
+    planted = roles.read_text() + "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gyre.proxy.core import Proxy\n"
+    assert "gyre.proxy.roles" in graph()["gyre.proxy.core"]
+    g = graph(typing=True)
+    g["gyre.proxy.roles"] = imports(roles, typing=True, text=planted)
+    assert any({"gyre.proxy.core", "gyre.proxy.roles"} <= set(c) for c in cycles(g))
+    g["gyre.proxy.roles"] = imports(roles, text=planted)  # the rule as it was: blind to it
+    assert not any({"gyre.proxy.core", "gyre.proxy.roles"} <= set(c) for c in cycles(g))
 
 
 CONTROLLER_USERS = {"gyre.runtime.controller", "gyre.runtime.job"}  # the class, and the one place that builds it

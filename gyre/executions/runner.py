@@ -34,7 +34,7 @@ harness process exists), f(t) finished (the harness ended for any reason, includ
 failure; evaluation comes after). Every change is published as an `ExecutionEvent` to the
 `on_event` callback and to the `events` asyncio queue.
 
-Execution lifecycle (`ExecutionState`), transitions:
+Execution lifecycle (`ExecutionPhase`), transitions:
     DISPATCHED → STARTED → ENDED → EVALUATED
     DISPATCHED → ENDED   (launch failed, or cancelled before it started)
 Anything else raises.
@@ -113,7 +113,7 @@ class LocalKeys:
         return None  # no proxy: unknown
 
 
-class ExecutionState(enum.Enum):
+class ExecutionPhase(enum.Enum):
     DISPATCHED = "dispatched"
     STARTED = "started"
     ENDED = "ended"
@@ -121,10 +121,10 @@ class ExecutionState(enum.Enum):
 
 
 _TRANSITIONS = {
-    ExecutionState.DISPATCHED: {ExecutionState.STARTED, ExecutionState.ENDED},
-    ExecutionState.STARTED: {ExecutionState.ENDED},
-    ExecutionState.ENDED: {ExecutionState.EVALUATED},
-    ExecutionState.EVALUATED: set(),
+    ExecutionPhase.DISPATCHED: {ExecutionPhase.STARTED, ExecutionPhase.ENDED},
+    ExecutionPhase.STARTED: {ExecutionPhase.ENDED},
+    ExecutionPhase.ENDED: {ExecutionPhase.EVALUATED},
+    ExecutionPhase.EVALUATED: set(),
 }
 
 
@@ -191,13 +191,13 @@ class ExecutionEvent:
 @dataclass
 class _Live:
     spec: ExecutionSpec
-    state: ExecutionState = ExecutionState.DISPATCHED
+    state: ExecutionPhase = ExecutionPhase.DISPATCHED
     pid: int | None = None
     host: str = "local"
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     key_closed: bool = False  # closed at the proxy before its harness was killed (time up, run stopping)
 
-    def move(self, to: ExecutionState) -> None:
+    def move(self, to: ExecutionPhase) -> None:
         if to not in _TRANSITIONS[self.state]:
             raise RuntimeError(f"execution {self.spec.execution_id}: illegal transition {self.state.name} → {to.name}")
         self.state = to
@@ -248,7 +248,7 @@ class HarnessRunner:
         return [self.dispatch(s) for s in group.executions]
 
     def in_flight(self) -> list[str]:
-        return [eid for eid, live in self._live.items() if live.state in (ExecutionState.DISPATCHED, ExecutionState.STARTED)]
+        return [eid for eid, live in self._live.items() if live.state in (ExecutionPhase.DISPATCHED, ExecutionPhase.STARTED)]
 
     async def shutdown(self, evaluate: bool = True, timeout: float | None = None) -> None:
         """Stop every in-flight execution (outcome CANCELLED) and wait for all of them. Their
@@ -378,7 +378,7 @@ class HarnessRunner:
                     else:
                         start = time.time()
                         live.pid = proc.pid
-                        live.move(ExecutionState.STARTED)
+                        live.move(ExecutionPhase.STARTED)
                         self.counters.started += 1
                         self._emit(EventKind.STARTED, spec)
                         outcome, exit_code = await self._supervise(live, proc, timeout)
@@ -415,7 +415,7 @@ class HarnessRunner:
             logger.warning("execution %s: %s", spec.execution_id, idle)
         elif self.evaluator is not None and _own_dir(exec_dir) and not skip:
             result.reward = await self.evaluator.evaluate(spec.execution_id, spec.task, ws, outcome)
-        live.move(ExecutionState.EVALUATED)
+        live.move(ExecutionPhase.EVALUATED)
         if _own_dir(exec_dir):
             _write_new(exec_dir / "result.json", json.dumps(result.to_json(), indent=1))
         elif os.path.lexists(exec_dir):
@@ -463,7 +463,7 @@ class HarnessRunner:
         spec = live.spec
         if key_opened and not live.key_closed:
             self.proxy.close_execution(spec.execution_id)
-        live.move(ExecutionState.ENDED)
+        live.move(ExecutionPhase.ENDED)
         self.counters.finished += 1
         result = ExecutionResult(
             spec.execution_id, spec.group_id, spec.task.task_id, spec.index, spec.dispatch_version, outcome,

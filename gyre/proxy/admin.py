@@ -18,6 +18,7 @@ Enabled when `ProxyConfig.admin_token` is set; every route needs `Authorization:
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import logging
@@ -75,11 +76,11 @@ def add_admin_routes(app: web.Application, proxy: Proxy, token: str) -> None:
 
     async def stats(request: web.Request) -> web.Response:
         check(request)
-        return web.json_response(proxy.execution_stats(request.match_info["eid"]))
+        return web.json_response(dataclasses.asdict(proxy.execution_stats(request.match_info["eid"])))
 
     async def close(request: web.Request) -> web.Response:
         check(request)
-        return web.json_response(await proxy.aclose_execution(request.match_info["eid"]))
+        return web.json_response(dataclasses.asdict(await proxy.aclose_execution(request.match_info["eid"])))
 
     async def add_engine(request: web.Request) -> web.Response:
         check(request)

@@ -1,21 +1,17 @@
 """Admission: what one execution may cost the proxy every execution shares (docs/design.md §4,
 "Untrusted callers" and "No body shape stalls other executions").
 
-    with proxy.admit(key, content_length) as state:   429 past the slots or the rate, before the body is read
+    with proxy.admit(key, content_length):              429 past the slots or the rate, before the body is read
         body = ...read...
-        proxy.admission.charge(state, units)            the body's bytes / values, debited once known
+        proxy.admission.charge(execution_id, units)     the body's bytes / values, debited once known
 
 One execution (all its keys) may have `max_calls_per_key` calls in flight and start
-`calls_per_second_per_key` units a second (a token bucket holding 2x that, so bursts pass); past
-either it gets a 429 with Retry-After before its body is read. A call costs one unit, plus one
-per `body_bytes_per_call` bytes (known at admission from Content-Length, capped at the bucket so
-any body under the size limit passes a full bucket), plus one per `body_values_per_call` JSON
-values (`work_units`: known only once the body is read; debited uncapped, so the bucket goes
-negative and the execution's next calls wait for it). The value count is what parsing and
-validating a body costs (a 9 MiB body of 300k one-character blocks costs ~40x what 9 MiB of
-prompt text does), so an execution sending such bodies throttles itself and nobody else. A
-request rendered on the thread pool (large prompts) is charged one unit per `render_ms_per_unit`
-of its render's wall time, likewise after the fact: tokenizing is GIL-free but takes cores.
+`calls_per_second_per_key` units a second (a token bucket holding 2x that, so bursts pass). A call
+costs one unit, plus one per `body_bytes_per_call` bytes (from Content-Length, capped at the
+bucket), plus one per `body_values_per_call` JSON values (`work_units`, known once the body is
+read, debited uncapped: the bucket goes negative and the execution's next calls wait). A render on
+the thread pool costs one unit per `render_ms_per_unit` of its wall time. Each execution's share
+is its `Allowance`, which this module owns.
 """
 
 from __future__ import annotations
@@ -24,14 +20,11 @@ import asyncio
 import math
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
+from gyre.proxy.config import ProxyConfig
 from gyre.proxy.errors import ApiError
-
-if TYPE_CHECKING:
-    from gyre.proxy.config import ProxyConfig
-    from gyre.proxy.core import ExecutionState
-    from gyre.proxy.keys import KeyInfo
 
 
 COUNT_WINDOW = 1 << 18  # bytes per count: ~0.25 ms of one GIL hold (~1 GB/s per separator)
@@ -41,7 +34,7 @@ def value_count(raw: bytes) -> int:
     """An upper bound on the JSON values in `raw`: its `,` `{` `[` bytes (C speed, ~1 ms a MiB).
     Separators inside strings count too, so prose costs a little more than it parses; never less.
     Counted `COUNT_WINDOW` bytes at a time: run on a thread (`gyre.proxy.bodies`, bodies over one
-    window), each count is a short GIL hold the event loop takes turns with (issue 34)."""
+    window), each count is a short GIL hold the event loop takes turns with."""
     n = 0
     for i in range(0, len(raw), COUNT_WINDOW):
         j = i + COUNT_WINDOW
@@ -49,43 +42,61 @@ def value_count(raw: bytes) -> int:
     return n
 
 
-class Admission:
-    def __init__(self, config: "ProxyConfig", state_of: Callable[[str], "ExecutionState"]) -> None:
-        self.config = config
-        self.state_of = state_of
+@dataclass
+class Allowance:
+    """One execution's share of admission: its handler tasks in flight, its rate bucket, one render
+    (or large body parse) at a time."""
 
-    def _refill(self, state: "ExecutionState", now: float) -> None:
+    tasks: set[asyncio.Task] = field(default_factory=set)
+    bucket: float | None = None  # units left (negative: owed); None: full (set on first use)
+    bucket_t: float = 0.0
+    render_lock: asyncio.Lock | None = None
+
+
+class Admission:
+    def __init__(self, config: ProxyConfig, allowance_of: Callable[[str], Allowance]) -> None:
+        self.config = config
+        self.allowance_of = allowance_of
+
+    def _refill(self, a: Allowance, now: float) -> None:
         rate = self.config.calls_per_second_per_key
         burst = 2.0 * rate
-        state.bucket = burst if state.bucket is None else min(burst, state.bucket + (now - state.bucket_t) * rate)
-        state.bucket_t = now
+        a.bucket = burst if a.bucket is None else min(burst, a.bucket + (now - a.bucket_t) * rate)
+        a.bucket_t = now
 
     @contextmanager
-    def admit(self, key: "KeyInfo", body_bytes: int = 0) -> Iterator["ExecutionState"]:
-        """Hold one of the execution's call slots for the body of the `with` (the whole request,
-        from before its body is read): 429 past `max_calls_per_key` in flight or past the rate
-        budget. Registers the current task so `close_execution` can abort it."""
+    def admit(self, execution_id: str, body_bytes: int = 0) -> Iterator[Allowance]:
+        """Hold one of the execution's call slots for the body of the `with` (the whole
+        request, from before its body is read): 429 past `max_calls_per_key` in flight or past the
+        rate budget. Registers the current task so `close_execution` can abort it."""
         c = self.config
-        state = self.state_of(key.execution_id)
-        if c.max_calls_per_key and len(state.tasks) >= c.max_calls_per_key:
-            raise ApiError(429, "rate_limit", f"this execution has {len(state.tasks)} calls in flight; the limit is "
+        a = self.allowance_of(execution_id)
+        if c.max_calls_per_key and len(a.tasks) >= c.max_calls_per_key:
+            raise ApiError(429, "rate_limit", f"this execution has {len(a.tasks)} calls in flight; the limit is "
                            f"{c.max_calls_per_key} (proxy.max_calls_per_key)", retry_after=1.0)
         rate = c.calls_per_second_per_key
         if rate > 0:
-            self._refill(state, time.monotonic())
+            self._refill(a, time.monotonic())
             cost = min(1.0 + (body_bytes // c.body_bytes_per_call if c.body_bytes_per_call else 0), 2.0 * rate)
-            if state.bucket < cost:
+            if a.bucket < cost:
                 raise ApiError(429, "rate_limit", f"more than {rate:g} calls per second from this execution, a call "
                                f"costing one more per {c.body_bytes_per_call} body bytes and per {c.body_values_per_call} "
                                "JSON values (proxy.calls_per_second_per_key, proxy.body_bytes_per_call, "
-                               "proxy.body_values_per_call)", retry_after=math.ceil((cost - state.bucket) / rate * 10) / 10)
-            state.bucket -= cost
+                               "proxy.body_values_per_call)", retry_after=math.ceil((cost - a.bucket) / rate * 10) / 10)
+            a.bucket -= cost
         task = asyncio.current_task()
-        state.tasks.add(task)
+        a.tasks.add(task)
         try:
-            yield state
+            yield a
         finally:
-            state.tasks.discard(task)
+            a.tasks.discard(task)
+
+    def render_lock(self, execution_id: str) -> asyncio.Lock:
+        """The execution's one-at-a-time lock for work on the thread pool or the parse pool."""
+        a = self.allowance_of(execution_id)
+        if a.render_lock is None:
+            a.render_lock = asyncio.Lock()
+        return a.render_lock
 
     def work_units(self, nbytes: int, values: int, charged_bytes: bool) -> int:
         """Units a read body of `nbytes` with `values` JSON values (`value_count`) owes beyond what
@@ -98,17 +109,16 @@ class Admission:
         return units
 
     def charge_render(self, execution_id: str, seconds: float) -> None:
-        """Debit a render that ran on the thread pool: one unit per `render_ms_per_unit` of its wall
-        time (tokenizing a 783k-token prompt takes ~1 s of a core; its execution pays for it)."""
+        """Debit a render that ran on the thread pool: one unit per `render_ms_per_unit` of its wall time."""
         ms = self.config.render_ms_per_unit
         if ms > 0:
             self.charge(execution_id, int(seconds * 1e3 / ms))
 
     def charge(self, execution_id: str, units: int) -> None:
         """Debit `units` from the execution's rate budget (uncapped: its next calls wait)."""
-        state = self.state_of(execution_id)
+        a = self.allowance_of(execution_id)
         if units <= 0 or self.config.calls_per_second_per_key <= 0:
             return
-        if state.bucket is None:
-            self._refill(state, time.monotonic())
-        state.bucket -= units
+        if a.bucket is None:
+            self._refill(a, time.monotonic())
+        a.bucket -= units

@@ -217,10 +217,7 @@ async def read_body(proxy, request, key, api: str) -> Parsed:
         body = loads(raw)
         check_structure(body, *limits)
         return Parsed(body, None if api == "responses" else parse_api(body, api, vocab))
-    state = proxy._state(key.execution_id)
-    if state.render_lock is None:
-        state.render_lock = asyncio.Lock()
-    async with state.render_lock:  # one large body per execution in work at a time
+    async with proxy.admission.render_lock(key.execution_id):  # one large body per execution in work at a time
         try:
             kind, out = await parse_pool(c.parse_processes).call((raw, api, limits, vocab))
         except (OSError, EOFError, pickle.UnpicklingError) as e:

@@ -1,48 +1,25 @@
 """The API-independent heart of the proxy: one model call from an authenticated, parsed request
 to a stream of text / tool calls for the client and one TITO record (docs/design.md §4).
-(Over 600 lines: a call's whole life, prepare → events → record, reads as one sequence here.)
+Over 600 lines: a call's whole life (render, route, stream, parse, record) reads as one sequence
+here, so the exactness argument of TITO can be followed end to end.
 
-    Proxy.prepare(key, headers, request)   role, render with splicing, limits  (errors are 4xx)
-    async for item in call.events():        str pieces and ToolCall objects, as generated
-    (end of events)                          record -> sink; assistant turn kept for splicing
+    call = await proxy.aprepare(key, headers, req)   role, render with splicing, limits (errors are 4xx)
+    async for item in call.events():                 str, ToolCall and Reasoning pieces, as generated
+    (end of events)                                  record -> sink; the assistant turn kept for splicing
 
-The OpenAI and Anthropic adapters only translate formats around this.
+The OpenAI, Anthropic and Responses adapters translate formats around this. The chat format
+(gyre/proxy/formats) decides the stop ids, the forced tool-call opening (docs/proxy_harnesses.md)
+and how sampled text is parsed. Admission is gyre/proxy/admission.py, body parsing
+gyre/proxy/bodies.py, an execution's records gyre/proxy/state.py; large requests are rendered on a
+thread pool, one per execution at a time, and text that cannot fit the context is refused before
+it is tokenized.
 
-The chat format (gyre/proxy/formats: the checkpoint's turns, stop tokens, tool-call syntax and
-reasoning tags, from its template or --proxy.chat-format) decides the stop ids, the forced
-tool-call opening and how sampled text is parsed: `events()` yields text, `ToolCall`s and
-`Reasoning` pieces (thinking, which adapters return apart from the answer).
-
-Fair sharing (docs/design.md §4, untrusted callers: a hostile harness cannot hurt the run). Admission (slots, the rate
-bucket, work charging) is gyre/proxy/admission.py; bodies are parsed and validated off the event
-loop when large (gyre/proxy/bodies.py). Text that cannot fit in the context (characters / the
-longest token > max_context_tokens) is refused before it is tokenized. Rendering and tokenizing
-run on a thread pool (`Proxy.aprepare`; the tokenizer's batch encode releases the GIL), one
-request per execution at a time; small requests are rendered inline (cheaper than a hand-off).
-
-Record lifecycle. A call whose client goes away is cancelled, stream or not (`abort_on_disconnect`):
-the engine request is aborted and the record says `abort`. `close_execution` revokes the keys,
-cancels the execution's calls in flight and seals its record: nothing is appended after it (a
-late record is dropped and counted in `late_records`), and its stats are exactly what the record
-holds; `aclose_execution` first lets in-flight calls finish for `close_wait_s`, and records those
-it aborts. A closed execution id cannot be issued again (its call ids would restart). Finish
-reasons are what happened: stop, length, tool_calls, abort (client gone, closed), error (the
-engine ended the stream without a reason, or failed and no other engine could continue).
-
-Forced tool calls (`tool_choice` required / a named function; Anthropic any / tool): the proxy
-appends the chat format's tool-call opening (`ChatFormat.tool_call_opening`) to the rendered prompt
-and the engine continues from it, so any engine forces the call. The forced prefix is *input*:
-it is in the record's `input_ids` (context, never a target) and the sampled continuation is the
-output; the tool-call parser is fed the prefix first, so the client sees a proper tool call. The
-stored turn is the prefix + the sampled ids, in the context before the prefix, so a re-sent turn
-splices back to exactly what the model conditioned on. `required` with one tool forces that tool
-by name; with several, the model writes the name, and a name that is not one of the tools is
-returned as the model wrote it (a call the harness reports back as unknown, as with `auto`),
-logged and counted in the record's `payload_ref["forced_unknown_tool"]`.
-
-Size (about 730 lines): one call's whole path (render, route, stream, parse, record) is kept in one
-place so the exactness argument of TITO can be read end to end; the chat formats, rendering and
-byte tables already live in formats/, render.py and gyre/backends/models/vocab.py.
+A call whose client goes away is aborted (`abort_on_disconnect`; the record says `abort`).
+`close_execution` revokes the execution's keys, cancels its calls in flight and seals its record
+(a later record is dropped and counted in `late_records`), so the `CallStats` it returns are
+exactly what the record holds; `aclose_execution` first lets calls finish for `close_wait_s`. A
+closed execution id is never issued again. Finish reasons: stop, length, tool_calls, abort, error
+(the engine ended without a reason, or failed and no other engine could continue).
 """
 
 from __future__ import annotations
@@ -54,7 +31,7 @@ import math
 import time
 from array import array
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Iterable
 
 from jinja2 import TemplateError
@@ -70,16 +47,15 @@ from gyre.proxy.formats.choice import chat_setup
 from gyre.proxy.keys import KeyInfo, KeyRegistry
 from gyre.proxy.limits import context_overflow_message
 from gyre.proxy.roles import RoleClassifier
-from gyre.proxy.render import UNMATCHED_KINDS, UNMATCHED_WHY, ChatRenderer, PromptTooLong, Rendered, StoredTurn, TurnStore, ids_digest, turn_fingerprint
+from gyre.proxy.render import UNMATCHED_KINDS, UNMATCHED_WHY, ChatRenderer, PromptTooLong, Rendered, StoredTurn, ids_digest, turn_fingerprint
 from gyre.backends.transfer.migration_policy import MigrationPolicy
 from gyre.proxy.router import NoEngineError, RouteInfo, Router
 from gyre.proxy.sink import MemorySink, RecordSink
+from gyre.proxy.state import CallStats, ExecutionState
 from gyre.proxy.textstream import Detokenizer, StopMatcher, ToolCall
 from gyre.trajectory.record import CallRecord, Role
 
 logger = logging.getLogger(__name__)
-
-
 
 
 def object_arguments(args: Any) -> dict:
@@ -96,8 +72,7 @@ class ClientGone(ConnectionResetError):
 class abort_on_disconnect:
     """`with abort_on_disconnect(request): ...` cancels the current task when the client goes away
     (the connection's transport closes), polled after `poll_s`, the interval doubling to
-    `max_poll_s` (a fixed 50 ms poll cost every call in flight 20 wake-ups a second: 4,096 long
-    calls in flight kept the proxy's loop busy polling, benchmarks/scale_bench.py); the
+    `max_poll_s` (thousands of long calls in flight must not keep the loop busy polling); the
     cancellation reaches the call (engine request aborted, record `abort`) and leaves as
     `ClientGone`. For non-streamed answers: a streamed one notices on its next write."""
 
@@ -164,32 +139,6 @@ class ChatRequest:
     media: list[str] = field(default_factory=list)  # fields of media parts rendered as text placeholders
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs (enable_thinking, ...)
     prefill: str = ""  # the answer's start, continued (Anthropic's trailing assistant message; render.ChatRenderer.render)
-
-
-@dataclass
-class ExecutionState:
-    execution_id: str
-    call_ids: itertools.count = field(default_factory=itertools.count)
-    turns: TurnStore = field(default_factory=TurnStore)
-    main_system: str | None = None
-    calls: int = 0
-    spliced_turns: int = 0
-    unmatched_turns: int = 0
-    tolerated_turns: int = 0  # spliced by the tolerant rules (counted in spliced_turns too)
-    unmatched_kinds: dict[str, int] = field(default_factory=dict)  # render.UNMATCHED_KINDS -> turns
-    warned_unmatched: bool = False
-    reroutes: int = 0
-    aborted_calls: int = 0
-    sink_errors: int = 0  # calls whose record the sink failed to write: its TITO is incomplete
-    roles: dict[str, int] = field(default_factory=dict)
-    responses: dict[str, Any] = field(default_factory=dict)  # kept /v1/responses (responses_api), dropped with the execution
-    # Admission (Proxy.admit): handler tasks in flight, the rate bucket, one render at a time.
-    tasks: set = field(default_factory=set)
-    bucket: float | None = None  # units left (negative: owed); None: full (set on first use)
-    bucket_t: float = 0.0
-    render_lock: asyncio.Lock | None = None
-    closed: bool = False  # close_execution ran: records are no longer written
-    closing: bool = False  # aclose_execution is aborting its calls: their clients are told (gyre/proxy/endings.py)
 
 
 class Call:
@@ -339,16 +288,7 @@ class Call:
             p.late_records += 1
             logger.warning("proxy: %s/%d finished after its execution was closed; not recorded", st.execution_id, self.call_id)
             return
-        st.calls += 1
-        st.spliced_turns += self.rendered.spliced
-        st.unmatched_turns += self.rendered.unmatched
-        st.tolerated_turns += self.rendered.tolerated
-        for k in self.rendered.unmatched_kinds:
-            st.unmatched_kinds[k] = st.unmatched_kinds.get(k, 0) + 1
-        st.reroutes += self.route.reroutes
-        st.roles[self.role.name] = st.roles.get(self.role.name, 0) + 1
-        if not completed:
-            st.aborted_calls += 1
+        st.stats = st.stats.with_call(self.rendered, self.role, self.route.reroutes, aborted=not completed)
         out_ids = [e.token_id for e in self.tokens]
         unknown = self._unknown_forced_tools()
         end = time.time()
@@ -407,7 +347,7 @@ class Call:
             if not getattr(e, "reported", False):  # a sink that stated its error itself sets `reported`
                 logger.exception("proxy: sink failed on %s/%d", st.execution_id, self.call_id)
             p.sink_errors += 1
-            st.sink_errors += 1
+            st.stats = replace(st.stats, sink_errors=st.stats.sink_errors + 1)
 
 
 class Proxy:
@@ -428,8 +368,7 @@ class Proxy:
         self.format = self.chat.format
         self.renderer = ChatRenderer(self.tokenizer, cache_chars=c.encode_cache_chars, splice=c.splice, fmt=self.format,
                                      past_reasoning=c.past_reasoning, tools=self.chat.tools)
-        # Every id's bytes, built once (131k ids: ~0.15 s, benchmarks/proxy_bench.py); ids past the
-        # tokenizer's (padding rows) and holes read b"" and show nothing.
+        # Every id's bytes, built once; ids past the tokenizer's (padding rows) and holes read b"".
         self.token_table = byte_table(self.tokenizer)
         if stop_ids is None:  # the checkpoint's own (generation_config.json, config.json, tokenizer eos)
             stop_ids = stop_token_ids(self.tokenizer, getattr(self.tokenizer, "name_or_path", None) or None)
@@ -450,11 +389,10 @@ class Proxy:
         self.sink_errors = 0
         self.undecodable_tokens = 0  # sampled ids with no token (note_undecodable)
         self.late_records = 0  # calls that ended after their execution was closed (not recorded)
-        # Their ids cannot be issued again: held here until the sink knows them itself (`is_closed`,
-        # a store sink's sealed file), so a long run keeps nothing per closed execution (issue 33).
+        # Ids being closed: refused by `issue_key` until the sink knows them itself (`is_closed`).
         self.closed_executions: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
-        self.admission = Admission(c, self._state)  # slots, rate and work charging (gyre/proxy/admission.py)
+        self.admission = Admission(c, lambda eid: self._state(eid).allowance)
         self.unmatched_executions: dict[str, dict[str, Any]] = {}  # closed executions with unmatched turns (worst kept)
         self._serial = itertools.count()
 
@@ -477,66 +415,45 @@ class Proxy:
     def issue_key(self, execution_id: str, role_hint: Role | str | None = None, key: str | None = None) -> str:
         """A key for `execution_id`. A closed execution's id is refused (ValueError): its record is
         sealed, and a second life would restart its call ids."""
-        if execution_id in self.closed_executions or self._sink_closed(execution_id):
+        if execution_id in self.closed_executions or self.sink.is_closed(execution_id):
             raise ValueError(f"issue: execution {execution_id!r} was closed and its record sealed; use a new execution id")
         return self.keys.issue(execution_id, role_hint, key)
-
-    def _sink_closed(self, execution_id: str) -> bool:
-        is_closed = getattr(self.sink, "is_closed", None)
-        return is_closed is not None and is_closed(execution_id)
 
     def revoke_execution(self, execution_id: str) -> int:
         return self.keys.revoke_execution(execution_id)
 
-    def execution_stats(self, execution_id: str) -> dict[str, Any]:
+    def execution_stats(self, execution_id: str) -> CallStats:
         st = self.executions.get(execution_id)
-        if st is None:
-            return {"inflight": 0, "calls": 0, "spliced_turns": 0, "unmatched_turns": 0, "tolerated_turns": 0, "reroutes": 0, "aborted_calls": 0,
-                    "sink_errors": 0, "roles": {}, "unmatched_kinds": {}}
-        return {
-            "inflight": len(st.tasks),
-            "calls": st.calls,
-            "spliced_turns": st.spliced_turns,
-            "unmatched_turns": st.unmatched_turns,
-            "tolerated_turns": st.tolerated_turns,
-            "unmatched_kinds": dict(st.unmatched_kinds),
-            "reroutes": st.reroutes,
-            "aborted_calls": st.aborted_calls,
-            "sink_errors": st.sink_errors,
-            "roles": dict(st.roles),
-        }
+        return CallStats() if st is None else replace(st.stats, inflight=len(st.allowance.tasks))
 
-    def close_execution(self, execution_id: str) -> dict[str, Any]:
+    def close_execution(self, execution_id: str) -> CallStats:
         """Revoke the execution's keys, abort its calls in flight (their records are not written:
-        `inflight` in the stats counts them), drop its splice state and seal its store file. The
-        stats are exactly the calls its record holds. Callable from any thread."""
+        `inflight` counts them), drop its splice state and seal its store file. Callable from any
+        thread."""
         self.keys.revoke_execution(execution_id)
         self.closed_executions.add(execution_id)
         st = self.executions.get(execution_id)
         if st is not None:
             st.closed = True  # from here on its calls are not recorded
-            for task in list(st.tasks):
+            for task in list(st.allowance.tasks):
                 task.get_loop().call_soon_threadsafe(task.cancel)
         stats = self.execution_stats(execution_id)
         self.executions.pop(execution_id, None)
-        if stats["unmatched_turns"]:
+        if stats.unmatched_turns:
             self._note_unmatched(execution_id, stats)
         self.router.forget(execution_id)
-        close = getattr(self.sink, "close_execution", None)
-        if close is not None:
-            close(execution_id)
-        if getattr(self.sink, "is_closed", None) is not None:
-            self.closed_executions.discard(execution_id)  # the sink knows it from now on (its sealed file)
+        self.sink.close_execution(execution_id)
+        self.closed_executions.discard(execution_id)  # the sink knows it from now on
         return stats
 
-    async def aclose_execution(self, execution_id: str, wait_s: float | None = None) -> dict[str, Any]:
+    async def aclose_execution(self, execution_id: str, wait_s: float | None = None) -> CallStats:
         """`close_execution`, but first lets in-flight calls finish for `wait_s` (default
         `close_wait_s`), then aborts the rest and waits for their `abort` records."""
         self.keys.revoke_execution(execution_id)  # no new calls while we wait
         st = self.executions.get(execution_id)
-        if st is not None and st.tasks:
+        if st is not None and st.allowance.tasks:
             wait_s = self.config.close_wait_s if wait_s is None else wait_s
-            _, rest = await asyncio.wait(list(st.tasks), timeout=wait_s)
+            _, rest = await asyncio.wait(list(st.allowance.tasks), timeout=wait_s)
             st.closing = True
             for task in rest:
                 task.cancel()
@@ -546,8 +463,9 @@ class Proxy:
 
     KEEP_WORST = 100
 
-    def _note_unmatched(self, execution_id: str, stats: dict[str, Any]) -> None:
-        self.unmatched_executions[execution_id] = {k: stats[k] for k in ("unmatched_turns", "calls", "unmatched_kinds")}
+    def _note_unmatched(self, execution_id: str, stats: CallStats) -> None:
+        self.unmatched_executions[execution_id] = {"unmatched_turns": stats.unmatched_turns, "calls": stats.calls,
+                                                   "unmatched_kinds": dict(stats.unmatched_kinds)}
         if len(self.unmatched_executions) > 10 * self.KEEP_WORST:  # bounded over a long run
             self.unmatched_executions = {e: v for e, v in self.worst_unmatched(self.KEEP_WORST, pairs=True)}
 
@@ -577,8 +495,8 @@ class Proxy:
         return state
 
     def admit(self, key: KeyInfo, body_bytes: int = 0):
-        """`with proxy.admit(key, content_length) as state:` (gyre/proxy/admission.py)."""
-        return self.admission.admit(key, body_bytes)
+        """`with proxy.admit(key, content_length):` (gyre/proxy/admission.py)."""
+        return self.admission.admit(key.execution_id, body_bytes)
 
     @property
     def pool(self) -> ThreadPoolExecutor:
@@ -612,9 +530,7 @@ class Proxy:
             return self.prepare(key, headers, req)
         start = time.time()
         state, role = self._classify(key, headers, req)
-        if state.render_lock is None:
-            state.render_lock = asyncio.Lock()
-        async with state.render_lock:
+        async with self.admission.render_lock(key.execution_id):
             t0 = time.perf_counter()
             built = await asyncio.get_running_loop().run_in_executor(self.pool, self._build, req, state)
             self.admission.charge_render(key.execution_id, time.perf_counter() - t0)
@@ -651,7 +567,8 @@ class Proxy:
                     last_user = m["content"]
                     break
         try:
-            role = self.classifier.classify(state, system, last_user, headers.get(c.roles.header), key, req.max_tokens, bool(req.tools))
+            role, state.main_system = self.classifier.classify(system, last_user, headers.get(c.roles.header), key.role_hint,
+                                                               state.main_system, req.max_tokens, bool(req.tools))
         except ValueError as e:
             raise ApiError(400, "invalid_request", f"header {c.roles.header}: {e}", param=c.roles.header) from None
         return state, role
@@ -682,7 +599,7 @@ class Proxy:
         if forced_ids:
             rendered.ids.extend(forced_ids)
         # Packed and hashed here (a render thread for a long prompt), never a list of Python ints:
-        # not built and freed per call (issue 34), and nothing the collector walks (issue 33).
+        # not built and freed per call, and nothing the garbage collector walks.
         n = len(rendered.ids)
         rendered.ids = TokenIds.from_array(rendered.ids)
         if req.messages is not None:

@@ -25,7 +25,8 @@ from typing import Any
 from aiohttp import web
 
 from gyre.proxy import validate as V
-from gyre.proxy.core import ApiError, Call, ChatRequest, ExecutionState, Proxy, ToolForce, abort_on_disconnect
+from gyre.proxy.core import ApiError, Call, ChatRequest, Proxy, ToolForce, abort_on_disconnect
+from gyre.proxy.state import ExecutionState
 from gyre.proxy.keys import KeyInfo
 from gyre.proxy.endings import told
 from gyre.proxy.formats import Reasoning

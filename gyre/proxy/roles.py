@@ -1,39 +1,19 @@
 """Role classification (docs/design.md §4): which part of an execution a model call belongs to.
 
-A call is the main agent's turn, the main agent's context compaction (summary), a sub-agent's
-turn, a sub-agent's compaction, or a harness's background *helper* call (Claude Code's title and
-topic detection, its bash-command prefix check, its start-up quota probe). The trajectory tree
-(docs/design.md §5) groups records by role, so a wrong role puts a sub-agent's tokens into the
-main agent's tree; helper calls are recorded but never trained (`build_tree` leaves them out).
-Decided, first match wins, by: an explicit header (`proxy.roles.header`), the helper rules
-(markers in the system prompt or the last user turn, a tiny `max_tokens`), the role hint the
-execution's key was issued with, then the configured markers in the last user message and
-whether the system prompt differs from the execution's first non-empty main-agent system prompt
-(`RoleRulesConfig`), compared without volatile lines (Claude Code's `x-anthropic-billing-header:`
-changes at compaction). A helper call never fixes the main system prompt, so a harness whose first
-call is a helper still gets its main agent right; nor does an empty one. A helper marker in the
-last user turn counts only near its start and in a call without tools (`is_helper`).
-
-Adding a rule for a new harness: capture one request of the background call (`python -m
-gyre.proxy` logs nothing of bodies; record with the harness's own debug log or a logging proxy),
-pick a substring of its system prompt (or last user turn) that is stable across versions and that
-no main-agent prompt contains, and append it, keeping the defaults:
-
-    --proxy.roles.helper-system-markers "Analyze if this message indicates" "Generate a title for"
-
-(or `RoleRulesConfig(helper_system_markers=DEFAULT_HELPER_SYSTEM_MARKERS + ("...",))`), then add
-a case to tests/proxy/test_roles.py. A harness you control can instead send `x-gyre-role: helper`.
+A call is the main agent's turn, its context compaction (summary), a sub-agent's turn or
+compaction, or a harness's background *helper* call (recorded, never trained). The trajectory tree
+groups records by role, so a wrong role puts a sub-agent's tokens into the main agent's tree.
+First match wins: an explicit header (`proxy.roles.header`), the helper rules, the role hint the
+execution's key was issued with, then the configured markers in the last user message and whether
+the system prompt differs from the execution's first non-empty main-agent one, compared without
+volatile lines (`RoleRulesConfig`). The rules, and adding one for a new harness:
+docs/proxy_harnesses.md ("Helper calls").
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from gyre.proxy.config import RoleRulesConfig
 from gyre.trajectory.record import Role
-
-if TYPE_CHECKING:
-    from gyre.proxy.keys import KeyInfo
 
 ROLE_NAMES = {
     "main": Role.MAIN,
@@ -91,27 +71,28 @@ class RoleClassifier:
 
     HELPER_USER_CHARS = 256
 
-    def classify(self, state, system: str, last_user: str, header_value: str | None, key: KeyInfo | None,
-                 max_tokens: int | None = None, has_tools: bool = False) -> Role:
-        """`state` is the execution's state (`main_system` is read and set here)."""
+    def classify(self, system: str, last_user: str, header_value: str | None, key_hint: Role | None, main_system: str | None,
+                 max_tokens: int | None = None, has_tools: bool = False) -> tuple[Role, str | None]:
+        """(role, the execution's main system prompt after this call): `main_system` is what its
+        earlier calls fixed (None: not yet), `key_hint` the role its key was issued with."""
         if header_value:
             role = parse_role(header_value)  # ValueError -> 400 upstream
         elif self.is_helper(system, last_user, max_tokens, has_tools):
             role = Role.HELPER
-        elif key is not None and key.role_hint is not None and self.rules.use_key_hint:
-            role = key.role_hint
+        elif key_hint is not None and self.rules.use_key_hint:
+            role = key_hint
         else:
             low = last_user.lower()
             is_sub = any(m in low for m in self._sub)
-            if not is_sub and state.main_system is not None:
-                is_sub = self._key(system) != state.main_system
+            if not is_sub and main_system is not None:
+                is_sub = self._key(system) != main_system
             is_summary = any(m in low for m in self._summary)
             if is_sub:
                 role = Role.SUB_SUMMARY if is_summary else Role.SUB
             else:
                 role = Role.MAIN_SUMMARY if is_summary else Role.MAIN
-        if role is Role.MAIN and state.main_system is None and self._key(system).strip():
+        if role is Role.MAIN and main_system is None and self._key(system).strip():
             # An empty system prompt fixes nothing: a later call with the harness's real one is
             # the main agent (the first call of some harnesses has no instructions yet).
-            state.main_system = self._key(system)
-        return role
+            main_system = self._key(system)
+        return role, main_system

@@ -22,6 +22,7 @@ import hmac
 import logging
 import sys
 import threading
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
@@ -30,7 +31,6 @@ from gyre.proxy import bodies
 from gyre.proxy.bodies import read_body
 from gyre.proxy.collector import collect_on_a_clock
 from gyre.proxy.core import ApiError, Proxy
-from gyre.proxy.keys import KeyInfo
 from gyre.serving import ServerHandle, run_in_thread, start_app
 
 logger = logging.getLogger(__name__)
@@ -98,21 +98,15 @@ def build_app(proxy: Proxy) -> web.Application:
         m = body.get("model")
         return m if isinstance(m, str) and m else proxy.config.model_name
 
-    async def chat(request: web.Request) -> web.StreamResponse:
-        key = proxy.authenticate(_key_of(request))
-        with proxy.admit(key, request.content_length or 0):
-            parsed = await read_body(proxy, request, key, "chat")
-            body, req = parsed.body, parsed.req
-            call = await proxy.aprepare(key, request.headers, req)
-            return await openai_api.respond_chat(request, call, model_of(body))
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        key = proxy.authenticate(_key_of(request))
-        with proxy.admit(key, request.content_length or 0):
-            parsed = await read_body(proxy, request, key, "completions")
-            body, req = parsed.body, parsed.req
-            call = await proxy.aprepare(key, request.headers, req)
-            return await openai_api.respond_completion(request, call, model_of(body))
+    def model_call(api: str, respond) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """A model route: authenticate, admit (before the body is read), read the body, prepare, respond."""
+        async def handler(request: web.Request) -> web.StreamResponse:
+            key = proxy.authenticate(_key_of(request))
+            with proxy.admit(key, request.content_length or 0):
+                parsed = await read_body(proxy, request, key, api)
+                call = await proxy.aprepare(key, request.headers, parsed.req)
+                return await respond(request, call, model_of(parsed.body))
+        return handler
 
     async def responses(request: web.Request) -> web.StreamResponse:
         key = proxy.authenticate(_key_of(request))
@@ -127,14 +121,6 @@ def build_app(proxy: Proxy) -> web.Application:
     async def models(request: web.Request) -> web.Response:
         proxy.authenticate(_key_of(request))
         return web.json_response(openai_api.models_body(proxy.config.model_name))
-
-    async def messages(request: web.Request) -> web.StreamResponse:
-        key = proxy.authenticate(_key_of(request))
-        with proxy.admit(key, request.content_length or 0):
-            parsed = await read_body(proxy, request, key, "messages")
-            body, req = parsed.body, parsed.req
-            call = await proxy.aprepare(key, request.headers, req)
-            return await anthropic_api.respond(request, call, model_of(body))
 
     async def count_tokens(request: web.Request) -> web.Response:
         key = proxy.authenticate(_key_of(request))
@@ -155,12 +141,12 @@ def build_app(proxy: Proxy) -> web.Application:
         return web.json_response({"ok": True, **proxy.router.stats()} if trusted else {"ok": True})
 
     app = web.Application(middlewares=[_errors], client_max_size=cap)
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", model_call("chat", openai_api.respond_chat))
+    app.router.add_post("/v1/completions", model_call("completions", openai_api.respond_completion))
     app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages", model_call("messages", anthropic_api.respond))
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/health", health)
     if proxy.config.admin_token:

@@ -1,4 +1,5 @@
-"""Where the proxy's TITO records go: `on_record(record)`.
+"""Where the proxy's TITO records go (`RecordSink`): `on_record(record)`, sealed per execution by
+`close_execution`; `is_closed` lets the proxy refuse a closed execution id.
 
 `MemorySink` keeps them in memory (tests, small runs); `StoreSink` appends them to the on-disk
 store (`gyre.trajectory.store.TitoStore`, one file per execution); `FanoutSink` does several.
@@ -19,13 +20,25 @@ logger = logging.getLogger(__name__)
 class RecordSink(Protocol):
     def on_record(self, record: CallRecord) -> None: ...
 
+    def close_execution(self, execution_id: str) -> None:
+        """No record of the execution is taken after this."""
+
+    def is_closed(self, execution_id: str) -> bool: ...
+
 
 class MemorySink:
     def __init__(self) -> None:
         self.records: list[CallRecord] = []
+        self.closed: set[str] = set()  # closed executions (their ids are not issued again)
 
     def on_record(self, record: CallRecord) -> None:
         self.records.append(record)
+
+    def close_execution(self, execution_id: str) -> None:
+        self.closed.add(execution_id)
+
+    def is_closed(self, execution_id: str) -> bool:
+        return execution_id in self.closed
 
     def for_execution(self, execution_id: str) -> list[CallRecord]:
         return [r for r in self.records if r.execution_id == execution_id]
@@ -103,9 +116,7 @@ class FanoutSink:
 
     def close_execution(self, execution_id: str) -> None:
         for s in self.sinks:
-            close = getattr(s, "close_execution", None)
-            if close is not None:
-                close(execution_id)
+            s.close_execution(execution_id)
 
     def is_closed(self, execution_id: str) -> bool:
-        return any(getattr(s, "is_closed", lambda _: False)(execution_id) for s in self.sinks)
+        return any(s.is_closed(execution_id) for s in self.sinks)

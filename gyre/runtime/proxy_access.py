@@ -5,13 +5,11 @@ starts the harness runner with a `GyreProxyAccess`.
 
 `GyreProxyAccess` is the runner's `ProxyAccess` (`gyre.executions.runner`): keys come from
 `Proxy.issue_key` and are revoked (the execution's store file closed) by `Proxy.close_execution`
-when the harness ends. What closing reports goes to its owners: the execution's model calls and
-the call records the sink failed to write into its `ExecutionRecord` in the run's ledger (the
-health check and the TITO completeness check read them there), and every integer stat summed
-into `totals` (calls, aborted_calls, spliced_turns, unmatched_turns, ...: the summary's proxy
-totals, and the step rows' unmatched turns). Without a ledger (the runner's own tests, tools that
-run harnesses outside a training run) nothing is kept per execution: `calls_made` is None
-(unknown), as with the runner's `LocalKeys`.
+when the harness ends. The `CallStats` closing returns go to their owners: the execution's calls
+and unwritten records to its `ExecutionRecord` in the run's ledger (the health check and the
+TITO completeness check read them there), and the integer counts summed into `totals` (the
+summary's proxy totals, the step rows' unmatched turns). Without a ledger nothing is kept per
+execution: `calls_made` is None (unknown), as with the runner's `LocalKeys`.
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ from gyre.config import GyreConfig
 from gyre.executions.evaluator import Evaluator
 from gyre.executions.runner import HarnessRunner
 from gyre.proxy import Proxy, StoreSink, start_proxy
+from gyre.proxy.state import CallStats
 from gyre.runtime.ledger import RunLedger
 from gyre.runtime.writes import WatchedSink
 
@@ -54,12 +53,11 @@ class GyreProxyAccess:
         return self.proxy.issue_key(execution_id)
 
     def close_execution(self, execution_id: str) -> None:
-        stats = self.proxy.close_execution(execution_id) or {}
-        if "calls" in stats and self.ledger is not None:
-            self.ledger.closed(execution_id, stats["calls"], stats.get("sink_errors", 0))
-        for k, v in stats.items():
-            if isinstance(v, int):
-                self.totals[k] += v
+        stats: CallStats = self.proxy.close_execution(execution_id)
+        if self.ledger is not None:
+            self.ledger.closed(execution_id, stats.calls, stats.sink_errors)
+        for k, v in stats.counts().items():
+            self.totals[k] += v
 
     def calls_made(self, execution_id: str) -> int | None:
         """The closed execution's model calls (None: it was not closed here)."""

@@ -12,7 +12,7 @@ import pytest
 
 from gyre.executions.config import EvaluatorConfig, RunnerConfig
 from gyre.executions.evaluator import Evaluator, Outcome, RewardStatus
-from gyre.executions.runner import EventKind, ExecutionState, HarnessRunner, LocalKeys, _Live
+from gyre.executions.runner import EventKind, ExecutionPhase, HarnessRunner, LocalKeys, _Live
 from gyre.runtime.proxy_access import GyreProxyAccess
 from gyre.executions.tasks import EvaluatorSpec, Task
 
@@ -257,10 +257,10 @@ def test_illegal_transition_raises():
     task = Task(task_id="x", instruction="x", evaluator=EvaluatorSpec("python", lambda ws, t: 1.0))
     live = _Live(spec(task, "e"))
     with pytest.raises(RuntimeError, match="DISPATCHED → EVALUATED"):
-        live.move(ExecutionState.EVALUATED)
-    live.move(ExecutionState.STARTED)
+        live.move(ExecutionPhase.EVALUATED)
+    live.move(ExecutionPhase.STARTED)
     with pytest.raises(RuntimeError, match="STARTED → STARTED"):
-        live.move(ExecutionState.STARTED)
+        live.move(ExecutionPhase.STARTED)
 
 
 def test_duplicate_dispatch_rejected(tmp_path):
@@ -316,9 +316,11 @@ def test_gyre_proxy_access_sums_closed_executions_and_puts_each_call_count_in_th
     from gyre.executions.tasks import ExecutionSpec, Group
     from gyre.runtime.ledger import LedgerError, RunLedger
 
-    closing = {"e0": {"calls": 3, "aborted_calls": 1, "spliced_turns": 2, "unmatched_turns": 1, "roles": {"main": 3}},
-               "e1": {"calls": 2, "aborted_calls": 0, "spliced_turns": 0, "unmatched_turns": 2, "sink_errors": 1},
-               "e2": {}}
+    from gyre.proxy.state import CallStats
+
+    closing = {"e0": CallStats(calls=3, aborted_calls=1, spliced_turns=2, unmatched_turns=1, roles={"MAIN": 3}),
+               "e1": CallStats(calls=2, unmatched_turns=2, sink_errors=1, inflight=1),
+               "e2": CallStats()}
 
     class Proxy:
         def issue_key(self, execution_id):
@@ -335,12 +337,12 @@ def test_gyre_proxy_access_sums_closed_executions_and_puts_each_call_count_in_th
     access.close_execution("e0")
     assert access.take_unmatched() == 1 and access.take_unmatched() == 0
     access.close_execution("e1")
-    access.close_execution("e2")  # closed without stats (never opened): nothing known of it
+    access.close_execution("e2")  # never called the model: closed with nothing counted
     assert dict(access.totals) == {"calls": 5, "aborted_calls": 1, "spliced_turns": 2, "unmatched_turns": 3,
-                                   "sink_errors": 1}
+                                   "tolerated_turns": 0, "reroutes": 0, "sink_errors": 1, "inflight": 1}
     assert access.take_unmatched() == 2
-    assert [(e.calls, e.sink_errors) for e in ledger.executions.values()] == [(3, 0), (2, 1), (None, 0)]
-    assert access.calls_made("e0") == 3 and access.calls_made("e2") is None
+    assert [(e.calls, e.sink_errors) for e in ledger.executions.values()] == [(3, 0), (2, 1), (0, 0)]
+    assert access.calls_made("e0") == 3 and access.calls_made("e2") == 0
     with pytest.raises(LedgerError, match="unknown execution"):
         access.calls_made("never-dispatched")
     assert GyreProxyAccess(Proxy(), "http://x").calls_made("e0") is None  # no ledger: unknown, as LocalKeys

@@ -79,12 +79,15 @@ def test_claude_code_request_sequence_past_a_full_context(make_server):
 def test_volatile_system_lines_are_ignored_when_roles_are_decided():
     c = RoleClassifier(RoleRulesConfig())
 
-    class S:
-        main_system = None
+    main = None
 
-    s = S()
+    def role(system, user, *rest):
+        nonlocal main
+        r, main = c.classify(system, user, None, None, main, *rest)
+        return r
+
     hdr = "x-anthropic-billing-header: cc_version=2.1.332; cch={};\n"
-    assert c.classify(s, hdr.format("aaaaa") + CC_SYSTEM, "fix it", None, None, 2000, True) is Role.MAIN
-    assert c.classify(s, hdr.format("bbbbb") + CC_SYSTEM, "go on", None, None, 2000, True) is Role.MAIN
-    assert c.classify(s, hdr.format("ccccc") + CC_SYSTEM, SUMMARY_ASK, None, None, 2000, True) is Role.MAIN_SUMMARY
-    assert c.classify(s, hdr.format("ddddd") + "You are a search sub-agent.", "find x", None, None, 2000, True) is Role.SUB
+    assert role(hdr.format("aaaaa") + CC_SYSTEM, "fix it", 2000, True) is Role.MAIN
+    assert role(hdr.format("bbbbb") + CC_SYSTEM, "go on", 2000, True) is Role.MAIN
+    assert role(hdr.format("ccccc") + CC_SYSTEM, SUMMARY_ASK, 2000, True) is Role.MAIN_SUMMARY
+    assert role(hdr.format("ddddd") + "You are a search sub-agent.", "find x", 2000, True) is Role.SUB

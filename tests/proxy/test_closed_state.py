@@ -106,7 +106,7 @@ def test_store_sink_knows_its_closed_executions_from_the_files(tmp_path):
 
 def test_the_proxy_refuses_a_closed_id_without_keeping_it_when_its_sink_knows(tmp_path):
     """With a store sink the proxy core keeps no set entry per closed execution (the sealed file
-    answers), and still refuses the id; with a sink that cannot tell, it remembers the id."""
+    answers), and still refuses the id; a memory sink remembers the ids itself."""
     from gyre.proxy import Proxy, ProxyConfig
     from gyre.proxy.sink import MemorySink
 
@@ -122,4 +122,5 @@ def test_the_proxy_refuses_a_closed_id_without_keeping_it_when_its_sink_knows(tm
             with pytest.raises(ValueError, match="closed"):
                 proxy.issue_key(f"ex-{i}")
         assert proxy.issue_key("ex-new")
-    assert len(stored.closed_executions) == 0 and len(remembered.closed_executions) == 50
+    assert len(stored.closed_executions) == len(remembered.closed_executions) == 0
+    assert len(remembered.sink.closed) == 50  # a memory sink remembers them itself

@@ -73,7 +73,7 @@ def test_one_execution_cannot_write_into_another(srv):
     assert len(ra) == 1 and len(rb) == 1
     # B's request carried A's turn: never spliced from A's state, counted unmatched for B
     assert rb[0].payload_ref["spliced_turns"] == 0 and rb[0].payload_ref["unmatched_turns"] == 1
-    assert proxy.execution_stats("ex-a")["calls"] == 1
+    assert proxy.execution_stats("ex-a").calls == 1
     # the same history from A splices its own turn
     a.chat.completions.create(model="m", messages=history, max_tokens=4)
     assert proxy.sink.for_execution("ex-a")[1].payload_ref["spliced_turns"] == 1
@@ -134,12 +134,12 @@ def test_client_disconnect_mid_stream_frees_engine_and_records_abort(make_server
     import time
 
     for _ in range(300):
-        if proxy.execution_stats("ex-gone")["calls"] == 1 and slow.load() == 0:
+        if proxy.execution_stats("ex-gone").calls == 1 and slow.load() == 0:
             break
         time.sleep(0.01)
     (rec,) = proxy.sink.for_execution("ex-gone")
     assert rec.finish_reason == "abort" and 4 <= len(rec.output_ids) < 500
-    assert proxy.execution_stats("ex-gone")["aborted_calls"] == 1 and slow.load() == 0
+    assert proxy.execution_stats("ex-gone").aborted_calls == 1 and slow.load() == 0
     # the aborted turn is not offered for splicing (the client never saw it whole)
     assert not proxy.executions["ex-gone"].turns
 

@@ -156,6 +156,6 @@ def test_a_claude_code_helper_call_is_recorded_as_helper(make_server):
     a.messages.create(model="m", max_tokens=32, system=system, messages=[{"role": "user", "content": "fix the bug"}])
     a.messages.create(model="m", max_tokens=32, system="You are Claude Code. You are an interactive CLI tool.", messages=[{"role": "user", "content": "fix the bug"}])
     assert [r.role for r in proxy.sink.records] == [Role.HELPER, Role.MAIN]
-    assert proxy.execution_stats("ex-help")["roles"] == {"HELPER": 1, "MAIN": 1}
+    assert proxy.execution_stats("ex-help").roles == {"HELPER": 1, "MAIN": 1}
     tree = build_tree(proxy.sink.records)
     assert tree.stats.helper_calls == 1 and np.all(tree.call_roles == int(Role.MAIN))

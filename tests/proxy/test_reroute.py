@@ -76,7 +76,7 @@ def test_openai_stream_survives_drain(make_server, transport):
         assert 0 < k < MAX and out[k:] == b_cont
         assert rec.output_logprobs.tolist() == np.asarray(ref_lps, dtype=np.float32).tolist()
         assert len(lps) == MAX
-        assert proxy.execution_stats("ex-reroute")["aborted_calls"] == 0
+        assert proxy.execution_stats("ex-reroute").aborted_calls == 0
         assert proxy.router.reroutes == 1 and a.load() == 0 and b.load() == 0
     finally:
         ha.stop()

@@ -12,7 +12,7 @@ import pytest
 from gyre.backends.engines.det_engine import DeterministicEngine
 from gyre.backends.models.tokenizer import byte_token_ids, load_tokenizer
 from gyre.proxy import ProxyConfig
-from gyre.proxy.core import ExecutionState
+from gyre.proxy.state import ExecutionState
 from gyre.proxy.render import ChatRenderer, StoredTurn, TurnStore, turn_fingerprint
 from gyre.proxy.responses_api import _keep, store_of
 

@@ -108,7 +108,7 @@ def test_openai_tool_round_trip_with_splicing(make_server, stream):
     _assert_chain(recs)
     assert [r.payload_ref["spliced_turns"] for r in recs] == [0, 1, 2]
     stats = proxy.execution_stats("ex-tools")
-    assert stats["spliced_turns"] == 3 and stats["unmatched_turns"] == 0
+    assert stats.spliced_turns == 3 and stats.unmatched_turns == 0
     # splicing mattered: the byte-spelled sampled ids are not what re-tokenizing the text gives
     tok = load_tokenizer()
     naive = tok.encode(
@@ -204,7 +204,7 @@ def test_roles_by_system_prompt_marker_header_and_key_hint(make_server):
     with pytest.raises(openai.BadRequestError) as e:
         call("Main agent prompt.", "x", {"x-gyre-role": "boss"})
     assert e.value.body["param"] == "x-gyre-role"
-    assert proxy.execution_stats("ex-roles")["roles"] == {"MAIN": 1, "MAIN_SUMMARY": 1, "SUB": 2, "SUB_SUMMARY": 2}
+    assert proxy.execution_stats("ex-roles").roles == {"MAIN": 1, "MAIN_SUMMARY": 1, "SUB": 2, "SUB_SUMMARY": 2}
 
 
 def test_records_go_to_the_store(make_server, tmp_path):
@@ -218,7 +218,7 @@ def test_records_go_to_the_store(make_server, tmp_path):
     for q in ("a", "b"):
         c.chat.completions.create(model="m", messages=[{"role": "user", "content": q}], max_tokens=10, logprobs=True)
     stats = h.call_fn(proxy.close_execution, "ex-store")
-    assert stats["calls"] == 2
+    assert stats.calls == 2
     loaded = store.load("ex-store")
     assert [r.call_id for r in loaded] == [0, 1]
     assert all(len(r.output_logprobs) == len(r.output_ids) > 0 for r in loaded)

@@ -69,7 +69,7 @@ def test_exact_counts_and_warns_tolerant_splices_the_sampled_ids(make_server, ca
     assert len(warned) == 1 and "execution ex" in warned[0] and "--proxy.splice tolerant" in warned[0]
     assert {"split": "separate messages", "text_dropped": "drops the assistant's text"}[pattern] in warned[0]
     stats = proxy.close_execution("ex")
-    assert stats["unmatched_turns"] == 3 * per_turn and stats["unmatched_kinds"] == {pattern: 3 * per_turn}
+    assert stats.unmatched_turns == 3 * per_turn and stats.unmatched_kinds == {pattern: 3 * per_turn}
     assert proxy.worst_unmatched() == [{"execution_id": "ex", "unmatched_turns": 3 * per_turn, "calls": 3,
                                         "unmatched_kinds": {pattern: 3 * per_turn}}]
 
@@ -83,7 +83,7 @@ def test_exact_counts_and_warns_tolerant_splices_the_sampled_ids(make_server, ca
         s, e = recs[2].payload_ref["spliced_spans"][k - 1]
         assert recs[2].input_ids[s:e].tolist() == recs[k - 1].output_ids.tolist()
     assert not [m for m in caplog.messages if "match no turn" in m]
-    assert proxy.close_execution("ex")["tolerated_turns"] == 3 and proxy.worst_unmatched() == []
+    assert proxy.close_execution("ex").tolerated_turns == 3 and proxy.worst_unmatched() == []
 
 
 @pytest.mark.parametrize("splice", ["exact", "tolerant"])

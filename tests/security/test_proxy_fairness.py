@@ -156,5 +156,5 @@ def test_a_call_costs_one_more_rate_unit_per_body_bytes_per_call():
     asyncio.run(admit(b, 10**9))  # another execution: its own bucket; a body past the bucket costs the whole bucket
     with pytest.raises(ApiError):
         asyncio.run(admit(b, 0))
-    proxy.executions["b"].bucket_t -= 2.0  # two seconds later the bucket is full again
+    proxy.executions["b"].allowance.bucket_t -= 2.0  # two seconds later the bucket is full again
     asyncio.run(admit(b, 10**9))

@@ -96,7 +96,7 @@ def test_client_disconnect_aborts_a_non_streamed_call(make_server):
     assert rec.finish_reason == "abort", rec.finish_reason
     assert len(rec.output_ids) < 1000  # stopped long before max_tokens (2000 x 10 ms)
     assert _wait(lambda: eng.aborted, 2.0), "the engine request was not aborted"
-    assert proxy.execution_stats("x")["aborted_calls"] == 1
+    assert proxy.execution_stats("x").aborted_calls == 1
 
 
 def _stream_in_thread(url, key, out):
@@ -135,11 +135,11 @@ def test_call_in_flight_at_close_is_not_appended_after_it(make_server, tmp_path,
     time.sleep(0.3)
     assert os.path.getsize(path) == size  # nothing appended after the close
     recs = store.load("ex1")
-    assert stats["calls"] == len(recs), (stats, len(recs))
+    assert stats.calls == len(recs), (stats, len(recs))
     if how == "aclose":  # waited, aborted, recorded, then sealed
         assert [r.finish_reason for r in recs] == ["length", "abort"]
     else:  # aborted at once: not recorded, reported in flight
-        assert len(recs) == 1 and stats["inflight"] == 1
+        assert len(recs) == 1 and stats.inflight == 1
     assert is_sealed(path)
     assert _open(path) == 0  # the file's descriptor closed, none reopened
     assert proxy.late_records == (1 if how == "close" else 0)
