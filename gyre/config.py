@@ -1,15 +1,9 @@
 """Run configuration: nested tyro dataclasses, one per component, and named presets.
 
-Every rank parses the same command line into the same `GyreConfig`:
-
-    torchrun --standalone --nproc-per-node 4 -m gyre.run --preset cpu-demo --parallel.cell-size 2
-
-`--preset NAME` picks a Python function below that returns a whole config; every other flag
-overrides a field of it. `python -m gyre.run --help` shows the sections and the flags people change; `--help-all` lists every
-option with its docstring.
-
-The up-front refusals (`check_*`, `BOUNDS`) live in gyre/config_checks.py, `ConfigError` in
-gyre/errors.py (re-exported here).
+Every rank parses the same command line into the same `GyreConfig`; `--preset NAME` picks a
+function below that returns a whole config, and every other flag overrides a field of it.
+Only the assembler (gyre/runtime/job.py, gyre/run.py) sees the whole config: every builder and
+check takes its own sections. The up-front refusals live in gyre/config_checks.py.
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ from typing import Callable, Literal
 
 import tyro
 
-from gyre.backends.config import (BackendConfig, CpuEngineConfig, ModelConfig, OptimizerConfig, SglangOptions,
+from gyre.backends.config import (BackendConfig, CpuEngineConfig, ModelConfig, OptimizerConfig, Resume, SglangOptions,
                                   TransferConfig, resolve_model_dtype)
 from gyre.errors import ConfigError  # noqa: F401  (re-exported: `from gyre.config import ConfigError` works)
 from gyre.executions.config import ExecutionsConfig
@@ -86,6 +80,11 @@ class TrainConfig:
     control_timeout_s: float = 600.0
     """A rank that has not answered a command for this long (frozen: SIGSTOP, a hung driver, a
     swapped-out node) fails the run with an error naming it; 0 waits forever."""
+
+    def resumed(self) -> Resume:
+        """The resume flags, as the backends and the run directory read them."""
+        return Resume(on=self.resume or bool(self.resume_from), path=self.resume_from,
+                      weights_only=self.resume_weights_only, steps=self.steps)
 
 
 @dataclass(kw_only=True)

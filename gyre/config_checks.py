@@ -1,9 +1,8 @@
-"""Every up-front refusal of a run configuration: `check_*`, run on every rank before run.json.
+"""Every up-front refusal of a run configuration, run on every rank before run.json.
 
-`gyre.run` calls `check_job` on the parsed command line and `check_train_config` once the
-topology is known; `check_prepared` runs in the job after `--train.prepare` wrote its files. Each
-raises a `ConfigError` that names the flag, so a bad value is one clear message instead of a
-library's failure minutes into the run. `BOUNDS` holds every number's range, by flag.
+The entries (`check_job`, `check_train_config`, `check_prepared`; `python -m gyre.config_checks
+ARGS` for launch.sh's preflight) take the whole config and hand each `check_*` the sections it
+reads. Each raises a `ConfigError` that names the flag. `BOUNDS` holds every number's range.
 """
 
 from __future__ import annotations
@@ -21,12 +20,16 @@ from gyre.config import runs_root
 from gyre.errors import ConfigError
 
 if TYPE_CHECKING:
-    from gyre.config import GyreConfig, TrackingConfig
+    from gyre.backends.config import BackendConfig, ModelConfig, SglangOptions
+    from gyre.config import GyreConfig, TrackingConfig, TrainConfig
+    from gyre.executions.config import ExecutionsConfig
+    from gyre.proxy.config import ProxyConfig
+    from gyre.topology import ParallelConfig
 
 
 def check_train_config(cfg: GyreConfig, num_cells: int) -> None:
-    """Every check of a training config that needs no files: run on every rank before anything
-    starts, so a bad value is one clear message instead of a failure minutes into the run."""
+    """Every check of a training config that needs no files (and of the files already there):
+    run on every rank before anything starts, each check given the sections it reads."""
     try:
         cfg.scheduler.validate(num_cells)
     except ValueError as e:  # "scheduler.n_per_group must be ..." → the flag: "--scheduler.n-per-group must be ..."
@@ -43,23 +46,29 @@ def check_train_config(cfg: GyreConfig, num_cells: int) -> None:
     if tc.resume_from and not Path(tc.resume_from).is_dir():
         raise ConfigError(f"--train.resume-from {tc.resume_from}: no such checkpoint directory")
     check_tracking(cfg.tracking)
-    check_model_dtype(cfg)
+    check_model_dtype(cfg.model, cfg.backend, cfg.sglang)
     mc = cfg.model.checkpoint
-    if mc and not Path(mc).is_dir() and not checkpoint_yet_to_prepare(cfg):  # before the backends read it
+    later = prepared_later(mc, tc)  # what reads it runs in the job, once it is written (check_prepared)
+    if mc and not Path(mc).is_dir() and not later:  # before the backends read it
         raise ConfigError(f"--model.checkpoint {mc}: no such directory")
+    _check_model(cfg, files=not later)
+    check_dataset(cfg.executions, tc)  # the files last: a wrong setting above is the message even when files are missing too
+    check_run_dir(cfg.run_dir, cfg.preset)
+
+
+def _check_model(cfg: GyreConfig, *, files: bool = True) -> None:
+    """The backends; with `files` (the checkpoint is there, or none is given), the vocabulary and
+    chat format, and the Megatron layout."""
     from gyre.backends.factory import check_backends
 
-    check_backends(cfg)
-    check_model_vocab(cfg)
-    check_megatron_layout(cfg)
-    check_dataset(cfg)  # the files last: a wrong setting above is the message even when files are missing too
-    check_run_dir(cfg)
+    check_backends(cfg.backend, cfg.transfer, cfg.model, cfg.parallel, cfg.train.resumed())
+    if files:
+        check_model_vocab(cfg.model, cfg.proxy)
+        check_megatron_layout(cfg.model, cfg.backend, cfg.parallel)
 
 
 # Every number of the config that has a bound, by flag: (lowest, whether the lowest is allowed,
-# highest or None). Floats are also refused when NaN or infinite (check_numbers); a value out of
-# range here used to surface minutes into a run as a library's message (AdamW's "Invalid learning
-# rate", an evaluator that never ran), after run.json had claimed the directory.
+# highest or None). Floats are also refused when NaN or infinite (check_numbers).
 BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "train.steps": (1, True, None), "train.max-tokens": (1, True, None), "train.j-max": (1, True, None),
     "train.checkpoint-every": (0, True, None),
@@ -107,9 +116,8 @@ def _numbers(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def check_numbers(cfg: GyreConfig) -> None:
-    """Every number of the config: finite, and within its bounds (`BOUNDS`), or a ConfigError
-    naming the flag. Walks the whole config tree, so a new float field is checked for NaN and
-    infinity without a line here; give it a bound in BOUNDS when it has one."""
+    """Every number of the config tree: finite, and within its bounds (`BOUNDS`), or a ConfigError
+    naming the flag; a new float field is checked for NaN and infinity without a line here."""
     for flag, value in _numbers(cfg):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"--{flag} must be a finite number, got {value}")
@@ -142,18 +150,16 @@ def check_job(cfg: GyreConfig, argv: list[str]) -> None:
                           f"default of --preset {cfg.preset}), which trains nothing; add --job train")
 
 
-def check_tasks(cfg: GyreConfig, dataset: Any) -> None:
+def check_tasks(executions: ExecutionsConfig, dataset: Any) -> None:
     """What every task will run is there before any execution starts: each harness program
     resolves (on PATH, or an existing file) and each evaluator starts where it will run, in its
     sandbox (`gyre.executions.eval_probe`: a python evaluator imports, a command's program
-    resolves and its Python script's imports import). Before, a missing harness created an
-    execution directory per launch until the health check stopped the run, and an evaluator that
-    could start only outside its sandbox had every execution of its task excluded."""
+    resolves and its Python script's imports import)."""
     import shutil
 
     from gyre.executions.eval_probe import place, probe, probe_argv
 
-    rc = cfg.executions.runner
+    rc = executions.runner
     remote = rc.sandbox_hosts or rc.sandbox == "container"  # programs resolve on those hosts / in the image
     path = (rc.env.get("PATH") or os.environ.get("PATH", os.defpath))
     harnesses: dict[tuple[str, ...], str] = {}
@@ -180,7 +186,7 @@ def check_tasks(cfg: GyreConfig, dataset: Any) -> None:
         for arg in argv[1:2]:  # `{python} script.py`: the script
             if argv[0] == "{python}" and arg.endswith(".py") and Path(arg).is_absolute() and not Path(arg).is_file():
                 raise ConfigError(f"task {task_id}: harness script {arg} not found ({where}: {' '.join(argv)})")
-    ec = cfg.executions.evaluator
+    ec = executions.evaluator
     for task in evaluators.values():
         ev = task.evaluator
         try:
@@ -196,70 +202,61 @@ def check_tasks(cfg: GyreConfig, dataset: Any) -> None:
 
 
 def check_prepared(cfg: GyreConfig, *, checkpoint: bool, dataset: bool) -> None:
-    """After `--train.prepare` ran (rank 0; every rank calls this after the barrier that follows
-    it): the checks `check_train_config` left to it, on the files it was to write (`checkpoint`:
-    --model.checkpoint was not there before it, `dataset`: the tasks file was not), so a path the
-    hook does not write is refused here, before run.json, not as a loader's message later."""
+    """After `--train.prepare` ran (every rank, after the barrier that follows it): the checks
+    `check_train_config` left to it, on the files it was to write (`checkpoint`: --model.checkpoint
+    was not there before it, `dataset`: the tasks file was not)."""
     wrote = f"(--train.prepare {cfg.train.prepare} wrote into {cfg.train.prepare_dir}, not there)"
     if checkpoint:
         if not Path(cfg.model.checkpoint).is_dir():
             raise ConfigError(f"--model.checkpoint {cfg.model.checkpoint}: no such directory {wrote}")
-        from gyre.backends.factory import check_backends
-
-        check_backends(cfg)
-        check_model_vocab(cfg)
-        check_megatron_layout(cfg)
+        _check_model(cfg)
     if dataset:
         if not Path(cfg.executions.dataset.path).exists():
             raise ConfigError(f"--executions.dataset.path {cfg.executions.dataset.path}: no such file {wrote}")
-        check_dataset(cfg)
+        check_dataset(cfg.executions, cfg.train)
 
 
-def check_model_dtype(cfg: GyreConfig) -> None:
+def check_model_dtype(model: ModelConfig, backend: BackendConfig, sglang: SglangOptions) -> None:
     """SGLang serves float16/bfloat16 only: its default attention on Hopper is FA3 (sglang 0.5.23
     arg_groups/model_override_base.py:305-311), whose kernels take fp16/bf16, and its CUDA RMSNorm
     goes through sgl-kernel whatever the dtype (layers/layernorm.py:628, 631). Refused here, before
     any rank starts, instead of a scheduler crash (SIGQUIT to the rank) at engine start."""
-    dtype = resolve_model_dtype(cfg.model, cfg.backend)
-    if cfg.backend.engine == "sglang" and dtype not in ("bfloat16", "float16"):
+    dtype = resolve_model_dtype(model, backend)
+    if backend.engine == "sglang" and dtype not in ("bfloat16", "float16"):
         raise ConfigError(f"--model.dtype {dtype} with --backend.engine sglang: SGLang's default GPU kernels (FA3 "
                           f"attention on Hopper, sgl-kernel RMSNorm) take float16/bfloat16 only; use --model.dtype "
                           f"bfloat16 (or auto, which is bfloat16 with a CUDA backend)")
     from gyre.backends.engines.sglang_engine import GYRE_OWNED_SERVER_ARGS
 
-    for key in cfg.sglang.extra:
+    for key in sglang.extra:
         name = key.replace("-", "_")
         if name in GYRE_OWNED_SERVER_ARGS:
             raise ConfigError(f"--sglang.{key.replace('_', '-')}: Gyre sets ServerArgs.{name} itself "
                               f"({GYRE_OWNED_SERVER_ARGS[name]})")
 
 
-def check_model_vocab(cfg: GyreConfig) -> None:
+def check_model_vocab(model: ModelConfig, proxy: ProxyConfig) -> None:
     """The run's tokenizer fits the model (`check_vocab_rows`) and has a chat format the proxy can
-    serve (`check_chat_format`). A checkpoint `--train.prepare` has still to write is checked by
-    the job once it is there (`check_prepared`)."""
-    vocab, _ = check_vocab_rows(cfg)
-    if vocab is not None:
-        check_chat_format(cfg, vocab.tokenizer)
+    serve (`check_chat_format`)."""
+    vocab, _ = check_vocab_rows(model, proxy)
+    check_chat_format(proxy, vocab.tokenizer)
 
 
-def check_vocab_rows(cfg: GyreConfig) -> tuple[Any, int | None]:
+def check_vocab_rows(model: ModelConfig, proxy: ProxyConfig) -> tuple[Any, int | None]:
     """(the run's tokenizer, a `gyre.backends.models.vocab.ModelVocab`; the checkpoint's embedding
     rows, None without one): the checkpoint's own tokenizer, else `--proxy.tokenizer-path`, else
     the project's (resolve_tokenizer_dir), with no more ids than the model has embedding rows
-    (config.json vocab_size). (None, None) for a checkpoint `--train.prepare` has still to write."""
+    (config.json vocab_size)."""
     from gyre.backends.models import vocab as V
 
-    mc = cfg.model.checkpoint
+    mc = model.checkpoint
     if mc and not Path(mc).is_dir():
-        if checkpoint_yet_to_prepare(cfg):
-            return None, None
         raise ConfigError(f"--model.checkpoint {mc}: no such directory")
-    if cfg.proxy.tokenizer_path and not Path(cfg.proxy.tokenizer_path).is_dir():
-        raise ConfigError(f"--proxy.tokenizer-path {cfg.proxy.tokenizer_path}: no such directory")
+    if proxy.tokenizer_path and not Path(proxy.tokenizer_path).is_dir():
+        raise ConfigError(f"--proxy.tokenizer-path {proxy.tokenizer_path}: no such directory")
     rows = V.model_rows(mc) if mc else None
     try:
-        vocab = V.load_vocab(mc, cfg.proxy.tokenizer_path)
+        vocab = V.load_vocab(mc, proxy.tokenizer_path)
         if rows is not None:
             V.check_project_fallback(mc, rows, vocab)
             V.check_vocab(rows, vocab.size, model=f"--model.checkpoint {mc}",
@@ -269,7 +266,7 @@ def check_vocab_rows(cfg: GyreConfig) -> tuple[Any, int | None]:
     return vocab, rows
 
 
-def check_chat_format(cfg: GyreConfig, tokenizer: Any, model_config: Any = None) -> Any:
+def check_chat_format(proxy: ProxyConfig, tokenizer: Any, model_config: Any = None) -> Any:
     """The run's chat format and tool support (`gyre.proxy.formats.choice.chat_setup`, as the proxy
     builds them): a template no format knows, a format whose end-of-turn token the tokenizer lacks,
     or `--proxy.tool-parser hermes` on a format with other tool calls is a ConfigError naming the
@@ -277,7 +274,7 @@ def check_chat_format(cfg: GyreConfig, tokenizer: Any, model_config: Any = None)
     from gyre.proxy.formats import UnknownChatFormat
     from gyre.proxy.formats.choice import ChatSetupError, chat_setup
 
-    pc = cfg.proxy
+    pc = proxy
     try:
         return chat_setup(tokenizer, model_config, chat_format=pc.chat_format, tool_format=pc.tool_format,
                           tool_parser=pc.tool_parser)
@@ -285,57 +282,54 @@ def check_chat_format(cfg: GyreConfig, tokenizer: Any, model_config: Any = None)
         raise ConfigError(str(e)) from None
 
 
-def checkpoint_yet_to_prepare(cfg: GyreConfig) -> bool:
-    """`--model.checkpoint` is not there yet, and `--train.prepare` will write it (it lies under
+def prepared_later(path: str | None, train: TrainConfig) -> bool:
+    """`path` is not there yet, and `--train.prepare` will write it (it lies under
     `--train.prepare-dir`): the checks that read it run in the job, once it is written (a
     newcomer's first `--preset cpu-demo` run has no warm start yet)."""
-    mc = cfg.model.checkpoint
-    return bool(mc and not Path(mc).is_dir() and cfg.train.prepare and cfg.train.prepare_dir
-                and Path(cfg.train.prepare_dir).resolve() in Path(mc).resolve().parents)
+    return bool(path and not Path(path).exists() and train.prepare and train.prepare_dir
+                and Path(train.prepare_dir).resolve() in Path(path).resolve().parents)
 
 
-def check_megatron_layout(cfg: GyreConfig) -> None:
+def check_megatron_layout(model: ModelConfig, backend: BackendConfig, parallel: ParallelConfig) -> None:
     """--backend.actor megatron: the cell layout (--parallel.tp/pp/cp/ep) against the model's
     architecture (EP on a dense model, PP without Transformer Engine, CP, TP not dividing the
     heads, an unsupported family or RoPE), refused on every rank before any builds anything
     (`gyre.backends.actors.mcore_mapping.check_layout`). Reads only the checkpoint's config.json."""
-    if cfg.backend.actor != "megatron" or checkpoint_yet_to_prepare(cfg):
+    if backend.actor != "megatron":
         return
     from gyre.backends.actors.mcore_mapping import check_layout
 
-    if cfg.model.checkpoint:
+    if model.checkpoint:
         from transformers import AutoConfig
 
         try:
-            hf = AutoConfig.from_pretrained(cfg.model.checkpoint)
+            hf = AutoConfig.from_pretrained(model.checkpoint)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"--model.checkpoint {cfg.model.checkpoint}: no readable config.json ({e})") from None
+            raise ConfigError(f"--model.checkpoint {model.checkpoint}: no readable config.json ({e})") from None
     else:
         from gyre.backends.models.hf import model_config
 
-        hf = model_config(cfg.model.preset, 1)  # the layout does not depend on the vocabulary
-    p = cfg.parallel
+        hf = model_config(model.preset, 1)  # the layout does not depend on the vocabulary
+    p = parallel
     try:
         check_layout(hf, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep,
-                     vocab_size=hf.vocab_size if cfg.model.checkpoint else None)
+                     vocab_size=hf.vocab_size if model.checkpoint else None)
     except ValueError as e:
         raise ConfigError(f"--backend.actor megatron: {e}") from None
 
 
-def check_dataset(cfg: GyreConfig) -> None:
+def check_dataset(executions: ExecutionsConfig, train: TrainConfig) -> None:
     """The tasks file exists and parses (every task's fields are checked), or `--train.prepare`
     will write it: then it must lie under `--train.prepare-dir`."""
-    path = cfg.executions.dataset.path
+    path = executions.dataset.path
     if not path:
         raise ConfigError("--executions.dataset.path is empty: give a JSONL file of tasks (see examples/cpu_demo)")
     p = Path(path)
     if not p.exists():
-        prepared = cfg.train.prepare and cfg.train.prepare_dir and \
-            Path(cfg.train.prepare_dir).resolve() in p.resolve().parents
-        if not prepared:
+        if not prepared_later(path, train):
             raise ConfigError(f"--executions.dataset.path {path}: no such file"
-                              + (f" (and --train.prepare writes into {cfg.train.prepare_dir}, not there)"
-                                 if cfg.train.prepare else ""))
+                              + (f" (and --train.prepare writes into {train.prepare_dir}, not there)"
+                                 if train.prepare else ""))
         return
     if not p.is_file():
         raise ConfigError(f"--executions.dataset.path {path}: not a file")
@@ -345,18 +339,21 @@ def check_dataset(cfg: GyreConfig) -> None:
         dataset = Dataset.from_jsonl(p)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--executions.dataset.path {path}: {e}") from None
-    check_tasks(cfg, dataset)
+    check_tasks(executions, dataset)
 
 
-def check_run_dir(cfg: GyreConfig) -> None:
+def run_dir_target(run_dir: str, preset: str) -> tuple[Path, str]:
+    """(absolute run directory, how the flag names it), as gyre.run resolves it."""
+    target = Path(run_dir) if run_dir else runs_root(preset)
+    return target.absolute(), f"--run-dir {run_dir}" if run_dir else f"the default run directory {target}/ (--run-dir)"
+
+
+def check_run_dir(run_dir: str, preset: str) -> None:
     """Where the run directory goes can be written (the nearest existing directory above it: a
     directory is made and removed there)."""
-    import os
     import tempfile
 
-    target = Path(cfg.run_dir) if cfg.run_dir else runs_root(cfg.preset)
-    flag = f"--run-dir {cfg.run_dir}" if cfg.run_dir else f"the default run directory {target}/ (--run-dir)"
-    probe = target.absolute()
+    probe, flag = run_dir_target(run_dir, preset)
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():

@@ -145,13 +145,13 @@ def evaluate(cfg: Any, ckpt: Path, tasks: list[Any], samples: int, work_dir: Pat
     from gyre.runtime.job import _chat_format_stop_ids
     from gyre.runtime.proxy_access import GyreProxyAccess
 
-    factory.set_threads(cfg)
+    factory.set_threads(cfg.train.torch_threads)
     vocab = load_vocab(cfg.model.checkpoint or str(ckpt), cfg.proxy.tokenizer_path)  # the base model's tokenizer
     model = load_model(str(ckpt), dtype=dtype_of(cfg.model.dtype))
-    stop_ids = sorted(set(vocab.stop_ids) | _chat_format_stop_ids(cfg, vocab.tokenizer, model.config))
+    stop_ids = sorted(set(vocab.stop_ids) | _chat_format_stop_ids(cfg.proxy, vocab.tokenizer, model.config))
     params = {name: p.detach() for name, p in model.named_parameters()}
-    engine = factory.build_engine(cfg, model.config, params, version=0, eos_token_ids=stop_ids,
-                                  sampleable_vocab=vocab.size, name="eval")
+    engine = factory.build_engine(cfg.model, cfg.engine, cfg.backend, model.config, params, version=0,
+                                  eos_token_ids=stop_ids, sampleable_vocab=vocab.size, name="eval", transfer=cfg.transfer)
     proxy = Proxy(cfg.proxy, sink=MemorySink(), tokenizer=vocab.tokenizer, stop_ids=vocab.stop_ids)
     proxy.router.add_engine(engine, kind="cell", index=0)
     handle = serve_proxy(proxy)

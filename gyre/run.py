@@ -7,11 +7,13 @@ Every blocking collective of the top level is visible here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,9 @@ from gyre.config_checks import check_job, check_train_config
 from gyre.errors import RunFailed, RunStopped
 from gyre.logging_utils import ONCE, setup_logging
 from gyre.topology import Groups, Topology, TopologyError
+
+if TYPE_CHECKING:
+    from gyre.runtime.rundir import RunDir
 
 logger = logging.getLogger("gyre.run")
 
@@ -214,6 +219,17 @@ def load_note(load1: float, cores: int, ranks_here: int) -> str | None:
             f"{ranks_here} ranks get a smaller share, so steps may take up to {slow:.1f}x as long as on a quiet machine")
 
 
+def resolve_run_dir(cfg: GyreConfig, rank: int, world: int, store: Any, **kw: Any) -> RunDir:
+    """`gyre.runtime.rundir.resolve` on the sections it reads; its decision (the directory, the
+    checkpoint resumed from) written back into `cfg` for the job."""
+    from gyre.runtime import rundir
+
+    run = rundir.resolve(cfg.run_dir, cfg.preset, cfg.train.resumed(), rank, world, store, overwrite=cfg.overwrite,
+                         config=dataclasses.asdict(cfg), **kw)
+    cfg.run_dir, cfg.train.resume, cfg.train.resume_from = str(run.path), bool(run.checkpoint), run.checkpoint
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the job; 0 when it succeeded. A failure is stated once: by the controller for a run
     that stopped early (RunFailed), else by the rank that raised, with its traceback."""
@@ -225,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             logger.warning("%s", note)
     from gyre.sized_defaults import apply_checkpoint_defaults
 
-    for note in apply_checkpoint_defaults(cfg, list(sys.argv[1:] if argv is None else argv)):  # a pretrained checkpoint's lr, micro-step size
+    given = list(sys.argv[1:] if argv is None else argv)
+    for note in apply_checkpoint_defaults(given, cfg.preset, cfg.model, cfg.backend, cfg.actor, cfg.train):
         logger.info("default for the checkpoint: %s", note, extra=ONCE)
     alone = "RANK" not in os.environ
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a SIGKILLed torchrun takes its ranks (and harnesses) with it
@@ -278,19 +295,18 @@ def main(argv: list[str] | None = None) -> int:
                 from gyre.backends.actors.megatron_actor import initialize_parallel_state
 
                 # blocking: Megatron's groups are world-collective: every rank, pool ranks too
-                initialize_parallel_state(megatron_config_of(cfg), seed=cfg.model.seed)
+                initialize_parallel_state(megatron_config_of(cfg.parallel, cfg.model), seed=cfg.model.seed)
         if cfg.job == "smoke":
             smoke_check(topo, groups)
         else:
             from gyre.executions import scratch
-            from gyre.runtime import rundir
             from gyre.runtime.control import default_store
             from gyre.runtime.job import train  # the full RL loop (scheduler, cells, proxy, actors)
 
             if os.environ.get("LOCAL_RANK", "0") == "0":  # one sweep a node
                 scratch.sweep()  # temporary directories of processes killed before they could clean up (a crashed attempt's)
             # blocking: rank 0 decides the directory, the attempt and the checkpoint to resume from
-            run = rundir.resolve(cfg, rank, world, default_store(), restart=restart, elastic=elastic)
+            run = resolve_run_dir(cfg, rank, world, default_store(), restart=restart, elastic=elastic)
             _RUN[:] = [run]
             logger.info("run directory: %s (attempt %d%s)", run.path, run.attempt,
                         f", resuming version {run.start_version} from {run.checkpoint}" if run.checkpoint else "",

@@ -1,32 +1,25 @@
 """Defaults that fit a pretrained checkpoint: its learning rate and micro-step size.
 
-The class defaults (`--actor.lr` 1e-4, `--train.max-tokens` 4096) and the presets' own values
-(cpu-demo: 1e-3) are sized for the small random-init or warm-started models Gyre builds. A
-pretrained model of tens of millions of parameters or more is wrecked by such a learning rate, and
-4,096-token micro-steps took one rank of a 135 M model to ~8.6 GB peak RSS
-(`python -m examples.smollm2.rss_probe`). So when `--model.checkpoint` names such a model and the
-value was not chosen for it — not given on the command line, and either the class default or a
-preset's value for the preset's own model (the checkpoint came from the command line) — the run
-takes the value `checkpoint_defaults` computes, and logs which and why:
+The class defaults (`--actor.lr` 1e-4, `--train.max-tokens` 4096) and the presets' own values are
+sized for the small models Gyre builds; a pretrained model is wrecked by such a learning rate, and
+4,096-token micro-steps take one rank of a 135 M model to ~8.6 GB peak RSS. So when
+`--model.checkpoint` names a model of 20 M parameters or more and a value was not chosen for it
+(not on the command line, and not a preset's value for the preset's own model), the run takes
+the value `checkpoint_defaults` computes, and logs which and why:
 
     lr = 1e-6 · sqrt(1e9 / N), clamped to [1e-6, 1e-5]     N parameters
-        verl trains Qwen2.5-0.5B-Instruct at 1e-6 (batches of 256+ prompts), prime-rl
-        Qwen3-0.6B at 3e-6; the square root leans smaller models (noisier, smaller batches
-        here) toward the upper end: 135 M → 2.7e-6, 0.5 B → 1.4e-6, ≥ 1 B → 1e-6.
+        verl trains Qwen2.5-0.5B-Instruct at 1e-6, prime-rl Qwen3-0.6B at 3e-6; the square root
+        leans smaller models toward the upper end: 135 M → 2.7e-6, 0.5 B → 1.4e-6, ≥ 1 B → 1e-6.
     max_tokens = (0.8 · memory / ranks − fixed) / per_token, down to a multiple of 256, in [512, 16384]
         memory: MemAvailable (and a cgroup limit below it), shared by the node's ranks
-        fixed = 5 · b · N + 1 GiB: actor weights, grads and AdamW's two moments (4 · b · N, b
-                bytes a parameter in --model.dtype), the engine's copy (b · N), the rest of the
-                process (torch, tokenizer, proxy, KV caches)
+        fixed = 5 · b · N + 1 GiB: actor weights, grads and AdamW's two moments, the engine's
+                copy (b bytes a parameter in --model.dtype), the rest of the process
         per_token = 5 · b · (layers · (hidden + intermediate) + vocab): the activations a
-                forward keeps for its backward, layer by layer, plus the logits and their
-                log-softmax; the factor 5 fits the measured SmolLM2-135M peaks (1.5–2.0 MiB a
-                token at 2,048–4,096 tokens; the formula says 2.15 MiB)
+                forward keeps for its backward, plus the logits and their log-softmax (the
+                factor 5 fits the SmolLM2-135M peaks)
 
-Models under 20 M parameters keep the toy defaults: they are what the presets and tests build.
-`checkpoint_defaults` is pure (tests/test_sized_defaults.py checks hand-computed values);
-`apply_checkpoint_defaults` reads the checkpoint's config.json, the memory and argv, and sets
-the config.
+`checkpoint_defaults` is pure; `apply_checkpoint_defaults` reads the checkpoint's config.json,
+the memory and argv, and sets the sections it is given.
 """
 
 from __future__ import annotations
@@ -40,7 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gyre.config import GyreConfig
+    from gyre.backends.config import BackendConfig, ModelConfig, OptimizerConfig
+    from gyre.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -160,16 +154,18 @@ def _given(argv: list[str], flag: str) -> bool:
     return any(a in (flag, alt) or a.startswith((flag + "=", alt + "=")) for a in argv)
 
 
-def apply_checkpoint_defaults(cfg: "GyreConfig", argv: list[str]) -> list[str]:
-    """Set `cfg.actor.lr` and `cfg.train.max_tokens` for a pretrained `--model.checkpoint` where
-    neither the command line nor the preset chose them for it; returns the notes (logged)."""
+def apply_checkpoint_defaults(argv: list[str], preset_name: str, model: ModelConfig, backend: BackendConfig,
+                              actor: OptimizerConfig, train: TrainConfig) -> list[str]:
+    """Set `actor.lr`, `actor.activation_checkpointing` and `train.max_tokens` for a pretrained
+    `model.checkpoint` where neither the command line (`argv`) nor the preset chose them for it;
+    returns the notes (logged)."""
     from gyre.backends.config import OptimizerConfig
     from gyre.config import PRESETS, TrainConfig
 
-    ckpt = cfg.model.checkpoint
+    ckpt = model.checkpoint
     if not ckpt or not (Path(ckpt) / "config.json").is_file():
         return []  # no checkpoint, or one --train.prepare has still to write: the configured values stay
-    preset = PRESETS[cfg.preset]()
+    preset = PRESETS[preset_name]()
     own_model = not _given(argv, "--model.checkpoint")  # the preset's checkpoint: its values were chosen for it
     size_lr = not _given(argv, "--actor.lr") and not (own_model and preset.actor.lr != OptimizerConfig.lr)
     size_tokens = not _given(argv, "--train.max-tokens") and \
@@ -181,7 +177,7 @@ def apply_checkpoint_defaults(cfg: "GyreConfig", argv: list[str]) -> list[str]:
         return []
     from gyre.backends.models.hf import dtype_of
 
-    dtype_bytes = dtype_of(cfg.model.dtype).itemsize if cfg.model.dtype != "auto" else 4
+    dtype_bytes = dtype_of(model.dtype).itemsize if model.dtype != "auto" else 4
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     try:
         size = model_size(ckpt)
@@ -189,15 +185,15 @@ def apply_checkpoint_defaults(cfg: "GyreConfig", argv: list[str]) -> list[str]:
         return []
     out = checkpoint_defaults(size, memory_bytes=available_memory(), ranks=ranks, dtype_bytes=dtype_bytes,
                               size_lr=size_lr, size_tokens=size_tokens)
-    if size_memory and size.params >= PRETRAINED_MIN_PARAMS and cfg.backend.actor == "cpu":
+    if size_memory and size.params >= PRETRAINED_MIN_PARAMS and backend.actor == "cpu":
         # A real model's activations dwarf its weights at a useful micro-step (SmolLM2-135M: 5.3 GB
         # a rank at 2048 tokens without, 2.7 GB flat to 4096 with; docs/backends.md): recompute them.
-        cfg.actor.activation_checkpointing = True
+        actor.activation_checkpointing = True
         out.notes.append("--actor.activation-checkpointing: a pretrained checkpoint's activations are recomputed in "
                          "the backward (peak memory flat in the micro-step size, ~1.3x the compute); give "
                          "--actor.no-activation-checkpointing to keep them")
     if out.lr is not None:
-        cfg.actor.lr = out.lr
+        actor.lr = out.lr
     if out.max_tokens is not None:
-        cfg.train.max_tokens = out.max_tokens
+        train.max_tokens = out.max_tokens
     return out.notes

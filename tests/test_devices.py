@@ -14,6 +14,7 @@ import torch
 
 from gyre.config import ConfigError
 from gyre.run import bind_device, device_and_backend
+from tests.backends.helpers import check_backends_of, engine_of
 from tests.distributed import run_ranks
 
 MULTI = "cpu:gloo,cuda:nccl"
@@ -224,8 +225,8 @@ def test_engine_on_cuda_without_cuda_is_refused_naming_the_field(monkeypatch):
         engine_device("cuda", False, 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="--backend.device cuda: CUDA is not available"):
-        factory.check_backends(parse_config(["--backend.device", "cuda"]))
-    factory.check_backends(parse_config(["--backend.device", "auto"]))
+        check_backends_of(parse_config(["--backend.device", "cuda"]))
+    check_backends_of(parse_config(["--backend.device", "auto"]))
 
 
 def test_the_forward_creates_every_tensor_on_the_weights_device():
@@ -253,7 +254,7 @@ def test_the_forward_creates_every_tensor_on_the_weights_device():
 
 
 def test_the_factory_builds_the_engine_on_the_chosen_device(monkeypatch):
-    from gyre.backends import devices, factory
+    from gyre.backends import devices
     from gyre.config import parse_config
     from tests.backends.helpers import tiny_model
 
@@ -268,8 +269,8 @@ def test_the_factory_builds_the_engine_on_the_chosen_device(monkeypatch):
         return torch.device("meta")
 
     monkeypatch.setattr(devices, "this_engine_device", on_meta)
-    engine = factory.build_engine(parse_config(["--backend.device", "cuda"]), model.config, model.state_dict(),
-                                  version=0, eos_token_ids=[1], name="e")
+    engine = engine_of(parse_config(["--backend.device", "cuda"]), model.config, model.state_dict(),
+                       version=0, eos_token_ids=[1], name="e")
     assert chosen == ["cuda"] and engine.device.type == "meta" and engine._weights.device.type == "meta"
 
 

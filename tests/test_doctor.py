@@ -29,6 +29,36 @@ CHECKS = ["torch", "cuda", "nccl", "sglang", "megatron-core", "mooncake", "trans
 STATUSES = {"ok", "warn", "fail", "skipped"}
 
 
+# Each check takes the sections it reads; these hand it them from a parsed command line, as the
+# doctor's `check` does.
+def gpu_line(cfg, **kw):
+    return node.gpu_line(cfg.backend, **kw)
+
+
+def rdma_line(cfg, devices):
+    return node.rdma_line(cfg.transfer, cfg.proxy, devices)
+
+
+def proxy_port_line(cfg, **kw):
+    return node.proxy_port_line(cfg.proxy, **kw)
+
+
+def backends_line(cfg):
+    return node.backends_line(cfg.backend, cfg.transfer, cfg.model, cfg.parallel, cfg.train.resumed())
+
+
+def checkpoint_lines(cfg):
+    return node.checkpoint_lines(cfg.model, cfg.backend, cfg.parallel, cfg.sglang, cfg.train)
+
+
+def sandbox_line(cfg):
+    return node.sandbox_line(cfg.executions.runner)
+
+
+def run_dir_line(cfg, probes):
+    return cluster.run_dir_line(cfg.run_dir, cfg.preset, probes, resume=cfg.train.resume, overwrite=cfg.overwrite)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -92,7 +122,7 @@ def test_a_run_dir_where_the_filesystem_refuses_directories_is_refused_naming_th
     from gyre.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^--run-dir /sys/gyre-x: cannot create a directory in /sys: "):
-        check_run_dir(parse_config(["--run-dir", "/sys/gyre-x"]))
+        check_run_dir("/sys/gyre-x", "smoke")
     assert not Path("/sys/gyre-x").exists()
 
 
@@ -167,14 +197,14 @@ def test_judge(found, needed, status):
 # ----------------------------------------------------------------------------- GPUs, RDMA, ports
 def test_gpu_line():
     cpu, meg = parse_config([]), parse_config(["--backend.actor", "megatron"])
-    assert node.gpu_line(cpu, cuda=False, count=0, mem={}, ranks_here=1).status == SKIPPED
-    no = node.gpu_line(meg, cuda=False, count=0, mem={}, ranks_here=1)
+    assert gpu_line(cpu, cuda=False, count=0, mem={}, ranks_here=1).status == SKIPPED
+    no = gpu_line(meg, cuda=False, count=0, mem={}, ranks_here=1)
     assert no.status == FAIL and "--backend.actor megatron" in no.detail
-    assert node.gpu_line(cpu, cuda=True, count=4, mem={}, ranks_here=8).status == FAIL  # 8 ranks, 4 GPUs
+    assert gpu_line(cpu, cuda=True, count=4, mem={}, ranks_here=8).status == FAIL  # 8 ranks, 4 GPUs
     g = node.GIB
-    ok = node.gpu_line(cpu, cuda=True, count=2, mem={0: (139 * g, 140 * g), 1: (127 * g, 140 * g)}, ranks_here=2)
+    ok = gpu_line(cpu, cuda=True, count=2, mem={0: (139 * g, 140 * g), 1: (127 * g, 140 * g)}, ranks_here=2)
     assert ok.status == OK and "139.0/140.0" in ok.detail  # 13/140 = 9.3 % used: under 10 %
-    busy = node.gpu_line(cpu, cuda=True, count=2, mem={0: (139 * g, 140 * g), 1: (100 * g, 140 * g)}, ranks_here=2)
+    busy = gpu_line(cpu, cuda=True, count=2, mem={0: (139 * g, 140 * g), 1: (100 * g, 140 * g)}, ranks_here=2)
     assert busy.status == WARN and "cuda:1 " in busy.detail  # 40/140 = 28.6 % used
 
 
@@ -186,11 +216,11 @@ def test_rdma(tmp_path):
     assert devices == {"mlx5_0": ["ACTIVE"], "mlx5_1": ["DOWN"]}
     assert node.rdma_devices(tmp_path / "absent") == {}
     rdma = ["--transfer.transport", "mooncake", "--transfer.mooncake-protocol", "rdma"]
-    assert node.rdma_line(parse_config(rdma), devices).status == OK
-    assert node.rdma_line(parse_config(rdma), {"mlx5_1": ["DOWN"]}).status == FAIL
-    named = node.rdma_line(parse_config(rdma + ["--transfer.mooncake-device", "mlx5_1"]), devices)
+    assert rdma_line(parse_config(rdma), devices).status == OK
+    assert rdma_line(parse_config(rdma), {"mlx5_1": ["DOWN"]}).status == FAIL
+    named = rdma_line(parse_config(rdma + ["--transfer.mooncake-device", "mlx5_1"]), devices)
     assert named.status == FAIL and "mlx5_1" in named.detail
-    assert node.rdma_line(parse_config([]), {}).status == SKIPPED  # Mooncake not chosen
+    assert rdma_line(parse_config([]), {}).status == SKIPPED  # Mooncake not chosen
 
 
 def test_ports():
@@ -200,13 +230,13 @@ def test_ports():
         port = s.getsockname()[1]
         assert node.port_in_use("127.0.0.1", port) == "in use"
         cfg = parse_config(["--proxy.port", str(port)])
-        line = node.proxy_port_line(cfg, rank=0)
+        line = proxy_port_line(cfg, rank=0)
         assert line.status == FAIL and str(port) in line.detail
-        assert node.proxy_port_line(cfg, rank=1).status == SKIPPED  # the proxy is rank 0's
+        assert proxy_port_line(cfg, rank=1).status == SKIPPED  # the proxy is rank 0's
         alone = cluster.master_port_line(cluster.Launch("alone"), {"MASTER_PORT": str(port)}, reached=None)
         assert alone.status == FAIL and str(port) in alone.detail
     assert node.port_in_use("127.0.0.1", port) is None  # closed: bindable again
-    assert node.proxy_port_line(parse_config([]), rank=0).status == OK  # port 0
+    assert proxy_port_line(parse_config([]), rank=0).status == OK  # port 0
 
 
 def test_launch_of():
@@ -235,15 +265,15 @@ def test_run_dir_line(tmp_path):
         path, err = cluster.write_probe(cluster.nearest_existing(tmp_path / "run"), tag)
         assert err == "" and Path(path).read_text() == tag
         probes.append((tag, path, err))
-    ok = cluster.run_dir_line(cfg, probes)
+    ok = run_dir_line(cfg, probes)
     assert ok.status == OK and "3 ranks on 2 node(s)" in ok.detail
     # rank 2 wrote to a directory rank 0 does not see (a node-local disk): its probe is not there
     os.unlink(probes[2][1])
-    local = cluster.run_dir_line(cfg, probes)
+    local = run_dir_line(cfg, probes)
     assert local.status == FAIL and "[2]" in local.detail and "shared" in local.detail
     _, err = cluster.write_probe(tmp_path / "nope", "t")
     assert "not a directory" in err
-    bad = cluster.run_dir_line(cfg, [probes[0], ("t", None, err)])
+    bad = run_dir_line(cfg, [probes[0], ("t", None, err)])
     assert bad.status == FAIL and "rank 1" in bad.detail
     for _, path, _ in probes:
         cluster.remove_probe(path)
@@ -257,12 +287,12 @@ def test_run_dir_that_gyre_run_would_refuse(tmp_path):
     run.mkdir()
     (run / RUN_OUTPUTS[0]).write_text("{}")  # a previous run's run.json
     probe = [(cluster.probe_tag(0), *cluster.write_probe(run, cluster.probe_tag(0)))]
-    held = cluster.run_dir_line(parse_config(["--run-dir", str(run)]), probe)
+    held = run_dir_line(parse_config(["--run-dir", str(run)]), probe)
     assert held.status == FAIL and RUN_OUTPUTS[0] in held.detail and "--overwrite" in held.fix
-    assert cluster.run_dir_line(parse_config(["--run-dir", str(run), "--overwrite"]), probe).status == OK
-    assert cluster.run_dir_line(parse_config(["--run-dir", str(run), "--train.resume"]), probe).status == OK
+    assert run_dir_line(parse_config(["--run-dir", str(run), "--overwrite"]), probe).status == OK
+    assert run_dir_line(parse_config(["--run-dir", str(run), "--train.resume"]), probe).status == OK
     absent = parse_config(["--run-dir", str(tmp_path / "absent"), "--train.resume"])
-    assert cluster.run_dir_line(absent, probe).status == FAIL
+    assert run_dir_line(absent, probe).status == FAIL
     cluster.remove_probe(probe[0][1])
 
 
@@ -275,39 +305,39 @@ def _checkpoint(path: Path, family: str, **overrides) -> str:
 
 def test_checkpoint_of_a_real_family(tmp_path):
     ckpt = _checkpoint(tmp_path / "q3", "qwen3")
-    lines = node.checkpoint_lines(parse_config(["--model.checkpoint", ckpt]))
+    lines = checkpoint_lines(parse_config(["--model.checkpoint", ckpt]))
     assert [(ln.name, ln.status) for ln in lines] == [("checkpoint", OK), ("dtype", OK)]
     assert "Qwen3ForCausalLM" in lines[0].detail
-    sg = node.checkpoint_lines(parse_config(["--model.checkpoint", ckpt, "--backend.engine", "sglang"]))
+    sg = checkpoint_lines(parse_config(["--model.checkpoint", ckpt, "--backend.engine", "sglang"]))
     assert "SGLang serves it as Qwen3ForCausalLM" in sg[0].detail and "bfloat16" in sg[1].detail  # auto: bf16
     assert sg[0].status == WARN and "safetensors" in sg[0].detail  # a config alone: SGLang starts on a copy
     (tmp_path / "q3" / "model.safetensors").write_bytes(b"")  # what sglang_checkpoint.startable_checkpoint looks for
-    assert node.checkpoint_lines(parse_config(["--model.checkpoint", ckpt, "--backend.engine", "sglang"]))[0].status == OK
+    assert checkpoint_lines(parse_config(["--model.checkpoint", ckpt, "--backend.engine", "sglang"]))[0].status == OK
 
 
 def test_checkpoint_refusals(tmp_path):
     ckpt = _checkpoint(tmp_path / "q2", "qwen2.5")
     heads = json.loads((Path(ckpt) / "config.json").read_text())["num_attention_heads"]
     tp = heads + 1  # cannot divide the heads
-    lines = node.checkpoint_lines(parse_config(["--model.checkpoint", ckpt, "--backend.actor", "megatron",
+    lines = checkpoint_lines(parse_config(["--model.checkpoint", ckpt, "--backend.actor", "megatron",
                                                 "--parallel.tp", str(tp), "--parallel.cell-size", str(tp)]))
     assert lines[0].status == FAIL and "megatron" in lines[0].detail
     from gyre.backends.models.hf import model_config as preset_config
 
     assert preset_config("small", 1).num_attention_heads % 3 != 0  # the preset's heads: tp 3 cannot split them
-    preset = node.checkpoint_lines(parse_config(["--backend.actor", "megatron", "--parallel.tp", "3",
+    preset = checkpoint_lines(parse_config(["--backend.actor", "megatron", "--parallel.tp", "3",
                                                  "--parallel.cell-size", "3"]))
     assert preset[0].status == FAIL and "--parallel.tp 3" in preset[0].detail
-    f32 = node.checkpoint_lines(parse_config(["--model.checkpoint", ckpt, "--backend.engine", "sglang",
+    f32 = checkpoint_lines(parse_config(["--model.checkpoint", ckpt, "--backend.engine", "sglang",
                                               "--model.dtype", "float32"]))
     assert [(ln.name, ln.status) for ln in f32][1] == ("dtype", FAIL) and f32[0].status != FAIL
-    assert node.checkpoint_lines(parse_config(["--model.checkpoint", str(tmp_path / "absent")]))[0].status == FAIL
-    prepared = node.checkpoint_lines(parse_config(["--preset", "cpu-demo", "--train.prepare-dir", str(tmp_path / "d"),
+    assert checkpoint_lines(parse_config(["--model.checkpoint", str(tmp_path / "absent")]))[0].status == FAIL
+    prepared = checkpoint_lines(parse_config(["--preset", "cpu-demo", "--train.prepare-dir", str(tmp_path / "d"),
                                                    "--model.checkpoint", str(tmp_path / "d" / "warm")]))
     assert [(ln.name, ln.status) for ln in prepared] == [("checkpoint", SKIPPED), ("dtype", OK)]  # --train.prepare writes it
     half = _checkpoint(tmp_path / "fp16", "qwen3", torch_dtype="float16")
     assert node.stored_dtype(half) == "float16"
-    warn = node.checkpoint_lines(parse_config(["--model.checkpoint", half, "--model.dtype", "bfloat16"]))[1]
+    warn = checkpoint_lines(parse_config(["--model.checkpoint", half, "--model.dtype", "bfloat16"]))[1]
     assert warn.status == WARN and warn.fix
 
 
@@ -367,7 +397,8 @@ def test_the_doctor_fails_what_gyre_run_refuses(tmp_path, chatml_checkpoint, cas
         check_train_config(parse_config(argv), 1)
     except ConfigError as e:
         refusal = str(e)
-    lines = {ln.name: ln for ln in chat_lines(parse_config(argv))}
+    cfg = parse_config(argv)
+    lines = {ln.name: ln for ln in chat_lines(cfg.model, cfg.proxy, cfg.train)}
     assert list(lines) == ["vocabulary", "chat format", "tools"]
     failed = [n for n, ln in lines.items() if ln.status == FAIL]
     assert (refusal is None) == (failing is None), refusal
@@ -402,8 +433,8 @@ def test_the_doctor_command_on_a_plain_chatml_checkpoint(tmp_path, chatml_checkp
 
 
 def test_backends_line():
-    assert node.backends_line(parse_config([])).status == OK
-    sg = node.backends_line(parse_config(["--backend.engine", "sglang"]))
+    assert backends_line(parse_config([])).status == OK
+    sg = backends_line(parse_config(["--backend.engine", "sglang"]))
     if not torch.cuda.is_available():
         assert sg.status == FAIL and "--backend.engine sglang" in sg.detail
 
@@ -412,17 +443,17 @@ def test_sandbox_line(monkeypatch):
     from gyre.executions import sandbox
 
     monkeypatch.setattr(sandbox, "bwrap_works", lambda: True)
-    assert node.sandbox_line(parse_config([])).status == OK
+    assert sandbox_line(parse_config([])).status == OK
     monkeypatch.setattr(sandbox, "bwrap_works", lambda: False)
-    assert node.sandbox_line(parse_config([])).status == WARN  # auto falls back to none
-    assert node.sandbox_line(parse_config(["--executions.runner.sandbox", "bwrap"])).status == FAIL
-    assert node.sandbox_line(parse_config(["--executions.runner.sandbox", "none"])).status == WARN
-    assert node.sandbox_line(parse_config(["--executions.runner.sandbox", "container"])).status == FAIL  # no image
+    assert sandbox_line(parse_config([])).status == WARN  # auto falls back to none
+    assert sandbox_line(parse_config(["--executions.runner.sandbox", "bwrap"])).status == FAIL
+    assert sandbox_line(parse_config(["--executions.runner.sandbox", "none"])).status == WARN
+    assert sandbox_line(parse_config(["--executions.runner.sandbox", "container"])).status == FAIL  # no image
     nocli = parse_config(["--executions.runner.sandbox", "container", "--executions.runner.container-image", "img",
                           "--executions.runner.container-cli", "no-such-cli-here"])
-    assert node.sandbox_line(nocli).status == FAIL
+    assert sandbox_line(nocli).status == FAIL
     monkeypatch.setattr(node.shutil, "which", lambda name: None)
-    assert node.sandbox_line(parse_config(["--executions.runner.sandbox", "unshare"])).status == FAIL
+    assert sandbox_line(parse_config(["--executions.runner.sandbox", "unshare"])).status == FAIL
 
 
 # ----------------------------------------------------------------------------- the table

@@ -228,6 +228,51 @@ def test_the_cycle_rule_counts_a_type_checking_only_back_edge():
     assert not any({"gyre.proxy.core", "gyre.proxy.roles"} <= set(c) for c in cycles(g))
 
 
+# Only the assembler sees the whole config: every builder and check takes the sections it reads
+# (torchtitan's `Configurable`; gyre/loss/config.py works this way).
+WHOLE_CONFIG = {
+    "gyre.config", "gyre.run", "gyre.runtime.job",  # the config itself, the entry, the assembler
+    "gyre.config_checks",  # its entries (check_job, check_train_config, check_prepared) hand out sections
+    "gyre.doctor",  # the doctor's entry (`check`) hands each line its sections
+    "gyre.runtime.controller", "gyre.runtime.summary", "gyre.runtime.proxy_access",  # narrowed by the stop/proxy work
+}
+
+
+def whole_config_users(sources: dict[str, str]) -> set[str]:
+    """The modules that import `GyreConfig` (a `TYPE_CHECKING` import too) or annotate with it."""
+    out = set()
+    for module, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom):
+                names = [a.name for a in node.names]
+            elif isinstance(node, (ast.arg, ast.AnnAssign)) and node.annotation is not None:
+                names = [ast.unparse(node.annotation)]
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns is not None:
+                names = [ast.unparse(node.returns)]
+            else:
+                continue
+            if any("GyreConfig" in n for n in names):
+                out.add(module)
+    return out
+
+
+def _sources() -> dict[str, str]:
+    return {_module(p): p.read_text() for p in GYRE.rglob("*.py")}
+
+
+def test_only_the_assembler_sees_the_whole_config():
+    assert whole_config_users(_sources()) == WHOLE_CONFIG
+
+
+@pytest.mark.parametrize("planted", ["if TYPE_CHECKING:\n    from gyre.config import GyreConfig\n",
+                                     "def build(cfg: 'GyreConfig') -> None: ...\n",
+                                     "def view() -> GyreConfig: ...\n"])
+def test_the_whole_config_rule_catches_a_planted_use(planted):
+    sources = _sources()
+    sources["gyre.backends.factory"] += "\n" + planted
+    assert whole_config_users(sources) - WHOLE_CONFIG == {"gyre.backends.factory"}
+
+
 CONTROLLER_USERS = {"gyre.runtime.controller", "gyre.runtime.job"}  # the class, and the one place that builds it
 
 

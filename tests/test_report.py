@@ -130,20 +130,14 @@ def test_help_explains_the_command():
 def test_the_page_names_each_launch_of_a_resumable_run(tmp_path):
     """run.json as the runs write it (issue 35 item 5: the page said "started None on None ranks"):
     its `attempts`, each with its start, world size, command and end."""
-    import dataclasses as dc
-
     from gyre.runtime.rundir import end_attempt, write_manifest
 
     _write_run(tmp_path / "run", finished=True)
     (tmp_path / "run" / "run.json").unlink()
 
-    @dc.dataclass
-    class Cfg:
-        preset: str = "cpu-demo"
-
-    assert write_manifest(tmp_path / "run", Cfg(), 4) == 0
+    assert write_manifest(tmp_path / "run", {"preset": "cpu-demo"}, 4) == 0
     end_attempt(tmp_path / "run", 0, {"steps": 2, "error": "interrupted by SIGTERM"})
-    assert write_manifest(tmp_path / "run", Cfg(), 2, start_version=2) == 1
+    assert write_manifest(tmp_path / "run", {"preset": "cpu-demo"}, 2, start_version=2) == 1
     text = render(tmp_path / "run").read_text()
     assert "None" not in text.split("<h2>")[0], text.split("<h2>")[0]
     assert "<b>run</b> started 20" in text and "on 4 ranks, ended 20" in text and "after 2 steps" in text

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from gyre.runtime import rundir
 from gyre.config import parse_config
+from gyre.run import resolve_run_dir
 
 
 @pytest.fixture
@@ -23,13 +24,17 @@ def _cfg(*args):
     return parse_config(["--job", "train", *args])
 
 
+def _decide(cfg, **kw):
+    return rundir.decide(cfg.run_dir, cfg.preset, resume=cfg.train.resume, overwrite=cfg.overwrite, **kw)
+
+
 def _refusals_on_two_ranks(cfgs, store) -> dict[int, str]:
     """`rundir.resolve` as ranks 0 and 1 of one job (rank 1 in a thread): each rank's RunDirError."""
     errors = {}
 
     def rank(r):
         try:
-            rundir.resolve(cfgs[r], r, 2, store)
+            resolve_run_dir(cfgs[r], r, 2, store)
         except rundir.RunDirError as e:
             errors[r] = str(e)
 
@@ -42,19 +47,19 @@ def _refusals_on_two_ranks(cfgs, store) -> dict[int, str]:
 
 def test_default_runs_get_fresh_timestamped_dirs_and_latest_follows(in_tmp):
     t = 1_800_000_000.0  # two runs in the same second, a third later
-    a = rundir.decide(_cfg(), now=t)
-    b = rundir.decide(_cfg(), now=t)
-    c = rundir.decide(_cfg(), now=t + 61)
+    a = _decide(_cfg(), now=t)
+    b = _decide(_cfg(), now=t)
+    c = _decide(_cfg(), now=t + 61)
     root = in_tmp / "runs" / "train"  # no --preset: runs/train
     assert a.parent == b.parent == c.parent == root.resolve()
     assert b.name == a.name + "-2" and c.name != a.name and len({a, b, c}) == 3
     assert (root / "latest").resolve() == c
-    assert rundir.decide(_cfg("--train.resume")) == c  # resume without --run-dir: the latest run
+    assert _decide(_cfg("--train.resume")) == c  # resume without --run-dir: the latest run
 
 
 def test_resume_without_any_previous_run_names_the_fix(in_tmp):
     with pytest.raises(rundir.RunDirError, match="no previous run to resume.*runs/train/latest.*--run-dir"):
-        rundir.decide(_cfg("--train.resume"))
+        _decide(_cfg("--train.resume"))
 
 
 def test_an_explicit_dir_with_a_run_is_refused_then_overwritten_only_where_gyre_wrote(in_tmp):
@@ -63,14 +68,14 @@ def test_an_explicit_dir_with_a_run_is_refused_then_overwritten_only_where_gyre_
     (run / "summary.json").write_text("{}")
     (run / "notes.txt").write_text("the user's own file")
     with pytest.raises(rundir.RunDirError) as e:
-        rundir.decide(_cfg("--run-dir", str(run)))
+        _decide(_cfg("--run-dir", str(run)))
     msg = str(e.value)
     assert "executions" in msg and "summary.json" in msg
     for flag in ("--train.resume", "--overwrite", "--run-dir"):
         assert flag in msg
-    assert rundir.decide(_cfg("--run-dir", str(run), "--overwrite")) == run.resolve()
+    assert _decide(_cfg("--run-dir", str(run), "--overwrite")) == run.resolve()
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt", "run.lock"]  # the lock file stays (runlock.py)
-    assert rundir.decide(_cfg("--run-dir", str(run))) == run.resolve()  # now fresh: accepted
+    assert _decide(_cfg("--run-dir", str(run))) == run.resolve()  # now fresh: accepted
 
 
 def test_every_rank_gets_rank_0s_decision_or_its_refusal(in_tmp):
@@ -80,7 +85,7 @@ def test_every_rank_gets_rank_0s_decision_or_its_refusal(in_tmp):
 
     def rank(r):
         try:
-            got[r] = rundir.resolve(cfgs[r], r, 3, store).path
+            got[r] = resolve_run_dir(cfgs[r], r, 3, store).path
         except rundir.RunDirError as e:
             got[r] = e
 
@@ -105,7 +110,7 @@ def test_every_rank_gets_rank_0s_decision_or_its_refusal(in_tmp):
 
 def _launch(cfg, rank, world, store, **kw):
     """One launch that has ended by the time the next one comes: its rank 0 lets the lock go."""
-    run = rundir.resolve(cfg, rank, world, store, **kw)
+    run = resolve_run_dir(cfg, rank, world, store, **kw)
     if run.lock is not None:
         run.lock.release()
     return run
@@ -268,7 +273,7 @@ def test_the_summary_adds_up_every_attempt_that_ended_and_names_those_that_did_n
     in; one whose rank 0 died (None here: no end record) is named, never counted as zeros."""
     run = tmp_path_factory.mktemp("run")
     for k, summary in enumerate(attempts):
-        assert rundir.write_manifest(run, _cfg(), 2) == k
+        assert rundir.write_manifest(run, {}, 2) == k
         if summary is not None:
             totals = rundir.end_attempt(run, k, {**summary, "mode": "gyre", "staleness_by_step": [1.0]})
     recorded = json.loads((run / "run.json").read_text())["attempts"]
@@ -332,19 +337,19 @@ def test_a_run_directory_in_use_by_another_job_is_refused_on_every_rank_before_a
 
 def test_rank_0_holds_the_lock_while_its_run_lives_and_a_fresh_default_run_is_locked_too(in_tmp):
     run = in_tmp / "run"
-    first = rundir.resolve(_cfg("--run-dir", str(run)), 0, 1, dist.HashStore())
+    first = resolve_run_dir(_cfg("--run-dir", str(run)), 0, 1, dist.HashStore())
     assert first.lock.held
     holder = json.loads((run / "run.lock").read_text())
     import os
     import socket
     assert (holder["pid"], holder["host"]) == (os.getpid(), socket.gethostname())
     with pytest.raises(rundir.RunDirError, match="in use by another Gyre job"):
-        rundir.resolve(_cfg("--run-dir", str(run), "--overwrite"), 0, 1, dist.HashStore())
+        resolve_run_dir(_cfg("--run-dir", str(run), "--overwrite"), 0, 1, dist.HashStore())
     first.lock.release()
-    rundir.resolve(_cfg("--run-dir", str(run), "--overwrite"), 0, 1, dist.HashStore()).lock.release()
-    fresh = rundir.resolve(_cfg(), 0, 1, dist.HashStore())  # a timestamped directory: locked as well
+    resolve_run_dir(_cfg("--run-dir", str(run), "--overwrite"), 0, 1, dist.HashStore()).lock.release()
+    fresh = resolve_run_dir(_cfg(), 0, 1, dist.HashStore())  # a timestamped directory: locked as well
     with pytest.raises(rundir.RunDirError, match="in use by another Gyre job"):
-        rundir.resolve(_cfg("--train.resume"), 0, 1, dist.HashStore())  # resume of latest while it runs
+        resolve_run_dir(_cfg("--train.resume"), 0, 1, dist.HashStore())  # resume of latest while it runs
     del fresh  # dropping the decision drops the lock (an in-process caller; a job exits)
     resumed = _launch(_cfg("--train.resume"), 0, 1, dist.HashStore())  # no checkpoint yet: from version 0
     assert (resumed.attempt, resumed.start_version) == (1, 0)
@@ -363,7 +368,7 @@ def test_an_attempt_stopped_by_torchruns_sigterm_names_the_rank_that_died_first(
         alive = peers.identity(0)
         ident = {**alive, "rank": 1, "pid": victim.pid, "start": peers._start_ticks(victim.pid)}
         third = {**alive, "rank": 2}  # alive (this process), not stopped: slow, not dead
-        rundir.write_manifest(tmp_path, _cfg(), 3)
+        rundir.write_manifest(tmp_path, {}, 3)
         rundir.record_ranks(tmp_path, 0, [alive, ident, third])
         assert peers.dead([alive, ident, third]) == []
     finally:
@@ -377,7 +382,7 @@ def test_an_attempt_stopped_by_torchruns_sigterm_names_the_rank_that_died_first(
     assert totals["errors"] == [{"attempt": 0, "error": summary["error"]}]
     assert json.loads((tmp_path / "run.json").read_text())["attempts"][0]["ended"]["dead_ranks"] == [1]
     # A SIGTERM from outside (scancel, Ctrl-C): every rank alive, the error stays the signal's.
-    rundir.write_manifest(tmp_path, _cfg(), 3)
+    rundir.write_manifest(tmp_path, {}, 3)
     rundir.record_ranks(tmp_path, 1, [alive, {**alive, "rank": 1}])
     summary = {"error": error, "interrupted": "SIGTERM", "ranks_not_stopped": [1], "steps": 2}
     rundir.end_attempt(tmp_path, 1, summary)

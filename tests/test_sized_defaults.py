@@ -67,6 +67,10 @@ def test_model_size_counts_what_transformers_builds(tmp_path, tied):
     assert (got.layers, got.hidden, got.intermediate, got.vocab) == (4, 256, 512, 300)
 
 
+def _apply(cfg, argv):
+    return sd.apply_checkpoint_defaults(argv, cfg.preset, cfg.model, cfg.backend, cfg.actor, cfg.train)
+
+
 def test_apply_respects_the_command_line_and_the_preset(tmp_path, monkeypatch):
     from gyre.config import parse_config
 
@@ -79,7 +83,7 @@ def test_apply_respects_the_command_line_and_the_preset(tmp_path, monkeypatch):
 
     def applied(argv):
         cfg = parse_config(argv)
-        notes = sd.apply_checkpoint_defaults(cfg, argv)
+        notes = _apply(cfg, argv)
         checkpointing = any(n.startswith("--actor.activation-checkpointing") for n in notes)
         assert cfg.actor.activation_checkpointing or not checkpointing
         return cfg.actor.lr, cfg.train.max_tokens, len(notes) - checkpointing
@@ -97,8 +101,8 @@ def test_apply_respects_the_command_line_and_the_preset(tmp_path, monkeypatch):
     assert applied([*base, "--model.checkpoint", str(tmp_path / "missing")])[2] == 0  # not there yet: nothing sized
     # activation checkpointing: on for a pretrained checkpoint unless the command line or the preset chose
     on = parse_config([*base, "--model.checkpoint", str(ck)])
-    sd.apply_checkpoint_defaults(on, [*base, "--model.checkpoint", str(ck)])
+    _apply(on, [*base, "--model.checkpoint", str(ck)])
     off_argv = [*base, "--model.checkpoint", str(ck), "--actor.no-activation-checkpointing"]
     off = parse_config(off_argv)
-    sd.apply_checkpoint_defaults(off, off_argv)
+    _apply(off, off_argv)
     assert on.actor.activation_checkpointing and not off.actor.activation_checkpointing

@@ -71,14 +71,14 @@ def test_prepare_writes_tasks_and_the_model_under_its_dir(tmp_path, monkeypatch)
 @pytest.mark.parametrize("name", ["smollm2", "smollm2-smoke"])
 def test_presets_point_at_what_their_prepare_step_writes(name):
     from gyre.config import parse_config
-    from gyre.config_checks import check_train_config, checkpoint_yet_to_prepare
+    from gyre.config_checks import check_train_config, prepared_later
 
     cfg = parse_config(["--preset", name])
     data = Path(cfg.train.prepare_dir).resolve()
     assert cfg.train.prepare.startswith("examples.smollm2.prepare:")
     assert Path(cfg.model.checkpoint).resolve() == data / "model"
     assert Path(cfg.executions.dataset.path).resolve().parent == data
-    assert checkpoint_yet_to_prepare(cfg) or (data / "model" / "config.json").is_file()
+    assert prepared_later(cfg.model.checkpoint, cfg.train) or (data / "model" / "config.json").is_file()
     check_train_config(cfg, num_cells=2)  # the scheduler's rules for the 2 ranks the docs launch
     assert cfg.train.steps % cfg.scheduler.mu == 0
     assert 1e-6 <= cfg.actor.lr <= 1e-5 and cfg.train.max_tokens <= 2048

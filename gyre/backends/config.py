@@ -1,14 +1,11 @@
 """Backend configuration: the tyro dataclasses of `--model.*`, `--backend.*`, `--engine.*`,
-`--actor.*`, `--transfer.*`, `--sglang.*`, `--megatron.*` (nested into `gyre.config.GyreConfig`),
-and the rule that resolves `--model.dtype auto`."""
+`--actor.*`, `--transfer.*`, `--sglang.*`, `--megatron.*`, the rule that resolves
+`--model.dtype auto`, and `Resume` (what the factory reads of `--train.resume*`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
-
-if TYPE_CHECKING:
-    from gyre.loss.config import LossConfig
+from typing import Literal
 
 
 @dataclass(kw_only=True)
@@ -276,69 +273,11 @@ def resolve_model_dtype(model: ModelConfig, backend: BackendConfig) -> str:
     return "bfloat16" if backend.engine == "sglang" or backend.actor == "megatron" else "float32"
 
 
-# ---- what the factory reads of the whole config ---------------------------------------------------
-# The factory takes the job's `gyre.config.GyreConfig`, which sits above the backends (it nests
-# these sections). These read-only views name exactly the fields the factory reads, so its `cfg` is
-# typed without importing upward; a `GyreConfig` satisfies `BuildConfig` structurally.
-class TrainView(Protocol):
-    """`--train.*` fields the factory reads (gyre.config.TrainConfig)."""
+@dataclass(frozen=True)
+class Resume:
+    """The `--train.resume*` flags, as the core's actor and the run directory read them."""
 
-    @property
-    def steps(self) -> int: ...
-    @property
-    def resume(self) -> bool: ...
-    @property
-    def resume_from(self) -> str: ...
-    @property
-    def resume_weights_only(self) -> bool: ...
-    @property
-    def torch_threads(self) -> int: ...
-
-
-class ParallelView(Protocol):
-    """`--parallel.*` (gyre.topology.ParallelConfig): cell size and the Megatron dimensions."""
-
-    @property
-    def cell_size(self) -> int: ...
-    @property
-    def tp(self) -> int: ...
-    @property
-    def pp(self) -> int: ...
-    @property
-    def cp(self) -> int: ...
-    @property
-    def ep(self) -> int: ...
-
-
-class KvMigrationView(Protocol):
-    """`--proxy.migration*` (gyre.proxy.config.ProxyConfig): whether and over what KV migrates."""
-
-    @property
-    def migration(self) -> str: ...
-    @property
-    def migration_transport(self) -> str: ...
-
-
-class BuildConfig(Protocol):
-    """The sections of `gyre.config.GyreConfig` that `gyre.backends.factory` reads."""
-
-    @property
-    def run_dir(self) -> str: ...
-    @property
-    def model(self) -> ModelConfig: ...
-    @property
-    def backend(self) -> BackendConfig: ...
-    @property
-    def engine(self) -> CpuEngineConfig: ...
-    @property
-    def actor(self) -> OptimizerConfig: ...
-    @property
-    def transfer(self) -> TransferConfig: ...
-    @property
-    def loss(self) -> "LossConfig": ...
-    @property
-    def train(self) -> TrainView: ...
-    @property
-    def parallel(self) -> ParallelView: ...
-    @property
-    def proxy(self) -> KvMigrationView: ...
+    on: bool = False  # start from a checkpoint (--train.resume, or --train.resume-from)
+    path: str = ""  # --train.resume-from (rank 0's choice, once made); "": the newest complete one
+    weights_only: bool = False  # --train.resume-weights-only
+    steps: int = 0  # --train.steps: a checkpoint at or past it has nothing left to train

@@ -47,8 +47,12 @@ import argparse
 import os
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from gyre.doctor.table import FAIL, Line, exit_code, merge, render, skipped
+
+if TYPE_CHECKING:
+    from gyre.config import GyreConfig
 
 TIMEOUT_S = 120.0
 DEFAULT_PRESET = "cpu-demo"  # README command 1's job: what a newcomer means by "will my run work?"
@@ -64,30 +68,31 @@ def _guarded(name: str, fn, *args, **kwargs) -> list[Line]:
     return out if isinstance(out, list) else [out]
 
 
-def _local_lines(cfg, launch, *, cuda: bool, ranks_here: int) -> tuple[list[Line], list[Line]]:
+def _local_lines(cfg: GyreConfig, launch, *, cuda: bool, ranks_here: int) -> tuple[list[Line], list[Line]]:
     """The checks of this rank's node that involve no other rank: (those that go before the
     cross-rank lines, those after)."""
     from gyre.doctor import chat, node, versions
 
     local = launch.rank == 0 if launch.launcher == "alone" else (launch.local_rank or 0) == 0  # once a node
-    lines = _guarded("versions", lambda: versions.version_lines(cfg, versions.gyre_requirements(), cuda=cuda))
+    lines = _guarded("versions", lambda: versions.version_lines(cfg.backend, cfg.transfer, cfg.proxy,
+                                                                versions.gyre_requirements(), cuda=cuda))
 
     def gpus() -> Line:
         count, mem = node.measure_gpus(launch.local_rank) if cuda else (0, {})
-        return node.gpu_line(cfg, cuda=cuda, count=count, mem=mem, ranks_here=ranks_here)
+        return node.gpu_line(cfg.backend, cuda=cuda, count=count, mem=mem, ranks_here=ranks_here)
 
     lines += _guarded("gpus", gpus)
     return lines, [
-        *_guarded("proxy port", node.proxy_port_line, cfg, rank=launch.rank),
-        *(_guarded("rdma", node.rdma_line, cfg, node.rdma_devices()) if local else []),  # once a node
-        *_guarded("backends", node.backends_line, cfg),
-        *_guarded("checkpoint", node.checkpoint_lines, cfg),
-        *_guarded("chat format", chat.chat_lines, cfg),
-        *(_guarded("sandbox", node.sandbox_line, cfg) if local else []),
+        *_guarded("proxy port", node.proxy_port_line, cfg.proxy, rank=launch.rank),
+        *(_guarded("rdma", node.rdma_line, cfg.transfer, cfg.proxy, node.rdma_devices()) if local else []),  # once a node
+        *_guarded("backends", node.backends_line, cfg.backend, cfg.transfer, cfg.model, cfg.parallel, cfg.train.resumed()),
+        *_guarded("checkpoint", node.checkpoint_lines, cfg.model, cfg.backend, cfg.parallel, cfg.sglang, cfg.train),
+        *_guarded("chat format", chat.chat_lines, cfg.model, cfg.proxy, cfg.train),
+        *(_guarded("sandbox", node.sandbox_line, cfg.executions.runner) if local else []),
     ]
 
 
-def check(cfg, env: dict[str, str], timeout_s: float = TIMEOUT_S) -> tuple[list[Line], int, str | None]:
+def check(cfg: GyreConfig, env: dict[str, str], timeout_s: float = TIMEOUT_S) -> tuple[list[Line], int, str | None]:
     """Run every check of `cfg` on this process: (the table's lines, exit code, the table's header
     when this process prints it). Collective when launched: every rank calls it; rank 0's lines
     are the merged ones of all ranks and it prints them; without a process group each rank
@@ -95,6 +100,7 @@ def check(cfg, env: dict[str, str], timeout_s: float = TIMEOUT_S) -> tuple[list[
     import torch
     import torch.distributed as dist
 
+    from gyre.config_checks import run_dir_target
     from gyre.doctor import cluster
     from gyre.errors import ConfigError
     from gyre.run import device_and_backend
@@ -126,15 +132,16 @@ def check(cfg, env: dict[str, str], timeout_s: float = TIMEOUT_S) -> tuple[list[
         lines.append(cluster.master_port_line(launch, env, reached=None if joined else reached or "not started"))
     if joined:
         lines += _guarded("all-reduce", cluster.allreduce_line, nccl=nccl)
-        lines += _guarded("prefix groups", cluster.prefix_line, cfg, nccl=nccl, alone=launch.launcher == "alone")
+        lines += _guarded("prefix groups", cluster.prefix_line, cfg.parallel, nccl=nccl, alone=launch.launcher == "alone")
     else:
         lines += [skipped("all-reduce", "no process group"), skipped("prefix groups", "no process group")]
     # The run directory: every rank writes a probe where it goes; rank 0 reads them all back.
     tag = cluster.probe_tag(launch.rank)
-    path, err = cluster.write_probe(cluster.nearest_existing(cluster.run_dir_target(cfg)[0]), tag)
+    path, err = cluster.write_probe(cluster.nearest_existing(run_dir_target(cfg.run_dir, cfg.preset)[0]), tag)
     probes = cluster.gather((tag, path, err), launch.world) if joined else [(tag, path, err)]
     if launch.rank == 0 or not joined:
-        lines += _guarded("run dir", cluster.run_dir_line, cfg, probes)
+        lines += _guarded("run dir", cluster.run_dir_line, cfg.run_dir, cfg.preset, probes, resume=cfg.train.resume,
+                          overwrite=cfg.overwrite)
     if joined:
         cluster.gather(None, launch.world)  # a barrier on gloo: rank 0 has read every probe
     cluster.remove_probe(path)

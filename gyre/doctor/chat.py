@@ -10,20 +10,22 @@ from typing import TYPE_CHECKING
 from gyre.doctor.table import FAIL, OK, WARN, Line, skipped
 
 if TYPE_CHECKING:
-    from gyre.config import GyreConfig
+    from gyre.backends.config import ModelConfig
+    from gyre.config import TrainConfig
+    from gyre.proxy.config import ProxyConfig
 
 NAMES = ("vocabulary", "chat format", "tools")
 
 
-def chat_lines(cfg: GyreConfig) -> list[Line]:
-    from gyre.config_checks import check_chat_format, check_vocab_rows, checkpoint_yet_to_prepare
+def chat_lines(model: ModelConfig, proxy: ProxyConfig, train: TrainConfig) -> list[Line]:
+    from gyre.config_checks import check_chat_format, check_vocab_rows, prepared_later
     from gyre.errors import ConfigError
 
-    if checkpoint_yet_to_prepare(cfg):
-        why = f"{cfg.model.checkpoint} is written by --train.prepare {cfg.train.prepare} (the job checks it then)"
+    if prepared_later(model.checkpoint, train):
+        why = f"{model.checkpoint} is written by --train.prepare {train.prepare} (the job checks it then)"
         return [skipped(n, why) for n in NAMES]
     try:
-        vocab, rows = check_vocab_rows(cfg)
+        vocab, rows = check_vocab_rows(model, proxy)
     except ConfigError as e:
         fix = ("give the checkpoint its own tokenizer (tokenizer.json beside config.json), or --proxy.tokenizer-path "
                "to the one it was trained with")
@@ -32,16 +34,16 @@ def chat_lines(cfg: GyreConfig) -> list[Line]:
     vocab_line = Line("vocabulary", OK, f"{vocab.size} token ids ({where})"
                       + (f" <= {rows} embedding rows" if rows is not None else ""))
     try:
-        setup = check_chat_format(cfg, vocab.tokenizer)
+        setup = check_chat_format(proxy, vocab.tokenizer)
     except ConfigError as e:
         return [vocab_line, Line("chat format", FAIL, str(e), "name the checkpoint's format with --proxy.chat-format "
                                  "(python -m gyre.doctor --help lists the flags; docs/proxy_harnesses.md the formats)"),
                 skipped("tools", "no chat format")]
     fmt = setup.format
-    how = "--proxy.chat-format" if cfg.proxy.chat_format not in ("", "auto") else "the template's"
+    how = "--proxy.chat-format" if proxy.chat_format not in ("", "auto") else "the template's"
     fmt_line = Line("chat format", OK, f"{fmt.name} ({how}): {fmt.description}")
     t = setup.tools
-    if t.mode == "refuse" and cfg.proxy.tool_format == "auto":
+    if t.mode == "refuse" and proxy.tool_format == "auto":
         tools_line = Line("tools", WARN, f"requests with tools will get a 400: {t.why}",
                           "--proxy.tool-format hermes, if the harness sends tools")
     elif t.mode == "refuse":

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from gyre.doctor.table import FAIL, OK, Line, skipped
 
 if TYPE_CHECKING:
-    from gyre.config import GyreConfig
+    from gyre.topology import ParallelConfig
 
 # launch.sh's GYRE_MASTER_PORT default, which is torchrun's --master-port default too.
 DEFAULT_MASTER_PORT = 29500
@@ -130,7 +130,7 @@ def allreduce_line(*, nccl: bool) -> Line:
     return Line("all-reduce", OK, detail)
 
 
-def prefix_line(cfg: GyreConfig, *, nccl: bool, alone: bool) -> Line:
+def prefix_line(parallel: ParallelConfig, *, nccl: bool, alone: bool) -> Line:
     """Every rank: the layout (`--parallel.*`) against the world, then a broadcast from the core
     over every prefix group this rank is in (cells 0..k−1 at its position, k = 2..K), the group
     Gyre's weight broadcasts use (on this rank's GPU when `nccl`); each member checks it received
@@ -143,7 +143,7 @@ def prefix_line(cfg: GyreConfig, *, nccl: bool, alone: bool) -> Line:
     rank, world = dist.get_rank(), dist.get_world_size()
     name = "prefix groups"
     try:
-        topo = Topology.from_config(cfg.parallel, world, rank)
+        topo = Topology.from_config(parallel, world, rank)
     except TopologyError as e:
         if alone:
             return skipped(name, f"single process, and the layout needs more ranks ({e}); run under torchrun or srun")
@@ -169,15 +169,6 @@ def prefix_line(cfg: GyreConfig, *, nccl: bool, alone: bool) -> Line:
 
 
 # ----------------------------------------------------------------------------- the run directory
-def run_dir_target(cfg: GyreConfig) -> tuple[Path, str]:
-    """(absolute run directory, how the flag names it), as gyre.run resolves it."""
-    from gyre.config import runs_root
-
-    target = Path(cfg.run_dir) if cfg.run_dir else runs_root(cfg.preset)
-    flag = f"--run-dir {cfg.run_dir}" if cfg.run_dir else f"the default run directory {target}/ (--run-dir)"
-    return target.absolute(), flag
-
-
 def nearest_existing(path: Path) -> Path:
     """`path`, or its nearest existing ancestor (where gyre.run's mkdir starts)."""
     while not path.exists():
@@ -231,28 +222,31 @@ def probe_tag(rank: int) -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{rank}"
 
 
-def run_dir_refusal(cfg: GyreConfig) -> str | None:
+def run_dir_refusal(run_dir: str, *, resume: bool, overwrite: bool) -> str | None:
     """What gyre.run's choice of the directory (`gyre.runtime.rundir`) would refuse: --train.resume
     of a directory that is not there, or a --run-dir that already holds a run without --overwrite."""
     from gyre.runtime.rundir import previous_outputs
 
-    if not cfg.run_dir:
+    if not run_dir:
         return None
-    path = Path(cfg.run_dir)
-    if cfg.train.resume:
+    path = Path(run_dir)
+    if resume:
         return None if path.is_dir() else f"--train.resume: run directory {path} does not exist"
     found = previous_outputs(path) if path.is_dir() else []
-    if found and not cfg.overwrite:
+    if found and not overwrite:
         return f"--run-dir {path} already holds a run ({', '.join(found)})"
     return None
 
 
-def run_dir_line(cfg: GyreConfig, probes: list[tuple[str, str | None, str]]) -> Line:
+def run_dir_line(run_dir: str, preset: str, probes: list[tuple[str, str | None, str]], *, resume: bool,
+                 overwrite: bool) -> Line:
     """Rank 0's verdict on the run directory from every rank's probe (`(tag, path, error)`, rank
     order): each rank could write its probe, and rank 0 reads every probe back with the tag that
     rank wrote (a directory local to each node fails here: rank 0 does not see the others'); then
     what gyre.run would refuse of it (`run_dir_refusal`)."""
-    target, flag = run_dir_target(cfg)
+    from gyre.config_checks import run_dir_target
+
+    target, flag = run_dir_target(run_dir, preset)
     fix_write = "choose a --run-dir under a directory every rank can write"
     broken = [(r, err) for r, (_, path, err) in enumerate(probes) if path is None]
     if broken:
@@ -273,7 +267,7 @@ def run_dir_line(cfg: GyreConfig, probes: list[tuple[str, str | None, str]]) -> 
         return Line("run dir", FAIL, f"{flag}: rank 0 does not see the probes of ranks {unseen} in {where}: "
                     "not one shared filesystem", "put --run-dir on a filesystem every node mounts at the same path "
                     "(NFS, Lustre, GPFS; docs/cluster.md)")
-    refused = run_dir_refusal(cfg)
+    refused = run_dir_refusal(run_dir, resume=resume, overwrite=overwrite)
     if refused:
         return Line("run dir", FAIL, refused, "pass --train.resume to continue it, --overwrite to start over, or "
                     "another --run-dir")

@@ -7,8 +7,9 @@ CUDA's answers) is an argument, so the tests give it a machine of their own.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import errno
+import functools
 import json
 import shutil
 import socket
@@ -20,7 +21,11 @@ from typing import TYPE_CHECKING
 from gyre.doctor.table import FAIL, OK, WARN, Line, skipped
 
 if TYPE_CHECKING:
-    from gyre.config import GyreConfig
+    from gyre.backends.config import BackendConfig, ModelConfig, Resume, SglangOptions, TransferConfig
+    from gyre.config import TrainConfig
+    from gyre.executions.config import RunnerConfig
+    from gyre.proxy.config import ProxyConfig
+    from gyre.topology import ParallelConfig
 
 GIB = 1024 ** 3
 # SGLang measures free memory at start and refuses a cell whose GPUs differ by more than 10 %
@@ -28,22 +33,22 @@ GIB = 1024 ** 3
 BUSY_FRACTION = 0.10
 
 
-def needs_cuda(cfg: GyreConfig) -> str:
+def needs_cuda(backend: BackendConfig) -> str:
     """The flag that makes this job need CUDA ('' when it runs on CPU)."""
-    if cfg.backend.engine == "sglang":
+    if backend.engine == "sglang":
         return "--backend.engine sglang"
-    if cfg.backend.actor == "megatron":
+    if backend.actor == "megatron":
         return "--backend.actor megatron"
-    if cfg.backend.device == "cuda":
+    if backend.device == "cuda":
         return "--backend.device cuda"
     return ""
 
 
-def gpu_line(cfg: GyreConfig, *, cuda: bool, count: int, mem: dict[int, tuple[int, int]], ranks_here: int) -> Line:
+def gpu_line(backend: BackendConfig, *, cuda: bool, count: int, mem: dict[int, tuple[int, int]], ranks_here: int) -> Line:
     """GPU count and free memory. `mem`: device → (free, total) bytes of the GPUs this process
     measured (its own under torchrun, all of them alone); `ranks_here`: ranks started on this node."""
     if not cuda:
-        need = needs_cuda(cfg)
+        need = needs_cuda(backend)
         if need:
             return Line("gpus", FAIL, f"no CUDA, and {need} needs it", "run on a GPU node (torch.cuda.is_available() "
                         "is False here: no GPU visible, CUDA_VISIBLE_DEVICES, or a CPU build of torch)")
@@ -83,11 +88,11 @@ def rdma_devices(root: Path = Path("/sys/class/infiniband")) -> dict[str, list[s
     return out
 
 
-def rdma_line(cfg: GyreConfig, devices: dict[str, list[str]]) -> Line:
+def rdma_line(transfer: TransferConfig, proxy: ProxyConfig, devices: dict[str, list[str]]) -> Line:
     """RDMA devices for Mooncake: needed with --transfer.mooncake-protocol rdma (an ACTIVE port,
     and --transfer.mooncake-device among them when given)."""
-    t = cfg.transfer
-    uses = t.transport == "mooncake" or cfg.proxy.migration_transport == "mooncake"
+    t = transfer
+    uses = t.transport == "mooncake" or proxy.migration_transport == "mooncake"
     rdma = uses and t.mooncake_protocol == "rdma"
     found = ", ".join(f"{d} ({'/'.join(s) or 'no ports'})" for d, s in devices.items())
     active = [d for d, s in devices.items() if "ACTIVE" in s]
@@ -118,9 +123,9 @@ def port_in_use(host: str, port: int) -> str | None:
     return None
 
 
-def proxy_port_line(cfg: GyreConfig, *, rank: int) -> Line:
+def proxy_port_line(proxy: ProxyConfig, *, rank: int) -> Line:
     """--proxy.port on rank 0, where the proxy runs (0: a free port is picked at start)."""
-    host, port = cfg.proxy.host, cfg.proxy.port
+    host, port = proxy.host, proxy.port
     if rank != 0:
         return skipped("proxy port", "the proxy runs on rank 0")
     if port == 0:
@@ -132,11 +137,10 @@ def proxy_port_line(cfg: GyreConfig, *, rank: int) -> Line:
                 f"free it (ss -ltnp 'sport = :{port}') or choose another --proxy.port (0 picks a free one)")
 
 
-def sandbox_line(cfg: GyreConfig) -> Line:
+def sandbox_line(rc: RunnerConfig) -> Line:
     """What `--executions.runner.sandbox` means on this node (gyre.executions.sandbox)."""
     from gyre.executions import sandbox
 
-    rc = cfg.executions.runner
     name = "sandbox"
     if rc.sandbox_hosts:
         return skipped(name, f"harnesses run on --executions.runner.sandbox-hosts ({', '.join(rc.sandbox_hosts)}); "
@@ -178,42 +182,40 @@ def sandbox_line(cfg: GyreConfig) -> Line:
     return Line(name, OK, f"container: {rc.container_cli} run {rc.container_image} (the image is not pulled here)")
 
 
-def backends_line(cfg: GyreConfig) -> Line:
+def backends_line(backend: BackendConfig, transfer: TransferConfig, model: ModelConfig, parallel: ParallelConfig,
+                  resume: Resume) -> Line:
     """The chosen engine, actor and transport can run here (`gyre.backends.factory.check_backends`,
     the checkpoint left to `checkpoint_lines`)."""
     from gyre.backends.factory import check_backends
     from gyre.errors import ConfigError
 
-    bare = copy.deepcopy(cfg)
-    bare.model.checkpoint = None
-    chosen = f"engine {cfg.backend.engine}, actor {cfg.backend.actor}, transport {cfg.transfer.transport}"
+    chosen = f"engine {backend.engine}, actor {backend.actor}, transport {transfer.transport}"
     try:
-        check_backends(bare)
+        check_backends(backend, transfer, dataclasses.replace(model, checkpoint=None), parallel, resume)
     except ConfigError as e:
         return Line("backends", FAIL, f"{chosen}: {e}", "install what it names, or choose the backend it suggests")
     return Line("backends", OK, chosen)
 
 
-def checkpoint_lines(cfg: GyreConfig) -> list[Line]:
+def checkpoint_lines(model: ModelConfig, backend: BackendConfig, parallel: ParallelConfig, sglang: SglangOptions,
+                     train: TrainConfig) -> list[Line]:
     """--model.checkpoint's architecture (Gyre's registry, `gyre.backends.models.arch`; SGLang's
     name for it; the Megatron layout check) and its dtype against the run's (`--model.dtype`,
     the SGLang refusal of `gyre.config_checks.check_model_dtype`)."""
-    from gyre.config_checks import check_megatron_layout, checkpoint_yet_to_prepare
+    from gyre.config_checks import check_megatron_layout, prepared_later
     from gyre.errors import ConfigError
 
-    mc = cfg.model.checkpoint
+    mc = model.checkpoint
+    dtype_line = functools.partial(_dtype_line, model, backend, sglang)
     if not mc:
-        preset = f"no --model.checkpoint: --model.preset {cfg.model.preset} is built from a config"
-        if cfg.backend.actor == "megatron":
-            try:
-                check_megatron_layout(cfg)
-            except ConfigError as e:
-                return [Line("checkpoint", FAIL, f"{preset}: {e}", "change --parallel.tp/pp/cp/ep"),
-                        _dtype_line(cfg, None)]
-        return [skipped("checkpoint", preset), _dtype_line(cfg, None)]
-    if checkpoint_yet_to_prepare(cfg):
-        return [skipped("checkpoint", f"{mc} is written by --train.prepare {cfg.train.prepare}"),
-                _dtype_line(cfg, None)]
+        preset = f"no --model.checkpoint: --model.preset {model.preset} is built from a config"
+        try:
+            check_megatron_layout(model, backend, parallel)
+        except ConfigError as e:
+            return [Line("checkpoint", FAIL, f"{preset}: {e}", "change --parallel.tp/pp/cp/ep"), dtype_line(None)]
+        return [skipped("checkpoint", preset), dtype_line(None)]
+    if prepared_later(mc, train):
+        return [skipped("checkpoint", f"{mc} is written by --train.prepare {train.prepare}"), dtype_line(None)]
     if not Path(mc).is_dir():
         return [Line("checkpoint", FAIL, f"--model.checkpoint {mc}: no such directory on this node",
                      "point it at a checkpoint directory every node can read (a shared filesystem)")]
@@ -227,13 +229,13 @@ def checkpoint_lines(cfg: GyreConfig) -> list[Line]:
                      "(python -m gyre.backends.models.arch lists them)")]
     arch = f"{family.architectures[0]} ({family.name})"
     try:
-        check_megatron_layout(cfg)
+        check_megatron_layout(model, backend, parallel)
     except ConfigError as e:
         return [Line("checkpoint", FAIL, f"{arch}: {e}", "change --parallel.tp/pp/cp/ep, or --backend.actor cpu")]
-    if cfg.backend.actor == "megatron":
+    if backend.actor == "megatron":
         arch += "; Megatron layout ok"
-    dtype = _dtype_line(cfg, stored_dtype(mc))
-    if cfg.backend.engine == "sglang":
+    dtype = dtype_line(stored_dtype(mc))
+    if backend.engine == "sglang":
         from gyre.backends.engines.sglang_checkpoint import startable_checkpoint
 
         arch += f"; SGLang serves it as {family.sglang_architecture}"
@@ -254,18 +256,18 @@ def stored_dtype(path: str) -> str | None:
     return raw.get("dtype") or raw.get("torch_dtype")
 
 
-def _dtype_line(cfg: GyreConfig, stored: str | None) -> Line:
+def _dtype_line(model: ModelConfig, backend: BackendConfig, sglang: SglangOptions, stored: str | None) -> Line:
     from gyre.config_checks import check_model_dtype
     from gyre.errors import ConfigError
 
     try:
-        check_model_dtype(cfg)
+        check_model_dtype(model, backend, sglang)
     except ConfigError as e:
         return Line("dtype", FAIL, str(e), "use --model.dtype bfloat16 (or auto)")
-    run = f"runs in {cfg.model.dtype} (--model.dtype)"
+    run = f"runs in {model.dtype} (--model.dtype)"
     if stored is None:
         return Line("dtype", OK, run)
-    if stored == "float16" and cfg.model.dtype == "bfloat16" or stored == "bfloat16" and cfg.model.dtype == "float16":
+    if {stored, model.dtype} == {"float16", "bfloat16"}:
         return Line("dtype", WARN, f"stored {stored}, {run}: a cast between half types loses precision",
                     f"--model.dtype {stored}")
     return Line("dtype", OK, f"stored {stored}, {run}")

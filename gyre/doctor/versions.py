@@ -6,7 +6,7 @@ the truth, even before a re-install), else from the installed distribution's met
 wrote from the same setup.py. Nothing here repeats a pin.
 
     reqs = gyre_requirements()                         # {"sglang": ("==0.5.23", "gpu"), ...}
-    lines = version_lines(cfg, reqs, cuda=torch.cuda.is_available())
+    lines = version_lines(cfg.backend, cfg.transfer, cfg.proxy, reqs, cuda=torch.cuda.is_available())
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 from gyre.doctor.table import FAIL, OK, WARN, Line, skipped
 
 if TYPE_CHECKING:
-    from gyre.config import GyreConfig
+    from gyre.backends.config import BackendConfig, TransferConfig
+    from gyre.proxy.config import ProxyConfig
 
 SETUP_PY = Path(__file__).resolve().parents[2] / "setup.py"  # beside the package in a checkout
 
@@ -136,7 +137,8 @@ def _pip(install: str, pin: tuple[str, str] | None) -> str:
                                          if extra else "")
 
 
-def version_lines(cfg: GyreConfig, reqs: dict[str, tuple[str, str]], *, cuda: bool) -> list[Line]:
+def version_lines(backend: BackendConfig, transfer: TransferConfig, proxy: ProxyConfig, reqs: dict[str, tuple[str, str]],
+                  *, cuda: bool) -> list[Line]:
     """torch, CUDA, NCCL, sglang, megatron-core, mooncake, transformer-engine."""
     import torch
 
@@ -146,9 +148,9 @@ def version_lines(cfg: GyreConfig, reqs: dict[str, tuple[str, str]], *, cuda: bo
     def spec(name: str) -> str:
         return f"{name}{reqs[name][0]}" if name in reqs else name
 
-    b, t = cfg.backend, cfg.transfer
+    b, t = backend, transfer
     mooncake_by = ("--transfer.transport mooncake" if t.transport == "mooncake" else
-                   "--proxy.migration-transport mooncake" if cfg.proxy.migration_transport == "mooncake" else "")
+                   "--proxy.migration-transport mooncake" if proxy.migration_transport == "mooncake" else "")
     lines = [judge("torch", installed("torch"), pin("torch"), needed_by="gyre", install=spec("torch"))]
     if torch.version.cuda is None:
         lines.append(skipped("cuda", "no CUDA (torch is a CPU build)"))

@@ -12,29 +12,28 @@ Public API (all autograd-aware where a gradient exists):
     LossConfig                                                   (ε_low, ε_high, C, |E| convention)
 
 The fused C++/CUDA ops (gyre/csrc, `gyre._C`) are used when built; otherwise the pure-torch
-`gyre.loss.reference` runs, with one warning. Nothing is loaded at import time.
+`gyre.loss.reference` runs, with one warning. Nothing is loaded at import time (the names
+below import their module on first use).
 Environment: GYRE_LOSS_BACKEND=auto|extension|reference (force a path; `extension` makes a
 missing build an error), GYRE_HUGEPAGES=1 (CPU: madvise 2 MiB pages on fresh [T, V] gradients;
 faster backward in steady state, but the first calls can stall on memory compaction).
 """
 
-from gyre.loss import reference
-from gyre.loss._ext import load as extension_available
-from gyre.loss.config import LossConfig
-from gyre.loss.gspo import exec_logratio_partial_sums, gspo_loss, gspo_loss_for_microstep
-from gyre.loss.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs, token_logprobs_from_hidden
-from gyre.loss.prepass import allreduce_exec_logratio_sums, sum_partials
+import importlib
 
-__all__ = [
-    "DEFAULT_CHUNK_SIZE",
-    "LossConfig",
-    "allreduce_exec_logratio_sums",
-    "exec_logratio_partial_sums",
-    "extension_available",
-    "gspo_loss",
-    "gspo_loss_for_microstep",
-    "reference",
-    "sum_partials",
-    "token_logprobs",
-    "token_logprobs_from_hidden",
-]
+# name -> (module, attribute): imported on first use, so `gyre.loss.config` (the `--loss.*` section,
+# read by gyre.config and the launcher's preflight) does not pull torch in.
+_LAZY = {"LossConfig": ("config", "LossConfig"), "extension_available": ("_ext", "load"),
+         **{n: ("gspo", n) for n in ("exec_logratio_partial_sums", "gspo_loss", "gspo_loss_for_microstep")},
+         **{n: ("logprobs", n) for n in ("DEFAULT_CHUNK_SIZE", "token_logprobs", "token_logprobs_from_hidden")},
+         **{n: ("prepass", n) for n in ("allreduce_exec_logratio_sums", "sum_partials")}}
+__all__ = sorted([*_LAZY, "reference"])
+
+
+def __getattr__(name: str):
+    if name == "reference":
+        return importlib.import_module("gyre.loss.reference")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'gyre.loss' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    return getattr(importlib.import_module(f"gyre.loss.{module}"), attr)

@@ -11,10 +11,16 @@ classification, and drain / reroute routing.
 Out of process: `python -m gyre.proxy --store-dir DIR` + `gyre.proxy.admin.AdminClient`.
 """
 
-from gyre.proxy.config import ProxyConfig, RoleRulesConfig
-from gyre.proxy.core import ApiError, Proxy
-from gyre.proxy.router import Router
-from gyre.proxy.server import serve_proxy, start_proxy
-from gyre.proxy.sink import MemorySink, RecordSink, StoreSink
+import importlib
 
-__all__ = ["ApiError", "MemorySink", "Proxy", "ProxyConfig", "RecordSink", "RoleRulesConfig", "Router", "StoreSink", "serve_proxy", "start_proxy"]
+# name -> module: imported on first use, so `gyre.proxy.config` (the `--proxy.*` section, read by
+# gyre.config and the launcher's preflight) does not pull aiohttp and torch in.
+_LAZY = {"ProxyConfig": "config", "RoleRulesConfig": "config", "ApiError": "core", "Proxy": "core", "Router": "router",
+         "serve_proxy": "server", "start_proxy": "server", "MemorySink": "sink", "RecordSink": "sink", "StoreSink": "sink"}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'gyre.proxy' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"gyre.proxy.{_LAZY[name]}"), name)

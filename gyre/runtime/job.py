@@ -37,6 +37,7 @@ from gyre.topology import Groups, Topology
 if TYPE_CHECKING:
     from gyre.backends.engines.engine_host import EngineHost
     from gyre.config import GyreConfig
+    from gyre.proxy.config import ProxyConfig
     from gyre.runtime.worker import CellWorker
 
 logger = logging.getLogger(__name__)
@@ -47,14 +48,15 @@ def train(cfg: GyreConfig, topo: Topology, groups: Groups, run: RunDir, interrup
     `interrupts` (`gyre.runtime.control.Interrupts`): told how to reach the controller here."""
     from gyre.backends.engines.engine_host import share_secret
 
-    factory.set_threads(cfg)  # once per process, before the engine or actor is built
+    factory.set_threads(cfg.train.torch_threads)  # once per process, before the engine or actor is built
     # blocking: rank 0 draws the run's secret and broadcasts it (over gloo, never the store); it
     # signs every store value (SignedStore) and authenticates the engines (engine_http)
     secret = share_secret(groups.control, src=0)
     _record_ranks(topo, groups, run)  # blocking: every rank's process, in run.json (who died, at the end)
     store = SignedStore(default_store(), secret)
-    weights = factory.build_transport(cfg, groups, store)  # blocking (torch): every rank creates its group
-    kv = factory.build_kv_transport(cfg, groups, store)  # blocking (gloo): every rank creates the KV-migration group
+    weights = factory.build_transport(cfg.transfer, groups, store)  # blocking (torch): every rank creates its group
+    # blocking (gloo): every rank creates the KV-migration group
+    kv = factory.build_kv_transport(cfg.proxy.migration, cfg.proxy.migration_transport, cfg.transfer, groups, store)
     try:
         _train(cfg, topo, groups, store, weights, secret, run, kv, interrupts)
     finally:
@@ -64,13 +66,13 @@ def train(cfg: GyreConfig, topo: Topology, groups: Groups, run: RunDir, interrup
         _write_transport_stats(Path(cfg.run_dir), topo.rank, weights)
 
 
-def _chat_format_stop_ids(cfg: GyreConfig, tokenizer: Any, model_cfg: Any) -> set[int]:
+def _chat_format_stop_ids(proxy: ProxyConfig, tokenizer: Any, model_cfg: Any) -> set[int]:
     """The ids of the run's chat format's stop tokens (gyre.config_checks.check_chat_format: the
     checkpoint's template, or --proxy.chat-format); a template no format knows is a ConfigError
     on every rank."""
     from gyre.config_checks import check_chat_format
 
-    fmt = check_chat_format(cfg, tokenizer, model_cfg).format
+    fmt = check_chat_format(proxy, tokenizer, model_cfg).format
     ids = (tokenizer.backend_tokenizer.token_to_id(t) for t in fmt.stop_tokens)
     return {i for i in ids if i is not None}
 
@@ -101,7 +103,7 @@ def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights:
     dist.barrier(group=groups.control)
     if core_actor is None:
         vocab = load_vocab(cfg.model.checkpoint, cfg.proxy.tokenizer_path)
-        model_cfg = factory.model_config_of(cfg, vocab.size)
+        model_cfg = factory.model_config_of(cfg.model, vocab.size)
     try:  # every rank, same point: a refusal is a ConfigError each rank leaves with (gyre/run.py)
         check_project_fallback(cfg.model.checkpoint, model_cfg.vocab_size, vocab)
         check_vocab(model_cfg.vocab_size, vocab.size, model=cfg.model.checkpoint or f"model preset {cfg.model.preset!r}",
@@ -110,14 +112,15 @@ def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights:
         raise ConfigError(str(e)) from None
     # A turn ends at the checkpoint's eos ids and at the chat format's end-of-turn tokens (Llama 3.1:
     # <|eot_id|>, <|eom_id|>, <|end_of_text|>; a generation_config may name only one of them).
-    stop_ids = sorted(set(vocab.stop_ids) | _chat_format_stop_ids(cfg, vocab.tokenizer, model_cfg))
+    stop_ids = sorted(set(vocab.stop_ids) | _chat_format_stop_ids(cfg.proxy, vocab.tokenizer, model_cfg))
 
     start_version = weights.latest()  # 0, or the resumed checkpoint's version
     engine_host = None
     if topo.position == 0:  # a cell's (or pool engine's) first rank serves its engine
-        engine = factory.build_engine(cfg, model_cfg, weights.fetch(start_version), version=start_version,
-                                      eos_token_ids=stop_ids, sampleable_vocab=vocab.size,
-                                      name=f"rank{topo.rank}")
+        engine = factory.build_engine(cfg.model, cfg.engine, cfg.backend, model_cfg, weights.fetch(start_version),
+                                      version=start_version, eos_token_ids=stop_ids, sampleable_vocab=vocab.size,
+                                      name=f"rank{topo.rank}", transfer=cfg.transfer, sglang=cfg.sglang,
+                                      cell_size=cfg.parallel.cell_size, run_dir=cfg.run_dir)
         # torchrun runs the same number of ranks on every node: one node iff local == world.
         single_node = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size)) == topo.world_size
         bind, announce = bind_address(cfg.proxy.host, single_node=single_node, peer=os.environ.get("MASTER_ADDR"))
@@ -127,7 +130,7 @@ def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights:
         store.set(f"engine/{topo.rank}", engine_host.url)
 
     def make_actor(is_core: bool):
-        return factory.build_actor(cfg, model_cfg, is_core=is_core)
+        return factory.build_actor(cfg.model, cfg.backend, cfg.actor, cfg.loss, cfg.parallel, model_cfg, is_core=is_core)
 
     worker = CellWorker(topo, groups, control, weights, engine_host, make_actor, checkpoint_dir=str(ckpt_dir),
                         checkpoint_every=cfg.train.checkpoint_every, audit_dir=cfg.train.audit_dir,
@@ -160,7 +163,8 @@ def core_actor_offloaded(cfg: GyreConfig, vocab_size: int, ckpt_dir: Path, weigh
     never gets back, and the longest prompt shrinks with it. The actor returns to the device at the
     cell's first switch to training, as after every rollout. With --backend.no-offload-actor it stays
     resident for the whole run, so the engine rightly sizes around it."""
-    core_actor, model_cfg = factory.build_core_actor(cfg, vocab_size, ckpt_dir)
+    core_actor, model_cfg = factory.build_core_actor(cfg.model, cfg.backend, cfg.actor, cfg.loss, cfg.parallel,
+                                                     cfg.train.resumed(), vocab=vocab_size, checkpoint_dir=ckpt_dir)
     weights.post(core_actor.version, core_actor.export_parameters(), published=True)
     if cfg.backend.offload_actor:
         t0 = time.perf_counter()
@@ -235,11 +239,11 @@ def prepare(cfg: GyreConfig, topo: Topology, groups: Groups) -> None:
     """`--train.prepare`, before the run directory is decided: rank 0 runs the hook, every rank
     waits for it, then checks what it wrote (`gyre.config_checks.check_prepared`), so a path the hook
     does not write is a refusal before run.json exists. Nothing to do without a hook."""
-    from gyre.config_checks import check_prepared, checkpoint_yet_to_prepare
+    from gyre.config_checks import check_prepared, prepared_later
 
     if not cfg.train.prepare:
         return
-    checkpoint = checkpoint_yet_to_prepare(cfg)
+    checkpoint = prepared_later(cfg.model.checkpoint, cfg.train)
     dataset = not Path(cfg.executions.dataset.path).exists()
     if topo.is_controller:
         _prepare(cfg)  # the other ranks wait in the barrier below

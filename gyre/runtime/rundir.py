@@ -47,7 +47,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from gyre import checkpoint
-from gyre.config import GyreConfig, runs_root
+from gyre.backends.config import Resume
+from gyre.config import runs_root
 from gyre.executions.evaluator import RewardResult, RewardStatus
 from gyre.executions.tasks import Dataset, ExecutionSpec, Group
 from gyre.runtime import peers
@@ -197,7 +198,8 @@ def _lock(lock: RunLock, path: Path, wait_s: float) -> None:
         raise RunDirError(str(e)) from None
 
 
-def decide(cfg: GyreConfig, *, now: float | None = None, lock: RunLock | None = None, lock_wait_s: float = 0.0) -> Path:
+def decide(run_dir: str, preset: str, *, resume: bool = False, overwrite: bool = False, now: float | None = None,
+           lock: RunLock | None = None, lock_wait_s: float = 0.0) -> Path:
     """Rank 0's decision (creates the directory); raises RunDirError with the fix when refused.
 
     The directory is locked (`lock`, see gyre.runtime.runlock) before anything in it is written or
@@ -206,16 +208,16 @@ def decide(cfg: GyreConfig, *, now: float | None = None, lock: RunLock | None = 
     own = lock is None
     lock = RunLock() if lock is None else lock
     try:
-        return _decide_path(cfg, now, lock, lock_wait_s)
+        return _decide_path(run_dir, preset, resume, overwrite, now, lock, lock_wait_s)
     finally:
         if own:
             lock.release()
 
 
-def _decide_path(cfg: GyreConfig, now: float | None, lock: RunLock, lock_wait_s: float) -> Path:
-    resume = cfg.train.resume
-    if not cfg.run_dir:
-        root = runs_root(cfg.preset)
+def _decide_path(run_dir: str, preset: str, resume: bool, overwrite: bool, now: float | None, lock: RunLock,
+                 lock_wait_s: float) -> Path:
+    if not run_dir:
+        root = runs_root(preset)
         if resume:
             latest = root / LATEST
             if not latest.exists():
@@ -227,7 +229,7 @@ def _decide_path(cfg: GyreConfig, now: float | None, lock: RunLock, lock_wait_s:
         _lock(lock, path, lock_wait_s)
         _point_latest(root, path)
         return path.resolve()
-    path = Path(cfg.run_dir)
+    path = Path(run_dir)
     if resume:
         if not path.is_dir():
             raise RunDirError(f"--train.resume: run directory {path} does not exist")
@@ -240,11 +242,11 @@ def _decide_path(cfg: GyreConfig, now: float | None, lock: RunLock, lock_wait_s:
     _lock(lock, path, lock_wait_s)  # before the outputs are looked at: a job still writing them is the refusal
     found = previous_outputs(path)
     if found:
-        if not cfg.overwrite:
+        if not overwrite:
             raise RunDirError(
                 f"run directory {path} already holds a run ({', '.join(found)}). Pass --train.resume to continue it, "
                 f"--overwrite to delete those outputs and start over, or another --run-dir (leave --run-dir unset "
-                f"for a fresh timestamped directory under {runs_root(cfg.preset)}/)")
+                f"for a fresh timestamped directory under {runs_root(preset)}/)")
         for name in found:
             p = path / name
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
@@ -252,11 +254,12 @@ def _decide_path(cfg: GyreConfig, now: float | None, lock: RunLock, lock_wait_s:
     return path.resolve()
 
 
-def write_manifest(path: Path, cfg: GyreConfig, world_size: int, *, start_version: int = 0, resumed_from: str = "",
+def write_manifest(path: Path, config: dict[str, Any], world_size: int, *, start_version: int = 0, resumed_from: str = "",
                    restart: int = 0, lost_in_flight: int = 0, carried: list[str] | None = None,
                    skipped: list[str] | None = None) -> int:
     """`run.json`: what was run, so a directory explains itself; every launch into the directory
-    appends to `attempts`. Returns this launch's attempt number."""
+    appends to `attempts`; `config` (the run's, as a dict) is recorded by the first. Returns this
+    launch's attempt number."""
     manifest = path / "run.json"
     entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv, "world_size": world_size,
              "resumed_from": resumed_from, "start_version": start_version, "skipped_checkpoints": skipped or [],
@@ -272,7 +275,7 @@ def write_manifest(path: Path, cfg: GyreConfig, world_size: int, *, start_versio
             data["attempts"] = [{"attempt": 0, **first}] + [{"attempt": i + 1, **r} for i, r in
                                                             enumerate(data.pop("resumes", []))]
     else:
-        data = {"config": dataclasses.asdict(cfg), "attempts": []}
+        data = {"config": config, "attempts": []}
     attempt = len(data["attempts"])
     data["attempts"].append({"attempt": attempt, **entry})
     write_json(manifest, data, indent=1)
@@ -416,25 +419,25 @@ def carried_group(run_dir: Path, dataset: Dataset, row: dict[str, Any]) -> tuple
     return Group(row["group_id"], task, specs), results
 
 
-def _resume_point(cfg: GyreConfig, path: Path, *, restart: bool) -> tuple[str, int, list[str]]:
+def _resume_point(tc: Resume, path: Path, *, restart: bool) -> tuple[str, int, list[str]]:
     """The checkpoint a resume starts from, its version and the newer ones skipped (with why);
     ("", 0, []) for a run that stopped before its first checkpoint (no step_* directory at all).
     Raises RunDirError with what was found (checkpoints there, none usable)."""
-    tc, skipped = cfg.train, []
-    if tc.resume_from:
-        ck = Path(tc.resume_from)
+    skipped: list[str] = []
+    if tc.path:
+        ck = Path(tc.path)
         why = checkpoint.check(ck) if ck.is_dir() else "not a directory"
-        if why is not None and not (tc.resume_weights_only and ck.is_dir()):
+        if why is not None and not (tc.weights_only and ck.is_dir()):
             raise RunDirError(f"--train.resume-from {ck}: {why}")
     else:
         try:
-            found = checkpoint.select(path / "checkpoints", weights_only=tc.resume_weights_only)
+            found = checkpoint.select(path / "checkpoints", weights_only=tc.weights_only)
             ck, skipped = found.path, [f"{p.name}: {why}" for p, why in found.skipped]
         except checkpoint.CheckpointError as e:
             if not checkpoint.candidates(path / "checkpoints"):
                 # The run stopped before its first checkpoint (a preemption before step 1, a crash
                 # at start): nothing trained is lost by starting again, so a resume or a requeue
-                # does that rather than refuse (issue 53: every requeue of such a job was refused).
+                # does that rather than refuse.
                 logger.warning("%s: no checkpoint in %s yet (the run stopped before its first); starting again "
                                "from version 0", "restart" if restart else "--train.resume", path)
                 return "", 0, []
@@ -452,44 +455,45 @@ def _resume_point(cfg: GyreConfig, path: Path, *, restart: bool) -> tuple[str, i
     return str(ck.resolve()), version, skipped
 
 
-def _decide_all(cfg: GyreConfig, world_size: int, restart: int, elastic: Any) -> RunDir:
+def _decide_all(run_dir: str, preset: str, resume: Resume, overwrite: bool, config: dict[str, Any], world_size: int,
+                restart: int, elastic: Any) -> RunDir:
     """Rank 0: the directory, the resume point, the cut-back outputs, the manifest."""
     if restart and elastic is not None and elastic.check([ELASTIC_KEY]):
-        cfg.run_dir = elastic.get(ELASTIC_KEY).decode()  # the directory the job's first attempt chose
-        cfg.train.resume = True
-        logger.warning("elastic restart %d: resuming the run in %s", restart, cfg.run_dir)
-    elif restart and cfg.run_dir and previous_outputs(Path(cfg.run_dir)):  # a store of its own per attempt
-        cfg.train.resume = True
-        logger.warning("elastic restart %d: resuming the run in --run-dir %s", restart, cfg.run_dir)
-    if cfg.train.resume_from:
-        cfg.train.resume = True
+        run_dir = elastic.get(ELASTIC_KEY).decode()  # the directory the job's first attempt chose
+        resume = dataclasses.replace(resume, on=True)
+        logger.warning("elastic restart %d: resuming the run in %s", restart, run_dir)
+    elif restart and run_dir and previous_outputs(Path(run_dir)):  # a store of its own per attempt
+        resume = dataclasses.replace(resume, on=True)
+        logger.warning("elastic restart %d: resuming the run in --run-dir %s", restart, run_dir)
     lock = RunLock()  # held for the job's life by the RunDir returned (rank 0 keeps it until it exits)
     try:
-        return _decide_locked(cfg, world_size, restart, elastic, lock)
+        # A restart waits a moment for the previous attempt's rank 0 (torchrun has stopped it; a
+        # Slurm requeue's may still be exiting on another node).
+        path = decide(run_dir, preset, resume=resume.on, overwrite=overwrite, lock=lock,
+                      lock_wait_s=30.0 if restart else 0.0)
+        return _decide_locked(path, resume, config, world_size, restart, elastic, lock)
     except BaseException:
         lock.release()  # a refusal holds nothing (its traceback may outlive this call)
         raise
 
 
-def _decide_locked(cfg: GyreConfig, world_size: int, restart: int, elastic: Any, lock: RunLock) -> RunDir:
-    # A restart waits a moment for the previous attempt's rank 0 (torchrun has stopped it; a
-    # Slurm requeue's may still be exiting on another node).
-    path = decide(cfg, lock=lock, lock_wait_s=30.0 if restart else 0.0)
-    ck, version, skipped = _resume_point(cfg, path, restart=restart > 0) if cfg.train.resume else ("", 0, [])
-    if cfg.train.resume:
+def _decide_locked(path: Path, resume: Resume, config: dict[str, Any], world_size: int, restart: int, elastic: Any,
+                   lock: RunLock) -> RunDir:
+    ck, version, skipped = _resume_point(resume, path, restart=restart > 0) if resume.on else ("", 0, [])
+    if resume.on:
         dropped = truncate_jsonl(path / "metrics.jsonl", metrics_until(version))
         truncate_jsonl(path / "events.jsonl", events_until(version))
         if dropped:
             logger.warning("metrics.jsonl: dropped %d rows of steps >= %d (after the checkpoint resumed from)",
                            dropped, version)
     lost, carried = [], []
-    for row in lost_groups(path, version) if cfg.train.resume or restart else []:
+    for row in lost_groups(path, version) if resume.on or restart else []:
         (carried if evaluated(path, row, version) else lost).append(row)
     lost_in_flight = sum(len(row["executions"]) for row in lost)
     if carried:
         logger.warning("%d groups of earlier attempts were evaluated but not trained into version %d; they are "
                        "trained first (%s)", len(carried), version, ", ".join(r["group_id"] for r in carried))
-    attempt = write_manifest(path, cfg, world_size, start_version=version, resumed_from=ck, restart=restart,
+    attempt = write_manifest(path, config, world_size, start_version=version, resumed_from=ck, restart=restart,
                              lost_in_flight=lost_in_flight, carried=[r["group_id"] for r in carried],
                              skipped=skipped)
     if lost:
@@ -504,18 +508,18 @@ def _decide_locked(cfg: GyreConfig, world_size: int, restart: int, elastic: Any,
                   lock=lock)
 
 
-def resolve(cfg: GyreConfig, rank: int, world_size: int, store: Any, *, restart: int = 0, elastic: Any = None) -> RunDir:
+def resolve(run_dir: str, preset: str, resume: Resume, rank: int, world_size: int, store: Any, *, overwrite: bool = False,
+            config: dict[str, Any] | None = None, restart: int = 0, elastic: Any = None) -> RunDir:
     """Every rank: the run's directory, attempt and resume point, decided by rank 0 and shared
-    through `store`. `restart` counts torchrun's restarts of this job (TORCHELASTIC_RESTART_COUNT);
-    `elastic` is a store that outlives them (where rank 0 finds the directory it chose before).
-
-    Sets `cfg.run_dir` (and on a resume `cfg.train.resume`, `cfg.train.resume_from`) to the
-    decision. Raises RunDirError on every rank when refused, RunFinished when a restart finds
-    the run done.
+    through `store`, from `--run-dir`, `--preset`, the resume flags and `--overwrite` (`config`:
+    what run.json records). `restart` counts torchrun's restarts of this job
+    (TORCHELASTIC_RESTART_COUNT); `elastic` is a store that outlives them (where rank 0 finds the
+    directory it chose before). Raises RunDirError on every rank when refused, RunFinished when
+    a restart finds the run done.
     """
     if rank == 0:
         try:
-            run = _decide_all(cfg, world_size, restart, elastic)
+            run = _decide_all(run_dir, preset, resume, overwrite, config or {}, world_size, restart, elastic)
             store.set(_KEY, json.dumps(run.shared(), default=str))
         except (RunDirError, RunFinished) as e:
             store.set(_KEY, json.dumps({"error": str(e), "finished": isinstance(e, RunFinished)}))
@@ -525,10 +529,7 @@ def resolve(cfg: GyreConfig, rank: int, world_size: int, store: Any, *, restart:
     decision = json.loads(store.get(_KEY))
     if "error" in decision:
         raise (RunFinished if decision["finished"] else RunDirError)(decision["error"])
-    cfg.run_dir = decision["path"]
-    cfg.train.resume = bool(decision["checkpoint"])
-    cfg.train.resume_from = decision["checkpoint"]
     if rank == 0:
         return run  # with its lock
-    return RunDir(**{**decision, "path": Path(cfg.run_dir), "redo_tasks": tuple(decision["redo_tasks"]),
+    return RunDir(**{**decision, "path": Path(decision["path"]), "redo_tasks": tuple(decision["redo_tasks"]),
                      "carried": tuple(decision["carried"])})

@@ -100,3 +100,18 @@ def merge(micro_steps: list[MicroStep]) -> MicroStep:
         token_weight=cat("token_weight"), advantages=first.advantages, exec_lengths=first.exec_lengths,
         num_executions=first.num_executions,
     )
+
+
+def check_backends_of(cfg) -> None:
+    """`factory.check_backends` on a parsed command line's sections, as gyre.config_checks hands them."""
+    from gyre.backends import factory
+
+    factory.check_backends(cfg.backend, cfg.transfer, cfg.model, cfg.parallel, cfg.train.resumed())
+
+
+def engine_of(cfg, model_config, params, **kw):
+    """`factory.build_engine` on a parsed command line's sections, as gyre/runtime/job.py hands them."""
+    from gyre.backends import factory
+
+    return factory.build_engine(cfg.model, cfg.engine, cfg.backend, model_config, params, transfer=cfg.transfer,
+                                sglang=cfg.sglang, cell_size=cfg.parallel.cell_size, run_dir=cfg.run_dir, **kw)

@@ -136,7 +136,6 @@ def test_presets_carry_architectures_and_model_config_of_reads_the_checkpoint(ch
 
     cfg = model_config("tiny", 64)
     assert cfg.architectures == ["Qwen2ForCausalLM"] and arch.family_of(cfg).name == "qwen2"
-    run = types.SimpleNamespace(model=types.SimpleNamespace(checkpoint=str(checkpoints["qwen3-moe"]), preset="tiny"))
-    mc = model_config_of(run, 64)
+    mc = model_config_of(types.SimpleNamespace(checkpoint=str(checkpoints["qwen3-moe"]), preset="tiny"), 64)
     assert mc.architectures == ["Qwen3MoeForCausalLM"] and mc.vocab_size == VOCAB and mc.num_experts == 4
     assert "| Qwen3MoeForCausalLM | qwen3_moe |" in arch.supported_table()

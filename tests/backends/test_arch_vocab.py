@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from gyre.backends.config import CpuEngineConfig
+from gyre.backends.config import CpuEngineConfig, ModelConfig
 from gyre.backends.engines.cpu_engine import CpuEngine
 from gyre.backends.protocols import SamplingParams
 from tests.realmodels import build_model
@@ -75,7 +75,7 @@ def test_limit_is_checked_and_passed_by_the_factory(padded):
     for bad in (0, LIMIT + PAD + 1):
         with pytest.raises(ValueError, match="sampleable_vocab"):
             CpuEngine(config, sd, sampleable_vocab=bad)
-    cfg = types.SimpleNamespace(backend=types.SimpleNamespace(engine="cpu", device="cpu"), engine=CpuEngineConfig())
-    engine = build_engine(cfg, config, sd, version=0, eos_token_ids=[], name="e", sampleable_vocab=LIMIT)
+    sections = (ModelConfig(), CpuEngineConfig(), types.SimpleNamespace(engine="cpu", device="cpu"))
+    engine = build_engine(*sections, config, sd, version=0, eos_token_ids=[], name="e", sampleable_vocab=LIMIT)
     assert engine.sampleable_vocab == LIMIT
-    assert build_engine(cfg, config, sd, version=0, eos_token_ids=[], name="e").sampleable_vocab == LIMIT + PAD
+    assert build_engine(*sections, config, sd, version=0, eos_token_ids=[], name="e").sampleable_vocab == LIMIT + PAD

@@ -14,7 +14,7 @@ from gyre.backends.config import MegatronConfig
 from gyre.backends.actors.megatron_actor import (gpt_model_kwargs, hf_to_mcore, mcore_to_hf, shard_for_tp, transformer_config_kwargs,
                                           unshard_tp)
 from gyre.backends.models.hf import ModelPreset, model_config
-from tests.backends.helpers import tiny_model
+from tests.backends.helpers import check_backends_of, tiny_model
 from tests.distributed import run_ranks
 
 
@@ -211,6 +211,12 @@ def test_fp32_master_keeps_updates_that_bf16_rounds_away():
 
 
 # ---------------------------------------------------------------------------- the factory
+def _layout(cfg) -> None:
+    from gyre.config_checks import check_megatron_layout
+
+    check_megatron_layout(cfg.model, cfg.backend, cfg.parallel)
+
+
 def _cfg(*flags: str):
     from gyre.config import parse_config
 
@@ -223,9 +229,9 @@ def test_megatron_is_refused_without_cuda_naming_the_flag(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="--backend.actor megatron: needs CUDA.*use --backend.actor cpu"):
-        factory.check_backends(_cfg("--backend.actor", "megatron"))
+        check_backends_of(_cfg("--backend.actor", "megatron"))
     with pytest.raises(ConfigError, match="--backend.engine sglang: needs CUDA and the sglang package"):
-        factory.check_backends(_cfg("--backend.engine", "sglang"))
+        check_backends_of(_cfg("--backend.engine", "sglang"))
     assert factory.runnable(factory.ACTORS) == ["cpu"]
 
 
@@ -237,22 +243,22 @@ def test_megatron_with_cuda_takes_cells_laid_out_by_the_parallel_flags(monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cfg = _cfg("--backend.actor", "megatron", "--parallel.cell-size", "4", "--parallel.tp", "2", "--parallel.pp", "2",
                "--model.dtype", "bfloat16")
-    factory.check_backends(cfg)  # cell_size > 1 is fine with megatron
-    assert factory.megatron_config_of(cfg) == MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+    check_backends_of(cfg)  # cell_size > 1 is fine with megatron
+    assert factory.megatron_config_of(cfg.parallel, cfg.model) == MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                                              params_dtype="bfloat16")
     assert factory.runnable(factory.ACTORS, cuda=True) == ["cpu", "megatron"]
     with pytest.raises(ConfigError, match="--backend.engine sglang: needs CUDA and the sglang package"):
-        factory.check_backends(_cfg("--backend.engine", "sglang"))
+        check_backends_of(_cfg("--backend.engine", "sglang"))
     with pytest.raises(ConfigError, match="parallel.cell_size = 2: the built-in CPU actor"):
-        factory.check_backends(_cfg("--parallel.cell-size", "2", "--parallel.tp", "2"))
+        check_backends_of(_cfg("--parallel.cell-size", "2", "--parallel.tp", "2"))
     with pytest.raises(ConfigError, match="--model.dtype float64"):
-        factory.check_backends(_cfg("--backend.actor", "megatron", "--model.dtype", "float64"))
+        check_backends_of(_cfg("--backend.actor", "megatron", "--model.dtype", "float64"))
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "megatron" else real(name, *a))
     with pytest.raises(ConfigError, match="--backend.actor megatron: megatron-core is not installed"):
-        factory.check_backends(cfg)
+        check_backends_of(cfg)
 
 
 # ---------------------------------------------------------------------------- on gloo, every rank
@@ -549,35 +555,34 @@ def test_megatron_layouts_are_refused_before_anything_is_built(tmp_path):
     """gyre.config_checks.check_megatron_layout (run by check_train_config on every rank, before
     Megatron's parallel state): the layout against the model's own config.json."""
     from gyre.config import ConfigError
-    from gyre.config_checks import check_megatron_layout
     from tests.realmodels import model_config as family_config
 
     cell = ("--backend.actor", "megatron", "--parallel.cell-size", "2")
     with pytest.raises(ConfigError, match="--parallel.ep 2: expert parallelism needs an MoE model; this qwen2 model is dense"):
-        check_megatron_layout(_cfg(*cell, "--parallel.ep", "2"))  # the preset: a dense Qwen2
+        _layout(_cfg(*cell, "--parallel.ep", "2"))  # the preset: a dense Qwen2
     with pytest.raises(ConfigError, match="--parallel.pp 2: pipeline parallelism needs Transformer Engine"):
-        check_megatron_layout(_cfg(*cell, "--parallel.pp", "2"))
+        _layout(_cfg(*cell, "--parallel.pp", "2"))
     with pytest.raises(ConfigError, match="--parallel.cp 2: the Megatron actor does not support context parallelism"):
-        check_megatron_layout(_cfg(*cell, "--parallel.cp", "2"))
-    check_megatron_layout(_cfg(*cell, "--parallel.tp", "2"))
-    check_megatron_layout(_cfg("--parallel.cell-size", "2", "--parallel.ep", "2"))  # the CPU actor: not this check's
+        _layout(_cfg(*cell, "--parallel.cp", "2"))
+    _layout(_cfg(*cell, "--parallel.tp", "2"))
+    _layout(_cfg("--parallel.cell-size", "2", "--parallel.ep", "2"))  # the CPU actor: not this check's
     moe, dense = tmp_path / "moe", tmp_path / "dense"
     family_config("qwen3-moe", 128).save_pretrained(moe)
     family_config("qwen3", 128).save_pretrained(dense)
-    check_megatron_layout(_cfg(*cell, "--parallel.ep", "2", "--model.checkpoint", str(moe)))
+    _layout(_cfg(*cell, "--parallel.ep", "2", "--model.checkpoint", str(moe)))
     with pytest.raises(ConfigError, match="--parallel.tp 2 with an MoE model"):
-        check_megatron_layout(_cfg(*cell, "--parallel.tp", "2", "--model.checkpoint", str(moe)))
+        _layout(_cfg(*cell, "--parallel.tp", "2", "--model.checkpoint", str(moe)))
     with pytest.raises(ConfigError, match="this qwen3 model is dense"):
-        check_megatron_layout(_cfg(*cell, "--parallel.ep", "2", "--model.checkpoint", str(dense)))
+        _layout(_cfg(*cell, "--parallel.ep", "2", "--model.checkpoint", str(dense)))
     bad = tmp_path / "mistral"
     from transformers import MistralConfig
 
     MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128).save_pretrained(bad)
     with pytest.raises(ConfigError, match=r"model_type 'mistral' is not supported; supported: \['llama', 'qwen2'"):
-        check_megatron_layout(_cfg("--backend.actor", "megatron", "--model.checkpoint", str(bad)))
+        _layout(_cfg("--backend.actor", "megatron", "--model.checkpoint", str(bad)))
     with pytest.raises(ConfigError, match="--model.checkpoint .*: no readable config.json"):
-        check_megatron_layout(_cfg("--backend.actor", "megatron", "--model.checkpoint", str(tmp_path / "none")))
+        _layout(_cfg("--backend.actor", "megatron", "--model.checkpoint", str(tmp_path / "none")))
 
 
 def test_import_names_slice_pipeline_stages_and_expert_ranks():

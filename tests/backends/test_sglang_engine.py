@@ -93,10 +93,15 @@ import torch  # noqa: E402
 
 from gyre.backends.engines.sglang_engine import EngineState, prefix_free_rid, span_versions  # noqa: E402
 from tests.backends import sglang_fake  # noqa: E402
-from tests.backends.helpers import tiny_model  # noqa: E402
+from tests.backends.helpers import check_backends_of, engine_of, tiny_model  # noqa: E402
 from tests.backends.test_cpu_engine import actor_logprobs  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
+
+
+def _dtype(cfg):
+    """What `check_model_dtype` reads of a parsed command line."""
+    return cfg.model, cfg.backend, cfg.sglang
 
 
 @pytest.fixture(scope="module")
@@ -381,11 +386,11 @@ def test_factory_builds_the_adapter_behind_the_engine_contract(monkeypatch):
     cfg.backend.engine = "sglang"
     monkeypatch.delenv(factory.SGLANG_API_ENV, raising=False)
     with pytest.raises(ConfigError, match="--backend.engine sglang: needs CUDA and the sglang package"):
-        factory.check_backends(cfg)
+        check_backends_of(cfg)
     monkeypatch.setenv(factory.SGLANG_API_ENV, "tests.backends.sglang_fake:API")
-    factory.check_backends(cfg)
+    check_backends_of(cfg)
     assert factory.runnable(factory.ENGINES) == ["cpu", "sglang"]
-    engine = factory.build_engine(cfg, tiny_model().config, tiny_model().state_dict(), version=0, eos_token_ids=[],
+    engine = engine_of(cfg, tiny_model().config, tiny_model().state_dict(), version=0, eos_token_ids=[],
                                   name="x")
     assert isinstance(engine, SglangEngine) and engine._api is sglang_fake.API
     test_engine_contract("sglang", (tiny_model(seed=0), tiny_model(seed=7)))
@@ -592,9 +597,9 @@ def test_fp32_with_sglang_is_refused_up_front(dtype, monkeypatch):
     monkeypatch.setenv(factory.SGLANG_API_ENV, "tests.backends.sglang_fake:API")
     cfg = parse_config(["--backend.engine", "sglang", "--model.dtype", dtype])
     with pytest.raises(ConfigError, match=f"--model.dtype {dtype} with --backend.engine sglang"):
-        check_model_dtype(cfg)
-    check_model_dtype(parse_config(["--backend.engine", "sglang"]))  # auto → bfloat16: fine
-    check_model_dtype(parse_config(["--model.dtype", "float32"]))  # the CPU engine: fine
+        check_model_dtype(*_dtype(cfg))
+    check_model_dtype(*_dtype(parse_config(["--backend.engine", "sglang"])))  # auto → bfloat16: fine
+    check_model_dtype(*_dtype(parse_config(["--model.dtype", "float32"])))  # the CPU engine: fine
 
 
 def test_sglang_pass_through_reaches_server_args(tmp_path, monkeypatch):
@@ -612,7 +617,7 @@ def test_sglang_pass_through_reaches_server_args(tmp_path, monkeypatch):
                                 "disable_cuda_graph": "true", "cuda_graph_max_bs_decode": "8"}
     assert cfg.sglang.mem_fraction_static == 0.5 and cfg.train.steps == 3  # declared fields stay tyro's
     model = tiny_model()
-    eng = factory.build_engine(cfg, model.config, model.state_dict(), version=2, eos_token_ids=[3], name="p")
+    eng = engine_of(cfg, model.config, model.state_dict(), version=2, eos_token_ids=[3], name="p")
 
     async def go():
         await eng.start()
@@ -638,7 +643,7 @@ def test_unknown_or_gyre_owned_sglang_options_are_refused(ckpt, monkeypatch):
         asyncio.run(eng.start())
     assert eng.state is EngineState.STOPPED and eng._engine is None  # refused before Engine()
     with pytest.raises(ConfigError, match=r"--sglang.tp-size: Gyre sets ServerArgs.tp_size itself \(= --parallel.cell-size\)"):
-        check_model_dtype(parse_config(["--backend.engine", "sglang", "--sglang.tp-size", "2"]))
+        check_model_dtype(*_dtype(parse_config(["--backend.engine", "sglang", "--sglang.tp-size", "2"])))
     with pytest.raises(ValueError, match="Gyre sets ServerArgs.dtype"):
         server_args(SglangConfig(model_path=path, extra={"dtype": "float16"}))
 

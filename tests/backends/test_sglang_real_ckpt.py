@@ -52,7 +52,9 @@ def _cfg(tmp_path, *flags):
 def _build(cfg, model_config, params, *, version=0, **kw):
     from gyre.backends.factory import build_sglang_engine
 
-    return build_sglang_engine(cfg, model_config, params, version=version, eos_token_ids=[], name="r0", **kw)
+    return build_sglang_engine(cfg.model, cfg.backend, model_config, params, version=version, eos_token_ids=[], name="r0",
+                               transfer=cfg.transfer, sglang=cfg.sglang, cell_size=cfg.parallel.cell_size,
+                               run_dir=cfg.run_dir, **kw)
 
 
 async def _serve(eng: SglangEngine, prompt, n=6, **sp):

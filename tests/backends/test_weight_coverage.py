@@ -246,7 +246,8 @@ def test_the_flag_reaches_the_engine_built_for_a_run(tmp_path, monkeypatch):
     built = {}
     for flags in ([], ["--transfer.coverage-check", "off"], ["--transfer.coverage-check", "always"]):
         cfg = parse_config(["--backend.engine", "sglang", "--run-dir", str(tmp_path / "run"), *flags])
-        eng = factory.build_engine(cfg, model.config, model.state_dict(), version=0, eos_token_ids=[], name="c")
+        eng = factory.build_engine(cfg.model, cfg.engine, cfg.backend, model.config, model.state_dict(), version=0,
+                                   eos_token_ids=[], name="c", transfer=cfg.transfer, run_dir=cfg.run_dir)
         built[tuple(flags)] = (eng.coverage_check, eng._start_weights is not None)
     assert list(built.values()) == [("auto", True), ("off", False), ("always", True)]
     with pytest.raises(SystemExit):

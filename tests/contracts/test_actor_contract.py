@@ -9,23 +9,17 @@ import torch
 
 from gyre.backends import factory
 from gyre.backends.protocols import Actor
-from gyre.config import GyreConfig
+from gyre.backends.config import BackendConfig, ModelConfig, OptimizerConfig
+from gyre.loss.config import LossConfig
+from gyre.topology import ParallelConfig
 from tests.backends.helpers import random_step, tiny_model
 
 ACTORS = factory.runnable(factory.ACTORS)
 
 
-def _cfg(kind: str, **actor) -> GyreConfig:
-    cfg = GyreConfig()
-    cfg.backend.actor = kind
-    cfg.model.dtype = "float64"
-    for k, v in actor.items():
-        setattr(cfg.actor, k, v)
-    return cfg
-
-
 def _actor(kind: str, model, *, is_core: bool, **actor) -> Actor:
-    a = factory.build_actor(_cfg(kind, **actor), model.config, is_core=is_core)
+    a = factory.build_actor(ModelConfig(dtype="float64"), BackendConfig(actor=kind), OptimizerConfig(**actor), LossConfig(),
+                            ParallelConfig(), model.config, is_core=is_core)
     assert isinstance(a, Actor) and a.version == -1
     a.import_parameters({n: p.detach() for n, p in model.named_parameters()})
     a.version = 0
@@ -100,7 +94,7 @@ def test_grad_scale_multiplies_the_gradient_before_clipping(kind, model, step, s
     assert stats["grad_norm"] == pytest.approx(scale * norm, rel=1e-9)
     assert actor.version == 1
     factor = scale * min(1.0, clip / (scale * norm + 1e-6))
-    beta1 = _cfg(kind).actor.betas[0]
+    beta1 = OptimizerConfig().betas[0]
     state = actor.debug_state()["optimizer"]["state"]
     for i, (n, v) in enumerate(g.items()):
         assert torch.allclose(state[i]["exp_avg"], (1 - beta1) * factor * v, rtol=1e-9, atol=1e-15), n

@@ -10,17 +10,15 @@ import pytest
 
 from gyre.backends import factory
 from gyre.backends.protocols import RolloutEngine, SamplingParams, TokenIds
-from gyre.config import GyreConfig
+from gyre.backends.config import BackendConfig, CpuEngineConfig, ModelConfig
 from tests.backends.helpers import tiny_model
 
 ENGINES = factory.runnable(factory.ENGINES)
 
 
 def _engine(kind: str, model, version: int = 0) -> RolloutEngine:
-    cfg = GyreConfig()
-    cfg.backend.engine = kind
-    return factory.build_engine(cfg, model.config, model.state_dict(), version=version, eos_token_ids=[],
-                                name=f"contract-{kind}")
+    return factory.build_engine(ModelConfig(), CpuEngineConfig(), BackendConfig(engine=kind), model.config,
+                                model.state_dict(), version=version, eos_token_ids=[], name=f"contract-{kind}")
 
 
 async def _drain(stream) -> list:

@@ -21,15 +21,14 @@ TRANSPORTS = factory.runnable(factory.TRANSPORTS)
 
 
 def _build(kind: str):
-    from gyre.config import GyreConfig, ParallelConfig
+    from gyre.backends.config import TransferConfig
+    from gyre.config import ParallelConfig
     from gyre.runtime.control import default_store
     from gyre.topology import Topology
 
-    cfg = GyreConfig()
-    cfg.transfer.transport, cfg.transfer.keep = kind, 2
     topo = Topology.from_config(ParallelConfig(), dist.get_world_size(), dist.get_rank())
     groups = topo.create_groups()
-    return factory.build_transport(cfg, groups, default_store()), groups
+    return factory.build_transport(TransferConfig(transport=kind, keep=2), groups, default_store()), groups
 
 
 def _corrupt(w, version: int) -> None:

@@ -35,7 +35,7 @@ def _check(tmp_path: Path, dataset: Dataset, sandbox_kind: str) -> str | None:
     cfg = parse_config(["--job", "train", "--model.preset", "tiny", "--executions.dataset.path", "unused.jsonl",
                         "--executions.runner.sandbox", sandbox_kind])
     try:
-        check_tasks(cfg, dataset)
+        check_tasks(cfg.executions, dataset)
     except ConfigError as e:
         return str(e)
     return None

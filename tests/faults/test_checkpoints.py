@@ -162,10 +162,10 @@ def _run_with_two_actor_checkpoints(root: Path) -> tuple[Path, dict]:
     1 and 2 (atomic, with their markers) and 2 metrics rows; the weights of version 1."""
     import torch.distributed as dist
 
-    from gyre.runtime import rundir
+    from gyre.run import resolve_run_dir
 
     run = root / "run"
-    rundir.resolve(parse_config(["--job", "train", "--run-dir", str(run), "--train.steps", "2"]), 0, 1,
+    resolve_run_dir(parse_config(["--job", "train", "--run-dir", str(run), "--train.steps", "2"]), 0, 1,
                    dist.HashStore()).lock.release()
     a = _tiny_actor()
     weights = {}
@@ -183,11 +183,11 @@ def _run_with_two_actor_checkpoints(root: Path) -> tuple[Path, dict]:
 def test_a_damaged_newest_checkpoint_is_skipped_by_name_and_the_older_one_chosen_and_loaded(tmp_path, damage):
     import torch.distributed as dist
 
-    from gyre.runtime import rundir
+    from gyre.run import resolve_run_dir
 
     run, weights = _run_with_two_actor_checkpoints(tmp_path)
     DAMAGE[damage][0](run / "checkpoints" / "step_000002")
-    got = rundir.resolve(parse_config(["--job", "train", "--run-dir", str(run), "--train.resume", "--train.steps", "3"]),
+    got = resolve_run_dir(parse_config(["--job", "train", "--run-dir", str(run), "--train.resume", "--train.steps", "3"]),
                          0, 1, dist.HashStore())
     got.lock.release()
     assert (got.attempt, got.start_version) == (1, 1) and got.checkpoint.endswith("step_000001"), got
@@ -209,6 +209,7 @@ def test_without_any_complete_checkpoint_the_resume_is_refused_before_anything_i
     readable weights are chosen."""
     import torch.distributed as dist
 
+    from gyre.run import resolve_run_dir
     from gyre.runtime import rundir
 
     run, _ = _run_with_two_actor_checkpoints(tmp_path)
@@ -217,12 +218,12 @@ def test_without_any_complete_checkpoint_the_resume_is_refused_before_anything_i
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     argv = ["--job", "train", "--run-dir", str(run), "--train.resume", "--train.steps", "3"]
     with pytest.raises(rundir.RunDirError) as e:
-        rundir.resolve(parse_config(argv), 0, 1, dist.HashStore())
+        resolve_run_dir(parse_config(argv), 0, 1, dist.HashStore())
     assert "no complete checkpoint" in str(e.value) and "step_000002: optimizer.pt is missing" in str(e.value)
     assert "--train.resume-weights-only" in str(e.value)
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "run.lock"} == \
         {p: b for p, b in before.items() if p.name != "run.lock"}  # refused: nothing touched
-    got = rundir.resolve(parse_config([*argv, "--train.resume-weights-only"]), 0, 1, dist.HashStore())
+    got = resolve_run_dir(parse_config([*argv, "--train.resume-weights-only"]), 0, 1, dist.HashStore())
     got.lock.release()
     assert got.checkpoint.endswith("step_000002") and got.start_version == 2
 

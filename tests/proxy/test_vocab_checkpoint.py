@@ -23,6 +23,10 @@ from gyre.proxy import Proxy, ProxyConfig, serve_proxy
 from tests import realmodels
 
 
+def _vocab(cfg):
+    check_model_vocab(cfg.model, cfg.proxy)
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """A Qwen2.5-format checkpoint: 1536 tokenizer ids, 1568 embedding rows."""
@@ -73,18 +77,18 @@ def test_a_tokenizer_larger_than_the_model_is_refused_naming_both_sizes(ckpt, tm
     (small / "config.json").write_text(json.dumps(config))
     cfg = parse_config(["--preset", "cpu-demo-smoke", "--model.checkpoint", str(small)])
     with pytest.raises(ConfigError, match=r"1536 token ids but --model.checkpoint .*small has only 1400 embedding rows"):
-        check_model_vocab(cfg)
-    check_model_vocab(parse_config(["--preset", "cpu-demo-smoke", "--model.checkpoint", str(ckpt)]))
+        _vocab(cfg)
+    _vocab(parse_config(["--preset", "cpu-demo-smoke", "--model.checkpoint", str(ckpt)]))
     # A checkpoint without tokenizer files that is not project-sized (a Gyre checkpoint of a user's
     # model): refused, never paired with the project's 1024 ids.
     bare = tmp_path / "bare"
     shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("tokenizer*"))
     with pytest.raises(ConfigError, match=r"has no tokenizer .* and 1568 embedding rows; .* --proxy.tokenizer-path"):
-        check_model_vocab(parse_config(["--preset", "cpu-demo-smoke", "--model.checkpoint", str(bare)]))
-    check_model_vocab(parse_config(["--preset", "cpu-demo-smoke", "--model.checkpoint", str(bare),
+        _vocab(parse_config(["--preset", "cpu-demo-smoke", "--model.checkpoint", str(bare)]))
+    _vocab(parse_config(["--preset", "cpu-demo-smoke", "--model.checkpoint", str(bare),
                                     "--proxy.tokenizer-path", str(ckpt)]))
     with pytest.raises(ConfigError, match="--model.checkpoint /no/such: no such directory"):
-        check_model_vocab(parse_config(["--preset", "cpu-demo-smoke", "--model.checkpoint", "/no/such"]))
+        _vocab(parse_config(["--preset", "cpu-demo-smoke", "--model.checkpoint", "/no/such"]))
 
 
 @pytest.mark.parametrize("stream", [False, True])

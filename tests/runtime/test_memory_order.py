@@ -78,8 +78,9 @@ def start_core_cell(tmp_path, monkeypatch, caplog, *flags: str):
     vocab = load_vocab(cfg.model.checkpoint, cfg.proxy.tokenizer_path)
     posted = Posted()
     actor, model_cfg = job.core_actor_offloaded(cfg, vocab.size, tmp_path / "ckpt", posted)
-    eng = factory.build_engine(cfg, model_cfg, posted.params, version=posted.version, eos_token_ids=list(vocab.stop_ids),
-                               sampleable_vocab=vocab.size, name="rank0")
+    eng = factory.build_engine(cfg.model, cfg.engine, cfg.backend, model_cfg, posted.params, version=posted.version,
+                               eos_token_ids=list(vocab.stop_ids), sampleable_vocab=vocab.size, name="rank0",
+                               transfer=cfg.transfer, sglang=cfg.sglang, run_dir=cfg.run_dir)
 
     async def go():
         await eng.start()

@@ -77,6 +77,7 @@ def test_an_explicit_run_dir_holding_a_run_is_refused_before_anything_is_written
     import torch.distributed as dist
 
     from gyre.config import parse_config
+    from gyre.run import resolve_run_dir
     from gyre.runtime import rundir
 
     run = tmp_path / "run"
@@ -85,7 +86,7 @@ def test_an_explicit_run_dir_holding_a_run_is_refused_before_anything_is_written
     tasks = write_tasks(tmp_path / "tasks.jsonl")
     cfg = parse_config(["--job", "train", "--executions.dataset.path", str(tasks), "--run-dir", str(run)])
     with pytest.raises(rundir.RunDirError) as e:
-        rundir.resolve(cfg, 0, 2, dist.HashStore())  # rank 0's decision, before anything starts
+        resolve_run_dir(cfg, 0, 2, dist.HashStore())  # rank 0's decision, before anything starts
     log = str(e.value)
     assert "already holds a run" in log and "--train.resume" in log and "--overwrite" in log
     assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n' and not (run / "run.json").exists()

@@ -120,17 +120,12 @@ def test_a_cancelled_task_in_a_callback_logs_no_traceback(caplog):
 def test_a_signal_during_start_up_still_ends_the_attempt_once(tmp_path):
     """stop.early_end: summary, the attempt's events line and run.json's `ended`; nothing when the
     controller's stop already wrote them (a forced exit after a finished stop)."""
-    import dataclasses
     import json
 
     from gyre.runtime.rundir import RunDir, write_manifest
     from gyre.runtime.stop import early_end
 
-    @dataclasses.dataclass
-    class Cfg:
-        preset: str = "x"
-
-    write_manifest(tmp_path, Cfg(), 2)
+    write_manifest(tmp_path, {"preset": "x"}, 2)
     early_end(RunDir(tmp_path, attempt=0, start_version=0), "SIGTERM")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["interrupted"] == "SIGTERM" and "while the job was starting" in summary["error"]
