@@ -186,7 +186,8 @@ class Controller:
             rows = read_metrics(str(self.run_dir / "metrics.jsonl"))
         except OSError:
             rows = []
-        return {**build_summary(self.ledger, how, cfg=self.cfg, fractions=fractions, router=self.proxy.router.stats(),
+        return {**build_summary(self.ledger, how, scheduler=self.cfg.scheduler, shutdown_timeout_s=self.budget.shutdown_s,
+                                seed=self.cfg.seed, fractions=fractions, router=self.proxy.router.stats(),
                                 proxy_totals=self.access.totals, worst_unmatched=self.proxy.worst_unmatched(10),
                                 sink_errors=self.proxy.sink_errors, health=self.health.counts,
                                 measured_staleness=self.sched.staleness, run=self.run, rows=rows),

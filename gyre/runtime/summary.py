@@ -14,9 +14,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gyre.config import GyreConfig
 from gyre.runtime.ledger import RunLedger
 from gyre.runtime.outputs import reroute_fields, reward_trend
+from gyre.scheduler import SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +63,10 @@ class RunEnd:
     last_checkpoint_s: float | None = None  # the last periodic checkpoint's write (the stop budget)
 
 
-def build_summary(ledger: RunLedger, how: RunEnd, *, cfg: GyreConfig, fractions: dict[int, float],
-                  router: dict[str, Any], proxy_totals: dict[str, int], worst_unmatched: list[dict[str, Any]],
-                  sink_errors: int, health: dict[str, int], measured_staleness: Sequence[int], run: Any,
-                  rows: list[dict[str, Any]]) -> dict[str, Any]:
+def build_summary(ledger: RunLedger, how: RunEnd, *, scheduler: SchedulerConfig, shutdown_timeout_s: float, seed: int,
+                  fractions: dict[int, float], router: dict[str, Any], proxy_totals: dict[str, int],
+                  worst_unmatched: list[dict[str, Any]], sink_errors: int, health: dict[str, int],
+                  measured_staleness: Sequence[int], run: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """summary.json: what the attempt did (run.json's `ended` record keeps `rundir.ENDED_FIELDS` of it).
     router: `Router.stats()`; proxy_totals: `GyreProxyAccess.totals`; worst_unmatched:
     `Proxy.worst_unmatched(10)`; health: `HealthMonitor.counts`; measured_staleness: the
@@ -74,7 +74,7 @@ def build_summary(ledger: RunLedger, how: RunEnd, *, cfg: GyreConfig, fractions:
     summary = {
         "steps": how.steps,
         "wall_s": how.end - ledger.t_start,
-        "mode": cfg.scheduler.mode,
+        "mode": scheduler.mode,
         "train_fraction": {str(c): f for c, f in fractions.items()},
         "switch_latency_s": {k: (float(np.mean(v)) if v else None) for k, v in ledger.switch_latencies.items()},
         "handover_s": ledger.handover_summary(),  # the switches' parts: actor offload / restore, ...
@@ -97,7 +97,7 @@ def build_summary(ledger: RunLedger, how: RunEnd, *, cfg: GyreConfig, fractions:
         "zero_advantage_groups": ledger.zero_advantage_groups,  # all-equal rewards: no forward/backward spent
         "measured_staleness_mean": float(np.mean(measured_staleness)) if len(measured_staleness) else None,
         "staleness_by_step": ledger.staleness_by_step(),
-        "expected_staleness": cfg.scheduler.expected_staleness,
+        "expected_staleness": scheduler.expected_staleness,
         "failed_executions": dict(health),
         "error": how.error,
         "interrupted": how.interrupted,
@@ -107,11 +107,11 @@ def build_summary(ledger: RunLedger, how: RunEnd, *, cfg: GyreConfig, fractions:
         "sink_errors": sink_errors,
         "incomplete_tito": ledger.incomplete_tito(),  # execution -> what is missing; excluded from training
         "last_checkpoint_s": how.last_checkpoint_s,
-        "shutdown_timeout_s": cfg.train.shutdown_timeout_s,
+        "shutdown_timeout_s": shutdown_timeout_s,
     }
     if len(rows) >= 2:
         try:
-            summary["reward_trend"] = reward_trend(rows, max(1, len(rows) // 4), seed=cfg.seed)
+            summary["reward_trend"] = reward_trend(rows, max(1, len(rows) // 4), seed=seed)
         except ValueError as e:
             logger.warning("reward trend not computed: %s", e)
     return summary
