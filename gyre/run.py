@@ -278,10 +278,7 @@ def main(argv: list[str] | None = None) -> int:
 
     interrupts = Interrupts(rank, cfg.train.shutdown_timeout_s, force=_force_exit)
     if cfg.job == "train":
-        from gyre.runtime import stop
-
-        stop.register(interrupts)  # the controller's stop budget runs from this rank's signal
-        interrupts.install()
+        interrupts.install()  # job.train hands it to the controller: the stop budget runs from its signal
     try:
         topo = Topology.from_config(cfg.parallel, world, rank)
         logger.info("topology (%s backend):\n%s", dist.get_backend(), topo.describe(), extra=ONCE)

@@ -1,28 +1,20 @@
 """The controller: rank 0's own thread and asyncio loop (docs/design.md §1–3).
 
 It owns the data plane (the proxy and the harness runner, `gyre.runtime.proxy_access`) and
-drives `gyre.scheduler.ElasticScheduler`, as the simulator does. It only translates: events in
-(the cells' reports, the runner's execution events), entries into the run's ledger
-(`gyre.runtime.ledger`) and scheduler calls, commands out. One handler per decision (`DECISIONS`):
+drives `gyre.scheduler.ElasticScheduler`. It only translates: reports in (one handler per type,
+`HANDLERS`, protocol in `gyre.runtime.messages`), the runner's execution events, entries into the
+run's ledger (`gyre.runtime.ledger`), scheduler decisions out as commands (`DECISIONS`):
 
-    Dispatch(groups)        start N harness executions per group (boundary dispatch); an earlier
-                            attempt's evaluated group is carried over instead (gyre.runtime.rundir)
-    SwitchToTrain(cell)     drain the cell's engine in the proxy (its in-flight calls continue
-                            on retained engines), then send the cell `ToTrain`
-    OptimizerStep(step)     send `Reduce` to the decision's cells (0..k−1, decided by the
-                            scheduler, with the step's groups) over their prefix group; the core steps
+    Dispatch(groups)        start N harness executions per group; an earlier attempt's
+                            evaluated group is carried over instead (gyre.runtime.rundir)
+    SwitchToTrain(cell)     drain the cell's engine in the proxy, then send the cell `ToTrain`
+    OptimizerStep(step)     send `Reduce` to the decision's cells (0..k−1) with the step's groups
     SwitchToRollout(cell)   send the cell `ToRollout` with the published version
     Publish(version)        send every rollout engine `Load` of the version
 
-Cells report to the controller's mailbox, one handler per report type (`HANDLERS`; the protocol
-is in `gyre.runtime.messages`); every command that is answered (its `reply`) is watched
-(`ReplyWatch`). Work requests the scheduler cannot serve yet are retried after every event. An
-execution's accounting lives in its ledger record (one whose TITO is incomplete is not trained);
-each step's metrics row and the summary are built by `gyre.runtime.summary`.
-
-Every end takes one ordered stop sequence (`gyre.runtime.stop.stop_run`): the last step done, a
-worker's `Failed`, a health stop, a rank silent past `train.control_timeout_s`, a write error
-(`gyre.runtime.writes`), an exception here, or a signal (`Interrupted`).
+Every answered command is watched (`ReplyWatch`). What the run writes is its `RunRecords`; how
+it is ending, its `Ending`. Every end takes one ordered stop sequence (`gyre.runtime.stop.stop_run`),
+which sees the controller only as `stop.Ranks` (`send_stop`, `pump_reports`, `check_silent`).
 """
 
 from __future__ import annotations
@@ -50,12 +42,14 @@ from gyre.runtime.ledger import RunLedger
 from gyre.runtime.messages import (Command, Failed, Interrupted, Joined, Load, Loaded, Reduce, Report, RequestWork,
                                    RolledBack, StepDone, Stop, Stopped, ToRollout, ToTrain, TrainWork, Transition,
                                    WorkDone, handler_for)
-from gyre.runtime.outputs import MetricsWriter, make_trackers
+from gyre.runtime.outputs import make_trackers, read_metrics
 from gyre.runtime.proxy_access import GyreProxyAccess, start_data_plane
-from gyre.runtime.rundir import JOURNAL, GroupJournal, RunDir
+from gyre.runtime.records import RunRecords
+from gyre.runtime.rundir import RunDir
 from gyre.runtime.samples import audit_bundle, group_work, step_denominator, tito_records
-from gyre.runtime.summary import Progress, step_row
-from gyre.runtime.writes import FirstError, Guarded, watch_execution
+from gyre.runtime.stop import Budget, Ending
+from gyre.runtime.summary import Progress, RunEnd, build_summary, step_row
+from gyre.runtime.writes import FirstError, watch_execution
 from gyre.scheduler import (CellRole, Dispatch, ElasticScheduler, OptimizerStep, Publish, SwitchToRollout,
                             SwitchToTrain, WallClock, Work)
 from gyre.topology import Topology
@@ -65,21 +59,19 @@ logger = logging.getLogger(__name__)
 
 
 class Controller:
-    """Start with `start()` on rank 0 after the workers' engines are announced; `join()` waits.
-    The run ends after `train.steps` optimizer steps (the stop sequence: `gyre.runtime.stop`)."""
+    """Rank 0: `start()` once the engines are announced; `join()` waits (the end: `gyre.runtime.stop`)."""
 
     def __init__(self, cfg: GyreConfig, topo: Topology, store: Any, start_version: int = 0, engine_secret: str | None = None,
-                 run: RunDir | None = None) -> None:
-        """Build the run's state: everything that does not need the controller's loop.
-        `engine_secret`: what the engines' servers want (`engine_host.share_secret`); `run`: this
-        launch's attempt in the run directory and what earlier attempts lost (`gyre.runtime.rundir`)."""
+                 run: RunDir | None = None, interrupts: Any = None, records: RunRecords | None = None) -> None:
+        """Everything that does not need the loop. `engine_secret`: the engines' (`engine_host.share_secret`);
+        `run`: this attempt (`gyre.runtime.rundir`); `interrupts`: this process's `control.Interrupts`
+        (the stop budget runs from its first signal); `records`: what the run writes (default: built here)."""
         self.cfg, self.topo, self.store, self.engine_secret = cfg, topo, store, engine_secret
         sc, tc = cfg.scheduler, cfg.train
-        self.start_version = start_version  # > 0 when resuming: steps and versions count on from it
+        self.interrupts, self.ending = interrupts, Ending()
+        self.budget = Budget(tc.drain_at_end_s, tc.shutdown_timeout_s, cfg.executions.runner.kill_grace_s)
+        self.world_size, self.core_ranks = topo.world_size, frozenset(topo.cell_ranks(0))  # stop.Ranks
         self.run_dir = Path(cfg.run_dir)
-        self.error: BaseException | None = None
-        self.summary: dict[str, Any] = {}
-        self.stop_sent = False  # every rank has been sent Stop (by the stop sequence)
         self._thread = threading.Thread(target=self._main, name="gyre-controller", daemon=True)
 
         ds = cfg.executions.dataset
@@ -89,7 +81,6 @@ class Controller:
         # This launch's attempt: the groups earlier attempts lost come first, their evaluated
         # groups are carried over into the first dispatch slots (gyre.runtime.rundir).
         self.run = run or RunDir(self.run_dir, attempt=0, start_version=start_version)
-        self.attempt = self.run.attempt
         self.group_iter = rundir.attempt_groups(self.run, self.dataset, sc.n_per_group, shuffle=ds.shuffle,
                                                 seed=cfg.seed + start_version)
         self.carried = rundir.carriable(self.run, self.dataset, sc.n_per_group)
@@ -99,18 +90,12 @@ class Controller:
         hc = cfg.executions.health
         self.health = HealthMonitor(hc.window or self.nominal, hc.stop_fraction, hc.evaluator_window)
         self.ledger = RunLedger(topo.num_cells)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.writes = FirstError()  # the run's first write error (gyre.runtime.writes): stated once, stops it
-        self.last_checkpoint_s: float | None = None  # the core's last periodic checkpoint (the stop budget)
-        # What becomes of every group, for a later attempt; closed last by the stop.
-        self.journal = Guarded(GroupJournal(self.run_dir, self.attempt), JOURNAL, self.run_dir / JOURNAL, self._error)
-        if not tc.resume:  # a fresh run replaces the run directory's metrics; a resumed one appends
-            (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        self.metrics = Guarded(MetricsWriter(str(self.run_dir / "metrics.jsonl")), "metrics.jsonl",
-                               self.run_dir / "metrics.jsonl", self._error)
-        # Copies of the rows for TensorBoard / W&B (--tracking.*); closed by _main on every path.
-        self.trackers = make_trackers(cfg.tracking, str(self.run_dir), name=self.run_dir.name, group=cfg.preset,
-                                      config=dataclasses.asdict(cfg), fresh=not tc.resume)
+        self.records = records or RunRecords(
+            self.run, ledger=self.ledger, events=self.sched.log, summarize=self.summarize, on_error=self._error,
+            fresh=not tc.resume, title=f"Gyre role timeline ({sc.mode})",
+            trackers=make_trackers(cfg.tracking, str(self.run_dir), name=self.run_dir.name, group=cfg.preset,
+                                   config=dataclasses.asdict(cfg), fresh=not tc.resume))
         self.tito = TitoStore(self.run_dir / "tito")
         self.store_t = store.clone()  # the controller thread's own connection
         self.cp = ControlPlane(self.store_t, CONTROLLER)
@@ -123,18 +108,10 @@ class Controller:
 
         # Run state.
         self.pending: set[int] = set()  # cells that asked for work and got none yet
-        self.steps_done = start_version  # train.steps counts the whole run, across resumes
-        self.stopping = False
-        self.task_error: BaseException | None = None
-        self.stopped: dict[int, Stopped | Failed] = {}
         self.last_step_t = 0.0  # set when the loop starts (the ledger's clock)
-        # Failure path (docs/design.md §1): who owes a report, and whether a signal stopped the run.
-        self.watch = ReplyWatch()
+        self.watch = ReplyWatch()  # who owes a report (docs/design.md §1, the failure path)
         self._reporters = {topo.cell_ranks(c)[0] for c in range(topo.num_cells)} | {
             topo.pool_engine_ranks(e)[0] for e in range(topo.num_pool_engines)}
-        self.interrupted: str | None = None  # "SIGTERM" once a rank reported one
-        self._interrupt_t = 0.0
-        self.silent_rank: int | None = None
         self.progress = Progress(cfg.train.steps)
 
     # ------------------------------------------------------------------ thread
@@ -144,10 +121,10 @@ class Controller:
     def join(self) -> None:
         """Wait for the controller; raise RunFailed (already reported in the log) if the run failed."""
         self._thread.join()
-        if isinstance(self.error, RunFailed):
-            raise self.error
-        if self.error is not None:
-            raise RunFailed(f"the controller failed: {type(self.error).__name__}: {self.error}") from self.error
+        if isinstance(e := self.ending.error, RunFailed):
+            raise e
+        if e is not None:
+            raise RunFailed(f"the controller failed: {type(e).__name__}: {e}") from e
 
     def _main(self) -> None:
         loop = asyncio.new_event_loop()
@@ -159,12 +136,12 @@ class Controller:
                 logger.error("the run failed: %s", e)
             else:
                 logger.exception("the run failed: the controller raised; stopping every rank")
-            self.error = e
-            if not self.stop_sent:
-                stop.stop_every_rank(self.store, self.topo.world_size, checkpoint=self.interrupted is not None)
+            self.ending.fail(e)
+            if not self.ending.stop_sent:
+                stop.stop_every_rank(self.store, self.topo.world_size, checkpoint=self.ending.signal is not None)
         finally:
-            self.trackers.close(failed=self.error is not None)
-            stop.close_loop(loop, timeout=3.0 if self.interrupted else 30.0)  # an interrupt's stop is bounded
+            self.records.trackers.close(failed=self.ending.error is not None)
+            stop.close_loop(loop, timeout=3.0 if self.ending.signal else 30.0)  # an interrupt's stop is bounded
 
     # ------------------------------------------------------------------ set-up
     def _send_cell(self, cell: int, msg: Command) -> None:
@@ -179,22 +156,42 @@ class Controller:
         if isinstance(msg, Stop) or owes:
             self.watch.expect(rank, type(msg), time.monotonic())
 
-    def _check_silent(self) -> None:
+    # ------------------------------------------------------------------ stop.Ranks: what the stop sees
+    def send_stop(self, rank: int, msg: Stop) -> None:
+        self._command(rank, msg)
+
+    def pump_reports(self) -> None:
+        """Handle every queued report; one whose handling raises is the run's error (when it has
+        none) and the next is handled: the run is already stopping."""
+        while (msg := self.cp.try_recv()) is not None:
+            try:
+                self._on_message(msg)
+            except Exception as e:  # noqa: BLE001
+                self._error(e, f"handling {type(msg).__name__} from rank {msg.rank} during the stop")
+
+    def check_silent(self) -> None:
         """Fail the run, naming the rank, when one owes a report and has said nothing for
         `train.control_timeout_s` (a frozen rank: its engine's calls are rerouted by the router)."""
         limit = self.cfg.train.control_timeout_s
         silent = self.watch.silent(time.monotonic(), limit) if limit > 0 else None
-        if silent is None or self.silent_rank is not None:
+        if silent is None or self.ending.silent_rank is not None:
             return
-        self.silent_rank = silent[0]
+        self.ending.silent_rank = silent[0]
         logger.error("%s", msg := stop.silent_error(*silent, limit))
-        self._fail(RunFailed(msg))
+        self.ending.fail(RunFailed(msg))
 
-    def _fail(self, error: BaseException | None) -> None:
-        """Stop the run; the first error becomes the run's."""
-        if self.task_error is None:
-            self.task_error = error
-        self.stopping = True
+    def summarize(self, how: RunEnd, fractions: dict[int, float]) -> dict[str, Any]:
+        """summary.json from the ledger and the live sources (`gyre.runtime.summary.build_summary`)."""
+        try:
+            rows = read_metrics(str(self.run_dir / "metrics.jsonl"))
+        except OSError:
+            rows = []
+        return {**build_summary(self.ledger, how, scheduler=self.cfg.scheduler, shutdown_timeout_s=self.budget.shutdown_s,
+                                seed=self.cfg.seed, fractions=fractions, router=self.proxy.router.stats(),
+                                proxy_totals=self.access.totals, worst_unmatched=self.proxy.worst_unmatched(10),
+                                sink_errors=self.proxy.sink_errors, health=self.health.counts,
+                                measured_staleness=self.sched.staleness, run=self.run, rows=rows),
+                "write_errors_after_the_first": self.writes.later}
 
     async def _run(self) -> None:
         self.proxy, self.proxy_handle, self.access, self.runner = await start_data_plane(
@@ -206,22 +203,23 @@ class Controller:
         self._apply(self.sched.start())
         next_tick = time.monotonic()
         try:
-            while not self.stopping:
+            while not self.ending.stopping:
                 while (msg := self.cp.try_recv()) is not None:
                     self._on_message(msg)
                 if time.monotonic() >= next_tick:
                     self._apply(self.sched.tick())
-                    if line := self.progress.idle(self.sched, self.steps_done, time.monotonic()):
+                    if line := self.progress.idle(self.sched, self.records.steps, time.monotonic()):
                         logger.info("%s", line)
-                    self._check_silent()
+                    self.check_silent()
                     next_tick = time.monotonic() + self.cfg.scheduler.tick_s
                 self._serve_pending()
                 await asyncio.sleep(0.003)
         except Exception as e:  # noqa: BLE001 - the stop sequence still runs (summary, events, ended)
             self._error(e, "the controller")
-        await stop.stop_run(self, failed=self.task_error is not None)
-        if self.task_error is not None:
-            raise self.task_error
+        await stop.stop_run(self, self.runner, self.records, self.ending, self.budget,
+                            close=[("the proxy's router", self.proxy.router.close), ("the proxy", self.proxy_handle.astop)])
+        if self.ending.error is not None:
+            raise self.ending.error
 
     def _spawn(self, coro) -> None:
         """Run `coro` on the loop; an exception in it fails the run instead of vanishing."""
@@ -235,9 +233,9 @@ class Controller:
         """An error the run stops on (a failed write names its path and errno: `gyre.runtime.writes`);
         the first becomes the run's, stated once when the run ends."""
         err = self.writes.note(exc, what, path)
-        if err is not None and self.task_error is not None:  # already stopping for another reason: say it once
+        if err is not None and self.ending.error is not None:  # already stopping for another reason: say it once
             logger.error("%s", err)
-        self._fail(err)
+        self.ending.fail(err)
 
     # ------------------------------------------------------------------ decisions
     def _apply(self, decisions: list) -> None:
@@ -245,8 +243,8 @@ class Controller:
             handler_for(self.DECISIONS, d, "controller (scheduler decisions)")(self, d)
 
     def _dispatch(self, d: Dispatch) -> None:
-        if self.steps_done >= self.cfg.train.steps or self.stopping:
-            logger.info("not dispatching %d groups: the run is ending (%d steps done)", d.n_groups, self.steps_done)
+        if self.records.steps >= self.cfg.train.steps or self.ending.stopping:
+            logger.info("not dispatching %d groups: the run is ending (%d steps done)", d.n_groups, self.records.steps)
             return
         for g in d.groups:
             if self.carried:  # evaluated in an earlier attempt: train it, do not run it again
@@ -256,7 +254,7 @@ class Controller:
             for spec in group.executions:
                 spec.dispatch_version = d.version
             self.ledger.add_group(g, group, d.version)
-            self.journal.dispatched(group.group_id, group.task.task_id, d.version,
+            self.records.journal.dispatched(group.group_id, group.task.task_id, d.version,
                                     [e.execution_id for e in group.executions])
             for spec, task in zip(group.executions, self.runner.dispatch_group(group)):
                 watch_execution(task, spec.execution_id, self.runner.run_dir / spec.execution_id, self._error)
@@ -264,12 +262,11 @@ class Controller:
                     d.version, self.sched.water_level)
 
     def _carry_over(self, g: int, row: dict[str, Any]) -> None:
-        """Take an earlier attempt's evaluated group (a `groups.jsonl` row) as dispatch slot `g`: its
-        executions start and finish at once for the scheduler, and it becomes work like any group.
-        Its v_d stays the version it was sampled at (the ledger's staleness)."""
+        """An earlier attempt's evaluated group (a `groups.jsonl` row) as dispatch slot `g`: its executions
+        start and finish at once, its v_d stays the version it was sampled at."""
         group, results = rundir.carried_group(self.run_dir, self.dataset, row)
         self.ledger.add_group(g, group, row["version"], carried=True)
-        self.journal.dispatched(row["group_id"], row["task_id"], row["version"], row["executions"])
+        self.records.journal.dispatched(row["group_id"], row["task_id"], row["version"], row["executions"])
         for result in results:
             self._apply(self.sched.on_execution_started(g, result.index))
             self._apply(self.sched.on_execution_finished(g, result.index))
@@ -294,10 +291,9 @@ class Controller:
         self._send_cell(d.cell, ToRollout(version=self.sched.published))
 
     def _optimizer_step(self, d: OptimizerStep) -> None:
-        """Send `Reduce` to exactly the decision's cells: the scheduler decides the membership
-        (the TRAIN prefix 0..k−1 when the step was decided), the prefix group is k = len(cells).
-        |E| is known only now (groups were packed with |E| = B·N): the core rescales the summed
-        gradient by B·N/valid, or skips the update when nothing is valid or trained (all-equal groups)."""
+        """`Reduce` to exactly the decision's cells (the TRAIN prefix 0..k−1 the scheduler decided).
+        |E| is known only now (groups were packed with B·N): the core rescales the summed gradient
+        by B·N/valid, or skips the update when nothing is valid or trained (all-equal groups)."""
         if d.cells != tuple(range(len(d.cells))):
             raise RuntimeError(f"step {d.step}: reduce cells {d.cells} are not a prefix 0..k−1")
         valid, grad_scale = step_denominator([self.ledger.groups[g].rewards for g in d.groups],
@@ -355,23 +351,20 @@ class Controller:
 
     def _on_step_done(self, msg: StepDone) -> None:
         rec = self.ledger.close(msg.step)
-        self.journal.trained([self.ledger.groups[g].group_id for g in rec.groups], msg.step)
+        self.records.journal.trained([self.ledger.groups[g].group_id for g in rec.groups], msg.step)
         now = time.time()
         row = step_row(self.ledger, msg.step, now, step_time_s=now - self.last_step_t, scheduler=self.sched,
                        reroutes=self.proxy.router.reroutes, rerouted=self.proxy.router.take_reroutes(),
                        unmatched_turns=self.access.take_unmatched() if self.access is not None else 0,
                        sink_errors=self.proxy.sink_errors, stats=msg.stats)
-        self.metrics.write(row)
-        self.trackers.log(row, msg.step)
+        self.records.step(row)
         if "checkpoint_s" in msg.stats:  # the core wrote a periodic checkpoint: does a stop still fit it?
-            self.last_checkpoint_s = stop.checkpointed(self.last_checkpoint_s, float(msg.stats["checkpoint_s"]),
-                                                       self.cfg.train.shutdown_timeout_s)
+            self.ending.checkpointed(float(msg.stats["checkpoint_s"]), self.budget.shutdown_s)
         self.last_step_t = now
-        self.steps_done += 1
         logger.info("%s", self.progress.step(row, self.sched, time.monotonic()))
         self._apply(self.sched.on_step_done(msg.step))
-        if self.steps_done >= self.cfg.train.steps:
-            self.stopping = True
+        if self.records.steps >= self.cfg.train.steps:
+            self.ending.stopping = True
 
     def _on_rolled_back(self, msg: RolledBack) -> None:
         self.ledger.handover(msg.handover_s)
@@ -383,24 +376,20 @@ class Controller:
         pass  # nothing waits for it: an engine serves the old version until it has loaded the new
 
     def _on_stopped(self, msg: Stopped) -> None:
-        self.stopped[msg.rank] = msg
+        self.ending.stopped[msg.rank] = msg
 
     def _on_failed(self, msg: Failed) -> None:  # a worker raised; it exits after this report
-        self.stopped[msg.rank] = msg
+        self.ending.stopped[msg.rank] = msg
         self.watch.forget(msg.rank)
-        self._fail(RunFailed(f"rank {msg.rank} failed while handling {msg.command!r}: {msg.error} (its traceback "
+        self.ending.fail(RunFailed(f"rank {msg.rank} failed while handling {msg.command!r}: {msg.error} (its traceback "
                              f"is in rank {msg.rank}'s log)"))
 
     def _on_interrupted(self, msg: Interrupted) -> None:
-        """SIGINT/SIGTERM on a rank (every rank gets torchrun's; the first report counts): stop
-        gracefully within `train.shutdown_timeout_s`: harnesses killed, ranks stopped, the core's
-        checkpoint, summary, events and plot; the run fails with "interrupted by SIG…"."""
-        if self.interrupted is not None:
-            return
-        self.interrupted, self._interrupt_t = msg.signal, stop.signalled_at(time.monotonic())
-        stop.warn_interrupted(msg.signal, msg.rank, self.cfg.train.shutdown_timeout_s, self.last_checkpoint_s)
-        self._fail(RunFailed(f"interrupted by {msg.signal} (received by rank {msg.rank}); stopped gracefully after "
-                             f"{self.steps_done} steps"))
+        """SIGINT/SIGTERM on a rank (the first report counts): the stop, within `train.shutdown_timeout_s`."""
+        at = stop.signalled_at(self.interrupts, time.monotonic())
+        if self.ending.interrupt(msg.signal, msg.rank, at, self.budget.shutdown_s):
+            self.ending.fail(RunFailed(f"interrupted by {msg.signal} (received by rank {msg.rank}); stopped "
+                                       f"gracefully after {self.records.steps} steps"))
 
     # ------------------------------------------------------------------ executions
     def _on_exec_event(self, ev: ExecutionEvent) -> None:
@@ -413,7 +402,7 @@ class Controller:
         elif ev.kind is EventKind.EVALUATED:
             problem = self.health.observe(ev.result, self.ledger.execution(ev.execution_id).calls)
             if problem is not None:
-                self._fail(RunFailed(problem))
+                self.ending.fail(RunFailed(problem))
             self.ledger.evaluated(ev.result)
             if len(rec.evaluated) == self.cfg.scheduler.n_per_group:
                 self._spawn(self._make_work(rec.index))

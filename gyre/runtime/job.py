@@ -143,7 +143,7 @@ def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights:
     controller = None
     if topo.is_controller:
         controller = Controller(cfg, topo, store, start_version=start_version, engine_secret=engine_secret,
-                                run=run)
+                                run=run, interrupts=interrupts)
         controller.start()
 
     serve(worker, control, topo, controller)

@@ -1,12 +1,7 @@
 """Run outputs: `metrics.jsonl` (one JSON object per optimizer step), the role timeline PNG
-(cells × time coloured by role, like the paper's Fig. 6a, next to each cell's training-time
-fraction, Fig. 6b), the reward trend, and the optional experiment trackers.
-
-metrics.jsonl is the record; the trackers (`--tracking.tensorboard`, `--tracking.wandb`) are
-copies of it for the tools users already watch, behind one fan-out (`Trackers`): the
-controller calls `log(row, step)` after writing a row, `image(name, png, step)` for the
-timeline at the end, and `close(failed)` once, whatever happened. With no tracker on, `Trackers`
-is the null object: every call does nothing.
+(cells × time by role, the paper's Fig. 6a, beside each cell's training fraction, Fig. 6b), the
+reward trend, and the experiment trackers (`Trackers`: copies of the rows for TensorBoard / W&B;
+with none on, a null object). `gyre.runtime.records` decides what is written when.
 """
 
 from __future__ import annotations
@@ -83,7 +78,7 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 
 def train_fractions(intervals: dict[int, Iterable[tuple[CellState, float, float]]]) -> dict[int, float]:
-    """Each cell's training-time fraction (no plotting: the stop writes the summary before the plot).
+    """Each cell's training-time fraction.
 
     >>> train_fractions({0: [(CellState.ROLLOUT, 0.0, 3.0), (CellState.TRAIN, 3.0, 4.0)], 1: []})
     {0: 0.25, 1: 0.0}
@@ -140,17 +135,11 @@ def plot_role_timeline(
 
 
 def reward_trend(rows: list[dict[str, Any]], k: int, *, resamples: int = 10000, seed: int = 0) -> dict[str, float]:
-    """Did the reward rise? Compare the executions' rewards in the first `k` steps with the last `k`.
-
-    Returns the two means, their difference (last − first) and a two-sided 95 % bootstrap
-    confidence interval of that difference (explicit seeded generator). When the rows carry
-    `group_rewards`, whole groups are resampled (a cluster bootstrap: the N executions of a group
-    share a task, so they are not independent draws); otherwise single executions are.
-    `rows` are metrics.jsonl records carrying per-step `rewards` (and `group_rewards`).
-    Also returns `fitted_rise`: the least-squares slope of reward on step over every step,
-    times the number of steps − 1, with its bootstrap interval (uses all the data, not only the
-    two windows).
-    """
+    """Did the reward rise? The mean reward of the first `k` steps against the last `k` (`rows`:
+    metrics.jsonl records with `rewards`, and `group_rewards`), their difference with a 95 %
+    bootstrap interval, and `fitted_rise`: the least-squares slope of reward on step times
+    (steps − 1), with its interval. With `group_rewards`, whole groups are resampled (a cluster
+    bootstrap: a group's executions share a task); otherwise single executions are."""
     import numpy as np
 
     if not 1 <= k <= len(rows) // 2:
@@ -203,14 +192,11 @@ def reward_trend(rows: list[dict[str, Any]], k: int, *, resamples: int = 10000, 
 
 # ----------------------------------------------------------------------------- trackers
 def flatten_numeric(row: dict[str, Any], prefix: str = "") -> dict[str, float]:
-    """The numeric fields of a metrics.jsonl row as flat tags, nested dicts joined with `/`.
+    """The numeric fields of a metrics.jsonl row as flat tags, nested dicts joined with `/`; bools
+    as 0/1; lists, nulls, non-finite floats, strings and the top-level `step` (the x-axis) skipped.
 
-    Bools become 0/1. Skipped: lists (their summaries are fields of their own: `rewards` →
-    `reward_mean`, `staleness` → `staleness_mean`), nulls, non-finite floats (metrics.jsonl
-    writes them as null too), strings, and the top-level `step` (it is the x-axis).
-
-    Example: {"step": 3, "loss": 0.5, "cell_time_s": {"0": {"train": 1.5}}, "rewards": [1, 0]}
-             → {"loss": 0.5, "cell_time_s/0/train": 1.5}
+    >>> flatten_numeric({"step": 3, "loss": 0.5, "cell_time_s": {"0": {"train": 1.5}}, "rewards": [1, 0]})
+    {'loss': 0.5, 'cell_time_s/0/train': 1.5}
     """
     out: dict[str, float] = {}
     for k, v in row.items():
@@ -290,11 +276,9 @@ class WandbTracker:
 
 
 class Trackers:
-    """Fan-out to the run's trackers; with none, a null object.
-
-    A tracker that raises is logged once and dropped: metrics.jsonl already holds the row, and
-    a tracker's hiccup (a full disk under tensorboard/, wandb's service dying) must not end a
-    run of many hours. `close` is idempotent, so every exit path may call it."""
+    """Fan-out to the run's trackers; with none, a null object. A tracker that raises is logged
+    once and dropped (metrics.jsonl holds the row; a tracker's hiccup must not end a long run).
+    `close` is idempotent, so every exit path may call it."""
 
     def __init__(self, trackers: Iterable[Tracker] = ()) -> None:
         self._trackers = list(trackers)
@@ -362,10 +346,8 @@ def truncate_jsonl(path: str | os.PathLike, keep_until: Callable[[list[dict[str,
 
 
 def write_text(path: "os.PathLike[str] | str", text: str) -> None:
-    """Write `text` so that `path` holds the old file or the whole new one, never a part (a reader
-    meanwhile, a full disk: an empty summary.json and a run.json.tmp were left once). The
-    temporary (named by this process, beside `path`) is removed when the write fails, and the
-    error is raised."""
+    """Write `text` so that `path` holds the old file or the whole new one, never a part; the
+    temporary (beside `path`, named by this process) is removed when the write fails."""
     head, name = os.path.split(os.fspath(path))
     tmp = os.path.join(head, f".{name}.tmp{os.getpid()}")
     try:

@@ -1,31 +1,25 @@
-"""The end of a run: one ordered sequence, whatever step the run was in (README.md, "What the main job does").
+"""The end of a run: one ordered sequence, whatever step the run was in (docs/design.md §1).
 
-Every end takes it — the last step done, a worker's failure, a health stop, a silent rank, a
-write error, SIGINT/SIGTERM — and each phase runs even when an earlier one raised (its error
-logged, the next phase goes on):
+Every end takes it: the last step done, a worker's failure, a health stop, a silent rank, a
+write error, SIGINT/SIGTERM. Each phase runs even when an earlier one raised (logged, the next
+goes on):
 
     1 drain       a run that ended well: executions still running get `train.drain_at_end_s`
-                  (only this phase; their evaluations are then waited for in full)
     2 executions  what still runs is stopped (harness trees killed); evaluations get their time
                   (after an interrupt: a share of the stop budget, then they are cancelled)
-    3 ranks       every rank is sent Stop; its reports are handled until each has answered. A
-                  `StepDone` the core sends from a checkpoint it was writing when the signal came
-                  becomes that step's metrics row and journal entries here, so a resume from that
-                  checkpoint never trains the step's groups again
-    4 outputs     run.json's `ended` record, summary.json, events.jsonl, then the role timeline
-    5 close       metrics.jsonl, the proxy; then the groups journal, last: nothing writes after it
-    6 the end     a few lines in the log: steps, the reward trend with its interval, executions,
-                  aborted calls, where the report is
+    3 ranks       every rank is sent Stop; its reports are handled until each has answered (a
+                  `StepDone` from a checkpoint written meanwhile becomes that step's row here)
+    4 outputs     the records' end files (`RunRecords.finish`): summary, run.json, events, plot
+    5 close       the data plane, then the records (the groups journal last)
+    6 the end     a few lines in the log: steps, the reward trend, executions, where the report is
 
-Bounds: an interrupt bounds the whole sequence (`stop_deadline`: three quarters of
+An interrupt bounds the whole sequence (`stop_deadline`: three quarters of
 `train.shutdown_timeout_s` after the signal; the rank's own timer forces the exit at the full
-budget). The drain's own bound (`drain_at_end_s`) is separate and never shortens the others —
-it used to overwrite the interrupt deadline, leaving evaluations 1 s and every rank unwaited-for
-(`ranks_not_stopped: [0, 1, 2, 3]` on runs that ended well).
+budget); the drain's bound is its own. `budget_note` warns when the last checkpoint does not fit
+the budget (Slurm's KillWait SIGKILLs what still runs after its SIGTERM).
 
-The stop budget and checkpoints: `budget_note` says when the last checkpoint took longer than
-the budget leaves it (Slurm's KillWait, 30 s by default, SIGKILLs what is still running after
-its SIGTERM); the controller logs it once, at the step that measured it and at an interrupt.
+It sees the controller as `Ranks`, how the run is ending as `Ending`, what it writes as
+`gyre.runtime.records.RunRecords` (tests/runtime/test_stop.py runs it with fakes).
 """
 
 from __future__ import annotations
@@ -34,16 +28,14 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Collection, Protocol, Sequence
 
-from gyre.runtime.ledger import GroupPhase
 from gyre.runtime.messages import Failed, Stop
-from gyre.runtime.outputs import append_events, plot_role_timeline, read_metrics, train_fractions, write_json
+from gyre.runtime.outputs import read_metrics, write_json
+from gyre.runtime.records import Phases, RunRecords
 from gyre.runtime.rundir import end_attempt
-from gyre.runtime.summary import RunEnd, build_summary, end_lines
-
-if TYPE_CHECKING:
-    from gyre.runtime.controller import Controller
+from gyre.runtime.summary import RunEnd, end_lines
 
 logger = logging.getLogger(__name__)
 
@@ -52,19 +44,11 @@ logger = logging.getLogger(__name__)
 STOP_OVERHEAD_S = 8.0
 
 
-_INTERRUPTS: list[Any] = []  # this process's `gyre.runtime.control.Interrupts` (gyre.run registers it)
-
-
-def register(interrupts: Any) -> None:
-    """`gyre.run`: the rank's signal handler, whose first signal's time starts the stop budget."""
-    _INTERRUPTS[:] = [interrupts]
-
-
-def signalled_at(now: float) -> float:
-    """When this process took its first signal (monotonic), else `now`: the stop budget runs from
-    the signal, not from when the controller reads its report (a signal during start-up is read
-    only once the controller's loop runs, seconds later)."""
-    first = _INTERRUPTS[0].first if _INTERRUPTS else None
+def signalled_at(interrupts: Any, now: float) -> float:
+    """When this process took its first signal (monotonic; `interrupts`: its
+    `gyre.runtime.control.Interrupts`), else `now`: the stop budget runs from the signal, not from
+    when the controller reads its report (a signal during start-up is read seconds later)."""
+    first = getattr(interrupts, "first", None)
     return min(now, first[1]) if first is not None else now
 
 
@@ -93,22 +77,6 @@ def budget_note(checkpoint_s: float | None, budget_s: float) -> str | None:
             f"see docs/cluster.md)")
 
 
-def checkpointed(previous_s: float | None, took_s: float, budget_s: float) -> float:
-    """The core wrote a periodic checkpoint in `took_s`: `budget_note` is logged once, when the
-    previous one still fitted the budget (or there was none). Returns `took_s`, the new last."""
-    if previous_s is None or budget_note(previous_s, budget_s) is None:
-        if (note := budget_note(took_s, budget_s)) is not None:
-            logger.warning("%s", note)
-    return took_s
-
-
-def warn_interrupted(signal_name: str, rank: int, budget_s: float, last_checkpoint_s: float | None) -> None:
-    """The first interrupt's lines in the log: the stop's budget, and whether the checkpoint fits it."""
-    logger.warning("interrupted by %s (rank %d): stopping the run (at most %.0fs)", signal_name, rank, budget_s)
-    if (note := budget_note(last_checkpoint_s, budget_s)) is not None:
-        logger.warning("%s", note)
-
-
 def silent_error(rank: int, command: type, quiet: float, limit: float) -> str:
     """The run's error when `rank` owes an answer to `command` and has said nothing for `quiet` s."""
     return (f"rank {rank} has sent nothing for {quiet:.0f}s while it owes an answer to {command.__name__} "
@@ -127,9 +95,8 @@ def stop_every_rank(store: Any, world_size: int, checkpoint: bool) -> None:
 
 
 def quiet_cancelled(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-    """The controller loop's exception handler: a task cancelled by the stop is not an error.
-    (asyncio's stream servers call `task.exception()` on their cancelled connection tasks and log
-    a CancelledError traceback each — one per harness relay: dozens burying the real error.)"""
+    """The controller loop's exception handler: a task cancelled by the stop is not an error (the
+    stream servers' cancelled connection tasks would log a traceback per harness relay)."""
     if isinstance(context.get("exception"), asyncio.CancelledError):
         logger.debug("cancelled by the stop: %s", context.get("message"))
         return
@@ -137,12 +104,8 @@ def quiet_cancelled(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) ->
 
 
 def close_loop(loop: asyncio.AbstractEventLoop, timeout: float) -> None:
-    """Cancel what is left on the controller's loop and close it, waiting at most `timeout`.
-
-    `asyncio.run` would wait without limit for every task to take its cancellation; one that
-    does not (a call stuck in a library) would keep the run from exiting after its summary
-    is written. Here it is named in the log and left behind instead.
-    """
+    """Cancel what is left on the controller's loop and close it, waiting at most `timeout`: a task
+    that does not take its cancellation (a call stuck in a library) is named and left behind."""
     tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
     for t in tasks:
         t.cancel()
@@ -155,148 +118,150 @@ def close_loop(loop: asyncio.AbstractEventLoop, timeout: float) -> None:
     loop.close()
 
 
-class _Phases:
-    """Runs the stop's phases in order; one that raises is logged (once, with what it was) and
-    the next runs."""
-
-    def __init__(self) -> None:
-        self.failed: list[str] = []
-
-    def run(self, name: str, fn: Callable[[], Any], default: Any = None) -> Any:
-        try:
-            return fn()
-        except Exception as e:  # noqa: BLE001 - the rest of the stop must still happen
-            self._log(name, e)
-            return default
-
-    async def arun(self, name: str, fn: Callable[[], Awaitable[Any]]) -> None:
-        try:
-            await fn()
-        except Exception as e:  # noqa: BLE001
-            self._log(name, e)
-
-    def _log(self, name: str, e: BaseException) -> None:
-        from gyre.runtime.writes import describe
-
-        self.failed.append(name)
-        if isinstance(e, OSError):
-            logger.error("stop: %s", describe(e, name))
-        else:
-            logger.error("stop: %s failed: %s: %s", name, type(e).__name__, e, exc_info=e)
+@dataclass
+class Budget:
+    """What bounds the stop, in seconds."""
+    drain_s: float  # train.drain_at_end_s: a run that ended well lets its executions finish
+    shutdown_s: float  # train.shutdown_timeout_s: the whole stop, from a signal
+    kill_grace_s: float  # executions.runner.kill_grace_s: a harness tree's time to die
 
 
-def _handle_reports(ctl: Controller) -> None:
-    """Handle every report queued for the controller; one whose handling raises stops nothing
-    more (the run is already stopping): its error becomes the run's when it has none."""
-    while (msg := ctl.cp.try_recv()) is not None:
-        try:
-            ctl._on_message(msg)
-        except Exception as e:  # noqa: BLE001
-            ctl._error(e, f"handling {type(msg).__name__} from rank {msg.rank} during the stop")
+@dataclass
+class Ending:
+    """How the run is ending, gathered as it happens; `run_end` is its final form (`summary.RunEnd`)."""
+
+    stopping: bool = False  # nothing more is dispatched; the loop ends
+    error: BaseException | None = None  # the first error: the run's
+    signal: str | None = None  # "SIGTERM" once a rank reported one (the first report counts)
+    signal_t: float = 0.0  # when this process took it (monotonic): the stop budget runs from it
+    silent_rank: int | None = None  # a rank past train.control_timeout_s: named, not waited for
+    stopped: dict[int, Any] = field(default_factory=dict)  # rank -> its Stopped or Failed
+    stop_sent: bool = False  # every rank has been sent Stop
+    last_checkpoint_s: float | None = None  # the core's last periodic checkpoint's write
+
+    def fail(self, error: BaseException | None) -> None:
+        """Stop the run; the first error becomes the run's."""
+        if self.error is None:
+            self.error = error
+        self.stopping = True
+
+    def interrupt(self, signal: str, rank: int, at: float, budget_s: float) -> bool:
+        """A signal reported by `rank`, taken at `at`: True (and its lines in the log) for the first."""
+        if self.signal is not None:
+            return False
+        self.signal, self.signal_t = signal, at
+        logger.warning("interrupted by %s (rank %d): stopping the run (at most %.0fs)", signal, rank, budget_s)
+        if (note := budget_note(self.last_checkpoint_s, budget_s)) is not None:
+            logger.warning("%s", note)
+        return True
+
+    def checkpointed(self, took_s: float, budget_s: float) -> None:
+        """The core wrote a periodic checkpoint in `took_s`: `budget_note` is logged when the
+        previous one still fitted the budget (once, not at every step)."""
+        if budget_note(self.last_checkpoint_s, budget_s) is None and (note := budget_note(took_s, budget_s)):
+            logger.warning("%s", note)
+        self.last_checkpoint_s = took_s
+
+    def run_end(self, steps: int, end: float, cancelled: int, missing: list[int]) -> RunEnd:
+        return RunEnd(steps=steps, end=end, cancelled_at_end=cancelled, ranks_not_stopped=missing,
+                      error=str(self.error) if self.error is not None else None, interrupted=self.signal,
+                      silent_rank=self.silent_rank, last_checkpoint_s=self.last_checkpoint_s)
 
 
-async def stop_run(ctl: Controller, failed: bool) -> None:
-    """The stop sequence (module docstring). After a failure nothing is waited for beyond a few
-    seconds: the error is the news."""
-    tc, phases = ctl.cfg.train, _Phases()
-    ctl.stopping = True  # nothing is dispatched any more
-    # 1 drain: a run that ended well lets its executions finish, within drain_at_end_s.
-    in_flight = ctl.runner.in_flight()
-    if in_flight and not failed:
-        logger.info("run complete; waiting up to %.0fs for %d executions still running", tc.drain_at_end_s, len(in_flight))
-        drain_until = time.monotonic() + tc.drain_at_end_s
-        while ctl.runner.in_flight() and time.monotonic() < drain_until and ctl.interrupted is None:
-            _handle_reports(ctl)
+class Ranks(Protocol):
+    """What the stop needs of the controller: its ranks and their reports."""
+
+    world_size: int
+    core_ranks: Collection[int]  # the core cell's: its checkpoint is what an interrupt must not lose
+
+    def send_stop(self, rank: int, stop: Stop) -> None: ...
+
+    def pump_reports(self) -> None:
+        """Handle every queued report (a `Stopped` lands in `Ending.stopped`)."""
+
+    def check_silent(self) -> None:
+        """Fail the run (`Ending.silent_rank`) when a rank owes a report past the control timeout."""
+
+
+async def stop_run(ranks: Ranks, runner: Any, records: RunRecords, ending: Ending, budget: Budget,
+                   close: Sequence[tuple[str, Callable[[], Awaitable[Any]]]] = ()) -> dict[str, Any]:
+    """The stop sequence (module docstring); `runner`: the harness runner (`in_flight`, `shutdown`);
+    `close`: the data plane's closers, named, run before the records close. Returns the summary.
+    After a failure nothing is waited for beyond a few seconds: the error is the news."""
+    phases, failed = Phases(), ending.error is not None
+    ending.stopping = True  # nothing is dispatched any more
+    # 1 drain: a run that ended well lets its executions finish, within drain_s.
+    if (in_flight := runner.in_flight()) and not failed:
+        logger.info("run complete; waiting up to %.0fs for %d executions still running", budget.drain_s, len(in_flight))
+        drain_until = time.monotonic() + budget.drain_s
+        while runner.in_flight() and time.monotonic() < drain_until and ending.signal is None:
+            ranks.pump_reports()
             await asyncio.sleep(0.05)
-        failed = failed or ctl.task_error is not None  # a signal or an error while draining
-    cancelled = len(ctl.runner.in_flight())
-    deadline = stop_deadline(ctl._interrupt_t if ctl.interrupted else None, tc.shutdown_timeout_s)
+        failed = ending.error is not None  # a signal or an error while draining
+    cancelled = len(runner.in_flight())
+    deadline = stop_deadline(ending.signal_t if ending.signal else None, budget.shutdown_s)
 
     # 2 executions: after an interrupt nothing will train on a reward: evaluations in flight are
     # cancelled once the harness trees have had their grace to die.
     grace = None
     if deadline is not None:
-        grace = max(1.0, min(ctl.cfg.executions.runner.kill_grace_s + 2.0, 0.5 * (deadline - time.monotonic())))
-    await phases.arun("stopping the executions", lambda: ctl.runner.shutdown(evaluate=not failed, timeout=grace))
+        grace = max(1.0, min(budget.kill_grace_s + 2.0, 0.5 * (deadline - time.monotonic())))
+    await phases.arun("stopping the executions", lambda: runner.shutdown(evaluate=not failed, timeout=grace))
 
     # 3 ranks. The core checkpoints after an interrupt or a silent rank too: its weights and
     # optimizer state are sound (not after a worker failed: its state may not be).
-    checkpoint = not any(isinstance(m, Failed) for m in ctl.stopped.values())
-    for r in range(ctl.topo.world_size):
-        phases.run(f"sending Stop to rank {r}", lambda r=r: ctl._command(r, Stop(failed=failed, checkpoint=checkpoint)))
-    ctl.stop_sent = True
-    await phases.arun("waiting for the ranks", lambda: _wait_for_ranks(ctl, failed, checkpoint, deadline))
-    _handle_reports(ctl)  # what came with the last answers (a StepDone behind a Stopped is not possible: FIFO)
-    missing = sorted(set(range(ctl.topo.world_size)) - set(ctl.stopped))
+    checkpoint = not any(isinstance(m, Failed) for m in ending.stopped.values())
+    for r in range(ranks.world_size):
+        phases.run(f"sending Stop to rank {r}", lambda r=r: ranks.send_stop(r, Stop(failed=failed, checkpoint=checkpoint)))
+    ending.stop_sent = True
+    await phases.arun("waiting for the ranks", lambda: _wait_for_ranks(ranks, ending, failed, checkpoint, deadline))
+    ranks.pump_reports()  # what came with the last answers (a StepDone behind a Stopped is not possible: FIFO)
+    missing = sorted(set(range(ranks.world_size)) - set(ending.stopped))
     if missing:
         logger.warning("ranks %s did not report stopping", missing)
-    if not failed and ctl.task_error is None:  # a clean end: what was not trained is closed, not lost
-        phases.run("groups.jsonl (closed groups)", lambda: ctl.journal.closed(
-            [r.group_id for r in ctl.ledger.groups.values() if r.phase is not GroupPhase.CONSUMED]))
 
-    # 4 outputs, each on its own; the records first, the plot (matplotlib: seconds on a loaded
-    # machine) last, so a stop that runs out of its budget loses the picture, not the records.
-    end = time.time()
-    intervals = phases.run("the timeline", lambda: ctl.ledger.intervals(end), default={})
-    fractions = phases.run("the training fractions", lambda: train_fractions(intervals), default={})
-    ctl.summary = phases.run("the summary", lambda: _summary(ctl, end, fractions, cancelled, missing), default={})
-    ctl.summary["write_errors_after_the_first"] = ctl.writes.later
-    try:  # this attempt's record in run.json; the run's totals over every attempt so far
-        ctl.summary["run"] = end_attempt(ctl.run_dir, ctl.attempt, ctl.summary)
-    except (OSError, ValueError, LookupError) as e:
-        logger.warning("run.json: this attempt's end not recorded (%s); summary.json has no run totals", e)
-    phases.run("summary.json", lambda: write_json(ctl.run_dir / "summary.json", ctl.summary))
-    # The scheduler's event log: replayable by `python -m gyre.sim --durations.source run-dir`.
-    phases.run("events.jsonl", lambda: append_events(ctl.sched.log, str(ctl.run_dir / "events.jsonl"),
-                                                     attempt=ctl.attempt, start_version=ctl.start_version))
-
-    phases.run("role_timeline.png", lambda: plot_role_timeline(intervals, str(ctl.run_dir / "role_timeline.png"),
-                                                               title=f"Gyre role timeline ({ctl.cfg.scheduler.mode})"))
-    phases.run("the trackers' timeline", lambda: _track_timeline(ctl, fractions))
-
-    # 5 close: the journal last (a report handled above may still have written to it).
-    phases.run("metrics.jsonl (close)", ctl.metrics.close)
-    await phases.arun("the proxy's router", ctl.proxy.router.close)  # calls waiting for an engine end now
-    await phases.arun("the proxy", ctl.proxy_handle.astop)
-    phases.run("groups.jsonl (close)", ctl.journal.close)
-
-    # 6 the end, for a person.
-    for line in end_lines(ctl.summary, ctl.run_dir, phases.failed):
+    # 4 outputs, 5 close (the data plane, then the records: the journal last), 6 the end.
+    summary = records.finish(ending.run_end(records.steps, time.time(), cancelled, missing), phases)
+    for name, fn in close:
+        await phases.arun(name, fn)
+    records.close(phases)
+    for line in end_lines(summary, records.path, phases.failed):
         logger.info("%s", line)
+    return summary
 
 
-async def _wait_for_ranks(ctl: Controller, failed: bool, checkpoint: bool, deadline: float | None) -> None:
+async def _wait_for_ranks(ranks: Ranks, ending: Ending, failed: bool, checkpoint: bool,
+                          deadline: float | None) -> None:
     """Handle reports until every rank has answered its Stop (a failed run: 15 s at most; one
     that ended well: 300 s, a final checkpoint may be large), within the interrupt's deadline."""
     wait_until = time.monotonic() + (15 if failed else 300)
     if deadline is not None:
         wait_until = min(wait_until, deadline)
-    world = set(range(ctl.topo.world_size))
-    core, silent_told = set(ctl.topo.cell_ranks(0)), False
-    while len(ctl.stopped) < ctl.topo.world_size and time.monotonic() < wait_until:
-        _handle_reports(ctl)
-        if deadline is not None and core <= set(ctl.stopped):
+    world = set(range(ranks.world_size))
+    core, silent_told = set(ranks.core_ranks), False
+    while len(ending.stopped) < ranks.world_size and time.monotonic() < wait_until:
+        ranks.pump_reports()
+        if deadline is not None and core and core <= set(ending.stopped):
             # Interrupted: the core's checkpoint is what must not be lost; the others have a moment
             # more (one that died is why torchrun sent the signal, and will never answer).
             wait_until = min(wait_until, time.monotonic() + 3.0)
             core = set()
-        ctl._check_silent()
-        if ctl.silent_rank is not None and ctl.silent_rank not in ctl.stopped:
-            # Named in the error; not waited for. Should it thaw, its queue says the run failed
-            # (its first Stop may have said otherwise: the run had ended well until now).
+        ranks.check_silent()
+        if (silent := ending.silent_rank) is not None and silent not in ending.stopped:
+            # Not waited for. Should it thaw, its queue says the run failed (its first Stop may
+            # have said otherwise: the run had ended well until now).
             if not silent_told:
-                ctl.cp.send(ctl.silent_rank, Stop(failed=True, checkpoint=checkpoint))
+                ranks.send_stop(silent, Stop(failed=True, checkpoint=checkpoint))
                 silent_told = True
-            if world - set(ctl.stopped) <= {ctl.silent_rank}:
+            if world - set(ending.stopped) <= {silent}:
                 break  # the others have stopped (a loaded machine may take a moment for them)
         await asyncio.sleep(0.01)
 
 
 def early_end(run: Any, signal_name: str, why: str = "while the job was starting; stopped before training") -> None:
-    """Rank 0 took a signal before the controller could (the job was still starting: no control
-    plane yet). The attempt still gets what every stop leaves: summary.json, its line in
-    events.jsonl and run.json's `ended` record, saying it stopped before training. Nothing when
-    the attempt has its `ended` record already (the controller's stop wrote them)."""
+    """Rank 0 took a signal before the controller could (no control plane yet): the attempt still
+    gets summary.json, its events.jsonl line and run.json's `ended` record, saying it stopped
+    before training. Nothing when it has its `ended` record (the controller's stop wrote them)."""
     attempts = json.loads((run.path / "run.json").read_text())["attempts"]
     if attempts[run.attempt].get("ended"):
         return
@@ -315,24 +280,3 @@ def early_end(run: Any, signal_name: str, why: str = "while the job was starting
         f.write(json.dumps({"t": time.time(), "kind": "attempt", "attempt": run.attempt, "version": run.start_version})
                 + "\n")
     logger.error("%s (summary: %s)", summary["error"], run.path / "summary.json")
-
-
-def _track_timeline(ctl: Controller, fractions: dict[int, float]) -> None:
-    ctl.trackers.log({"train_fraction": {str(c): f for c, f in fractions.items()}}, ctl.steps_done)
-    ctl.trackers.image("role_timeline", str(ctl.run_dir / "role_timeline.png"), ctl.steps_done)
-
-
-def _summary(ctl: Controller, end: float, fractions: dict[int, float], cancelled: int,
-             missing: list[int]) -> dict[str, Any]:
-    """summary.json from the ledger and its named sources (`gyre.runtime.summary.build_summary`)."""
-    try:
-        rows = read_metrics(str(ctl.run_dir / "metrics.jsonl"))
-    except OSError:
-        rows = []
-    how = RunEnd(steps=ctl.steps_done, end=end, cancelled_at_end=cancelled, ranks_not_stopped=missing,
-                 error=str(ctl.task_error) if ctl.task_error is not None else None, interrupted=ctl.interrupted,
-                 silent_rank=ctl.silent_rank, last_checkpoint_s=ctl.last_checkpoint_s)
-    return build_summary(ctl.ledger, how, cfg=ctl.cfg, fractions=fractions, router=ctl.proxy.router.stats(),
-                         proxy_totals=ctl.access.totals, worst_unmatched=ctl.proxy.worst_unmatched(10),
-                         sink_errors=ctl.proxy.sink_errors, health=ctl.health.counts,
-                         measured_staleness=ctl.sched.staleness, run=ctl.run, rows=rows)

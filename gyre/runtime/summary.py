@@ -1,29 +1,9 @@
-"""What a run reports: one `metrics.jsonl` row per optimizer step and the attempt's `summary.json`,
-built from the ledger and a few named sources (docs/design.md §2, §5). Pure: the caller reads
-the sources and writes the result.
-
-    source                     step row                               summary.json
-    ─────────────────────────  ─────────────────────────────────────  ──────────────────────────────
-    the ledger (runtime/ledger) claims, rewards, staleness, |E|, loss   outcomes, incomplete TITO,
-                               metrics, cell times, switches,         handovers, staleness by step,
-                               hand-over, incomplete TITO so far      carried-over groups
-    the scheduler              water level, dispatched, finished      measured staleness
-    the router                 reroutes (KV migration vs recompute)   reroutes, migration, engine
-                                                                      failures and stalls
-    the proxy                  unmatched turns, sink errors           call totals, worst unmatched
-                                                                      executions, sink errors
-    the health monitor                                                failed executions
-    the run directory          (none)                                 attempt, lost, redispatched
-    the end (`RunEnd`)                                                steps, wall time, error,
-                                                                      interrupt, silent and
-                                                                      unstopped ranks, cancelled
-    the core's update stats    grad norm, checkpoint_s, ...
-    metrics.jsonl rows                                                reward trend (bootstrap CI)
-
-Example (the row of step 3, from a ledger whose step 3 is closed)::
-
-    row = step_row(ledger, 3, now, step_time_s=2.0, scheduler=sched, reroutes=0, rerouted=[],
-                   unmatched_turns=0, sink_errors=0, stats={"grad_norm": 0.5})
+"""What a run reports: one `metrics.jsonl` row per optimizer step (`step_row`) and the attempt's
+`summary.json` (`build_summary`), built from the ledger (`gyre.runtime.ledger`) and the sources
+their signatures name: the scheduler's counters, the router's reroutes, the proxy's totals, the
+health monitor, the run directory, the end (`RunEnd`). Pure: the caller reads the sources and
+writes the result (`gyre.runtime.records`). Also the log's lines for a person: `Progress` and
+`end_lines`.
 """
 
 from __future__ import annotations
@@ -34,9 +14,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gyre.config import GyreConfig
 from gyre.runtime.ledger import RunLedger
 from gyre.runtime.outputs import reroute_fields, reward_trend
+from gyre.scheduler import SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -83,20 +63,18 @@ class RunEnd:
     last_checkpoint_s: float | None = None  # the last periodic checkpoint's write (the stop budget)
 
 
-def build_summary(ledger: RunLedger, how: RunEnd, *, cfg: GyreConfig, fractions: dict[int, float],
-                  router: dict[str, Any], proxy_totals: dict[str, int], worst_unmatched: list[dict[str, Any]],
-                  sink_errors: int, health: dict[str, int], measured_staleness: Sequence[int], run: Any,
-                  rows: list[dict[str, Any]]) -> dict[str, Any]:
+def build_summary(ledger: RunLedger, how: RunEnd, *, scheduler: SchedulerConfig, shutdown_timeout_s: float, seed: int,
+                  fractions: dict[int, float], router: dict[str, Any], proxy_totals: dict[str, int],
+                  worst_unmatched: list[dict[str, Any]], sink_errors: int, health: dict[str, int],
+                  measured_staleness: Sequence[int], run: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """summary.json: what the attempt did (run.json's `ended` record keeps `rundir.ENDED_FIELDS` of it).
-
-    router: `Router.stats()`; proxy_totals: the integer per-execution proxy stats summed over every
-    closed execution (`GyreProxyAccess.totals`); worst_unmatched: `Proxy.worst_unmatched(10)`;
-    health: `HealthMonitor.counts`; measured_staleness: the scheduler's d per assigned group;
-    run: this attempt in the run directory (`rundir.RunDir`); rows: metrics.jsonl so far."""
+    router: `Router.stats()`; proxy_totals: `GyreProxyAccess.totals`; worst_unmatched:
+    `Proxy.worst_unmatched(10)`; health: `HealthMonitor.counts`; measured_staleness: the
+    scheduler's d per assigned group; run: `rundir.RunDir`; rows: metrics.jsonl so far."""
     summary = {
         "steps": how.steps,
         "wall_s": how.end - ledger.t_start,
-        "mode": cfg.scheduler.mode,
+        "mode": scheduler.mode,
         "train_fraction": {str(c): f for c, f in fractions.items()},
         "switch_latency_s": {k: (float(np.mean(v)) if v else None) for k, v in ledger.switch_latencies.items()},
         "handover_s": ledger.handover_summary(),  # the switches' parts: actor offload / restore, ...
@@ -111,10 +89,7 @@ def build_summary(ledger: RunLedger, how: RunEnd, *, cfg: GyreConfig, fractions:
         "engine_failures": router["engine_failures"],
         "execution_outcomes": ledger.outcomes(),
         "cancelled_at_end": how.cancelled_at_end,
-        # executions of earlier attempts in this run directory that were still running (or not all
-        # evaluated) when their attempt ended, so not trained into the checkpoint resumed from: their
-        # tasks ran again first in this one. Evaluated groups were carried over instead. See run.json's
-        # attempts and groups.jsonl.
+        # earlier attempts' executions not trained into the checkpoint resumed from (run.json, groups.jsonl)
         "attempt": run.attempt,
         "lost_in_flight": run.lost_in_flight,
         "redispatched_groups": len(run.redo_tasks),
@@ -122,7 +97,7 @@ def build_summary(ledger: RunLedger, how: RunEnd, *, cfg: GyreConfig, fractions:
         "zero_advantage_groups": ledger.zero_advantage_groups,  # all-equal rewards: no forward/backward spent
         "measured_staleness_mean": float(np.mean(measured_staleness)) if len(measured_staleness) else None,
         "staleness_by_step": ledger.staleness_by_step(),
-        "expected_staleness": cfg.scheduler.expected_staleness,
+        "expected_staleness": scheduler.expected_staleness,
         "failed_executions": dict(health),
         "error": how.error,
         "interrupted": how.interrupted,
@@ -132,11 +107,11 @@ def build_summary(ledger: RunLedger, how: RunEnd, *, cfg: GyreConfig, fractions:
         "sink_errors": sink_errors,
         "incomplete_tito": ledger.incomplete_tito(),  # execution -> what is missing; excluded from training
         "last_checkpoint_s": how.last_checkpoint_s,
-        "shutdown_timeout_s": cfg.train.shutdown_timeout_s,
+        "shutdown_timeout_s": shutdown_timeout_s,
     }
     if len(rows) >= 2:
         try:
-            summary["reward_trend"] = reward_trend(rows, max(1, len(rows) // 4), seed=cfg.seed)
+            summary["reward_trend"] = reward_trend(rows, max(1, len(rows) // 4), seed=seed)
         except ValueError as e:
             logger.warning("reward trend not computed: %s", e)
     return summary
@@ -157,16 +132,10 @@ def clock(seconds: float) -> str:
 
 
 class Progress:
-    """The run's progress for a person reading the log.
-
-    `step(row, sched)`, once a step: step k of N, executions done and running, the step's reward and
-    the mean over every step so far, the step's loss / clip fraction / staleness, the time a step
-    takes (the mean of the last `window` steps of this attempt) and the ETA of the remaining steps
-    at that pace. `idle(sched, steps_done, now)`, between steps while nothing finishes: the
-    scheduler's picture, once `idle_every_s` after the last line and then at a doubling gap
-    (a long rollout is a handful of lines, not one every tick). `sched`: the scheduler's counters
-    (`.started`, `.finished` executions; `.ready_unassigned`, `.water_level`, `.cells_in_training`).
-    """
+    """The run's progress for a person reading the log: `step(row, sched, now)` once a step (its
+    reward, loss, pace over the last `window` steps, ETA); `idle(sched, steps_done, now)` between
+    steps, `idle_every_s` after the last line and then at a doubling gap. `sched`: the scheduler's
+    counters (`.started`, `.finished`, `.ready_unassigned`, `.water_level`, `.cells_in_training`)."""
 
     def __init__(self, steps: int, idle_every_s: float = 60.0, window: int = 8) -> None:
         self.steps, self.idle_every_s, self.window = steps, idle_every_s, window

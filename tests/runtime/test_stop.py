@@ -1,6 +1,7 @@
-"""The stop's parts without a job: write errors become one stated error (gyre.runtime.writes), the
-checkpoint's failure, timing and cut note (gyre.checkpoint), the stop budget's warning
-and the end-of-run lines (gyre.runtime.stop). The real-run cases are tests/faults/test_stop_edges.py."""
+"""The stop without a job: the sequence's phase order, budget and silent rank with fakes for the
+controller, the runner and the records (gyre.runtime.stop); write errors become one stated error
+(gyre.runtime.writes); the checkpoint's failure and cut note (gyre.checkpoint). The real-run
+cases are tests/faults/test_stop_edges.py and tests/faults/test_signals.py."""
 
 import asyncio
 import errno
@@ -12,6 +13,7 @@ import pytest
 
 from gyre.errors import RunFailed
 from gyre import checkpoint
+from gyre.runtime.messages import Stop, Stopped
 from gyre.runtime.stop import budget_note, quiet_cancelled
 from gyre.runtime.writes import FirstError, Guarded, WatchedSink, WriteFailed, watch_execution
 
@@ -143,12 +145,218 @@ def test_the_stop_budget_runs_from_this_processs_own_signal():
         first = None
 
     it = Interrupts()
-    stop.register(it)
-    try:
-        assert stop.signalled_at(100.0) == 100.0  # no signal here: the report's arrival
-        it.first = ("SIGTERM", 80.0)
-        assert stop.signalled_at(100.0) == 80.0  # taken 20 s before the controller read it
-        assert stop.stop_deadline(80.0, 25.0) == 80.0 + 18.75
-    finally:
-        stop.register(None)
-        stop._INTERRUPTS.clear()
+    assert stop.signalled_at(None, 100.0) == 100.0  # no handler (a test's controller): the report's arrival
+    assert stop.signalled_at(it, 100.0) == 100.0  # no signal here
+    it.first = ("SIGTERM", 80.0)
+    assert stop.signalled_at(it, 100.0) == 80.0  # taken 20 s before the controller read it
+    assert stop.stop_deadline(80.0, 25.0) == 80.0 + 18.75
+
+
+# ---------------------------------------------------------------- the stop sequence, with fakes
+class _Clock:
+    """stop.py's `time`: monotonic() moves on by `step` at each read (no wall clock in the test)."""
+
+    def __init__(self, step: float = 0.0) -> None:
+        self.t, self.step = 1000.0, step
+
+    def monotonic(self) -> float:
+        self.t += self.step
+        return self.t
+
+    def time(self) -> float:
+        return 5000.0
+
+
+class _Ranks:
+    """The controller as the stop sees it (`stop.Ranks`): ranks in `answer` report Stopped to
+    their Stop; `silent` is named by check_silent; Stop to `broken` raises."""
+
+    def __init__(self, log, ending, world=3, core=(0,), answer=None, silent=None, broken=None):
+        self.world_size, self.core_ranks, self.log, self.ending = world, frozenset(core), log, ending
+        self.answer = set(range(world)) if answer is None else set(answer)
+        self.silent, self.broken, self.queue, self.sent = silent, broken, [], []
+
+    def send_stop(self, rank, msg):
+        if rank == self.broken:
+            raise ConnectionError(f"rank {rank}'s mailbox")
+        self.sent.append((rank, msg))
+        self.log.append(f"stop {rank}")
+        if rank in self.answer:
+            self.queue.append(Stopped(cell=None, rank=rank))
+
+    def pump_reports(self):
+        while self.queue:
+            msg = self.queue.pop(0)
+            self.ending.stopped[msg.rank] = msg
+            self.log.append(f"stopped {msg.rank}")
+
+    def check_silent(self):
+        if self.silent is not None and self.ending.silent_rank is None:
+            self.ending.silent_rank = self.silent
+            self.ending.fail(RunFailed(f"rank {self.silent} is silent"))
+
+
+class _Runner:
+    def __init__(self, log, in_flight=0, raises=False):
+        self.log, self.running, self.raises = log, in_flight, raises
+
+    def in_flight(self):
+        return list(range(self.running))
+
+    async def shutdown(self, evaluate, timeout):
+        self.log.append(f"executions evaluate={evaluate} timeout={timeout}")
+        if self.raises:
+            raise RuntimeError("a harness tree would not die")
+        self.running = 0
+
+
+class _Records:
+    steps, path = 4, Path("runs/x")
+
+    def __init__(self, log):
+        self.log, self.how = log, None
+
+    def finish(self, how, phases):
+        self.log.append("finish")
+        self.how = how
+        return {"steps": how.steps, "wall_s": 1.0}
+
+    def close(self, phases):
+        self.log.append("records closed")
+
+
+def _stop(monkeypatch, ranks, runner, records, ending, budget=None, closers=(), clock=None):
+    from gyre.runtime import stop
+
+    monkeypatch.setattr(stop, "time", clock or _Clock())
+    budget = budget or stop.Budget(drain_s=0.0, shutdown_s=20.0, kill_grace_s=5.0)
+    return asyncio.run(stop.stop_run(ranks, runner, records, ending, budget, close=closers))
+
+
+def _closer(log, name, raises=False):
+    async def close():
+        log.append(name)
+        if raises:
+            raise OSError(errno.EIO, "gone")
+    return name, close
+
+
+def test_the_stop_phases_run_in_order_and_the_journal_closes_last(monkeypatch):
+    """executions, Stop to every rank, their answers, the end files, the data plane, the records."""
+    from gyre.runtime.stop import Ending
+
+    log, ending = [], Ending()
+    ranks, records = _Ranks(log, ending), _Records(log)
+    summary = _stop(monkeypatch, ranks, _Runner(log), records, ending,
+                    closers=[_closer(log, "router"), _closer(log, "proxy")])
+    assert log == ["executions evaluate=True timeout=None", "stop 0", "stop 1", "stop 2",
+                   "stopped 0", "stopped 1", "stopped 2", "finish", "router", "proxy", "records closed"]
+    assert ending.stopping and ending.stop_sent and summary == {"steps": 4, "wall_s": 1.0}
+    assert all(m == Stop(failed=False, checkpoint=True) for _, m in ranks.sent)
+    how = records.how
+    assert (how.steps, how.end, how.ranks_not_stopped, how.error, how.cancelled_at_end) == (4, 5000.0, [], None, 0)
+
+
+def test_a_phase_that_raises_does_not_stop_the_later_ones(monkeypatch, caplog):
+    from gyre.runtime.stop import Ending
+
+    log, ending = [], Ending()
+    ending.fail(RunFailed("a worker failed"))  # a failed run: 15 s for the ranks, no evaluations
+    ranks = _Ranks(log, ending, broken=1)
+    with caplog.at_level(logging.INFO, logger="gyre"):
+        _stop(monkeypatch, ranks, _Runner(log, in_flight=2, raises=True), _Records(log), ending,
+              closers=[_closer(log, "router", raises=True), _closer(log, "proxy")], clock=_Clock(step=1.0))
+    assert log == ["executions evaluate=False timeout=None", "stop 0", "stop 2", "stopped 0", "stopped 2",
+                   "finish", "router", "proxy", "records closed"]
+    assert "ranks [1] did not report stopping" in caplog.text
+    (end,) = [r.message for r in caplog.records if r.message.startswith("not written at the end")]
+    assert end == ("not written at the end: stopping the executions, sending Stop to rank 1, router (errors above)")
+    assert all(m == Stop(failed=True, checkpoint=True) for _, m in ranks.sent)
+
+
+def test_a_clean_end_drains_and_an_interrupt_bounds_the_stop(monkeypatch):
+    """drain_s only for a run that ended well; after a signal, the harnesses' grace is a share of
+    what is left of the budget, and a budget already spent waits for no rank."""
+    from gyre.runtime.stop import Budget, Ending
+
+    log, ending = [], Ending()
+    clock = _Clock(step=1.0)
+    records = _Records(log)
+    _stop(monkeypatch, _Ranks(log, ending), _Runner(log, in_flight=2), records, ending,
+          budget=Budget(drain_s=5.0, shutdown_s=20.0, kill_grace_s=5.0), clock=clock)
+    assert records.how.cancelled_at_end == 2  # still running after the drain's 5 s (the clock's reads)
+    assert log[0] == "executions evaluate=True timeout=None"
+
+    # A signal 2 s ago, budget 20 s: the deadline is 15 s after it; grace = min(5 + 2, half the 13 s left).
+    log, ending, clock = [], Ending(), _Clock()
+    ending.interrupt("SIGTERM", 0, clock.t - 2.0, 20.0)
+    ending.fail(RunFailed("interrupted"))
+    _stop(monkeypatch, _Ranks(log, ending), _Runner(log), _Records(log), ending, clock=clock)
+    assert log[0] == "executions evaluate=False timeout=6.5" and "stopped 2" in log
+
+    # The signal came 30 s ago: the budget is spent; grace is the minimum, no rank is waited for.
+    log, ending, clock = [], Ending(), _Clock()
+    ending.interrupt("SIGTERM", 0, clock.t - 30.0, 20.0)
+    ending.fail(RunFailed("interrupted"))
+    records = _Records(log)
+    _stop(monkeypatch, _Ranks(log, ending, answer=()), _Runner(log), records, ending, clock=clock)
+    assert log[0] == "executions evaluate=False timeout=1.0"
+    assert records.how.ranks_not_stopped == [0, 1, 2] and records.how.interrupted == "SIGTERM"
+
+
+def test_after_an_interrupt_the_others_get_a_moment_once_the_core_has_stopped(monkeypatch):
+    from gyre.runtime.stop import Ending
+
+    log, ending, clock = [], Ending(), _Clock(step=0.5)
+    ending.interrupt("SIGINT", 2, clock.t, 100.0)  # the deadline: 75 s after the signal
+    ending.fail(RunFailed("interrupted"))
+    records = _Records(log)
+    _stop(monkeypatch, _Ranks(log, ending, answer=(0,)), _Runner(log), records, ending, clock=clock)
+    assert records.how.ranks_not_stopped == [1, 2]
+    assert clock.t < ending.signal_t + 15.0  # 3 s after the core, not the 75 s deadline nor the 15 s of a failure
+
+
+def test_a_silent_rank_is_told_the_run_failed_and_not_waited_for(monkeypatch):
+    """The run ended well, then rank 2 went silent during the stop: the run fails naming it,
+    it gets a second Stop saying so, and the stop does not wait out the 300 s of a clean end."""
+    from gyre.runtime.stop import Ending
+
+    log, ending, clock = [], Ending(), _Clock(step=1.0)
+    ranks, records = _Ranks(log, ending, answer=(0, 1), silent=2), _Records(log)
+    _stop(monkeypatch, ranks, _Runner(log), records, ending, clock=clock)
+    assert ranks.sent[:3] == [(r, Stop(failed=False, checkpoint=True)) for r in range(3)]
+    assert ranks.sent[3:] == [(2, Stop(failed=True, checkpoint=True))]
+    assert records.how.silent_rank == 2 and records.how.ranks_not_stopped == [2]
+    assert records.how.error == "rank 2 is silent" and clock.t < 1000.0 + 15.0
+
+
+def test_a_failed_worker_means_no_checkpoint():
+    from gyre.runtime.messages import Failed
+    from gyre.runtime.stop import Ending
+
+    log, ending = [], Ending()
+    ending.stopped[1] = Failed(cell=1, rank=1, command="Reduce", error="RuntimeError: x")
+    ending.fail(RunFailed("rank 1 failed"))
+    ranks = _Ranks(log, ending, answer=(0, 2))
+    with pytest.MonkeyPatch.context() as mp:
+        _stop(mp, ranks, _Runner(log), _Records(log), ending)
+    assert {m for _, m in ranks.sent} == {Stop(failed=True, checkpoint=False)}
+
+
+def test_the_ending_keeps_the_first_error_and_signal_and_warns_on_a_slow_checkpoint_once(caplog):
+    from gyre.runtime.stop import Ending
+
+    e = Ending()
+    e.fail(None)  # a later write error whose first was already the run's: stopping, no error of its own
+    e.fail(RunFailed("first"))
+    e.fail(RunFailed("second"))
+    assert e.stopping and str(e.error) == "first"
+    assert e.interrupt("SIGTERM", 1, 50.0, 25.0) and not e.interrupt("SIGINT", 0, 60.0, 25.0)
+    assert (e.signal, e.signal_t) == ("SIGTERM", 50.0)
+    with caplog.at_level(logging.WARNING):
+        for took in (2.0, 30.0, 31.0, 2.0, 40.0):  # the note when a checkpoint stops fitting, not every step
+            e.checkpointed(took, 25.0)
+    notes = [r.message.split(",")[0] for r in caplog.records if r.message.startswith("the last checkpoint")]
+    assert notes == ["the last checkpoint took 30s", "the last checkpoint took 40s"]
+    how = e.run_end(3, 9.0, 1, [2])
+    assert (how.error, how.interrupted, how.last_checkpoint_s, how.ranks_not_stopped) == ("first", "SIGTERM", 40.0, [2])

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from gyre.config import GyreConfig
 from gyre.executions.evaluator import RewardResult, RewardStatus
 from gyre.executions.tasks import ExecutionSpec, Group, Task
 from gyre.proxy.router import RerouteRecord
 from gyre.runtime.ledger import RunLedger
 from gyre.runtime.rundir import RunDir
+from gyre.scheduler import SchedulerConfig
 from gyre.runtime.samples import GroupWork
 from gyre.runtime.summary import Progress, RunEnd, build_summary, clock, end_lines, step_row
 
@@ -74,16 +74,16 @@ def test_the_step_row_from_the_ledger_and_its_named_sources_by_hand():
 
 def test_summary_json_from_the_ledger_and_its_named_sources_by_hand():
     led = _ledger()
-    cfg = GyreConfig()
+    sc = SchedulerConfig(mode="async")
     how = RunEnd(steps=1, end=130.0, cancelled_at_end=2, ranks_not_stopped=[3], error="boom",
                  interrupted="SIGTERM", silent_rank=3, last_checkpoint_s=1.5)
     router = {"reroutes": 5, "migration": {"mode": "off"}, "engine_failures": 1, "engine_stalls": 0}
     run = RunDir(Path("unused"), attempt=2, start_version=0, redo_tasks=("x", "y"), lost_in_flight=4)
     rows = [{"step": s, "rewards": r, "group_rewards": [r]} for s, r in enumerate(([0.0, 0.0], [1.0, 1.0]))]
-    summary = build_summary(led, how, cfg=cfg, fractions={0: 0.25, 1: 0.0}, router=router,
-                            proxy_totals={"calls": 9, "aborted_calls": 1}, worst_unmatched=[], sink_errors=1,
+    summary = build_summary(led, how, scheduler=sc, shutdown_timeout_s=25.0, seed=0, fractions={0: 0.25, 1: 0.0},
+                            router=router, proxy_totals={"calls": 9, "aborted_calls": 1}, worst_unmatched=[], sink_errors=1,
                             health={"crashed": 1}, measured_staleness=[0, 1], run=run, rows=rows)
-    assert summary["steps"] == 1 and summary["wall_s"] == 30.0 and summary["mode"] == cfg.scheduler.mode
+    assert summary["steps"] == 1 and summary["wall_s"] == 30.0 and summary["mode"] == "async"
     assert summary["train_fraction"] == {"0": 0.25, "1": 0.0}
     assert summary["switch_latency_s"] == {"to_train": 1.5, "to_rollout": None}
     assert summary["handover_s"] == {"actor_restore": {"mean": 0.25, "max": 0.25, "count": 1}}
@@ -97,10 +97,10 @@ def test_summary_json_from_the_ledger_and_its_named_sources_by_hand():
     assert summary["failed_executions"] == {"crashed": 1}
     assert (summary["error"], summary["interrupted"], summary["silent_rank"]) == ("boom", "SIGTERM", 3)
     assert summary["ranks_not_stopped"] == [3] and summary["last_checkpoint_s"] == 1.5
-    assert summary["shutdown_timeout_s"] == cfg.train.shutdown_timeout_s
+    assert summary["shutdown_timeout_s"] == 25.0
     assert summary["reward_trend"]["diff"] == pytest.approx(1.0)  # 0.0 → 1.0 over the two rows
-    one_row = build_summary(led, how, cfg=cfg, fractions={}, router=router, proxy_totals={}, worst_unmatched=[],
-                            sink_errors=0, health={}, measured_staleness=[], run=run, rows=rows[:1])
+    one_row = build_summary(led, how, scheduler=sc, shutdown_timeout_s=25.0, seed=0, fractions={}, router=router,
+                            proxy_totals={}, worst_unmatched=[], sink_errors=0, health={}, measured_staleness=[], run=run, rows=rows[:1])
     assert "reward_trend" not in one_row and one_row["measured_staleness_mean"] is None and one_row["calls"] == 0
 
 

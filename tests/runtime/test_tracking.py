@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -75,10 +76,12 @@ def test_the_controller_closes_its_trackers_on_every_path(fails):
     cannot see this: TensorBoard is flushed every step, and wandb's atexit hook would finish it)."""
     from gyre.runtime.controller import Controller
 
+    from gyre.runtime.stop import Ending
+
     c = Controller.__new__(Controller)  # only what _main touches
-    c.error, c.stop_sent, c.interrupted = None, True, None
+    c.ending = Ending(stop_sent=True)
     rec = _Recorder()
-    c.trackers = Trackers([rec])
+    c.records = SimpleNamespace(trackers=Trackers([rec]))
 
     async def run():
         if fails:
@@ -87,7 +90,7 @@ def test_the_controller_closes_its_trackers_on_every_path(fails):
     c._run = run
     c._main()
     assert rec.calls == [("close", fails)]
-    assert isinstance(c.error, RuntimeError) == fails
+    assert isinstance(c.ending.error, RuntimeError) == fails
 
 
 def test_wandb_close_records_the_exit_code(tmp_path, monkeypatch):
