@@ -29,6 +29,7 @@ import pytest
 from gyre.executions import logcap
 from gyre.executions.config import EvaluatorConfig, RunnerConfig
 from gyre.executions.evaluator import Evaluator, Outcome, RewardStatus
+from gyre.proxy.state import CallStats
 from gyre.executions.health import classify
 from gyre.executions.runner import HarnessRunner
 from gyre.executions.tasks import EvaluatorSpec, Group, Task
@@ -201,7 +202,7 @@ class _Proxy:
         return f"key-{execution_id}"
 
     def close_execution(self, execution_id):
-        return {"calls": self.calls}
+        return CallStats(calls=self.calls)
 
 
 @pytest.mark.parametrize("calls", [0, 1])
