@@ -40,7 +40,7 @@ from gyre.proxy import validate as V
 from gyre.proxy.core import ApiError, Call, ChatRequest, ToolForce, abort_on_disconnect
 from gyre.proxy.endings import told
 from gyre.proxy.formats import Reasoning
-from gyre.proxy.pacing import lp_due, sse_start
+from gyre.proxy.pacing import charge_entries, lp_due, sse_start
 from gyre.proxy.render import SPLICE_CALL
 from gyre.proxy.tool_ids import named_call, tool_call_id
 from gyre.proxy.textstream import ToolCall
@@ -336,6 +336,7 @@ def _lp_entries(call: Call, start: int, end: int) -> list[dict]:
         e = _token_entry(table, ev.token_id, ev.logprob)
         e["top_logprobs"] = [_token_entry(table, t, lp) for t, lp in (ev.top or ())[:k]] if k else []
         out.append(e)
+    charge_entries(call, len(out) * (1 + k))
     return out
 
 

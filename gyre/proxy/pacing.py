@@ -2,27 +2,29 @@
 
 A fast engine can deliver thousands of tokens at once, each with up to 20 alternatives. So a
 call hands the event loop back every `frame_tokens` tokens and closes a stream frame there
-(`Call.events`), and a frame carries the log-probs of at most that many tokens (`lp_due`). Every
-frame an adapter writes goes through `PacedResponse`: the execution is charged for what the
-frame holds, counted as the body admission counts (`value_count`, `body_values_per_call`), and
-a client that has taken none of its stream for `client_stall_s` (the proxy's send buffer full)
-has its call ended: the engine request is aborted, the record says `abort`, the connection is
-dropped. Unsent bytes per call stay within the transport's high-water mark plus one frame.
+(`Call.events`), and a frame carries the log-probs of at most that many tokens (`lp_due`). Log-prob
+entries are charged to the execution's rate budget as JSON values, as admission charges a body's
+(`charge_entries`, `body_values_per_call`). Every frame an adapter writes goes through
+`PacedResponse`, which gives the loop a turn, and a client that has taken none of its stream for
+`client_stall_s` (the proxy's send buffer full) has its call ended: the engine request is
+aborted, the record says `abort`, the connection is reset. Unsent bytes per call stay within the
+transport's high-water mark plus one frame.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Callable
+import socket
+import struct
+from typing import TYPE_CHECKING
 
 from aiohttp import web
-
-from gyre.proxy.admission import value_count
 
 if TYPE_CHECKING:
     from gyre.proxy.core import Call
 
 FRAME_ENTRIES = 256  # log-prob entries (a token and each of its alternatives) one frame may carry
+ENTRY_VALUES = 8  # JSON values in one entry (token, logprob, bytes and its few ints), for the charge
 
 
 def frame_tokens(top_logprobs: int, logprobs: bool) -> int:
@@ -35,36 +37,40 @@ def lp_due(call: "Call", seen: int) -> int:
     return min(len(call.tokens), seen + frame_tokens(call.req.top_logprobs, call.req.logprobs))
 
 
+def charge_entries(call: "Call", n: int) -> None:
+    per = call.proxy.config.body_values_per_call
+    if per:
+        call.proxy.admission.charge(call.state.execution_id, n * ENTRY_VALUES / per)
+
+
 class ClientStalled(ConnectionResetError):
     """The client took none of its stream for `client_stall_s`; the call was aborted (as
     `core.ClientGone`)."""
 
 
 class PacedResponse(web.StreamResponse):
-    """An SSE response whose `write` gives the loop a turn, charges the frame to `charge(units)`
-    and ends the call (`ClientStalled`) when the client has not made room for it in `stall_s`."""
+    """An SSE response whose `write` gives the loop a turn and ends the call (`ClientStalled`)
+    when the client has not made room for the frame in `stall_s`."""
 
-    def __init__(self, stall_s: float, charge: Callable[[float], None], per_unit: int) -> None:
+    def __init__(self, stall_s: float) -> None:
         super().__init__(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        self.stall_s, self.charge, self.per_unit = stall_s, charge, per_unit
+        self.stall_s = stall_s
 
     async def write(self, data) -> None:
-        if self.per_unit:
-            self.charge(value_count(data) / self.per_unit)
         try:
             async with asyncio.timeout(self.stall_s or None):
                 await super().write(data)
         except TimeoutError:
-            if self._req is not None and self._req.transport is not None:
-                self._req.transport.abort()  # its unsent bytes go with it
+            t = self._req.transport if self._req is not None else None
+            if t is not None:  # a reset, not a FIN queued behind unsent bytes: the kernel's buffer goes too
+                t.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                t.abort()
             raise ClientStalled(f"the client read none of its stream for {self.stall_s:g} s (proxy.client_stall_s); "
                                 "call aborted") from None
         await asyncio.sleep(0)
 
 
 async def sse_start(request: web.Request, call: "Call") -> PacedResponse:
-    p = call.proxy
-    resp = PacedResponse(p.config.client_stall_s, lambda units: p.admission.charge(call.state.execution_id, units),
-                         p.config.body_values_per_call)
+    resp = PacedResponse(call.proxy.config.client_stall_s)
     await resp.prepare(request)
     return resp
