@@ -325,7 +325,7 @@ def _stalls_stage(args, engine_url, esecret, store, procs) -> dict:
     built = S.shapes()
     names = list(built) if args.stall_shapes == "all" else args.stall_shapes.split(",")
     p, (port, keys) = _start(_proxy_main, engine_url, args.fair_keys + len(names), 0.0, store + "/s", "ws", True, esecret, None,
-                             {"max_context_tokens": 1 << 20})
+                             {"max_context_tokens": 1 << 20, "client_stall_s": 5.0})
     victims, attackers = keys[: args.fair_keys], keys[args.fair_keys :]  # a fresh attacker per shape: no debt carried over
     procs.append(p)
     url, out = f"http://127.0.0.1:{port}", {}
