@@ -16,12 +16,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-from typing import TYPE_CHECKING
+from typing import Any
 
 from aiohttp import web
-
-if TYPE_CHECKING:
-    from gyre.proxy.core import Call
 
 FRAME_ENTRIES = 256  # log-prob entries (a token and each of its alternatives) one frame may carry
 ENTRY_VALUES = 8  # JSON values in one entry (token, logprob, bytes and its few ints), for the charge
@@ -32,12 +29,12 @@ def frame_tokens(top_logprobs: int, logprobs: bool) -> int:
     return max(1, FRAME_ENTRIES // (1 + top_logprobs)) if logprobs else FRAME_ENTRIES
 
 
-def lp_due(call: "Call", seen: int) -> int:
+def lp_due(call: Any, seen: int) -> int:
     """Where the next frame's log-probs end, from `seen` (at most `frame_tokens` further)."""
     return min(len(call.tokens), seen + frame_tokens(call.req.top_logprobs, call.req.logprobs))
 
 
-def charge_entries(call: "Call", n: int) -> None:
+def charge_entries(call: Any, n: int) -> None:
     per = call.proxy.config.body_values_per_call
     if per:
         call.proxy.admission.charge(call.state.execution_id, n * ENTRY_VALUES / per)
@@ -70,7 +67,7 @@ class PacedResponse(web.StreamResponse):
         await asyncio.sleep(0)
 
 
-async def sse_start(request: web.Request, call: "Call") -> PacedResponse:
+async def sse_start(request: web.Request, call: Any) -> PacedResponse:
     resp = PacedResponse(call.proxy.config.client_stall_s)
     await resp.prepare(request)
     return resp
