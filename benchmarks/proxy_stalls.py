@@ -13,6 +13,10 @@ the engine alone, and the proxy's CPU per shape call (its process and its body-p
   tools_20k             20k tools (refused: proxy.max_tools)
   tiny_messages_15mib   15 MiB of one-character messages (refused: proxy.max_body_items)
   prompt_783k           a legitimate 783k-token conversation (~290 turns of code), answered
+  stream_top20_30k      a streamed 30,000-token answer with `top_logprobs: 20` from the instant engine, read whole
+  unread_top20_x4       the same call on 4 connections whose client never reads (raw sockets, a 4 KiB receive
+                        buffer), each held until the proxy drops it or the loaded phase ends; the proxy's
+                        resident memory (peak over the phase, MiB) is reported beside
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import time
 from pathlib import Path
 
 NESTED_DEPTH = 20
+TOP20 = {"model": "m", "max_tokens": 30_000, "stream": True, "logprobs": True, "top_logprobs": 20, "messages": [{"role": "user", "content": "hi"}]}
+UNREAD = {"unread_top20_x4": 4}  # shape -> connections that never read their answer
 
 
 def _schema(depth: int) -> dict:
@@ -65,6 +71,8 @@ def shapes(prompt_tokens: int = 783_000) -> dict[str, tuple[str, bytes]]:
                                                "tools": [{"type": "function", "function": {"name": f"t{i}", "description": "d", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}} for i in range(20_000)]}),
         "tiny_messages_15mib": ("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": [tiny] * ((15 << 20) // len(json.dumps(tiny)) - 16)}),
         "prompt_783k": ("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": conversation(prompt_tokens)}),
+        "stream_top20_30k": ("/v1/chat/completions", TOP20),
+        "unread_top20_x4": ("/v1/chat/completions", TOP20),
     }
     return {k: (p, json.dumps(b).encode()) for k, (p, b) in out.items()}
 
@@ -99,11 +107,58 @@ def _pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-async def send_shape(go, busy, stop, url: str, path: str, raw: bytes, key: str, proxy_pid: int | None) -> list[tuple]:
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+async def hold_unread(go, stop, url: str, path: str, raw: bytes, key: str, proxy_pid: int, n: int) -> tuple:
+    """`n` connections send `raw` and never read (a 4 KiB receive buffer), until the proxy drops
+    them (TCP state no longer established) or `go` clears. -> ("dropped" | "held", seconds, proxy
+    CPU s, the proxy's peak resident MiB)."""
+    import socket
+    import urllib.parse
+
+    loop = asyncio.get_running_loop()
+    u = urllib.parse.urlsplit(url)
+    head = (f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(raw)}\r\n\r\n").encode()
+    c0, t0, socks = tree_cpu_s(proxy_pid), time.perf_counter(), []
+    for _ in range(n):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.setblocking(False)
+        await loop.sock_connect(s, (u.hostname, u.port))
+        await loop.sock_sendall(s, head + raw)
+        socks.append(s)
+    peak, status = rss_mib(proxy_pid), "held"
+    while go.is_set() and not stop.is_set():
+        peak = max(peak, rss_mib(proxy_pid))
+        if all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != 1 for s in socks):  # 1: TCP_ESTABLISHED
+            status = "dropped"
+            break
+        await asyncio.sleep(0.1)
+    for s in socks:
+        s.close()
+    return status, time.perf_counter() - t0, tree_cpu_s(proxy_pid) - c0, peak
+
+
+async def send_shape(go, busy, stop, url: str, path: str, raw: bytes, key: str, proxy_pid: int | None, unread: int = 0) -> list[tuple]:
     """The attacker: while `go` is set (until `stop`), sends `raw` to `path` as `key` as fast as the
     proxy lets it (it waits out each 429's Retry-After); `busy` is 1 while a call may be in flight.
-    Per attempt: (status | "closed", seconds, proxy CPU s)."""
+    Per attempt: (status | "closed", seconds, proxy CPU s); with `unread` > 0, `hold_unread`'s."""
     import aiohttp
+
+    if unread:
+        out = []
+        while not stop.is_set():
+            busy.value = 1
+            if not go.is_set():
+                busy.value = 0
+                await asyncio.sleep(0.01)
+                continue
+            out.append(await hold_unread(go, stop, url, path, raw, key, proxy_pid, unread))
+        return out
 
     hdr = {"Authorization": f"Bearer {key}", "x-api-key": key, "anthropic-version": "2023-06-01", "Content-Type": "application/json"}
     out = []
@@ -172,7 +227,7 @@ async def quiet_then_loaded(session, victims, calls: int, attack: tuple, rounds:
     return quiet, loud, attempts
 
 
-async def run_shape(url: str, keys: list[str], path: str, raw: bytes, per_phase: int, proxy_pid: int, max_tokens: int = 8) -> dict:
+async def run_shape(url: str, keys: list[str], path: str, raw: bytes, per_phase: int, proxy_pid: int, max_tokens: int = 8, unread: int = 0) -> dict:
     """Quiet victims, then victims while keys[0] sends `raw` to `path` within its rate budget."""
     import aiohttp
 
@@ -195,18 +250,21 @@ async def run_shape(url: str, keys: list[str], path: str, raw: bytes, per_phase:
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600)) as session:
         await victims(session, len(keys) - 1)  # warm-up
-        quiet, loud, attempts = await quiet_then_loaded(session, victims, per_phase, (url, path, raw, keys[0], proxy_pid))
+        rss_before = rss_mib(proxy_pid)
+        quiet, loud, attempts = await quiet_then_loaded(session, victims, per_phase, (url, path, raw, keys[0], proxy_pid, unread))
     codes: dict = {}
-    for status, _, _ in attempts:
+    for status, *_ in attempts:
         codes[str(status)] = codes.get(str(status), 0) + 1
-    served = [(t, c) for status, t, c in attempts if status not in (429, "closed")]
+    served = [(t, c) for status, t, c, *_ in attempts if status not in (429, "closed")]
+    peak = max((a[3] for a in attempts if len(a) > 3), default=None)
     n = len(served)
     return {"quiet_p99_ms": _pct(quiet, 99) * 1e3, "loaded_p99_ms": _pct(loud, 99) * 1e3, "p99_ratio": _pct(loud, 99) / _pct(quiet, 99),
             "quiet_p50_ms": _pct(quiet, 50) * 1e3, "loaded_p50_ms": _pct(loud, 50) * 1e3, "victim_calls": len(loud),
             "quiet_top_ms": [round(x * 1e3, 1) for x in sorted(quiet)[-8:]], "loaded_top_ms": [round(x * 1e3, 1) for x in sorted(loud)[-8:]],
             "shape_calls": n, "shape_status": codes, "shape_body_mib": len(raw) / 2**20,
             "shape_p50_ms": _pct([t for t, _ in served], 50) * 1e3 if n else None,
-            "proxy_cpu_ms_per_shape_call": sum(c for _, c in served) / n * 1e3 if n else None}
+            "proxy_cpu_ms_per_shape_call": sum(c for _, c in served) / n * 1e3 if n else None,
+            **({"proxy_peak_rss_mib": peak, "proxy_rss_before_mib": rss_before} if peak is not None else {})}
 
 
 async def engine_alone_ms(engine_url: str, secret: str, ids: list[int], n: int = 3) -> float:

@@ -50,6 +50,7 @@ from gyre.proxy import validate as V
 from gyre.proxy.core import ApiError, Call, ChatRequest, ToolForce, abort_on_disconnect, object_arguments
 from gyre.proxy.endings import told
 from gyre.proxy.formats import Reasoning
+from gyre.proxy.pacing import sse_start
 from gyre.proxy.render import SPLICE_CALL
 from gyre.proxy.tool_ids import named_call, tool_call_id
 from gyre.proxy.textstream import ToolCall
@@ -356,8 +357,7 @@ async def respond(request: web.Request, call: Call, model: str) -> web.StreamRes
         }
         return web.json_response(body)
 
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
+    resp = await sse_start(request, call)
     start = {
         "id": mid,
         "type": "message",

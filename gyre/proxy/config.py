@@ -234,6 +234,10 @@ class ProxyConfig:
     close_wait_s: float = 2.0
     """`aclose_execution` (the admin DELETE) lets in-flight calls finish this long, then aborts
     them (recorded `abort`) before sealing the execution's record."""
+    client_stall_s: float = 30.0
+    """A streamed call whose client takes none of its stream for this long (the proxy's send
+    buffer stays full) is ended: engine request aborted, recorded `abort`, connection dropped
+    (gyre/proxy/pacing.py). 0 = wait as long as the execution lives."""
     engine_progress_timeout_s: float = 300.0
     """A call whose engine sends no token for this long (a frozen rank, a hung driver) continues on
     another engine from the tokens it has, as after a drain, and the silent engine gets no new

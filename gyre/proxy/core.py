@@ -46,6 +46,7 @@ from gyre.proxy.formats import OutputParser, Reasoning
 from gyre.proxy.formats.choice import chat_setup
 from gyre.proxy.keys import KeyInfo, KeyRegistry
 from gyre.proxy.limits import context_overflow_message
+from gyre.proxy.pacing import frame_tokens
 from gyre.proxy.roles import RoleClassifier
 from gyre.proxy.render import UNMATCHED_KINDS, UNMATCHED_WHY, ChatRenderer, PromptTooLong, Rendered, StoredTurn, ids_digest, turn_fingerprint
 from gyre.backends.transfer.migration_policy import MigrationPolicy
@@ -189,6 +190,7 @@ class Call:
         # the whole output is decoded once at the end (same result, a fraction of the work).
         per_token = self.req.stream or bool(stopper.stops)
         held: list[str] = []  # text not yet given to the parser (a stream's: until the last token of a delivery)
+        turn = frame_tokens(self.req.top_logprobs, self.req.logprobs)  # a delivery can hold thousands of tokens
         try:
             # The generation prompt's reasoning text and the forced prefix are the start of the
             # turn's text: the parser begins in the state they leave (thinking closed or open,
@@ -199,6 +201,8 @@ class Call:
                 if self.first_token_time is None:
                     self.first_token_time = time.time()
                 self.tokens.append(ev)
+                if len(self.tokens) % turn == 0:
+                    await asyncio.sleep(0)  # a turn for the other calls, and a frame ends here (gyre/proxy/pacing.py)
                 if not per_token:
                     continue
                 text = det.push(ev.token_id)
@@ -206,7 +210,7 @@ class Call:
                     held.append(stopper.push(text))
                     if stopper.matched is not None:
                         break
-                if self.req.stream and held and not ev.more:  # a chunk per delivery (`stream_interval_s`)
+                if self.req.stream and held and (not ev.more or len(self.tokens) % turn == 0):  # a chunk per delivery (`stream_interval_s`)
                     for item in parser.push("".join(held)):
                         yield self._keep(item)
                     held.clear()

@@ -40,6 +40,7 @@ from gyre.proxy import validate as V
 from gyre.proxy.core import ApiError, Call, ChatRequest, ToolForce, abort_on_disconnect
 from gyre.proxy.endings import told
 from gyre.proxy.formats import Reasoning
+from gyre.proxy.pacing import charge_entries, lp_due, sse_start
 from gyre.proxy.render import SPLICE_CALL
 from gyre.proxy.tool_ids import named_call, tool_call_id
 from gyre.proxy.textstream import ToolCall
@@ -335,6 +336,7 @@ def _lp_entries(call: Call, start: int, end: int) -> list[dict]:
         e = _token_entry(table, ev.token_id, ev.logprob)
         e["top_logprobs"] = [_token_entry(table, t, lp) for t, lp in (ev.top or ())[:k]] if k else []
         out.append(e)
+    charge_entries(call, len(out) * (1 + k))
     return out
 
 
@@ -357,7 +359,7 @@ async def respond_chat(request: web.Request, call: Call, model: str) -> web.Stre
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice], "usage": _usage(call)}
         return web.json_response(body)
 
-    resp = await _sse_start(request)
+    resp = await sse_start(request, call)
     ids = {}
     seen = 0
 
@@ -365,10 +367,14 @@ async def respond_chat(request: web.Request, call: Call, model: str) -> web.Stre
         nonlocal seen
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         if lp and want_lp:
-            choice["logprobs"] = {"content": _lp_entries(call, seen, len(call.tokens))}
-            seen = len(call.tokens)
+            choice["logprobs"] = {"content": _lp_entries(call, seen, lp_due(call, seen))}
+            seen = lp_due(call, seen)
         data = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
         return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+    async def catch_up() -> None:  # log-probs of tokens whose text the parser held back, a bounded frame each
+        while want_lp and lp_due(call, seen) < len(call.tokens):
+            await resp.write(chunk({"content": ""}, lp=True))
 
     await resp.write(chunk({"role": "assistant", "content": ""}))
     try:
@@ -376,13 +382,13 @@ async def respond_chat(request: web.Request, call: Call, model: str) -> web.Stre
             async for item in events:
                 if isinstance(item, ToolCall):
                     await resp.write(chunk({"tool_calls": [{"index": item.index, **_tool_json(item, ids, call.call_id)}]}))
-                elif isinstance(item, Reasoning):
-                    await resp.write(chunk({"reasoning_content": item.text}, lp=True))
-                else:
-                    await resp.write(chunk({"content": item}, lp=True))
+                    continue
+                await catch_up()
+                await resp.write(chunk({"reasoning_content": item.text} if isinstance(item, Reasoning) else {"content": item}, lp=True))
     except ApiError as e:
         await resp.write(b"data: " + json.dumps(error_body(e)).encode() + b"\n\n")
         return resp
+    await catch_up()
     tail = chunk({}, _finish(call), lp=True)
     if call.req.include_usage:
         usage = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": _usage(call)}
@@ -414,17 +420,26 @@ async def respond_completion(request: web.Request, call: Call, model: str) -> we
                     pass
         choice = {"index": 0, "text": call.content, "logprobs": lp_block(0, len(call.tokens)), "finish_reason": _finish(call)}
         return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice], "usage": _usage(call)})
-    resp = await _sse_start(request)
+    resp = await sse_start(request, call)
     seen = 0
+
+    async def send(text: str) -> None:
+        nonlocal seen
+        ch = {"index": 0, "text": text, "logprobs": lp_block(seen, lp_due(call, seen)), "finish_reason": None}
+        seen = lp_due(call, seen)
+        await resp.write(b"data: " + json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [ch]}, ensure_ascii=False).encode() + b"\n\n")
+
     try:
         async with aclosing(told(call)) as events:
             async for item in events:
-                ch = {"index": 0, "text": item, "logprobs": lp_block(seen, len(call.tokens)), "finish_reason": None}
-                seen = len(call.tokens)
-                await resp.write(b"data: " + json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [ch]}, ensure_ascii=False).encode() + b"\n\n")
+                while want_lp and lp_due(call, seen) < len(call.tokens):  # held-back tokens' log-probs first
+                    await send("")
+                await send(item)
     except ApiError as e:
         await resp.write(b"data: " + json.dumps(error_body(e)).encode() + b"\n\n")
         return resp
+    while want_lp and lp_due(call, seen) < len(call.tokens):
+        await send("")
     ch = {"index": 0, "text": "", "logprobs": lp_block(seen, len(call.tokens)), "finish_reason": _finish(call)}
     out = b"data: " + json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [ch]}).encode() + b"\n\n"
     if call.req.include_usage:
@@ -433,11 +448,6 @@ async def respond_completion(request: web.Request, call: Call, model: str) -> we
     await resp.write_eof()
     return resp
 
-
-async def _sse_start(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    return resp
 
 
 def models_body(model: str) -> dict:

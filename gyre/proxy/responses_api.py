@@ -30,6 +30,7 @@ from gyre.proxy.state import ExecutionState
 from gyre.proxy.keys import KeyInfo
 from gyre.proxy.endings import told
 from gyre.proxy.formats import Reasoning
+from gyre.proxy.pacing import sse_start
 from gyre.proxy.openai_api import _lp_entries, _text_of, error_body, template_kwargs
 from gyre.proxy.render import SPLICE_CALL
 from gyre.proxy.responses_store import Evicted, ResponseStore, plain
@@ -521,8 +522,7 @@ async def create(request: web.Request, proxy: Proxy, key: KeyInfo, body: dict, m
         keep(body_)
         return web.json_response(body_)
 
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
+    resp = await sse_start(request, call)
     await resp.write(out.event("response.created", response=response("in_progress", output=[])) + out.event("response.in_progress", response=response("in_progress", output=[])))
     try:
         async with aclosing(told(call)) as events:

@@ -279,8 +279,8 @@ class MuxClient:
                     if not line:
                         continue
                     kind, rid, rest = (line.split(" ", 2) + [""])[:3]
-                    if kind == "t":
-                        batch.setdefault(rid, []).append(parse_event(rest.split()))
+                    if kind == "t":  # parsed by the stream's reader, at its pace: a frame can hold thousands
+                        batch.setdefault(rid, []).append(rest)
                     elif kind == "e":
                         batch.setdefault(rid, []).append(_END)
                     elif kind == "x":
@@ -293,9 +293,6 @@ class MuxClient:
                 for rid, items in batch.items():
                     q = self.queues.get(rid)
                     if q is not None:
-                        for a, b in zip(items, items[1:]):
-                            if isinstance(a, TokenEvent) and isinstance(b, TokenEvent):
-                                a.more = True  # a held stream's frame: the rest are here too
                         q.put_nowait(items)
         except Exception as e:  # the connection broke
             error = ConnectionError(f"engine {self.name}: {e!r}")
@@ -329,14 +326,17 @@ class MuxClient:
                 raw = raw[i + step :]
             await self.ws.send_bytes(head + b"\n" + raw)
             while True:
-                for item in await q.get():
-                    if item is _END:
-                        ended = True
-                        return
+                items = await q.get()
+                for i, item in enumerate(items):
+                    if isinstance(item, str):
+                        ev = parse_event(item.split())
+                        ev.more = i + 1 < len(items) and isinstance(items[i + 1], str)  # a held stream's frame: the rest are here too
+                        yield ev
+                        continue
+                    ended = True
                     if isinstance(item, BaseException):
-                        ended = True
                         raise item
-                    yield item
+                    return
         finally:
             self.queues.pop(rid, None)
             if not ended and not self.closed:  # the caller stopped reading: stop the engine too
