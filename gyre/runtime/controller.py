@@ -195,7 +195,7 @@ class Controller:
 
     async def _run(self) -> None:
         self.proxy, self.proxy_handle, self.access, self.runner = await start_data_plane(
-            self.cfg, self.run_dir, self.ledger, self.tito, self.store_t, self.topo, self.engine_secret,
+            self.cfg.model, self.cfg.proxy, self.cfg.executions, self.run_dir, self.ledger, self.tito, self.store_t, self.topo, self.engine_secret,
             on_error=self._error, on_event=self._on_exec_event)
         self.ledger.begin(time.time())
         self.last_step_t = self.ledger.t_start

@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gyre.backends.engines.engine_http import HttpEngine
-from gyre.config import GyreConfig
+from gyre.backends.config import ModelConfig
+from gyre.executions.config import ExecutionsConfig
 from gyre.executions.evaluator import Evaluator
 from gyre.executions.runner import HarnessRunner
 from gyre.proxy import Proxy, StoreSink, start_proxy
+from gyre.proxy.config import ProxyConfig
 from gyre.proxy.state import CallStats
 from gyre.runtime.ledger import RunLedger
 from gyre.runtime.writes import WatchedSink
@@ -80,9 +82,9 @@ async def engine_url(store: Any, rank: int, timeout: float = 600.0) -> str:
     return store.get(key).decode()
 
 
-async def start_data_plane(cfg: GyreConfig, run_dir: Path, ledger: RunLedger, tito: Any, store: Any, topo: Any,
-                           secret: str | None, on_error: Callable[..., None],
-                           on_event: Callable[[Any], None]) -> tuple:
+async def start_data_plane(model: ModelConfig, proxy_cfg: ProxyConfig, executions: ExecutionsConfig, run_dir: Path,
+                           ledger: RunLedger, tito: Any, store: Any, topo: Any, secret: str | None,
+                           on_error: Callable[..., None], on_event: Callable[[Any], None]) -> tuple:
     """(proxy, its server handle, access, runner): every cell's engine and every pool engine (the
     server on its first rank, `topo`) behind the proxy's router. on_error: a failed TITO write
     (`gyre.runtime.writes`); on_event: the runner's execution events."""
@@ -90,16 +92,16 @@ async def start_data_plane(cfg: GyreConfig, run_dir: Path, ledger: RunLedger, ti
     engines += [("pool", e, topo.pool_engine_ranks(e)[0]) for e in range(topo.num_pool_engines)]
     from gyre.backends.models.vocab import load_vocab
 
-    vocab = load_vocab(cfg.model.checkpoint, cfg.proxy.tokenizer_path)  # the job's (cached per path)
-    proxy = Proxy(cfg.proxy, sink=WatchedSink(StoreSink(tito), tito.path_for, on_error), tokenizer=vocab.tokenizer,
+    vocab = load_vocab(model.checkpoint, proxy_cfg.tokenizer_path)  # the job's (cached per path)
+    proxy = Proxy(proxy_cfg, sink=WatchedSink(StoreSink(tito), tito.path_for, on_error), tokenizer=vocab.tokenizer,
                   stop_ids=vocab.stop_ids)
     handle = await start_proxy(proxy)
     logger.info("proxy listening at %s", handle.url)
     for kind, index, rank in engines:
         url = await engine_url(store, rank)
         proxy.router.add_engine(HttpEngine(url, name=f"{kind}{index}", secret=secret), kind=kind, index=index)
-    runner_cfg = dataclasses.replace(cfg.executions.runner, run_dir=str(run_dir / "executions"))
+    runner_cfg = dataclasses.replace(executions.runner, run_dir=str(run_dir / "executions"))
     access = GyreProxyAccess(proxy, handle.url, ledger)
-    runner = HarnessRunner(runner_cfg, Evaluator(cfg.executions.evaluator, runner_cfg), proxy=access,
+    runner = HarnessRunner(runner_cfg, Evaluator(executions.evaluator, runner_cfg), proxy=access,
                            on_event=on_event)
     return proxy, handle, access, runner
