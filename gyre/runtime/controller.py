@@ -98,7 +98,7 @@ class Controller:
                                    config=dataclasses.asdict(cfg), fresh=not tc.resume))
         self.tito = TitoStore(self.run_dir / "tito")
         self.store_t = store.clone()  # the controller thread's own connection
-        self.cp = ControlPlane(self.store_t, CONTROLLER)
+        self.plane = ControlPlane(self.store_t, CONTROLLER)
 
         # What needs the running loop: started by _run.
         self.proxy: Proxy | None = None
@@ -151,7 +151,7 @@ class Controller:
     def _command(self, rank: int, msg: Command) -> None:
         """Send `msg` to `rank`, noting the report it owes (`ReplyWatch`): `Stop` is answered by every
         rank, `Reduce` by the core, the others by a cell's (or pool engine's) first rank."""
-        self.cp.send(rank, msg)
+        self.plane.send(rank, msg)
         owes = rank == self.topo.cell_ranks(0)[0] if isinstance(msg, Reduce) else rank in self._reporters
         if isinstance(msg, Stop) or owes:
             self.watch.expect(rank, type(msg), time.monotonic())
@@ -163,7 +163,7 @@ class Controller:
     def pump_reports(self) -> None:
         """Handle every queued report; one whose handling raises is the run's error (when it has
         none) and the next is handled: the run is already stopping."""
-        while (msg := self.cp.try_recv()) is not None:
+        while (msg := self.plane.try_recv()) is not None:
             try:
                 self._on_message(msg)
             except Exception as e:  # noqa: BLE001
@@ -204,7 +204,7 @@ class Controller:
         next_tick = time.monotonic()
         try:
             while not self.ending.stopping:
-                while (msg := self.cp.try_recv()) is not None:
+                while (msg := self.plane.try_recv()) is not None:
                     self._on_message(msg)
                 if time.monotonic() >= next_tick:
                     self._apply(self.sched.tick())
@@ -323,7 +323,7 @@ class Controller:
                 audit_bundle(self.cfg.train.audit_dir, w.step, w.group, w.item, cell, bundle)
             for r in self.topo.cell_ranks(cell):
                 key = f"ms/{w.step}/{w.group}/{w.item}/{r}"
-                self.cp.put_blob(key, bundle)
+                self.plane.put_blob(key, bundle)
                 self._command(r, TrainWork(step=w.step, group=w.group, item=w.item, key=key, version=w.step))
 
     # ------------------------------------------------------------------ messages from cells

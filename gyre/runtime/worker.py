@@ -66,7 +66,7 @@ class CellWorker:
         self.audit_dir = audit_dir
         self.offload_actor = offload_actor  # --backend.offload-actor: the actor leaves the device in rollout
         self.checkpoint_every = checkpoint_every
-        self.topo, self.groups, self.cp, self.weights = topo, groups, control, weights
+        self.topo, self.groups, self.plane, self.weights = topo, groups, control, weights
         self.engine = engine_host
         self.make_actor = make_actor
         self._actor: Actor | None = None
@@ -126,7 +126,7 @@ class CellWorker:
             if now - start > self.cell_wait_s:
                 raise TimeoutError(f"rank {t.rank}: cell {t.cell}'s ranks did not all reach {what} within "
                                    f"{self.cell_wait_s:.0f} s")
-            if now - last > getattr(self.cp, "progress_every", 30.0):
+            if now - last > getattr(self.plane, "progress_every", 30.0):
                 logger.info("rank %d: waiting %.0f s for the ranks of cell %s (%s)", t.rank, now - start, t.cell, what)
                 last = now
             time.sleep(pause)
@@ -157,7 +157,7 @@ class CellWorker:
     def _report(self, report: Report) -> None:
         """Cell-level reports come from the cell's first rank only (one per cell)."""
         if self.topo.position == 0:
-            self.cp.send(CONTROLLER, report)
+            self.plane.send(CONTROLLER, report)
 
     def _ensure_version(self, version: int) -> None:
         """A satellite trains at the step's version: fetch it from the core's snapshots when behind.
@@ -222,7 +222,7 @@ class CellWorker:
 
     def _on_work(self, msg: TrainWork) -> None:
         self._ensure_version(msg.version)
-        bundle = self.cp.take_blob(msg.key)
+        bundle = self.plane.take_blob(msg.key)
         if self.sm.state is CellState.JOINING:
             self._to(CellState.TRAIN, f"step {msg.step}")
         t0 = time.perf_counter()
@@ -315,7 +315,7 @@ class CellWorker:
         have left the board), and none when a `Stop` is queued behind them (the job is over and
         the core's snapshots with it). Each `Load` taken is answered with a `Loaded`."""
         loads, after = [msg], None
-        while (nxt := self.cp.try_recv()) is not None:
+        while (nxt := self.plane.try_recv()) is not None:
             if not isinstance(nxt, Load):
                 after = nxt
                 break
@@ -363,7 +363,7 @@ class CellWorker:
     def _on_stop(self, msg: Stop) -> bool:
         # A later Stop(failed) behind this one: the controller found this rank silent (frozen) after
         # it had ended the run well; the run failed, and this rank leaves as a stopped one.
-        while (later := self.cp.try_recv()) is not None:
+        while (later := self.plane.try_recv()) is not None:
             if isinstance(later, Stop) and later.failed:
                 msg = later
         self.stopped_by_failure = msg.failed
@@ -371,7 +371,7 @@ class CellWorker:
             self._checkpoint()  # between commands: the weights and optimizer state of actor.version
         if self.engine is not None:
             self.engine.stop()
-        self.cp.send(CONTROLLER, Stopped(cell=self.cell, rank=self.topo.rank))  # every rank, not only the first
+        self.plane.send(CONTROLLER, Stopped(cell=self.cell, rank=self.topo.rank))  # every rank, not only the first
         return False
 
     # One handler per command type (tests/runtime/test_messages.py checks the table is complete).

@@ -33,7 +33,7 @@ def _worker(cell_wait_s: float) -> CellWorker:
     w = CellWorker.__new__(CellWorker)  # the barrier reads only these
     w.topo = SimpleNamespace(cell=1, cell_size=2, rank=3, num_cells=2)
     w.groups = SimpleNamespace(cells=["g0", "g1"], pool=[])
-    w.cp = SimpleNamespace(progress_every=0.05)
+    w.plane = SimpleNamespace(progress_every=0.05)
     w.cell_wait_s = cell_wait_s
     return w
 

@@ -49,7 +49,7 @@ def _controller(tmp_path, num_cells: int = 3) -> Controller:
     cfg.scheduler.cell_concurrency = 8
     topo = Topology.from_config(ParallelConfig(cell_size=1), num_cells, 0)
     ctl = Controller(cfg, topo, _Store())
-    ctl.cp = _RecordingPlane()
+    ctl.plane = _RecordingPlane()
     ctl.runner = SimpleNamespace(dispatch_group=lambda group: [], run_dir=Path("unused"))  # tasks: none started here
     ctl.proxy = SimpleNamespace(router=SimpleNamespace(reroutes=0, take_reroutes=lambda: []), sink_errors=0)
     ctl.ledger.begin(time.time())
@@ -80,18 +80,18 @@ def test_the_reduce_goes_to_the_schedulers_cells_including_one_that_came_after_t
     _switch_in(ctl, 0)
     ctl.pending.add(0)
     ctl._serve_pending()  # the core claims step 0's only micro-step
-    (dst, work), = [(d, m) for d, m in ctl.cp.sent if isinstance(m, TrainWork)]
+    (dst, work), = [(d, m) for d, m in ctl.plane.sent if isinstance(m, TrainWork)]
     assert dst == 0 and (work.step, work.group, work.item) == (0, 0, 0)
-    assert ctl.cp.blobs[work.key] == ["bundle0.0"]
+    assert ctl.plane.blobs[work.key] == ["bundle0.0"]
     _switch_in(ctl, 1)  # after the last claim: no work for it in step 0, but it is in the reduce
     ctl.pending.add(1)
     ctl._serve_pending()
-    assert [d for d, m in ctl.cp.sent if isinstance(m, TrainWork)] == [0]
+    assert [d for d, m in ctl.plane.sent if isinstance(m, TrainWork)] == [0]
 
     ctl._on_message(WorkDone(cell=0, rank=0, step=0, group=0, item=0, metrics={"micro_steps": 1.0}))
     (ev,) = ctl.sched.log.of("optimizer_step")
     assert ev["cells"] == [0, 1] and ev["participants"] == [0]  # the scheduler's decision
-    reduces = [(d, m) for d, m in ctl.cp.sent if isinstance(m, Reduce)]
+    reduces = [(d, m) for d, m in ctl.plane.sent if isinstance(m, Reduce)]
     assert [d for d, _ in reduces] == [0, 1]  # ranks of cells 0 and 1 (cell_size 1); not cell 2
     assert all(m.k == 2 and m.step == 0 and not m.final for _, m in reduces)
     assert all(m.grad_scale == 1.0 for _, m in reduces) and ctl.ledger.steps[0].valid == 2
@@ -112,12 +112,12 @@ def test_work_done_metrics_reach_the_step_row_through_the_ledger(tmp_path):
     for _ in range(2):
         ctl.pending.add(0)
         ctl._serve_pending()
-    works = [m for _, m in ctl.cp.sent if isinstance(m, TrainWork)]
+    works = [m for _, m in ctl.plane.sent if isinstance(m, TrainWork)]
     assert [(w.group, w.item) for w in works] == [(0, 0), (0, 1)]
     for w, loss in zip(works, (0.25, 0.5)):
         ctl._on_message(WorkDone(cell=0, rank=0, step=0, group=w.group, item=w.item,
                                  metrics={"loss": loss, "micro_steps": 1.0, "num_executions": 1.0}))
-    reduces = [(d, m) for d, m in ctl.cp.sent if isinstance(m, Reduce)]
+    reduces = [(d, m) for d, m in ctl.plane.sent if isinstance(m, Reduce)]
     assert [(d, m.k) for d, m in reduces] == [(0, 1)]
     ctl._on_message(StepDone(cell=0, rank=0, step=0, stats={}))
     (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -153,10 +153,10 @@ def test_the_controller_sends_trained_false_only_when_no_group_of_the_step_made_
         _switch_in(ctl, 0)
         ctl.pending.add(0)
         ctl._serve_pending()
-        (work,) = [m for _, m in ctl.cp.sent if isinstance(m, TrainWork)]
+        (work,) = [m for _, m in ctl.plane.sent if isinstance(m, TrainWork)]
         ctl._on_message(WorkDone(cell=0, rank=0, step=0, group=0, item=0,
                                  metrics={"micro_steps": float(len(bundles[0]))}))
-        (reduce,) = [m for _, m in ctl.cp.sent if isinstance(m, Reduce)]
+        (reduce,) = [m for _, m in ctl.plane.sent if isinstance(m, Reduce)]
         assert reduce.trained is trained and reduce.grad_scale == 1.0
         ctl._on_message(StepDone(cell=0, rank=0, step=0, stats={}))
         (row,) = [json.loads(x) for x in (tmp_path / str(trained) / "run" / "metrics.jsonl").read_text().splitlines()]
