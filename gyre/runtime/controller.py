@@ -403,8 +403,7 @@ class Controller:
             problem = self.health.observe(ev.result, self.ledger.execution(ev.execution_id).calls)
             if problem is not None:
                 self.ending.fail(RunFailed(problem))
-            self.ledger.evaluated(ev.result)
-            if len(rec.evaluated) == self.cfg.scheduler.n_per_group:
+            if self.ledger.evaluated(ev.result).complete:
                 self._spawn(self._make_work(rec.index))
 
     async def _make_work(self, g: int) -> None:

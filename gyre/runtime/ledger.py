@@ -122,6 +122,11 @@ class GroupRecord:
         return self.spec.group_id
 
     @property
+    def complete(self) -> bool:
+        """Every dispatched execution evaluated: the group can be made into work."""
+        return len(self.evaluated) == len(self.spec.executions)
+
+    @property
     def rewards(self) -> list[float | None]:
         """Per execution, None when excluded (not in E); [] before the work is made."""
         return self.work.rewards if self.work is not None else []

@@ -195,3 +195,10 @@ def test_switch_latencies_are_measured_from_the_command_to_the_answer_and_reach_
     row = led.step_fields(0, end=30.0)
     assert led.switch_latencies == {"to_train": [2.5], "to_rollout": [0.0]}
     assert row["switch_to_train_s"] == 2.5 and row["switch_to_rollout_s"] == 0.0
+
+
+def test_a_group_is_complete_exactly_when_each_dispatched_execution_is_evaluated():
+    led = RunLedger(1)
+    led.add_group(0, _spec("g", 3), version=0)
+    seen = [led.evaluated(_Result(f"g.{i}")).complete for i in (2, 0, 1)]
+    assert seen == [False, False, True]  # the third of three, in any order
