@@ -234,7 +234,7 @@ PART_IDS = 1 << 16  # ids per frame of a long prompt (256 KiB)
 async def _ids_bytes(ids: list[int], chunk: int = 1 << 16) -> bytes:
     """`ids` as little-endian int32 bytes (`TokenIds`: as packed off the loop), else converted
     `chunk` ids at a time with the loop let run in between: a 1M-id prompt is ~15 short GIL
-    holds, not one of ~50 ms (issue 34)."""
+    holds, not one long hold that stalls every other call on the loop."""
     if isinstance(ids, TokenIds) or len(ids) <= chunk:
         return int32_ids(ids).tobytes()
     parts = []
