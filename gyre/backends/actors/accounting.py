@@ -5,7 +5,7 @@ held against (benchmarks/actor_memory.py; docs/backends.md, "The CPU actor's mem
 
 Activations, per token, of one decoder layer of the supported dense families (Llama / Qwen2 /
 Qwen3 in transformers, SDPA attention), counted from what autograd saves for the backward
-(tests/backends/test_actor_memory.py checks the count against `saved_tensors_hooks`):
+(tests/backends/actors/test_actor_memory.py checks the count against `saved_tensors_hooks`):
 
     8 · hidden       the layer's input; x·rsqrt and the normed input, before attention and before
                      the MLP (2 × 2); q after RoPE; the attention output; the residual after

@@ -27,7 +27,7 @@ decode starts, and a model's output never starts one: it continues its prompt. T
 the continuation bytes, which is what SGLang shows as well (its detokenizer decodes the output
 with the prompt's last tokens in front and keeps the difference: sglang 0.5.23
 `srt/managers/detokenizer_manager.py`, `surr_offset`/`read_offset`). `ByteTable.decode` applies
-the rule, for comparisons with `tokenizer.decode`. The invariant (tests/proxy/test_vocab_*.py,
+the rule, for comparisons with `tokenizer.decode`. The invariant (tests/backends/models/test_vocab*.py,
 hypothesis over random ids):
 
     for ids whose joined bytes are valid UTF-8:
