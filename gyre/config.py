@@ -170,10 +170,9 @@ def cpu_demo() -> GyreConfig:
     cfg.executions.runner.harness_command = ["{python}", str(REPO / "examples" / "cpu_demo" / "harness.py")]
     cfg.executions.runner.max_concurrency = 16
     cfg.executions.runner.timeout_s = 300.0
-    # Measured (README, benchmarks/demo_learning.py): 16 executions a step (B = 4 groups of N = 4)
-    # at lr 1e-3 decaying linearly to 0.1x make the fitted reward rise's 95 % interval exclude zero
-    # run after run. With 8 a step at lr 6e-4 (this preset until 2026-12) the rise was within noise
-    # on a loaded machine (0.02 [-0.08, 0.12]); 8 a step at 2e-3 drifted (clip fraction up to 0.5).
+    # 16 executions a step (B = 4 groups of N = 4) at lr 1e-3 decaying linearly to 0.1x make the
+    # fitted reward rise's 95 % interval exclude zero run after run; 8 a step left the rise within
+    # noise at lr 6e-4 and drifted at 2e-3 (benchmarks/README.md, "The demo learns: five seeds").
     cfg.actor = OptimizerConfig(lr=1e-3, lr_decay_steps=32, min_lr_ratio=0.1)
     return cfg
 

@@ -8,35 +8,11 @@ optimizer steps, so the published versions are 0, μ, 2μ, ... For a consumed gr
     v_t = the version just before the step that consumes it  (= the step index s, 0-based)
     d   = v_t − v_d                                          (staleness, ≥ 0)
 
-Boundary dispatch (what Gyre and its baselines use): at start dispatch (φ+μ)·B groups
-((φ+μ)·N·B executions), then μ·B groups right after each publish. φ is the *extra* dispatch in
-batch units; φ·B must be an integer.
-
-Closed form (derivation in docs/theory.md, §1–2):
-
-    E[d] = φ + (μ − 1)/2
-
-It holds for *any* completion order, because it is Little's law in version time: count, at
-each version s, the groups that were dispatched at a version ≤ s and are consumed after step s.
-With s = jμ + i (0 ≤ i < μ) that count is (φ + μ)B + jμB − (s + 1)B = (φ + μ − 1 − i)B, whatever
-finished first. Summed over s it is Σ d; dividing by the B groups consumed per version gives
-the mean over i of φ + μ − 1 − i = φ + (μ − 1)/2.
-
-Continuous dispatch (the counterpart): instead of waiting for a publish, each consumed group
-is replaced at once, so exactly Q groups are in the system (dispatched, not yet consumed) right
-before every step. The same counting gives E[d_interp] = Q/B − 1 when v_d is the *current*
-version at dispatch, and E[d] = Q/B − 1 + (μ−1)/2 when v_d is the latest *published* one (the
-(μ−1)/2 is the publication lag, averaged over a burst). Matched staleness: Q_c = (φ + 1)·B.
-
-Step time from Little's law (wall clock): for any stationary dispatch policy,
-L̄ = λ·W with λ = B/T groups per unit time, so
-
-    T = B·W / L̄        W = mean dispatch→consumption time, L̄ = time-average groups in system
-
-and T_c/T_b = (W_c/W_b)·(L̄_b/L̄_c). At matched E[d] boundary dispatch keeps on average
-(φ + (μ+1)/2)·B groups in the system at step boundaries against (φ + 1)·B for continuous
-dispatch; with equal sojourn W this gives T_c/T_b = (φ + (μ+1)/2)/(φ + 1) ≥ 1: bursts buy
-throughput at equal staleness (equal for μ = 1).
+Boundary dispatch (what Gyre and its baselines use): at start (φ+μ)·B groups, then μ·B right
+after each publish; φ is the *extra* dispatch in batch units (φ·B an integer). Whatever the
+completion order, E[d] = φ + (μ − 1)/2. Continuous dispatch keeps Q groups in the system and
+matches it at Q_c = (φ + 1)·B; Little's law gives the step-time ratio T_c/T_b. Derivations and
+their tests: docs/theory.md §1–4.
 
 Example::
 

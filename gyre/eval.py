@@ -5,8 +5,7 @@ proxy and engine a training run uses, with a 95 % interval.
     python -m gyre.eval --preset smollm2 --split heldout --checkpoint runs/smollm2/latest
     python -m gyre.eval --model.checkpoint DIR --executions.dataset.path tasks.jsonl --samples 4
 
-Every gyre.run flag is accepted (the preset's model, tasks, harness, chat and tool formats); the
-eval's own flags:
+Every gyre.run flag is accepted (model, tasks, harness, formats); the eval's own flags:
 
     --checkpoint PATH   what to evaluate: an HF directory, a step checkpoint
                         (RUN/checkpoints/step_000032), or a run directory (its newest complete
@@ -19,12 +18,10 @@ eval's own flags:
     --out FILE          the results file (default: beside the run, RUN/eval/<split>-<name>.json,
                         or runs/eval/ for a bare checkpoint)
 
-One process serves the checkpoint with the built-in engine (`--backend.engine cpu`) behind a real
-proxy, and the runner launches the harness subprocesses (`--executions.runner.max-concurrency` at
-once) exactly as in training; the evaluator scores them. Nothing is trained and no TITO is kept.
-The results file holds every execution's reward and the pass rate with its Wilson interval;
-`python -m gyre.report RUN` shows a run's evaluations side by side. The last line printed is one
-JSON object of the figures.
+One process serves the checkpoint with the built-in engine behind a real proxy; the runner and
+the evaluator work exactly as in training. Nothing is trained, no TITO is kept. The results file
+holds every reward and the pass rate with its Wilson interval (`python -m gyre.report RUN` shows
+a run's evaluations); the last line printed is one JSON object of the figures.
 """
 
 from __future__ import annotations

@@ -6,25 +6,15 @@
 `python -m gyre.plan --memory --model qwen3-8b --gpu h100 --tp 8` answers another question:
 whether a model fits a cell's GPUs (`gyre.backends.memplan`; its --help lists the flags).
 
-A profile holds the workload's costs (`python -m gyre.sim --calibrate RUN_DIR` fits one from a
-run; `gyre/sim/profiles/paper_table1.json` is the paper's Table 1 setting, written by hand). The
-planner runs the simulator — the same `ElasticScheduler` the runtime drives — over
-
-- the cell size (nodes per cell; C_e scales with it) and so the number of cells K,
-- a standalone rollout pool (0 or one cell's worth of nodes: C_s),
-- φ and μ with E[d] = φ + (μ−1)/2 ≤ --max-staleness,
-- the water level's supply check (ρ_min, τ), serial joining and the control tick,
-
-in three rounds (structure on one seed; thresholds of the best structures on --seeds; the
-finalists and the Colocate / Async baselines at matched E[d] on --seeds), and prints the best
-configurations: predicted s/step (mean of the seeds), speedup over Colocate and Async, E[d],
-the GPU idle fraction, and the exact `gyre.run` flags. The speed–staleness frontier (best s/step
-per E[d], every configuration tried, the baselines) goes to --png.
-
-Baselines are the paper's original Colocate and Async (gyre/sim/variants.py): one step per
-publish (μ = 1, φ = E[d]), Async with half the cells training. Predictions carry the profile's
-modelling assumptions (docs/theory.md §5); `python -m gyre.sim --profile P ...` gives one
-configuration's interval from the profile's uncertainty.
+A profile holds the workload's costs (`python -m gyre.sim --calibrate RUN_DIR` fits one). The
+planner runs the simulator — the same `ElasticScheduler` the runtime drives — over the cell size
+(and so the number of cells), a standalone rollout pool, φ and μ with E[d] = φ + (μ−1)/2 ≤
+--max-staleness, and the water level's thresholds, in three rounds (structure on one seed;
+thresholds of the best structures on --seeds; the finalists and the Colocate / Async baselines at
+matched E[d] on --seeds). It prints the best configurations (predicted s/step, speedup over
+Colocate and Async, E[d], GPU idle fraction, the exact `gyre.run` flags), and the speed–staleness
+frontier goes to --png. Baselines are the paper's Colocate and Async (gyre/sim/variants.py).
+Predictions carry the profile's modelling assumptions (docs/theory.md §5; docs/planning.md).
 """
 
 from __future__ import annotations

@@ -442,3 +442,69 @@ def test_the_controller_rule_catches_a_planted_typing_import():
     sources["gyre.runtime.stop"] += "\nif TYPE_CHECKING:\n    from gyre.runtime.controller import Controller\n"
     sources["gyre.runtime.summary"] += "\nimport gyre.runtime.controller\n"
     assert controller_importers(sources) == ["gyre.runtime.stop", "gyre.runtime.summary"]
+
+
+TEST_PATH = r"tests/[\w./*-]*\.py"  # a test file as the docs and docstrings name it (a `*` glob allowed)
+
+
+def missing_test_paths(texts: dict[str, str], root: Path) -> list[str]:
+    """Every `tests/...py` path named in the texts (name -> text: gyre/ sources, docs/*.md, the
+    READMEs) that matches no file under `root`: the tests move, the pointers to them must follow."""
+    import re
+
+    return sorted(f"{name}: {path}" for name, text in texts.items() for path in set(re.findall(TEST_PATH, text))
+                  if not any(root.glob(path)))
+
+
+def _pointing_texts(root: Path) -> dict[str, str]:
+    files = [*(root / "gyre").rglob("*.py"), *(root / "docs").glob("*.md"), root / "README.md",
+             root / "benchmarks" / "README.md"]
+    return {str(p.relative_to(root)): p.read_text() for p in files}
+
+
+def test_every_test_path_named_in_docs_and_docstrings_exists():
+    assert missing_test_paths(_pointing_texts(GYRE.parent), GYRE.parent) == []
+
+
+def test_the_test_path_pointer_rule_catches_a_moved_test(tmp_path):
+    (tmp_path / "tests" / "backends" / "actors").mkdir(parents=True)
+    (tmp_path / "tests" / "backends" / "actors" / "test_cpu_actor.py").write_text("")
+    texts = {"docs/a.md": "tested in `tests/backends/actors/test_cpu_actor.py` and tests/backends/actors/test_*.py",
+             "gyre/b.py": '"""Exact (tests/backends/test_cpu_actor.py)."""\n# see tests/backends/test_gone_*.py\n'}
+    assert missing_test_paths(texts, tmp_path) == ["gyre/b.py: tests/backends/test_cpu_actor.py",
+                                                  "gyre/b.py: tests/backends/test_gone_*.py"]
+
+
+DOCSTRING_MAX_LINES = 30
+LONG_DOCSTRINGS = {  # module -> why its docstring is longer than one screen
+    "gyre/runtime/messages.py": "the whole command protocol between controller and workers, drawn once",
+    "gyre/doctor/__init__.py": "printed as `python -m gyre.doctor --help`: the table of every check",
+}
+
+
+def long_docstrings(sources: dict[str, str], allowed: dict[str, str]) -> list[str]:
+    """The modules (name -> source) whose module docstring runs over DOCSTRING_MAX_LINES source
+    lines and that `allowed` does not name: a module docstring is one screen that points at docs/."""
+    out = []
+    for name, src in sources.items():
+        body = ast.parse(src).body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            n = body[0].end_lineno - body[0].lineno + 1
+            if n > DOCSTRING_MAX_LINES and name not in allowed:
+                out.append(f"{name}: module docstring of {n} lines, over {DOCSTRING_MAX_LINES}: move the depth to docs/")
+    return sorted(out)
+
+
+def test_module_docstrings_are_one_screen():
+    assert long_docstrings({str(p.relative_to(GYRE.parent)): p.read_text() for p in GYRE.rglob("*.py")},
+                           LONG_DOCSTRINGS) == []
+    assert all((GYRE.parent / m).is_file() for m in LONG_DOCSTRINGS)
+
+
+def test_the_docstring_rule_catches_a_planted_long_one():
+    planted = {"a.py": '"""' + "line\n" * 30 + '"""\n',      # 31 lines
+               "b.py": '"""' + "line\n" * 29 + '"""\n',      # 30 lines: fine
+               "c.py": "x = 1\n" + '"""' + "line\n" * 40 + '"""\n',  # not a module docstring
+               "d.py": '"""' + "line\n" * 40 + '"""\n'}      # allowed
+    assert long_docstrings(planted, {"d.py": "why"}) == ["a.py: module docstring of 31 lines, over 30: move the depth to docs/"]

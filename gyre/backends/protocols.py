@@ -77,9 +77,9 @@ class TokenIds(Sequence):
     """A prompt's token ids as the proxy hands them on, held only packed as little-endian int32
     (`packed`): read as a sequence of Python ints by whoever needs them (an in-process engine),
     never built as Python ints by the proxy, which ships them to an engine
-    (`gyre.backends.engines.engine_mux`) and records them as `packed` (issue 34: building,
-    then freeing, that list cost ~25 ms of the proxy's CPU per 783k-token call; issue 33: the
-    conversions cost ~0.1 ms per 1k ids of every call). A slice is a plain list; `ids + more` is
+    (`gyre.backends.engines.engine_mux`) and records them as `packed` (building, then freeing,
+    a list of ~1M Python ints would hold the proxy's event loop, and the conversions would cost
+    every call). A slice is a plain list; `ids + more` is
     a TokenIds (a router continuing a call after a reroute)."""
 
     __slots__ = ("packed",)
@@ -125,7 +125,7 @@ class TokenIds(Sequence):
 def free_ids(box: list, chunk: int = 1 << 14) -> bool:
     """Free the id list in `box` (a one-item list, its only holder) `chunk` ids at a time, when
     nothing else holds it: ~1M Python ints freed at once hold the GIL ~6 ms, so the engine host
-    frees a received long prompt this way on a thread, not on its event loop (issue 34). Returns
+    frees a received long prompt this way on a thread, not on its event loop. Returns
     whether it did; a list still shared is left to whoever holds it."""
     ids = box.pop()
     if sys.getrefcount(ids) > 2:  # beyond `ids` and getrefcount's own argument: still in use

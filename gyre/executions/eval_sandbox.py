@@ -1,27 +1,22 @@
-"""What an evaluator may see and where it runs (`EvaluatorConfig.sandbox`).
+"""What an evaluator may see and where it runs (`EvaluatorConfig.sandbox`; docs/security.md).
 
 The evaluator scores a workspace an untrusted harness wrote, and it runs as the controller's
 user. So two things are checked or contained here:
 
   - The workspace path. A harness can replace `<execution_id>/workspace` (or, unsandboxed, its
-    execution directory) with a symbolic link to any path: a sibling execution's workspace (its
-    reward), the repository, the home directory. `workspace_refusal` says why such a workspace
-    is not scored: the execution directory and the workspace must be real directories (lstat,
-    no link followed) and the workspace's real path must be the path itself. A refused
-    workspace is never evaluated: the execution is excluded with the reason in `result.json`.
-  - The evaluator process. `inherit` (the default) runs command evaluators and `module:function`
-    evaluators (a child Python process) in the harness's sandbox backend: under bubblewrap they
-    see the workspace read-write, the rest of its execution directory read-only (the logs,
-    files the harness left beside its workspace), nothing of other executions or of the
-    repository beyond the evaluator's own package, module file or script with the Python
-    modules beside a single file (`beside_modules`), and the gyre package (read-only), the system
-    and Python read-only, a private /tmp, no network (`sandbox_network host`: the host's). So
-    an evaluator that runs the workspace's tests runs harness-written code inside a sandbox
-    too. A harness in a container: its evaluators run under bubblewrap on this node (the image
-    need not hold the evaluator).
-    `none` runs them unsandboxed, as this user (logged). A Python callable given directly
-    (`EvaluatorSpec("python", fn)`, tests) runs in this process and is never sandboxed: it
-    must not execute workspace code.
+    execution directory) with a symbolic link to any path: a sibling's workspace (its reward),
+    the repository, the home directory. `workspace_refusal` says why such a workspace is not
+    scored: both must be real directories (lstat, no link followed) and the workspace's real
+    path must be the path itself. A refused workspace is never evaluated: the execution is
+    excluded with the reason in `result.json`.
+  - The evaluator process. `inherit` (the default) runs command and `module:function`
+    evaluators in the harness's sandbox backend: under bubblewrap the workspace read-write, the
+    rest of its execution directory read-only, the evaluator's own package or script
+    (`beside_modules`) and gyre read-only, no network; so an evaluator that runs the workspace's
+    tests runs harness-written code sandboxed too. A harness in a container: its evaluators run
+    under bubblewrap on this node. `none` runs them unsandboxed (logged). A Python callable
+    given directly (`EvaluatorSpec("python", fn)`, tests) is never sandboxed: it must not
+    execute workspace code.
 
 `open_beneath` / `read_beneath` read a file inside a workspace without following any link
 (every component opened with O_NOFOLLOW), for the files Gyre reads itself (`expected_files`)

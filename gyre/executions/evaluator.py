@@ -8,24 +8,19 @@ Runs after an execution ends for any reason. Outcomes and what they get:
                                        default) or evaluate (`on_crash="evaluate"`)
     LAUNCH_FAILED                    → zero-reward placeholder
 
-An evaluation is a series of attempts (at most `max_attempts`, each under `timeout_s`, with
-doubling back-off). An attempt fails when the evaluator raises, exits non-zero, hangs past its
-timeout (it is killed), or returns something that is not a finite number in [0, 1]. The first
-valid attempt gives a VALID reward; none ⇒ EXCLUDED (the execution leaves its group's
-statistics). A placeholder is a valid 0.0 that has no trajectory behind it.
+An evaluation is up to `max_attempts` attempts, each under `timeout_s`, with doubling back-off.
+An attempt fails when the evaluator raises, exits non-zero, hangs (it is killed), or returns
+anything but a finite number in [0, 1]. The first valid attempt gives a VALID reward; none ⇒
+EXCLUDED (the execution leaves its group's statistics). A placeholder is a valid 0.0 with no
+trajectory behind it.
 
-Evaluator forms (see `gyre.executions.tasks.EvaluatorSpec`):
-  - "module:function": called as function(workspace: Path, task: Task, **kwargs) in a child
-    Python process (`python -m gyre.executions.evaluator`), so a hang is killed cleanly;
-  - a Python callable: the same call in a worker thread (a hang can only be abandoned);
-  - a command: run in the workspace; the last non-empty stdout line is the reward, as a number
-    or as JSON `{"reward": x, ...}`. Env: GYRE_WORKSPACE, GYRE_TASK_FILE (the task as JSON).
-
-Commands and "module:function" children run in the harnesses' sandbox (`EvaluatorConfig.sandbox`,
-gyre.executions.eval_sandbox: the workspace read-write, its execution directory read-only); a Python
-callable runs in this process, unsandboxed. A workspace the harness replaced by a symbolic link
-is never scored: the execution is excluded, `detail["refused"]` says why (checked before every
-attempt).
+Evaluator forms (`gyre.executions.tasks.EvaluatorSpec`; docs/train-your-own-agent.md): a
+"module:function" called as function(workspace, task, **kwargs) in a child Python process (a hang
+is killed cleanly); a Python callable, in a worker thread, unsandboxed; a command run in the
+workspace whose last non-empty stdout line is the reward (a number or `{"reward": x, ...}`; env
+GYRE_WORKSPACE, GYRE_TASK_FILE). Commands and children run in the harnesses' sandbox
+(`gyre.executions.eval_sandbox`); a workspace replaced by a symbolic link is never scored
+(`detail["refused"]` says why, checked before every attempt).
 """
 
 from __future__ import annotations

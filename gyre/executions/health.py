@@ -3,29 +3,21 @@
 Every evaluated execution is either *useful* (it made model calls and has a valid reward or a
 timeout's partial reward) or *failed*, for one of four reasons:
 
-    crashed            the harness exited non-zero or died of a crash signal (SIGSEGV, ...); a
-                       harness SIGKILLed / SIGTERMed from outside (outcome `killed`) is not a
-                       failure by itself: its workspace is evaluated
+    crashed            the harness exited non-zero or died of a crash signal; one SIGKILLed /
+                       SIGTERMed from outside (outcome `killed`) is not a failure by itself
     launch_failed      the harness never started (bad argv, workspace could not be prepared)
-    evaluator_failed   no valid reward within the evaluator's attempt budget (the execution
-                       is excluded from its group)
+    evaluator_failed   no valid reward within the evaluator's attempts (excluded from its group)
     no_model_calls     the harness ended without one call through the proxy: no tokens to train
-                       (one killed from outside before its first call is also excluded from its
-                       group by the runner: a reward with no trajectory is no sample)
 
-`HealthMonitor` keeps the last `window` evaluated executions (cancelled ones are not counted:
-the controller stopped them) and trips when at least `stop_fraction` of them failed. With the
-defaults (window = one step's N·B executions, fraction 1.0) a run stops as soon as a whole
-step's worth of executions in a row gave nothing; the error quotes the first failure's stderr
-tail and where its logs are, which is almost always the whole diagnosis (a missing module, a
-wrong harness path, an unreachable proxy).
+`HealthMonitor` keeps the last `window` evaluated executions (cancelled ones do not count) and
+trips when at least `stop_fraction` of them failed. With the defaults (one step's N·B, fraction
+1.0) a run stops as soon as a whole step's worth in a row gave nothing; the error quotes the first
+failure's stderr tail and where its logs are, which is almost always the whole diagnosis.
 
-One evaluator that never works is caught on its own, even while other tasks' evaluators score
-(so the window never fills with failures): when an evaluator's first `evaluator_window`
-evaluations all failed (excluded after their attempts; a workspace refused for a link is the
-harness's doing and does not count), the run stops, naming the evaluator and quoting its last
-error (its stderr tail). One valid reward clears it for the rest of the run: the evaluator's
-counterpart of a harness that crashes every time (docs/train-your-own-agent.md, (f)).
+An evaluator that never works is caught on its own, even while others score: when its first
+`evaluator_window` evaluations all failed (a workspace refused for a link is the harness's doing
+and does not count), the run stops, naming it and quoting its last error. One valid reward clears
+it for the rest of the run (docs/train-your-own-agent.md, (f)).
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
 """Harness runner: one black-box harness process per execution (docs/design.md §1, §3, §4).
 
 For each dispatched execution the runner
-  1. prepares `<run_dir>/<execution_id>/workspace` from the task (template copied, inline
-     files written) and writes the instruction to `<execution_id>/instruction.md`;
-  2. asks the proxy for the execution's own API key (`ProxyAccess.open_execution`);
-  3. waits for a slot (`max_concurrency`), then starts the harness as the leader of a new
-     session in the workspace, stdout/stderr through pipes the runner drains into
-     `<execution_id>/{stdout,stderr}.log`, each capped at `log_cap_bytes` (`gyre.executions.logcap`), with an
-     environment that points it at the proxy (below) and withholds the controller's own
-     variables except `env_passthrough`, inside the configured sandbox (`RunnerConfig.sandbox`,
-     `gyre.executions.sandbox`: bubblewrap, unshare or a container; `none` logs "harness not
-     isolated" and runs the harness under `procs.CONTAIN`, a subreaper that leaves no process of
-     its tree behind, setsid'd and double-forked daemons included);
-  4. enforces the hard wall-clock limit (SIGTERM → grace → SIGKILL to the whole process tree,
-     see `gyre.executions.procs`); after any ending, stragglers of the tree are killed too;
-  5. revokes the key, records exit status / outcome, runs the evaluator on the preserved
-     workspace and writes `<execution_id>/result.json`. A harness killed from outside (outcome
-     `killed`) before its first model call is not evaluated: its reward is EXCLUDED (it has no
-     trajectory, and a 0.0 would only drag its group's baseline), the reason in `error` and in
-     the reward's `detail`.
+  1. prepares `<run_dir>/<execution_id>/workspace` from the task, writes the instruction to
+     `<execution_id>/instruction.md` and asks the proxy for the execution's own API key;
+  2. waits for a slot (`max_concurrency`), then starts the harness as the leader of a new
+     session in the workspace, stdout/stderr drained into `<execution_id>/{stdout,stderr}.log`
+     (capped, `gyre.executions.logcap`), with an environment that points it at the proxy (below)
+     and withholds the controller's own variables except `env_passthrough`, inside the
+     configured sandbox (`gyre.executions.sandbox`);
+  3. enforces the hard wall-clock limit (SIGTERM → grace → SIGKILL to the whole process tree,
+     `gyre.executions.procs`); after any ending, stragglers of the tree are killed too;
+  4. revokes the key, records the outcome, runs the evaluator on the preserved workspace and
+     writes `<execution_id>/result.json`. A harness killed from outside before its first model
+     call is EXCLUDED, not evaluated (no trajectory: a 0.0 would only drag its group's baseline).
 
 Harness environment (the only way the key reaches the harness: never on a command line):
     OPENAI_BASE_URL=<proxy>/v1      OPENAI_API_KEY=<execution key>
@@ -26,25 +20,13 @@ Harness environment (the only way the key reaches the harness: never on a comman
     GYRE_MODEL / OPENAI_MODEL / ANTHROPIC_MODEL=<model name>
     GYRE_EXECUTION_ID, GYRE_GROUP_ID, GYRE_TASK_ID, GYRE_WORKSPACE, GYRE_INSTRUCTION_FILE,
     GYRE_TIMEOUT_S, GYRE_PROXY_URL, GYRE_API_KEY
-In a sandbox with `sandbox_network proxy` the URLs point at 127.0.0.1:<port> inside the
-sandbox's own network namespace (a relay to the proxy), and HOME is `<execution_id>/home`.
+(In a sandbox the URLs point at a relay to the proxy on loopback; HOME is `<execution_id>/home`.)
 
-Counters for the scheduler (docs/design.md §3): d(t) dispatched (on `dispatch`), p(t) started (the
-harness process exists), f(t) finished (the harness ended for any reason, including a launch
-failure; evaluation comes after). Every change is published as an `ExecutionEvent` to the
-`on_event` callback and to the `events` asyncio queue.
-
-Execution lifecycle (`ExecutionPhase`), transitions:
-    DISPATCHED → STARTED → ENDED → EVALUATED
-    DISPATCHED → ENDED   (launch failed, or cancelled before it started)
-Anything else raises.
-
-Remote sandbox hosts (`sandbox_hosts` non-empty): the workspace is prepared here, pushed to
-the least-loaded host, the harness runs there under a remote `timeout`, and the workspace is
-pulled back for the evaluator (`gyre.executions.remote`). `proxy_url_for_harness` must then be
-an address the hosts can reach. The per-execution key is the only credential the harness
-receives. Hosts run arbitrary harness code: isolate them (containers, one user per sandbox) as
-for any agent sandbox.
+Counters for the scheduler (docs/design.md §3): d(t) on `dispatch`, p(t) once the process exists,
+f(t) at any end (launch failures included; evaluation comes after), each an `ExecutionEvent` to
+`on_event` and `events`. Lifecycle (`ExecutionPhase`): DISPATCHED → STARTED → ENDED → EVALUATED, or
+DISPATCHED → ENDED (launch failed, cancelled before start); anything else raises. With
+`sandbox_hosts` the harness runs remotely (docs/security.md, "Remote sandbox hosts").
 """
 
 from __future__ import annotations

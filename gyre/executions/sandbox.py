@@ -1,51 +1,27 @@
 """Harness sandboxes: what a black-box harness can see and reach (`RunnerConfig.sandbox`).
 
 A harness is untrusted code: it must not write outside its execution, read or change the
-evaluator, see other executions, keep processes alive after its execution, or talk to
-anything but the proxy. Backends:
+evaluator, see other executions, keep processes alive after its execution, or talk to anything
+but the proxy. Backends (what each isolates, in full: docs/security.md, "Sandboxes"):
 
-    none       no isolation: same user, same filesystem, network and process table as the
-               controller ("harness not isolated" is logged). For trusted harnesses and
-               machines without namespaces.
-    bwrap      bubblewrap: a new mount, pid, ipc, uts, user (and by default network) namespace.
-               The harness sees its execution directory read-write (workspace, instruction,
-               home, logs), a read-only minimal system (/usr, the /lib links, a few /etc
-               files), the controller's Python prefix read-only (the harness needs the
-               openai/anthropic SDKs), the files its argv names read-only, and
-               `sandbox_ro_paths`; a private /tmp, /proc and /dev. Not the repository, not the
-               run directory, not other executions, not the controller's home.
-               `--die-with-parent` + its own pid namespace: when the harness's launcher ends,
-               every process it left (setsid daemons included) is killed by the kernel.
-    unshare    util-linux `unshare`: pid, ipc, uts and network namespaces, a private /proc.
-               The filesystem is NOT isolated (use bwrap or a container for that).
-    container  `docker run` / `podman run` (`container_cli`, `container_image`): the execution
-               directory is mounted at the same path, `--network none`; for clusters.
-    auto       bwrap when it works on this machine, else none with a warning.
-    (The default is auto; see RunnerConfig.sandbox.)
+    none       no isolation ("harness not isolated" is logged); the harness runs under
+               `procs.CONTAIN`, a subreaper that kills every process of its tree at its end
+    bwrap      bubblewrap: new mount, pid, ipc, uts, user (and network) namespaces; only its
+               execution directory is writable, the system and Python prefix read-only
+    unshare    pid, ipc, uts and network namespaces; the filesystem is NOT isolated
+    container  `docker run` / `podman run`, the execution directory mounted, `--network none`
+    auto       bwrap when it works on this machine, else none with a warning (the default)
 
-Network (`sandbox_network`): with `proxy` (the default) the harness gets its own network
-namespace, in which only loopback exists. The runner serves a Unix socket that forwards to
-the proxy (`ProxyRelay`) and binds it into the sandbox; inside, a tiny stdlib relay
-(`RELAY`) listens on 127.0.0.1:<proxy port> and forwards there, then runs the harness as its
-child. The harness's OPENAI_BASE_URL / ANTHROPIC_BASE_URL point at that loopback port. So the
-proxy is the one thing it can reach. `host` keeps the host network (the harness can reach
-anything the controller can; a documented gap, for harnesses that need to install packages).
+Network (`sandbox_network proxy`, the default): the harness's own network namespace holds only
+loopback; a Unix socket to the proxy (`ProxyRelay`) is bound in and a stdlib relay (`RELAY`)
+listens on 127.0.0.1:<proxy port>, so the proxy is the one thing it can reach. `host` keeps the
+host network (a documented gap).
 
-The execution key reaches the harness only through its environment (never a command line:
-every argv built here carries names, never values; `docker run -e NAME` takes the value from
-the client's environment). Inside bwrap/unshare the harness has its own /proc, so it cannot
-read other harnesses' environments; under `none` any process of the same user can read
-/proc/<pid>/environ.
-
-Dying with the runner. Every process the runner starts (launcher, harness, evaluator) gets
-PR_SET_PDEATHSIG (`die_with_runner`): when the rank dies (SIGKILL, OOM, a forced stop after
-Ctrl-C) the kernel kills it. bwrap (`--die-with-parent`, its pid namespace) and unshare
-(`--kill-child`, its pid namespace) then take the whole tree with them. Under `none` the harness
-runs under `procs.CONTAIN`, a stdlib subreaper shim: every orphan of the tree (setsid'd,
-double-forked daemons included) comes to it, and it kills them all when the harness ends, is
-stopped, or the runner dies. A container
-outlives its CLI: `cleanup` removes it by name on every ending the runner lives to see, and the
-next runner on the node removes those whose runner died (`reap_containers`).
+The execution key reaches the harness only through its environment: every argv built here
+carries names, never values. Every process the runner starts gets PR_SET_PDEATHSIG
+(`die_with_runner`), and the sandbox's pid namespace (or CONTAIN) takes the whole tree with it; a
+container outlives its CLI, so `cleanup` removes it by name and `reap_containers` removes those
+a dead runner on this node left.
 """
 
 from __future__ import annotations

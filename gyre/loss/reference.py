@@ -1,10 +1,9 @@
 """Pure-torch reference of the execution-level GSPO loss (docs/design.md §6) and of token log-probs.
 
-Readable, float64-capable, and the ground truth the fused extension (`gyre/csrc`) is tested
-against. Nothing here is fast: `token_logprobs` materializes the full [T, V] log-softmax.
+Readable, float64-capable, the ground truth the fused extension (`gyre/csrc`) is tested against;
+not fast (`token_logprobs` materializes the full [T, V] log-softmax).
 
-Notation (docs/design.md §6), for execution i with targets T_i, L_i = |T_i|, advantage A_i, |E|
-executions in the step:
+Notation (docs/design.md §6): execution i, targets T_i, L_i = |T_i|, advantage A_i, |E| in the step:
 
     ℓ_t = log π_θ(y_t | context_t)               token_logprobs
     δ_t = ℓ_t − b_t                               b_t: behavior log-prob (TITO)
@@ -13,9 +12,8 @@ executions in the step:
     ω_t = min(exp(stopgrad δ_t), C)
     loss = −(1/|E|) Σ_i (m_i A_i / L_i) Σ_{t∈T_i} ω_t ℓ_t
 
-In packed form (gyre/trajectory/microstep.py) the factor −A_i/(|E|·L_i) is `token_weight[t]`,
-so loss = Σ_t mask_t · m_i · ω_t · token_weight_t · ℓ_t and ∂loss/∂ℓ_t = mask_t · m_i · ω_t ·
-token_weight_t. Example (2 executions, see tests/loss/test_reference.py for the hand values):
+Packed (gyre/trajectory/microstep.py), −A_i/(|E|·L_i) is `token_weight[t]`: loss = Σ_t mask_t ·
+m_i · ω_t · token_weight_t · ℓ_t. Example (hand values: tests/loss/test_reference.py):
 
     >>> lp = torch.tensor([-1.0, -2.0]); b = lp.clone()
     >>> loss, m = gspo_loss(lp, b, torch.tensor([True, True]), torch.tensor([0, 0]),

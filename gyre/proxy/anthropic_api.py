@@ -3,38 +3,24 @@
 Content blocks map onto the chat template: `text` -> message text, assistant `tool_use` ->
 tool_calls, user `tool_result` -> a `tool` message (rendered inside `<tool_response>`), assistant
 `thinking` -> the message's `reasoning_content` (the template renders or drops it as it does;
-`redacted_thinking` is unreadable and left out).
+`redacted_thinking` is unreadable and left out). A user `image` or `document` block, also inside
+`tool_result` content, becomes a line of text for the text-only policy (`[image: image/png, 48213
+bytes]`; context, never a target), or a 400 with `--proxy.media reject`.
 
-Media for a text-only policy: a user `image` or `document` block, also inside `tool_result`
-content, becomes a line of text in its place: `[image: image/png, 48213 bytes]` (media type and
-decoded size), `[image: https://example.com, not fetched]` (a URL source: scheme and host only),
-`[document: file_id file_abc]`; a `text` (or `content`) document is its text. The line is
-context injected by the harness, never a training target. With `--proxy.media reject` such a
-block is a 400 naming the field instead.
-
-Extended thinking: with a chat format that has a reasoning channel (Qwen3's `<think>`,
-gyre/proxy/formats), the model's thinking comes back as a `thinking` block before the text and
-tool_use blocks (streamed as `thinking_delta`s; `signature` is empty: nothing here signs it).
-The request's `thinking` field switches the template's thinking (`enable_thinking`): `enabled`
-on, `disabled` off, absent the template's default (Qwen3: on). `budget_tokens` counts nothing
-(max_tokens bounds the whole answer). With a format without reasoning no thinking block is ever
-returned, as with a model that chose not to think.
-
-A trailing assistant message (a prefill: harnesses use it to force JSON or to resume) is continued
-as Anthropic continues it: its text is input after the generation prompt, the reply holds only the
-continuation, and the record's output_ids continue it (`payload_ref["prefill"]`: its ids, the last
-of input_ids). Re-sent as one assistant message (prefill + continuation) it splices back exactly.
-
+With a chat format that has a reasoning channel the model's thinking comes back as a `thinking`
+block before the text and tool_use blocks; the request's `thinking` field switches the template's
+thinking. A trailing assistant message (a prefill) is continued as Anthropic continues it: the
+reply holds only the continuation, and re-sent as one assistant message it splices back exactly.
 `tool_choice` any / tool forces a tool call by a forced prefix (gyre.proxy.core); structured
-outputs (`output_format`, `output_config.format`) are a 400 naming the field.
+outputs (`output_format`, `output_config.format`) are a 400 naming the field. Claude Code's
+`x-anthropic-billing-header:` system line is left out of the prompt. Each of these in full:
+docs/proxy_harnesses.md.
 
-Streams follow
-Anthropic's event sequence: message_start, per block content_block_start / _delta / _stop
-(text_delta, input_json_delta), message_delta (stop_reason, usage), message_stop. Errors use
-Anthropic's body: {"type": "error", "error": {"type", "message"}}; a prompt over the context is
-Anthropic's `prompt is too long: N tokens > M maximum` (gyre/proxy/limits.py), which Claude Code
-answers by compacting. Claude Code's `x-anthropic-billing-header:` system line (billing metadata
-that changes at compaction) is left out of the prompt.
+Streams follow Anthropic's event sequence: message_start, per block content_block_start / _delta
+/ _stop (text_delta, thinking_delta, input_json_delta), message_delta (stop_reason, usage),
+message_stop. Errors use Anthropic's body: {"type": "error", "error": {"type", "message"}}; a
+prompt over the context is `prompt is too long: N tokens > M maximum` (gyre/proxy/limits.py),
+which Claude Code answers by compacting.
 """
 
 from __future__ import annotations

@@ -14,16 +14,13 @@ line of text (`[image: image/png, 48213 bytes]`, `[image: https://example.com, n
 gyre.proxy.core); `response_format` json_object / json_schema is a 400 naming the field (no
 engine here constrains decoding to a schema; silently returning free text would be worse).
 
-Reasoning (chat formats with a reasoning channel, e.g. Qwen3's `<think>`; gyre/proxy/formats):
-the model's thinking comes back as `message.reasoning_content` (streamed as
-`delta.reasoning_content`), as SGLang and vLLM return it, and never in `content`;
-`chat_template_kwargs` (e.g. `{"enable_thinking": false}`) is passed to the chat template. An
-assistant message's `reasoning_content` (or `reasoning`) is given to the template, which renders
-or drops it as it does (re-sent turns the proxy produced splice their sampled ids either way).
+Reasoning (a chat format with a reasoning channel): the model's thinking comes back as
+`message.reasoning_content` (streamed as `delta.reasoning_content`), never in `content`;
+`chat_template_kwargs` is passed to the chat template, and a re-sent `reasoning_content` (or
+`reasoning`) to the template (docs/proxy_harnesses.md, "Reasoning").
 
-Log-probs are the engine's behaviour log-probs (`TokenEvent.logprob`); `top_logprobs` k (chat,
-with `logprobs: true`) and `logprobs` k (legacy completions) return the k most likely tokens at
-each position from the same distribution (`TokenEvent.top`), asked of the engine only then.
+Log-probs are the engine's behaviour log-probs (`TokenEvent.logprob`); `top_logprobs` k (chat)
+and `logprobs` k (completions) return the k most likely tokens from the same distribution.
 """
 
 from __future__ import annotations

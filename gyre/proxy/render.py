@@ -71,9 +71,8 @@ class StoredTurn:
 
     The context is kept as length + digest, not as ids: a long execution re-sends ~1M-token
     prompts hundreds of times, and only outputs need to be held. They are held packed (`array`
-    of C ints, 4 bytes an id): as a list, each id was its own int object, ~36 bytes, and every
-    turn of every open execution is kept; a list was also one more object for the garbage
-    collector to walk per call (issue 33).
+    of C ints, 4 bytes an id): in a list each id would be its own int object, ~36 bytes, for
+    every turn of every open execution, and more objects for the garbage collector to walk.
     """
 
     call_id: int
@@ -264,7 +263,7 @@ class ChatRenderer:
         parts.append(chunk[pos:])
         texts = [self._lit_re.sub(lambda m: self._specials[int(m.group(1))], t) for t in parts if isinstance(t, str) and t]
         # encode_batch releases the GIL while it encodes (encode does not): a long message never
-        # holds the event loop (issue 34)
+        # holds the event loop
         encoded = iter(self.plain.encode_batch(texts, add_special_tokens=False))
         out: list[int] = []
         for t in parts:
@@ -284,7 +283,7 @@ class ChatRenderer:
 
     def _encode(self, text: str, starts: list[int] | None = None, offset: int = 0) -> array:
         """`encode` as 4-byte C ints: the cached turns are copied in whole (a memcpy each), not as
-        ~1M Python ints for a long conversation (issue 34)."""
+        ~1M Python ints for a long conversation."""
         out = array("i")
         if not text:
             return out

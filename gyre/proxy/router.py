@@ -1,39 +1,20 @@
 """Routing of model calls to rollout engines, and rerouting in-flight calls on drain (docs/design.md §3).
 (Over 600 lines: selection, drain, failure backoff, gray-failure timeouts and migration share one call loop.)
 
-Selection: least-loaded among engines in rollout, with prefix affinity per execution (stay on the
-engine that holds the execution's KV unless it is `affinity_slack` calls busier than the least
-loaded). Load is the router's own count of in-flight calls per engine.
+Selection: least-loaded among engines in rollout (the router's own count of in-flight calls), with
+prefix affinity per execution: stay on the engine that holds its KV unless it is `affinity_slack`
+calls busier than the least loaded.
 
 Drain: `await router.drain(name)` stops new calls going to the engine, aborts each in-flight call
-there (the protocol's `abort` returns every token generated so far) and continues it on a retained
-engine — standalone pool first (least loaded), then cells by descending index — from input +
-tokens already generated, with `max_tokens` reduced by what was generated. The caller of
-`Router.generate` sees one stream of `TokenEvent`s; `drain` returns once the engine has no calls.
-An engine that fails mid-call is treated the same way (the call continues elsewhere), after a
-backoff (`failure_backoff_s`, doubling per failure in a row, at most 2 s); the failed engine is
-passed over for `failure_cooldown_s` while another is in rollout, and a call whose engines fail
-`max_failures` times in a row without producing a token gives up (`NoEngineError`: 503/529, one
-record with finish `error`), so a dead engine costs each call a few quick tries, not
-`max_reroutes` of them.
-
-Gray failures (a frozen rank: SIGSTOP, a hung driver; its socket still accepts): a call whose
-engine sends no token for `progress_timeout_s` is treated like a drained one, it continues
-elsewhere from the tokens it has. The silent engine is marked *stalled*: it gets no new calls
-while a health check (`RolloutEngine.health`, every `health_interval_s`, each under the same
-limit) goes unanswered, and is used again as soon as one is answered. Each of its calls moves
-on within `progress_timeout_s` of its last token, so a frozen engine costs a call at most that
-long, never the harness's own timeout.
-
-Migration (`migration`, a `gyre.backends.transfer.migration_policy.MigrationPolicy`; off by default): on drain, a
-call whose engine can export it (`protocols.can_migrate`) and for which the cost rule says moving
-its KV beats recomputing its prefix is paused with `migrate_out` instead of `abort` (same events
-back, plus a handle). When the call resumes on its target, the target pulls the KV
-(`migrate_in`: the ack), only then the source is told to release it, and the target's
-`generate` continues the request with 0 tokens recomputed. Any failure (refusal, transport error,
-source gone) falls back to recompute from the events already seen: never an abort. Every reroute
-is recorded (`RerouteRecord`: mode, tokens recomputed, bytes moved, latency from the pause to the
-first token on the target) in `reroute_log` and summed in `stats()["migration"]`.
+there (`abort` returns every token generated so far) and continues it on a retained engine —
+standalone pool first, then cells by descending index — from input + tokens generated, with
+`max_tokens` reduced. The caller of `Router.generate` sees one stream of `TokenEvent`s. A failed
+engine, or a frozen one (no token for `progress_timeout_s`: marked *stalled* until a health check
+answers), is treated the same way after a backoff; a call whose engines fail `max_failures` times
+in a row without a token gives up (`NoEngineError`). With a `MigrationPolicy` a call is paused
+with `migrate_out` instead of aborted and its KV moves (`gyre.backends.transfer.migration`); any
+failure falls back to recompute, never an abort. Every reroute is a `RerouteRecord` in
+`reroute_log` (in full: docs/design.md §3; docs/backends.md, "KV migration on reroute").
 
 Engine slot lifecycle (`SlotState`):
     ACTIVE   --drain()-->   DRAINING  (no new calls; in-flight calls being moved)
@@ -41,9 +22,6 @@ Engine slot lifecycle (`SlotState`):
     DRAINING|DRAINED --resume()--> ACTIVE
     DRAINED  --remove_engine()--> (gone)      ACTIVE/DRAINING are drained first
 Any other transition raises.
-
-Size (about 660 lines): least-loaded routing, drain/reroute, stall detection (`_Progress`) and migration hand-off
-share the router's one lock and per-engine state; splitting them would spread that state.
 """
 
 from __future__ import annotations

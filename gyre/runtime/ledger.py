@@ -9,29 +9,19 @@ its reward (`evaluated`) and, when its TITO records are not all its calls, what 
 (`scored`: then it is excluded from training and from its group's baseline).
 
 A group's record (`GroupRecord`) and its lifecycle:
-
     RUNNING ──set_work()──► READY ──(its step's close())──► CONSUMED
     (executions run and     (bundles made,           (the update is done; bundles and
      are evaluated)          the scheduler has it)    results dropped, rewards kept)
 
 A step's record (`StepRecord`) and its lifecycle:
-
     OPEN ──decide()──► REDUCING ──close()──► DONE
     (cells claim its    (the reduce is sent:    (the core's update is done:
      micro-steps, their  membership, groups,     its metrics row is written)
      metrics merge in)   staleness, |E| fixed)
 
 Any other transition raises `LedgerError`. Cell time comes from the state transitions the cells
-report, through one function (`gyre.runtime.cell.timeline_intervals`): the per-step `cell_time_s`, the
-summary's training fractions and the role-timeline plot all read the same intervals.
-
-Example::
-
-    led = RunLedger(num_cells=2)
-    led.begin(t=100.0)
-    led.add_group(0, spec, version=0)          # spec: gyre.executions.tasks.Group
-    led.transition(1, "draining", 103.0)
-    led.cell_times(end=110.0)["1"]             # {"rollout": 3.0, "draining": 7.0}
+report, through one function (`gyre.runtime.cell.timeline_intervals`): the per-step `cell_time_s`,
+the summary's training fractions and the role-timeline plot all read the same intervals.
 """
 
 from __future__ import annotations

@@ -9,24 +9,18 @@
     --train.resume                continue DIR, or the run `runs/<preset>/latest` points at
 
 A directory's lineage is in `run.json`: `attempts` lists every launch into it (the first run,
-each resume, each restart of the job by torchrun `--max-restarts` or a Slurm requeue) with the
-checkpoint and version it started from. Attempt numbers go into execution ids, so no launch
-ever reuses an earlier one's ids. A resume (or restart) from the checkpoint of version V cuts
-`metrics.jsonl` and `events.jsonl` back to steps before V: no step has two rows.
-
-A restarted job finds its directory again: rank 0 records the decision in torchrun's agent
-store, which outlives the workers (`gyre.run` keeps every attempt's own keys under a prefix of
-its own), and a restart resumes from the newest complete checkpoint there (or from version 0 when
-the job died before its first checkpoint). A Slurm requeue is a new torchrun: `launch.sh` gives
-it `--run-dir runs/slurm-<job id>` and `--train.resume` on a requeue.
+each resume, each restart by torchrun `--max-restarts` or a Slurm requeue); attempt numbers go
+into execution ids, so no launch reuses an earlier one's ids, and a resume from version V cuts
+`metrics.jsonl` and `events.jsonl` back to steps before V. A restarted job finds its directory
+again through torchrun's agent store, which outlives the workers (docs/operations.md,
+"Checkpoints, resuming and restarts").
 
 One job at a time: rank 0 locks the directory (`run.lock`, gyre.runtime.runlock) before it
 writes or deletes anything in it and holds the lock until it exits; a second launch into it (a
 second `--train.resume`, an `--overwrite`, a relaunch while the old job is still stopping) is
 refused on every rank, naming the holder's pid and host.
 
-Data a preset prepares (the cpu-demo's tasks and warm start) lives beside the runs, in
-`runs/<preset>/data`, and is reused by every run. Rank 0 decides and creates the directory and
+Data a preset prepares lives beside the runs, in `runs/<preset>/data`. Rank 0 decides and creates the directory and
 writes `run.json` (the config and command line); the other ranks read the decision from the
 rendezvous store, so every rank writes to the same place even when their clocks differ. A
 refusal is raised on every rank, before any engine, proxy or harness exists.

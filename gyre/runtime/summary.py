@@ -182,7 +182,7 @@ class Progress:
 
 def trend_line(t: dict[str, Any], steps: int | str) -> str:
     """The reward trend of summary.json as one line: the fitted rise over the run with its 95 %
-    interval first (README quotes it), then the first and last windows with what they counted:
+    interval first (benchmarks/README.md quotes it), then the first and last windows with what they counted:
     executions, and the groups they form when rewards were grouped."""
     def counted(n: int, groups: int | None) -> str:
         return f"{n} executions" + (f" in {groups} groups" if groups is not None else "")

@@ -3,26 +3,11 @@
 Reads each run directory's `events.jsonl` (the scheduler's event log, wall-clock seconds),
 `metrics.jsonl`, `summary.json` and, when present, `run.json` (the run's config), and writes a
 profile (`gyre.sim.profile`, JSON) with every fitted cost, its 90 % bootstrap interval and the
-joint bootstrap replicates. What is fitted, and from which events:
-
-- ``cell_hours_per_step``: a step's training work on one cell = Σ over the step's micro-steps of
-  claim → item_done on the cell that trained it (resampled by step);
-- per-cell micro-step time (``meta.fits.item_s_by_cell``) and the satellites' speed relative to
-  the core (``meta.fits.satellite_speed``): reported, the simulator trains every cell alike;
-- ``optimizer_s``: optimizer_step → step_done of a burst's final step (reduce + update + publish);
-  ``param_send_s``: the extra of a non-final step (parameters sent to the satellites);
-- ``switch_to_train_s`` / ``switch_to_rollout_s``: switch_to_* → switch_done per cell (memory
-  hand-over included; summary.json's ``handover_s`` parts go to ``meta.fits.handover_s``);
-- ``eval_s``: a group's last exec_finish → group_ready (scoring);
-- ``reroute_s``: metrics.jsonl's mean reroute latency (migrated and recomputed, by count);
-- the harness durations (exec_start → exec_finish per execution): a hierarchical log-normal
-  (m, σ_q per query, σ_e per execution) by moments of log-durations, the cap at the run's
-  timeout (the longest ``timed_out`` executions of summary.json), plus the tail quantiles;
-- the load: executions running per rollout cell on average (``meta.fits.load_per_rollout_cell``),
-  and how an execution's duration grows with the load it ran under (``meta.fits.load_slope``:
-  least-squares slope of duration / mean duration on load / C_e). The simulator runs an
-  execution at full speed in its slot, so a clearly positive slope says the profile's durations
-  hold that load's slowdown (predictions at a much higher load per cell are then optimistic).
+joint bootstrap replicates: the training work per step (``cell_hours_per_step``), optimizer and
+parameter-send time, the switches, scoring, reroute latency, and the harness durations (a
+hierarchical log-normal with its cap and tail). Per-cell and load fits that the simulator does not
+use are reported under ``meta.fits``. Which events each cost is fitted from:
+docs/planning.md, "What --calibrate fits".
 
 Not measurable from a Gyre run and kept at the simulator's defaults (``n`` = 0 in the profile):
 ``kv_recompute_s`` (Gyre never pauses an execution) and ``scaling_exponent`` (one cell size).

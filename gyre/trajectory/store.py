@@ -9,25 +9,18 @@ File layout (little-endian):
              | input_ids[shared:] int32 | output_ids int32[O] | output_logprobs float32[O]
              | output_versions int32[O] | message_starts int32[M]
 
-Prefix sharing: a call's input usually repeats an earlier call's input + output. The writer
-compares each input with the full sequences (input + output) of its last `delta_window` records
-and, when they share at least 32 leading tokens, stores only `ref` (the index of that earlier
-record in this file) and `shared` (the prefix length) instead of the prefix. References point
-backwards only, so a torn tail never breaks an earlier record. On a 636-call, ~1M-unique-token
-execution this cuts the file from ~270 MiB to a few MiB. Token arrays are raw bytes (no JSON
-lists of ints). Each frame goes to disk in one `write` on an O_APPEND descriptor; a crash while
-writing loses at most that frame. On load, a frame that runs past the end of the file, fails
-its checksum as the file's last frame, or a zero-filled tail (file size extended, data never
-written) is a *torn tail*: it is dropped and reported (`StoreReadResult.torn_tail_bytes`), and
-`TitoWriter` truncates it before appending again. Any other damage (a bad frame followed by more
-data) raises `StoreCorruptError` naming the file and offset: nothing is silently lost.
+Prefix sharing: a call's input usually repeats an earlier call's input + output, so the writer
+stores only `ref` (an earlier record of this file among the last `delta_window`) and `shared`
+(the prefix length, ≥ 32 tokens) instead of the prefix. References point backwards only, so a
+torn tail never breaks an earlier record. Each frame goes to disk in one `write` on an O_APPEND
+descriptor; on load, a frame cut short, a last frame with a bad checksum or a zero-filled tail is
+a *torn tail*: dropped, reported (`StoreReadResult.torn_tail_bytes`) and truncated by the next
+`TitoWriter`. Any other damage raises `StoreCorruptError` naming the file and offset.
 
 Sealing: `TitoWriter.seal()` closes the file and makes it read-only (mode 0444); a sealed file is
 complete (its execution was closed) and `TitoWriter` refuses to open it again (`SealedError`),
-in this process or a later one, so no record is ever appended after the close.
-
-Concurrency: `TitoWriter.append` is thread-safe (a lock serializes frames). Use one writer per
-execution file per process; two processes appending to one file is not supported.
+so no record is ever appended after the close. `TitoWriter.append` is thread-safe; one writer
+per execution file per process (two processes appending to one file is not supported).
 """
 
 from __future__ import annotations

@@ -4,26 +4,21 @@ Every call contributes the sequence input_ids + output_ids. Identical prefixes s
 compaction, sub-agents, retries and edited histories appear as branches; the candidate
 trajectories are the leaves.
 
-Provenance (docs/design.md §5). A tree position is a *target* iff some call sampled the token at
-that position, i.e. the position lies in the output part of a call whose whole sequence runs
-through it. Because a tree position is its full prefix, this is exactly "the same token id in
-the same context": an earlier output that reappears verbatim, at the same position, in a later
-call's input is the *same* position and stays a target; a later input that diverges inside an
-earlier output branches off, and everything on the new branch is context unless that later call
-sampled it itself. If several calls sampled the same position, the first call in `call_id`
-order supplies the behavior log-prob (all of them sampled that token in that context).
+Provenance. A tree position is a *target* iff some call sampled the token at that position. A
+tree position is its full prefix, so this is exactly "the same token id in the same context": an
+earlier output that reappears verbatim, at the same position, in a later call's input stays a
+target; a later input that diverges inside an earlier output branches off, and the new branch is
+context unless that later call sampled it itself. If several calls sampled the same position, the
+first in `call_id` order supplies the behavior log-prob.
 
-Message nodes. When calls report `message_starts`, every tree position where some call starts a
-message is *marked* (position 0 always is). A message node is a message's token span, the same
-node when its whole prefix is the same; a node ends either just before a marked position or at
-a leaf. So unique message nodes = leaves + positions with a marked child, and the occurrences
-if every leaf path were expanded = Σ over leaves of the marks on the root-to-leaf path.
+Message nodes: where calls report `message_starts`, every position where some call starts a
+message is *marked*; a message node ends just before a marked position or at a leaf
+(docs/trajectory.md, "Prefix tree and provenance").
 
 Implementation: a compressed radix tree whose edges ("segments") own growable numpy arrays.
-Inserting a call walks O(branch points) segments and compares tokens vectorized, so the cost is
-about one int32 comparison per input token; a call that extends a leaf appends in place.
-`PrefixTree` is the frozen, flat result: arrays of length U (unique tokens) plus a segment table,
-memory O(U + segments).
+Inserting a call walks O(branch points) segments and compares tokens vectorized, about one int32
+comparison per input token; a call that extends a leaf appends in place. `PrefixTree` is the
+frozen, flat result: arrays of length U (unique tokens) plus a segment table, memory O(U + segments).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ held against (benchmarks/actor_memory.py; docs/backends.md, "The CPU actor's mem
 
 Activations, per token, of one decoder layer of the supported dense families (Llama / Qwen2 /
 Qwen3 in transformers, SDPA attention), counted from what autograd saves for the backward
-(tests/backends/test_actor_memory.py checks the count against `saved_tensors_hooks`):
+(tests/backends/actors/test_actor_memory.py checks the count against `saved_tensors_hooks`):
 
     8 · hidden       the layer's input; x·rsqrt and the normed input, before attention and before
                      the MLP (2 × 2); q after RoPE; the attention output; the residual after
@@ -14,12 +14,9 @@ Qwen3 in transformers, SDPA attention), counted from what autograd saves for the
     4 · intermediate gate, up, silu(gate), silu(gate)·up
     heads + 2        the attention's log-sum-exp per head; the two RMSNorms' rsqrt
 
-With activation checkpointing only each layer's input stays (hidden per token per layer), plus
-one layer's full set while it is recomputed in the backward. Outside the layers, per token: the
-final norm (input, x·rsqrt, output: 3 · hidden, and its rsqrt: 1), RoPE's cos and sin
-(2 · head_dim), the token ids and targets (int64: 2 + 2), the log-prob op's log-sum-exp (float64:
-2). The log-probs take `chunk` rows of [chunk, V] float32 logits at a time and a float32 [V, hidden]
-gradient accumulator for the LM head (gyre/csrc/chunked.h); never the whole [T, V].
+With activation checkpointing only each layer's input stays, plus one layer's full set while it
+is recomputed. Outside the layers: the final norm, RoPE's cos and sin, ids and targets, the
+log-prob op's log-sum-exp, and `chunk` rows of logits at a time (never the whole [T, V]).
 
     >>> a = memory_accounting(10, 2, hidden=4, layers=1, vocab=8, intermediate=6, heads=2, kv_heads=1, chunk=2)
     >>> a["weights_bytes"], a["optimizer_bytes"], a["activations_bytes"]

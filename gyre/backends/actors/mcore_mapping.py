@@ -11,28 +11,16 @@ Families (`hf_config.model_type`): 'qwen2' (Qwen2/2.5: q/k/v biases), 'qwen3' (p
 RMSNorm = megatron `qk_layernorm`, explicit head_dim = `kv_channels`), 'qwen3_moe' (Qwen3
 attention, top-k softmax router, SwiGLU experts), 'llama' (Llama 3.x, llama3 RoPE scaling).
 
-Two layer-spec name layouts (megatron-core 0.16.1 `models/gpt/gpt_layer_specs.py`):
-  local  `get_gpt_layer_local_spec`: separate norms `input_layernorm.weight`,
-         `pre_mlp_layernorm.weight`.
-  te     `get_gpt_layer_with_transformer_engine_spec`: `input_layernorm` is IdentityOp and the norm
-         lives in the fused `self_attention.linear_qkv` (TELayerNormColumnParallelLinear) as
-         `linear_qkv.layer_norm_weight`; a dense layer's `pre_mlp_layernorm` is IdentityOp and its
-         norm is `mlp.linear_fc1.layer_norm_weight`; an MoE layer keeps `pre_mlp_layernorm`
-         (TENorm; the experts cannot fuse it, gpt_layer_specs.py:291). The local spec's own
-         `sharded_state_dict_keys_map` (gpt_layer_specs.py:417) states the same renames.
-Expert layouts (megatron `transformer/moe/experts.py`):
-  sequential  SequentialMLP: `mlp.experts.local_experts.{j}.linear_fc1.weight` (experts.py:948),
-              built by the local spec and by the TE spec without grouped GEMM.
-  grouped     TEGroupedMLP (TE GroupedLinear, one parameter per local expert):
-              `mlp.experts.linear_fc1.weight{j}` (experts.py:795), the TE spec with grouped GEMM.
-  (The legacy GroupedMLP, `weight1`/`weight2`, needs the grouped_gemm package and bf16: not built.)
-
-The full megatron dict numbers experts globally (0..E-1); `shard` keeps this EP rank's
+Name layouts: `local` (`get_gpt_layer_local_spec`: separate norms) and `te`
+(`get_gpt_layer_with_transformer_engine_spec`: norms fused into `linear_qkv` / `linear_fc1` as
+`layer_norm_weight`, an MoE layer keeping `pre_mlp_layernorm`). Expert layouts: `sequential`
+(SequentialMLP, `mlp.experts.local_experts.{j}.*`) and `grouped` (TEGroupedMLP,
+`mlp.experts.linear_fc1.weight{j}`). Where megatron states each name: docs/backends.md, "GPU
+adapters". The full megatron dict numbers experts globally (0..E-1); `shard` keeps this EP rank's
 E/EP experts renumbered from 0, as megatron's local modules are.
 
-Size (about 630 lines): one table of names, shapes and shards per family and name layout (local,
-TE fused norms, sequential / grouped experts), kept in one place so a family's whole mapping reads
-together; a fifth family would move the per-family tables into modules beside gyre/backends/models/arch/.
+The tables stay in one module so a family's whole mapping reads together; a fifth family would
+move the per-family tables into modules beside gyre/backends/models/arch/.
 """
 
 from __future__ import annotations

@@ -6,37 +6,21 @@ A cell of S ranks holds one replica laid out by megatron's `parallel_state` (TP 
 groups are not used; gradients are summed over the Gyre prefix group of this intra-cell position
 (docs/design.md §3) by `reduce_gradients(group)`, and only the core owns the optimizer.
 
-Real megatron-core APIs used (checked against megatron-core 0.16.1):
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=..., pipeline_...,
-        context_parallel_size=..., expert_model_parallel_size=..., order="tp-cp-ep-pp-dp"),
-        called by every rank of the world (gyre.run), standalone-pool ranks too
-    tensor_parallel.model_parallel_cuda_manual_seed(seed) (the RNG tracker GPTModel forks)
-    TransformerConfig(...) + GPTModel(config, transformer_layer_spec, vocab_size,
-        max_sequence_length, position_embedding_type='rope', rotary_base=..., ...)
-    gpt_layer_specs.get_gpt_layer_local_spec(normalization='RMSNorm') (TE spec where installed)
-    pipeline_parallel.get_forward_backward_func() for the micro-step (any PP)
-    tensor_parallel.vocab_parallel_cross_entropy(logits, target) = −ℓ over the TP vocab shards
-    tensor_parallel.layers.param_is_not_tensor_parallel_duplicate (norm over TP × PP, own code:
-        megatron's clip_grads allocates on 'cuda' and asserts fp32 CUDA grads)
-
-The weight mapping HF ⇄ megatron per family (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama 3.x; TE and
-local layer-spec names) lives in `gyre.backends.actors.mcore_mapping` (`hf_to_mcore`, `mcore_to_hf`,
-`shard_for_tp`, `unshard_tp` stay importable here). The config translation
-(`transformer_config_kwargs`, `gpt_model_kwargs`) and the fp32 main-grad arithmetic
+The weight mapping HF ⇄ megatron per family lives in `gyre.backends.actors.mcore_mapping`
+(`hf_to_mcore`, `mcore_to_hf`, `shard_for_tp`, `unshard_tp` stay importable here). The config
+translation (`transformer_config_kwargs`, `gpt_model_kwargs`) and the fp32 main-grad arithmetic
 (`main_grads_fp32`, `grad_norm_fp32`, `clip_by_total_norm_`, `Fp32Master`) are pure and
 CPU-tested. The GPTModel is shaped from the HF config alone: a satellite passes no weights
 (`MegatronActor(hf_config, None, ...)`), the core may read a checkpoint one tensor at a time
-(`MegatronActor.from_checkpoint(dir, ...)`). Parallel state, the rank layout and building the
-actor (weights in, HF names out; every family at TP 1/2 and EP 2) are CPU-tested on gloo (slow:
-importing megatron takes ~15 s on 2 cores); a training step needs CUDA (megatron's rotary
-embedding and buffers call torch.cuda).
+(`MegatronActor.from_checkpoint(dir, ...)`). A training step needs CUDA (megatron's rotary
+embedding and buffers call torch.cuda); parallel state and building the actor are tested on gloo.
 
 Not built: MoE with TP > 1 in training (megatron needs sequence parallelism there), PP export,
-context parallelism (all refused up front by `mcore_mapping.check_layout`, except PP export).
+context parallelism (refused up front by `mcore_mapping.check_layout`, except PP export). The
+megatron-core 0.16.1 APIs used, and what is tested where: docs/backends.md, "GPU adapters".
 
-Size (about 670 lines): the actor is one Protocol implementation over megatron's own state (model
-chunks, parallel groups, fp32 master, offload); the name mapping already lives in mcore_mapping.py.
-The next split is the fp32 master / grad-norm helpers into their own module.
+The actor is one Protocol implementation over megatron's own state (model chunks, parallel groups,
+fp32 master, offload); the next split is the fp32 master / grad-norm helpers into their own module.
 """
 
 from __future__ import annotations

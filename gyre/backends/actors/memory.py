@@ -6,8 +6,8 @@ Entering rollout, an actor moves its parameters, gradients (`.grad`, Megatron's 
 page-locked where CUDA runs, so the copies run at PCIe speed — and the CUDA caching allocator
 gives the freed blocks back (`torch.cuda.empty_cache`), so the engine can take them. Entering
 training, `restore` moves everything back to the actor's device. Both are exact copies: a step
-after offload → restore equals one without (tests/backends/test_cpu_actor.py,
-tests/backends/test_megatron_actor.py).
+after offload → restore equals one without (tests/backends/actors/test_cpu_actor.py,
+tests/backends/actors/test_megatron_actor.py).
 
 `--backend.offload-actor` (default) does this at every switch; `--backend.no-offload-actor`
 keeps the actor resident when the device has memory for both (no copy, no latency).

@@ -8,26 +8,13 @@ An asyncio front (`generate` streams TokenEvents) over one decode loop task. Eac
         last token (`decoder.extend`, token-wise work batched over all of them)
     sample one token per request, emit it, retire finished requests
 
-so requests join and leave the running batch between decode steps.
-
-Emulated accelerator (`min_decode_step_s` > 0, benchmarks only): a step that computed faster than
-the floor sleeps the rest of it before emitting its tokens, so an engine's throughput is
-max_batch tokens per floor whatever else shares the CPU (`paced_s` sums the sleeps,
-`slow_steps` counts steps whose compute overran the floor).
-
-Log-probs. Each TokenEvent carries log-softmax of the raw logits at the sampled token (config
-`logprobs='policy'`, the default): exactly the trainer's ℓ_t for the same weights and tokens,
-whatever temperature / top-p sampled it. With `logprobs='sampling'` it is the log-prob under the
-tempered, top-p-renormalised distribution actually sampled from instead. With
-`SamplingParams.top_logprobs` = k, each event also carries the k most likely tokens of that same
-distribution (`TokenEvent.top`; the policy one: log-softmax of the raw logits), computed only
-for requests that ask.
-
-Weight updates. `update_weights` waits for the current step to finish, copies the new weights in
-place bucket by bucket (at most `bucket_bytes` staged at once, `--transfer.bucket-mb`) and,
-with `recompute_kv_on_update`, drops running requests' caches so the next step re-prefills
-prompt + generated tokens under the new weights: every later token's log-prob is exactly the new
-weights' and carries the new version. No request is dropped.
+so requests join and leave the running batch between decode steps. Each TokenEvent's log-prob is
+log-softmax of the raw logits at the sampled token (`logprobs='policy'`): exactly the trainer's ℓ_t
+for the same weights and tokens, whatever temperature / top-p sampled it. `update_weights` copies
+the new weights in place bucket by bucket (`--transfer.bucket-mb`) and, with
+`recompute_kv_on_update`, re-prefills running requests: every later token's log-prob is the new
+weights' and carries the new version; no request is dropped. Sampling, stops, abort, the emulated
+accelerator of the benchmarks (`min_decode_step_s`): docs/backends.md, "CPU engine".
 
 Lifecycle (`EngineState`):
     CREATED → RUNNING (start) | STOPPED

@@ -198,7 +198,7 @@ def _attend_one(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, total: int,
     """_attend for one query q [nh, hd] (a decode step) into out [nh, hd], bit for bit: with one
     query the folded layout [nkv, groups, hd] is a view (no permute, no copy), no mask is needed,
     and the result is written in place. A decode step runs this once per request and layer, so
-    its per-op overhead was the engine's (issue 51: 8 streams at 0.72 of a bare batched forward)."""
+    its per-op overhead is the engine's."""
     scores = torch.matmul(q.view(nkv, groups, hd), kc[:, :total].transpose(1, 2)) * scale  # [nkv, groups, L]
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(out.dtype)
     torch.matmul(probs, vc[:, :total], out=out.view(nkv, groups, hd))

@@ -16,22 +16,12 @@ Engines of other cells live in other processes (docs/design.md §1); the proxy r
 
 A client that goes away mid-stream makes the server abort the engine request.
 
-Authentication. Every route, the websocket upgrade included, needs `Authorization: Bearer
-<secret>` and answers 401 otherwise (compared in constant time, `hmac.compare_digest`). The secret
-is per run: rank 0 draws it (`new_secret`, 256 bits) before any engine starts and broadcasts it
-over the job's gloo control group (`engine_host.share_secret`), point-to-point TCP connections
-between the job's own processes. It is never written to torchrun's store, the environment, the
-command line or a file: the store is a plain TCP server with no authentication, so on a shared
-host any local process (a harness, same uid) that finds its port can read every key in it (the
-engine URLs included) and must not find the secret there. Harnesses talk to the proxy only; the
-proxy's router sends the secret (`HttpEngine(url, secret=...)`) and gives engines request ids
-with a 96-bit random part, so an id cannot be derived from an execution id. What the secret does
-not stop: a process that can read a rank's memory (ptrace under the same uid, root) - keeping
-harnesses out of that is the sandbox's job, not this one's.
-
-`serve_engine(engine)` draws a secret when none is given (`handle.secret`); an `HttpEngine` in the
-same process as the server finds it by URL (in-process tests, benchmarks), any other client must
-be given it (`python -m gyre.proxy` reads GYRE_ENGINE_SECRET; the admin API takes "secret").
+Every route, the websocket upgrade included, needs `Authorization: Bearer <secret>` (401
+otherwise, compared in constant time). The secret is per run, drawn by rank 0 and broadcast over
+the job's gloo group (`engine_host.share_secret`), never written to torchrun's store, the
+environment, argv or a file (docs/security.md). `serve_engine(engine)` draws one when none is
+given (`handle.secret`); an `HttpEngine` in the server's process finds it by URL, any other client
+must be given it (`python -m gyre.proxy` reads GYRE_ENGINE_SECRET; the admin API takes "secret").
 """
 
 from __future__ import annotations

@@ -1,35 +1,27 @@
 """Multiplexed engine transport: all generate / abort traffic of one client over one websocket.
 
-An HTTP request per model call costs a request/response cycle on both sides; the proxy makes
-thousands of calls per second to a few engines, so `HttpEngine` (transport="ws", the default)
-keeps one websocket per engine and event loop instead. Tokens produced back to back are
-coalesced into one frame. A request whose `sampling.hold_s` is > 0 (the proxy's
-`engine_hold_s`, for calls that need their text only at the end; `stream_interval_s`, for those
-that stream) has its tokens after the first held up to that long and sent together: a frame per
-hold_s, not per token, on both loops. The client marks every token of a frame but the last
-(`TokenEvent.more`), so the proxy can stream a frame as one chunk.
+The proxy makes thousands of calls per second to a few engines, and an HTTP request per call costs
+a request/response cycle on both sides, so `HttpEngine` (transport="ws", the default) keeps one
+websocket per engine and event loop. Tokens produced back to back are coalesced into one frame; a
+request whose `sampling.hold_s` > 0 has its tokens after the first held up to that long and sent
+together; every token of a frame but the last is marked (`TokenEvent.more`).
 
 Client -> server, one frame each:
     generate: a binary frame, `{"op": "generate", "rid", "sampling"}` as JSON, a newline, then
-              the prompt's token ids as little-endian int32 (prompts run to ~1M tokens: a JSON
-              list of ints, or base64 inside JSON, costs ~10x more to write and read, on both
-              event loops); a text frame with "input_ids" as a JSON list is also accepted.
-              A prompt over PART_IDS ids comes as `part` frames first, each
-              `{"op": "part", "rid"}`, a newline, then up to PART_IDS of its ids: the generate
-              frame's ids follow theirs. One frame of ~4 MB is copied and masked (the client
-              masks every frame) in one hold of the client's event loop; parts are short ones.
+              the prompt's ids as little-endian int32 (a JSON list of ~1M ints costs far more to
+              write and read on both loops); a text frame with "input_ids" is also accepted. A
+              prompt over PART_IDS ids sends `part` frames first (`{"op": "part", "rid"}`, a
+              newline, up to PART_IDS ids), so no single frame holds the client's loop long.
     abort:    a text frame, {"op": "abort", "rid"}
 Server -> client, text frames of newline-terminated lines:
     t <rid> <token_id> <logprob repr> <version> [finish_reason] [top=<id>:<lp>,...]   a token
     e <rid>                                                          the stream ended
     x <rid> <message>                                                the stream failed
     a <rid> <json [[id, logprob, version, finish_reason(, top)], ...]>  reply to abort
-The `top=` field (`TokenEvent.top`, only when the request asked for `top_logprobs`) and the
-abort row's fifth element ([[id, logprob], ...]) are absent for events without alternatives, so
-such frames are byte for byte what they were before alternatives existed; `sampling` leaves out
-`top_logprobs` when it is 0 for the same reason (an older server refuses unknown fields).
-Request ids must not contain whitespace. A dropped connection fails every open stream (the
-router then continues those calls elsewhere) and makes the server abort their requests.
+`top=` and the abort row's fifth element appear only for requests that asked for `top_logprobs`,
+and `sampling` leaves out a zero `top_logprobs` (an older server refuses unknown fields). Request
+ids must not contain whitespace. A dropped connection fails every open stream (the router then
+continues those calls elsewhere) and makes the server abort their requests.
 """
 
 from __future__ import annotations
@@ -234,7 +226,7 @@ PART_IDS = 1 << 16  # ids per frame of a long prompt (256 KiB)
 async def _ids_bytes(ids: list[int], chunk: int = 1 << 16) -> bytes:
     """`ids` as little-endian int32 bytes (`TokenIds`: as packed off the loop), else converted
     `chunk` ids at a time with the loop let run in between: a 1M-id prompt is ~15 short GIL
-    holds, not one of ~50 ms (issue 34)."""
+    holds, not one long hold that stalls every other call on the loop."""
     if isinstance(ids, TokenIds) or len(ids) <= chunk:
         return int32_ids(ids).tobytes()
     parts = []

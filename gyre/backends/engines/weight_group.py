@@ -1,7 +1,7 @@
 """The core's side of SGLang's weight-update group (`SglangEngine.init_weights_update_group`,
 then `update_weights_from_distributed`): rank 0 of a process group of its own, laid out in the
 store exactly as sglang 0.5.23's `init_custom_process_group` lays out the engine ranks, so the two
-sides wait on the same keys (tests/backends/test_weight_group.py meets SGLang's own function)."""
+sides wait on the same keys (tests/backends/engines/test_weight_group.py meets SGLang's own function)."""
 
 from __future__ import annotations
 

@@ -4,42 +4,23 @@
     byte_table(tokenizer)      →  ByteTable: bytes of every id, built once
     id_count(tokenizer)        →  one past the largest id (what sampleable_vocab is)
 
-**The byte table.** A stream of sampled ids is shown incrementally: each id's bytes are appended
-and UTF-8 decoded as they complete (`gyre.proxy.textstream.Detokenizer`), never re-decoding the
-whole output. That needs, for every id, the bytes the tokenizer's *decoder* turns it into. The
-decoder is read from the tokenizer's own `tokenizer.json` and emulated per token (tokenizers
-0.23 passes every token, added and special ones included, through the decoder chain:
-`Tokenizer.decode` → `decoder.decode_chain(tokens)`):
-
-    ByteLevel       GPT-2's byte alphabet (Qwen, Llama 3, Mistral Tekken): each symbol → its
-                    byte; a token with a symbol outside the alphabet (an added token such as
-                    `<|a b|>`) passes through as its UTF-8 (the decoder's own fallback)
-    Replace         a one-character pattern (SentencePiece's `▁` → space), per character
-    ByteFallback    a token spelled exactly `<0xNN>` → the byte NN
-    Fuse            joins tokens: what follows applies to the whole text, not per token
-    Strip           per token before a Fuse; after it, the first `start` characters of the whole
-                    text when they are the content (Llama 2 / Mistral v1: one leading space)
-    Metaspace       `▁` → space; with a prepend scheme other than `never` the *first token's*
-                    `▁` are dropped
-
-The leading-space rules (the Strip after Fuse, Metaspace's first token) apply only where a
-decode starts, and a model's output never starts one: it continues its prompt. The table holds
-the continuation bytes, which is what SGLang shows as well (its detokenizer decodes the output
-with the prompt's last tokens in front and keeps the difference: sglang 0.5.23
-`srt/managers/detokenizer_manager.py`, `surr_offset`/`read_offset`). `ByteTable.decode` applies
-the rule, for comparisons with `tokenizer.decode`. The invariant (tests/proxy/test_vocab_*.py,
-hypothesis over random ids):
+The proxy shows a stream of sampled ids incrementally (`gyre.proxy.textstream.Detokenizer`):
+each id's bytes are appended and UTF-8 decoded as they complete, never re-decoding the whole
+output. That needs, for every id, the bytes the tokenizer's *decoder* turns it into: the decoder
+chain of `tokenizer.json` (ByteLevel, Replace, ByteFallback, Fuse, Strip, Metaspace) is emulated
+per token. The table holds continuation bytes (a model's output continues its prompt, so the
+leading-space rules that apply where a decode starts do not apply; SGLang shows the same);
+`ByteTable.decode` applies them, for comparisons with `tokenizer.decode`. The invariant
+(tests/backends/models/test_vocab*.py, hypothesis over random ids):
 
     for ids whose joined bytes are valid UTF-8:
         backend.decode(ids, skip_special_tokens=False) == table.decode(ids)
     byte-level tokenizers, any ids (both replace invalid bytes by maximal subparts):
         backend.decode(ids) == table.join(ids).decode("utf-8", "replace")
 
-(transformers' `clean_up_tokenization_spaces`, on in Llama 3's config, is a cosmetic rewrite of
-" ." etc. after decoding; the proxy shows the exact text, which re-tokenizes to the sampled ids.)
-Ids the tokenizer has no token for (holes in its ids, the padding rows of an embedding larger
-than the tokenizer) have no bytes: `table[i]` is b"" and `i in table.undecodable`; reading past
-the end gives b"" too, so no sampled id can make the proxy fail.
+Ids the tokenizer has no token for (holes, an embedding's padding rows) have no bytes: `table[i]`
+is b"" and `i in table.undecodable`, as is any id past the end, so no sampled id can make the
+proxy fail. How each decoder step is emulated: docs/backends.md, "The byte table".
 """
 
 from __future__ import annotations

@@ -1,38 +1,27 @@
-"""KV-cache migration of a running request between engines (docs/design.md §3, "migrate the KV
-cache instead of recomputing the prefix").
+"""KV-cache migration of a running request between engines (docs/backends.md, "KV migration on reroute").
 
-When a cell drains, the router offers each in-flight call to a retained engine. Today's default
-is recompute: the target prefills prompt + generated tokens again. Migration moves the request
-instead: its KV (every layer), the tokens, log-probs and versions generated so far, and its
-sampling state (the RNG's exact position; min_tokens progress is the count of generated tokens),
-so the continuation is token for token and log-prob for log-prob what the source would have
-produced (given the same batch composition; see `CpuEngine.export_request`).
-
-Two-phase handshake, driven by the router with small control messages (never the KV itself):
+When a cell drains, the router may move an in-flight call instead of recomputing its prefix: its
+KV (every layer), the tokens, log-probs and versions so far, and its sampling state (the RNG's
+exact position), so the continuation is token for token what the source would have produced
+(given the same batch composition; see `CpuEngine.export_request`). Two-phase handshake, driven by
+the router with small control messages (never the KV itself):
 
     router → source  migrate_out(rid)        source stops decoding rid between steps, packs its
                                              state into one flat buffer, *holds* it on its KV
                                              transport under a key; replies (events, handle)
-    router → target  migrate_in(rid', handle) target pulls the bytes over the transport (gloo
-                                             point-to-point, Mooncake TCP/RDMA, or in-process),
-                                             checks them, parks the request under rid'; ack
+    router → target  migrate_in(rid', handle) target pulls the bytes (gloo p2p, Mooncake, or
+                                             in-process), checks them, parks the request; ack
     router → source  migrate_release(key)    only now the source drops the held buffer
     router → target  generate(rid', prompt + generated, sampling)   adopts the parked state
 
-Any failure (source refuses, target refuses, transport error, source gone mid-pull) leaves the
-router with the events it already has: it releases what the source holds (best effort) and falls
-back to recompute. Nothing is aborted.
+Any failure leaves the router with the events it already has: it releases what the source holds
+(best effort) and falls back to recompute. Nothing is aborted.
 
-Ticket lifecycle on the source (`TicketState`): HELD → RELEASED (released by the router after the
-target's ack, or after a failed migration). RELEASED is final; releasing twice is harmless, and
-pulling a released ticket raises KeyError.
-
-Wire format of the flat buffer (self-describing, no pickle: it crosses process boundaries):
+Ticket lifecycle on the source (`TicketState`): HELD → RELEASED (after the target's ack, or after
+a failed migration). RELEASED is final; releasing twice is harmless, pulling a released ticket
+raises KeyError. The flat buffer is self-describing, no pickle (it crosses processes):
 
     [8 bytes little-endian header length][header JSON, padded to 64][tensor bytes per `specs`]
-
-Cost rule (`MigrationPolicy`): migrate when kv_bytes / bandwidth + overhead < prefill tokens /
-prefill throughput (mode `auto`); `always` / `off` skip the rule.
 """
 
 from __future__ import annotations

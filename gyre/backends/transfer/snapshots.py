@@ -411,8 +411,8 @@ def check_reachable(mc: MooncakeTransport, owner: int | None, group: Any = None)
     `owner` given (the weight transport: every rank reads the core's engine only): everyone reads
     `owner`'s engine. `owner` None (KV migration: any rank may read any other's): every member
     reads the member one node further on (LOCAL_WORLD_SIZE ranks; the next rank on one node), so
-    every engine's advertised address is read, and from another node when there is one (issue 53:
-    a wrong address on node 1 alone passed a probe that read only rank 0's engine)."""
+    every engine's advertised address is read, and from another node when there is one (a wrong
+    address on one node alone would pass a probe that read only rank 0's engine)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     probe = mc.register(64) if owner is None or rank == owner else None
     if owner is None:
