@@ -342,7 +342,7 @@ TESTED_THROUGH = {
     "runtime/controller.py": "tests/runtime/test_controller_reduce.py, tests/runtime/test_controller_shutdown.py",
     "runtime/job.py": "tests/runtime/test_memory_order.py, tests/runtime/test_train_e2e.py",
     "runtime/outputs.py": "tests/runtime/test_metrics.py, tests/runtime/test_tracking.py",
-    "runtime/peers.py": "tests/runtime/test_rundir.py",
+    "runtime/peers.py": "tests/runtime/test_attempts.py",
     "runtime/proxy_access.py": "tests/executions/test_with_proxy.py",
     "runtime/runlock.py": "tests/runtime/test_rundir.py, tests/faults/test_run_lock.py",
     "runtime/worker.py": "tests/runtime/test_handover.py, tests/runtime/test_load_queue.py",

@@ -130,7 +130,7 @@ def test_help_explains_the_command():
 def test_the_page_names_each_launch_of_a_resumable_run(tmp_path):
     """run.json as the runs write it (issue 35 item 5: the page said "started None on None ranks"):
     its `attempts`, each with its start, world size, command and end."""
-    from gyre.runtime.rundir import end_attempt, write_manifest
+    from gyre.runtime.attempts import end_attempt, write_manifest
 
     _write_run(tmp_path / "run", finished=True)
     (tmp_path / "run" / "run.json").unlink()

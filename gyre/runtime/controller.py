@@ -36,7 +36,7 @@ from gyre.executions.health import HealthMonitor
 from gyre.executions.runner import EventKind, ExecutionEvent, HarnessRunner
 from gyre.executions.tasks import Dataset
 from gyre.proxy import Proxy
-from gyre.runtime import rundir, stop
+from gyre.runtime import attempts, stop
 from gyre.runtime.control import CONTROLLER, ControlPlane, ReplyWatch
 from gyre.runtime.ledger import RunLedger
 from gyre.runtime.messages import (Command, Failed, Interrupted, Joined, Load, Loaded, Reduce, Report, RequestWork,
@@ -79,11 +79,11 @@ class Controller:
             raise ValueError("executions.dataset.path is empty: give a JSONL of tasks (see examples/cpu_demo)")
         self.dataset = Dataset.from_jsonl(ds.path)
         # This launch's attempt: the groups earlier attempts lost come first, their evaluated
-        # groups are carried over into the first dispatch slots (gyre.runtime.rundir).
+        # groups are carried over into the first dispatch slots (gyre.runtime.attempts).
         self.run = run or RunDir(self.run_dir, attempt=0, start_version=start_version)
-        self.group_iter = rundir.attempt_groups(self.run, self.dataset, sc.n_per_group, shuffle=ds.shuffle,
-                                                seed=cfg.seed + start_version)
-        self.carried = rundir.carriable(self.run, self.dataset, sc.n_per_group)
+        self.group_iter = attempts.attempt_groups(self.run.attempt, self.run.redo_tasks, self.dataset, sc.n_per_group,
+                                                  shuffle=ds.shuffle, seed=cfg.seed + start_version)
+        self.carried = attempts.carriable(self.run.carried, self.dataset, sc.n_per_group)
         self.sched = ElasticScheduler(sc, topo.num_cells, topo.num_pool_engines * sc.cell_concurrency,  # C_s
                                       clock=WallClock(), start_version=start_version)
         self.nominal = sc.batch_groups * sc.n_per_group  # B·N: the |E| every group is packed with (samples.py)
@@ -264,7 +264,7 @@ class Controller:
     def _carry_over(self, g: int, row: dict[str, Any]) -> None:
         """An earlier attempt's evaluated group (a `groups.jsonl` row) as dispatch slot `g`: its executions
         start and finish at once, its v_d stays the version it was sampled at."""
-        group, results = rundir.carried_group(self.run_dir, self.dataset, row)
+        group, results = attempts.carried_group(self.run_dir, self.dataset, row)
         self.ledger.add_group(g, group, row["version"], carried=True)
         self.records.journal.dispatched(row["group_id"], row["task_id"], row["version"], row["executions"])
         for result in results:

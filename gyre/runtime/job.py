@@ -217,12 +217,12 @@ def serve(worker: CellWorker, control: ControlPlane, topo: Topology, controller:
 def _record_ranks(topo: Topology, groups: Groups, run: RunDir) -> None:
     """Gather every rank's process identity on rank 0 (over the control group) and record it in
     this attempt's run.json entry (`gyre.runtime.peers`)."""
-    from gyre.runtime import peers, rundir
+    from gyre.runtime import attempts, peers
 
     ranks: list[Any] = [None] * topo.world_size
     dist.all_gather_object(ranks, peers.identity(topo.rank), group=groups.control)
     if topo.rank == 0:
-        rundir.record_ranks(run.path, run.attempt, ranks)
+        attempts.record_ranks(run.path, run.attempt, ranks)
 
 
 def _write_transport_stats(run_dir: Path, rank: int, weights: Any) -> None:

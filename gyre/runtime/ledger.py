@@ -204,7 +204,7 @@ class RunLedger:
 
     def evaluated(self, result: Any) -> GroupRecord:
         """Record an evaluated execution (a runner ExecutionResult, or an earlier attempt's
-        `gyre.runtime.rundir.CarriedResult`); returns its group."""
+        `gyre.runtime.attempts.CarriedResult`); returns its group."""
         rec, _ = self.of_execution(result.execution_id)
         if rec.phase is not GroupPhase.RUNNING:
             raise LedgerError(f"group {rec.index}: execution {result.execution_id} evaluated while {rec.phase.value}")

@@ -6,7 +6,7 @@ and SIGTERMs the survivors, so the controller's own view is "interrupted by SIGT
 rank 0)": true, but not the cause. Every rank's (host, pid, start time) goes into run.json's
 attempt entry when the job starts (`gyre.runtime.job.train`); at the attempt's end, a rank whose
 process on this host is gone (or a zombie, or its pid reused by a newer process) died first, and
-the attempt's error names it (`gyre.runtime.rundir.end_attempt`). A rank on another host cannot
+the attempt's error names it (`gyre.runtime.attempts.end_attempt`). A rank on another host cannot
 be looked up from here: it is named as not stopped, never as dead.
 """
 

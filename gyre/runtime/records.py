@@ -9,7 +9,8 @@ from typing import Any, Awaitable, Callable
 
 from gyre.runtime.ledger import GroupPhase
 from gyre.runtime.outputs import MetricsWriter, append_events, plot_role_timeline, train_fractions, write_json
-from gyre.runtime.rundir import JOURNAL, GroupJournal, RunDir, end_attempt
+from gyre.runtime.attempts import JOURNAL, GroupJournal, end_attempt
+from gyre.runtime.rundir import RunDir
 from gyre.runtime.summary import RunEnd
 from gyre.runtime.writes import Guarded
 

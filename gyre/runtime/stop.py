@@ -34,7 +34,7 @@ from typing import Any, Awaitable, Callable, Collection, Protocol, Sequence
 from gyre.runtime.messages import Failed, Stop
 from gyre.runtime.outputs import read_metrics, write_json
 from gyre.runtime.records import Phases, RunRecords
-from gyre.runtime.rundir import end_attempt
+from gyre.runtime.attempts import end_attempt
 from gyre.runtime.summary import RunEnd, end_lines
 
 logger = logging.getLogger(__name__)

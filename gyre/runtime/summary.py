@@ -67,7 +67,7 @@ def build_summary(ledger: RunLedger, how: RunEnd, *, scheduler: SchedulerConfig,
                   fractions: dict[int, float], router: dict[str, Any], proxy_totals: dict[str, int],
                   worst_unmatched: list[dict[str, Any]], sink_errors: int, health: dict[str, int],
                   measured_staleness: Sequence[int], run: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """summary.json: what the attempt did (run.json's `ended` record keeps `rundir.ENDED_FIELDS` of it).
+    """summary.json: what the attempt did (run.json's `ended` record keeps `attempts.ENDED_FIELDS` of it).
     router: `Router.stats()`; proxy_totals: `GyreProxyAccess.totals`; worst_unmatched:
     `Proxy.worst_unmatched(10)`; health: `HealthMonitor.counts`; measured_staleness: the
     scheduler's d per assigned group; run: `rundir.RunDir`; rows: metrics.jsonl so far."""

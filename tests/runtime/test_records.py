@@ -8,10 +8,11 @@ import dataclasses
 import json
 from types import SimpleNamespace
 
+from gyre.runtime.attempts import write_manifest
 from gyre.runtime.cell import CellState
 from gyre.runtime.ledger import GroupPhase
 from gyre.runtime.records import Phases, RunRecords
-from gyre.runtime.rundir import RunDir, write_manifest
+from gyre.runtime.rundir import RunDir
 from gyre.runtime.summary import RunEnd
 from gyre.scheduler.events import EventLog
 

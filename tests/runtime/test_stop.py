@@ -122,7 +122,8 @@ def test_a_signal_during_start_up_still_ends_the_attempt_once(tmp_path):
     controller's stop already wrote them (a forced exit after a finished stop)."""
     import json
 
-    from gyre.runtime.rundir import RunDir, write_manifest
+    from gyre.runtime.attempts import write_manifest
+    from gyre.runtime.rundir import RunDir
     from gyre.runtime.stop import early_end
 
     write_manifest(tmp_path, {"preset": "x"}, 2)
