@@ -317,6 +317,7 @@ TESTED_THROUGH = {
     "loss/gspo.py": "tests/loss/test_reference.py, tests/loss/test_invariants.py, tests/loss/test_asymmetric_eps.py",
     "loss/logprobs.py": "tests/loss/test_reference.py",
     "loss/prepass.py": "tests/loss/test_invariants.py",
+    "plan.py": "tests/test_memplan.py, tests/sim/test_plan.py",
     "proxy/anthropic_api.py": "tests/proxy/test_formats_sdk.py, tests/proxy/test_sdk.py",
     "proxy/bodies.py": "tests/proxy/test_stalls.py",
     "proxy/config.py": "tests/proxy/test_roles.py, tests/test_config_checks.py",

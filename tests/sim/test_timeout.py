@@ -92,7 +92,7 @@ def test_a_rounding_error_never_schedules_an_event_in_the_past():
     that profile's point costs (below, rounded as stored)."""
     from dataclasses import replace
 
-    from gyre.plan import Candidate, Planner
+    from gyre.sim.plan import Candidate, Planner
     from gyre.sim.profile import Profile
 
     prof = Profile.from_dict({

@@ -1,4 +1,4 @@
-"""gyre.plan: the search finds the optimum of a case small enough to compute by hand.
+"""gyre.sim.plan: the search finds the optimum of a case small enough to compute by hand.
 
 Every execution lasts exactly 1 h (σ ≈ 0), rollout slots are plentiful and training, switches
 and updates are (nearly) free. Then every burst is one wave of executions: dispatch μ·B groups,
@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from gyre.plan import Candidate, Planner, search, staleness_pairs
+from gyre.sim.plan import Candidate, Planner, search, staleness_pairs
 from gyre.sim.profile import FORMAT, Profile
 
 
@@ -67,7 +67,7 @@ def test_run_flags_name_the_configuration():
 
 
 def test_bad_input_is_refused_by_name(tmp_path, capsys):
-    from gyre.plan import main
+    from gyre.plan import main  # the command, through its front (gyre/plan.py)
     from gyre.sim.profile import ProfileError
 
     path = tmp_path / "p.json"
