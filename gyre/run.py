@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             prepare(cfg, topo, groups)  # blocking: rank 0 writes --train.prepare's files; every rank checks them
             if cfg.backend.actor == "megatron":
                 from gyre.backends.factory import megatron_config_of
-                from gyre.backends.actors.megatron_actor import initialize_parallel_state
+                from gyre.backends.actors.megatron_config import initialize_parallel_state
 
                 # blocking: Megatron's groups are world-collective: every rank, pool ranks too
                 initialize_parallel_state(megatron_config_of(cfg.parallel, cfg.model), seed=cfg.model.seed)

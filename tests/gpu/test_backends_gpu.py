@@ -45,7 +45,8 @@ def test_megatron_step_matches_cpu_actor(tmp_path, dtype):
 
     from gyre.backends.config import MegatronConfig
     from gyre.backends.actors.cpu_actor import CpuActor
-    from gyre.backends.actors.megatron_actor import MegatronActor, hf_to_mcore
+    from gyre.backends.actors.mcore_mapping import hf_to_mcore
+    from gyre.backends.actors.megatron_actor import MegatronActor
     from tests.backends.helpers import random_step, tiny_model
     from tests.gpu.bf16_reference import FP32_TOL, UNGATED, bf16_tolerance, cpu_step, gaps
 

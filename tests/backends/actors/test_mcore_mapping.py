@@ -228,7 +228,7 @@ def _te_names_from_megatron_specs():
     from megatron.core.transformer.identity_op import IdentityOp
 
     from gyre.backends.config import MegatronConfig
-    from gyre.backends.actors.megatron_actor import build_gpt_model, initialize_parallel_state, transformer_config_kwargs
+    from gyre.backends.actors.megatron_config import build_gpt_model, initialize_parallel_state, transformer_config_kwargs
 
     tsp.is_te_min_version = lambda *a, **k: True  # TE is not installed: its version check would fail
     specs.TESpecProvider = tsp.TESpecProvider
@@ -301,7 +301,7 @@ def test_te_layout_names_are_what_megatrons_te_spec_builds():
 
 def test_default_layout_is_what_is_installed(models, monkeypatch):
     """No layout given: TE names (and TE grouped experts) where Transformer Engine is installed,
-    local ones elsewhere, so megatron_actor.hf_to_mcore(sd, cfg) matches the model built here."""
+    local ones elsewhere, so hf_to_mcore(sd, cfg) matches the model built here."""
     hf = models["qwen3-moe"]
     monkeypatch.setattr(mm, "has_transformer_engine", lambda: True)
     assert NameLayout.of() == NameLayout("te", "grouped")
