@@ -226,7 +226,7 @@ def check_model_dtype(model: ModelConfig, backend: BackendConfig, sglang: Sglang
         raise ConfigError(f"--model.dtype {dtype} with --backend.engine sglang: SGLang's default GPU kernels (FA3 "
                           f"attention on Hopper, sgl-kernel RMSNorm) take float16/bfloat16 only; use --model.dtype "
                           f"bfloat16 (or auto, which is bfloat16 with a CUDA backend)")
-    from gyre.backends.engines.sglang_engine import GYRE_OWNED_SERVER_ARGS
+    from gyre.backends.engines.sglang_wire import GYRE_OWNED_SERVER_ARGS
 
     for key in sglang.extra:
         name = key.replace("-", "_")

@@ -247,7 +247,7 @@ class SglangConfig:
     """Needed for release_memory_occupation / resume_memory_occupation on role switches."""
     extra: dict[str, str] = field(default_factory=dict)
     """Pass-through `ServerArgs` fields (gyre.run: `--sglang.<name> VALUE`), applied last; names are checked
-    against ServerArgs at start, Gyre-owned ones refused (sglang_engine.GYRE_OWNED_SERVER_ARGS)."""
+    against ServerArgs at start, Gyre-owned ones refused (sglang_wire.GYRE_OWNED_SERVER_ARGS)."""
 
 
 @dataclass(kw_only=True)

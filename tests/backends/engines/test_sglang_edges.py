@@ -265,7 +265,8 @@ def test_each_tp_rank_gets_its_copy_of_the_weights_on_its_own_gpu(ckpt, monkeypa
     import torch
 
     from gyre.backends.config import SglangConfig
-    from gyre.backends.engines.sglang_engine import SglangEngine, tp_devices
+    from gyre.backends.engines.sglang_engine import SglangEngine
+    from gyre.backends.engines.sglang_wire import tp_devices
 
     path, model = ckpt
     cuda = [torch.device("cuda", i) for i in range(9)]
