@@ -65,7 +65,7 @@ def lookup(cfg: Any, dotted: str) -> tuple[Any, type, str]:
 def short_help(cfg: Any, presets_epilog: str, prog: str = "python -m gyre.run") -> str:
     """The one-screen help: usage, the sections (one line each), the common flags with the
     preset's value, the presets, and where the rest is."""
-    lines = [f"usage: torchrun --standalone --nproc-per-node N -m gyre.run [--preset NAME] [FLAGS]",
+    lines = ["usage: torchrun --standalone --nproc-per-node N -m gyre.run [--preset NAME] [FLAGS]",
              f"       {prog} --help-all   (every flag, with its full description)", "",
              (type(cfg).__doc__ or "").strip(), "", "sections (--SECTION.FIELD):"]
     docs = field_docs(type(cfg))

@@ -24,7 +24,6 @@ the memory and argv, and sets the sections it is given.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os

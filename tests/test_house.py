@@ -234,7 +234,6 @@ WHOLE_CONFIG = {
     "gyre.config", "gyre.run", "gyre.runtime.job",  # the config itself, the entry, the assembler
     "gyre.config_checks",  # its entries (check_job, check_train_config, check_prepared) hand out sections
     "gyre.doctor",  # the doctor's entry (`check`) hands each line its sections
-    "gyre.runtime.controller",  # the run on rank 0: it hands the data plane, scheduler and records their sections
 }
 
 

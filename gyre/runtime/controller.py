@@ -6,7 +6,7 @@ drives `gyre.scheduler.ElasticScheduler`. It only translates: reports in (one ha
 run's ledger (`gyre.runtime.ledger`), scheduler decisions out as commands (`DECISIONS`):
 
     Dispatch(groups)        start N harness executions per group; an earlier attempt's
-                            evaluated group is carried over instead (gyre.runtime.rundir)
+                            evaluated group is carried over instead (gyre.runtime.attempts)
     SwitchToTrain(cell)     drain the cell's engine in the proxy, then send the cell `ToTrain`
     OptimizerStep(step)     send `Reduce` to the decision's cells (0..k−1) with the step's groups
     SwitchToRollout(cell)   send the cell `ToRollout` with the published version
@@ -20,7 +20,6 @@ which sees the controller only as `stop.Ranks` (`send_stop`, `pump_reports`, `ch
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import threading
@@ -30,8 +29,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from gyre.config import GyreConfig
+from gyre.config import TrainConfig
 from gyre.errors import RunFailed
+from gyre.executions.config import ExecutionsConfig
 from gyre.executions.health import HealthMonitor
 from gyre.executions.runner import EventKind, ExecutionEvent, HarnessRunner
 from gyre.executions.tasks import Dataset
@@ -42,8 +42,9 @@ from gyre.runtime.ledger import RunLedger
 from gyre.runtime.messages import (Command, Failed, Interrupted, Joined, Load, Loaded, Reduce, Report, RequestWork,
                                    RolledBack, StepDone, Stop, Stopped, ToRollout, ToTrain, TrainWork, Transition,
                                    WorkDone, handler_for)
-from gyre.runtime.outputs import make_trackers, read_metrics
-from gyre.runtime.proxy_access import GyreProxyAccess, start_data_plane
+from gyre.loss.config import LossConfig
+from gyre.runtime.outputs import Trackers, read_metrics
+from gyre.runtime.proxy_access import GyreProxyAccess
 from gyre.runtime.records import RunRecords
 from gyre.runtime.rundir import RunDir
 from gyre.runtime.samples import audit_bundle, group_work, step_denominator, tito_records
@@ -51,7 +52,7 @@ from gyre.runtime.stop import Budget, Ending
 from gyre.runtime.summary import Progress, RunEnd, build_summary, step_row
 from gyre.runtime.writes import FirstError, watch_execution
 from gyre.scheduler import (CellRole, Dispatch, ElasticScheduler, OptimizerStep, Publish, SwitchToRollout,
-                            SwitchToTrain, WallClock, Work)
+                            SwitchToTrain, SchedulerConfig, WallClock, Work)
 from gyre.topology import Topology
 from gyre.trajectory.store import TitoStore
 
@@ -61,41 +62,44 @@ logger = logging.getLogger(__name__)
 class Controller:
     """Rank 0: `start()` once the engines are announced; `join()` waits (the end: `gyre.runtime.stop`)."""
 
-    def __init__(self, cfg: GyreConfig, topo: Topology, store: Any, start_version: int = 0, engine_secret: str | None = None,
-                 run: RunDir | None = None, interrupts: Any = None, records: RunRecords | None = None) -> None:
-        """Everything that does not need the loop. `engine_secret`: the engines' (`engine_host.share_secret`);
-        `run`: this attempt (`gyre.runtime.rundir`); `interrupts`: this process's `control.Interrupts`
-        (the stop budget runs from its first signal); `records`: what the run writes (default: built here)."""
-        self.cfg, self.topo, self.store, self.engine_secret = cfg, topo, store, engine_secret
-        sc, tc = cfg.scheduler, cfg.train
+    def __init__(self, topo: Topology, store: Any, run: RunDir, *, scheduler: SchedulerConfig, train: TrainConfig,
+                 loss: LossConfig, executions: ExecutionsConfig, seed: int, data_plane: Callable[..., Any],
+                 start_version: int = 0, trackers: Trackers | None = None, engine_secret: str | None = None,
+                 interrupts: Any = None, records: RunRecords | None = None) -> None:
+        """Everything that does not need the loop; each section of the config it reads is named.
+        `run`: this attempt (`gyre.runtime.rundir`); `data_plane`: `proxy_access.start_data_plane`
+        with the model, proxy and executions sections bound; `engine_secret`: the engines'
+        (`engine_host.share_secret`); `interrupts`: this process's `control.Interrupts` (the stop
+        budget runs from its first signal); `records`: what the run writes (default: built here)."""
+        self.topo, self.store, self.engine_secret, self.data_plane = topo, store, engine_secret, data_plane
+        self.scheduler_cfg, self.train_cfg, self.loss_cfg, self.seed = scheduler, train, loss, seed
+        sc, tc = scheduler, train
         self.interrupts, self.ending = interrupts, Ending()
-        self.budget = Budget(tc.drain_at_end_s, tc.shutdown_timeout_s, cfg.executions.runner.kill_grace_s)
+        self.budget = Budget(tc.drain_at_end_s, tc.shutdown_timeout_s, executions.runner.kill_grace_s)
         self.world_size, self.core_ranks = topo.world_size, frozenset(topo.cell_ranks(0))  # stop.Ranks
-        self.run_dir = Path(cfg.run_dir)
+        self.run, self.run_dir = run, Path(run.path)
         self._thread = threading.Thread(target=self._main, name="gyre-controller", daemon=True)
 
-        ds = cfg.executions.dataset
+        ds = executions.dataset
         if not ds.path:
             raise ValueError("executions.dataset.path is empty: give a JSONL of tasks (see examples/cpu_demo)")
         self.dataset = Dataset.from_jsonl(ds.path)
         # This launch's attempt: the groups earlier attempts lost come first, their evaluated
         # groups are carried over into the first dispatch slots (gyre.runtime.attempts).
-        self.run = run or RunDir(self.run_dir, attempt=0, start_version=start_version)
         self.group_iter = attempts.attempt_groups(self.run.attempt, self.run.redo_tasks, self.dataset, sc.n_per_group,
-                                                  shuffle=ds.shuffle, seed=cfg.seed + start_version)
+                                                  shuffle=ds.shuffle, seed=seed + start_version)
         self.carried = attempts.carriable(self.run.carried, self.dataset, sc.n_per_group)
         self.sched = ElasticScheduler(sc, topo.num_cells, topo.num_pool_engines * sc.cell_concurrency,  # C_s
                                       clock=WallClock(), start_version=start_version)
         self.nominal = sc.batch_groups * sc.n_per_group  # B·N: the |E| every group is packed with (samples.py)
-        hc = cfg.executions.health
+        hc = executions.health
         self.health = HealthMonitor(hc.window or self.nominal, hc.stop_fraction, hc.evaluator_window)
         self.ledger = RunLedger(topo.num_cells)
         self.writes = FirstError()  # the run's first write error (gyre.runtime.writes): stated once, stops it
         self.records = records or RunRecords(
             self.run, ledger=self.ledger, events=self.sched.log, summarize=self.summarize, on_error=self._error,
             fresh=not tc.resume, title=f"Gyre role timeline ({sc.mode})",
-            trackers=make_trackers(cfg.tracking, str(self.run_dir), name=self.run_dir.name, group=cfg.preset,
-                                   config=dataclasses.asdict(cfg), fresh=not tc.resume))
+            trackers=trackers or Trackers([]))
         self.tito = TitoStore(self.run_dir / "tito")
         self.store_t = store.clone()  # the controller thread's own connection
         self.plane = ControlPlane(self.store_t, CONTROLLER)
@@ -112,7 +116,7 @@ class Controller:
         self.watch = ReplyWatch()  # who owes a report (docs/design.md §1, the failure path)
         self._reporters = {topo.cell_ranks(c)[0] for c in range(topo.num_cells)} | {
             topo.pool_engine_ranks(e)[0] for e in range(topo.num_pool_engines)}
-        self.progress = Progress(cfg.train.steps)
+        self.progress = Progress(train.steps)
 
     # ------------------------------------------------------------------ thread
     def start(self) -> None:
@@ -172,7 +176,7 @@ class Controller:
     def check_silent(self) -> None:
         """Fail the run, naming the rank, when one owes a report and has said nothing for
         `train.control_timeout_s` (a frozen rank: its engine's calls are rerouted by the router)."""
-        limit = self.cfg.train.control_timeout_s
+        limit = self.train_cfg.control_timeout_s
         silent = self.watch.silent(time.monotonic(), limit) if limit > 0 else None
         if silent is None or self.ending.silent_rank is not None:
             return
@@ -186,16 +190,16 @@ class Controller:
             rows = read_metrics(str(self.run_dir / "metrics.jsonl"))
         except OSError:
             rows = []
-        return {**build_summary(self.ledger, how, scheduler=self.cfg.scheduler, shutdown_timeout_s=self.budget.shutdown_s,
-                                seed=self.cfg.seed, fractions=fractions, router=self.proxy.router.stats(),
+        return {**build_summary(self.ledger, how, scheduler=self.scheduler_cfg, shutdown_timeout_s=self.budget.shutdown_s,
+                                seed=self.seed, fractions=fractions, router=self.proxy.router.stats(),
                                 proxy_totals=self.access.totals, worst_unmatched=self.proxy.worst_unmatched(10),
                                 sink_errors=self.proxy.sink_errors, health=self.health.counts,
                                 measured_staleness=self.sched.staleness, run=self.run, rows=rows),
                 "write_errors_after_the_first": self.writes.later}
 
     async def _run(self) -> None:
-        self.proxy, self.proxy_handle, self.access, self.runner = await start_data_plane(
-            self.cfg.model, self.cfg.proxy, self.cfg.executions, self.run_dir, self.ledger, self.tito, self.store_t, self.topo, self.engine_secret,
+        self.proxy, self.proxy_handle, self.access, self.runner = await self.data_plane(
+            self.run_dir, self.ledger, self.tito, self.store_t, self.topo, self.engine_secret,
             on_error=self._error, on_event=self._on_exec_event)
         self.ledger.begin(time.time())
         self.last_step_t = self.ledger.t_start
@@ -211,7 +215,7 @@ class Controller:
                     if line := self.progress.idle(self.sched, self.records.steps, time.monotonic()):
                         logger.info("%s", line)
                     self.check_silent()
-                    next_tick = time.monotonic() + self.cfg.scheduler.tick_s
+                    next_tick = time.monotonic() + self.scheduler_cfg.tick_s
                 self._serve_pending()
                 await asyncio.sleep(0.003)
         except Exception as e:  # noqa: BLE001 - the stop sequence still runs (summary, events, ended)
@@ -243,7 +247,7 @@ class Controller:
             handler_for(self.DECISIONS, d, "controller (scheduler decisions)")(self, d)
 
     def _dispatch(self, d: Dispatch) -> None:
-        if self.records.steps >= self.cfg.train.steps or self.ending.stopping:
+        if self.records.steps >= self.train_cfg.steps or self.ending.stopping:
             logger.info("not dispatching %d groups: the run is ending (%d steps done)", d.n_groups, self.records.steps)
             return
         for g in d.groups:
@@ -297,13 +301,13 @@ class Controller:
         if d.cells != tuple(range(len(d.cells))):
             raise RuntimeError(f"step {d.step}: reduce cells {d.cells} are not a prefix 0..k−1")
         valid, grad_scale = step_denominator([self.ledger.groups[g].rewards for g in d.groups],
-                                             nominal=self.nominal, loss=self.cfg.loss)
+                                             nominal=self.nominal, loss=self.loss_cfg)
         trained = any(self.ledger.groups[g].work.trains for g in d.groups)
         self.ledger.decide(d.step, d.cells, d.groups, d.final_in_burst, valid, grad_scale)
         for c in d.cells:
             self.pending.discard(c)
             self._send_cell(c, Reduce(step=d.step, k=len(d.cells), final=d.final_in_burst,
-                                      stay=self.cfg.scheduler.mode == "async", grad_scale=grad_scale, trained=trained))
+                                      stay=self.scheduler_cfg.mode == "async", grad_scale=grad_scale, trained=trained))
 
     def _publish(self, d: Publish) -> None:
         ranks = [r for c in range(self.topo.num_cells) if self.sched.roles[c] is CellRole.ROLLOUT
@@ -319,8 +323,8 @@ class Controller:
             self.pending.discard(cell)
             bundle = self.ledger.groups[w.group].work.bundles[w.item]
             self.ledger.claim(w.step, cell)
-            if self.cfg.train.audit_dir:
-                audit_bundle(self.cfg.train.audit_dir, w.step, w.group, w.item, cell, bundle)
+            if self.train_cfg.audit_dir:
+                audit_bundle(self.train_cfg.audit_dir, w.step, w.group, w.item, cell, bundle)
             for r in self.topo.cell_ranks(cell):
                 key = f"ms/{w.step}/{w.group}/{w.item}/{r}"
                 self.plane.put_blob(key, bundle)
@@ -363,7 +367,7 @@ class Controller:
         self.last_step_t = now
         logger.info("%s", self.progress.step(row, self.sched, time.monotonic()))
         self._apply(self.sched.on_step_done(msg.step))
-        if self.records.steps >= self.cfg.train.steps:
+        if self.records.steps >= self.train_cfg.steps:
             self.ending.stopping = True
 
     def _on_rolled_back(self, msg: RolledBack) -> None:
@@ -408,11 +412,11 @@ class Controller:
 
     async def _make_work(self, g: int) -> None:
         """The group's scored executions (an incomplete TITO excluded: the ledger) → its bundles."""
-        rec, tc = self.ledger.groups[g], self.cfg.train
+        rec, tc = self.ledger.groups[g], self.train_cfg
         scored = self.ledger.scored(g, functools.partial(tito_records, self.tito))
         work = await asyncio.to_thread(group_work, rec.group_id, rec.version, scored, num_executions=self.nominal,
                                        max_tokens=tc.max_tokens, j_max=tc.j_max, normalize_std=tc.normalize_std,
-                                       rng=np.random.default_rng([self.cfg.seed, g]))
+                                       rng=np.random.default_rng([self.seed, g]))
         self.ledger.set_work(g, work)
         self._apply(self.sched.on_group_ready(g, len(work.bundles)))
 

@@ -17,6 +17,8 @@ snapshot read (`weights.fetch*`, answered by the core's transport without its tr
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import os
@@ -82,6 +84,8 @@ def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights:
     from gyre.backends.models.vocab import VocabError, check_project_fallback, check_vocab, load_vocab
     from gyre.errors import ConfigError
     from gyre.runtime.controller import Controller
+    from gyre.runtime.outputs import make_trackers
+    from gyre.runtime.proxy_access import start_data_plane
     from gyre.backends.engines.engine_host import bind_address
     from gyre.runtime.worker import CellWorker
 
@@ -142,8 +146,12 @@ def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights:
     worker.first_actor(core_actor)
     controller = None
     if topo.is_controller:
-        controller = Controller(cfg, topo, store, start_version=start_version, engine_secret=engine_secret,
-                                run=run, interrupts=interrupts)
+        controller = Controller(
+            topo, store, run, scheduler=cfg.scheduler, train=cfg.train, loss=cfg.loss, executions=cfg.executions,
+            seed=cfg.seed, data_plane=functools.partial(start_data_plane, cfg.model, cfg.proxy, cfg.executions),
+            trackers=make_trackers(cfg.tracking, str(run.path), name=Path(run.path).name, group=cfg.preset,
+                                   config=dataclasses.asdict(cfg), fresh=not cfg.train.resume),
+            start_version=start_version, engine_secret=engine_secret, interrupts=interrupts)
         controller.start()
 
     serve(worker, control, topo, controller)

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 from gyre.config import GyreConfig, ParallelConfig
 from gyre.runtime.controller import Controller
+from gyre.runtime.rundir import RunDir
 from gyre.runtime.messages import Reduce, StepDone, TrainWork, WorkDone
 from gyre.runtime.samples import GroupWork
 from gyre.scheduler import SchedulerConfig, SwitchToTrain
@@ -48,7 +49,9 @@ def _controller(tmp_path, num_cells: int = 3) -> Controller:
     cfg.scheduler = SchedulerConfig(n_per_group=2, batch_groups=1, phi=0, mu=2, tau=0, rho_min=0.0)
     cfg.scheduler.cell_concurrency = 8
     topo = Topology.from_config(ParallelConfig(cell_size=1), num_cells, 0)
-    ctl = Controller(cfg, topo, _Store())
+    run = RunDir(Path(cfg.run_dir), attempt=0, start_version=0)
+    ctl = Controller(topo, _Store(), run, scheduler=cfg.scheduler, train=cfg.train, loss=cfg.loss,
+                     executions=cfg.executions, seed=cfg.seed, data_plane=None)  # the loop is not started here
     ctl.plane = _RecordingPlane()
     ctl.runner = SimpleNamespace(dispatch_group=lambda group: [], run_dir=Path("unused"))  # tasks: none started here
     ctl.proxy = SimpleNamespace(router=SimpleNamespace(reroutes=0, take_reroutes=lambda: []), sink_errors=0)
