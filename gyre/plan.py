@@ -2,8 +2,6 @@
 (gyre.sim.plan, docs/planning.md); with --memory, whether a model fits a cell's GPUs instead
 (gyre.backends.memplan; its --help lists the flags)."""
 
-from __future__ import annotations
-
 import sys
 
 from gyre.sim import plan

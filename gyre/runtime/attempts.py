@@ -3,6 +3,7 @@ each resume, each restart), what each did, and the groups one attempt hands on t
 (`groups.jsonl`). Attempt numbers go into execution ids, so no launch reuses an earlier one's.
 Where the run lives: gyre.runtime.rundir; how a resume uses this: docs/operations.md.
 """
+
 from __future__ import annotations
 
 import itertools

@@ -1,28 +1,19 @@
 """One directory per run: where a run's outputs go, decided once on rank 0 before anything starts.
 
-    --run-dir ""  (the default)   a fresh `runs/<preset>/<YYYYmmdd-HHMMSS>/` (`runs/train/...`
-                                  with no --preset), and the link
-                                  `runs/<preset>/latest` pointing at it; running the same command
-                                  again makes another directory and keeps every earlier run
-    --run-dir DIR                 exactly DIR; refused when DIR already holds a run, unless
-                                  --train.resume (continue it) or --overwrite (replace it)
-    --train.resume                continue DIR, or the run `runs/<preset>/latest` points at
-
-Every launch into a directory is an attempt (gyre.runtime.attempts); a resume from version V
-cuts `metrics.jsonl` and `events.jsonl` back to steps before V. A restarted job finds its
-directory again through torchrun's agent store, which outlives the workers (docs/operations.md,
-"Checkpoints, resuming and restarts").
+No --run-dir: a fresh `runs/<preset>/<YYYYmmdd-HHMMSS>/` with `runs/<preset>/latest` pointing at
+it; --run-dir DIR: exactly DIR, refused when it already holds a run unless --train.resume
+(continue it) or --overwrite (replace Gyre's outputs in it); --train.resume alone continues
+`latest` (docs/operations.md, "Run directories"). A resume from version V cuts `metrics.jsonl`
+and `events.jsonl` back to steps before V; each launch is an attempt (gyre.runtime.attempts); a
+restarted job finds its directory again through torchrun's agent store, which outlives the workers.
 
 One job at a time: rank 0 locks the directory (`run.lock`, gyre.runtime.runlock) before it
-writes or deletes anything in it and holds the lock until it exits; a second launch into it (a
-second `--train.resume`, an `--overwrite`, a relaunch while the old job is still stopping) is
-refused on every rank, naming the holder's pid and host.
-
-Data a preset prepares lives beside the runs, in `runs/<preset>/data`. Rank 0 decides and creates the directory and
-writes `run.json` (the config and command line); the other ranks read the decision from the
-rendezvous store, so every rank writes to the same place even when their clocks differ. A
-refusal is raised on every rank, before any engine, proxy or harness exists.
+writes or deletes anything in it and holds the lock until it exits. The other ranks read rank 0's
+decision from the rendezvous store, so every rank writes to the same place; a refusal (a lock
+held by another job included, naming its pid and host) is raised on every rank, before any
+engine, proxy or harness exists.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -17,6 +17,7 @@ Not built: MoE with TP > 1 in training (megatron needs sequence parallelism ther
 context parallelism (refused up front by `mcore_mapping.check_layout`, except PP export). The
 megatron-core 0.16.1 APIs used, and what is tested where: docs/backends.md, "GPU adapters".
 """
+
 from __future__ import annotations
 
 import logging

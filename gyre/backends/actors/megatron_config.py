@@ -1,9 +1,6 @@
-"""Megatron's side of a cell, from Gyre's and HF's configs: the parallel state of the cell layout,
-the TransformerConfig and GPTModel kwargs of an HF config (`transformer_config_kwargs`,
-`gpt_model_kwargs`: pure, CPU-tested), and the GPTModel of this rank's pipeline stage built from
-them (`build_gpt_model`). The actor over it: gyre.backends.actors.megatron_actor; the megatron-core
-APIs used: docs/backends.md, "GPU adapters".
-"""
+"""Megatron's side of a cell, from Gyre's and HF's configs: the cell layout's parallel state, an HF
+config's TransformerConfig and GPTModel kwargs (pure), and this pipeline stage's GPTModel built
+from them. The actor over it: megatron_actor.py; the APIs used: docs/backends.md, "GPU adapters"."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The wire between Gyre and SGLang 0.5.23, pure and CPU-tested: what the adapter sends (the
-Engine's kwargs, a request's sampling params and logit bias, prefix-free rids, the TP ranks' GPUs)
-and what it reads back from a streamed chunk (tokens with log-probs, top log-probs, the finish,
-weight versions per token). The adapter that sends and awaits them: sglang_engine.py; each SGLang
-behaviour with its file:line: docs/gpu-sglang.md.
-"""
+"""The wire between Gyre and SGLang 0.5.23, pure: what the adapter (sglang_engine.py) sends (Engine
+kwargs, sampling params, logit bias, prefix-free rids, the TP ranks' GPUs) and reads back from a
+streamed chunk (tokens, log-probs, the finish, weight versions). SGLang's side: docs/gpu-sglang.md."""
 
 from __future__ import annotations
 

@@ -194,7 +194,8 @@ def _layouts_and_actor():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from gyre.backends.actors.megatron_actor import MegatronActor, initialize_parallel_state
+    from gyre.backends.actors.megatron_actor import MegatronActor
+    from gyre.backends.actors.megatron_config import initialize_parallel_state
     from gyre.config import ParallelConfig
     from gyre.topology import Topology
 
