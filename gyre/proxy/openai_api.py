@@ -2,28 +2,8 @@
 
 Parses requests into `ChatRequest` (every known field type-checked; unknown fields ignored, as
 harnesses send vendor extras), and turns a `Call` into a JSON body or an SSE stream of
-`chat.completion.chunk`s (tool calls as `delta.tool_calls`, `stream_options.include_usage`,
-logprobs when asked). Errors use OpenAI's body: {"error": {"message", "type", "param", "code"}}.
-
-Media for a text-only policy: user and tool `image_url`, `input_audio` and `file` parts become a
-line of text (`[image: image/png, 48213 bytes]`, `[image: https://example.com, not fetched]`,
-`[file: report.pdf, application/pdf, 1024 bytes]`): context, never a training target;
-`--proxy.media reject` makes them a 400 naming the field.
-
-`tool_choice` "required" or a named function forces a tool call by a forced prefix (see
-gyre.proxy.core); `response_format` json_object / json_schema is a 400 naming the field (no
-engine here constrains decoding to a schema; silently returning free text would be worse).
-
-Reasoning (chat formats with a reasoning channel, e.g. Qwen3's `<think>`; gyre/proxy/formats):
-the model's thinking comes back as `message.reasoning_content` (streamed as
-`delta.reasoning_content`), as SGLang and vLLM return it, and never in `content`;
-`chat_template_kwargs` (e.g. `{"enable_thinking": false}`) is passed to the chat template. An
-assistant message's `reasoning_content` (or `reasoning`) is given to the template, which renders
-or drops it as it does (re-sent turns the proxy produced splice their sampled ids either way).
-
-Log-probs are the engine's behaviour log-probs (`TokenEvent.logprob`); `top_logprobs` k (chat,
-with `logprobs: true`) and `logprobs` k (legacy completions) return the k most likely tokens at
-each position from the same distribution (`TokenEvent.top`), asked of the engine only then.
+`chat.completion.chunk`s. Errors use OpenAI's body: {"error": {"message", "type", "param", "code"}}.
+Media parts, reasoning, `tool_choice`, `response_format` and `top_logprobs`: docs/proxy_harnesses.md.
 """
 
 from __future__ import annotations
