@@ -332,7 +332,6 @@ TESTED_THROUGH = {
     "proxy/formats/qwen3_coder.py": "tests/proxy/test_formats_render.py, tests/proxy/test_formats_parsers.py",
     "proxy/keys.py": "tests/proxy/test_closed_state.py, tests/proxy/test_roles.py",
     "proxy/limits.py": "tests/proxy/test_errors.py, tests/proxy/test_claude_code_context.py",
-    "proxy/openai_api.py": "tests/proxy/test_formats_sdk.py, tests/proxy/test_sdk.py",
     "proxy/responses_api.py": "tests/proxy/test_responses.py, tests/proxy/test_responses_state.py",
     "proxy/responses_store.py": "tests/proxy/test_responses_state.py",
     "proxy/server.py": "tests/proxy/test_stalls.py, tests/proxy/test_sdk.py",

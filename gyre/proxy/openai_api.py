@@ -2,30 +2,14 @@
 
 Parses requests into `ChatRequest` (every known field type-checked; unknown fields ignored, as
 harnesses send vendor extras), and turns a `Call` into a JSON body or an SSE stream of
-`chat.completion.chunk`s (tool calls as `delta.tool_calls`, `stream_options.include_usage`,
-logprobs when asked). Errors use OpenAI's body: {"error": {"message", "type", "param", "code"}}.
-
-Media for a text-only policy: user and tool `image_url`, `input_audio` and `file` parts become a
-line of text (`[image: image/png, 48213 bytes]`, `[image: https://example.com, not fetched]`,
-`[file: report.pdf, application/pdf, 1024 bytes]`): context, never a training target;
-`--proxy.media reject` makes them a 400 naming the field.
-
-`tool_choice` "required" or a named function forces a tool call by a forced prefix (see
-gyre.proxy.core); `response_format` json_object / json_schema is a 400 naming the field (no
-engine here constrains decoding to a schema; silently returning free text would be worse).
-
-Reasoning (a chat format with a reasoning channel): the model's thinking comes back as
-`message.reasoning_content` (streamed as `delta.reasoning_content`), never in `content`;
-`chat_template_kwargs` is passed to the chat template, and a re-sent `reasoning_content` (or
-`reasoning`) to the template (docs/proxy_harnesses.md, "Reasoning").
-
-Log-probs are the engine's behaviour log-probs (`TokenEvent.logprob`); `top_logprobs` k (chat)
-and `logprobs` k (completions) return the k most likely tokens from the same distribution.
+`chat.completion.chunk`s. Errors use OpenAI's body: {"error": {"message", "type", "param", "code"}}.
+Media parts, reasoning, `tool_choice`, `response_format` and `top_logprobs`: docs/proxy_harnesses.md.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import secrets
 from contextlib import aclosing
 import time
@@ -317,24 +301,37 @@ def _tool_json(tc: ToolCall, ids: dict[int, str], call_id: int) -> dict:
     return {"id": tid, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments_json}}
 
 
-def _token_entry(table: list[bytes], token_id: int, logprob: float) -> dict:
-    b = table[token_id]
-    return {"token": b.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(b)}
+def _num(x: float) -> str:
+    # What json writes: float.__repr__ for a finite float; the rare rest (inf, nan, an int) through json itself.
+    return float.__repr__(x) if type(x) is float and -math.inf < x < math.inf else json.dumps(x)
+
+
+def _lp_json(call: Call, start: int, end: int, memo: dict[int, tuple[str, str]]) -> str:
+    """Chat / Responses log-prob entries of the visible tokens in call.tokens[start:end], with
+    the engine's alternatives (`TokenEvent.top`, k = the request's top_logprobs), as the text
+    `json.dumps(entries, ensure_ascii=False)` writes. It is spliced from each token id's JSON, made
+    once per call (`memo`), not built as dicts: a top-20 stream writes 21 entries a token."""
+    table, hidden, k = call.proxy.token_table, call.proxy.eos_ids, call.req.top_logprobs
+
+    def entry(t: int, lp: float) -> str:
+        if (f := memo.get(t)) is None:
+            b = table[t]
+            f = memo[t] = ('{"token": ' + json.dumps(b.decode("utf-8", "replace"), ensure_ascii=False) + ', "logprob": ',
+                           ', "bytes": ' + json.dumps(list(b)))
+        return f[0] + _num(lp) + f[1]
+
+    out = []
+    for ev in call.tokens[start:end]:
+        if ev.token_id not in hidden:
+            tops = ", ".join([entry(t, lp) + "}" for t, lp in (ev.top or ())[:k]]) if k else ""
+            out.append(entry(ev.token_id, ev.logprob) + ', "top_logprobs": [' + tops + "]}")
+        ev.top = None  # read once: k tuples a token kept alive would bring on a full collection (collector.py)
+    charge_entries(call, len(out) * (1 + k))
+    return "[" + ", ".join(out) + "]"
 
 
 def _lp_entries(call: Call, start: int, end: int) -> list[dict]:
-    """Chat / Responses log-prob entries of the visible tokens in call.tokens[start:end], with
-    the engine's alternatives (`TokenEvent.top`, k = the request's top_logprobs)."""
-    table, hidden, k = call.proxy.token_table, call.proxy.eos_ids, call.req.top_logprobs
-    out = []
-    for ev in call.tokens[start:end]:
-        if ev.token_id in hidden:
-            continue
-        e = _token_entry(table, ev.token_id, ev.logprob)
-        e["top_logprobs"] = [_token_entry(table, t, lp) for t, lp in (ev.top or ())[:k]] if k else []
-        out.append(e)
-    charge_entries(call, len(out) * (1 + k))
-    return out
+    return json.loads(_lp_json(call, start, end, {}))
 
 
 async def respond_chat(request: web.Request, call: Call, model: str) -> web.StreamResponse:
@@ -359,15 +356,17 @@ async def respond_chat(request: web.Request, call: Call, model: str) -> web.Stre
     resp = await sse_start(request, call)
     ids = {}
     seen = 0
+    memo: dict[int, tuple[str, str]] = {}
 
     def chunk(delta: dict, finish: str | None = None, lp: bool = False) -> bytes:
         nonlocal seen
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        lps = "null"
         if lp and want_lp:
-            choice["logprobs"] = {"content": _lp_entries(call, seen, lp_due(call, seen))}
+            lps = '{"content": ' + _lp_json(call, seen, lp_due(call, seen), memo) + "}"
             seen = lp_due(call, seen)
-        data = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
-        return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+        data = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [{"index": 0, "delta": delta}]}
+        head = json.dumps(data, ensure_ascii=False)[:-3]  # less the closing '}]}': the choice's last two fields follow
+        return f'data: {head}, "logprobs": {lps}, "finish_reason": {json.dumps(finish)}}}]}}\n\n'.encode()
 
     async def catch_up() -> None:  # log-probs of tokens whose text the parser held back, a bounded frame each
         while want_lp and lp_due(call, seen) < len(call.tokens):

@@ -21,6 +21,9 @@ from typing import Any
 from aiohttp import web
 
 FRAME_ENTRIES = 256  # log-prob entries (a token and each of its alternatives) one frame may carry
+# Turns of the loop given after each frame: another call's reply is a chain of steps (read,
+# route, the engine's answer, write), each waiting behind a frame when a frame gives one.
+FRAME_TURNS = 16
 ENTRY_VALUES = 8  # JSON values in one entry (token, logprob, bytes and its few ints), for the charge
 
 
@@ -64,7 +67,8 @@ class PacedResponse(web.StreamResponse):
                 t.abort()
             raise ClientStalled(f"the client read none of its stream for {self.stall_s:g} s (proxy.client_stall_s); "
                                 "call aborted") from None
-        await asyncio.sleep(0)
+        for _ in range(FRAME_TURNS):
+            await asyncio.sleep(0)
 
 
 async def sse_start(request: web.Request, call: Any) -> PacedResponse:

@@ -10,12 +10,13 @@ import time
 
 import openai
 import pytest
+from aiohttp import web
 
 from gyre.backends.engines.det_engine import DeterministicEngine
 from gyre.backends.engines.engine_http import HttpEngine, serve_engine
 from gyre.backends.models.tokenizer import load_tokenizer, token_bytes
 from gyre.proxy import ProxyConfig
-from gyre.proxy.pacing import frame_tokens
+from gyre.proxy.pacing import FRAME_TURNS, PacedResponse, frame_tokens
 
 TABLE = token_bytes(load_tokenizer())
 TOP = 20
@@ -131,3 +132,31 @@ def test_a_client_that_never_reads_has_its_call_aborted_and_recorded(make_server
         s.close()
     ok = openai.OpenAI(base_url=h.url + "/v1", api_key=key, max_retries=0)  # the execution goes on
     assert ok.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3).usage.completion_tokens == 3
+
+
+
+def test_each_frame_gives_the_loop_several_turns(monkeypatch):
+    """Another call's reply is a chain of loop steps (read, route, the engine's answer, write):
+    each frame hands the loop over FRAME_TURNS times, so that chain waits behind few frames."""
+    async def sent(self, data):  # the transport's part: nothing to wait for
+        pass
+
+    monkeypatch.setattr(web.StreamResponse, "write", sent)
+
+    async def main():
+        passes = 0
+
+        async def other():
+            nonlocal passes
+            while True:
+                passes += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other())
+        await asyncio.sleep(0)  # started
+        before = passes
+        await PacedResponse(0).write(b"frame")
+        task.cancel()
+        return passes - before
+
+    assert asyncio.run(main()) == FRAME_TURNS >= 8  # before: 1

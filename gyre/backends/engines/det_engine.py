@@ -156,14 +156,14 @@ class DeterministicEngine:
             seq = list(input_ids[-2:])
             n = len(input_ids)
             stops = set(sampling.stop_token_ids)
-            due = _now()
+            due, turn = _now(), max(1, 64 // (1 + sampling.top_logprobs))  # 64 tokens' worth of entries a turn
             for k in range(sampling.max_tokens):
                 if self.token_delay > 0:
                     # token k is due token_delay × (k + 1) after the start: a late wake-up (timer
                     # granularity, a busy loop) delays this token, not every later one as well
                     due += self.token_delay
                     await asyncio.sleep(max(0.0, due - _now()))
-                elif k % 64 == 63:
+                elif k % turn == turn - 1:
                     await asyncio.sleep(0)  # instant, yet its loop serves the other requests too, as a batch would
                 if req.aborted:
                     return
