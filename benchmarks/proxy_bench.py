@@ -327,11 +327,13 @@ def _stalls_stage(args, engine_url, esecret, store, procs) -> dict:
     p, (port, keys) = _start(_proxy_main, engine_url, args.fair_keys + len(names), 0.0, store + "/s", "ws", True, esecret, None,
                              {"max_context_tokens": 1 << 20, "client_stall_s": 5.0})
     victims, attackers = keys[: args.fair_keys], keys[args.fair_keys :]  # a fresh attacker per shape: no debt carried over
+    engine_pid = procs[0].pid  # main() starts the engine first
     procs.append(p)
     url, out = f"http://127.0.0.1:{port}", {}
     for i, name in enumerate(names):
         path, raw = built[name]
-        out[name] = asyncio.run(S.run_shape(url, [attackers[i]] + victims, path, raw, args.stall_calls, p.pid, unread=S.UNREAD.get(name, 0)))
+        out[name] = asyncio.run(S.run_shape(url, [attackers[i]] + victims, path, raw, args.stall_calls, p.pid, unread=S.UNREAD.get(name, 0),
+                                            idle_pids=[p.pid, engine_pid]))
         if name == "prompt_783k":
             tok = load_tokenizer()
             ids = tok.apply_chat_template(json.loads(raw)["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -342,7 +344,7 @@ def _stalls_stage(args, engine_url, esecret, store, procs) -> dict:
         o = out[name]
         print(f"stall {name:22s} victims p99 {o['quiet_p99_ms']:.1f} ms quiet, {o['loaded_p99_ms']:.1f} ms loaded: ratio {o['p99_ratio']:.2f} | "
               f"shape {o['shape_body_mib']:.1f} MiB x{sum(o['shape_status'].values())} {o['shape_status']}, p50 {o['shape_p50_ms'] or 0:.0f} ms, "
-              f"proxy CPU {o['proxy_cpu_ms_per_shape_call'] or 0:.0f} ms/call" + (f", proxy RSS {o['proxy_rss_before_mib']:.0f} -> peak {o['proxy_peak_rss_mib']:.0f} MiB" if "proxy_peak_rss_mib" in o else "") + (f", engine alone {o['engine_alone_p50_ms']:.0f} ms" if "engine_alone_p50_ms" in o else ""), flush=True)
+              f"proxy CPU {o['proxy_cpu_ms_per_shape_call'] or 0:.0f} ms/call" + (f", proxy RSS {o['proxy_rss_before_mib']:.0f} -> peak {o['proxy_peak_rss_mib']:.0f} MiB" if "proxy_peak_rss_mib" in o else "") + (f", unread connections dropped {o['unread_dropped']}/{o['unread_connections']} after {o['unread_held_s']} s" if "unread_dropped" in o else "") + (f", engine alone {o['engine_alone_p50_ms']:.0f} ms" if "engine_alone_p50_ms" in o else ""), flush=True)
     p.terminate()
     return out
 

@@ -15,8 +15,12 @@ the engine alone, and the proxy's CPU per shape call (its process and its body-p
   prompt_783k           a legitimate 783k-token conversation (~290 turns of code), answered
   stream_top20_30k      a streamed 30,000-token answer with `top_logprobs: 20` from the instant engine, read whole
   unread_top20_x4       the same call on 4 connections whose client never reads (raw sockets, a 4 KiB receive
-                        buffer), each held until the proxy drops it or the loaded phase ends; the proxy's
-                        resident memory (peak over the phase, MiB) is reported beside
+                        buffer), held until the proxy has dropped every one (`proxy.client_stall_s`, 5 s
+                        here): the loaded phase lasts that long; the dropped connections and the proxy's
+                        resident memory (peak over the phase, MiB) are reported beside
+
+Each quiet phase starts once the proxy and the engine have gone idle (`settle`): an engine keeps
+generating an aborted call's backlog for seconds, and a quiet phase timed in it is not quiet.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 NESTED_DEPTH = 20
 TOP20 = {"model": "m", "max_tokens": 30_000, "stream": True, "logprobs": True, "top_logprobs": 20, "messages": [{"role": "user", "content": "hi"}]}
 UNREAD = {"unread_top20_x4": 4}  # shape -> connections that never read their answer
+HOLD_LIMIT_S = 120.0  # an unread connection the proxy has not dropped by then is reported `held`
 
 
 def _schema(depth: int) -> dict:
@@ -112,10 +117,24 @@ def rss_mib(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
-async def hold_unread(go, stop, url: str, path: str, raw: bytes, key: str, proxy_pid: int, n: int) -> tuple:
-    """`n` connections send `raw` and never read (a 4 KiB receive buffer), until the proxy drops
-    them (TCP state no longer established) or `go` clears. -> ("dropped" | "held", seconds, proxy
-    CPU s, the proxy's peak resident MiB)."""
+async def settle(pids: list[int], idle_cpu: float = 0.05, step_s: float = 0.25, limit_s: float = 120.0) -> float:
+    """Wait until `pids` together use under `idle_cpu` of a core over `step_s` (or `limit_s`);
+    -> seconds waited."""
+    t0 = time.perf_counter()
+    c = sum(tree_cpu_s(p) for p in pids)
+    while time.perf_counter() - t0 < limit_s:
+        await asyncio.sleep(step_s)
+        now = sum(tree_cpu_s(p) for p in pids)
+        if now - c < idle_cpu * step_s:
+            break
+        c = now
+    return time.perf_counter() - t0
+
+
+async def hold_unread(stop, url: str, path: str, raw: bytes, key: str, proxy_pid: int, n: int) -> tuple:
+    """`n` connections send `raw` and never read (a 4 KiB receive buffer), until the proxy has
+    dropped them all (TCP state no longer established), `stop`, or HOLD_LIMIT_S. -> ("dropped" |
+    "held", seconds, proxy CPU s, the proxy's peak resident MiB, connections dropped)."""
     import socket
     import urllib.parse
 
@@ -131,16 +150,14 @@ async def hold_unread(go, stop, url: str, path: str, raw: bytes, key: str, proxy
         await loop.sock_connect(s, (u.hostname, u.port))
         await loop.sock_sendall(s, head + raw)
         socks.append(s)
-    peak, status = rss_mib(proxy_pid), "held"
-    while go.is_set() and not stop.is_set():
-        peak = max(peak, rss_mib(proxy_pid))
-        if all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != 1 for s in socks):  # 1: TCP_ESTABLISHED
-            status = "dropped"
-            break
+    peak, dropped = rss_mib(proxy_pid), 0
+    while dropped < n and not stop.is_set() and time.perf_counter() - t0 < HOLD_LIMIT_S:
         await asyncio.sleep(0.1)
+        peak = max(peak, rss_mib(proxy_pid))
+        dropped = sum(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != 1 for s in socks)  # 1: TCP_ESTABLISHED
     for s in socks:
         s.close()
-    return status, time.perf_counter() - t0, tree_cpu_s(proxy_pid) - c0, peak
+    return "dropped" if dropped == n else "held", time.perf_counter() - t0, tree_cpu_s(proxy_pid) - c0, peak, dropped
 
 
 async def send_shape(go, busy, stop, url: str, path: str, raw: bytes, key: str, proxy_pid: int | None, unread: int = 0) -> list[tuple]:
@@ -157,7 +174,7 @@ async def send_shape(go, busy, stop, url: str, path: str, raw: bytes, key: str, 
                 busy.value = 0
                 await asyncio.sleep(0.01)
                 continue
-            out.append(await hold_unread(go, stop, url, path, raw, key, proxy_pid, unread))
+            out.append(await hold_unread(stop, url, path, raw, key, proxy_pid, unread))
         return out
 
     hdr = {"Authorization": f"Bearer {key}", "x-api-key": key, "anthropic-version": "2023-06-01", "Content-Type": "application/json"}
@@ -195,14 +212,17 @@ def _attacker_main(args: tuple, go, busy, stop, q) -> None:
     q.put(asyncio.run(send_shape(go, busy, stop, *args)))
 
 
-async def quiet_then_loaded(session, victims, calls: int, attack: tuple, rounds: int = 4) -> tuple[list[float], list[float], list[tuple]]:
+async def quiet_then_loaded(session, victims, calls: int, attack: tuple, rounds: int = 4, idle_pids: list[int] | None = None,
+                            hold: bool = False) -> tuple[list[float], list[float], list[tuple]]:
     """The victims' latencies alone and while an attacker (`send_shape(*attack)`) runs, side by
     side in one run: `rounds` alternations of a quiet and a loaded phase of `calls / rounds` victim
     calls each (the attacker starts 0.3 s before a loaded phase, and a quiet phase waits for its
     last call), so slow drifts of a shared machine fall on both alike. The attacker is its own
     process, as another harness is: its client-side work (sending MiBs, reading /proc) never runs
     on the loop that times the victims. `victims(session, n)` -> n latencies. Returns (quiet,
-    loaded, the attacker's attempts)."""
+    loaded, the attacker's attempts). `idle_pids`: each quiet phase first waits for these processes
+    to go idle (`settle`). `hold`: the loaded phase goes on (batches of victim calls) until the
+    attacker's last attempt has ended (an unread stream ends when the proxy drops it)."""
     import multiprocessing as mp
 
     _quiet_collector()
@@ -214,21 +234,28 @@ async def quiet_then_loaded(session, victims, calls: int, attack: tuple, rounds:
     loud: list[float] = []
     for r in range(rounds):
         n = calls // rounds + (r < calls % rounds)
+        if idle_pids:
+            await settle(idle_pids)
         quiet += await victims(session, n)
         go.set()
         await asyncio.sleep(0.3)
         loud += await victims(session, n)
         go.clear()
         while busy.value:
-            await asyncio.sleep(0.01)
+            if hold:
+                loud += await victims(session, max(1, n // 4))
+            else:
+                await asyncio.sleep(0.01)
     stop.set()
     attempts = await asyncio.get_running_loop().run_in_executor(None, q.get, True, 600)
     p.join(10)
     return quiet, loud, attempts
 
 
-async def run_shape(url: str, keys: list[str], path: str, raw: bytes, per_phase: int, proxy_pid: int, max_tokens: int = 8, unread: int = 0) -> dict:
-    """Quiet victims, then victims while keys[0] sends `raw` to `path` within its rate budget."""
+async def run_shape(url: str, keys: list[str], path: str, raw: bytes, per_phase: int, proxy_pid: int, max_tokens: int = 8, unread: int = 0,
+                    idle_pids: list[int] | None = None) -> dict:
+    """Quiet victims, then victims while keys[0] sends `raw` to `path` within its rate budget;
+    each quiet phase waits for `idle_pids` (the proxy's, the engine's) to go idle."""
     import aiohttp
 
     small = {"model": "m", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "task: list the files"}]}
@@ -251,20 +278,23 @@ async def run_shape(url: str, keys: list[str], path: str, raw: bytes, per_phase:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600)) as session:
         await victims(session, len(keys) - 1)  # warm-up
         rss_before = rss_mib(proxy_pid)
-        quiet, loud, attempts = await quiet_then_loaded(session, victims, per_phase, (url, path, raw, keys[0], proxy_pid, unread))
+        quiet, loud, attempts = await quiet_then_loaded(session, victims, per_phase, (url, path, raw, keys[0], proxy_pid, unread),
+                                                        idle_pids=idle_pids, hold=unread > 0)
     codes: dict = {}
     for status, *_ in attempts:
         codes[str(status)] = codes.get(str(status), 0) + 1
     served = [(t, c) for status, t, c, *_ in attempts if status not in (429, "closed")]
     peak = max((a[3] for a in attempts if len(a) > 3), default=None)
+    unread_out = {"unread_connections": unread * len(attempts), "unread_dropped": sum(a[4] for a in attempts),
+                  "unread_held_s": [round(a[1], 1) for a in attempts]} if unread else {}
     n = len(served)
     return {"quiet_p99_ms": _pct(quiet, 99) * 1e3, "loaded_p99_ms": _pct(loud, 99) * 1e3, "p99_ratio": _pct(loud, 99) / _pct(quiet, 99),
-            "quiet_p50_ms": _pct(quiet, 50) * 1e3, "loaded_p50_ms": _pct(loud, 50) * 1e3, "victim_calls": len(loud),
+            "quiet_p50_ms": _pct(quiet, 50) * 1e3, "loaded_p50_ms": _pct(loud, 50) * 1e3, "victim_calls": len(loud), "quiet_calls": len(quiet),
             "quiet_top_ms": [round(x * 1e3, 1) for x in sorted(quiet)[-8:]], "loaded_top_ms": [round(x * 1e3, 1) for x in sorted(loud)[-8:]],
             "shape_calls": n, "shape_status": codes, "shape_body_mib": len(raw) / 2**20,
             "shape_p50_ms": _pct([t for t, _ in served], 50) * 1e3 if n else None,
             "proxy_cpu_ms_per_shape_call": sum(c for _, c in served) / n * 1e3 if n else None,
-            **({"proxy_peak_rss_mib": peak, "proxy_rss_before_mib": rss_before} if peak is not None else {})}
+            **({"proxy_peak_rss_mib": peak, "proxy_rss_before_mib": rss_before} if peak is not None else {}), **unread_out}
 
 
 async def engine_alone_ms(engine_url: str, secret: str, ids: list[int], n: int = 3) -> float:
