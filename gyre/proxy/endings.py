@@ -37,17 +37,26 @@ def _closed() -> ApiError:
                     "the call was aborted")
 
 
+def closed_by_close(call: "Call") -> ApiError | None:
+    """In an `except CancelledError`: when it is the close's own cancellation, uncancel it and
+    return the error the client is told instead; None for any other cancellation (re-raise it)."""
+    task = asyncio.current_task()
+    if (call.state.closed or call.state.closing) and task is not None and task.cancelling() == 1:
+        task.uncancel()
+        return _closed()
+    return None
+
+
 async def told(call: "Call") -> AsyncIterator:
-    """`call.events()`, raising `ApiError` for an early engine end or a closed execution."""
+    """`call.events()`, raising `ApiError` for an early engine end or a closed execution (a
+    cancellation that lands in a frame's write instead: `gyre.proxy.pacing.PacedResponse`)."""
     try:
         async with aclosing(call.events()) as events:
             async for item in events:
                 yield item
     except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if (call.state.closed or call.state.closing) and task is not None and task.cancelling() == 1:
-            task.uncancel()  # the close's own cancellation: answered as an error instead
-            raise _closed() from None
+        if (err := closed_by_close(call)) is not None:
+            raise err from None
         raise
     if call.finish == "error":
         raise _early(call)

@@ -20,6 +20,8 @@ from typing import Any
 
 from aiohttp import web
 
+from gyre.proxy.endings import closed_by_close
+
 FRAME_ENTRIES = 256  # log-prob entries (a token and each of its alternatives) one frame may carry
 # Turns of the loop given after each frame: another call's reply is a chain of steps (read,
 # route, the engine's answer, write), each waiting behind a frame when a frame gives one.
@@ -52,9 +54,9 @@ class PacedResponse(web.StreamResponse):
     """An SSE response whose `write` gives the loop a turn and ends the call (`ClientStalled`)
     when the client has not made room for the frame in `stall_s`."""
 
-    def __init__(self, stall_s: float) -> None:
+    def __init__(self, call: Any) -> None:
         super().__init__(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        self.stall_s = stall_s
+        self.call, self.stall_s = call, call.proxy.config.client_stall_s
 
     async def write(self, data) -> None:
         try:
@@ -67,11 +69,16 @@ class PacedResponse(web.StreamResponse):
                 t.abort()
             raise ClientStalled(f"the client read none of its stream for {self.stall_s:g} s (proxy.client_stall_s); "
                                 "call aborted") from None
-        for _ in range(FRAME_TURNS):
-            await asyncio.sleep(0)
+        try:
+            for _ in range(FRAME_TURNS):
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:  # the execution's close landed here, between two frames
+            if (err := closed_by_close(self.call)) is not None:
+                raise err from None
+            raise
 
 
 async def sse_start(request: web.Request, call: Any) -> PacedResponse:
-    resp = PacedResponse(call.proxy.config.client_stall_s)
+    resp = PacedResponse(call)
     await resp.prepare(request)
     return resp

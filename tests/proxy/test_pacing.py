@@ -7,6 +7,7 @@ import asyncio
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -16,6 +17,7 @@ from gyre.backends.engines.det_engine import DeterministicEngine
 from gyre.backends.engines.engine_http import HttpEngine, serve_engine
 from gyre.backends.models.tokenizer import load_tokenizer, token_bytes
 from gyre.proxy import ProxyConfig
+from gyre.proxy.errors import ApiError
 from gyre.proxy.pacing import FRAME_TURNS, PacedResponse, frame_tokens
 
 TABLE = token_bytes(load_tokenizer())
@@ -155,8 +157,44 @@ def test_each_frame_gives_the_loop_several_turns(monkeypatch):
         task = asyncio.create_task(other())
         await asyncio.sleep(0)  # started
         before = passes
-        await PacedResponse(0).write(b"frame")
+        await PacedResponse(_call(closing=False)).write(b"frame")
         task.cancel()
         return passes - before
 
     assert asyncio.run(main()) == FRAME_TURNS >= 8  # before: 1
+
+
+def _call(closing: bool) -> SimpleNamespace:  # what PacedResponse reads of a Call
+    return SimpleNamespace(proxy=SimpleNamespace(config=SimpleNamespace(client_stall_s=0)),
+                           state=SimpleNamespace(closed=False, closing=closing))
+
+
+@pytest.mark.parametrize("closing", [True, False])
+def test_a_close_landing_between_frames_is_told_as_an_error_not_a_cut(monkeypatch, closing):
+    """The execution's close cancels its calls' tasks; one that lands in a frame's turns (not in
+    the engine's stream, where `endings.told` answers it) is the same error the client is told,
+    so the adapter writes an error event. Any other cancellation stays a cancellation."""
+    async def sent(self, data):
+        pass
+
+    monkeypatch.setattr(web.StreamResponse, "write", sent)
+
+    async def main():
+        task = asyncio.create_task(PacedResponse(_call(closing)).write(b"frame"))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the write is in its turns now
+        assert not task.done()
+        task.cancel()
+        try:
+            await task
+        except ApiError as e:
+            return "error: " + e.message
+        except asyncio.CancelledError:
+            return "cancelled"
+        return "finished"
+
+    out = asyncio.run(main())
+    if closing:
+        assert out.startswith("error: this execution was closed"), out
+    else:
+        assert out == "cancelled"
