@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import aclosing
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import Any, AsyncIterator
 
 from gyre.proxy.errors import ApiError
 
-if TYPE_CHECKING:
-    from gyre.proxy.core import Call
 
-
-def _early(call: "Call") -> ApiError:
+def _early(call: Any) -> ApiError:
     return ApiError(500, "internal", f"the model's engine ended this call early after {len(call.tokens)} tokens "
                     "(recorded as finish_reason 'error'); the partial answer is not complete, retry the call")
 
@@ -37,7 +34,7 @@ def _closed() -> ApiError:
                     "the call was aborted")
 
 
-def closed_by_close(call: "Call") -> ApiError | None:
+def closed_by_close(call: Any) -> ApiError | None:
     """In an `except CancelledError`: when it is the close's own cancellation, uncancel it and
     return the error the client is told instead; None for any other cancellation (re-raise it)."""
     task = asyncio.current_task()
@@ -47,7 +44,7 @@ def closed_by_close(call: "Call") -> ApiError | None:
     return None
 
 
-async def told(call: "Call") -> AsyncIterator:
+async def told(call: Any) -> AsyncIterator:
     """`call.events()`, raising `ApiError` for an early engine end or a closed execution (a
     cancellation that lands in a frame's write instead: `gyre.proxy.pacing.PacedResponse`)."""
     try:
