@@ -137,7 +137,7 @@ def run_chat(family, servers, data, resend_reasoning: bool):
 
 @pytest.mark.parametrize("resend_reasoning", [False, True], ids=["cpu_demo", "with_reasoning"])
 @pytest.mark.parametrize("family", FAMILIES)
-@settings(max_examples=int(os.environ.get("GYRE_RANDOM_OUTPUT_EXAMPLES", 40)), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+@settings(max_examples=int(os.environ.get("GYRE_RANDOM_OUTPUT_EXAMPLES", 15)), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                                  HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_outputs_splice(servers, family, resend_reasoning, data):

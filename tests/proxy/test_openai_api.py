@@ -58,7 +58,7 @@ def calls(draw):
     return call, charged
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(calls(), st.data())
 def test_spliced_log_prob_json_is_what_json_dumps_writes(c, data):
     call, charged = c

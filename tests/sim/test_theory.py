@@ -37,7 +37,7 @@ def test_simulated_staleness_matches_closed_form(phi, mu):
     assert abs(res.mean_staleness - D.expected_staleness(phi, mu)) <= 0.01, res.mean_staleness
 
 
-@pytest.mark.parametrize("phi,mu", [(0.5, 3), (1, 2), (0, 3)])
+@pytest.mark.parametrize("phi,mu", [pytest.param(0.5, 3, marks=pytest.mark.slow), (1, 2), pytest.param(0, 3, marks=pytest.mark.slow)])
 def test_continuous_dispatch_and_littles_law(phi, mu):
     B = 2
     b = _run(phi, mu, "boundary", seed=5)
