@@ -33,9 +33,8 @@ from gyre.config import TrainConfig
 from gyre.errors import RunFailed
 from gyre.executions.config import ExecutionsConfig
 from gyre.executions.health import HealthMonitor
-from gyre.executions.runner import EventKind, ExecutionEvent, HarnessRunner
+from gyre.executions.runner import EventKind, ExecutionEvent
 from gyre.executions.tasks import Dataset
-from gyre.proxy import Proxy
 from gyre.runtime import attempts, stop
 from gyre.runtime.control import CONTROLLER, ControlPlane, ReplyWatch
 from gyre.runtime.ledger import RunLedger
@@ -44,7 +43,7 @@ from gyre.runtime.messages import (Command, Failed, Interrupted, Joined, Load, L
                                    WorkDone, handler_for)
 from gyre.loss.config import LossConfig
 from gyre.runtime.outputs import Trackers, read_metrics
-from gyre.runtime.proxy_access import GyreProxyAccess
+from gyre.runtime.proxy_access import DataPlane
 from gyre.runtime.records import RunRecords
 from gyre.runtime.rundir import RunDir
 from gyre.runtime.samples import audit_bundle, group_work, step_denominator, tito_records
@@ -104,11 +103,7 @@ class Controller:
         self.store_t = store.clone()  # the controller thread's own connection
         self.plane = ControlPlane(self.store_t, CONTROLLER)
 
-        # What needs the running loop: started by _run.
-        self.proxy: Proxy | None = None
-        self.proxy_handle: Any = None
-        self.access: GyreProxyAccess | None = None
-        self.runner: HarnessRunner | None = None
+        self.data: DataPlane | None = None  # the proxy and the harness runner: started by _run
 
         # Run state.
         self.pending: set[int] = set()  # cells that asked for work and got none yet
@@ -191,14 +186,14 @@ class Controller:
         except OSError:
             rows = []
         return {**build_summary(self.ledger, how, scheduler=self.scheduler_cfg, shutdown_timeout_s=self.budget.shutdown_s,
-                                seed=self.seed, fractions=fractions, router=self.proxy.router.stats(),
-                                proxy_totals=self.access.totals, worst_unmatched=self.proxy.worst_unmatched(10),
-                                sink_errors=self.proxy.sink_errors, health=self.health.counts,
+                                seed=self.seed, fractions=fractions, router=self.data.router_stats(),
+                                proxy_totals=self.data.totals(), worst_unmatched=self.data.worst_unmatched(10),
+                                sink_errors=self.data.sink_errors(), health=self.health.counts,
                                 measured_staleness=self.sched.staleness, run=self.run, rows=rows),
                 "write_errors_after_the_first": self.writes.later}
 
     async def _run(self) -> None:
-        self.proxy, self.proxy_handle, self.access, self.runner = await self.data_plane(
+        self.data = await self.data_plane(
             self.run_dir, self.ledger, self.tito, self.store_t, self.topo, self.engine_secret,
             on_error=self._error, on_event=self._on_exec_event)
         self.ledger.begin(time.time())
@@ -220,8 +215,7 @@ class Controller:
                 await asyncio.sleep(0.003)
         except Exception as e:  # noqa: BLE001 - the stop sequence still runs (summary, events, ended)
             self._error(e, "the controller")
-        await stop.stop_run(self, self.runner, self.records, self.ending, self.budget,
-                            close=[("the proxy's router", self.proxy.router.close), ("the proxy", self.proxy_handle.astop)])
+        await stop.stop_run(self, self.data, self.records, self.ending, self.budget, close=[("the data plane", self.data.close)])
         if self.ending.error is not None:
             raise self.ending.error
 
@@ -260,8 +254,8 @@ class Controller:
             self.ledger.add_group(g, group, d.version)
             self.records.journal.dispatched(group.group_id, group.task.task_id, d.version,
                                     [e.execution_id for e in group.executions])
-            for spec, task in zip(group.executions, self.runner.dispatch_group(group)):
-                watch_execution(task, spec.execution_id, self.runner.run_dir / spec.execution_id, self._error)
+            for spec, task in zip(group.executions, self.data.dispatch_group(group)):
+                watch_execution(task, spec.execution_id, self.data.executions_dir / spec.execution_id, self._error)
         logger.info("dispatched groups %d..%d at version %d (w=%d)", d.first_group, d.first_group + d.n_groups - 1,
                     d.version, self.sched.water_level)
 
@@ -283,7 +277,7 @@ class Controller:
         self.ledger.switch_sent(d.cell, time.time())
 
         async def drain_then_send() -> None:
-            moved = await self.proxy.router.drain(f"cell{d.cell}")  # in-flight calls continue elsewhere
+            moved = await self.data.drain(f"cell{d.cell}")  # in-flight calls continue elsewhere
             logger.info("cell %d drained (%d calls rerouted); switching to train", d.cell, moved)
             self._send_cell(d.cell, ToTrain())
 
@@ -358,9 +352,8 @@ class Controller:
         self.records.journal.trained([self.ledger.groups[g].group_id for g in rec.groups], msg.step)
         now = time.time()
         row = step_row(self.ledger, msg.step, now, step_time_s=now - self.last_step_t, scheduler=self.sched,
-                       reroutes=self.proxy.router.reroutes, rerouted=self.proxy.router.take_reroutes(),
-                       unmatched_turns=self.access.take_unmatched() if self.access is not None else 0,
-                       sink_errors=self.proxy.sink_errors, stats=msg.stats)
+                       reroutes=self.data.reroutes(), rerouted=self.data.take_reroutes(),
+                       unmatched_turns=self.data.take_unmatched(), sink_errors=self.data.sink_errors(), stats=msg.stats)
         self.records.step(row)
         if "checkpoint_s" in msg.stats:  # the core wrote a periodic checkpoint: does a stop still fit it?
             self.ending.checkpointed(float(msg.stats["checkpoint_s"]), self.budget.shutdown_s)
@@ -373,7 +366,7 @@ class Controller:
     def _on_rolled_back(self, msg: RolledBack) -> None:
         self.ledger.handover(msg.handover_s)
         self.ledger.switched(msg.cell, "to_rollout", time.time())
-        self.proxy.router.resume(f"cell{msg.cell}")
+        self.data.resume(f"cell{msg.cell}")
         self._apply(self.sched.on_switch_done(msg.cell, "rollout"))
 
     def _on_loaded(self, msg: Loaded) -> None:

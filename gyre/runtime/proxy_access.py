@@ -20,7 +20,7 @@ import logging
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 from gyre.backends.engines.engine_http import HttpEngine
 from gyre.backends.config import ModelConfig
@@ -82,11 +82,99 @@ async def engine_url(store: Any, rank: int, timeout: float = 600.0) -> str:
     return store.get(key).decode()
 
 
+class DataPlane(Protocol):
+    """What the controller and the stop use of the data plane (the proxy, its router and the
+    harness runner), wherever it runs: `LocalPlane` in rank 0's own loop, or a client of an
+    execution-plane process that outlives the ranks. Getters are cheap (no I/O on the caller's loop)."""
+
+    executions_dir: Path  # <run_dir>/executions: one directory per execution
+
+    def dispatch_group(self, group: Any) -> list[Awaitable[Any]]:
+        """Start the group's executions; one awaitable per execution, done when it has ended."""
+
+    def in_flight(self) -> list[str]: ...
+
+    async def shutdown(self, evaluate: bool = True, timeout: float | None = None) -> None:
+        """Stop every execution (`HarnessRunner.shutdown`)."""
+
+    async def drain(self, engine: str) -> int:
+        """Drain `engine` (cellN) in the router: its calls continue elsewhere; how many moved."""
+
+    def resume(self, engine: str) -> None: ...
+
+    def router_stats(self) -> dict: ...
+
+    def reroutes(self) -> int: ...
+
+    def take_reroutes(self) -> list: ...
+
+    def take_unmatched(self) -> int: ...
+
+    def totals(self) -> dict[str, int]: ...
+
+    def worst_unmatched(self, n: int) -> list: ...
+
+    def sink_errors(self) -> int: ...
+
+    async def close(self) -> None:
+        """The router's calls ended, then the proxy's server stopped."""
+
+
+class LocalPlane:
+    """The `DataPlane` in rank 0's own loop: the proxy, its server, the access and the runner."""
+
+    def __init__(self, proxy: Any, handle: Any, access: GyreProxyAccess, runner: HarnessRunner) -> None:
+        self.proxy, self.handle, self.access, self.runner = proxy, handle, access, runner
+        self.executions_dir = runner.run_dir
+
+    def dispatch_group(self, group: Any) -> list[asyncio.Task]:
+        return self.runner.dispatch_group(group)
+
+    def in_flight(self) -> list[str]:
+        return self.runner.in_flight()
+
+    async def shutdown(self, evaluate: bool = True, timeout: float | None = None) -> None:
+        await self.runner.shutdown(evaluate=evaluate, timeout=timeout)
+
+    async def drain(self, engine: str) -> int:
+        return await self.proxy.router.drain(engine)
+
+    def resume(self, engine: str) -> None:
+        self.proxy.router.resume(engine)
+
+    def router_stats(self) -> dict:
+        return self.proxy.router.stats()
+
+    def reroutes(self) -> int:
+        return self.proxy.router.reroutes
+
+    def take_reroutes(self) -> list:
+        return self.proxy.router.take_reroutes()
+
+    def take_unmatched(self) -> int:
+        return self.access.take_unmatched()
+
+    def totals(self) -> dict[str, int]:
+        return self.access.totals
+
+    def worst_unmatched(self, n: int) -> list:
+        return self.proxy.worst_unmatched(n)
+
+    def sink_errors(self) -> int:
+        return self.proxy.sink_errors
+
+    async def close(self) -> None:
+        try:
+            await self.proxy.router.close()
+        finally:
+            await self.handle.astop()
+
+
 async def start_data_plane(model: ModelConfig, proxy_cfg: ProxyConfig, executions: ExecutionsConfig, run_dir: Path,
                            ledger: RunLedger, tito: Any, store: Any, topo: Any, secret: str | None,
-                           on_error: Callable[..., None], on_event: Callable[[Any], None]) -> tuple:
-    """(proxy, its server handle, access, runner): every cell's engine and every pool engine (the
-    server on its first rank, `topo`) behind the proxy's router. on_error: a failed TITO write
+                           on_error: Callable[..., None], on_event: Callable[[Any], None]) -> LocalPlane:
+    """The data plane in this loop: every cell's engine and every pool engine (the server on its
+    first rank, `topo`) behind the proxy's router. on_error: a failed TITO write
     (`gyre.runtime.writes`); on_event: the runner's execution events."""
     engines = [("cell", c, topo.cell_ranks(c)[0]) for c in range(topo.num_cells)]
     engines += [("pool", e, topo.pool_engine_ranks(e)[0]) for e in range(topo.num_pool_engines)]
@@ -104,4 +192,4 @@ async def start_data_plane(model: ModelConfig, proxy_cfg: ProxyConfig, execution
     access = GyreProxyAccess(proxy, handle.url, ledger)
     runner = HarnessRunner(runner_cfg, Evaluator(executions.evaluator, runner_cfg), proxy=access,
                            on_event=on_event)
-    return proxy, handle, access, runner
+    return LocalPlane(proxy, handle, access, runner)

@@ -185,7 +185,7 @@ class Ranks(Protocol):
 
 async def stop_run(ranks: Ranks, runner: Any, records: RunRecords, ending: Ending, budget: Budget,
                    close: Sequence[tuple[str, Callable[[], Awaitable[Any]]]] = ()) -> dict[str, Any]:
-    """The stop sequence (module docstring); `runner`: the harness runner (`in_flight`, `shutdown`);
+    """The stop sequence (module docstring); `runner`: the data plane (`in_flight`, `shutdown`: `proxy_access.DataPlane`);
     `close`: the data plane's closers, named, run before the records close. Returns the summary.
     After a failure nothing is waited for beyond a few seconds: the error is the news."""
     phases, failed = Phases(), ending.error is not None
