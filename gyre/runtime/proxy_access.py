@@ -82,26 +82,39 @@ async def engine_url(store: Any, rank: int, timeout: float = 600.0) -> str:
     return store.get(key).decode()
 
 
-async def start_data_plane(model: ModelConfig, proxy_cfg: ProxyConfig, executions: ExecutionsConfig, run_dir: Path,
-                           ledger: RunLedger, tito: Any, store: Any, topo: Any, secret: str | None,
-                           on_error: Callable[..., None], on_event: Callable[[Any], None]) -> tuple:
-    """(proxy, its server handle, access, runner): every cell's engine and every pool engine (the
-    server on its first rank, `topo`) behind the proxy's router. on_error: a failed TITO write
+async def serve_data_plane(checkpoint: str | None, proxy_cfg: ProxyConfig, executions: ExecutionsConfig, run_dir: Path,
+                           ledger: Any, tito: Any, on_error: Callable[..., None], on_event: Callable[[Any], None],
+                           access_cls: type = GyreProxyAccess) -> tuple:
+    """(proxy, its server handle, access, runner), no engine added yet: the one build of the data
+    plane, in rank 0 (`start_data_plane`) or in its own process (`gyre.runtime.execution_plane`).
+    checkpoint: the run's --model.checkpoint (the proxy's tokenizer, `load_vocab`); ledger: where
+    closed executions' calls go (`RunLedger.closed`, or None); on_error: a failed TITO write
     (`gyre.runtime.writes`); on_event: the runner's execution events."""
-    engines = [("cell", c, topo.cell_ranks(c)[0]) for c in range(topo.num_cells)]
-    engines += [("pool", e, topo.pool_engine_ranks(e)[0]) for e in range(topo.num_pool_engines)]
     from gyre.backends.models.vocab import load_vocab
 
-    vocab = load_vocab(model.checkpoint, proxy_cfg.tokenizer_path)  # the job's (cached per path)
+    vocab = load_vocab(checkpoint, proxy_cfg.tokenizer_path)  # the job's (cached per path)
     proxy = Proxy(proxy_cfg, sink=WatchedSink(StoreSink(tito), tito.path_for, on_error), tokenizer=vocab.tokenizer,
                   stop_ids=vocab.stop_ids)
     handle = await start_proxy(proxy)
     logger.info("proxy listening at %s", handle.url)
+    runner_cfg = dataclasses.replace(executions.runner, run_dir=str(run_dir / "executions"))
+    access = access_cls(proxy, handle.url, ledger)
+    runner = HarnessRunner(runner_cfg, Evaluator(executions.evaluator, runner_cfg), proxy=access,
+                           on_event=on_event)
+    return proxy, handle, access, runner
+
+
+async def start_data_plane(model: ModelConfig, proxy_cfg: ProxyConfig, executions: ExecutionsConfig, run_dir: Path,
+                           ledger: RunLedger, tito: Any, store: Any, topo: Any, secret: str | None,
+                           on_error: Callable[..., None], on_event: Callable[[Any], None]) -> tuple:
+    """(proxy, its server handle, access, runner) in this process: `serve_data_plane` with every
+    cell's engine and every pool engine (the server on its first rank, `topo`) behind the proxy's
+    router."""
+    engines = [("cell", c, topo.cell_ranks(c)[0]) for c in range(topo.num_cells)]
+    engines += [("pool", e, topo.pool_engine_ranks(e)[0]) for e in range(topo.num_pool_engines)]
+    proxy, handle, access, runner = await serve_data_plane(model.checkpoint, proxy_cfg, executions, run_dir, ledger,
+                                                           tito, on_error, on_event)
     for kind, index, rank in engines:
         url = await engine_url(store, rank)
         proxy.router.add_engine(HttpEngine(url, name=f"{kind}{index}", secret=secret), kind=kind, index=index)
-    runner_cfg = dataclasses.replace(executions.runner, run_dir=str(run_dir / "executions"))
-    access = GyreProxyAccess(proxy, handle.url, ledger)
-    runner = HarnessRunner(runner_cfg, Evaluator(executions.evaluator, runner_cfg), proxy=access,
-                           on_event=on_event)
     return proxy, handle, access, runner
