@@ -1,7 +1,8 @@
 """The runtime's adapter between the harness runner and Gyre's own proxy, and the data plane's
-start on rank 0 (docs/design.md §1, §5): `start_data_plane` builds the proxy over the run's TITO
-store, adds every cell's and pool engine's server to its router once the rank announced it, and
-starts the harness runner with a `GyreProxyAccess`.
+start on rank 0 (docs/design.md §1, §5): `serve_data_plane` is its one build (the proxy over the
+run's TITO store, its server, the harness runner with a `GyreProxyAccess`), used in rank 0 and in
+the plane's own process (`gyre.runtime.execution_plane`); `start_data_plane` adds every cell's and
+pool engine's server to the router once the rank announced it.
 
 `GyreProxyAccess` is the runner's `ProxyAccess` (`gyre.executions.runner`): keys come from
 `Proxy.issue_key` and are revoked (the execution's store file closed) by `Proxy.close_execution`
