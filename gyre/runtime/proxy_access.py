@@ -1,7 +1,8 @@
 """The runtime's adapter between the harness runner and Gyre's own proxy, and the data plane's
-start on rank 0 (docs/design.md §1, §5): `start_data_plane` builds the proxy over the run's TITO
-store, adds every cell's and pool engine's server to its router once the rank announced it, and
-starts the harness runner with a `GyreProxyAccess`.
+start on rank 0 (docs/design.md §1, §5): `serve_data_plane` is its one build (the proxy over the
+run's TITO store, its server, the harness runner with a `GyreProxyAccess`), used in rank 0 and in
+the plane's own process (`gyre.runtime.execution_plane`); `start_data_plane` adds every cell's and
+pool engine's server to the router once the rank announced it.
 
 `GyreProxyAccess` is the runner's `ProxyAccess` (`gyre.executions.runner`): keys come from
 `Proxy.issue_key` and are revoked (the execution's store file closed) by `Proxy.close_execution`
@@ -170,26 +171,39 @@ class LocalPlane:
             await self.handle.astop()
 
 
-async def start_data_plane(model: ModelConfig, proxy_cfg: ProxyConfig, executions: ExecutionsConfig, run_dir: Path,
-                           ledger: RunLedger, tito: Any, store: Any, topo: Any, secret: str | None,
-                           on_error: Callable[..., None], on_event: Callable[[Any], None]) -> LocalPlane:
-    """The data plane in this loop: every cell's engine and every pool engine (the server on its
-    first rank, `topo`) behind the proxy's router. on_error: a failed TITO write
+async def serve_data_plane(checkpoint: str | None, proxy_cfg: ProxyConfig, executions: ExecutionsConfig, run_dir: Path,
+                           ledger: Any, tito: Any, on_error: Callable[..., None], on_event: Callable[[Any], None],
+                           access_cls: type = GyreProxyAccess) -> tuple:
+    """(proxy, its server handle, access, runner), no engine added yet: the one build of the data
+    plane, in rank 0 (`start_data_plane`) or in its own process (`gyre.runtime.execution_plane`).
+    checkpoint: the run's --model.checkpoint (the proxy's tokenizer, `load_vocab`); ledger: where
+    closed executions' calls go (`RunLedger.closed`, or None); on_error: a failed TITO write
     (`gyre.runtime.writes`); on_event: the runner's execution events."""
-    engines = [("cell", c, topo.cell_ranks(c)[0]) for c in range(topo.num_cells)]
-    engines += [("pool", e, topo.pool_engine_ranks(e)[0]) for e in range(topo.num_pool_engines)]
     from gyre.backends.models.vocab import load_vocab
 
-    vocab = load_vocab(model.checkpoint, proxy_cfg.tokenizer_path)  # the job's (cached per path)
+    vocab = load_vocab(checkpoint, proxy_cfg.tokenizer_path)  # the job's (cached per path)
     proxy = Proxy(proxy_cfg, sink=WatchedSink(StoreSink(tito), tito.path_for, on_error), tokenizer=vocab.tokenizer,
                   stop_ids=vocab.stop_ids)
     handle = await start_proxy(proxy)
     logger.info("proxy listening at %s", handle.url)
+    runner_cfg = dataclasses.replace(executions.runner, run_dir=str(run_dir / "executions"))
+    access = access_cls(proxy, handle.url, ledger)
+    runner = HarnessRunner(runner_cfg, Evaluator(executions.evaluator, runner_cfg), proxy=access,
+                           on_event=on_event)
+    return proxy, handle, access, runner
+
+
+async def start_data_plane(model: ModelConfig, proxy_cfg: ProxyConfig, executions: ExecutionsConfig, run_dir: Path,
+                           ledger: RunLedger, tito: Any, store: Any, topo: Any, secret: str | None,
+                           on_error: Callable[..., None], on_event: Callable[[Any], None]) -> LocalPlane:
+    """The data plane in rank 0's loop (`LocalPlane`): `serve_data_plane` with every
+    cell's engine and every pool engine (the server on its first rank, `topo`) behind the proxy's
+    router."""
+    engines = [("cell", c, topo.cell_ranks(c)[0]) for c in range(topo.num_cells)]
+    engines += [("pool", e, topo.pool_engine_ranks(e)[0]) for e in range(topo.num_pool_engines)]
+    proxy, handle, access, runner = await serve_data_plane(model.checkpoint, proxy_cfg, executions, run_dir, ledger,
+                                                           tito, on_error, on_event)
     for kind, index, rank in engines:
         url = await engine_url(store, rank)
         proxy.router.add_engine(HttpEngine(url, name=f"{kind}{index}", secret=secret), kind=kind, index=index)
-    runner_cfg = dataclasses.replace(executions.runner, run_dir=str(run_dir / "executions"))
-    access = GyreProxyAccess(proxy, handle.url, ledger)
-    runner = HarnessRunner(runner_cfg, Evaluator(executions.evaluator, runner_cfg), proxy=access,
-                           on_event=on_event)
     return LocalPlane(proxy, handle, access, runner)
