@@ -69,3 +69,34 @@ def test_resume_of_an_unknown_or_memory_execution():
     assert next(st.call_ids) == 5
     assert (st.stats.calls, st.stats.aborted_calls, dict(st.stats.roles)) == (3, 1, {"SUB": 3})
     assert not st.turns  # records without a turn entry (an older proxy's) splice nothing
+
+
+def test_tool_turns_splice_after_a_restart(tmp_path):
+    """Anthropic tool use across a restart: the turns' tool calls (stored as the client got them,
+    objects) and the tool-use ids naming their call come back, so the re-sent turns splice."""
+    import anthropic
+
+    from .conftest import TOOLS_ANTHROPIC, scripted_engine
+
+    kw = dict(model="m", max_tokens=300, system="You are an agent.", tools=TOOLS_ANTHROPIC)
+    msgs = [{"role": "user", "content": "How many files?"}]
+    for life in range(3):  # one call per proxy life
+        sink = StoreSink(TitoStore(tmp_path))
+        proxy = Proxy(ProxyConfig(), sink=sink)
+        proxy.router.add_engine(scripted_engine(), kind="cell", index=0)
+        h = serve_proxy(proxy)
+        try:
+            a = anthropic.Anthropic(base_url=h.url, api_key=proxy.issue_key("ex-t"), max_retries=0)
+            got = a.messages.create(messages=msgs, **kw)
+        finally:
+            h.stop()
+            sink.close()
+        msgs.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in got.content]})
+        uses = [b for b in got.content if b.type == "tool_use"]
+        if uses:
+            msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": f"out {life}"}]})
+    assert got.stop_reason == "end_turn" and got.content[0].text == "All done: found 2 files."
+    recs = read_execution(tmp_path / "ex-t.tito").records
+    assert [r.call_id for r in recs] == [0, 1, 2]
+    assert [(r.payload_ref["spliced_turns"], r.payload_ref["unmatched_turns"]) for r in recs] == [(0, 0), (1, 0), (2, 0)]
+    assert [r.payload_ref["spliced_calls"] for r in recs] == [[], [0], [0, 1]]
