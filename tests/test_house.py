@@ -342,6 +342,7 @@ TESTED_THROUGH = {
     "runtime/job.py": "tests/runtime/test_memory_order.py, tests/runtime/test_train_e2e.py",
     "runtime/outputs.py": "tests/runtime/test_metrics.py, tests/runtime/test_tracking.py",
     "runtime/peers.py": "tests/runtime/test_attempts.py",
+    "runtime/plane_attach.py": "tests/faults/test_lossless_restart.py",
     "runtime/plane_routes.py": "tests/runtime/test_execution_plane.py",
     "runtime/plane_wire.py": "tests/runtime/test_plane_client.py, tests/runtime/test_execution_plane.py",
     "runtime/proxy_access.py": "tests/executions/test_with_proxy.py, tests/runtime/test_plane_client.py",

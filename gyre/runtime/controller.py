@@ -104,6 +104,7 @@ class Controller:
         self.plane = ControlPlane(self.store_t, CONTROLLER)
 
         self.data: DataPlane | None = None  # the proxy and the harness runner: started by _run
+        self.adopted: set[str] = set()  # earlier attempts' executions the execution plane still ran
 
         # Run state.
         self.pending: set[int] = set()  # cells that asked for work and got none yet
@@ -260,8 +261,9 @@ class Controller:
                     d.version, self.sched.water_level)
 
     def _carry_over(self, g: int, row: dict[str, Any]) -> None:
-        """An earlier attempt's evaluated group (a `groups.jsonl` row) as dispatch slot `g`: its executions
-        start and finish at once, its v_d stays the version it was sampled at."""
+        """An earlier attempt's group (a `groups.jsonl` row) as dispatch slot `g`, its v_d the version
+        it was sampled at: its evaluated executions start and finish at once; those the execution
+        plane still runs (`row["live"]`) are adopted, and end when the plane says so."""
         group, results = attempts.carried_group(self.run_dir, self.dataset, row)
         self.ledger.add_group(g, group, row["version"], carried=True)
         self.records.journal.dispatched(row["group_id"], row["task_id"], row["version"], row["executions"])
@@ -269,9 +271,26 @@ class Controller:
             self._apply(self.sched.on_execution_started(g, result.index))
             self._apply(self.sched.on_execution_finished(g, result.index))
             self.ledger.evaluated(result)
-        logger.info("group %s (dispatched at version %d in an earlier attempt) carried over as group %d",
-                    group.group_id, row["version"], g)
-        self._spawn(self._make_work(g))
+        done = {r.execution_id for r in results}
+        running = [spec for spec in group.executions if spec.execution_id not in done]
+        for spec in running:
+            self.adopted.add(spec.execution_id)  # its events are the adoption's, not _on_exec_event's
+            self._apply(self.sched.on_execution_started(g, spec.index))
+            self.data.adopt(spec.execution_id).add_done_callback(functools.partial(self._adopted_end, spec.execution_id))
+        logger.info("group %s (dispatched at version %d in an earlier attempt) carried over as group %d%s",
+                    group.group_id, row["version"], g, f", {len(running)} executions still running" if running else "")
+        if not running:
+            self._spawn(self._make_work(g))
+
+    def _adopted_end(self, execution_id: str, fut: Any) -> None:
+        """An adopted execution ended in the execution plane: finished, then evaluated."""
+        result = None if fut.cancelled() or fut.exception() is not None else fut.result()
+        if result is None:
+            self.ending.fail(RunFailed(f"execution {execution_id} (adopted from an earlier attempt) ended without a "
+                                       f"result in the execution plane"))
+            return
+        self._finished(execution_id, result.outcome.value)
+        self._evaluated(result)
 
     def _switch_to_train(self, d: SwitchToTrain) -> None:
         self.ledger.switch_sent(d.cell, time.time())
@@ -390,18 +409,29 @@ class Controller:
 
     # ------------------------------------------------------------------ executions
     def _on_exec_event(self, ev: ExecutionEvent) -> None:
-        rec, index = self.ledger.of_execution(ev.execution_id)
+        """The runner's events of this attempt's executions (an execution plane replays earlier
+        attempts' too: those it does not know or adopted are not its business here)."""
+        if ev.execution_id in self.adopted or not self.ledger.knows(ev.execution_id):
+            return
         if ev.kind is EventKind.STARTED:
+            rec, index = self.ledger.of_execution(ev.execution_id)
             self._apply(self.sched.on_execution_started(rec.index, index))
         elif ev.kind is EventKind.FINISHED:
-            self.ledger.finished(ev.execution_id, ev.result.outcome.value)
-            self._apply(self.sched.on_execution_finished(rec.index, index))
+            self._finished(ev.execution_id, ev.result.outcome.value)
         elif ev.kind is EventKind.EVALUATED:
-            problem = self.health.observe(ev.result, self.ledger.execution(ev.execution_id).calls)
-            if problem is not None:
-                self.ending.fail(RunFailed(problem))
-            if self.ledger.evaluated(ev.result).complete:
-                self._spawn(self._make_work(rec.index))
+            self._evaluated(ev.result)
+
+    def _finished(self, execution_id: str, outcome: str) -> None:
+        rec, index = self.ledger.of_execution(execution_id)
+        self.ledger.finished(execution_id, outcome)
+        self._apply(self.sched.on_execution_finished(rec.index, index))
+
+    def _evaluated(self, result: Any) -> None:
+        problem = self.health.observe(result, self.ledger.execution(result.execution_id).calls)
+        if problem is not None:
+            self.ending.fail(RunFailed(problem))
+        if (rec := self.ledger.evaluated(result)).complete:
+            self._spawn(self._make_work(rec.index))
 
     async def _make_work(self, g: int) -> None:
         """The group's scored executions (an incomplete TITO excluded: the ledger) → its bundles."""

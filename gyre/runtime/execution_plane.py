@@ -59,6 +59,9 @@ class PlaneConfig:
     """Seconds without a call from any controller after which the plane stops its harnesses (with
     their grace), seals their records and exits: a job that never comes back leaves nothing running.
     Longer than a restart takes (rank 0 re-attaches within it)."""
+    parent_pid: int | None = None
+    """A process whose end means no controller can come back (rank 0's torchrun agent): the plane
+    stops at once when it is gone. None: only the orphan bound."""
     checkpoint: str | None = None
     """The run's --model.checkpoint: the proxy's tokenizer (unless --proxy.tokenizer-path)."""
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
@@ -226,6 +229,8 @@ class Plane:
             await asyncio.sleep(period)
             if self.active == 0 and time.monotonic() - self.last_seen > self.cfg.orphan_s:
                 await self.stop(f"no controller called for {self.cfg.orphan_s:g}s (--orphan-s)")
+            elif (parent := self.cfg.parent_pid) is not None and not _alive(parent):
+                await self.stop(f"process {parent} that started the job (torchrun's agent) is gone: no controller can come back")
 
     async def stop(self, why: str) -> None:
         """Stop in order: harnesses (grace, unevaluated), router, proxy, TITO files, our file; exit."""
@@ -250,6 +255,16 @@ class Plane:
             self.record({"type": "stopped", "why": why})
             self._log.close()
             self.done.set()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 async def run_plane(cfg: PlaneConfig, token: str) -> None:

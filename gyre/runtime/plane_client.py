@@ -80,6 +80,7 @@ class PlaneClient:
         self._in_flight: set[str] = set()
         self._futures: dict[str, asyncio.Future] = {}
         self._results: dict[str, ExecutionResult] = {}
+        self._closed: dict[str, dict[str, Any]] = {}  # close stats by execution (replayed ones before adoption)
         self._reroutes: list[RerouteRecord] = []
         self._unmatched_seen = 0
         self._session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {info['token']}"},
@@ -192,7 +193,8 @@ class PlaneClient:
             elif ev.kind is EventKind.FINISHED:
                 self._in_flight.discard(eid)
                 if (closed := entry.get("closed")) is not None:
-                    if self.ledger is not None:
+                    self._closed[eid] = closed  # an adopted execution's, for the ledger once it knows it
+                    if self.ledger is not None and self.ledger.knows(eid):
                         self.ledger.closed(eid, closed["calls"], closed["sink_errors"])
                     for k, v in closed["counts"].items():
                         self._totals[k] += v
@@ -243,8 +245,9 @@ class PlaneClient:
         return self.state.get("sink_errors", 0)
 
     async def close(self) -> None:
-        """The run ended: end the plane (its router and proxy with it)."""
-        await self.close_plane()
+        """The run ended: end the plane (its router and proxy with it); after `detach`, nothing."""
+        if not self._session.closed:
+            await self.close_plane()
 
     def dispatch_group(self, group: Group) -> list[asyncio.Future]:
         """Send the group (in order with every other change); one future per execution, its
@@ -266,9 +269,17 @@ class PlaneClient:
         sent.add_done_callback(refused)
         return futs
 
+    survives = True  # outlives rank 0: a stop for a signal leaves its executions running (`detach`)
+
     def adopt(self, execution_id: str) -> asyncio.Future:
-        """The future of an execution an earlier controller dispatched (done already if its end was replayed)."""
-        return self._future(execution_id)
+        """The future of an execution an earlier controller dispatched (done already if its end was
+        replayed); its close stats, if they came before, go to the ledger now (it knows it now)."""
+        if (closed := self._closed.get(execution_id)) is not None and self.ledger is not None:
+            self.ledger.closed(execution_id, closed["calls"], closed["sink_errors"])
+        self._in_flight.add(execution_id)
+        fut = self._future(execution_id)
+        fut.add_done_callback(lambda _f: self._in_flight.discard(execution_id))
+        return fut
 
     def in_flight(self) -> list[str]:
         return sorted(self._in_flight)

@@ -73,6 +73,13 @@ class GyreProxyAccess:
         return new
 
 
+def engine_ranks(topo: Any) -> list[tuple[str, int, int]]:
+    """(kind, index, rank) of every engine the proxy routes to: each cell's and each pool engine's
+    server, on its first rank."""
+    return [("cell", c, topo.cell_ranks(c)[0]) for c in range(topo.num_cells)] + [
+        ("pool", e, topo.pool_engine_ranks(e)[0]) for e in range(topo.num_pool_engines)]
+
+
 async def engine_url(store: Any, rank: int, timeout: float = 600.0) -> str:
     """The URL `rank` announced for its engine's server (`engine/<rank>` in the store)."""
     key, start = f"engine/{rank}", time.monotonic()
@@ -92,6 +99,14 @@ class DataPlane(Protocol):
 
     def dispatch_group(self, group: Any) -> list[Awaitable[Any]]:
         """Start the group's executions; one awaitable per execution, done when it has ended."""
+
+    survives: bool  # outlives rank 0: an interrupted stop leaves the executions running (`detach`)
+
+    def adopt(self, execution_id: str) -> Awaitable[Any]:
+        """An execution an earlier attempt dispatched, still running here: done when it has ended."""
+
+    async def detach(self) -> None:
+        """Leave the executions running for the next attempt (only when `survives`)."""
 
     def in_flight(self) -> list[str]: ...
 
@@ -130,6 +145,14 @@ class LocalPlane:
 
     def dispatch_group(self, group: Any) -> list[asyncio.Task]:
         return self.runner.dispatch_group(group)
+
+    survives = False  # the harnesses are this process's children
+
+    def adopt(self, execution_id: str) -> Awaitable[Any]:
+        raise RuntimeError(f"execution {execution_id}: nothing outlives rank 0 with --executions.plane rank0")
+
+    async def detach(self) -> None:
+        raise RuntimeError("--executions.plane rank0: the executions end with rank 0")
 
     def in_flight(self) -> list[str]:
         return self.runner.in_flight()
@@ -199,11 +222,9 @@ async def start_data_plane(model: ModelConfig, proxy_cfg: ProxyConfig, execution
     """The data plane in rank 0's loop (`LocalPlane`): `serve_data_plane` with every
     cell's engine and every pool engine (the server on its first rank, `topo`) behind the proxy's
     router."""
-    engines = [("cell", c, topo.cell_ranks(c)[0]) for c in range(topo.num_cells)]
-    engines += [("pool", e, topo.pool_engine_ranks(e)[0]) for e in range(topo.num_pool_engines)]
     proxy, handle, access, runner = await serve_data_plane(model.checkpoint, proxy_cfg, executions, run_dir, ledger,
                                                            tito, on_error, on_event)
-    for kind, index, rank in engines:
+    for kind, index, rank in engine_ranks(topo):
         url = await engine_url(store, rank)
         proxy.router.add_engine(HttpEngine(url, name=f"{kind}{index}", secret=secret), kind=kind, index=index)
     return LocalPlane(proxy, handle, access, runner)
