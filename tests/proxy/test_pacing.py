@@ -4,6 +4,8 @@ tokens even when the engine has thousands ready, a frame's log-probs charged to 
 rate budget, and a client that never reads (a raw socket) has its call ended as `abort`."""
 
 import asyncio
+import logging
+import re
 import socket
 import threading
 import time
@@ -111,7 +113,8 @@ def test_log_probs_are_charged_to_the_execution(make_server):
         heavy.chat.completions.create(**small)
 
 
-def test_a_client_that_never_reads_has_its_call_aborted_and_recorded(make_server):
+def test_a_client_that_never_reads_has_its_call_aborted_and_recorded(make_server, caplog):
+    caplog.set_level(logging.INFO)
     eng = DeterministicEngine("instant", salt=4)
     proxy, h = make_server([(eng, "cell", 0)], ProxyConfig(calls_per_second_per_key=0, client_stall_s=0.5))
     key = proxy.issue_key("ex-unread")
@@ -130,8 +133,16 @@ def test_a_client_that_never_reads_has_its_call_aborted_and_recorded(make_server
         _wait_for(lambda: eng.load() == 0, "the engine request freed")
         assert proxy.execution_stats("ex-unread").inflight == 0
         _wait_for(lambda: s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != 1, "the connection dropped")
+        _wait_for(lambda: any("bytes unsent" in r.getMessage() for r in caplog.records), "the stall's warning")
     finally:
         s.close()
+    # one warning line naming the execution, the call and what was left unsent; no traceback (before: aiohttp's
+    # "Error handling request" with the ClientStalled traceback)
+    told = [r for r in caplog.records if "bytes unsent" in r.getMessage()]
+    assert len(told) == 1 and told[0].levelno == logging.WARNING
+    unsent = int(re.search(r"(\d+) bytes unsent", told[0].getMessage()).group(1))
+    assert f"ex-unread/{rec.call_id}:" in told[0].getMessage() and unsent > 0
+    assert [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR] == []
     ok = openai.OpenAI(base_url=h.url + "/v1", api_key=key, max_retries=0)  # the execution goes on
     assert ok.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3).usage.completion_tokens == 3
 
