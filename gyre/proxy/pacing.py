@@ -5,7 +5,8 @@ call hands the event loop back every `frame_tokens` tokens and closes a stream f
 (`Call.events`), and a frame carries the log-probs of at most that many tokens (`lp_due`). Log-prob
 entries are charged to the execution's rate budget as JSON values, as admission charges a body's
 (`charge_entries`, `body_values_per_call`). Every frame an adapter writes goes through
-`PacedResponse`, which gives the loop a turn, and a client that has taken none of its stream for
+`PacedResponse`, which gives the loop a turn (so does a non-streamed chat answer with log-probs,
+written a frame of entries at a time: `openai_api.lp_body_parts`), and a client that has taken none of its stream for
 `client_stall_s` (the proxy's send buffer full) has its call ended: the engine request is
 aborted, the record says `abort`, the connection is reset. Unsent bytes per call stay within the
 transport's high-water mark plus one frame.
