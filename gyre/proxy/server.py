@@ -91,8 +91,8 @@ async def _errors(request: web.Request, handler):
     except web.HTTPException as e:
         return _error_response(request.path, ApiError(e.status, "invalid_request", e.reason or "bad request"))
     except ClientStalled as e:  # one line, not aiohttp's traceback: a client that stops reading is the client's doing
-        logger.warning("proxy: %s/%s: the client took none of its answer for %g s (proxy.client_stall_s); call aborted, "
-                       "%d bytes unsent, connection reset", e.execution_id, e.call_id, e.stall_s, e.unsent)
+        logger.warning("proxy: %s/%s: the client took none of its answer for %g s (proxy.client_stall_s): %d bytes unsent, "
+                       "connection reset", e.execution_id, e.call_id, e.stall_s, e.unsent)
         return _gone()
     except ConnectionResetError as e:
         t = request.transport

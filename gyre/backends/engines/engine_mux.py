@@ -12,7 +12,8 @@ Client -> server, one frame each:
               write and read on both loops); a text frame with "input_ids" is also accepted. A
               prompt over PART_IDS ids sends `part` frames first (`{"op": "part", "rid"}`, a
               newline, up to PART_IDS ids), so no single frame holds the client's loop long.
-    abort:    a text frame, {"op": "abort", "rid"} (with "reply": false, nothing is answered)
+    abort:    a text frame, {"op": "abort", "rid"}; with "reply": false (the client closed the
+              stream) nothing is answered, and a later abort of that request is answered with no rows
     credit:   a text frame, {"op": "credit", "rid", "n"}: the client has handed on n more bytes of
               the stream's token lines (see flow control below)
 Server -> client, text frames of newline-terminated lines:
@@ -55,10 +56,11 @@ WINDOW_BYTES = 256 << 10  # per stream: token-line bytes the server may send ahe
 class _Flow:
     """The server's side of one stream's window: bytes sent and not yet credited (window 0: none)."""
 
-    __slots__ = ("window", "unacked", "stopped", "_room")
+    __slots__ = ("window", "unacked", "stopped", "abandoned", "_room")
 
     def __init__(self, window: int) -> None:
         self.window, self.unacked, self.stopped = window, 0, False
+        self.abandoned = False  # the client closed the stream (an abort asking no reply)
         self._room = asyncio.Event()
 
     def credit(self, n: int) -> None:
@@ -216,6 +218,8 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
                 toks = []
             if (flow := flows.get(rid)) is not None:  # after the engine's answer: it returns every token made
                 flow.stop()
+                if flow.abandoned:  # a stream its client closed has nobody to take its tokens: none are sent back
+                    toks = []  # (a router's later abort of a call whose client left: tens of MB of JSON for nothing)
             if reply:
                 push(f"a {rid} " + json.dumps([event_row(e) for e in toks]) + "\n")
 
@@ -249,6 +253,8 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
                             flow.credit(int(d["n"]))
                     elif d["op"] == "abort":
                         parts.pop(rid, None)
+                        if d.get("reply", True) is False and (flow := flows.get(rid)) is not None:
+                            flow.abandoned = True
                         tasks_abort = asyncio.create_task(abort(rid, d.get("reply", True) is not False))
                         tasks[f"abort:{rid}"] = tasks_abort
                         tasks_abort.add_done_callback(lambda _t, k=f"abort:{rid}": tasks.pop(k, None))

@@ -159,3 +159,26 @@ def test_the_cpu_engine_makes_no_token_after_an_abort():
 
     made_after, rest_b = asyncio.run(main())
     assert rest_b == 65 and made_after == 0
+
+
+def test_an_abort_after_the_client_closed_the_stream_sends_no_rows_back(monkeypatch):
+    """The proxy's router aborts a call whose client has gone after the stream is closed: the
+    engine must not send back (nor the proxy parse) every token made, tens of MB at top 20."""
+    monkeypatch.setattr(engine_mux, "WINDOW_BYTES", 16 << 10)
+
+    async def main():
+        eng = CountingEngine("gone", salt=7)
+        h = await serve_engine_async(eng)
+        client = HttpEngine(h.url, transport="ws")
+        a = client.generate("A", PROMPT, SamplingParams(max_tokens=5000, top_logprobs=TOP))
+        for _ in range(3):
+            await a.__anext__()
+        await a.aclose()  # the consumer goes: an abort asking no reply
+        rows = await client.abort("A")  # the router's, right behind it
+        await _until(lambda: eng.load() == 0, "A freed in the engine")
+        await client.close()
+        await h.astop()
+        return rows, eng.at_abort["A"]
+
+    rows, made = asyncio.run(main())
+    assert made >= 3 and rows == []  # before: the rows of every token made for A
