@@ -83,7 +83,7 @@ BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "executions.evaluator.timeout-s": (0, False, None), "executions.evaluator.max-attempts": (1, True, None),
     "executions.evaluator.retry-backoff-s": (0, True, None), "executions.evaluator.concurrency": (1, True, None),
     "executions.health.window": (0, True, None), "executions.health.stop-fraction": (0, False, None),
-    "executions.health.evaluator-window": (0, True, None),
+    "executions.health.evaluator-window": (0, True, None), "executions.plane-orphan-s": (0, False, None),
     "proxy.port": (0, True, 65535), "proxy.max-context-tokens": (1, True, None),
     "proxy.default-max-tokens": (1, True, None), "proxy.max-body-bytes": (1, True, None),
     "proxy.affinity-slack": (0, True, None), "proxy.max-reroutes": (0, True, None),

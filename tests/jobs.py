@@ -228,6 +228,11 @@ RUNS: dict[str, Run] = {
     "restart": Run("2 ranks, torchrun --max-restarts 1, a checkpoint every step: a rank SIGKILLed mid-run is restarted "
                    "and the run finishes its steps (the satellite; the core in the slow tier) (tests/faults/test_restart.py)",
                    dict(torchrun=("--max-restarts", "1")), ("--train.checkpoint-every", "1")),
+    "restart_plane": Run("2 ranks, torchrun --max-restarts 1, --executions.plane process: a rank SIGKILLed mid-run "
+                         "costs no execution; the restart adopts the executions in flight and trains their groups "
+                         "(tests/faults/test_lossless_restart.py)",
+                         dict(torchrun=("--max-restarts", "1")),
+                         ("--train.checkpoint-every", "1", "--executions.plane", "process")),
     "accounting": Run("2 ranks, 2 steps, unsandboxed: a harness SIGKILLed from outside is evaluated and counted, a TITO "
                       "write failure stops the run naming it (tests/faults/test_accounting.py)",
                       dict(steps=2, **_IN_ORDER), (_NO_SHUFFLE, "--executions.runner.sandbox", "none")),

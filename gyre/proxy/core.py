@@ -52,6 +52,7 @@ from gyre.proxy.render import UNMATCHED_KINDS, UNMATCHED_WHY, ChatRenderer, Prom
 from gyre.backends.transfer.migration_policy import MigrationPolicy
 from gyre.proxy.router import NoEngineError, RouteInfo, Router
 from gyre.proxy.sink import MemorySink, RecordSink
+from gyre.proxy.resume import resumed_state, turn_ref
 from gyre.proxy.state import CallStats, ExecutionState
 from gyre.proxy.textstream import Detokenizer, StopMatcher, ToolCall
 from gyre.trajectory.record import CallRecord, Role
@@ -329,6 +330,7 @@ class Call:
                 "reasoning_prefix": self.rendered.gen_prefix_ids,  # input_ids' ids after the header (+ the prefill): the turn's start
                 "prefill": self.rendered.prefill_ids,  # of those, the last n: the client's prefill, continued by output_ids
                 "stripped_turns": self.rendered.stripped,  # turns rendered without their reasoning (past_reasoning=strip)
+                "aborted": not completed,
             },
         )
         if completed and self.req.messages is not None:
@@ -343,8 +345,9 @@ class Call:
             ids = self.rendered.ids
             turn_ids = array("i", ids[n_ctx:])
             turn_ids.extend(out_ids)
-            st.turns.add(fp, StoredTurn(self.call_id, n_ctx, self.rendered.ctx_digest or ids_digest(ids[:n_ctx]), turn_ids,
-                                        self.content, calls))
+            digest = self.rendered.ctx_digest or ids_digest(ids[:n_ctx])
+            st.turns.add(fp, StoredTurn(self.call_id, n_ctx, digest, turn_ids, self.content, calls))
+            self.record.payload_ref["turn"] = turn_ref(n_ctx, digest, self.content, calls)  # kept again after a restart
         try:
             p.sink.on_record(self.record)
         except Exception as e:  # a failing sink must be loud, but the client already has its answer
@@ -495,7 +498,7 @@ class Proxy:
     def _state(self, execution_id: str) -> ExecutionState:
         state = self.executions.get(execution_id)
         if state is None:
-            state = self.executions[execution_id] = ExecutionState(execution_id=execution_id)
+            state = self.executions[execution_id] = resumed_state(execution_id, self.sink)  # its records, if any
         return state
 
     def admit(self, key: KeyInfo, body_bytes: int = 0):

@@ -11,9 +11,10 @@ standalone pool first, then cells by descending index — from input + tokens ge
 `max_tokens` reduced. The caller of `Router.generate` sees one stream of `TokenEvent`s. A failed
 engine, or a frozen one (no token for `progress_timeout_s`: marked *stalled* until a health check
 answers), is treated the same way after a backoff; a call whose engines fail `max_failures` times
-in a row without a token gives up (`NoEngineError`). With a `MigrationPolicy` a call is paused
-with `migrate_out` instead of aborted and its KV moves (`gyre.backends.transfer.migration`); any
-failure falls back to recompute, never an abort. Every reroute is a `RerouteRecord` in
+in a row without a token gives up (`NoEngineError`); a dead one (its connection gone) is kept out
+without a backoff until it answers or a restart takes its name (gyre/proxy/failover.py). With a
+`MigrationPolicy` a call is paused with `migrate_out` instead of aborted and its KV moves
+(`gyre.backends.transfer.migration`); any failure falls back to recompute, never an abort. Every reroute is a `RerouteRecord` in
 `reroute_log` (in full: docs/design.md §3; docs/backends.md, "KV migration on reroute").
 
 Engine slot lifecycle (`SlotState`):
@@ -35,6 +36,7 @@ from typing import AsyncIterator, Literal
 
 from gyre.backends.transfer.migration_policy import MigrationPolicy
 from gyre.backends.protocols import RolloutEngine, SamplingParams, TokenEvent, can_migrate
+from gyre.proxy.failover import Failover
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +155,7 @@ class EngineSlot:
     served: int = 0
     failed_at: float = float("-inf")  # loop time of the engine's last failure (see the cooldown)
     stalled: bool = False  # sent no token for the progress limit; no new calls until a health check answers
+    dead: bool = False  # its connection failed (gyre/proxy/failover.py); no new calls until it answers
 
     def set_state(self, new: SlotState) -> None:
         if (self.state, new) not in _TRANSITIONS:
@@ -210,6 +213,7 @@ class Router:
         self.engine_failures = 0
         self.stalls = 0  # calls moved off an engine that sent no token for progress_timeout_s
         self.closed = False
+        self.failover = Failover(self)
         self.migration = migration or MigrationPolicy(mode="off")
         self.migrate_timeout_s = migrate_timeout_s
         self.reroute_log: list[RerouteRecord] = []
@@ -242,8 +246,9 @@ class Router:
     def add_engine(self, engine: RolloutEngine, *, kind: EngineKind = "cell", index: int = 0) -> EngineSlot:
         if kind not in ("pool", "cell"):
             raise ValueError(f"add_engine: kind must be 'pool' or 'cell', got {kind!r}")
-        if engine.name in self.slots:
-            raise ValueError(f"add_engine: an engine named {engine.name!r} is already routed")
+        if (old := self.slots.get(engine.name)) is not None:  # a restart: it takes the old one's place
+            self.failover.retire(old, kind, index)
+            self._engine_info.pop(engine.name, None)
         slot = EngineSlot(engine=engine, name=engine.name, kind=kind, index=index)
         self.slots[engine.name] = slot
         self._wake()
@@ -329,7 +334,7 @@ class Router:
     async def _migration_pays(self, slot: EngineSlot, running: _Running) -> bool:
         if self.migration.mode == "off" or not can_migrate(slot.engine):
             return False
-        if not any(s.state is SlotState.ACTIVE and can_migrate(s.engine) for s in self.slots.values()):
+        if not any(s.state is SlotState.ACTIVE and not s.dead and can_migrate(s.engine) for s in self.slots.values()):
             return False  # no retained engine could import it
         info = self._engine_info.get(slot.name)
         if info is None:
@@ -380,7 +385,7 @@ class Router:
 
     # ---- selection --------------------------------------------------------------------------
     def _pick(self, execution_id: str, rerouting: bool) -> EngineSlot | None:
-        active = [s for s in self.slots.values() if s.state is SlotState.ACTIVE and not s.stalled]
+        active = [s for s in self.slots.values() if s.state is SlotState.ACTIVE and not (s.stalled or s.dead)]
         if not active:
             return None
         if any(s.failed_at > float("-inf") for s in active):  # pass over engines that just failed
@@ -457,8 +462,7 @@ class Router:
             slot.served += 1
             info.engines.append(slot.name)
             consumed = 0
-            failed = False
-            done = False
+            failed = dead = done = False
             sp = replace(sampling, max_tokens=sampling.max_tokens - len(events),
                          min_tokens=max(0, sampling.min_tokens - len(events)))
             prompt = input_ids + [e.token_id for e in events] if events else input_ids
@@ -488,7 +492,7 @@ class Router:
                         # engine's connection can then be reused instead of being torn down.
                         finished = call_finished(events, sampling, eos_ids)
                 finally:
-                    if not done and not running.drained:
+                    if not done and not running.drained and not slot.dead:
                         # The consumer went away (client disconnect, stop string): free the engine.
                         self._spawn(asyncio.get_running_loop(), self._quiet_abort(slot, running.request_id))
                     await stream.aclose()
@@ -498,9 +502,7 @@ class Router:
                 raise  # the engine rejected the request itself: another engine would too
             except Exception as e:
                 failed = True
-                self.engine_failures += 1
-                slot.failed_at = asyncio.get_running_loop().time()
-                logger.warning("router: engine %s failed on %s after %d tokens: %r", slot.name, call_key, len(events), e)
+                dead = self.failover.failed(slot, call_key, len(events), e)  # dead: no backoff, kept out
             finally:
                 slot.inflight.pop(running.request_id, None)
                 if progress is not None:
@@ -521,7 +523,7 @@ class Router:
                 return
             if not running.drained and not failed:
                 return  # the engine ended the request on its own terms
-            if failed:
+            if failed and not dead:
                 failures = failures + 1 if consumed == 0 else 1
                 if failures >= self.max_failures:
                     raise NoEngineError(f"call {call_key}: engines failed {failures} times in a row, giving up")
@@ -557,23 +559,10 @@ class Router:
                 logger.warning("router: engine %s sent no token for %.1fs (call %s, %d tokens so far): marked "
                                "stalled, its calls continue elsewhere; no new calls until it answers a health check",
                                slot.name, self.progress_timeout_s, call_key, have)
-                self._spawn(asyncio.get_running_loop(), self._watch_stalled(slot))
+                self._spawn(asyncio.get_running_loop(), self.failover.watch(slot, "stalled"))
             raise EngineStalled(f"engine {slot.name} sent no token for {self.progress_timeout_s:.1f}s") from None
         finally:
             progress.waiting = False
-
-    async def _watch_stalled(self, slot: EngineSlot) -> None:
-        """Health-check a stalled engine until it answers, then route to it again."""
-        while slot.stalled and not self.closed and self.slots.get(slot.name) is slot:
-            await asyncio.sleep(self.health_interval_s)
-            try:
-                await asyncio.wait_for(slot.engine.health(), max(self.progress_timeout_s, 1.0))
-            except Exception as e:  # noqa: BLE001 - no answer (timeout, refused, 5xx) is the news
-                logger.info("router: stalled engine %s: health check got no answer (%r)", slot.name, e)
-                continue
-            slot.stalled = False
-            logger.warning("router: engine %s answers its health check again; routing to it", slot.name)
-            await self._notify()
 
     async def _continue(self, call: _CallMigration, target: EngineSlot, request_id: str, call_key: str, tokens: int) -> None:
         """Before a paused call's next engine request: migrate its KV there if its source holds it;
@@ -629,11 +618,11 @@ class Router:
         return {
             "reroutes": self.reroutes,
             "engine_failures": self.engine_failures,
-            "engine_stalls": self.stalls,
+            "engine_stalls": self.stalls, "engine_deaths": self.failover.deaths,
             "migration": self.migration_stats(),
             "engines": {
                 n: {"kind": s.kind, "index": s.index, "state": s.state.value, "inflight": s.load, "served": s.served,
-                    "stalled": s.stalled}
+                    "stalled": s.stalled, "dead": s.dead}
                 for n, s in self.slots.items()
             },
         }

@@ -1,5 +1,7 @@
 """Where the proxy's TITO records go (`RecordSink`): `on_record(record)`, sealed per execution by
-`close_execution`; `is_closed` lets the proxy refuse a closed execution id.
+`close_execution`; `is_closed` lets the proxy refuse a closed execution id; `heads(execution_id)`
+(optional) gives the records an execution already has, so a restarted proxy resumes it
+(gyre/proxy/resume.py).
 
 `MemorySink` keeps them in memory (tests, small runs); `StoreSink` appends them to the on-disk
 store (`gyre.trajectory.store.TitoStore`, one file per execution); `FanoutSink` does several.
@@ -11,7 +13,7 @@ import logging
 from typing import Protocol, runtime_checkable
 
 from gyre.trajectory.record import CallRecord
-from gyre.trajectory.store import SealedError, is_sealed
+from gyre.trajectory.store import CallHead, SealedError, is_sealed
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +32,11 @@ class MemorySink:
     def __init__(self) -> None:
         self.records: list[CallRecord] = []
         self.closed: set[str] = set()  # closed executions (their ids are not issued again)
+        self._executions: set[str] = set()  # with a record: `heads` of a new one costs nothing
 
     def on_record(self, record: CallRecord) -> None:
         self.records.append(record)
+        self._executions.add(record.execution_id)
 
     def close_execution(self, execution_id: str) -> None:
         self.closed.add(execution_id)
@@ -42,6 +46,9 @@ class MemorySink:
 
     def for_execution(self, execution_id: str) -> list[CallRecord]:
         return [r for r in self.records if r.execution_id == execution_id]
+
+    def heads(self, execution_id: str) -> list[CallHead]:
+        return [CallHead.of(r) for r in self.for_execution(execution_id)] if execution_id in self._executions else []
 
 
 def raise_fd_limit() -> tuple[int, int]:
@@ -100,6 +107,11 @@ class StoreSink:
         What lets the proxy refuse a closed id without remembering every closed execution."""
         return execution_id in self._sealed or is_sealed(self.store.path_for(execution_id))
 
+    def heads(self, execution_id: str) -> list[CallHead]:
+        """The records the execution's file already holds (`gyre.trajectory.store.read_heads`;
+        a torn tail of a killed writer is left out, and truncated when the writer opens)."""
+        return self.store.heads(execution_id)
+
     def close(self) -> None:
         """Close the open files (not sealed: their executions were not closed)."""
         for eid in list(self._writers):
@@ -120,3 +132,11 @@ class FanoutSink:
 
     def is_closed(self, execution_id: str) -> bool:
         return any(s.is_closed(execution_id) for s in self.sinks)
+
+    def heads(self, execution_id: str) -> list[CallHead]:
+        """The first of its sinks' that holds records of the execution."""
+        for s in self.sinks:
+            got = s.heads(execution_id) if hasattr(s, "heads") else []
+            if got:
+                return got
+        return []

@@ -189,6 +189,20 @@ def run_totals(attempts: list[dict[str, Any]]) -> dict[str, Any]:
     return totals
 
 
+def live_group(run_dir: Path, row: dict[str, Any], running: frozenset[str], version: int) -> dict[str, Any] | None:
+    """A lost group the execution plane still runs (some executions in `running`, every other one
+    ended with its result.json) as a row to carry over and adopt (`live`), else None. Its version is
+    capped at the resume's: a group sampled partly by a policy newer than the checkpoint trains
+    with the checkpoint's lineage, its staleness counted from there (the loss's ratio uses the
+    recorded log-probs)."""
+    ids = row["executions"]
+    if not any(e in running for e in ids):
+        return None
+    if not all(e in running or (run_dir / "executions" / e / "result.json").exists() for e in ids):
+        return None
+    return {**row, "version": min(row["version"], version), "live": True}
+
+
 def evaluated(run_dir: Path, row: dict[str, Any], version: int) -> bool:
     """Whether a lost group can be carried over into a resume from `version` and trained there:
     every execution has its result and reward on disk (executions/<id>/result.json; its TITO
@@ -248,13 +262,17 @@ def carriable(carried: tuple[dict[str, Any], ...], dataset: Dataset, n: int) -> 
 
 def carried_group(run_dir: Path, dataset: Dataset, row: dict[str, Any]) -> tuple[Group, list[CarriedResult]]:
     """An earlier attempt's evaluated group (a `groups.jsonl` row) as it was dispatched (its v_d
-    the version it was sampled at) and its executions' rewards, read from their result.json."""
+    the version it was sampled at) and its executions' rewards, read from their result.json (of a
+    `live` row, `live_group`: those that have one)."""
     task = next(t for t in dataset.tasks if t.task_id == row["task_id"])
     specs = [ExecutionSpec(e, task, row["group_id"], i, dispatch_version=row["version"])
              for i, e in enumerate(row["executions"])]
     results = []
     for spec in specs:
-        saved = json.loads((run_dir / "executions" / spec.execution_id / "result.json").read_text())["reward"]
+        path = run_dir / "executions" / spec.execution_id / "result.json"
+        if row.get("live") and not path.exists():
+            continue  # still running in the execution plane: adopted, not carried
+        saved = json.loads(path.read_text())["reward"]
         results.append(CarriedResult(spec.execution_id, spec.index,
                                      RewardResult(spec.execution_id, RewardStatus(saved["status"]), saved["reward"])))
     return Group(row["group_id"], task, specs), results

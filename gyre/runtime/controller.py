@@ -33,9 +33,8 @@ from gyre.config import TrainConfig
 from gyre.errors import RunFailed
 from gyre.executions.config import ExecutionsConfig
 from gyre.executions.health import HealthMonitor
-from gyre.executions.runner import EventKind, ExecutionEvent, HarnessRunner
+from gyre.executions.runner import EventKind, ExecutionEvent
 from gyre.executions.tasks import Dataset
-from gyre.proxy import Proxy
 from gyre.runtime import attempts, stop
 from gyre.runtime.control import CONTROLLER, ControlPlane, ReplyWatch
 from gyre.runtime.ledger import RunLedger
@@ -44,7 +43,7 @@ from gyre.runtime.messages import (Command, Failed, Interrupted, Joined, Load, L
                                    WorkDone, handler_for)
 from gyre.loss.config import LossConfig
 from gyre.runtime.outputs import Trackers, read_metrics
-from gyre.runtime.proxy_access import GyreProxyAccess
+from gyre.runtime.proxy_access import DataPlane
 from gyre.runtime.records import RunRecords
 from gyre.runtime.rundir import RunDir
 from gyre.runtime.samples import audit_bundle, group_work, step_denominator, tito_records
@@ -104,11 +103,8 @@ class Controller:
         self.store_t = store.clone()  # the controller thread's own connection
         self.plane = ControlPlane(self.store_t, CONTROLLER)
 
-        # What needs the running loop: started by _run.
-        self.proxy: Proxy | None = None
-        self.proxy_handle: Any = None
-        self.access: GyreProxyAccess | None = None
-        self.runner: HarnessRunner | None = None
+        self.data: DataPlane | None = None  # the proxy and the harness runner: started by _run
+        self.adopted: set[str] = set()  # earlier attempts' executions the execution plane still ran
 
         # Run state.
         self.pending: set[int] = set()  # cells that asked for work and got none yet
@@ -191,14 +187,14 @@ class Controller:
         except OSError:
             rows = []
         return {**build_summary(self.ledger, how, scheduler=self.scheduler_cfg, shutdown_timeout_s=self.budget.shutdown_s,
-                                seed=self.seed, fractions=fractions, router=self.proxy.router.stats(),
-                                proxy_totals=self.access.totals, worst_unmatched=self.proxy.worst_unmatched(10),
-                                sink_errors=self.proxy.sink_errors, health=self.health.counts,
+                                seed=self.seed, fractions=fractions, router=self.data.router_stats(),
+                                proxy_totals=self.data.totals(), worst_unmatched=self.data.worst_unmatched(10),
+                                sink_errors=self.data.sink_errors(), health=self.health.counts,
                                 measured_staleness=self.sched.staleness, run=self.run, rows=rows),
                 "write_errors_after_the_first": self.writes.later}
 
     async def _run(self) -> None:
-        self.proxy, self.proxy_handle, self.access, self.runner = await self.data_plane(
+        self.data = await self.data_plane(
             self.run_dir, self.ledger, self.tito, self.store_t, self.topo, self.engine_secret,
             on_error=self._error, on_event=self._on_exec_event)
         self.ledger.begin(time.time())
@@ -220,8 +216,7 @@ class Controller:
                 await asyncio.sleep(0.003)
         except Exception as e:  # noqa: BLE001 - the stop sequence still runs (summary, events, ended)
             self._error(e, "the controller")
-        await stop.stop_run(self, self.runner, self.records, self.ending, self.budget,
-                            close=[("the proxy's router", self.proxy.router.close), ("the proxy", self.proxy_handle.astop)])
+        await stop.stop_run(self, self.data, self.records, self.ending, self.budget, close=[("the data plane", self.data.close)])
         if self.ending.error is not None:
             raise self.ending.error
 
@@ -260,14 +255,15 @@ class Controller:
             self.ledger.add_group(g, group, d.version)
             self.records.journal.dispatched(group.group_id, group.task.task_id, d.version,
                                     [e.execution_id for e in group.executions])
-            for spec, task in zip(group.executions, self.runner.dispatch_group(group)):
-                watch_execution(task, spec.execution_id, self.runner.run_dir / spec.execution_id, self._error)
+            for spec, task in zip(group.executions, self.data.dispatch_group(group)):
+                watch_execution(task, spec.execution_id, self.data.executions_dir / spec.execution_id, self._error)
         logger.info("dispatched groups %d..%d at version %d (w=%d)", d.first_group, d.first_group + d.n_groups - 1,
                     d.version, self.sched.water_level)
 
     def _carry_over(self, g: int, row: dict[str, Any]) -> None:
-        """An earlier attempt's evaluated group (a `groups.jsonl` row) as dispatch slot `g`: its executions
-        start and finish at once, its v_d stays the version it was sampled at."""
+        """An earlier attempt's group (a `groups.jsonl` row) as dispatch slot `g`, its v_d the version
+        it was sampled at: its evaluated executions start and finish at once; those the execution
+        plane still runs (`row["live"]`) are adopted, and end when the plane says so."""
         group, results = attempts.carried_group(self.run_dir, self.dataset, row)
         self.ledger.add_group(g, group, row["version"], carried=True)
         self.records.journal.dispatched(row["group_id"], row["task_id"], row["version"], row["executions"])
@@ -275,15 +271,32 @@ class Controller:
             self._apply(self.sched.on_execution_started(g, result.index))
             self._apply(self.sched.on_execution_finished(g, result.index))
             self.ledger.evaluated(result)
-        logger.info("group %s (dispatched at version %d in an earlier attempt) carried over as group %d",
-                    group.group_id, row["version"], g)
-        self._spawn(self._make_work(g))
+        done = {r.execution_id for r in results}
+        running = [spec for spec in group.executions if spec.execution_id not in done]
+        for spec in running:
+            self.adopted.add(spec.execution_id)  # its events are the adoption's, not _on_exec_event's
+            self._apply(self.sched.on_execution_started(g, spec.index))
+            self.data.adopt(spec.execution_id).add_done_callback(functools.partial(self._adopted_end, spec.execution_id))
+        logger.info("group %s (dispatched at version %d in an earlier attempt) carried over as group %d%s",
+                    group.group_id, row["version"], g, f", {len(running)} executions still running" if running else "")
+        if not running:
+            self._spawn(self._make_work(g))
+
+    def _adopted_end(self, execution_id: str, fut: Any) -> None:
+        """An adopted execution ended in the execution plane: finished, then evaluated."""
+        result = None if fut.cancelled() or fut.exception() is not None else fut.result()
+        if result is None:
+            self.ending.fail(RunFailed(f"execution {execution_id} (adopted from an earlier attempt) ended without a "
+                                       f"result in the execution plane"))
+            return
+        self._finished(execution_id, result.outcome.value)
+        self._evaluated(result)
 
     def _switch_to_train(self, d: SwitchToTrain) -> None:
         self.ledger.switch_sent(d.cell, time.time())
 
         async def drain_then_send() -> None:
-            moved = await self.proxy.router.drain(f"cell{d.cell}")  # in-flight calls continue elsewhere
+            moved = await self.data.drain(f"cell{d.cell}")  # in-flight calls continue elsewhere
             logger.info("cell %d drained (%d calls rerouted); switching to train", d.cell, moved)
             self._send_cell(d.cell, ToTrain())
 
@@ -358,9 +371,8 @@ class Controller:
         self.records.journal.trained([self.ledger.groups[g].group_id for g in rec.groups], msg.step)
         now = time.time()
         row = step_row(self.ledger, msg.step, now, step_time_s=now - self.last_step_t, scheduler=self.sched,
-                       reroutes=self.proxy.router.reroutes, rerouted=self.proxy.router.take_reroutes(),
-                       unmatched_turns=self.access.take_unmatched() if self.access is not None else 0,
-                       sink_errors=self.proxy.sink_errors, stats=msg.stats)
+                       reroutes=self.data.reroutes(), rerouted=self.data.take_reroutes(),
+                       unmatched_turns=self.data.take_unmatched(), sink_errors=self.data.sink_errors(), stats=msg.stats)
         self.records.step(row)
         if "checkpoint_s" in msg.stats:  # the core wrote a periodic checkpoint: does a stop still fit it?
             self.ending.checkpointed(float(msg.stats["checkpoint_s"]), self.budget.shutdown_s)
@@ -373,7 +385,7 @@ class Controller:
     def _on_rolled_back(self, msg: RolledBack) -> None:
         self.ledger.handover(msg.handover_s)
         self.ledger.switched(msg.cell, "to_rollout", time.time())
-        self.proxy.router.resume(f"cell{msg.cell}")
+        self.data.resume(f"cell{msg.cell}")
         self._apply(self.sched.on_switch_done(msg.cell, "rollout"))
 
     def _on_loaded(self, msg: Loaded) -> None:
@@ -397,18 +409,29 @@ class Controller:
 
     # ------------------------------------------------------------------ executions
     def _on_exec_event(self, ev: ExecutionEvent) -> None:
-        rec, index = self.ledger.of_execution(ev.execution_id)
+        """The runner's events of this attempt's executions (an execution plane replays earlier
+        attempts' too: those it does not know or adopted are not its business here)."""
+        if ev.execution_id in self.adopted or not self.ledger.knows(ev.execution_id):
+            return
         if ev.kind is EventKind.STARTED:
+            rec, index = self.ledger.of_execution(ev.execution_id)
             self._apply(self.sched.on_execution_started(rec.index, index))
         elif ev.kind is EventKind.FINISHED:
-            self.ledger.finished(ev.execution_id, ev.result.outcome.value)
-            self._apply(self.sched.on_execution_finished(rec.index, index))
+            self._finished(ev.execution_id, ev.result.outcome.value)
         elif ev.kind is EventKind.EVALUATED:
-            problem = self.health.observe(ev.result, self.ledger.execution(ev.execution_id).calls)
-            if problem is not None:
-                self.ending.fail(RunFailed(problem))
-            if self.ledger.evaluated(ev.result).complete:
-                self._spawn(self._make_work(rec.index))
+            self._evaluated(ev.result)
+
+    def _finished(self, execution_id: str, outcome: str) -> None:
+        rec, index = self.ledger.of_execution(execution_id)
+        self.ledger.finished(execution_id, outcome)
+        self._apply(self.sched.on_execution_finished(rec.index, index))
+
+    def _evaluated(self, result: Any) -> None:
+        problem = self.health.observe(result, self.ledger.execution(result.execution_id).calls)
+        if problem is not None:
+            self.ending.fail(RunFailed(problem))
+        if (rec := self.ledger.evaluated(result)).complete:
+            self._spawn(self._make_work(rec.index))
 
     async def _make_work(self, g: int) -> None:
         """The group's scored executions (an incomplete TITO excluded: the ledger) → its bundles."""

@@ -86,6 +86,7 @@ def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights:
     from gyre.runtime.controller import Controller
     from gyre.runtime.outputs import make_trackers
     from gyre.runtime.proxy_access import start_data_plane
+    from gyre.runtime.plane_attach import attach_data_plane
     from gyre.backends.engines.engine_host import bind_address
     from gyre.runtime.worker import CellWorker
 
@@ -145,10 +146,11 @@ def _train(cfg: GyreConfig, topo: Topology, groups: Groups, store: Any, weights:
     # on position 0 measured the free memory of every GPU of the cell (the cell's barrier).
     worker.first_actor(core_actor)
     controller = None
+    data_plane = attach_data_plane if cfg.executions.plane == "process" else start_data_plane
     if topo.is_controller:
         controller = Controller(
             topo, store, run, scheduler=cfg.scheduler, train=cfg.train, loss=cfg.loss, executions=cfg.executions,
-            seed=cfg.seed, data_plane=functools.partial(start_data_plane, cfg.model, cfg.proxy, cfg.executions),
+            seed=cfg.seed, data_plane=functools.partial(data_plane, cfg.model, cfg.proxy, cfg.executions),
             trackers=make_trackers(cfg.tracking, str(run.path), name=Path(run.path).name, group=cfg.preset,
                                    config=dataclasses.asdict(cfg), fresh=not cfg.train.resume),
             start_version=start_version, engine_secret=engine_secret, interrupts=interrupts)

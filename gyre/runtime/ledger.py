@@ -187,6 +187,10 @@ class RunLedger:
             raise LedgerError(f"unknown execution {execution_id}")
         return self.executions[execution_id]
 
+    def knows(self, execution_id: str) -> bool:
+        """Whether this attempt dispatched (or carried over) the execution."""
+        return execution_id in self.executions
+
     def of_execution(self, execution_id: str) -> tuple[GroupRecord, int]:
         """(its group's record, its index within the group)."""
         e = self.execution(execution_id)

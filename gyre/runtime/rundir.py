@@ -29,7 +29,7 @@ from typing import Any
 from gyre import checkpoint
 from gyre.backends.config import Resume
 from gyre.config import runs_root
-from gyre.runtime.attempts import GroupJournal, evaluated, lost_groups, write_manifest
+from gyre.runtime.attempts import GroupJournal, evaluated, live_group, lost_groups, write_manifest
 from gyre.runtime.runlock import RunLock, RunLocked
 from gyre.runtime.outputs import events_until, metrics_until, truncate_jsonl
 
@@ -230,9 +230,23 @@ def _decide_locked(path: Path, resume: Resume, config: dict[str, Any], world_siz
             logger.warning("metrics.jsonl: dropped %d rows of steps >= %d (after the checkpoint resumed from)",
                            dropped, version)
     lost, carried = [], []
-    for row in lost_groups(path, version) if resume.on or restart else []:
-        (carried if evaluated(path, row, version) else lost).append(row)
+    earlier = lost_groups(path, version) if resume.on or restart else []
+    running = None  # --executions.plane process: what an earlier attempt's plane still runs
+    if earlier and (path / "execution_plane.json").exists():
+        from gyre.runtime.plane_attach import live_executions
+
+        running = live_executions(path)
+    for row in earlier:
+        if evaluated(path, row, version):
+            carried.append(row)
+        elif running is not None and (live := live_group(path, row, running, version)) is not None:
+            carried.append(live)
+        else:
+            lost.append(row)
     lost_in_flight = sum(len(row["executions"]) for row in lost)
+    if adopted := [r["group_id"] for r in carried if r.get("live")]:
+        logger.warning("%d groups of earlier attempts are still running in the execution plane: adopted (%s)",
+                       len(adopted), ", ".join(adopted))
     if carried:
         logger.warning("%d groups of earlier attempts were evaluated but not trained into version %d; they are "
                        "trained first (%s)", len(carried), version, ", ".join(r["group_id"] for r in carried))

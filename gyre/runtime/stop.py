@@ -185,7 +185,7 @@ class Ranks(Protocol):
 
 async def stop_run(ranks: Ranks, runner: Any, records: RunRecords, ending: Ending, budget: Budget,
                    close: Sequence[tuple[str, Callable[[], Awaitable[Any]]]] = ()) -> dict[str, Any]:
-    """The stop sequence (module docstring); `runner`: the harness runner (`in_flight`, `shutdown`);
+    """The stop sequence (module docstring); `runner`: the data plane (`in_flight`, `shutdown`: `proxy_access.DataPlane`);
     `close`: the data plane's closers, named, run before the records close. Returns the summary.
     After a failure nothing is waited for beyond a few seconds: the error is the news."""
     phases, failed = Phases(), ending.error is not None
@@ -198,15 +198,16 @@ async def stop_run(ranks: Ranks, runner: Any, records: RunRecords, ending: Endin
             ranks.pump_reports()
             await asyncio.sleep(0.05)
         failed = ending.error is not None  # a signal or an error while draining
-    cancelled = len(runner.in_flight())
     deadline = stop_deadline(ending.signal_t if ending.signal else None, budget.shutdown_s)
-
-    # 2 executions: after an interrupt nothing will train on a reward: evaluations in flight are
-    # cancelled once the harness trees have had their grace to die.
-    grace = None
-    if deadline is not None:
-        grace = max(1.0, min(budget.kill_grace_s + 2.0, 0.5 * (deadline - time.monotonic())))
-    await phases.arun("stopping the executions", lambda: runner.shutdown(evaluate=not failed, timeout=grace))
+    # 2 executions. Interrupted, with an execution plane that outlives rank 0: they run on there, and
+    # a restart adopts them (a job that never comes back: the plane's own bound ends them).
+    if ending.signal is not None and runner.survives:
+        logger.warning("%d executions run on in the execution plane; a restart adopts them", len(runner.in_flight()))
+        cancelled = 0
+        await phases.arun("leaving the executions to the execution plane", runner.detach)
+    else:
+        cancelled = len(runner.in_flight())
+        await _stop_executions(runner, phases, budget, failed, deadline)
 
     # 3 ranks. The core checkpoints after an interrupt or a silent rank too: its weights and
     # optimizer state are sound (not after a worker failed: its state may not be).
@@ -228,6 +229,15 @@ async def stop_run(ranks: Ranks, runner: Any, records: RunRecords, ending: Endin
     for line in end_lines(summary, records.path, phases.failed):
         logger.info("%s", line)
     return summary
+
+
+async def _stop_executions(runner: Any, phases: Phases, budget: Budget, failed: bool, deadline: float | None) -> None:
+    """After an interrupt nothing will train on a reward: evaluations in flight are cancelled once
+    the harness trees have had their grace to die."""
+    grace = None
+    if deadline is not None:
+        grace = max(1.0, min(budget.kill_grace_s + 2.0, 0.5 * (deadline - time.monotonic())))
+    await phases.arun("stopping the executions", lambda: runner.shutdown(evaluate=not failed, timeout=grace))
 
 
 async def _wait_for_ranks(ranks: Ranks, ending: Ending, failed: bool, checkpoint: bool,

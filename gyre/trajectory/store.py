@@ -48,11 +48,13 @@ __all__ = [
     "StoreCorruptError",
     "SealedError",
     "StoreReadResult",
+    "CallHead",
     "TitoStore",
     "TitoWriter",
     "encode_record",
     "load_execution",
     "read_execution",
+    "read_heads",
 ]
 
 FILE_MAGIC = b"GYRETITO"
@@ -184,8 +186,9 @@ def _decode_payload(buf: memoryview, path: str, offset: int, earlier: list[CallR
     )
 
 
-def _scan(data: bytes, path: str, decode: bool) -> StoreReadResult:
-    """Walk the frames of a whole file held in `data`; see the module docstring for the rules."""
+def _scan(data: bytes, path: str, decode: bool, decoder=_decode_payload) -> StoreReadResult:
+    """Walk the frames of a whole file held in `data`; see the module docstring for the rules.
+    `decoder(payload, path, offset, earlier)` makes one entry of `records` (`decode`: any)."""
     size = len(data)
     if size < _FILE_HEADER.size:
         # A file whose header itself is torn holds no records.
@@ -224,7 +227,7 @@ def _scan(data: bytes, path: str, decode: bool) -> StoreReadResult:
             logger.warning("%s: torn tail at offset %d (%s): dropped %d bytes", path, off, torn_reason, size - off)
             return StoreReadResult(records, off, size - off, frames)
         if decode:
-            records.append(_decode_payload(view[off + _FRAME.size : end], path, off, records))
+            records.append(decoder(view[off + _FRAME.size : end], path, off, records))
         frames += 1
         off = end
     return StoreReadResult(records, off, 0, frames)
@@ -282,6 +285,68 @@ class _Seq:
                 return off + int(diff[0])
             off += m
         return off
+
+
+@dataclass
+class CallHead:
+    """One record without its arrays decoded: what a proxy resuming an execution reads
+    (`read_heads`). `seq` holds input + output ids, sharing prefixes with earlier heads (views,
+    no copy), so a long execution's heads cost about its file's size, not Σ input lengths."""
+
+    call_id: int
+    role: Role
+    finish_reason: str
+    payload_ref: dict
+    n_input: int
+    n_output: int
+    seq: _Seq
+
+    def ids(self, start: int, end: int | None = None) -> np.ndarray:
+        """input_ids + output_ids, [start:end)."""
+        end = self.seq.n if end is None else min(end, self.seq.n)
+        out, off = [], 0
+        for part in self.seq.parts:  # only the parts that overlap [start, end) are copied
+            lo, hi = max(start - off, 0), min(end - off, len(part))
+            if lo < hi:
+                out.append(part[lo:hi])
+            off += len(part)
+        return np.concatenate(out) if out else np.zeros(0, np.int32)
+
+    @classmethod
+    def of(cls, record: CallRecord) -> "CallHead":
+        """The head of a record in memory (`gyre.proxy.sink.MemorySink`)."""
+        seq = _Seq([np.concatenate([record.input_ids, record.output_ids]).astype(np.int32, copy=False)])
+        return cls(record.call_id, record.role, record.finish_reason, dict(record.payload_ref), len(record.input_ids), len(record.output_ids), seq)
+
+
+def _decode_head(buf: memoryview, path: str, offset: int, earlier: list[CallHead]) -> CallHead:
+    call_id, role, _, _, _, ref, shared, n_tail, n_out, n_msg, meta_len = _REC.unpack_from(buf, 0)
+    p = _REC.size
+    if p + meta_len + 4 * (n_tail + 3 * n_out + n_msg) != len(buf):
+        raise StoreCorruptError(f"{path}: frame at offset {offset}: its fields do not fill its {len(buf)}-byte payload")
+    meta = json.loads(bytes(buf[p : p + meta_len]).decode("utf-8"))
+    p += meta_len
+    own = np.frombuffer(buf, dtype="<i4", count=n_tail + n_out, offset=p).astype(np.int32)  # tail, then output
+    base: list[np.ndarray] = []
+    if ref >= 0:
+        if ref >= len(earlier) or shared > earlier[ref].seq.n:
+            raise StoreCorruptError(f"{path}: frame at offset {offset} shares {shared} tokens of record {ref}, which it cannot")
+        base = earlier[ref].seq.prefix(shared)
+    else:
+        shared = 0
+    parts = base + [own]
+    seq = _Seq(parts if len(parts) <= _MAX_SEGMENTS else [np.concatenate(parts)])
+    return CallHead(call_id, Role(role), meta["finish_reason"], meta["payload_ref"], shared + n_tail, n_out, seq)
+
+
+def read_heads(path: str | os.PathLike) -> tuple[list[CallHead], int]:
+    """(the heads of one execution's records in file order, torn tail bytes dropped): its call
+    ids, roles, payload refs and ids, without materializing every call's input."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    res = _scan(data, path, decode=True, decoder=_decode_head)
+    return res.records, res.torn_tail_bytes
 
 
 class TitoWriter:
@@ -402,6 +467,11 @@ class TitoStore:
 
     def read(self, execution_id: str) -> StoreReadResult:
         return read_execution(self.path_for(execution_id))
+
+    def heads(self, execution_id: str) -> list[CallHead]:
+        """`read_heads` of the execution's file; [] when it has none."""
+        path = self.path_for(execution_id)
+        return read_heads(path)[0] if os.path.exists(path) else []
 
     def execution_ids(self) -> list[str]:
         return sorted(p.name[: -len(self.SUFFIX)] for p in self.root.glob(f"*{self.SUFFIX}"))

@@ -23,6 +23,7 @@ frozen, flat result: arrays of length U (unique tokens) plus a segment table, me
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from gyre.trajectory.record import CallRecord, Role
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PrefixTree", "TreeStats", "build_tree"]
+__all__ = ["PrefixTree", "TreeStats", "build_tree", "unique_call_ids"]
 
 
 class _Seg:
@@ -92,6 +93,8 @@ class TreeStats:
     message_duplicates_saved: int | None = None
     leaves_by_role: dict[str, int] = field(default_factory=dict)
     helper_calls: int = 0  # HELPER records left out of the tree (never trained)
+    duplicate_calls: int = 0  # records repeating an earlier record exactly (call id included): dropped
+    renumbered_calls: int = 0  # records reusing an earlier record's call id with other content: kept, fresh ids
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -279,6 +282,43 @@ def _validate(rec: CallRecord, execution_id: str) -> None:
             raise ValueError(f"{where}: message_starts must be strictly increasing offsets in [0, {len(rec.input_ids)})")
 
 
+def _same_call(a: CallRecord, b: CallRecord) -> bool:
+    """The same sample written twice: role, ids, log-probs, versions and message starts (the
+    times and payload may differ; the tree holds none of them)."""
+    return (a.role == b.role and np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.output_ids, b.output_ids)
+            and np.array_equal(a.output_logprobs, b.output_logprobs) and np.array_equal(a.output_versions, b.output_versions)
+            and np.array_equal(a.message_starts, b.message_starts))
+
+
+def unique_call_ids(records: Sequence[CallRecord]) -> tuple[list[CallRecord], int, int]:
+    """(records with unique call ids, duplicates dropped, records renumbered). A proxy before
+    call ids survived its restarts reissued them from 0 in the same file; no such file may cost its
+    execution. Taken in the given order (a store file's: the order they were written): a record
+    equal to an earlier one with its call id (`_same_call`) is dropped; any other record whose
+    call id was taken gets a fresh one past every id in `records` (copies; the inputs are unchanged),
+    so every distinct call is trained once, later calls after earlier ones."""
+    seen: dict[int, list[CallRecord]] = {}
+    out: list[CallRecord] = []
+    dropped = renumbered = 0
+    fresh = max((r.call_id for r in records), default=-1) + 1
+    for r in records:
+        same_id = seen.get(r.call_id)
+        if same_id is None:
+            seen[r.call_id] = [r]
+            out.append(r)
+        elif any(_same_call(r, o) for o in same_id):
+            dropped += 1
+        else:
+            same_id.append(r)
+            out.append(dataclasses.replace(r, call_id=fresh))
+            fresh += 1
+            renumbered += 1
+    if dropped or renumbered:
+        logger.warning("build_tree: execution %r reuses call ids (a proxy restarted by an older gyre): %d exact "
+                       "duplicate(s) dropped, %d other call(s) kept under fresh ids", records[0].execution_id, dropped, renumbered)
+    return out, dropped, renumbered
+
+
 def build_tree(records: Sequence[CallRecord]) -> PrefixTree:
     """Build the prefix tree of one execution's records (any order; processed by call_id).
 
@@ -286,24 +326,23 @@ def build_tree(records: Sequence[CallRecord]) -> PrefixTree:
     never trained, so they own no position and no leaf. An execution with only helper calls gives
     `PrefixTree.empty` (its stats count the helper calls).
 
-    Raises ValueError on an empty list, mixed executions, duplicate call ids, empty inputs or
+    Records that reuse a call id (files of a proxy restarted before call ids outlived it) never
+    fail the execution: `unique_call_ids`, counted in `TreeStats.duplicate_calls` and
+    `renumbered_calls`. Raises ValueError on an empty list, mixed executions, empty inputs or
     malformed message_starts.
     """
     if not records:
         raise ValueError("build_tree: no records")
     exec_id = records[0].execution_id
+    records, dropped, renumbered = unique_call_ids(records)
     helpers = sum(1 for r in records if not r.role.trained)
     if helpers:
         records = [r for r in records if r.role.trained]
         if not records:
             tree = PrefixTree.empty(exec_id)
-            tree.stats.helper_calls = helpers
+            tree.stats.helper_calls, tree.stats.duplicate_calls, tree.stats.renumbered_calls = helpers, dropped, renumbered
             return tree
-    order = sorted(range(len(records)), key=lambda i: records[i].call_id)
-    recs = [records[i] for i in order]
-    for a, b in zip(recs, recs[1:]):
-        if a.call_id == b.call_id:
-            raise ValueError(f"build_tree: execution {exec_id!r} has two records with call_id {a.call_id}")
+    recs = sorted(records, key=lambda r: r.call_id)
     has_marks = False
     builder = _Builder()
     for ci, rec in enumerate(recs):
@@ -311,7 +350,7 @@ def build_tree(records: Sequence[CallRecord]) -> PrefixTree:
         has_marks |= len(rec.message_starts) > 0
         builder.insert(rec, ci)
     tree = _freeze(builder, recs, has_marks)
-    tree.stats.helper_calls = helpers
+    tree.stats.helper_calls, tree.stats.duplicate_calls, tree.stats.renumbered_calls = helpers, dropped, renumbered
     return tree
 
 

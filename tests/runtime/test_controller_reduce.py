@@ -53,8 +53,9 @@ def _controller(tmp_path, num_cells: int = 3) -> Controller:
     ctl = Controller(topo, _Store(), run, scheduler=cfg.scheduler, train=cfg.train, loss=cfg.loss,
                      executions=cfg.executions, seed=cfg.seed, data_plane=None)  # the loop is not started here
     ctl.plane = _RecordingPlane()
-    ctl.runner = SimpleNamespace(dispatch_group=lambda group: [], run_dir=Path("unused"))  # tasks: none started here
-    ctl.proxy = SimpleNamespace(router=SimpleNamespace(reroutes=0, take_reroutes=lambda: []), sink_errors=0)
+    ctl.data = SimpleNamespace(dispatch_group=lambda group: [], executions_dir=Path("unused"),  # none started here
+                               reroutes=lambda: 0, take_reroutes=lambda: [], take_unmatched=lambda: 0,
+                               sink_errors=lambda: 0)
     ctl.ledger.begin(time.time())
     ctl.last_step_t = ctl.ledger.t_start
     return ctl

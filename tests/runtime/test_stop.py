@@ -198,8 +198,11 @@ class _Ranks:
 
 
 class _Runner:
-    def __init__(self, log, in_flight=0, raises=False):
-        self.log, self.running, self.raises = log, in_flight, raises
+    def __init__(self, log, in_flight=0, raises=False, survives=False):
+        self.log, self.running, self.raises, self.survives = log, in_flight, raises, survives
+
+    async def detach(self):
+        self.log.append(f"detach with {self.running} running")
 
     def in_flight(self):
         return list(range(self.running))
@@ -303,6 +306,31 @@ def test_a_clean_end_drains_and_an_interrupt_bounds_the_stop(monkeypatch):
     _stop(monkeypatch, _Ranks(log, ending, answer=()), _Runner(log), records, ending, clock=clock)
     assert log[0] == "executions evaluate=False timeout=1.0"
     assert records.how.ranks_not_stopped == [0, 1, 2] and records.how.interrupted == "SIGTERM"
+
+
+def test_an_interrupt_leaves_the_executions_to_a_plane_that_outlives_rank_0(monkeypatch):
+    """--executions.plane process: a signal (torchrun stopping the workers to restart them) detaches
+    from the plane, its executions run on and none is cancelled; a run that ends well, or fails
+    without a signal, still stops them (planted: detach whenever the plane survives -> the second
+    case fails; never detach -> the first fails)."""
+    from gyre.runtime.stop import Ending
+
+    log, ending, clock = [], Ending(), _Clock()
+    ending.interrupt("SIGTERM", 1, clock.t, 20.0)
+    ending.fail(RunFailed("interrupted"))
+    records = _Records(log)
+    _stop(monkeypatch, _Ranks(log, ending), _Runner(log, in_flight=3, survives=True), records, ending, clock=clock)
+    assert log[0] == "detach with 3 running" and not any(x.startswith("executions") for x in log)
+    assert records.how.cancelled_at_end == 0
+
+    for fail in (False, True):
+        log, ending = [], Ending()
+        if fail:
+            ending.fail(RunFailed("a worker failed"))
+        records = _Records(log)
+        _stop(monkeypatch, _Ranks(log, ending), _Runner(log, in_flight=2, survives=True), records, ending,
+              clock=_Clock(step=1.0))
+        assert log[0] == f"executions evaluate={not fail} timeout=None" and not any(x.startswith("detach") for x in log)
 
 
 def test_after_an_interrupt_the_others_get_a_moment_once_the_core_has_stopped(monkeypatch):

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gyre.trajectory.record import CallRecord, Role
-from gyre.trajectory.store import StoreCorruptError, TitoStore, TitoWriter, load_execution, read_execution
+from gyre.trajectory.store import StoreCorruptError, TitoStore, TitoWriter, load_execution, read_execution, read_heads
 
 
 def make_record(i: int, exec_id: str = "ex-1", n_in: int = 7, n_out: int = 3) -> CallRecord:
@@ -263,3 +263,28 @@ def test_torn_file_header(tmp_path):
     with TitoWriter(path, "ex-1") as w:  # a writer repairs a torn header too
         w.append(make_record(1))
     assert [r.call_id for r in load_execution(path)] == [1]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 2**16), st.integers(1, 25), st.sampled_from([0, 1, 3]), st.floats(0, 1), st.data())
+def test_heads_are_the_records_without_decoding_them(tmp_path, seed, n, window, frac, data):
+    """`read_heads` (what a restarted proxy reads): each whole record's call id, role, finish,
+    payload and any slice of input + output, as `read_execution` decodes them; a torn tail dropped."""
+    recs = growing_threads(n, seed)
+    path = tmp_path / f"h{seed}-{n}-{window}.tito"
+    with TitoWriter(path, "ex-1", delta_window=window) as w:
+        for r in recs:
+            w.append(r)
+    raw = path.read_bytes()
+    path.write_bytes(raw[: max(16, int(frac * len(raw)))])
+    full = read_execution(path)
+    heads, torn = read_heads(path)
+    assert torn == full.torn_tail_bytes and len(heads) == len(full.records)
+    for h, r in zip(heads, full.records):
+        assert (h.call_id, h.role, h.finish_reason, h.payload_ref) == (r.call_id, r.role, r.finish_reason, r.payload_ref)
+        assert (h.n_input, h.n_output) == (len(r.input_ids), len(r.output_ids))
+        seq = np.concatenate([r.input_ids, r.output_ids])
+        a = data.draw(st.integers(0, len(seq)))
+        b = data.draw(st.integers(a, len(seq)))
+        assert h.ids(a, b).tolist() == seq[a:b].tolist() and h.ids(0).tolist() == seq.tolist()
+    path.unlink()

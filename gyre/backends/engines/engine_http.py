@@ -34,7 +34,7 @@ import logging
 import secrets
 from typing import Any, AsyncIterator, Literal
 
-from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import ClientPayloadError, ClientSession, ClientTimeout, ServerDisconnectedError, TCPConnector, web
 
 from gyre.backends.engines.engine_mux import MuxClient, parse_events, add_mux_route, event_row, event_text, parse_event, sampling_to_json
 from gyre.backends.protocols import EngineHealth, RolloutEngine, SamplingParams, TokenEvent
@@ -306,18 +306,21 @@ class HttpEngine:
                     await stream.aclose()
                 return
             payload = {"request_id": request_id, "input_ids": list(input_ids), "sampling": sampling_to_json(sampling)}
-            async with self._sess().post(self.url + "/generate", data=json.dumps(payload), headers={"Content-Type": "application/json"}) as resp:
-                if resp.status != 200:
-                    raise RuntimeError(f"engine {self.name}: generate -> HTTP {resp.status}: {await resp.text()}")
-                pending = b""
-                async for chunk in resp.content.iter_any():
-                    pending += chunk
-                    *lines, pending = pending.split(b"\n")
-                    for line in lines:
-                        if line.startswith(b"error "):
-                            msg = line[6:].decode(errors="replace").strip()
-                            raise (ValueError if msg.startswith("ValueError:") else RuntimeError)(f"engine {self.name}: {msg}")
-                        yield parse_event(line.decode().split())
+            try:
+                async with self._sess().post(self.url + "/generate", data=json.dumps(payload), headers={"Content-Type": "application/json"}) as resp:
+                    if resp.status != 200:
+                        raise RuntimeError(f"engine {self.name}: generate -> HTTP {resp.status}: {await resp.text()}")
+                    pending = b""
+                    async for chunk in resp.content.iter_any():
+                        pending += chunk
+                        *lines, pending = pending.split(b"\n")
+                        for line in lines:
+                            if line.startswith(b"error "):
+                                msg = line[6:].decode(errors="replace").strip()
+                                raise (ValueError if msg.startswith("ValueError:") else RuntimeError)(f"engine {self.name}: {msg}")
+                            yield parse_event(line.decode().split())
+            except (ClientPayloadError, ServerDisconnectedError) as e:  # a connection or body cut short: the server died
+                raise ConnectionError(f"engine {self.name}: {e!r}") from e
         finally:
             self._inflight -= 1
 
