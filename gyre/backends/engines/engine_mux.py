@@ -7,30 +7,25 @@ request whose `sampling.hold_s` > 0 has its tokens after the first held up to th
 together; every token of a frame but the last is marked (`TokenEvent.more`).
 
 Client -> server, one frame each:
-    generate: a binary frame, `{"op": "generate", "rid", "sampling"}` as JSON, a newline, then
-              the prompt's ids as little-endian int32 (a JSON list of ~1M ints costs far more to
-              write and read on both loops); a text frame with "input_ids" is also accepted. A
-              prompt over PART_IDS ids sends `part` frames first (`{"op": "part", "rid"}`, a
-              newline, up to PART_IDS ids), so no single frame holds the client's loop long.
-    abort:    a text frame, {"op": "abort", "rid"}; with "reply": false (the client closed the
-              stream) nothing is answered, and a later abort of that request is answered with no rows
-    credit:   a text frame, {"op": "credit", "rid", "n"}: the client has handed on n more bytes of
-              the stream's token lines (see flow control below)
+    generate: binary, `{"op": "generate", "rid", "sampling", "window"}` as JSON, a newline, the
+              prompt's ids as little-endian int32 (a text frame with "input_ids" is also taken);
+              a prompt over PART_IDS ids is sent ahead in `{"op": "part", "rid"}` frames.
+    abort:    {"op": "abort", "rid"}; "reply": false (the client closed the stream): no answer,
+              and a later abort of that request is answered with no rows
+    credit:   {"op": "credit", "rid", "n"}: the client has handed on n more bytes of the stream
 Server -> client, text frames of newline-terminated lines:
     t <rid> <token_id> <logprob repr> <version> [finish_reason] [top=<id>:<lp>,...]   a token
-    e <rid>                                                          the stream ended
-    x <rid> <message>                                                the stream failed
+    e <rid> | x <rid> <message>                                     the stream ended | failed
     a <rid> <json [[id, logprob, version, finish_reason(, top)], ...]>  reply to abort
-`top=` and the abort row's fifth element appear only for requests that asked for `top_logprobs`,
-and `sampling` leaves out a zero `top_logprobs` (an older server refuses unknown fields). Request
-ids must not contain whitespace. A dropped connection fails every open stream (the router then
-continues those calls elsewhere) and makes the server abort their requests.
+`top=` and the fifth row element only for requests that asked for `top_logprobs`; `sampling`
+leaves out zero fields added later (an older server refuses unknown fields). Request ids have no
+whitespace. A dropped connection fails every open stream (the router continues those calls
+elsewhere) and makes the server abort their requests.
 
-Flow control: a generate frame may carry `"window": W`; the server then stops taking that
-request's tokens from the engine while W or more bytes of its token lines (the text after
-"t <rid> ") are sent and not yet credited, so a stream whose reader stalls holds at most W plus
-one line in the client (the other streams on the connection flow on). An abort ends the stream
-at once, whether or not the engine honours it.
+Flow control: with "window" W, the server stops taking a request's tokens from the engine while
+W or more bytes of its token lines (the text after "t <rid> ") are sent and not yet credited: a
+stream whose reader stalls holds at most W plus one line in the client, the other streams on the
+connection flow on. An abort ends the stream at once, whether or not the engine honours it.
 """
 
 from __future__ import annotations
