@@ -30,7 +30,7 @@ def is_dead(exc: BaseException) -> bool:
 
 
 class Failover:
-    """The router's dead engines: marks them, watches them, retires them on a restart."""
+    """The router's dead engines: marks them, watches them (stalled ones too), retires them on a restart."""
 
     def __init__(self, router) -> None:
         self.router = router
