@@ -321,7 +321,6 @@ TESTED_THROUGH = {
     "proxy/bodies.py": "tests/proxy/test_stalls.py",
     "proxy/config.py": "tests/proxy/test_roles.py, tests/test_config_checks.py",
     "proxy/core.py": "tests/proxy/test_sdk.py, tests/proxy/test_formats_render.py, tests/proxy/test_disconnect_poll.py",
-    "proxy/failover.py": "tests/proxy/test_router_death.py, tests/proxy/test_router.py",
     "proxy/formats/base.py": "tests/proxy/test_formats_render.py, tests/proxy/test_formats_parsers.py",
     "proxy/formats/chatml.py": "tests/proxy/test_formats_parsers.py, tests/proxy/test_formats_sdk.py",
     "proxy/formats/choice.py": "tests/proxy/test_tool_format.py",
