@@ -179,7 +179,11 @@ def _run_real_cli(tmp_path, sink, script, tok, execution_id: str, *, max_turns: 
                                             env={"GYRE_CLAUDE_BIN": CLAUDE},
                                             sandbox_ro_paths=[str(EXAMPLE / "settings.json"), cli_dir]),
                                Evaluator(EvaluatorConfig()), GyreProxyAccess(proxy, handle.url))
-        res = asyncio.run(runner.dispatch(ExecutionSpec(execution_id, task, "g")))
+
+        async def one():
+            return await runner.dispatch(ExecutionSpec(execution_id, task, "g"))
+
+        res = asyncio.run(one())
     finally:
         handle.stop()
     return res, (res.exec_dir / "stdout.log").read_text()[-3000:] + (res.exec_dir / "stderr.log").read_text()[-2000:]
