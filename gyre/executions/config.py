@@ -198,6 +198,6 @@ class ExecutionsConfig:
     own beside the ranks (`gyre.runtime.execution_plane`), which a restarted job re-attaches: a
     rank's death under torchrun --max-restarts costs no execution (docs/cluster.md). rank0: in rank
     0's process (they die with it: a restart runs the groups in flight again)."""
-    plane_orphan_s: float = 600.0
+    plane_orphan_s: float = 1800.0
     """--executions.plane process: seconds the plane waits for a controller to come back before it
     stops its harnesses and exits (also at once when torchrun's agent that started it is gone)."""

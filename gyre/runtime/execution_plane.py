@@ -55,7 +55,7 @@ class PlaneConfig:
 
     run_dir: str
     """The run directory: TITO records go to <run_dir>/tito, executions to <run_dir>/executions."""
-    orphan_s: float = 600.0
+    orphan_s: float = 1800.0
     """Seconds without a call from any controller after which the plane stops its harnesses (with
     their grace), seals their records and exits: a job that never comes back leaves nothing running.
     Longer than a restart takes (rank 0 re-attaches within it)."""
