@@ -62,7 +62,7 @@ def test_a_rank_killed_on_node_2_restarts_both_nodes_and_costs_no_execution(slur
     assert plane_pid in slurm_cluster.pids("n1")  # the plane runs beside rank 0, on the first node
     victim = _rank_on(slurm_cluster, "n2", job)
     os.kill(victim, signal.SIGKILL)
-    info = slurm_cluster.wait(job, lambda j: j["JobState"] in ENDED, 600, "the job to end")
+    info = slurm_cluster.wait(job, lambda j: j["JobState"] in ENDED, 400, "the job to end")
     log = (tmp_path / f"gyre-{job}.out").read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, log[-8000:])
     assert info["Restarts"] == "0" and "requeueing" not in log  # torchrun's restart, not Slurm's requeue
@@ -93,3 +93,47 @@ def test_a_rank_killed_on_node_2_restarts_both_nodes_and_costs_no_execution(slur
     assert not (run / "execution_plane.json").exists()
     with pytest.raises(ProcessLookupError):
         os.kill(plane_pid, 0)
+
+
+def test_a_requeue_ends_the_execution_plane_and_its_executions_in_flight_run_again(slurm_cluster, tmp_path):
+    """What a requeue loses, for docs/cluster.md's table: a SIGTERM to the batch shell (what
+    `--signal=B:TERM@N` and a preemption deliver) stops the run and requeues the job; the job's
+    end takes the execution plane with it, so the executions it still ran are lost, and the next
+    attempt counts them (`lost_in_flight`, a `lost` row per group) and runs their groups again."""
+    tasks = write_tasks(tmp_path / "tasks.jsonl", [sys.executable, str(HARNESS), "4", "8"], n=40)
+    argv = RUNS["sbatch_restart"].command(tasks, None, steps=40)
+    job = slurm_cluster.sbatch(["--nodes=2", str(ROOT / "launch.sh"), *argv[argv.index("gyre.run") + 1:]],
+                               cwd=tmp_path, GYRE_NPROC_PER_NODE="1", GYRE_MAX_RESTARTS="1")
+    run = tmp_path / "runs" / "slurm" / job
+    t0 = time.monotonic()
+    while not (run / "metrics.jsonl").exists() or len(rows(run / "metrics.jsonl")) < 2:
+        assert slurm_cluster.job(job)["JobState"] in ("PENDING", "CONFIGURING", "RUNNING")
+        assert time.monotonic() - t0 < 400, slurm_cluster.logs()
+        time.sleep(0.5)
+    plane_pid = json.loads((run / "execution_plane.json").read_text())["pid"]
+    slurm_cluster.client(["scancel", "--batch", "--signal=TERM", job])
+    slurm_cluster.wait(job, lambda j: j["Restarts"] == "1", 150, "the requeue")
+    t0 = time.monotonic()
+    while len(json.loads((run / "run.json").read_text())["attempts"]) < 2:
+        assert time.monotonic() - t0 < 300, slurm_cluster.job(job)
+        time.sleep(0.5)
+    slurm_cluster.client(["scancel", job])
+    slurm_cluster.wait(job, lambda j: j["JobState"] in ENDED, 120, "the job to end")
+    with pytest.raises(ProcessLookupError):
+        os.kill(plane_pid, 0)
+    attempts = json.loads((run / "run.json").read_text())["attempts"]
+    journal = [json.loads(line) for line in (run / "groups.jsonl").read_text().splitlines() if line.strip()]
+    lost = {r["group_id"] for r in journal if r["kind"] == "lost"}
+    # The first attempt's executions that never ended well: no result, or cancelled.
+    unfinished = []
+    for e in (run / "executions").iterdir():
+        if ".a0." in e.name:
+            result = e / "result.json"
+            if not result.exists() or json.loads(result.read_text())["outcome"] == "cancelled":
+                unfinished.append(e.name)
+    assert unfinished and lost == {e.rsplit(".", 1)[0] for e in unfinished}, (lost, unfinished)
+    # A lost group counts all its executions (it runs again whole), finished ones too.
+    size = {r["group_id"]: len(r["executions"]) for r in journal if r["kind"] == "dispatched"}
+    assert attempts[1]["lost_in_flight"] == sum(size[g] for g in lost), (attempts, journal)
+    print(f"requeue: {len(unfinished)} executions cut off, {attempts[1]['lost_in_flight']} executions "
+          f"in {len(lost)} groups run again")
