@@ -14,6 +14,7 @@ the engine alone, and the proxy's CPU per shape call (its process and its body-p
   tiny_messages_15mib   15 MiB of one-character messages (refused: proxy.max_body_items)
   prompt_783k           a legitimate 783k-token conversation (~290 turns of code), answered
   stream_top20_30k      a streamed 30,000-token answer with `top_logprobs: 20` from the instant engine, read whole
+  body_top20_30k        the same answer not streamed: one JSON body of ~50 MB, read whole
   unread_top20_x4       the same call on 4 connections whose client never reads (raw sockets, a 4 KiB receive
                         buffer), held until the proxy has dropped every one (`proxy.client_stall_s`, 5 s
                         here): the loaded phase lasts that long; the dropped connections and the proxy's
@@ -77,6 +78,7 @@ def shapes(prompt_tokens: int = 783_000) -> dict[str, tuple[str, bytes]]:
         "tiny_messages_15mib": ("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": [tiny] * ((15 << 20) // len(json.dumps(tiny)) - 16)}),
         "prompt_783k": ("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": conversation(prompt_tokens)}),
         "stream_top20_30k": ("/v1/chat/completions", TOP20),
+        "body_top20_30k": ("/v1/chat/completions", dict(TOP20, stream=False)),
         "unread_top20_x4": ("/v1/chat/completions", TOP20),
     }
     return {k: (p, json.dumps(b).encode()) for k, (p, b) in out.items()}

@@ -193,11 +193,11 @@ class ExecutionsConfig:
     evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
-    plane: Literal["rank0", "process"] = "rank0"
-    """Where the proxy, the harness runner and the harnesses live. rank0: in rank 0's process (they
-    die with it: a restart runs the groups in flight again). process: in a process of their own
-    beside the ranks (`gyre.runtime.execution_plane`), which a restarted job re-attaches: a rank's
-    death under torchrun --max-restarts costs no execution (docs/cluster.md)."""
+    plane: Literal["process", "rank0"] = "process"
+    """Where the proxy, the harness runner and the harnesses live. process: in a process of their
+    own beside the ranks (`gyre.runtime.execution_plane`), which a restarted job re-attaches: a
+    rank's death under torchrun --max-restarts costs no execution (docs/cluster.md). rank0: in rank
+    0's process (they die with it: a restart runs the groups in flight again)."""
     plane_orphan_s: float = 600.0
     """--executions.plane process: seconds the plane waits for a controller to come back before it
     stops its harnesses and exits (also at once when torchrun's agent that started it is gone)."""

@@ -30,11 +30,12 @@ def is_dead(exc: BaseException) -> bool:
 
 
 class Failover:
-    """The router's dead engines: marks them, watches them, retires them on a restart."""
+    """The router's dead engines: marks them, watches them (stalled ones too), retires them on a restart."""
 
     def __init__(self, router) -> None:
         self.router = router
         self.deaths = 0  # engines marked dead (each incarnation at most once)
+        self.dead_engine_calls = 0  # calls running on an engine when it died: each recomputed elsewhere (or waits)
 
     def failed(self, slot, call_key: str, have: int, exc: BaseException) -> bool:
         """Count one engine failure of a call (after `have` tokens); True when it was a death."""
@@ -44,6 +45,7 @@ class Failover:
         if not is_dead(exc):
             logger.warning("router: engine %s failed on %s after %d tokens: %r", slot.name, call_key, have, exc)
             return False
+        self.dead_engine_calls += 1
         self.mark_dead(slot, f"{exc!r} on {call_key} after {have} tokens")
         return True
 

@@ -13,7 +13,7 @@ import math
 import secrets
 from contextlib import aclosing
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from aiohttp import web
 
@@ -21,7 +21,7 @@ from gyre.proxy import validate as V
 from gyre.proxy.core import ApiError, Call, ChatRequest, ToolForce, abort_on_disconnect
 from gyre.proxy.endings import told
 from gyre.proxy.formats import Reasoning
-from gyre.proxy.pacing import charge_entries, lp_due, sse_start
+from gyre.proxy.pacing import PacedResponse, charge_entries, lp_due, sse_start
 from gyre.proxy.render import SPLICE_CALL
 from gyre.proxy.tool_ids import named_call, tool_call_id
 from gyre.proxy.textstream import ToolCall
@@ -334,6 +334,37 @@ def _lp_entries(call: Call, start: int, end: int) -> list[dict]:
     return json.loads(_lp_json(call, start, end, {}))
 
 
+def lp_body_parts(call: Call, body: dict, choice: dict) -> Iterator[str]:
+    """`json.dumps(body, ensure_ascii=False)` with choice["logprobs"] = {"content": the entries of
+    every token}, in pieces: the entries a pacing frame at a time (`lp_due`), each built only when
+    the piece before it has been taken. A non-streamed top-20 answer of 30k tokens is ~50 MB of
+    JSON: built and written in one step, it would hold the loop for every other execution."""
+    mark = secrets.token_hex(16)  # a quoted marker: in a JSON string a quote is always escaped, so this one is unique
+    choice["logprobs"] = {"content": mark}
+    head, tail = json.dumps(body, ensure_ascii=False).split(f'"{mark}"', 1)
+    yield head + "["
+    memo: dict[int, tuple[str, str]] = {}
+    seen, sep = 0, ""
+    while seen < len(call.tokens):
+        part = _lp_json(call, seen, lp_due(call, seen), memo)[1:-1]
+        seen = lp_due(call, seen)
+        if part:
+            yield sep + part
+            sep = ", "
+    yield "]" + tail
+
+
+async def _paced_json(request: web.Request, call: Call, parts: Iterator[str]) -> web.StreamResponse:
+    """A JSON body written piece by piece through `PacedResponse` (a loop turn after each, a
+    client that takes none of it for `client_stall_s` cut off); chunked, its length unknown ahead."""
+    resp = PacedResponse(call, "application/json; charset=utf-8")
+    await resp.prepare(request)
+    for part in parts:
+        await resp.write(part.encode())
+    await resp.write_eof()
+    return resp
+
+
 async def respond_chat(request: web.Request, call: Call, model: str) -> web.StreamResponse:
     rid = "chatcmpl-" + secrets.token_hex(12)
     created = int(time.time())
@@ -349,8 +380,10 @@ async def respond_chat(request: web.Request, call: Call, model: str) -> web.Stre
             msg["reasoning_content"] = call.reasoning or None
         if call.tool_calls:
             msg["tool_calls"] = [_tool_json(tc, ids, call.call_id) for tc in call.tool_calls]
-        choice = {"index": 0, "message": msg, "logprobs": {"content": _lp_entries(call, 0, len(call.tokens))} if want_lp else None, "finish_reason": _finish(call)}
+        choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": _finish(call)}
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice], "usage": _usage(call)}
+        if want_lp:
+            return await _paced_json(request, call, lp_body_parts(call, body, choice))
         return web.json_response(body)
 
     resp = await sse_start(request, call)

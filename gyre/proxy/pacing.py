@@ -5,7 +5,8 @@ call hands the event loop back every `frame_tokens` tokens and closes a stream f
 (`Call.events`), and a frame carries the log-probs of at most that many tokens (`lp_due`). Log-prob
 entries are charged to the execution's rate budget as JSON values, as admission charges a body's
 (`charge_entries`, `body_values_per_call`). Every frame an adapter writes goes through
-`PacedResponse`, which gives the loop a turn, and a client that has taken none of its stream for
+`PacedResponse`, which gives the loop a turn (so does a non-streamed chat answer with log-probs,
+written a frame of entries at a time: `openai_api.lp_body_parts`), and a client that has taken none of its stream for
 `client_stall_s` (the proxy's send buffer full) has its call ended: the engine request is
 aborted, the record says `abort`, the connection is reset. Unsent bytes per call stay within the
 transport's high-water mark plus one frame.
@@ -47,15 +48,33 @@ def charge_entries(call: Any, n: int) -> None:
 
 class ClientStalled(ConnectionResetError):
     """The client took none of its stream for `client_stall_s`; the call was aborted (as
-    `core.ClientGone`)."""
+    `core.ClientGone`). `unsent`: the bytes written and not sent (the proxy's buffer and the
+    kernel's send queue) when the connection was reset."""
+
+    def __init__(self, stall_s: float, execution_id: str = "?", call_id: int | str = "?", unsent: int = 0) -> None:
+        super().__init__(f"the client read none of its stream for {stall_s:g} s (proxy.client_stall_s); call aborted")
+        self.stall_s, self.execution_id, self.call_id, self.unsent = stall_s, execution_id, call_id, unsent
+
+
+def _unsent(t: Any) -> int:
+    """Bytes written to transport `t` and not yet taken by the peer's kernel (Linux: the send queue too)."""
+    n = t.get_write_buffer_size()
+    try:
+        import fcntl
+        import termios
+
+        n += struct.unpack("i", fcntl.ioctl(t.get_extra_info("socket").fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (ImportError, AttributeError, OSError):
+        pass
+    return n
 
 
 class PacedResponse(web.StreamResponse):
     """An SSE response whose `write` gives the loop a turn and ends the call (`ClientStalled`)
     when the client has not made room for the frame in `stall_s`."""
 
-    def __init__(self, call: Any) -> None:
-        super().__init__(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    def __init__(self, call: Any, content_type: str = "text/event-stream") -> None:
+        super().__init__(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
         self.call, self.stall_s = call, call.proxy.config.client_stall_s
 
     async def write(self, data) -> None:
@@ -63,12 +82,12 @@ class PacedResponse(web.StreamResponse):
             async with asyncio.timeout(self.stall_s or None):
                 await super().write(data)
         except TimeoutError:
-            t = self._req.transport if self._req is not None else None
+            t, unsent = self._req.transport if self._req is not None else None, 0
             if t is not None:  # a reset, not a FIN queued behind unsent bytes: the kernel's buffer goes too
+                unsent = _unsent(t)
                 t.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 t.abort()
-            raise ClientStalled(f"the client read none of its stream for {self.stall_s:g} s (proxy.client_stall_s); "
-                                "call aborted") from None
+            raise ClientStalled(self.stall_s, self.call.state.execution_id, self.call.call_id, unsent) from None
         try:
             for _ in range(FRAME_TURNS):
                 await asyncio.sleep(0)

@@ -619,6 +619,7 @@ class Router:
             "reroutes": self.reroutes,
             "engine_failures": self.engine_failures,
             "engine_stalls": self.stalls, "engine_deaths": self.failover.deaths,
+            "dead_engine_calls": self.failover.dead_engine_calls,
             "migration": self.migration_stats(),
             "engines": {
                 n: {"kind": s.kind, "index": s.index, "state": s.state.value, "inflight": s.load, "served": s.served,

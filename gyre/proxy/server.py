@@ -31,6 +31,7 @@ from gyre.proxy import bodies
 from gyre.proxy.bodies import read_body
 from gyre.proxy.collector import collect_on_a_clock
 from gyre.proxy.core import ApiError, Proxy
+from gyre.proxy.pacing import ClientStalled
 from gyre.serving import ServerHandle, run_in_thread, start_app
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,13 @@ def _refuse(request: web.Request, e: ApiError) -> web.Response:
     return _error_response(request.path, e)
 
 
+def _gone() -> web.Response:
+    """What a handler whose client has gone returns: aiohttp's attempt to send it fails quietly."""
+    resp = web.Response(status=499, reason="Client Closed Request")
+    resp.force_close()
+    return resp
+
+
 @web.middleware
 async def _errors(request: web.Request, handler):
     try:
@@ -82,7 +90,17 @@ async def _errors(request: web.Request, handler):
         return _error_response(request.path, ApiError(405, "invalid_request", f"method {request.method} not allowed on {request.path}"))
     except web.HTTPException as e:
         return _error_response(request.path, ApiError(e.status, "invalid_request", e.reason or "bad request"))
-    except (ConnectionResetError, ConnectionError):
+    except ClientStalled as e:  # one line, not aiohttp's traceback: a client that stops reading is the client's doing
+        logger.warning("proxy: %s/%s: the client took none of its answer for %g s (proxy.client_stall_s): %d bytes unsent, "
+                       "connection reset", e.execution_id, e.call_id, e.stall_s, e.unsent)
+        return _gone()
+    except ConnectionResetError as e:
+        t = request.transport
+        if t is not None and not t.is_closing():  # not the client's connection: as any other error
+            raise
+        logger.info("proxy: %s %s: the client went away (%s)", request.method, request.path, e)
+        return _gone()
+    except ConnectionError:
         raise
     except RecursionError:  # JSON nested past Python's limit, in the body or in tool schemas
         return _error_response(request.path, ApiError(400, "invalid_request", "the JSON body is nested too deeply"))

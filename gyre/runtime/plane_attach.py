@@ -48,6 +48,14 @@ def live_executions(run_dir: Path) -> frozenset[str] | None:
         return None
 
 
+def restarts_left() -> int:
+    """How many more times torchrun will restart the workers (--max-restarts less the restarts so
+    far; 0 outside torchrun): with none left, a stop for a signal ends the executions as rank 0's
+    own data plane would."""
+    env = os.environ
+    return max(0, int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
+
+
 async def attach_data_plane(model: ModelConfig, proxy_cfg: ProxyConfig, executions: ExecutionsConfig, run_dir: Path,
                             ledger: Any, tito: Any, store: Any, topo: Any, secret: str | None,
                             on_error: Callable[..., None], on_event: Callable[[Any], None]) -> PlaneClient:
@@ -57,12 +65,15 @@ async def attach_data_plane(model: ModelConfig, proxy_cfg: ProxyConfig, executio
         logger.warning("attaching to the execution plane an earlier attempt started (pid %d): its executions run on",
                        info["pid"])
     else:
-        agent = os.getppid() if "TORCHELASTIC_RESTART_COUNT" in os.environ else None  # torchrun's agent
+        # The plane ends with the process whose end means no controller comes back: torchrun's
+        # agent (it restarts the workers), else this rank 0.
+        agent = os.getppid() if "TORCHELASTIC_RESTART_COUNT" in os.environ else os.getpid()
         cfg = PlaneConfig(run_dir=str(run_dir), orphan_s=executions.plane_orphan_s, parent_pid=agent,
                           checkpoint=model.checkpoint, proxy=proxy_cfg, executions=executions)
         info = await wait_for_plane(run_dir, spawn_plane(cfg))
         logger.info("execution plane started (pid %d): the proxy at %s", info["pid"], info["proxy_url"])
     client = await PlaneClient.attach(run_dir, on_event=on_event, on_error=on_error, ledger=ledger)
+    client.survives = restarts_left() > 0
     for kind, index, rank in engine_ranks(topo):
         await client.add_engine(await engine_url(store, rank), name=f"{kind}{index}", kind=kind, index=index,
                                 secret=secret)

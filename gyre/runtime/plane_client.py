@@ -68,6 +68,23 @@ async def wait_for_plane(run_dir: str | Path, proc: Any) -> dict[str, Any]:
         await asyncio.sleep(0.05)
 
 
+def since(now: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """`now`'s counts less `base`'s: every top-level or nested integer (the per-engine table is a
+    description, not counts: as it is now)."""
+    out: dict[str, Any] = {}
+    for k, v in now.items():
+        b = base.get(k)
+        if k == "engines" or b is None:
+            out[k] = v
+        elif isinstance(v, dict) and isinstance(b, dict):
+            out[k] = since(v, b)
+        elif isinstance(v, int) and not isinstance(v, bool) and isinstance(b, int):
+            out[k] = v - b
+        else:
+            out[k] = v
+    return out
+
+
 class PlaneClient:
     def __init__(self, run_dir: Path, info: dict[str, Any], *, on_event: Callable[[ExecutionEvent], None] | None,
                  on_error: Callable[..., None] | None, ledger: Any, cursor: int, poll_wait_s: float) -> None:
@@ -80,7 +97,8 @@ class PlaneClient:
         self._in_flight: set[str] = set()
         self._futures: dict[str, asyncio.Future] = {}
         self._results: dict[str, ExecutionResult] = {}
-        self._closed: dict[str, dict[str, Any]] = {}  # close stats by execution (replayed ones before adoption)
+        self._closed: dict[str, dict[str, Any]] = {}
+        self._base: dict[str, Any] = {}  # close stats by execution (replayed ones before adoption)
         self._reroutes: list[RerouteRecord] = []
         self._unmatched_seen = 0
         self._session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {info['token']}"},
@@ -107,6 +125,7 @@ class PlaneClient:
             await client._session.close()
             raise
         client._in_flight = set(first["state"]["in_flight"])
+        client._base = first["state"]  # the plane's router counts from earlier attempts: not this one's
         client._take(first)
         loop = asyncio.get_running_loop()
         client._tasks = [loop.create_task(client._poll(), name="plane-poll"),
@@ -229,10 +248,12 @@ class PlaneClient:
         return Path(self.info["executions_dir"])
 
     def router_stats(self) -> dict:
-        return self.state.get("router", {})
+        """The plane's router stats, its counts since this client attached (an attempt's own, as
+        in rank 0's router: run.json adds the attempts up)."""
+        return since(self.state.get("router", {}), self._base.get("router", {}))
 
     def reroutes(self) -> int:
-        return self.state.get("reroutes", 0)
+        return self.state.get("reroutes", 0) - self._base.get("reroutes", 0)
 
     def totals(self) -> dict[str, int]:
         """The counts of the executions this client saw end (this attempt's view; the plane's own: /plane/totals)."""
@@ -242,7 +263,7 @@ class PlaneClient:
         return self.state.get("worst_unmatched", [])[:n]
 
     def sink_errors(self) -> int:
-        return self.state.get("sink_errors", 0)
+        return self.state.get("sink_errors", 0) - self._base.get("sink_errors", 0)
 
     async def close(self) -> None:
         """The run ended: end the plane (its router and proxy with it); after `detach`, nothing."""

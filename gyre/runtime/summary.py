@@ -87,6 +87,7 @@ def build_summary(ledger: RunLedger, how: RunEnd, *, scheduler: SchedulerConfig,
         "tolerated_turns": proxy_totals.get("tolerated_turns", 0),  # spliced by --proxy.splice tolerant
         "worst_unmatched_executions": worst_unmatched,  # [{execution_id, unmatched_turns, calls, unmatched_kinds}]
         "engine_failures": router["engine_failures"],
+        "dead_engine_calls": router.get("dead_engine_calls", 0),  # calls whose engine died under them, recomputed
         "execution_outcomes": ledger.outcomes(),
         "cancelled_at_end": how.cancelled_at_end,
         # earlier attempts' executions not trained into the checkpoint resumed from (run.json, groups.jsonl)

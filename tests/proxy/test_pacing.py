@@ -4,13 +4,19 @@ tokens even when the engine has thousands ready, a frame's log-probs charged to 
 rate budget, and a client that never reads (a raw socket) has its call ended as `abort`."""
 
 import asyncio
+import logging
+import re
 import socket
 import threading
 import time
 from types import SimpleNamespace
 
+import httpx
+import json
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from aiohttp import web
 
 from gyre.backends.engines.det_engine import DeterministicEngine
@@ -19,6 +25,7 @@ from gyre.backends.models.tokenizer import load_tokenizer, token_bytes
 from gyre.proxy import ProxyConfig
 from gyre.proxy.errors import ApiError
 from gyre.proxy.pacing import FRAME_TURNS, PacedResponse, frame_tokens
+from tests.proxy.test_openai_api import calls, reference
 
 TABLE = token_bytes(load_tokenizer())
 TOP = 20
@@ -98,6 +105,70 @@ def test_the_loop_gets_a_turn_every_frame_of_tokens(make_server, stream):
     assert max(gaps) <= PER_FRAME  # before: the whole call (3000 tokens) between two turns of the loop
 
 
+def test_a_non_streamed_answer_is_built_and_written_a_frame_at_a_time(make_server, monkeypatch):
+    """The body of a non-streamed top-20 answer: between two passes of the proxy's loop, at most
+    one frame's log-prob entries are built (and written), and the body is what `json.dumps` writes."""
+    from gyre.proxy import openai_api
+
+    built = [0]
+
+    def counted(call, n, real=openai_api.charge_entries):
+        built[0] += n
+        real(call, n)
+
+    monkeypatch.setattr(openai_api, "charge_entries", counted)
+    proxy, h = make_server([(DeterministicEngine("instant", salt=1), "cell", 0)], ProxyConfig(calls_per_second_per_key=0))
+    gaps: list[int] = []
+
+    async def ticker(done: threading.Event) -> None:  # runs once per pass of the proxy's loop
+        last = built[0]
+        while not done.is_set():
+            gaps.append(built[0] - last)
+            last = built[0]
+            await asyncio.sleep(0)
+
+    done = threading.Event()
+    fut = asyncio.run_coroutine_threadsafe(ticker(done), h.loop)
+    n = 3000
+    raw = httpx.post(h.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {proxy.issue_key('ex-body')}"}, timeout=300,
+                     json=dict(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=n, logprobs=True, top_logprobs=TOP))
+    done.set()
+    fut.result(60)
+    assert raw.status_code == 200
+    assert max(gaps) <= PER_FRAME * (1 + TOP)  # before: all 63,000 entries in one step (then one json.dumps of ~8 MB)
+    body = raw.json()
+    assert raw.content == json.dumps(body, ensure_ascii=False).encode()
+    entries = body["choices"][0]["logprobs"]["content"]
+    ids = proxy.sink.records[-1].output_ids.tolist()
+    assert len(entries) == len(ids) == n and [bytes(e["bytes"]) for e in entries] == [TABLE[t] for t in ids]
+    assert all(len(e["top_logprobs"]) == TOP for e in entries)
+    assert built[0] == n * (1 + TOP)  # every entry charged once, as a stream's
+
+
+@settings(max_examples=100, deadline=None)
+@given(calls(), st.text(), st.sampled_from(["stop", "length"]), st.integers(1, 12))
+def test_a_non_streamed_body_in_pieces_is_what_json_dumps_writes(c, content, finish, frame_entries):
+    """On random token tables and log-probs (test_openai_api's), with frames small enough that
+    a call spans several."""
+    from gyre.proxy import pacing
+    from gyre.proxy.openai_api import lp_body_parts
+
+    call, charged = c
+    call.req.logprobs = True
+    p, k = call.proxy, call.req.top_logprobs
+    want_entries = reference(p.token_table, p.eos_ids, k, call.tokens)
+    choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None, "finish_reason": finish}
+    body = {"id": "chatcmpl-1", "object": "chat.completion", "choices": [choice], "usage": {"completion_tokens": len(call.tokens)}}
+    want = json.dumps({**body, "choices": [{**choice, "logprobs": {"content": want_entries}}]}, ensure_ascii=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pacing, "FRAME_ENTRIES", frame_entries)
+        parts = list(lp_body_parts(call, body, choice))
+        per = frame_tokens(k, True)
+    assert "".join(parts) == want
+    assert len(parts) <= 2 + -(-len(call.tokens) // per)  # head, a piece a frame, tail
+    assert sum(charged) == len(want_entries) * (1 + k)
+
+
 def test_log_probs_are_charged_to_the_execution(make_server):
     proxy, h = make_server([(DeterministicEngine("e", salt=2), "cell", 0)], ProxyConfig(calls_per_second_per_key=2))
     base = dict(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2000, stream=True)
@@ -111,7 +182,8 @@ def test_log_probs_are_charged_to_the_execution(make_server):
         heavy.chat.completions.create(**small)
 
 
-def test_a_client_that_never_reads_has_its_call_aborted_and_recorded(make_server):
+def test_a_client_that_never_reads_has_its_call_aborted_and_recorded(make_server, caplog):
+    caplog.set_level(logging.INFO)
     eng = DeterministicEngine("instant", salt=4)
     proxy, h = make_server([(eng, "cell", 0)], ProxyConfig(calls_per_second_per_key=0, client_stall_s=0.5))
     key = proxy.issue_key("ex-unread")
@@ -130,8 +202,16 @@ def test_a_client_that_never_reads_has_its_call_aborted_and_recorded(make_server
         _wait_for(lambda: eng.load() == 0, "the engine request freed")
         assert proxy.execution_stats("ex-unread").inflight == 0
         _wait_for(lambda: s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != 1, "the connection dropped")
+        _wait_for(lambda: any("bytes unsent" in r.getMessage() for r in caplog.records), "the stall's warning")
     finally:
         s.close()
+    # one warning line naming the execution, the call and what was left unsent; no traceback (before: aiohttp's
+    # "Error handling request" with the ClientStalled traceback)
+    told = [r for r in caplog.records if "bytes unsent" in r.getMessage()]
+    assert len(told) == 1 and told[0].levelno == logging.WARNING
+    unsent = int(re.search(r"(\d+) bytes unsent", told[0].getMessage()).group(1))
+    assert f"ex-unread/{rec.call_id}:" in told[0].getMessage() and unsent > 0
+    assert [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR] == []
     ok = openai.OpenAI(base_url=h.url + "/v1", api_key=key, max_retries=0)  # the execution goes on
     assert ok.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3).usage.completion_tokens == 3
 

@@ -192,19 +192,25 @@ def test_waiters_cancelled_twice_never_wedge_the_router():
 
 
 class _Failing(DeterministicEngine):
+    error: Exception = ConnectionError("engine died")
+
     async def generate(self, request_id, input_ids, sampling):
         n = 0
         async for ev in super().generate(request_id, input_ids, sampling):
             yield ev
             n += 1
             if n == 3:
-                raise ConnectionError("engine died")
+                raise self.error
 
 
-def test_engine_failure_mid_call_continues_elsewhere():
+@pytest.mark.parametrize("error, dead", [(ConnectionError("engine died"), 1), (RuntimeError("engine error"), 0)])
+def test_engine_failure_mid_call_continues_elsewhere(error, dead):
+    """Either way the call continues on the other engine; only a death counts in dead_engine_calls."""
     async def main():
         r = Router()
-        r.add_engine(_Failing("bad", salt=3), kind="cell", index=0)
+        bad = _Failing("bad", salt=3)
+        bad.error = error
+        r.add_engine(bad, kind="cell", index=0)
         r.add_engine(DeterministicEngine("good", salt=3), kind="pool")
         r.slots["good"].inflight["busy"] = object()  # make "bad" the least loaded first pick
         r.slots["good"].inflight["busy2"] = object()
@@ -214,6 +220,7 @@ def test_engine_failure_mid_call_continues_elsewhere():
 
     r, out, info = asyncio.run(main())
     assert info.engines == ["bad", "good"] and r.engine_failures == 1
+    assert r.stats()["dead_engine_calls"] == dead and r.stats()["engine_deaths"] == dead
     assert [e.token_id for e in out] == [e.token_id for e in reference(3, [4, 5], 10)]
 
 

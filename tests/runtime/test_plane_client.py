@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from gyre.backends.engines.det_engine import DeterministicEngine
 from gyre.backends.engines.engine_http import HttpEngine, serve_engine
@@ -135,3 +136,23 @@ def test_the_plane_gives_what_the_in_process_data_plane_gives(tmp_path, engine):
             assert p.call_id == q.call_id and p.role == q.role
             assert np.array_equal(p.input_ids, q.input_ids) and np.array_equal(p.output_ids, q.output_ids)
             assert np.array_equal(p.output_logprobs, q.output_logprobs) and p.finish_reason == q.finish_reason
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.dictionaries(st.sampled_from(["reroutes", "engine_deaths", "dead_engine_calls", "engine_failures"]),
+                       st.tuples(st.integers(0, 1000), st.integers(0, 1000)), min_size=1),
+       st.tuples(st.integers(0, 50), st.integers(0, 50)))
+def test_an_attempts_router_counts_are_its_own_since_it_attached(counts, moved):
+    """The plane's router lives across attempts; each attempt's summary counts from its attach
+    (run.json adds attempts up): base + this attempt's = now, nested ones too; the engines'
+    table is passed through (planted: returning `now` -> the sums double count)."""
+    from gyre.runtime.plane_client import since
+
+    base = {k: a for k, (a, _) in counts.items()}
+    now = {k: a + b for k, (a, b) in counts.items()}
+    base["migration"], now["migration"] = {"moved": moved[0]}, {"moved": moved[0] + moved[1]}
+    base["engines"] = now["engines"] = {"cell0": {"served": 7}}
+    got = since(now, base)
+    assert {k: got[k] for k in counts} == {k: b for k, (_, b) in counts.items()}
+    assert got["migration"] == {"moved": moved[1]} and got["engines"] == {"cell0": {"served": 7}}
+    assert since(now, {}) == now  # a fresh plane: everything is this attempt's

@@ -77,7 +77,7 @@ def test_summary_json_from_the_ledger_and_its_named_sources_by_hand():
     sc = SchedulerConfig(mode="async")
     how = RunEnd(steps=1, end=130.0, cancelled_at_end=2, ranks_not_stopped=[3], error="boom",
                  interrupted="SIGTERM", silent_rank=3, last_checkpoint_s=1.5)
-    router = {"reroutes": 5, "migration": {"mode": "off"}, "engine_failures": 1, "engine_stalls": 0}
+    router = {"reroutes": 5, "migration": {"mode": "off"}, "engine_failures": 1, "engine_stalls": 0, "dead_engine_calls": 1}
     run = RunDir(Path("unused"), attempt=2, start_version=0, redo_tasks=("x", "y"), lost_in_flight=4)
     rows = [{"step": s, "rewards": r, "group_rewards": [r]} for s, r in enumerate(([0.0, 0.0], [1.0, 1.0]))]
     summary = build_summary(led, how, scheduler=sc, shutdown_timeout_s=25.0, seed=0, fractions={0: 0.25, 1: 0.0},
@@ -88,6 +88,7 @@ def test_summary_json_from_the_ledger_and_its_named_sources_by_hand():
     assert summary["switch_latency_s"] == {"to_train": 1.5, "to_rollout": None}
     assert summary["handover_s"] == {"actor_restore": {"mean": 0.25, "max": 0.25, "count": 1}}
     assert (summary["reroutes"], summary["engine_failures"], summary["engine_stalls"]) == (5, 1, 0)
+    assert summary["dead_engine_calls"] == 1
     assert summary["calls"] == 9 and summary["aborted_calls"] == 1 and summary["spliced_turns"] == 0
     assert summary["execution_outcomes"] == {"completed": 1, "crashed": 1}  # the carried group did not run here
     assert summary["incomplete_tito"] == {"a.1": "1 TITO records for its 2 calls"} and summary["sink_errors"] == 1

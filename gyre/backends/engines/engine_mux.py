@@ -7,21 +7,25 @@ request whose `sampling.hold_s` > 0 has its tokens after the first held up to th
 together; every token of a frame but the last is marked (`TokenEvent.more`).
 
 Client -> server, one frame each:
-    generate: a binary frame, `{"op": "generate", "rid", "sampling"}` as JSON, a newline, then
-              the prompt's ids as little-endian int32 (a JSON list of ~1M ints costs far more to
-              write and read on both loops); a text frame with "input_ids" is also accepted. A
-              prompt over PART_IDS ids sends `part` frames first (`{"op": "part", "rid"}`, a
-              newline, up to PART_IDS ids), so no single frame holds the client's loop long.
-    abort:    a text frame, {"op": "abort", "rid"}
+    generate: binary, `{"op": "generate", "rid", "sampling", "window"}` as JSON, a newline, the
+              prompt's ids as little-endian int32 (a text frame with "input_ids" is also taken);
+              a prompt over PART_IDS ids is sent ahead in `{"op": "part", "rid"}` frames.
+    abort:    {"op": "abort", "rid"}; "reply": false (the client closed the stream): no answer,
+              and a later abort of that request is answered with no rows
+    credit:   {"op": "credit", "rid", "n"}: the client has handed on n more bytes of the stream
 Server -> client, text frames of newline-terminated lines:
     t <rid> <token_id> <logprob repr> <version> [finish_reason] [top=<id>:<lp>,...]   a token
-    e <rid>                                                          the stream ended
-    x <rid> <message>                                                the stream failed
+    e <rid> | x <rid> <message>                                     the stream ended | failed
     a <rid> <json [[id, logprob, version, finish_reason(, top)], ...]>  reply to abort
-`top=` and the abort row's fifth element appear only for requests that asked for `top_logprobs`,
-and `sampling` leaves out a zero `top_logprobs` (an older server refuses unknown fields). Request
-ids must not contain whitespace. A dropped connection fails every open stream (the router then
-continues those calls elsewhere) and makes the server abort their requests.
+`top=` and the fifth row element only for requests that asked for `top_logprobs`; `sampling`
+leaves out zero fields added later (an older server refuses unknown fields). Request ids have no
+whitespace. A dropped connection fails every open stream (the router continues those calls
+elsewhere) and makes the server abort their requests.
+
+Flow control: with "window" W, the server stops taking a request's tokens from the engine while
+W or more bytes of its token lines (the text after "t <rid> ") are sent and not yet credited: a
+stream whose reader stalls holds at most W plus one line in the client, the other streams on the
+connection flow on. An abort ends the stream at once, whether or not the engine honours it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,32 @@ from gyre.backends.protocols import RolloutEngine, SamplingParams, TokenEvent, T
 logger = logging.getLogger(__name__)
 
 _END = object()
+WINDOW_BYTES = 256 << 10  # per stream: token-line bytes the server may send ahead of the client's reader
+
+
+class _Flow:
+    """The server's side of one stream's window: bytes sent and not yet credited (window 0: none)."""
+
+    __slots__ = ("window", "unacked", "stopped", "abandoned", "_room")
+
+    def __init__(self, window: int) -> None:
+        self.window, self.unacked, self.stopped = window, 0, False
+        self.abandoned = False  # the client closed the stream (an abort asking no reply)
+        self._room = asyncio.Event()
+
+    def credit(self, n: int) -> None:
+        self.unacked -= n
+        if self.unacked < self.window:
+            self._room.set()
+
+    def stop(self) -> None:
+        self.stopped = True
+        self._room.set()
+
+    async def room(self) -> None:
+        while self.window and self.unacked >= self.window and not self.stopped:
+            self._room.clear()
+            await self._room.wait()
 
 
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -104,6 +134,7 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
         out: list[str] = []
         wake = asyncio.Event()
         tasks: dict[str, asyncio.Task] = {}
+        flows: dict[str, _Flow] = {}
         parts: dict[str, list[np.ndarray]] = {}  # rid -> the prompt's ids sent ahead in `part` frames
 
         def push(line: str) -> None:
@@ -119,9 +150,13 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
                     out.clear()
                     await ws.send_str(data)
 
-        async def run(rid: str, ids: list[int] | np.ndarray, sp: SamplingParams) -> None:
+        async def run(rid: str, ids: list[int] | np.ndarray, sp: SamplingParams, flow: _Flow) -> None:
             if isinstance(ids, np.ndarray):
                 ids = await _ids_list(ids)
+            if flow.stopped:  # aborted before it started
+                tasks.pop(rid, None)
+                flows.pop(rid, None)
+                return
             box = [ids] if len(ids) > PART_IDS else None  # a long prompt is freed off the loop when done
             stream = engine.generate(rid, ids, sp)
             del ids
@@ -140,12 +175,19 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
             try:
                 first = True
                 async for ev in stream:
-                    held.append(f"t {rid} {event_text(ev)}\n")
+                    text = event_text(ev)
+                    held.append(f"t {rid} {text}\n")
                     if first or sp.hold_s <= 0 or ev.finish_reason:  # the first at once: TTFT stays exact
                         release()
                     elif timer is None:
                         timer = asyncio.get_running_loop().call_later(sp.hold_s, release)
                     first = False
+                    flow.unacked += len(text)
+                    if flow.window and flow.unacked >= flow.window:  # the reader is a window behind: wait for it
+                        release()  # held tokens count against the window: the client must have them to credit them
+                        await flow.room()
+                    if flow.stopped:  # aborted: not one more token from the engine
+                        break
                 release()
                 push(f"e {rid}\n")
             except asyncio.CancelledError:
@@ -158,17 +200,23 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
                 if timer is not None:
                     timer.cancel()
                 tasks.pop(rid, None)
+                flows.pop(rid, None)
                 await stream.aclose()
                 if box:
                     asyncio.get_running_loop().run_in_executor(None, free_ids, box)
 
-        async def abort(rid: str) -> None:
+        async def abort(rid: str, reply: bool) -> None:
             try:
                 toks = await engine.abort(rid)
             except Exception as e:  # unknown / finished request: nothing more to return
                 logger.debug("engine %s: abort %s: %r", engine.name, rid, e)
                 toks = []
-            push(f"a {rid} " + json.dumps([event_row(e) for e in toks]) + "\n")
+            if (flow := flows.get(rid)) is not None:  # after the engine's answer: it returns every token made
+                flow.stop()
+                if flow.abandoned:  # a stream its client closed has nobody to take its tokens: none are sent back
+                    toks = []  # (a router's later abort of a call whose client left: tens of MB of JSON for nothing)
+            if reply:
+                push(f"a {rid} " + json.dumps([event_row(e) for e in toks]) + "\n")
 
         flush_task = asyncio.create_task(flusher())
         try:
@@ -193,10 +241,16 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
                         ids = [int(t) for t in d["input_ids"]] if d["op"] == "generate" else []
                     rid = str(d["rid"])
                     if d["op"] == "generate":
-                        tasks[rid] = asyncio.create_task(run(rid, ids, sampling_from_json(d.get("sampling", {}))))
+                        flow = flows[rid] = _Flow(max(0, int(d.get("window") or 0)))
+                        tasks[rid] = asyncio.create_task(run(rid, ids, sampling_from_json(d.get("sampling", {})), flow))
+                    elif d["op"] == "credit":
+                        if (flow := flows.get(rid)) is not None:  # (a stream that has ended needs none)
+                            flow.credit(int(d["n"]))
                     elif d["op"] == "abort":
                         parts.pop(rid, None)
-                        tasks_abort = asyncio.create_task(abort(rid))
+                        if d.get("reply", True) is False and (flow := flows.get(rid)) is not None:
+                            flow.abandoned = True
+                        tasks_abort = asyncio.create_task(abort(rid, d.get("reply", True) is not False))
                         tasks[f"abort:{rid}"] = tasks_abort
                         tasks_abort.add_done_callback(lambda _t, k=f"abort:{rid}": tasks.pop(k, None))
                     else:
@@ -248,12 +302,16 @@ async def _ids_list(ids: np.ndarray, chunk: int = 1 << 14) -> list[int]:
     return out
 
 class MuxClient:
-    """The client end: one websocket, a reader task, a queue per open stream."""
+    """The client end: one websocket, a reader task, a queue per open stream. `window`: each
+    stream's flow-control window in bytes (module docstring; 0: none); `buffered[rid]`: the
+    bytes of token lines received for a stream and not yet handed to its reader."""
 
-    def __init__(self, ws, name: str) -> None:
+    def __init__(self, ws, name: str, window: int | None = None) -> None:
         self.ws = ws
         self.name = name
+        self.window = WINDOW_BYTES if window is None else window
         self.queues: dict[str, asyncio.Queue] = {}
+        self.buffered: dict[str, int] = {}
         self.aborts: dict[str, list[asyncio.Future]] = {}
         self.closed = False
         self.reader = asyncio.create_task(self._read())
@@ -267,12 +325,14 @@ class MuxClient:
                         error = ConnectionError(f"engine {self.name}: {self.ws.exception()!r}")
                     continue
                 batch: dict[str, list] = {}
+                size: dict[str, int] = {}
                 for line in msg.data.split("\n"):
                     if not line:
                         continue
                     kind, rid, rest = (line.split(" ", 2) + [""])[:3]
                     if kind == "t":  # parsed by the stream's reader, at its pace: a frame can hold thousands
                         batch.setdefault(rid, []).append(rest)
+                        size[rid] = size.get(rid, 0) + len(rest)
                     elif kind == "e":
                         batch.setdefault(rid, []).append(_END)
                     elif kind == "x":
@@ -286,6 +346,7 @@ class MuxClient:
                     q = self.queues.get(rid)
                     if q is not None:
                         q.put_nowait(items)
+                        self.buffered[rid] += size.get(rid, 0)
         except Exception as e:  # the connection broke
             error = ConnectionError(f"engine {self.name}: {e!r}")
         finally:
@@ -305,9 +366,14 @@ class MuxClient:
             raise ValueError(f"engine {self.name}: duplicate request id {rid!r}")
         q: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = q
+        self.buffered[rid] = 0
         ended = False
+        owed, half = 0, self.window // 2  # bytes handed on and not yet credited; credit each half window
         try:
-            head = json.dumps({"op": "generate", "rid": rid, "sampling": sampling_to_json(sampling)}).encode()
+            op = {"op": "generate", "rid": rid, "sampling": sampling_to_json(sampling)}
+            if self.window:
+                op["window"] = self.window
+            head = json.dumps(op).encode()
             raw, step = await _ids_bytes(input_ids), 4 * PART_IDS
             if len(raw) > step:
                 part = json.dumps({"op": "part", "rid": rid}).encode() + b"\n"
@@ -323,6 +389,14 @@ class MuxClient:
                     if isinstance(item, str):
                         ev = parse_event(item.split())
                         ev.more = i + 1 < len(items) and isinstance(items[i + 1], str)  # a held stream's frame: the rest are here too
+                        self.buffered[rid] -= len(item)
+                        owed += len(item)
+                        if half and owed >= half and not self.closed:
+                            try:
+                                await self.ws.send_str(f'{{"op": "credit", "rid": {json.dumps(rid)}, "n": {owed}}}')
+                            except ConnectionError:  # the connection broke: the reader ends the stream
+                                pass
+                            owed = 0
                         yield ev
                         continue
                     ended = True
@@ -331,9 +405,10 @@ class MuxClient:
                     return
         finally:
             self.queues.pop(rid, None)
-            if not ended and not self.closed:  # the caller stopped reading: stop the engine too
+            self.buffered.pop(rid, None)
+            if not ended and not self.closed:  # the caller stopped reading: stop the engine too (no answer wanted)
                 try:
-                    await self.ws.send_str(json.dumps({"op": "abort", "rid": rid}))
+                    await self.ws.send_str(json.dumps({"op": "abort", "rid": rid, "reply": False}))
                 except Exception:
                     pass
 
