@@ -99,14 +99,25 @@ def test_a_requeue_ends_the_execution_plane_and_its_executions_in_flight_run_aga
     """What a requeue loses, for docs/cluster.md's table: a SIGTERM to the batch shell (what
     `--signal=B:TERM@N` and a preemption deliver) stops the run and requeues the job; the job's
     end takes the execution plane with it, so the executions it still ran are lost, and the next
-    attempt counts them (`lost_in_flight`, a `lost` row per group) and runs their groups again."""
-    tasks = write_tasks(tmp_path / "tasks.jsonl", [sys.executable, str(HARNESS), "4", "8"], n=40)
-    argv = RUNS["sbatch_restart"].command(tasks, None, steps=40)
+    attempt counts them (`lost_in_flight`, a `lost` row per group) and runs their groups again.
+    Tasks in file order: the first two quick (steps 1 and 2), the rest wait for a file the test
+    creates only after the requeue, so executions are in flight at the stop and cannot end before
+    the job does."""
+    from tests.jobs import AWK_EVALUATOR, write_task_rows
+
+    gate = tmp_path / "go"
+    gated = ["sh", "-c", f'while [ ! -e {gate} ]; do sleep 0.2; done; exec "$0" "$@"', sys.executable, str(HARNESS),
+             "4", "8"]
+    quick = [sys.executable, str(HARNESS), "4", "8"]
+    tasks = write_task_rows(tmp_path / "tasks.jsonl", [{"harness": quick if i < 2 else gated,
+                                                        "evaluator": {"command": AWK_EVALUATOR}} for i in range(40)])
+    argv = RUNS["sbatch_restart"].command(tasks, None, "--executions.dataset.no-shuffle", steps=40)
     job = slurm_cluster.sbatch(["--nodes=2", str(ROOT / "launch.sh"), *argv[argv.index("gyre.run") + 1:]],
                                cwd=tmp_path, GYRE_NPROC_PER_NODE="1", GYRE_MAX_RESTARTS="1")
     run = tmp_path / "runs" / "slurm" / job
     t0 = time.monotonic()
-    while not (run / "metrics.jsonl").exists() or len(rows(run / "metrics.jsonl")) < 2:
+    while not (run / "metrics.jsonl").exists() or len(rows(run / "metrics.jsonl")) < 2 \
+            or not any(e.name.startswith("t2.") for e in (run / "executions").iterdir()):
         assert slurm_cluster.job(job)["JobState"] in ("PENDING", "CONFIGURING", "RUNNING")
         assert time.monotonic() - t0 < 400, slurm_cluster.logs()
         time.sleep(0.5)
@@ -117,6 +128,7 @@ def test_a_requeue_ends_the_execution_plane_and_its_executions_in_flight_run_aga
     while len(json.loads((run / "run.json").read_text())["attempts"]) < 2:
         assert time.monotonic() - t0 < 300, slurm_cluster.job(job)
         time.sleep(0.5)
+    gate.touch()
     slurm_cluster.client(["scancel", job])
     slurm_cluster.wait(job, lambda j: j["JobState"] in ENDED, 120, "the job to end")
     with pytest.raises(ProcessLookupError):
