@@ -238,7 +238,9 @@ def main() -> None:
             # needs openai>=3 and mini-swe-agent's litellm openai>=2.20, while sglang 0.5.23 pins
             # openai==2.8.0, so `.[gpu,test]` would resolve only by backtracking to old releases
             # (tests/gpu/test_gpu_extras_resolve.py). CPU test machines: `.[test,agents]`.
-            "agents": ["openai-agents", "mini-swe-agent"],
+            # claude-agent-sdk bundles the real Claude Code CLI (0.2.190: Claude Code 2.1.337, the
+            # release examples/claude_code and tests/fixtures/claude_code_compaction.json measured).
+            "agents": ["openai-agents", "mini-swe-agent", "claude-agent-sdk==0.2.190"],
             # Experiment trackers beside metrics.jsonl: --tracking.tensorboard, --tracking.wandb.
             "tracking": ["tensorboard", "wandb"],
             # GPU backends. Installed on GPU machines only; never imported by the CPU path.

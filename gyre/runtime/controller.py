@@ -1,12 +1,14 @@
 """The controller: rank 0's own thread and asyncio loop (docs/design.md §1–3).
 
-It owns the data plane (the proxy and the harness runner, `gyre.runtime.proxy_access`) and
-drives `gyre.scheduler.ElasticScheduler`. It only translates: reports in (one handler per type,
+It uses the data plane (the proxy and the harness runner: `proxy_access.DataPlane`; by default
+an execution-plane process, `gyre.runtime.plane_attach`) and drives
+`gyre.scheduler.ElasticScheduler`. It only translates: reports in (one handler per type,
 `HANDLERS`, protocol in `gyre.runtime.messages`), the runner's execution events, entries into the
 run's ledger (`gyre.runtime.ledger`), scheduler decisions out as commands (`DECISIONS`):
 
-    Dispatch(groups)        start N harness executions per group; an earlier attempt's
-                            evaluated group is carried over instead (gyre.runtime.attempts)
+    Dispatch(groups)        start N harness executions per group; an earlier attempt's group is
+                            carried over instead: evaluated, or still running in the execution
+                            plane and adopted (gyre.runtime.attempts)
     SwitchToTrain(cell)     drain the cell's engine in the proxy, then send the cell `ToTrain`
     OptimizerStep(step)     send `Reduce` to the decision's cells (0..k−1) with the step's groups
     SwitchToRollout(cell)   send the cell `ToRollout` with the published version

@@ -309,10 +309,10 @@ def spawn_plane(cfg: PlaneConfig) -> subprocess.Popen:
     d.mkdir(parents=True, exist_ok=True)
     write_private(d / "config.json", dataclasses.asdict(cfg))
     env = {**os.environ, TOKEN_ENV: secrets.token_urlsafe(32)}
-    with (d / "plane.log").open("ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "gyre.runtime.execution_plane", "--config-file", str(d / "config.json")],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+    with (d / "plane.log").open("ab") as log:  # its log lines go to rank 0's stderr (the job's log) too
+        return subprocess.Popen([sys.executable, "-m", "gyre.runtime.execution_plane", "--config-file", str(d / "config.json"),
+                                 "--log-file", str(d / "plane.log")],
+                                stdin=subprocess.DEVNULL, stdout=log, env=env, start_new_session=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -328,10 +328,25 @@ def main(argv: list[str] | None = None) -> None:
             default = config_from_json(PlaneConfig, json.loads(Path(path).read_text()))
         except (OSError, ValueError) as e:
             raise SystemExit(f"--config-file {path!r}: {e}") from None
+    log_file = None
+    if "--log-file" in argv:  # spawn_plane's: the plane's own log, beside its lines in the job's log
+        i = argv.index("--log-file")
+        log_file = argv[i + 1] if i + 1 < len(argv) else None
+        del argv[i:i + 2]
     cfg = tyro.cli(PlaneConfig, args=argv, default=default)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    fmt = logging.Formatter("[%(asctime)s plane %(name)s %(levelname)s] %(message)s", "%H:%M:%S")
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if log_file:
+        handlers.append(logging.FileHandler(log_file))
+    for h in handlers:
+        h.setFormatter(fmt)
+    logging.basicConfig(level=logging.INFO, handlers=handlers, force=True)
     token = os.environ.pop(TOKEN_ENV, None) or secrets.token_urlsafe(32)
-    asyncio.run(run_plane(cfg, token))
+    try:
+        asyncio.run(run_plane(cfg, token))
+    except Exception:
+        logging.getLogger(__name__).exception("the execution plane failed")  # in plane.log too (wait_for_plane shows it)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """examples/claude_code: the evaluator's partial credit by hand; the README's CPU smoke command
 (the stand-in harness), read from the README itself and run for its 2 steps from a fresh
 directory (slow); and the real `claude` CLI through run_claude.py against the proxy with a
-scripted model, skipped unless a binary is found (GYRE_CLAUDE_BIN, or `claude` on PATH)."""
+scripted model, skipped unless a binary is found (GYRE_CLAUDE_BIN, `claude` on PATH, or the one
+the claude-agent-sdk wheel bundles): one task, and (slow) a run past a full context."""
 
 from __future__ import annotations
 
@@ -10,20 +11,21 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from examples.claude_code.run_claude import find_claude
 from examples.claude_code.task import evaluate, make_tasks
 from tests.executions.helpers import assert_trained
 from tests.jobs import RUNS
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "claude_code"
-CLAUDE = os.environ.get("GYRE_CLAUDE_BIN") or shutil.which("claude")
+CLAUDE = find_claude()  # GYRE_CLAUDE_BIN, `claude` on PATH, or the one claude-agent-sdk bundles
+NO_CLI = "no claude binary (pip install claude-agent-sdk, or set GYRE_CLAUDE_BIN)"
 
 
 def readme_commands(readme: Path, marker: str) -> list[list[str]]:
@@ -77,7 +79,7 @@ def test_the_readme_cpu_smoke_command_trains_two_steps_through_the_stand_in(tmp_
     assert summary["calls"] >= len(completed) > 0
 
 
-@pytest.mark.skipif(CLAUDE is None, reason="no claude binary (npm install -g @anthropic-ai/claude-code, or set GYRE_CLAUDE_BIN)")
+@pytest.mark.skipif(CLAUDE is None, reason=NO_CLI)
 def test_real_claude_code_writes_the_answer_through_the_proxy(tmp_path):
     from gyre.backends.models.tokenizer import load_tokenizer
     from gyre.executions.evaluator import Outcome
@@ -101,17 +103,24 @@ def test_real_claude_code_writes_the_answer_through_the_proxy(tmp_path):
 
 
 def test_claude_code_is_told_the_proxy_context_so_it_compacts_in_time():
-    """Claude Code takes a window from the model name (200k / 1M); run_claude.py gives it the
-    proxy's (GYRE_MAX_CONTEXT_TOKENS, which the runner sets from the proxy's config) as its
-    auto-compact window, and caps its output to leave the prompt room."""
-    from examples.claude_code.run_claude import claude_env
-    from gyre.runtime.proxy_access import GyreProxyAccess
+    """Claude Code assumes a 1M window for a model name it does not know; run_claude.py gives it
+    the proxy's (GYRE_MAX_CONTEXT_TOKENS, which the runner sets from the proxy's config) as the
+    model's window, caps its output so its compaction point (window - output - 13,000) stays
+    above its first prompt, and caps a tool output to what that reserve holds."""
+    from examples.claude_code.run_claude import COMPACT_RESERVE, claude_env
     from gyre.proxy.config import ProxyConfig
+    from gyre.runtime.proxy_access import GyreProxyAccess
 
-    env = claude_env("m", api_timeout_ms=1, bash_timeout_ms=1, max_output_tokens=32000, context_tokens=65536)
-    assert env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "65536" and env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "16384"
+    env = claude_env("m", api_timeout_ms=1, bash_timeout_ms=1, max_output_tokens=32000, context_tokens=32768)
+    assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "32768" and env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "2048"
+    # Compaction at 32768 - 2048 - 13000 = 17720, above the 12.7k-token first prompt of 2.1.337.
+    assert 32768 - int(env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"]) - COMPACT_RESERVE == 17720
+    assert int(env["BASH_MAX_OUTPUT_LENGTH"]) <= 2 * (COMPACT_RESERVE - 3000)  # >= 2 characters a token
+    assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in env  # read as >= 100k: it cannot bring compaction forward
+    env = claude_env("m", api_timeout_ms=1, bash_timeout_ms=1, max_output_tokens=512, context_tokens=131072)
+    assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "131072" and env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "512"
     env = claude_env("m", api_timeout_ms=1, bash_timeout_ms=1, max_output_tokens=32000, context_tokens=None)
-    assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "32000" and "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in {
+    assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "32000" and "CLAUDE_CODE_MAX_CONTEXT_TOKENS" not in {
         k for k in env if k not in os.environ}
 
     class P:
@@ -121,44 +130,67 @@ def test_claude_code_is_told_the_proxy_context_so_it_compacts_in_time():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(CLAUDE is None, reason="no claude binary (npm install -g @anthropic-ai/claude-code, or set GYRE_CLAUDE_BIN)")
-def test_real_claude_code_compacts_past_the_proxy_context_and_keeps_its_roles(tmp_path):
-    """Issue 34: the real CLI fills the proxy's context with long tool outputs, gets Anthropic's
-    `prompt is too long` 400, compacts, and finishes; its compaction is recorded `main_summary`
-    and the calls after it `main` (its billing line changes at compaction)."""
+@pytest.mark.skipif(CLAUDE is None, reason=NO_CLI)
+def test_real_claude_code_compacts_at_the_default_context_and_goes_on(tmp_path):
+    """The real CLI, set up as documented (run_claude.py), at the proxy's default context: long
+    tool outputs fill it, Claude Code compacts before the proxy must refuse a prompt (no 400),
+    the compaction is recorded `main_summary`, the agent goes on from its summary (`main`) and
+    finishes the task. GYRE_RECORD_CLAUDE_FIXTURE=<path> writes the run's request log there
+    (tests/fixtures/claude_code_compaction.json, replayed by tests/proxy/test_claude_code_replay.py)."""
     from gyre.backends.models.tokenizer import load_tokenizer
     from gyre.executions.evaluator import Outcome
-    from gyre.proxy import MemorySink
+    from gyre.proxy import MemorySink, ProxyConfig
     from gyre.trajectory.record import Role
+    from tests.proxy.claude_code_log import pack, recording
 
     tok = load_tokenizer()
+    context = ProxyConfig().max_context_tokens
     big = {"name": "Bash", "arguments": {"command": "python3 -c \"print('word ' * 5000)\"", "description": "print a lot"}}
     write = {"name": "Bash", "arguments": {"command": "echo apple > answer.txt", "description": "write the answer"}}
+    state = {"summaries": 0, "wrote": False}
 
-    def script(ids):
-        text = tok.decode(ids)
-        last_user = text.rsplit("<|im_start|>user", 1)[-1]
+    def script(ids):  # long outputs until a compaction, then the task, then done
+        last_user = tok.decode(ids).rsplit("<|im_start|>user", 1)[-1]
         if "summary of the conversation" in last_user.lower():
+            state["summaries"] += 1
             return "<summary>The user wants the word apple in answer.txt; long outputs were printed.</summary>"
-        if "continued from a previous conversation" in text and "<tool_response>" not in text.rsplit("continued from", 1)[-1]:
-            return "Writing it now.\n<tool_call>\n" + json.dumps(write) + "\n</tool_call>"
-        if "<tool_response>" in last_user and "apple" in last_user:
+        if state["wrote"] and "<tool_response>" in last_user:
             return "Done: apple."
+        if state["summaries"]:
+            state["wrote"] = True
+            return "Writing it now.\n<tool_call>\n" + json.dumps(write) + "\n</tool_call>"
         return "More output first.\n<tool_call>\n" + json.dumps(big) + "\n</tool_call>"
 
-    sink = MemorySink()
-    res, logs = _run_real_cli(tmp_path, sink, script, tok, "cc-full", max_turns=40, timeout_s=600)
-    assert res.outcome is Outcome.COMPLETED, logs
-    roles = [r.role for r in sink.for_execution("cc-full") if r.role is not Role.HELPER]
+    sink, log = MemorySink(), []
+    with recording(log):
+        res, logs = _run_real_cli(tmp_path, sink, script, tok, "cc-full", max_turns=30, timeout_s=600, context=context, cli_args=[])
+    assert res.outcome is Outcome.COMPLETED and res.reward.reward == 1.0, logs
+    assert [e["status"] for e in log] == [200] * len(log), ([(e["path"], e["status"]) for e in log], logs)
+    recs = sorted(sink.for_execution("cc-full"), key=lambda r: r.call_id)
+    roles = [r.role for r in recs]
     assert Role.MAIN_SUMMARY in roles, (roles, logs)
     after = roles[roles.index(Role.MAIN_SUMMARY) + 1:]
-    assert after and set(after) == {Role.MAIN}, (roles, logs)
-    assert Role.SUB not in roles and Role.SUB_SUMMARY not in roles, roles
+    assert Role.MAIN in after and set(roles) <= {Role.MAIN, Role.MAIN_SUMMARY}, roles
+    assert max(len(r.input_ids) for r in recs) < context
+    events = [json.loads(x) for x in (res.exec_dir / "stdout.log").read_text().splitlines() if x.startswith("{")]
+    compacts = [e["compact_metadata"] for e in events if e.get("subtype") == "compact_boundary"]
+    assert compacts and compacts[0]["trigger"] == "auto", compacts  # before the limit, not on a refusal
+    assert next(e for e in events if e.get("type") == "result")["modelUsage"]["gyre-policy"]["contextWindow"] == context
+
+    if out := os.environ.get("GYRE_RECORD_CLAUDE_FIXTURE"):
+        messages = [e for e in log if e["path"] == "/v1/messages"]
+        assert len(messages) == len(recs)
+        for e, r in zip(messages, recs):
+            e |= {"role": r.role.name, "prompt_tokens": len(r.input_ids), "sampled": tok.decode(r.output_ids, skip_special_tokens=True)}
+        version = next(e for e in events if e.get("subtype") == "init")["claude_code_version"]
+        Path(out).write_text(json.dumps({"claude_code_version": version, "context_tokens": context, "model": "gyre-policy",
+                                         **pack(log)}, indent=1) + "\n")
 
 
-def _run_real_cli(tmp_path, sink, script, tok, execution_id: str, *, max_turns: int, timeout_s: int):
-    """One execution of the real Claude Code CLI (run_claude.py) through a real proxy (64k context)
-    whose deterministic engine answers with `script`; its result and the tail of its logs."""
+def _run_real_cli(tmp_path, sink, script, tok, execution_id: str, *, max_turns: int, timeout_s: int,
+                  context: int = 65536, cli_args=("--max-output-tokens", "512")):
+    """One execution of the real Claude Code CLI (run_claude.py) through a real proxy (`context`
+    tokens) whose deterministic engine answers with `script`; its result and the tail of its logs."""
     from gyre.backends.engines.det_engine import DeterministicEngine
     from gyre.backends.models.tokenizer import byte_token_ids
     from gyre.executions.config import EvaluatorConfig, RunnerConfig
@@ -168,18 +200,22 @@ def _run_real_cli(tmp_path, sink, script, tok, execution_id: str, *, max_turns: 
     from gyre.proxy import Proxy, ProxyConfig, serve_proxy
     from gyre.runtime.proxy_access import GyreProxyAccess
 
-    proxy = Proxy(ProxyConfig(max_context_tokens=65536), sink=sink)
+    proxy = Proxy(ProxyConfig(max_context_tokens=context), sink=sink)
     proxy.router.add_engine(DeterministicEngine("det", script=script, byte_ids=byte_token_ids(tok)), kind="cell", index=0)
     handle = serve_proxy(proxy)
     try:
         task = Task.from_json(make_tasks(1)[0] | {"timeout_s": timeout_s, "harness": [
-            "{python}", str(EXAMPLE / "run_claude.py"), "--max-turns", str(max_turns), "--max-output-tokens", "512"]})
+            "{python}", str(EXAMPLE / "run_claude.py"), "--max-turns", str(max_turns), *cli_args]})
         cli_dir = str(Path(CLAUDE).resolve().parent)  # outside /usr: the sandbox must be told about it
         runner = HarnessRunner(RunnerConfig(run_dir=str(tmp_path / "runs"), timeout_s=timeout_s, home="per_execution",
                                             env={"GYRE_CLAUDE_BIN": CLAUDE},
                                             sandbox_ro_paths=[str(EXAMPLE / "settings.json"), cli_dir]),
                                Evaluator(EvaluatorConfig()), GyreProxyAccess(proxy, handle.url))
-        res = asyncio.run(runner.dispatch(ExecutionSpec(execution_id, task, "g")))
+
+        async def one():
+            return await runner.dispatch(ExecutionSpec(execution_id, task, "g"))
+
+        res = asyncio.run(one())
     finally:
         handle.stop()
     return res, (res.exec_dir / "stdout.log").read_text()[-3000:] + (res.exec_dir / "stderr.log").read_text()[-2000:]
