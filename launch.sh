@@ -17,7 +17,8 @@
 # Knobs (environment): GYRE_NPROC_PER_NODE (default: the GPUs Slurm gave the node,
 # SLURM_GPUS_ON_NODE, else SLURM_GPUS_PER_NODE, else 1 with a note), GYRE_MASTER_PORT (default
 # 29500), GYRE_MAX_RESTARTS (default 0: torchrun restarts the job this many times after a rank
-# dies; each restart resumes from the newest complete checkpoint), GYRE_NODE_EXIT_WAIT_S (default
+# dies, every node's ranks, through c10d rendezvous; each restart resumes from the newest complete
+# checkpoint; docs/cluster.md section 5), GYRE_NODE_EXIT_WAIT_S (default
 # 180: how long the other nodes may finish, e.g. write their checkpoint, after the first node's
 # torchrun ended, before srun ends them), GYRE_MAX_REQUEUES (default 8: launch.sh asks for no
 # requeue once the job has been requeued this many times, SLURM_RESTART_COUNT), GYRE_DRY_RUN=1 prints this node's torchrun command
@@ -73,13 +74,32 @@ gyre_node() {
   if [[ $has_run_dir == 0 ]]; then
     args+=(--run-dir "runs/slurm/$SLURM_JOB_ID")
   fi
-  local cmd=(torchrun
-    --nnodes "$SLURM_NNODES"
-    --node-rank "$SLURM_NODEID"
+  local restarts=${GYRE_MAX_RESTARTS:-0} port=${GYRE_MASTER_PORT:-29500} rdzv
+  if ! [[ "$restarts" =~ ^[0-9]+$ ]]; then
+    echo "launch.sh: GYRE_MAX_RESTARTS must be a non-negative integer, got '$restarts'" >&2
+    return 2
+  fi
+  if [[ $restarts == 0 ]]; then
+    # No restart: torchrun's static rendezvous, node ranks as Slurm numbers the nodes.
+    rdzv=(--node-rank "$SLURM_NODEID" --master-addr "$master" --master-port "$port")
+  else
+    # Restarts: the c10d rendezvous. With static rendezvous only the failed node's torchrun
+    # restarts its ranks; c10d's agents meet again in a new round, so every node's do. The store
+    # is hosted by node 0's torchrun (is_host, not guessed from host names). A node's ranks follow
+    # the sorted --local-addr (its Slurm name), the same in every round: rank 0 stays on its node,
+    # where the execution plane runs. TORCH_DISABLE_SHARE_RDZV_TCP_STORE: each round's ranks get a
+    # store of their own (rank 0 hosts it), not the agent's, which keeps the dead round's keys
+    # under names the new round would read (its ranks' TORCHELASTIC_RESTART_COUNT differ by node).
+    rdzv=(--rdzv-backend c10d --rdzv-endpoint "$master:$port" --rdzv-id "gyre-$SLURM_JOB_ID"
+      --rdzv-conf "is_host=$([[ $SLURM_NODEID == 0 ]] && echo 1 || echo 0)"
+      --local-addr "${SLURMD_NODENAME:-$(hostname)}")
+  fi
+  local cmd=(torchrun)
+  [[ $restarts == 0 ]] || cmd=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun)
+  cmd+=(--nnodes "$SLURM_NNODES"
     --nproc-per-node "$nproc"
-    --master-addr "$master"
-    --master-port "${GYRE_MASTER_PORT:-29500}"
-    --max-restarts "${GYRE_MAX_RESTARTS:-0}"
+    "${rdzv[@]}"
+    --max-restarts "$restarts"
     -m gyre.run "${args[@]}")
   if [[ -n "${GYRE_DRY_RUN:-}" ]]; then
     printf '%q ' "${cmd[@]}"

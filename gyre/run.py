@@ -108,26 +108,40 @@ def _leave_together(rank: int, world: int, timeout: float = 20.0) -> None:
 def init_distributed(backend: str) -> tuple[int, object | None]:
     """`init_process_group` that also works when torchrun restarts the job (`--max-restarts`).
 
-    torchrun's agent keeps one store for the whole job, and its workers' env:// store has no
-    per-restart prefix: after a restart, the new ranks read the dead ranks' gloo addresses
-    under the same keys and fail at the first rendezvous ("Gloo connectFullMesh failed ...
-    Connection refused"). So every attempt gets its own prefix in that store
-    (`gyre/attempt_<TORCHELASTIC_RESTART_COUNT>/`), and every Gyre key (`default_store()`) lives
-    under it. Returns the restart count (torchrun's plus Slurm's requeues) and the unprefixed
-    store, which outlives the attempt (where rank 0 records the run directory for the next one;
-    `gyre.runtime.rundir`).
+    Two stores, as torchrun gives them. Its agent's store (TORCHELASTIC_USE_AGENT_STORE; one node,
+    or static rendezvous) is kept for the whole job, and its workers' env:// store has no
+    per-restart prefix: the new ranks would read the dead ranks' gloo addresses under the same
+    keys ("Gloo connectFullMesh failed ... Connection refused"). So every attempt gets its own
+    prefix there (`gyre/attempt_<TORCHELASTIC_RESTART_COUNT>/`), under which every Gyre key
+    (`default_store()`) lives, and the unprefixed store outlives the attempt (where rank 0 records
+    the run directory for the next one; `gyre.runtime.rundir`). With several nodes the restart
+    counts differ between nodes (a torchrun whose ranks were restarted because another node's
+    died does not count it), so a prefix from them splits the world: launch.sh then runs c10d
+    rendezvous with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, where rank 0 hosts a fresh store each
+    round, and the prefix is fixed. Returns the restart count (the largest of any rank's,
+    plus Slurm's requeues) and the store that outlives the attempt (None without one).
     """
     from torch.distributed import PrefixStore, TCPStore
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it, as env:// does
+    if agent and rank == 0 and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 \
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        logger.warning("torchrun --max-restarts across %s nodes with its agent's store (static rendezvous, or "
+                       "c10d without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): a restart will not meet again; use "
+                       "launch.sh, or --rdzv-backend c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/cluster.md)",
+                       os.environ["GROUP_WORLD_SIZE"])
     raw = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=not agent and rank == 0,
                    timeout=dist.default_pg_timeout, multi_tenant=not agent)
-    dist.init_process_group(backend, store=PrefixStore(f"gyre/attempt_{attempt}/", raw), rank=rank, world_size=world)
+    prefix = f"gyre/attempt_{attempt}/" if agent else "gyre/attempt/"
+    dist.init_process_group(backend, store=PrefixStore(prefix, raw), rank=rank, world_size=world)
+    # blocking: every rank's restart count, for rank 0's decision (resume in the same directory)
+    counts = torch.tensor([attempt])
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
     # A restart is torchrun's (this job's store outlives it) or Slurm's (a requeued job: a new
     # torchrun; launch.sh gives it the same --run-dir).
-    return attempt + int(os.environ.get("SLURM_RESTART_COUNT", "0")), raw
+    return int(counts.item()) + int(os.environ.get("SLURM_RESTART_COUNT", "0")), raw if agent else None
 
 
 _RUN: list = []  # this job's RunDir once rank 0 decided it (for a forced exit's records)

@@ -267,6 +267,11 @@ RUNS: dict[str, Run] = {
                       bare=True),
     "sbatch": Run("(slow) the tiny job's gyre.run arguments after `sbatch launch.sh` on a two-node Slurm cluster "
                   "(tests/cluster/test_sbatch.py; launch.sh starts torchrun)", dict()),
+    "sbatch_restart": Run("(slow) `GYRE_MAX_RESTARTS=1 sbatch --nodes=2 launch.sh` with --executions.plane process: "
+                          "the rank on node 2 SIGKILLed mid-run restarts both nodes' ranks, and no execution is "
+                          "cancelled or run again; a requeue instead loses the executions in flight "
+                          "(tests/cluster/test_cross_node_restart.py)",
+                          dict(), ("--train.checkpoint-every", "1", "--executions.plane", "process")),
 }
 
 

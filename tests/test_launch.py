@@ -133,6 +133,27 @@ def test_a_requeued_job_writes_to_the_same_run_dir_and_restarts_are_passed_to_to
     assert argv[argv.index("--max-restarts") + 1] == "3"
 
 
+def test_restarts_use_c10d_rendezvous_hosted_by_node_0_with_a_store_per_round(tmp_path):
+    """GYRE_MAX_RESTARTS > 0: c10d rendezvous (static restarts only the failed node's ranks), the
+    store hosted by node 0's torchrun, node order by Slurm node name, and a store of their own for
+    each round's ranks (docs/cluster.md §5); none of static's flags, which c10d ignores."""
+    for node in ("0", "1"):
+        (tmp_path / node).mkdir()
+        env = _env(_bin(tmp_path / node), SLURM_NNODES="2", SLURM_NODEID=node, SLURM_JOB_NODELIST="n[1-2]",
+                   SLURM_JOB_ID="77", GYRE_DRY_RUN="1", GYRE_MAX_RESTARTS="2", SLURMD_NODENAME=f"n{int(node) + 1}")
+        argv = shlex.split(subprocess.run(["bash", str(ROOT / "launch.sh")], env=env, capture_output=True, text=True,
+                                          check=True, cwd=tmp_path / node).stdout)
+        assert argv[:3] == ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "torchrun"], argv
+        opts = dict(zip(argv[3:argv.index("-m"):2], argv[4:argv.index("-m"):2]))
+        assert opts == {"--nnodes": "2", "--nproc-per-node": "1", "--rdzv-backend": "c10d",
+                        "--rdzv-endpoint": "n1:29500", "--rdzv-id": "gyre-77", "--rdzv-conf": f"is_host={1 - int(node)}",
+                        "--local-addr": f"n{int(node) + 1}", "--max-restarts": "2"}, argv
+    env = _env(_bin(tmp_path), SLURM_NNODES="1", SLURM_NODEID="0", SLURM_JOB_NODELIST="n1", SLURM_JOB_ID="77",
+               GYRE_DRY_RUN="1", GYRE_MAX_RESTARTS="-1")
+    r = subprocess.run(["bash", str(ROOT / "launch.sh")], env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "GYRE_MAX_RESTARTS" in r.stderr and "'-1'" in r.stderr
+
+
 def test_launch_outside_slurm_fails_clearly(tmp_path):
     env = {"PATH": str(_bin(tmp_path)), "GYRE_DRY_RUN": "1"}
     r = subprocess.run(["bash", str(ROOT / "launch.sh")], env=env, capture_output=True, text=True)
