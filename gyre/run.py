@@ -139,6 +139,7 @@ def init_distributed(backend: str) -> tuple[int, object | None]:
     # blocking: every rank's restart count, for rank 0's decision (resume in the same directory)
     counts = torch.tensor([attempt])
     dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    os.environ["GYRE_TORCHRUN_RESTARTS"] = str(int(counts.item()))  # the agreed count (plane_attach.restarts_left)
     # A restart is torchrun's (this job's store outlives it) or Slurm's (a requeued job: a new
     # torchrun; launch.sh gives it the same --run-dir).
     return int(counts.item()) + int(os.environ.get("SLURM_RESTART_COUNT", "0")), raw if agent else None

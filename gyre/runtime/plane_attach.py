@@ -52,8 +52,9 @@ def restarts_left() -> int:
     """How many more times torchrun will restart the workers (--max-restarts less the restarts so
     far; 0 outside torchrun): with none left, a stop for a signal ends the executions as rank 0's
     own data plane would."""
-    env = os.environ
-    return max(0, int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    env = os.environ  # the restarts so far as every rank agreed (gyre.run: a node restarted for another's count 0)
+    done = env.get("GYRE_TORCHRUN_RESTARTS", env.get("TORCHELASTIC_RESTART_COUNT", 0))
+    return max(0, int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(done))
 
 
 async def attach_data_plane(model: ModelConfig, proxy_cfg: ProxyConfig, executions: ExecutionsConfig, run_dir: Path,
