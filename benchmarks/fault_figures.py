@@ -8,16 +8,16 @@ and execution plane (`benchmarks/fault_bench.py` runs the jobs and reads the fil
   recomputed elsewhere) in each attempt's summary.json. Under `--executions.plane rank0` each
   attempt has a router of its own (the attempts add up); under `process` one router serves every
   attempt, so each summary holds the run so far (the last one is the run's);
-- time lost: the disturbed run's wall time less the undisturbed run's on the same plane.
+- time lost: the disturbed run's wall time less the undisturbed run's on the same plane (and the
+  same topology: node1's against an undisturbed two-node run).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-NOT_MEASURED = {"node1": "a rank killed on node 1 of the two-node setup needs the two-node harness of tests/cluster "
-                         "(network namespaces, a restart-capable rendezvous), built under another part of the same "
-                         "work; this benchmark runs one node"}
+NOT_RUN = {"node1": "not run: `--faults node1` runs it (two network namespaces on this machine: needs root and "
+                    "iproute2)"}  # the kinds a default run leaves out, and why
 
 
 def journal_losses(journal: list[dict[str, Any]]) -> tuple[int, int]:
@@ -58,12 +58,35 @@ def cell(undisturbed: dict[str, Any], disturbed: dict[str, Any]) -> dict[str, An
                                          "lost_in_flight_summary", "returncode", "hit")}}
 
 
-def table(cells: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """The results' figures: {fault: {plane: cell}} plus the faults not measured here (null, and a
-    note why) and goal_met: every measured fault on the process plane cost 0 executions and 0 groups."""
-    process = [c["process"] for c in cells.values() if "process" in c]
-    goal = bool(process) and all(c["cancelled"] == 0 and c["groups_run_again"] == 0 for c in process)
-    return {**cells, **{k: None for k in NOT_MEASURED}, "not_measured": dict(NOT_MEASURED), "goal_met": goal}
+def table(cells: dict[str, dict[str, dict[str, Any]]], not_measured: dict[str, str] | None = None) -> dict[str, Any]:
+    """The results' figures: {fault: {plane: cell}}, each kind not measured as null with a note why
+    (`not_measured` adds reasons to NOT_RUN's), and goal_met: every measured fault on the process
+    plane cost 0 executions and 0 groups (`goal_faults` names them)."""
+    missing = {k: why for k, why in {**NOT_RUN, **(not_measured or {})}.items() if k not in cells}
+    process = {f: c["process"] for f, c in cells.items() if "process" in c}
+    goal = bool(process) and all(c["cancelled"] == 0 and c["groups_run_again"] == 0 for c in process.values())
+    return {**cells, **{k: None for k in missing}, "not_measured": missing, "goal_met": goal,
+            "goal_faults": sorted(process)}
+
+
+def measured(figures: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """The cells of a results file's figures: every fault kind that has them."""
+    return {k: v for k, v in figures.items() if k not in ("not_measured", "goal_met", "goal_faults") and v}
+
+
+def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """A results record holding `new`'s fault kinds and `old`'s others (a run of some kinds added to
+    the file of an earlier run): the kinds' cells and runs, the figures and goal recomputed over
+    both, `commit_by_fault` saying which commit measured each kind and `earlier` what the kept
+    kinds ran on. A kind in both is `new`'s."""
+    new_cells, old_cells = measured(new["figures"]), measured(old["figures"])
+    kept = {k: v for k, v in old_cells.items() if k not in new_cells}
+    by_commit = {**{k: old.get("commit_by_fault", {}).get(k, old.get("git_commit")) for k in kept},
+                 **{k: new.get("git_commit") for k in new_cells}}
+    why = {**old["figures"].get("not_measured", {}), **new["figures"].get("not_measured", {})}
+    earlier = {k: old.get(k) for k in ("git_commit", "machine", "versions", "config")}
+    return {**new, "runs": {**old.get("runs", {}), **new.get("runs", {})},
+            "figures": table({**kept, **new_cells}, why), "commit_by_fault": by_commit, "earlier": earlier}
 
 
 def lines(cells: dict[str, dict[str, dict[str, Any]]]) -> list[str]:

@@ -1,9 +1,13 @@
 """benchmarks/fault_bench.py reads what a fault cost from the run directory's records
-(benchmarks/fault_figures.py): hand-made journals and summaries, figures counted by hand."""
+(benchmarks/fault_figures.py): hand-made journals and summaries, figures counted by hand; and
+runs the two-node fault with launch.sh's own torchrun line."""
+
+import sys
 
 import pytest
 
-from benchmarks.fault_figures import calls_recomputed, cell, journal_losses, table
+from benchmarks.fault_bench import node_command
+from benchmarks.fault_figures import calls_recomputed, cell, journal_losses, merge, table
 
 
 def _dispatched(g, attempt, *execs):
@@ -62,3 +66,59 @@ def test_the_goal_is_met_only_when_every_process_plane_fault_lost_nothing():
     bad = {**good, "rank0": {**good["rank0"], "process": cell(base, _raw(115, 0, 1))}}
     assert table(bad)["goal_met"] is False
     assert table({"satellite": {"rank0": cell(base, _raw(120, 4, 2))}})["goal_met"] is False  # nothing measured on process
+    assert out["goal_faults"] == ["rank0", "satellite"]
+
+
+def test_node1_measured_counts_toward_the_goal_and_is_no_longer_listed_as_not_measured():
+    base = _raw(100.0)
+    cells = {"node1": {"rank0": cell(base, _raw(150, 2, 1)), "process": cell(base, _raw(130, 0, 0, 1))}}
+    out = table(cells)
+    assert out["node1"]["process"]["time_lost_s"] == 30.0 and out["not_measured"] == {}
+    assert out["goal_met"] is True and out["goal_faults"] == ["node1"]
+    cells["node1"]["process"] = cell(base, _raw(130, 2, 1))  # the two-node restart lost a group
+    assert table(cells)["goal_met"] is False
+    skipped = table({}, {"node1": "skipped: no root"})  # asked for, but the namespaces could not be made
+    assert skipped["node1"] is None and skipped["not_measured"] == {"node1": "skipped: no root"}
+    assert skipped["goal_met"] is False
+
+
+def _record(commit, cells, runs):
+    return {"git_commit": commit, "machine": {"cpus": 2}, "versions": {}, "config": {"faults": ",".join(cells)},
+            "runs": runs, "figures": table(cells)}
+
+
+def test_merge_keeps_the_other_kinds_and_their_commit_and_recomputes_the_goal_over_all():
+    base = _raw(100.0)
+    sat = {"rank0": cell(base, _raw(160, 4, 2)), "process": cell(base, _raw(145, 0, 0, 2))}
+    old = _record("aaa", {"satellite": sat}, {"rank0-undisturbed": {"wall_s": 100.0}, "rank0-satellite": {"wall_s": 160}})
+    assert old["figures"]["node1"] is None
+    good = {"rank0": cell(base, _raw(150, 2, 1)), "process": cell(base, _raw(120, 0, 0))}
+    new = _record("bbb", {"node1": good}, {"rank0-node1": {"wall_s": 150}})
+    out = merge(old, new)
+    f = out["figures"]
+    assert f["satellite"] == sat and f["node1"] == good and f["not_measured"] == {}
+    assert f["goal_met"] is True and f["goal_faults"] == ["node1", "satellite"]
+    assert out["commit_by_fault"] == {"satellite": "aaa", "node1": "bbb"}
+    assert out["git_commit"] == "bbb" and out["earlier"]["git_commit"] == "aaa"
+    assert sorted(out["runs"]) == ["rank0-node1", "rank0-satellite", "rank0-undisturbed"]
+    # node1's loss fails the merged goal, though the old file's goal was met
+    lossy = _record("ccc", {"node1": {**good, "process": cell(base, _raw(120, 2, 1))}}, {})
+    assert old["figures"]["goal_met"] is True and merge(old, lossy)["figures"]["goal_met"] is False
+    # a kind measured again is the new run's, at the new commit; merging twice keeps the first commit
+    sat2 = {**sat, "process": cell(base, _raw(140, 0, 0, 5))}
+    again = merge(out, _record("ddd", {"satellite": sat2}, {}))
+    assert again["figures"]["satellite"] == sat2 and again["figures"]["node1"] == good
+    assert again["commit_by_fault"] == {"node1": "bbb", "satellite": "ddd"}
+
+
+def test_the_two_node_agents_run_launch_shs_restart_line_with_this_python():
+    addrs = ["10.9.8.1", "10.9.8.2"]
+    for node in (0, 1):
+        argv = node_command(node, addrs, 29517, "bench-x", ["--job", "train", "--run-dir", "/r"])
+        assert argv[:5] == ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.executable, "-m", "torch.distributed.run"]
+        m = argv.index("-m", 5)
+        assert dict(zip(argv[5:m:2], argv[6:m:2])) == {
+            "--nnodes": "2", "--nproc-per-node": "1", "--rdzv-backend": "c10d", "--rdzv-endpoint": "10.9.8.1:29517",
+            "--rdzv-id": "gyre-bench-x", "--rdzv-conf": f"is_host={1 - node}", "--local-addr": addrs[node],
+            "--max-restarts": "1"}, argv
+        assert argv[m:] == ["-m", "gyre.run", "--job", "train", "--run-dir", "/r"]
