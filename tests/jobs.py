@@ -227,7 +227,7 @@ RUNS: dict[str, Run] = {
                          dict(steps=3, **_IN_ORDER), (_NO_SHUFFLE, "--executions.runner.sandbox", "none")),
     "restart": Run("2 ranks, torchrun --max-restarts 1, a checkpoint every step, --executions.plane rank0 (the harnesses "
                    "die with rank 0): a rank SIGKILLed mid-run is restarted and the run finishes its steps, the groups "
-                   "in flight run again (the satellite; the core in the slow tier) (tests/faults/test_restart.py)",
+                   "in flight run again (slow tier: the comparison tests/faults/test_lossless_restart.py beats) (tests/faults/test_restart.py)",
                    dict(torchrun=("--max-restarts", "1")), ("--train.checkpoint-every", "1", "--executions.plane", "rank0")),
     "restart_plane": Run("2 ranks, torchrun --max-restarts 1, --executions.plane process: a rank SIGKILLed mid-run "
                          "costs no execution; the restart adopts the executions in flight and trains their groups "

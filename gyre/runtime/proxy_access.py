@@ -21,7 +21,7 @@ import logging
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 from gyre.backends.engines.engine_http import HttpEngine
 from gyre.backends.config import ModelConfig
@@ -31,8 +31,10 @@ from gyre.executions.runner import HarnessRunner
 from gyre.proxy import Proxy, StoreSink, start_proxy
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.state import CallStats
-from gyre.runtime.ledger import RunLedger
 from gyre.runtime.writes import WatchedSink
+
+if TYPE_CHECKING:  # the ledger imports the trajectory code, and so torch: the execution plane needs neither
+    from gyre.runtime.ledger import RunLedger
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,8 @@ from tests.jobs import ROOT, RUNS, env, rows, worker_pid, write_tasks
 pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
 
 
-@pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.slow)], ids=["satellite", "core"])
+@pytest.mark.parametrize("victim", [pytest.param(1, marks=pytest.mark.slow), pytest.param(0, marks=pytest.mark.slow)],
+                         ids=["satellite", "core"])  # --executions.plane rank0, no longer the default: the slow tier
 def test_a_rank_killed_mid_run_is_restarted_and_the_run_finishes_its_steps(tmp_path, victim):
     """victim 1: a satellite; its attempt ends gracefully (torchrun SIGTERMs rank 0). victim 0:
     the core, with the controller, the harness runner and the evaluators: its attempt leaves no
