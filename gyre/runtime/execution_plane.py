@@ -224,7 +224,9 @@ class Plane:
 
     # ------------------------------------------------------------------ the end
     async def watch_orphan(self) -> None:
-        period = min(max(self.cfg.orphan_s / 10, 0.05), 5.0)
+        # The agent's end is looked for often (a killed torchrun takes its harnesses at once, as rank
+        # 0's own would: one kill(pid, 0) a tick); the orphan bound needs no such care.
+        period = min(max(self.cfg.orphan_s / 10, 0.05), 0.2 if self.cfg.parent_pid is not None else 5.0)
         while not self.stopping:
             await asyncio.sleep(period)
             if self.active == 0 and time.monotonic() - self.last_seen > self.cfg.orphan_s:
