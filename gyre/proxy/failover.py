@@ -6,8 +6,8 @@ does, recomputed on a live engine from its prompt and the tokens sampled so far 
 and versions kept: the call stays one record). With no live engine the call waits in
 `Router._acquire`, bounded by `engine_wait_s`. A dead engine is not retried call by call (no
 backoff): it is health-checked every `health_interval_s` and routed to again when it answers (a
-dropped connection to a live server); a call that dies `max_failures` times in a row without a
-token gives up all the same (an engine that answers its health check yet dies on every call). The restarted rank's engine is added
+dropped connection to a live server). Deaths do not count toward `max_failures` (in a restart
+every engine dies, some twice); `max_reroutes` bounds a call whose engines keep dying. The restarted rank's engine is added
 under the same name (`Router.add_engine`, the admin API's POST /admin/engines): it takes the old
 slot's place, the old incarnation retired as dead, and the calls waiting proceed on it.
 

@@ -523,12 +523,11 @@ class Router:
                 return
             if not running.drained and not failed:
                 return  # the engine ended the request on its own terms
-            if failed:  # a death too: an engine that answers its health check yet dies on every call must not loop
+            if failed and not dead:  # a dead one is kept out until it answers or is replaced (max_reroutes bounds it)
                 failures = failures + 1 if consumed == 0 else 1
                 if failures >= self.max_failures:
                     raise NoEngineError(f"call {call_key}: engines failed {failures} times in a row, giving up")
-                if not dead:  # a dead one is kept out until it answers or is replaced: no backoff needed
-                    await asyncio.sleep(min(self.failure_backoff_s * 2 ** (failures - 1), 2.0))
+                await asyncio.sleep(min(self.failure_backoff_s * 2 ** (failures - 1), 2.0))
             if call.handoff is None:  # recompute: aborted on drain, or the engine failed
                 call.handoff = _Handoff(source=slot, handle=None, fallback=running.fallback,
                                         paused_at=running.paused_at or asyncio.get_running_loop().time())

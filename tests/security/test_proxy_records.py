@@ -167,7 +167,7 @@ def test_early_ended_stream_is_not_recorded_as_stop(make_server):
 
 def test_dead_engine_bounded_reroutes_with_backoff(make_server):
     dead = DeadEngine("dead")
-    proxy, h = make_server([(dead, "cell", 0)])
+    proxy, h = make_server([(dead, "cell", 0)], ProxyConfig(max_reroutes=2))
     k = proxy.issue_key("x")
     c = openai.OpenAI(base_url=h.url + "/v1", api_key=k, max_retries=0)
     t0 = time.perf_counter()
@@ -175,8 +175,10 @@ def test_dead_engine_bounded_reroutes_with_backoff(make_server):
         c.chat.completions.create(**SMALL)
     took = time.perf_counter() - t0
     assert ei.value.status_code == 503
-    assert dead.generate_calls <= 3, dead.generate_calls
-    assert took >= 0.05 + 0.1  # backed off between the tries
+    # A connection error is a death (gyre/proxy/failover.py): not retried call by call, only after the
+    # engine answers a health check again, and at most max_reroutes times (in a restart every engine dies).
+    assert dead.generate_calls <= proxy.router.max_reroutes + 1, dead.generate_calls
+    assert took >= 0.05 + 0.1  # not a hot loop
     recs = proxy.sink.records
     assert len(recs) == 1 and recs[0].finish_reason == "error" and len(recs[0].output_ids) == 0
     # with a live engine beside it, the dead one is passed over while it cools down

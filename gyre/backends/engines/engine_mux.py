@@ -173,8 +173,9 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
                     held.clear()
 
             try:
-                first = True
+                first, finished = True, False
                 async for ev in stream:
+                    finished = bool(ev.finish_reason)
                     text = event_text(ev)
                     held.append(f"t {rid} {text}\n")
                     if first or sp.hold_s <= 0 or ev.finish_reason:  # the first at once: TTFT stays exact
@@ -189,7 +190,10 @@ def add_mux_route(app: web.Application, engine: RolloutEngine, sampling_from_jso
                     if flow.stopped:  # aborted: not one more token from the engine
                         break
                 release()
-                push(f"e {rid}\n")
+                if finished or flow.stopped:
+                    push(f"e {rid}\n")
+                else:  # the engine ended it unfinished (it is stopping: its rank is going): a death to the router
+                    push(f"x {rid} ConnectionError: engine {engine.name} ended {rid} unfinished (stopping)\n")
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -336,7 +340,8 @@ class MuxClient:
                     elif kind == "e":
                         batch.setdefault(rid, []).append(_END)
                     elif kind == "x":
-                        cls = ValueError if rest.startswith("ValueError:") else RuntimeError
+                        cls = (ValueError if rest.startswith("ValueError:") else
+                               ConnectionError if rest.startswith("ConnectionError:") else RuntimeError)
                         batch.setdefault(rid, []).append(cls(f"engine {self.name}: {rest}"))
                     elif kind == "a":
                         for fut in self.aborts.pop(rid, []):
