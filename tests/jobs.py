@@ -336,6 +336,19 @@ def wait_for(pred, timeout: float, proc: subprocess.Popen | None = None, what: s
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def steps_done(root: Path, proc: subprocess.Popen, n: int, timeout: float) -> Path:
+    """The run directory under `root` once its metrics.jsonl has `n` rows (those steps' checkpoints
+    are complete); fails if the job exits first or `timeout` passes."""
+    found: list[Path] = []
+
+    def done() -> bool:
+        found[:] = [m for m in root.glob("*/metrics.jsonl") if len(rows(m)) >= n]
+        return bool(found)
+
+    wait_for(done, timeout, proc, f"{n} finished steps")
+    return found[0].parent
+
+
 def marked(marker: str) -> list[int]:
     """Live pids whose command line holds `marker` (by /proc: across pid namespaces)."""
     out = []

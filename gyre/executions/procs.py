@@ -180,13 +180,14 @@ def terminate_pids(pids: set[int], grace_s: float) -> None:
                 pass
         deadline = time.monotonic() + grace_s
         while pids and time.monotonic() < deadline:
-            pids = {p for p in pids if _alive(p)}
+            pids = {p for p in pids if alive(p)}
             time.sleep(0.05)
         if not pids:
             return
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """The process runs (a zombie does not; one of ours is reaped)."""
     try:
         done, _ = os.waitpid(pid, os.WNOHANG)  # reap our own children
         if done:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.executions.config import ExecutionsConfig
+from gyre.executions.procs import alive
 from gyre.executions.runner import EventKind, ExecutionEvent
 from gyre.executions.tasks import Group
 from gyre.proxy.config import ProxyConfig
@@ -231,7 +232,7 @@ class Plane:
             await asyncio.sleep(period)
             if self.active == 0 and time.monotonic() - self.last_seen > self.cfg.orphan_s:
                 await self.stop(f"no controller called for {self.cfg.orphan_s:g}s (--orphan-s)")
-            elif (parent := self.cfg.parent_pid) is not None and not _alive(parent):
+            elif (parent := self.cfg.parent_pid) is not None and not alive(parent):
                 await self.stop(f"process {parent} that started the job (torchrun's agent) is gone: no controller can come back")
 
     async def stop(self, why: str) -> None:
@@ -257,16 +258,6 @@ class Plane:
             self.record({"type": "stopped", "why": why})
             self._log.close()
             self.done.set()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 async def run_plane(cfg: PlaneConfig, token: str) -> None:

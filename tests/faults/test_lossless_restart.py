@@ -19,17 +19,10 @@ from collections import Counter
 import pytest
 
 from gyre.trajectory.store import TitoStore
-from tests.jobs import ROOT, RUNS, env, rows, worker_pid, write_tasks
+from gyre.executions.procs import alive
+from tests.jobs import ROOT, RUNS, env, rows, steps_done, worker_pid, write_tasks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _journal(run):
@@ -47,14 +40,7 @@ def test_a_rank_killed_mid_run_costs_no_execution(tmp_path, victim):
     root = tmp_path / "runs" / "train"
     plane_pid = None
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:  # two finished steps, and executions in flight
-            metrics = list(root.glob("*/metrics.jsonl"))
-            if metrics and len(rows(metrics[0])) >= 2:
-                break
-            assert proc.poll() is None, (tmp_path / "torchrun.log").read_text()[-4000:]
-            time.sleep(0.2)
-        run = metrics[0].parent
+        run = steps_done(root, proc, 2, 300)  # two finished steps, and executions in flight
         plane_pid = json.loads((run / "execution_plane.json").read_text())["pid"]
         pid = worker_pid(proc.pid, rank=victim)
         assert pid is not None
@@ -100,9 +86,9 @@ def test_a_rank_killed_mid_run_costs_no_execution(tmp_path, victim):
     # The plane was the same process across the attempts, and it is gone with the run.
     assert not (run / "execution_plane.json").exists()
     deadline = time.monotonic() + 60  # its file goes before its process ends (the last of its stop)
-    while _alive(plane_pid) and time.monotonic() < deadline:
+    while alive(plane_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(plane_pid)
+    assert not alive(plane_pid)
     # TITO: every call of the adopted executions recorded once.
     for e in first:
         if e.rsplit(".", 1)[0] in adopted:

@@ -14,11 +14,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.jobs import ROOT, RUNS, env, rows, worker_pid, write_tasks
+from tests.jobs import ROOT, RUNS, env, rows, steps_done, worker_pid, write_tasks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.jobs]
 
@@ -40,13 +39,7 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_finishes_its_steps(tmp_p
                             stderr=subprocess.STDOUT)
     root = tmp_path / "runs" / "train"
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:  # wait for two finished steps (their checkpoints are complete)
-            metrics = list(root.glob("*/metrics.jsonl"))
-            if metrics and len(rows(metrics[0])) >= 2:
-                break
-            assert proc.poll() is None, (tmp_path / "torchrun.log").read_text()[-4000:]
-            time.sleep(0.2)
+        steps_done(root, proc, 2, 240)  # two finished steps (their checkpoints are complete)
         pid = worker_pid(proc.pid, rank=victim)
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
